@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fedsec-installed
+EXTRAS := agent,aggregator,audit,he,dev
+
+.PHONY: venv test lint typecheck pytest bench demo clean
+
+venv: $(STAMP)
+
+# torch is pinned first when absent: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	mkdir -p bench/results
+	bash bench/run.sh
+
+demo: $(STAMP)
+	$(BIN)/fedsec demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""fedsec crypto."""
