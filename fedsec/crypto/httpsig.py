@@ -1,0 +1,621 @@
+"""Request authentication: RFC 9421 HTTP Message Signatures with Ed25519.
+
+An agent signs every request to the aggregator with its identity key; the
+aggregator verifies it before acting on it.  The maintained
+``http_message_signatures`` library builds the RFC 9421 signature base and checks
+the Ed25519 signature; this module adds fedsec's policy on top, all of it
+checked *before* the library parses anything and in this order:
+
+1. sizes of the three authentication fields (``Signature-Input``, ``Signature``,
+   ``Content-Digest``), each present exactly once;
+2. their syntax (Structured Fields, RFC 8941), one signature labelled ``fedsec``;
+3. what the signature must say: exactly the covered components in
+   :data:`COVERED_COMPONENTS`, ``alg="ed25519"``, ``tag="fedsec"``, a well-formed
+   ``keyid`` and ``nonce``, and a ``created`` time within the clock-skew window;
+4. the nonce has not been seen (read-only look-up, so replays fail fast);
+5. the key id names a key the roster accepts;
+6. the Ed25519 signature over the RFC 9421 signature base;
+7. the body against the signed ``Content-Digest`` (RFC 9530, sha-256,
+   constant-time comparison);
+8. only then is the nonce recorded, so a forged request can never burn a nonce.
+
+Covered components and why: ``@method`` and ``@path`` bind the action and the
+route (which carries federation, round and stage); ``@query`` is *always*
+covered (its value is ``?`` when the URL has none), so a query string can be
+neither changed nor added; ``content-digest`` binds the body.  Scheme and
+authority (``@target-uri``, ``@authority``) are deliberately *not* covered: behind
+a TLS-terminating reverse proxy the aggregator sees a different scheme and host
+than the agent dialled, and binding them would make valid requests fail.  The
+cost is that a request signed for one aggregator verifies at another that
+enrols the same agent key, unless federation and round in the path differ.
+
+The signature is standard RFC 9421 ``ed25519`` (Ed25519 over the signature base
+itself), so any RFC 9421 verifier can check it.  fedsec's other signatures are
+domain separated (``fedsec/v1/<domain>\\x00…``, see :mod:`fedsec.crypto.identity`);
+an RFC 9421 signature base always begins with ``"`` (a quoted component name)
+while every domain-separated message begins with ``f``, so no signature of one
+kind is ever a valid signature of the other.  :func:`_sign_signature_base`
+enforces that first byte before signing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import heapq
+import hmac
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, NoReturn
+
+import http_sf
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from http_message_signatures import (
+    HTTPMessageSignaturesException,
+    HTTPMessageSigner,
+    HTTPMessageVerifier,
+    HTTPSignatureComponentResolver,
+    HTTPSignatureKeyResolver,
+    algorithms,
+)
+
+from fedsec.crypto.identity import SigningIdentity, key_id
+from fedsec.errors import AuthError, PayloadError, ReplayError
+
+# --------------------------------------------------------------------------- limits
+#: Largest accepted value of each authentication field, checked before parsing.
+#: A fedsec Signature-Input is ~190 bytes, a Signature ~100, a Content-Digest ~55;
+#: 4 KiB leaves room for longer key ids or a second digest algorithm while staying
+#: at half of the 8 KiB per-field limit of aiohttp (``max_field_size`` 8190) and
+#: nginx (``large_client_header_buffers``), so parsing cost stays trivially bounded.
+MAX_AUTH_FIELD_BYTES: Final = 4096
+#: Largest accepted request target (path + query).  aiohttp's default
+#: ``max_line_size`` for the whole request line is 8190 bytes; no fedsec route is
+#: anywhere near that, and the library matches the URL with a regular expression.
+MAX_TARGET_BYTES: Final = 8190
+#: Default allowed difference between the signer's and the verifier's clocks.
+#: Five minutes is Kerberos' long-standing default (RFC 4120 §1.7 suggests it):
+#: loose enough for NTP-less edge machines, tight enough to keep the nonce cache
+#: small.
+DEFAULT_MAX_SKEW_S: Final = 300.0
+#: Default bound on remembered nonces.  One entry costs ~300 bytes, so 100 000
+#: entries is ~30 MB: 100 requests/s sustained across all agents over a 10-minute
+#: (2 x skew) window, an order of magnitude above a round's control traffic.
+DEFAULT_NONCE_CACHE_ENTRIES: Final = 100_000
+#: Random bytes per nonce: 128 bits make a collision between two honest requests
+#: negligible (birthday bound ~2^-64 after 2^32 requests by one key).
+NONCE_BYTES: Final = 16
+
+# ------------------------------------------------------------------------ protocol
+#: Signature dictionary label.  Labels are not signed; :data:`SIGNATURE_TAG` is.
+SIGNATURE_LABEL: Final = "fedsec"
+#: Signed application tag (RFC 9421 §2.3): marks the signature as fedsec's.
+SIGNATURE_TAG: Final = "fedsec"
+#: RFC 9421 §3.3.6 algorithm identifier.
+SIGNATURE_ALG: Final = "ed25519"
+#: Components every fedsec signature covers, in signing order (see module doc).
+COVERED_COMPONENTS: Final = ("@method", "@path", "@query", "content-digest")
+#: Signature parameters every fedsec signature carries, and no others.
+SIGNATURE_PARAMETERS: Final = frozenset({"created", "keyid", "alg", "nonce", "tag"})
+#: RFC 9530 digest algorithm; the only one accepted.
+DIGEST_ALG: Final = "sha-256"
+
+_ED25519_SIGNATURE_BYTES: Final = 64
+_SHA256_BYTES: Final = 32
+# A 128-bit nonce is 22 base64url characters; longer (more random) nonces from
+# other agent implementations are fine, shorter ones are not.
+_NONCE_RE: Final = re.compile(r"[A-Za-z0-9_-]{22,64}")
+_KEYID_RE: Final = re.compile(r"ed25519:[0-9a-f]{32}")
+# Placeholder origin for a bare path: scheme and authority are not covered, but
+# the library resolves components from an absolute URL.
+_PLACEHOLDER_ORIGIN: Final = "https://aggregator.invalid"
+_AUTH_FIELDS: Final = ("signature-input", "signature", "content-digest")
+_FIELD_NAMES: Final = {
+    "signature-input": "Signature-Input",
+    "signature": "Signature",
+    "content-digest": "Content-Digest",
+}
+
+
+# ------------------------------------------------------------------- nonce cache
+class NonceCache:
+    """Remembers ``(keyid, nonce)`` pairs until ``created + window_s`` has passed.
+
+    Memory is bounded by ``max_entries``.  When full, entries whose time has
+    passed are evicted, oldest-expiring first; if every entry is still live the
+    *new* request is refused with :class:`ReplayError` rather than forgetting a
+    live nonce, because forgetting one would let that request be replayed.  The
+    refusal is temporary (entries expire within ``window_s``) and only signed
+    requests ever reach the cache.
+
+    Times are passed in (``now``) so the cache does no I/O and is testable.  Not
+    thread-safe: give each worker its own verifier or hold a lock around
+    :meth:`RequestVerifier.verify`.  Cost: ``seen`` O(1), ``remember`` O(log n)
+    amortised.
+    """
+
+    __slots__ = ("_expiry", "_heap", "max_entries", "window_s")
+
+    def __init__(self, window_s: float, max_entries: int = DEFAULT_NONCE_CACHE_ENTRIES) -> None:
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"nonce window must be a positive number of seconds, got {window_s}")
+        if max_entries < 1:
+            raise ValueError(f"nonce cache must hold at least one entry, got {max_entries}")
+        self.window_s = float(window_s)
+        self.max_entries = int(max_entries)
+        self._expiry: dict[tuple[str, str], float] = {}
+        self._heap: list[tuple[float, str, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def seen(self, keyid: str, nonce: str, now: float) -> bool:
+        """Whether ``nonce`` from ``keyid`` is remembered and its window has not passed."""
+        expiry = self._expiry.get((keyid, nonce))
+        return expiry is not None and now <= expiry
+
+    def remember(self, keyid: str, nonce: str, created: int, now: float) -> None:
+        """Record a verified request's nonce until ``created + window_s``.
+
+        Raises:
+            ReplayError: the nonce is already remembered ("replayed nonce"); the
+                request is already outside the window ("stale timestamp"); or the
+                cache is full of live entries.
+        """
+        expiry = created + self.window_s
+        if expiry < now:
+            raise ReplayError(
+                f"stale timestamp: a request created at {created} is older than the "
+                f"{self.window_s:g} s replay window"
+            )
+        self._evict_expired(now)
+        if self.seen(keyid, nonce, now):
+            raise ReplayError(
+                f"replayed nonce: {keyid} already used nonce {nonce!r} within the last "
+                f"{self.window_s:g} s"
+            )
+        if len(self._expiry) >= self.max_entries:
+            raise ReplayError(
+                f"nonce cache full: {len(self._expiry)} requests are still inside the "
+                f"{self.window_s:g} s replay window; refusing this one rather than "
+                "forgetting a nonce; retry shortly"
+            )
+        self._expiry[(keyid, nonce)] = expiry
+        heapq.heappush(self._heap, (expiry, keyid, nonce))
+
+    def _evict_expired(self, now: float) -> None:
+        while self._heap and self._heap[0][0] < now:
+            expiry, keyid, nonce = heapq.heappop(self._heap)
+            if self._expiry.get((keyid, nonce)) == expiry:
+                del self._expiry[(keyid, nonce)]
+
+
+# ------------------------------------------------------- adapters to the library
+@dataclass
+class _RequestView:
+    """The requests-like object the library reads: method, absolute URL, headers."""
+
+    method: str
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class _OneKeyResolver(HTTPSignatureKeyResolver):
+    """Hands the library the one public key this module already resolved."""
+
+    def __init__(self, keyid: str, public_key: Ed25519PublicKey) -> None:
+        self._keyid = keyid
+        self._public_key = public_key
+
+    def resolve_public_key(self, key_id: str) -> Ed25519PublicKey | None:
+        return self._public_key if key_id == self._keyid else None
+
+    def resolve_private_key(self, key_id: str) -> NoReturn:
+        raise NotImplementedError("verification only")
+
+
+class _PolicyCheckedVerifier(HTTPMessageVerifier):
+    """The library's verifier, minus its wall-clock time check.
+
+    The library compares ``created`` with ``datetime.now()`` and a fixed 5 s skew;
+    :class:`RequestVerifier` has already checked ``created`` against its own
+    (injectable) clock and configured window.
+    """
+
+    def validate_created_and_expires(self, sig_input: object, max_age: object = None) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------ signing
+def sign_request(
+    identity: SigningIdentity,
+    method: str,
+    url: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    created: int | None = None,
+    nonce: str | None = None,
+) -> dict[str, str]:
+    """Sign an agent request (RFC 9421, Ed25519).
+
+    Args:
+        identity: the agent's signing identity; its key id becomes ``keyid``.
+        method: HTTP method, uppercase, exactly as sent.
+        url: absolute URL or path (with query), percent-encoded exactly as it will
+            go on the wire (the aggregator verifies the raw path it receives).
+        headers: the request's other headers; they must not already hold
+            ``Content-Digest``, ``Signature-Input`` or ``Signature``.
+        body: the exact body bytes (``b""`` when there is none).
+        created: signature creation time, Unix seconds; defaults to now.
+        nonce: base64url nonce of at least 128 bits; defaults to a fresh random one.
+            Only tests should pass one.
+
+    Returns:
+        The headers to add: ``Content-Digest``, ``Signature-Input``, ``Signature``.
+
+    Raises:
+        ValueError: a malformed method, URL or nonce, or conflicting headers.
+    """
+    if not method or method != method.upper() or not method.isascii():
+        raise ValueError(f"HTTP method must be an uppercase ASCII token, got {method!r}")
+    for name in headers:
+        if name.lower() in _AUTH_FIELDS:
+            raise ValueError(f"headers already contain {name}; sign_request sets it")
+    if nonce is None:
+        nonce = secrets.token_urlsafe(NONCE_BYTES)
+    elif not _NONCE_RE.fullmatch(nonce):
+        raise ValueError("nonce must be 22 to 64 base64url characters (at least 128 bits)")
+    if created is None:
+        created = int(time.time())
+    view = _RequestView(method=method, url=_absolute_url(url, ValueError))
+    signer = HTTPMessageSigner(signature_algorithm=algorithms.ED25519)
+    try:
+        prepared = signer.prepare(
+            view,
+            key_id=identity.key_id,
+            created=datetime.datetime.fromtimestamp(created, tz=datetime.UTC),
+            nonce=nonce,
+            label=SIGNATURE_LABEL,
+            tag=SIGNATURE_TAG,
+            include_alg=True,
+            covered_component_ids=COVERED_COMPONENTS,
+            body=body,
+        )
+        signer.apply(view, prepared, _sign_signature_base(identity, prepared.signature_base))
+    except HTTPMessageSignaturesException as exc:
+        raise ValueError(f"cannot sign {method} {url}: {exc}") from exc
+    added = {_FIELD_NAMES[name.lower()]: value for name, value in view.headers.items()}
+    for name, value in added.items():
+        # The verifier would refuse anything larger; fail here, at the source.
+        if len(value) > MAX_AUTH_FIELD_BYTES:
+            raise ValueError(f"{name} would be {len(value)} bytes, over {MAX_AUTH_FIELD_BYTES}")
+    return added
+
+
+def _sign_signature_base(identity: SigningIdentity, signature_base: bytes) -> bytes:
+    """Plain Ed25519 over an RFC 9421 signature base, as ``alg="ed25519"`` requires.
+
+    ``SigningIdentity`` only offers domain-separated signatures, which no RFC 9421
+    verifier would accept, so this reaches its key directly.  The first-byte check
+    keeps the separation from every ``fedsec/v1/…`` message (see module doc).
+    """
+    if not signature_base.startswith(b'"'):
+        raise ValueError("an RFC 9421 signature base starts with a quoted component name")
+    signed = identity._signing_key.sign(signature_base)
+    return bytes(signed.signature)
+
+
+# ------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class _SignatureClaims:
+    """What a request's Signature-Input and Signature headers say, syntax-checked."""
+
+    components: tuple[str, ...]
+    created: int
+    keyid: str
+    alg: str | None
+    nonce: str | None
+    tag: str | None
+    signature: bytes
+
+
+class RequestVerifier:
+    """Verifies signed agent requests for the aggregator (sans-I/O).
+
+    Args:
+        resolve_key: maps a key id to the 32-byte Ed25519 public key of an enrolled,
+            non-revoked agent, or ``None``.  The key id must be that key's
+            fingerprint (:func:`fedsec.crypto.identity.key_id`).
+        nonce_cache: where verified nonces are remembered; its ``window_s`` must be
+            at least ``max_skew_s`` so a nonce outlives every moment its request
+            could still be accepted.
+        max_skew_s: largest accepted ``|now - created|``, seconds.
+        clock: Unix time source.
+    """
+
+    def __init__(
+        self,
+        resolve_key: Callable[[str], bytes | None],
+        nonce_cache: NonceCache,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not (math.isfinite(max_skew_s) and max_skew_s > 0):
+            raise ValueError(f"max_skew_s must be a positive number of seconds, got {max_skew_s}")
+        if nonce_cache.window_s < max_skew_s:
+            raise ValueError(
+                f"nonce cache window ({nonce_cache.window_s:g} s) is shorter than the clock "
+                f"skew window ({max_skew_s:g} s): a request could be replayed after its "
+                "nonce is forgotten"
+            )
+        self._resolve_key = resolve_key
+        self._nonces = nonce_cache
+        self._max_skew_s = float(max_skew_s)
+        self._clock = clock
+
+    def verify(self, method: str, url_or_path: str, headers: Mapping[str, str], body: bytes) -> str:
+        """Authenticate one request and record its nonce.
+
+        Args:
+            method: the request method as received.
+            url_or_path: the raw (still percent-encoded) path and query as received,
+                e.g. aiohttp's ``request.raw_path``, or an absolute URL.
+            headers: all request headers; a multi-valued mapping (aiohttp's
+                ``CIMultiDictProxy``) is fine, repeated authentication fields are
+                refused.
+            body: the exact body bytes received.
+
+        Returns:
+            The verified key id (``"ed25519:<32 hex>"``).
+
+        Raises:
+            PayloadError: an authentication field is oversized, repeated or
+                malformed, or the method or target is malformed.
+            AuthError: a field is missing, the signature does not cover what fedsec
+                requires, uses another algorithm or tag, names an unknown or revoked
+                key, does not verify, or the body does not match Content-Digest.
+            ReplayError: ``created`` is outside the skew window, the nonce is
+                missing or already used, or the nonce cache is full.
+        """
+        fields = _authentication_fields(headers)
+        if not method or method != method.upper() or not method.isascii():
+            raise PayloadError(f"HTTP method must be an uppercase ASCII token, got {method[:16]!r}")
+        view = _RequestView(
+            method=method, url=_absolute_url(url_or_path, PayloadError), headers=fields
+        )
+        try:
+            # Validates method and URL syntax; the library leaves __init__ unannotated.
+            HTTPSignatureComponentResolver(view)  # type: ignore[no-untyped-call]
+        except HTTPMessageSignaturesException as exc:
+            raise PayloadError(f"malformed request target: {exc}") from None
+        claims = _parse_signature_fields(fields)
+        claimed_digest = _parse_content_digest(fields["content-digest"])
+
+        _check_policy(claims)
+        now = self._clock()
+        age = now - claims.created
+        if age > self._max_skew_s:
+            raise ReplayError(
+                f"stale timestamp: the signature was created {age:.0f} s ago, more than the "
+                f"{self._max_skew_s:g} s allowed"
+            )
+        if -age > self._max_skew_s:
+            raise ReplayError(
+                f"stale timestamp: the signature was created {-age:.0f} s in the future, more "
+                f"than the {self._max_skew_s:g} s clock skew allowed"
+            )
+        assert claims.nonce is not None  # _check_policy guarantees it
+        if self._nonces.seen(claims.keyid, claims.nonce, now):
+            raise ReplayError(
+                f"replayed nonce: {claims.keyid} already used nonce {claims.nonce!r} within the "
+                f"last {self._nonces.window_s:g} s"
+            )
+
+        public_bytes = self._resolve_key(claims.keyid)
+        if public_bytes is None:
+            raise AuthError(f"unknown or revoked key {claims.keyid}: it is not on the roster")
+        if key_id(public_bytes) != claims.keyid:
+            raise AuthError(
+                f"key resolver returned a key whose fingerprint is {key_id(public_bytes)}, "
+                f"not the signed keyid {claims.keyid}"
+            )
+        self._check_signature(view, claims, Ed25519PublicKey.from_public_bytes(public_bytes))
+
+        if not hmac.compare_digest(claimed_digest, hashlib.sha256(body).digest()):
+            raise AuthError(
+                "content digest mismatch: the body's sha-256 does not match the signed "
+                "Content-Digest (the body was altered or truncated)"
+            )
+        self._nonces.remember(claims.keyid, claims.nonce, claims.created, now)
+        return claims.keyid
+
+    @staticmethod
+    def _check_signature(
+        view: _RequestView, claims: _SignatureClaims, public_key: Ed25519PublicKey
+    ) -> None:
+        verifier = _PolicyCheckedVerifier(
+            signature_algorithm=algorithms.ED25519,
+            key_resolver=_OneKeyResolver(claims.keyid, public_key),
+        )
+        try:
+            results = verifier.verify(
+                view,
+                max_age=None,
+                expect_tag=SIGNATURE_TAG,
+                require_components=COVERED_COMPONENTS,
+            )
+        except HTTPMessageSignaturesException as exc:
+            detail = str(exc) or "Ed25519 verification failed"
+            raise AuthError(
+                f"bad signature: the signature by {claims.keyid} does not verify over this "
+                f"request's method, path, query and Content-Digest ({detail})"
+            ) from None
+        # Defence in depth: the library must have verified what we checked.
+        if len(results) != 1 or results[0].parameters != {
+            "created": claims.created,
+            "keyid": claims.keyid,
+            "alg": claims.alg,
+            "nonce": claims.nonce,
+            "tag": claims.tag,
+        }:
+            raise AuthError("bad signature: the verified parameters differ from those checked")
+
+
+def _authentication_fields(headers: Mapping[str, str]) -> dict[str, str]:
+    """The three authentication fields, each present once and size-checked, by lowercase name."""
+    found: dict[str, str] = {}
+    for name, value in headers.items():
+        lname = name.lower()
+        if lname not in _AUTH_FIELDS:
+            continue
+        if lname in found:
+            raise PayloadError(f"{_FIELD_NAMES[lname]} header appears more than once")
+        if len(value) > MAX_AUTH_FIELD_BYTES:
+            raise PayloadError(
+                f"{_FIELD_NAMES[lname]} header is {len(value)} bytes, over the "
+                f"{MAX_AUTH_FIELD_BYTES}-byte limit"
+            )
+        if not value.isascii():
+            raise PayloadError(f"{_FIELD_NAMES[lname]} header contains non-ASCII characters")
+        found[lname] = value.strip(" \t")
+    for lname in _AUTH_FIELDS:
+        if lname not in found:
+            raise AuthError(
+                f"missing {_FIELD_NAMES[lname]} header: fedsec requests must be signed "
+                "(RFC 9421) with a Content-Digest (RFC 9530)"
+            )
+    return found
+
+
+def _absolute_url(url_or_path: str, error: type[Exception]) -> str:
+    if len(url_or_path) > MAX_TARGET_BYTES:
+        raise error(f"request target is {len(url_or_path)} bytes, over {MAX_TARGET_BYTES}")
+    if url_or_path.startswith("/"):
+        return _PLACEHOLDER_ORIGIN + url_or_path
+    if url_or_path.startswith(("https://", "http://")):
+        return url_or_path
+    raise error("request target must be a path starting with '/' or an http(s) URL")
+
+
+def _reject_duplicate(key: str, context: str) -> None:
+    raise ValueError(f"duplicate key {key!r} in {context}")
+
+
+def _parse_dictionary(fields: Mapping[str, str], lname: str) -> dict[str, object]:
+    try:
+        parsed = http_sf.parse(
+            fields[lname].encode("ascii"), tltype="dictionary", on_duplicate_key=_reject_duplicate
+        )
+    except ValueError as exc:
+        raise PayloadError(f"malformed {_FIELD_NAMES[lname]} header: {exc}") from None
+    assert isinstance(parsed, dict)
+    return dict(parsed)
+
+
+def _parse_signature_fields(fields: Mapping[str, str]) -> _SignatureClaims:
+    inputs = _parse_dictionary(fields, "signature-input")
+    signatures = _parse_dictionary(fields, "signature")
+    if set(inputs) != {SIGNATURE_LABEL} or set(signatures) != {SIGNATURE_LABEL}:
+        raise PayloadError(
+            f"Signature-Input and Signature must each hold exactly one signature labelled "
+            f"{SIGNATURE_LABEL!r}, got {sorted(inputs)[:4]} and {sorted(signatures)[:4]}"
+        )
+    member = inputs[SIGNATURE_LABEL]
+    if not (isinstance(member, tuple) and isinstance(member[0], list)):
+        raise PayloadError("Signature-Input member must be an inner list of covered components")
+    items, params = member[0], member[1]
+    components: list[str] = []
+    for item in items:
+        if not (isinstance(item, tuple) and type(item[0]) is str):
+            raise PayloadError("Signature-Input components must be quoted strings")
+        if item[1]:
+            raise AuthError(
+                f"covered component {item[0]!r} carries parameters; fedsec signs plain components"
+            )
+        components.append(item[0])
+    if len(set(components)) != len(components):
+        raise PayloadError("Signature-Input covers a component more than once")
+
+    unexpected = sorted(set(params) - SIGNATURE_PARAMETERS)
+    if unexpected:
+        raise AuthError(f"unexpected signature parameter(s) {unexpected}")
+    created, keyid = params.get("created"), params.get("keyid")
+    if type(created) is not int:
+        raise PayloadError("signature parameter 'created' must be an integer Unix time")
+    if not (isinstance(keyid, str) and _KEYID_RE.fullmatch(keyid)):
+        raise PayloadError("signature parameter 'keyid' must be 'ed25519:' and 32 hex digits")
+    text: dict[str, str | None] = {}
+    for name in ("alg", "nonce", "tag"):
+        value = params.get(name)
+        if value is not None and type(value) is not str:
+            raise PayloadError(f"signature parameter {name!r} must be a string")
+        text[name] = value
+
+    signature = signatures[SIGNATURE_LABEL]
+    if not (isinstance(signature, tuple) and isinstance(signature[0], bytes)):
+        raise PayloadError("Signature member must be a byte sequence (:base64:)")
+    if len(signature[0]) != _ED25519_SIGNATURE_BYTES:
+        raise PayloadError(
+            f"an Ed25519 signature is {_ED25519_SIGNATURE_BYTES} bytes, got {len(signature[0])}"
+        )
+    return _SignatureClaims(
+        components=tuple(components),
+        created=created,
+        keyid=keyid,
+        alg=text["alg"],
+        nonce=text["nonce"],
+        tag=text["tag"],
+        signature=signature[0],
+    )
+
+
+def _check_policy(claims: _SignatureClaims) -> None:
+    """What the signature must say, before any key is looked up."""
+    for component in COVERED_COMPONENTS:
+        if component not in claims.components:
+            raise AuthError(
+                f"signature does not cover required component {component!r}; fedsec "
+                f"signatures cover {', '.join(COVERED_COMPONENTS)}"
+            )
+    extra = [c for c in claims.components if c not in COVERED_COMPONENTS]
+    if extra:
+        raise AuthError(
+            f"signature covers unexpected component(s) {extra}; fedsec signatures cover "
+            f"exactly {', '.join(COVERED_COMPONENTS)}"
+        )
+    if claims.alg != SIGNATURE_ALG:
+        raise AuthError(f"wrong alg {claims.alg!r}: fedsec signatures use alg={SIGNATURE_ALG!r}")
+    if claims.tag != SIGNATURE_TAG:
+        raise AuthError(f"wrong tag {claims.tag!r}: fedsec signatures carry tag={SIGNATURE_TAG!r}")
+    if claims.nonce is None:
+        raise ReplayError(
+            "missing nonce: the signature has no nonce parameter, so a replay cannot be ruled out"
+        )
+    if not _NONCE_RE.fullmatch(claims.nonce):
+        raise PayloadError("signature nonce must be 22 to 64 base64url characters (>= 128 bits)")
+
+
+def _parse_content_digest(value: str) -> bytes:
+    """The sha-256 digest a Content-Digest field claims (RFC 9530)."""
+    try:
+        parsed = http_sf.parse(
+            value.encode("ascii"), tltype="dictionary", on_duplicate_key=_reject_duplicate
+        )
+    except ValueError as exc:
+        raise PayloadError(f"malformed Content-Digest header: {exc}") from None
+    assert isinstance(parsed, dict)
+    if set(parsed) != {DIGEST_ALG}:
+        raise PayloadError(
+            f"Content-Digest must hold exactly one {DIGEST_ALG} digest, got {sorted(parsed)[:4]}"
+        )
+    member = parsed[DIGEST_ALG]
+    if not (isinstance(member, tuple) and isinstance(member[0], bytes)):
+        raise PayloadError(f"Content-Digest {DIGEST_ALG} must be a byte sequence (:base64:)")
+    if len(member[0]) != _SHA256_BYTES:
+        raise PayloadError(f"a {DIGEST_ALG} digest is {_SHA256_BYTES} bytes, got {len(member[0])}")
+    return member[0]

@@ -1,0 +1,78 @@
+"""Cryptographic pseudo-random generator for masks and stochastic rounding.
+
+AES-256 in counter mode (``cryptography``, AES-NI where the CPU has it, several
+GB/s) over a zero buffer is the keystream.  The AES key is derived from the
+32-byte seed with HKDF-SHA256 whose ``info`` names the use, so the same seed
+used for two purposes yields independent streams.  Because each derived key
+encrypts exactly one stream, a fixed all-zero counter block is safe.
+
+numpy's generators are never used for anything an adversary could exploit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+SEED_BYTES = 32
+_ZERO_COUNTER = bytes(16)
+# Zero buffers are reused across calls: allocating tens of MB per mask would
+# cost as much as the cipher itself.
+_zero_cache: dict[int, bytes] = {}
+_ZERO_CACHE_MAX_BYTES = 1 << 28
+
+
+def derive_key(seed: bytes, domain: bytes) -> bytes:
+    """HKDF-SHA256(seed, info = b"fedsec/v1/prg/" + domain) -> 32-byte AES key."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
+    return HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=None, info=b"fedsec/v1/prg/" + domain
+    ).derive(seed)
+
+
+def _zeros(nbytes: int) -> bytes:
+    buf = _zero_cache.get(nbytes)
+    if buf is None:
+        buf = bytes(nbytes)
+        if nbytes <= _ZERO_CACHE_MAX_BYTES:
+            if sum(len(b) for b in _zero_cache.values()) + nbytes > _ZERO_CACHE_MAX_BYTES:
+                _zero_cache.clear()
+            _zero_cache[nbytes] = buf
+    return buf
+
+
+def keystream(seed: bytes, domain: bytes, nbytes: int) -> bytes:
+    """``nbytes`` of AES-256-CTR keystream for ``(seed, domain)``."""
+    if nbytes < 0:
+        raise ValueError("nbytes must be non-negative")
+    encryptor = Cipher(
+        algorithms.AES(derive_key(seed, domain)), modes.CTR(_ZERO_COUNTER)
+    ).encryptor()
+    return encryptor.update(_zeros(nbytes))
+
+
+def expand(
+    seed: bytes, domain: bytes, count: int, dtype: npt.DTypeLike
+) -> npt.NDArray[np.unsignedinteger]:
+    """``count`` uniformly random unsigned integers of ``dtype`` (read-only array).
+
+    Values are uniform over the whole dtype; reduce mod 2^m by masking, which
+    stays uniform because 2^m divides the dtype's modulus.
+    """
+    dt = np.dtype(dtype)
+    if dt.kind != "u":
+        raise ValueError(f"expand needs an unsigned dtype, got {dt}")
+    raw = keystream(seed, domain, count * dt.itemsize)
+    return np.frombuffer(raw, dtype=dt.newbyteorder("<"), count=count)
+
+
+def uniform01(seed: bytes, domain: bytes, count: int) -> npt.NDArray[np.float32]:
+    """``count`` float32 values uniform on [0, 1) with 24 bits of resolution."""
+    words = expand(seed, domain, count, np.uint32)
+    out = (words >> np.uint32(8)).astype(np.float32)
+    out *= np.float32(1.0 / (1 << 24))
+    return out

@@ -1,0 +1,133 @@
+"""Who shares secrets with whom: the SecAgg+ neighbour graph and its survivors.
+
+The graph is a Harary graph H(n, k) over a random ordering of the cohort, the
+construction of Bell et al. (2020): members sit on a ring in an order fixed by
+the round seed, each is joined to its ⌊k/2⌋ nearest members on either side and,
+for odd k, to the member opposite.  Every member has exactly k neighbours;
+when n·k is odd (odd n, odd k) a regular graph cannot exist and one member gets
+k + 1.  k = n − 1 is the complete graph, i.e. classic SecAgg.
+
+Everybody computes the same graph from (seed, cohort) alone, so the aggregator
+cannot choose who a member's neighbours are.
+
+Surviving members: a member whose secrets are held by fewer than ``threshold``
+surviving neighbours could never be unmasked if it dropped later, so
+:func:`prune` removes such members (repeatedly, since a removal can leave a
+neighbour short too).  Server and members apply the same rule to the same sets.
+
+Default neighbours and threshold (:func:`default_neighbors`): t = ⌊k/2⌋ + 1, a
+majority of a member's neighbours, so no minority coalition of them can
+reconstruct its secrets; k is the smallest value for which, with each member
+independently lost with probability ``dropout`` (10 %) by the end of the
+round, the union bound n · P[Binomial(k, 1 − dropout) < t] on "some member's
+secret has too few surviving holders" is below ``target`` (10⁻⁴).  Where no
+k < n − 1 achieves it, classic SecAgg (k = n − 1) is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+from fedsec.errors import ProtocolError
+
+DEFAULT_DROPOUT = 0.10
+DEFAULT_FAILURE_TARGET = 1e-4
+
+
+class NeighbourGraph:
+    """The round's neighbour relation; ``neighbors(m)`` excludes ``m`` itself."""
+
+    __slots__ = ("_adjacent", "cohort", "degree")
+
+    def __init__(self, cohort: Sequence[str], neighbors: int, seed: bytes) -> None:
+        n = len(cohort)
+        if len(set(cohort)) != n:
+            raise ProtocolError("cohort lists a member twice")
+        if n < 3:
+            raise ProtocolError(f"a secure round needs at least 3 members, got {n}")
+        if not 2 <= neighbors <= n - 1:
+            raise ProtocolError(
+                f"neighbours must be in 2..{n - 1} for {n} members, got {neighbors}"
+            )
+        self.cohort = tuple(cohort)
+        self.degree = neighbors
+        ring = sorted(cohort, key=lambda m: hashlib.sha256(seed + b"\x00" + m.encode()).digest())
+        adjacent: dict[str, set[str]] = {m: set() for m in ring}
+
+        def join(a: int, b: int) -> None:
+            if a % n != b % n:
+                adjacent[ring[a % n]].add(ring[b % n])
+                adjacent[ring[b % n]].add(ring[a % n])
+
+        for i in range(n):
+            for step in range(1, neighbors // 2 + 1):
+                join(i, i + step)
+        if neighbors % 2 == 1:
+            if n % 2 == 0:
+                for i in range(n // 2):
+                    join(i, i + n // 2)
+            else:  # n·k odd: the chords i -> i + (n+1)/2 give member 0 one extra edge
+                for i in range((n + 1) // 2):
+                    join(i, i + (n + 1) // 2)
+        self._adjacent = {m: frozenset(v) for m, v in adjacent.items()}
+
+    def neighbors(self, member: str) -> frozenset[str]:
+        return self._adjacent[member]
+
+    def live_neighbors(self, member: str, alive: Collection[str]) -> list[str]:
+        """Neighbours of ``member`` that are in ``alive``, in cohort order."""
+        adj = self._adjacent[member]
+        return [m for m in self.cohort if m in adj and m in alive]
+
+
+def prune(graph: NeighbourGraph, alive: Iterable[str], threshold: int) -> frozenset[str]:
+    """Largest subset of ``alive`` in which every member has ≥ ``threshold`` live neighbours."""
+    current = set(alive)
+    changed = True
+    while changed:
+        changed = False
+        for member in sorted(current):
+            if len(graph.neighbors(member) & current) < threshold:
+                current.discard(member)
+                changed = True
+    return frozenset(current)
+
+
+def member_x(cohort: Sequence[str]) -> Mapping[str, int]:
+    """Shamir x-coordinate of each member: its 1-based position in the cohort."""
+    return {m: i + 1 for i, m in enumerate(cohort)}
+
+
+def binomial_cdf_below(k: int, p_survive: float, t: int) -> float:
+    """P[Binomial(k, p_survive) < t]."""
+    return sum(
+        math.comb(k, j) * p_survive**j * (1 - p_survive) ** (k - j) for j in range(min(t, k + 1))
+    )
+
+
+def default_threshold(neighbors: int) -> int:
+    """A majority of a member's neighbours."""
+    return neighbors // 2 + 1
+
+
+def unrecoverable_bound(members: int, neighbors: int, threshold: int, dropout: float) -> float:
+    """Union bound on P[some member's secret has fewer than t surviving holders]."""
+    return min(1.0, members * binomial_cdf_below(neighbors, 1.0 - dropout, threshold))
+
+
+def default_neighbors(
+    members: int,
+    dropout: float = DEFAULT_DROPOUT,
+    target: float = DEFAULT_FAILURE_TARGET,
+) -> tuple[int, int]:
+    """(k, t) for a cohort of ``members``; see the module docstring for the rule."""
+    if members < 3:
+        raise ProtocolError(f"a secure round needs at least 3 members, got {members}")
+    for k in range(2, members - 1):
+        t = default_threshold(k)
+        if unrecoverable_bound(members, k, t, dropout) < target:
+            return k, t
+    k = members - 1
+    return k, default_threshold(k)

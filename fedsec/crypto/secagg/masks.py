@@ -1,0 +1,46 @@
+"""Mask derivation shared by members and server.
+
+Self mask: PRG(b_i) with b_i a member's fresh 32-byte seed.  Pairwise mask
+between i and j: PRG(seed_ij) where seed_ij is derived from the X25519
+agreement of their mask keys and the round digest, added by the member whose id
+sorts first and subtracted by the other, so each pair cancels in the sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedsec.crypto import prg
+from fedsec.crypto.envelope import shared_key
+from fedsec.crypto.quantize import RingVector
+from fedsec.crypto.secagg.messages import SecAggParams
+
+_SELF = b"secagg/self-mask"
+_PAIR = b"secagg/pair-mask"
+SHARE_PURPOSE = "secagg-share"
+
+
+def self_mask(seed: bytes, params: SecAggParams) -> RingVector:
+    return prg.expand(seed, _SELF, params.vector_length, params.quant.dtype)
+
+
+def pair_seed(mask_secret: bytes, peer_mask_public: bytes, params: SecAggParams) -> bytes:
+    """Seed of the pairwise mask, identical for both ends of the pair."""
+    return prg.derive_key(shared_key(mask_secret, peer_mask_public), b"pair/" + params.digest())
+
+
+def pair_mask(seed: bytes, params: SecAggParams) -> RingVector:
+    return prg.expand(seed, _PAIR, params.vector_length, params.quant.dtype)
+
+
+def adds_pair_mask(member: str, peer: str) -> bool:
+    """True when ``member`` adds the pair's mask (its id sorts first), False when it subtracts."""
+    return member < peer
+
+
+def apply(acc: RingVector, mask: RingVector, add: bool) -> None:
+    """acc ± mask in place, wrapping modulo 2^(dtype bits)."""
+    if add:
+        np.add(acc, mask, out=acc)
+    else:
+        np.subtract(acc, mask, out=acc)

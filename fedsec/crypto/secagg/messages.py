@@ -1,0 +1,157 @@
+"""Round parameters and the typed messages of one SecAgg+ round.
+
+Messages are plain immutable values; the transport (fedsec.wire) turns them
+into JSON and binary bodies.  Only :class:`AdvertiseKeys` carries a signature
+of its own: it is relayed to other members, who must be able to check that the
+aggregator did not substitute keys.  Every other message is authenticated by
+the transport's request signature (agent -> aggregator) or by AEAD (shares).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from fedsec.crypto.identity import canonical_json
+from fedsec.crypto.quantize import QuantSpec, packed_size
+from fedsec.errors import ProtocolError
+
+ADVERTISE_DOMAIN = "secagg-advertise-keys"
+SEED_BYTES = 32
+MAX_COHORT = 65535  # Shamir x-coordinates are 2 bytes
+MAX_MEMBER_ID = 128
+
+
+@dataclass(frozen=True, slots=True)
+class SecAggParams:
+    """Everything both sides must agree on for one round."""
+
+    federation_id: str
+    round: int
+    cohort: tuple[str, ...]
+    neighbors: int
+    threshold: int
+    quant: QuantSpec
+    dim: int  # model parameters; the masked vector has dim + 1 elements (weight last)
+    seed: bytes
+
+    def __post_init__(self) -> None:
+        n = len(self.cohort)
+        if n > MAX_COHORT:
+            raise ProtocolError(f"cohort of {n} exceeds the maximum {MAX_COHORT}")
+        if list(self.cohort) != sorted(set(self.cohort)):
+            raise ProtocolError("cohort must be sorted and without duplicates")
+        for member in self.cohort:
+            if not 0 < len(member) <= MAX_MEMBER_ID:
+                raise ProtocolError(f"member id must be 1..{MAX_MEMBER_ID} characters")
+        if not 2 <= self.neighbors <= n - 1:
+            raise ProtocolError(f"neighbours must be in 2..{n - 1} for {n} members")
+        if not 1 <= self.threshold <= self.neighbors:
+            raise ProtocolError(f"threshold must be in 1..{self.neighbors}, got {self.threshold}")
+        if n > self.quant.max_members():
+            raise ProtocolError(
+                f"{n} members overflow ring 2^{self.quant.ring_bits} at {self.quant.bits} bits"
+            )
+        if self.dim < 1:
+            raise ProtocolError(f"dimension must be positive, got {self.dim}")
+        if len(self.seed) != SEED_BYTES:
+            raise ProtocolError(f"round seed must be {SEED_BYTES} bytes")
+
+    @property
+    def vector_length(self) -> int:
+        return self.dim + 1
+
+    @property
+    def vector_bytes(self) -> int:
+        return packed_size(self.vector_length, self.quant.ring_bits)
+
+    def digest(self) -> bytes:
+        """SHA-256 over every parameter: binds signatures and masks to this exact round."""
+        return hashlib.sha256(
+            canonical_json(
+                {
+                    "federation_id": self.federation_id,
+                    "round": self.round,
+                    "cohort": list(self.cohort),
+                    "neighbors": self.neighbors,
+                    "threshold": self.threshold,
+                    "bits": self.quant.bits,
+                    "clip": self.quant.clip,
+                    "ring_bits": self.quant.ring_bits,
+                    "dim": self.dim,
+                    "seed": self.seed.hex(),
+                }
+            )
+        ).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class AdvertiseKeys:
+    """A member's two ephemeral X25519 public keys, signed with its identity key."""
+
+    member: str
+    enc_public: bytes
+    mask_public: bytes
+    signature: bytes
+
+    @staticmethod
+    def signed_bytes(params_digest: bytes, member: str, enc: bytes, mask: bytes) -> bytes:
+        return canonical_json([params_digest.hex(), member, enc.hex(), mask.hex()])
+
+
+@dataclass(frozen=True, slots=True)
+class KeyList:
+    """The advertised keys of every member still in the round, relayed by the server."""
+
+    entries: tuple[AdvertiseKeys, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptedShare:
+    """Sender's shares (self-mask seed, mask key) for one recipient, sealed end to end."""
+
+    sender: str
+    recipient: str
+    ciphertext: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ShareKeys:
+    """A member's encrypted shares for each of its live neighbours."""
+
+    member: str
+    shares: tuple[EncryptedShare, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRelay:
+    """Shares addressed to ``recipient`` and the members that completed share keys."""
+
+    recipient: str
+    participants: tuple[str, ...]
+    shares: tuple[EncryptedShare, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MaskedInput:
+    """A member's masked, packed input vector."""
+
+    member: str
+    vector: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class UnmaskRequest:
+    """Survivors (reveal their self-mask seed shares) and dropped members (reveal key shares)."""
+
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UnmaskResponse:
+    """One survivor's shares: of survivors' seeds and of dropped members' mask keys."""
+
+    member: str
+    seed_shares: tuple[tuple[str, bytes], ...]
+    key_shares: tuple[tuple[str, bytes], ...]

@@ -1,0 +1,340 @@
+"""The aggregator's side of one SecAgg+ round, as a sans-I/O state machine.
+
+Stages: ``advertise`` -> ``share_keys`` -> ``masked_input`` -> ``unmask`` ->
+``done``.  ``receive_*`` methods validate one member's message completely
+before changing any state, so a refused message leaves the session exactly as
+it was.  ``close_*`` methods end a stage (on deadline or when everyone has
+answered) and return what must be sent to the members for the next one.
+
+Dropouts at every stage:
+- advertise: members that did not advertise are left out before any share is
+  made (and so are members left with fewer than t live neighbours);
+- share keys: members that did not share are left out of the participants,
+  nobody masks with them;
+- masked input: a participant whose input never arrived is *dropped*; its
+  neighbours reveal shares of its mask key so its pairwise masks can be removed;
+- unmask: fine while every needed secret still has t shares; otherwise
+  :class:`RecoveryImpossible` names the members whose secrets are short and the
+  holders that did not answer.
+
+The masked inputs are added into one running sum as they arrive, so memory is
+O(d) whatever the cohort size.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsec.crypto import shamir
+from fedsec.crypto.envelope import NONCE_BYTES, TAG_BYTES, KeyAgreementKey
+from fedsec.crypto.quantize import RingVector, dequantize_sum, unpack
+from fedsec.crypto.secagg import masks
+from fedsec.crypto.secagg.client import verify_advertisement
+from fedsec.crypto.secagg.graph import NeighbourGraph, member_x, prune
+from fedsec.crypto.secagg.messages import (
+    AdvertiseKeys,
+    EncryptedShare,
+    KeyList,
+    MaskedInput,
+    SecAggParams,
+    ShareKeys,
+    ShareRelay,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from fedsec.errors import (
+    DuplicateMessage,
+    InvalidKeyList,
+    MisaddressedShare,
+    ProtocolError,
+    RecoveryImpossible,
+    RoundAborted,
+    ShamirError,
+    UnknownMember,
+    WrongStage,
+)
+
+SHARE_CIPHERTEXT_BYTES = NONCE_BYTES + 2 * shamir.SHARE_BYTES + TAG_BYTES
+
+
+class ServerStage(enum.Enum):
+    ADVERTISE = "advertise"
+    SHARE_KEYS = "share_keys"
+    MASKED_INPUT = "masked_input"
+    UNMASK = "unmask"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """The unmasked sum of the survivors' quantized inputs, and who is in it."""
+
+    ring_sum: RingVector
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    weighted_sum: np.ndarray  # Σ w·Δ, float64, length dim
+    weight_sum: float  # Σ w
+
+
+class ServerSession:
+    """The aggregator in one round.
+
+    Args:
+        params: the round's parameters.
+        roster: member id -> Ed25519 public key (to refuse forged advertisements early).
+    """
+
+    def __init__(self, params: SecAggParams, roster: Mapping[str, bytes]) -> None:
+        self.params = params
+        self._roster = roster
+        self.graph = NeighbourGraph(params.cohort, params.neighbors, params.seed)
+        self._x = member_x(params.cohort)
+        self.stage = ServerStage.ADVERTISE
+        self.advertised: dict[str, AdvertiseKeys] = {}
+        self.live: frozenset[str] = frozenset()  # U1: kept after advertise
+        self._shares: dict[str, ShareKeys] = {}
+        self.participants: frozenset[str] = frozenset()  # U2: completed share keys
+        self.contributed: list[str] = []  # U3 in arrival order
+        self._sum = np.zeros(params.vector_length, dtype=params.quant.dtype)
+        self.survivors: frozenset[str] = frozenset()
+        self.dropped: frozenset[str] = frozenset()
+        self._responses: set[str] = set()
+        # owner -> shares revealed so far, filled as unmask answers arrive
+        self._seed_shares: dict[str, list[shamir.Share]] = {}
+        self._key_shares: dict[str, list[shamir.Share]] = {}
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _expect(self, stage: ServerStage, member: str) -> None:
+        if self.stage is not stage:
+            raise WrongStage(
+                f"{stage.value} message from {member!r} refused: the round is in stage "
+                f"{self.stage.value}"
+            )
+
+    def _abort_if_short(self, kept: frozenset[str], stage: str) -> None:
+        if len(kept) < max(self.params.threshold, 2) + 1:
+            missing = sorted(set(self.params.cohort) - kept)
+            raise RoundAborted(
+                f"round {self.params.round} aborted after {stage}: {len(kept)} members remain, "
+                f"need at least {max(self.params.threshold, 2) + 1}; missing: {missing}"
+            )
+
+    # -- stage 1: advertise keys ---------------------------------------------------------------
+
+    def receive_advertise(self, msg: AdvertiseKeys) -> None:
+        """Accept one member's signed keys.
+
+        Raises:
+            WrongStage, UnknownMember, DuplicateMessage, InvalidKeyList.
+        """
+        self._expect(ServerStage.ADVERTISE, msg.member)
+        if msg.member not in self._x:
+            raise UnknownMember(f"{msg.member!r} is not in the cohort of round {self.params.round}")
+        if msg.member in self.advertised:
+            raise DuplicateMessage(f"{msg.member!r} already advertised keys")
+        verify_advertisement(msg, self.params, self._roster)
+        if any(
+            msg.mask_public == other.mask_public or msg.enc_public == other.enc_public
+            for other in self.advertised.values()
+        ):
+            raise InvalidKeyList(f"{msg.member!r} advertised keys already used by another member")
+        self.advertised[msg.member] = msg
+
+    def close_advertise(self) -> KeyList:
+        """End stage 1: keep members with enough live neighbours, return their keys.
+
+        Raises:
+            RoundAborted: too few members remain.
+        """
+        self._expect(ServerStage.ADVERTISE, "(close)")
+        live = prune(self.graph, self.advertised, self.params.threshold)
+        self._abort_if_short(live, "advertise keys")
+        self.live = live
+        self.stage = ServerStage.SHARE_KEYS
+        return KeyList(tuple(self.advertised[m] for m in sorted(live)))
+
+    # -- stage 2: share keys -----------------------------------------------------------------
+
+    def receive_share_keys(self, msg: ShareKeys) -> None:
+        """Accept one member's encrypted shares: exactly one per live neighbour.
+
+        Raises:
+            WrongStage, UnknownMember, DuplicateMessage, MisaddressedShare, ProtocolError.
+        """
+        self._expect(ServerStage.SHARE_KEYS, msg.member)
+        if msg.member not in self.live:
+            raise UnknownMember(f"{msg.member!r} is not a live member of round {self.params.round}")
+        if msg.member in self._shares:
+            raise DuplicateMessage(f"{msg.member!r} already sent its shares")
+        expected = set(self.graph.live_neighbors(msg.member, self.live))
+        seen: set[str] = set()
+        for share in msg.shares:
+            if share.sender != msg.member:
+                raise MisaddressedShare(f"{msg.member!r} sent a share claiming {share.sender!r}")
+            if share.recipient not in expected:
+                raise MisaddressedShare(
+                    f"{msg.member!r} addressed a share to {share.recipient!r}, not a live neighbour"
+                )
+            if share.recipient in seen:
+                raise DuplicateMessage(f"{msg.member!r} sent two shares to {share.recipient!r}")
+            if len(share.ciphertext) != SHARE_CIPHERTEXT_BYTES:
+                raise ProtocolError(
+                    f"share from {msg.member!r} to {share.recipient!r} is "
+                    f"{len(share.ciphertext)} bytes, expected {SHARE_CIPHERTEXT_BYTES}"
+                )
+            seen.add(share.recipient)
+        if seen != expected:
+            raise ProtocolError(
+                f"{msg.member!r} sent no share to live neighbours {sorted(expected - seen)}"
+            )
+        self._shares[msg.member] = msg
+
+    def close_share_keys(self) -> dict[str, ShareRelay]:
+        """End stage 2: fix the participants, return each one's incoming shares.
+
+        Raises:
+            RoundAborted: too few members remain.
+        """
+        self._expect(ServerStage.SHARE_KEYS, "(close)")
+        participants = prune(self.graph, self._shares, self.params.threshold)
+        self._abort_if_short(participants, "share keys")
+        inbox: dict[str, list[EncryptedShare]] = {m: [] for m in participants}
+        for sender in sorted(participants):
+            for share in self._shares[sender].shares:
+                if share.recipient in participants:
+                    inbox[share.recipient].append(share)
+        self.participants = participants
+        self._shares = {}  # relayed: the server keeps no ciphertext it cannot use
+        self.stage = ServerStage.MASKED_INPUT
+        ordered = tuple(sorted(participants))
+        return {m: ShareRelay(m, ordered, tuple(inbox[m])) for m in ordered}
+
+    # -- stage 3: masked input ---------------------------------------------------------------
+
+    def receive_masked_input(self, msg: MaskedInput) -> None:
+        """Validate and add one masked input into the running sum.
+
+        Raises:
+            WrongStage, UnknownMember, DuplicateMessage, BadVector.
+        """
+        self._expect(ServerStage.MASKED_INPUT, msg.member)
+        if msg.member not in self.participants:
+            raise UnknownMember(f"{msg.member!r} is not a participant of round {self.params.round}")
+        if msg.member in self.contributed:
+            raise DuplicateMessage(f"{msg.member!r} already sent its masked input")
+        vector = unpack(msg.vector, self.params.vector_length, self.params.quant.ring_bits)
+        np.add(self._sum, vector, out=self._sum)
+        self.contributed.append(msg.member)
+
+    def close_masked_input(self) -> UnmaskRequest:
+        """End stage 3: survivors are the members whose input arrived.
+
+        Raises:
+            RoundAborted: fewer survivors than needed.
+        """
+        self._expect(ServerStage.MASKED_INPUT, "(close)")
+        survivors = frozenset(self.contributed)
+        self._abort_if_short(survivors, "masked input")
+        self.survivors = survivors
+        self.dropped = self.participants - survivors
+        self.stage = ServerStage.UNMASK
+        return UnmaskRequest(tuple(sorted(survivors)), tuple(sorted(self.dropped)))
+
+    # -- stage 4: unmask ---------------------------------------------------------------------
+
+    def receive_unmask(self, msg: UnmaskResponse) -> None:
+        """Accept one survivor's shares: exactly those the request asked of it.
+
+        Raises:
+            WrongStage, UnknownMember, DuplicateMessage, ProtocolError.
+        """
+        self._expect(ServerStage.UNMASK, msg.member)
+        if msg.member not in self.survivors:
+            raise UnknownMember(f"{msg.member!r} is not a survivor of round {self.params.round}")
+        if msg.member in self._responses:
+            raise DuplicateMessage(f"{msg.member!r} already answered unmask")
+        neighbours = self.graph.neighbors(msg.member)
+        want_seed = {m for m in neighbours if m in self.survivors}
+        want_key = {m for m in neighbours if m in self.dropped}
+        got_seed = [m for m, _ in msg.seed_shares]
+        got_key = [m for m, _ in msg.key_shares]
+        if sorted(got_seed) != sorted(want_seed) or sorted(got_key) != sorted(want_key):
+            raise ProtocolError(
+                f"unmask answer of {msg.member!r} does not hold exactly the requested shares"
+            )
+        x = self._x[msg.member]
+        parsed: list[tuple[dict[str, list[shamir.Share]], str, shamir.Share]] = []
+        for store, pairs in (
+            (self._seed_shares, msg.seed_shares),
+            (self._key_shares, msg.key_shares),
+        ):
+            for owner, raw in pairs:
+                try:
+                    share = shamir.Share.from_bytes(raw)
+                except ShamirError as exc:
+                    raise ProtocolError(f"unmask answer of {msg.member!r}: {exc}") from None
+                if share.x != x:
+                    raise ProtocolError(
+                        f"unmask answer of {msg.member!r} carries another x-coordinate"
+                    )
+                parsed.append((store, owner, share))
+        for store, owner, share in parsed:
+            store.setdefault(owner, []).append(share)
+        self._responses.add(msg.member)
+
+    def _recover(self, owner: str, key_share: bool) -> bytes:
+        shares = (self._key_shares if key_share else self._seed_shares).get(owner, [])
+        if len(shares) < self.params.threshold:
+            holders = set(self.graph.neighbors(owner)) & self.survivors
+            silent = tuple(sorted(holders - self._responses))
+            what = "mask key" if key_share else "self-mask seed"
+            raise RecoveryImpossible(
+                f"cannot recover the {what} of {owner!r}: {len(shares)} of "
+                f"{self.params.threshold} shares arrived; silent holders: {list(silent)}",
+                missing=silent,
+            )
+        try:
+            return shamir.reconstruct(shares, self.params.threshold)
+        except ShamirError as exc:
+            raise ProtocolError(f"shares of {owner!r} are inconsistent: {exc}") from None
+
+    def finalize(self) -> RoundResult:
+        """Reconstruct the needed secrets, remove every mask, dequantize.
+
+        Raises:
+            WrongStage: not in the unmask stage.
+            RecoveryImpossible: a needed secret has fewer than t shares.
+            ProtocolError: shares are inconsistent with the advertised keys.
+        """
+        self._expect(ServerStage.UNMASK, "(finalize)")
+        p = self.params
+        seeds = {m: self._recover(m, key_share=False) for m in sorted(self.survivors)}
+        keys = {m: self._recover(m, key_share=True) for m in sorted(self.dropped)}
+        for member, secret in keys.items():
+            if KeyAgreementKey(secret).public_bytes != self.advertised[member].mask_public:
+                raise ProtocolError(
+                    f"reconstructed mask key of {member!r} does not match its advertised key"
+                )
+        total = self._sum.copy()
+        for seed in seeds.values():
+            masks.apply(total, masks.self_mask(seed, p), add=False)
+        for member, secret in keys.items():
+            for peer in self.graph.live_neighbors(member, self.survivors):
+                seed = masks.pair_seed(secret, self.advertised[peer].mask_public, p)
+                # the survivor added the mask if its id sorts first; undo what it did
+                masks.apply(total, masks.pair_mask(seed, p), not masks.adds_pair_mask(peer, member))
+        total &= p.quant.dtype.type(p.quant.ring_mask)
+        weighted, weights = dequantize_sum(total, len(self.survivors), p.quant)
+        self.stage = ServerStage.DONE
+        return RoundResult(
+            ring_sum=total,
+            survivors=tuple(sorted(self.survivors)),
+            dropped=tuple(sorted(self.dropped)),
+            weighted_sum=weighted,
+            weight_sum=weights,
+        )
