@@ -66,6 +66,17 @@ from http_message_signatures import (
 from fedsec.crypto.identity import SigningIdentity, key_id
 from fedsec.errors import AuthError, PayloadError, ReplayError
 
+__all__ = [
+    "COVERED_COMPONENTS",
+    "DEFAULT_MAX_SKEW_S",
+    "DEFAULT_NONCE_CACHE_ENTRIES",
+    "MAX_AUTH_FIELD_BYTES",
+    "MAX_TARGET_BYTES",
+    "NonceCache",
+    "RequestVerifier",
+    "sign_request",
+]
+
 # --------------------------------------------------------------------------- limits
 #: Largest accepted value of each authentication field, checked before parsing.
 #: A fedsec Signature-Input is ~190 bytes, a Signature ~100, a Content-Digest ~55;
@@ -298,16 +309,8 @@ def sign_request(
 
 
 def _sign_signature_base(identity: SigningIdentity, signature_base: bytes) -> bytes:
-    """Plain Ed25519 over an RFC 9421 signature base, as ``alg="ed25519"`` requires.
-
-    ``SigningIdentity`` only offers domain-separated signatures, which no RFC 9421
-    verifier would accept, so this reaches its key directly.  The first-byte check
-    keeps the separation from every ``fedsec/v1/…`` message (see module doc).
-    """
-    if not signature_base.startswith(b'"'):
-        raise ValueError("an RFC 9421 signature base starts with a quoted component name")
-    signed = identity._signing_key.sign(signature_base)
-    return bytes(signed.signature)
+    """Plain Ed25519 over an RFC 9421 signature base, as ``alg="ed25519"`` requires."""
+    return identity.sign_http_signature_base(signature_base)
 
 
 # ------------------------------------------------------------------- verification

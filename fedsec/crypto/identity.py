@@ -109,6 +109,20 @@ class SigningIdentity:
         """Detached Ed25519 signature over ``message`` in ``domain``."""
         return bytes(self._signing_key.sign(_signed_bytes(domain, message)).signature)
 
+    def sign_http_signature_base(self, signature_base: bytes) -> bytes:
+        """Plain Ed25519 over an RFC 9421 signature base (``alg="ed25519"`` requires it).
+
+        Every RFC 9421 signature base starts with ``"`` (the first component
+        identifier) while every domain-separated message starts with
+        ``fedsec/v1/``, so neither kind of signature can pass as the other.
+
+        Raises:
+            ValueError: ``signature_base`` does not start with ``"``.
+        """
+        if not signature_base.startswith(b'"'):
+            raise ValueError("an RFC 9421 signature base starts with a quoted component name")
+        return bytes(self._signing_key.sign(signature_base).signature)
+
     def save(self, path: Path) -> None:
         """Write the secret key to ``path`` with mode 0600, atomically; refuses to overwrite."""
         path = Path(path)

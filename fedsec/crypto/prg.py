@@ -72,7 +72,7 @@ def expand(
 
 def uniform01(seed: bytes, domain: bytes, count: int) -> npt.NDArray[np.float32]:
     """``count`` float32 values uniform on [0, 1) with 24 bits of resolution."""
-    words = expand(seed, domain, count, np.uint32)
-    out = (words >> np.uint32(8)).astype(np.float32)
+    words: npt.NDArray[np.uint32] = expand(seed, domain, count, np.uint32) >> np.uint32(8)
+    out = words.astype(np.float32)  # exact: 24-bit integers fit a float32 mantissa
     out *= np.float32(1.0 / (1 << 24))
     return out

@@ -96,12 +96,17 @@ class QuantSpec:
         return 2.0 * self.clip / self.levels
 
 
+def _l2_norm(vec: npt.NDArray[np.float32]) -> float:
+    norm = float(np.linalg.norm(vec))  # BLAS nrm2: scaled, so no overflow in float32
+    if not math.isfinite(norm):
+        raise QuantizationError("update contains NaN or infinite values")
+    return norm
+
+
 def clip_l2(delta: npt.NDArray[np.floating], clip: float) -> npt.NDArray[np.float32]:
     """``delta`` as float32, scaled down so its L2 norm is at most ``clip``."""
     vec = np.asarray(delta, dtype=np.float32).reshape(-1)
-    if not np.all(np.isfinite(vec)):
-        raise QuantizationError("update contains NaN or infinite values")
-    norm = float(np.sqrt(np.dot(vec.astype(np.float64), vec.astype(np.float64))))
+    norm = _l2_norm(vec)
     if norm > clip:
         return vec * np.float32(clip / norm)
     return vec
@@ -113,7 +118,7 @@ def quantize(
     """Clip, weight and stochastically round ``delta``; append the weight.
 
     Args:
-        delta: the update, any shape (flattened).
+        delta: the update, any shape (flattened); not modified.
         weight: w in [0, 1].
         spec: quantization parameters.
         seed: 32 bytes of fresh randomness for the rounding (a member's secret).
@@ -126,11 +131,14 @@ def quantize(
     """
     if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
         raise QuantizationError(f"weight must be in [0, 1], got {weight}")
-    x = clip_l2(delta, spec.clip)
+    x = np.asarray(delta, dtype=np.float32).reshape(-1)
     d = x.size
-    scale = np.float32(spec.levels / (2.0 * spec.clip))
-    # y = (w·x + C)·L/(2C) ∈ [0, L]; computed in place to keep client memory at ~3 vectors.
-    y = x * np.float32(weight * scale)
+    norm = _l2_norm(x)
+    shrink = spec.clip / norm if norm > spec.clip else 1.0
+    scale = spec.levels / (2.0 * spec.clip)
+    # y = (w·clip(x) + C)·L/(2C) ∈ [0, L], in one fresh buffer (the caller's array is kept);
+    # clipping is folded into the scale so the update is read once.
+    y = np.multiply(x, np.float32(shrink * weight * scale), dtype=np.float32)
     y += np.float32(spec.clip * scale)
     y += prg.uniform01(seed, _ROUNDING_DOMAIN, d)
     np.floor(y, out=y)

@@ -4,9 +4,12 @@ p is the smallest prime above 2^256, so every 32-byte string is a field element
 and shares are 33 bytes.  Reconstruction interpolates at zero with exactly
 ``threshold`` shares; Lagrange coefficients depend only on the x-coordinates,
 so they are cached: a server reconstructing one secret per member from the same
-neighbour sets pays for each x-set once.  Shares beyond the threshold are not
-wasted: each is checked to lie on the same polynomial, so a corrupted or
-inconsistent share is refused instead of silently producing a wrong secret.
+neighbour sets pays for each x-set once.  When more than ``threshold`` shares
+are offered, exactly one more (the next smallest x) is read and checked to lie
+on the same polynomial, so a corrupted or inconsistent share among those used
+is refused instead of silently producing a wrong secret; the remaining shares
+are not needed and not read (checking every extra share would cost O(t²) each,
+which for classic SecAgg at n = 100 was seconds per round).
 """
 
 from __future__ import annotations
@@ -101,7 +104,9 @@ def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:
     """Recover the secret from at least ``threshold`` shares.
 
     Exactly ``threshold`` shares (those with the smallest x) are interpolated;
-    every further share must lie on the same polynomial.
+    if another share is available, the one with the next smallest x must lie on
+    the same polynomial.  Duplicates and out-of-field values are refused in all
+    shares offered.
 
     Raises:
         ShamirError: too few shares, duplicates, values outside the field, or
@@ -121,7 +126,7 @@ def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:
     base_xs = tuple(ordered[:threshold])
     base_ys = [by_x[x] for x in base_xs]
     value = sum(c * y for c, y in zip(_lagrange_at(base_xs, 0), base_ys, strict=True)) % PRIME
-    for x in ordered[threshold:]:
+    for x in ordered[threshold : threshold + 1]:
         expected = (
             sum(c * y for c, y in zip(_lagrange_at(base_xs, x), base_ys, strict=True)) % PRIME
         )

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# `make bench`: the standard benchmark set; results in bench/results/*.jsonl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FEDSEC=.venv/bin/fedsec
+out=bench/results
+mkdir -p "$out"
+echo "== secagg (SecAgg+ n=100 d=1e6 k=7 t=4 b=8, 10% lost after share keys)"
+$FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
+  --neighbors 7 --threshold 4 --bits 8 --repeat 3 --json | tee "$out/secagg.jsonl"
+echo "== secagg classic (k = n-1, n=100 d=1e5)"
+$FEDSEC bench secagg --clients 100 --dim 100000 --dropout 0.1 --dropout-stage masked \
+  --neighbors 99 --bits 8 --repeat 3 --json | tee "$out/secagg-classic.jsonl"
+for stage in advertise share unmask; do
+  echo "== secagg, 10% lost at $stage"
+  $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage $stage \
+    --neighbors 7 --threshold 4 --bits 8 --json | tee "$out/secagg-drop-$stage.jsonl"
+done

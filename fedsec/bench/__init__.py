@@ -1,0 +1,1 @@
+"""Benchmarks behind ``fedsec bench``: each prints one JSON object per line."""

@@ -1,0 +1,190 @@
+"""One full SecAgg+ round in one process: exactness, time per side, bytes, memory.
+
+Members are driven one after another so memory stays O(d) per member: each
+member's masked input goes straight into the server's running sum, and only a
+plain int64 sum of the quantized inputs is kept to check exactness.
+
+Drop-out stages (``--dropout-stage``): ``advertise`` = lost before advertising
+keys; ``share`` = advertised, lost before sending shares; ``masked`` = lost after
+share keys, before the masked input (the default, the costly case for the
+server, which must remove the dropped members' pairwise masks); ``unmask`` = sent
+its input, lost before answering unmask.
+
+``floor_s`` is measured in the same run with the same primitives: expanding
+every mask the server had to remove (one self mask per survivor, one pairwise
+mask per survivor-dropped edge) and adding up the survivors' vectors.  It is
+what any server doing this work must spend, so ``server_s / floor_s`` is the
+overhead of everything else, robust to a noisy machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from fedsec.bench.common import with_environment
+from fedsec.crypto import prg
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
+from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
+from fedsec.crypto.secagg.server import SHARE_CIPHERTEXT_BYTES
+
+STAGES = ("advertise", "share", "masked", "unmask")
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = defaultdict(float)
+
+    def run(self, stage: str, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args)
+        self.stages[stage] += time.perf_counter() - start
+        return out
+
+    @property
+    def total(self) -> float:
+        return sum(self.stages.values())
+
+
+def run_secagg(
+    clients: int,
+    dim: int,
+    dropout: float,
+    dropout_stage: str = "masked",
+    neighbors: int = 0,
+    threshold: int = 0,
+    bits: int = 8,
+    clip: float = 1.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run one round and return the result record (see module docstring)."""
+    if dropout_stage not in STAGES:
+        raise ValueError(f"dropout stage must be one of {STAGES}")
+    if neighbors == 0:
+        neighbors, auto_t = default_neighbors(clients)
+        threshold = threshold or auto_t
+    threshold = threshold or neighbors // 2 + 1
+    rng = np.random.default_rng(seed)  # test data only, never masks
+    members = [f"m{i:05d}" for i in range(clients)]
+    identities = {m: SigningIdentity.generate() for m in members}
+    roster = {m: ident.public_bytes for m, ident in identities.items()}
+    ring_bits = default_ring_bits(bits, clients)
+    spec = QuantSpec(bits, clip, ring_bits)
+    params = SecAggParams(
+        "bench", 1, tuple(members), neighbors, threshold, spec, dim, os.urandom(32)
+    )
+    n_drop = round(dropout * clients)
+    dropped = set(rng.choice(members, size=n_drop, replace=False).tolist()) if n_drop else set()
+
+    server = ServerSession(params, roster)
+    st = _Timer()
+    ct: dict[str, _Timer] = {m: _Timer() for m in members}
+    sessions = {m: ClientSession(params, m, identities[m], roster) for m in members}
+
+    def active(stage: str) -> list[str]:
+        cut = STAGES.index(dropout_stage)
+        return [m for m in members if m not in dropped or STAGES.index(stage) < cut]
+
+    for m in active("advertise"):
+        msg = ct[m].run("advertise", sessions[m].advertise)
+        st.run("advertise", server.receive_advertise, msg)
+    key_list = st.run("advertise", server.close_advertise)
+    live = set(server.live)
+    share_bytes = []
+    for m in active("share"):
+        if m not in live:
+            continue
+        msg = ct[m].run("share_keys", sessions[m].share_keys, key_list)
+        share_bytes.append(sum(len(s.ciphertext) for s in msg.shares))
+        st.run("share_keys", server.receive_share_keys, msg)
+    relays = st.run("share_keys", server.close_share_keys)
+    for m, relay in relays.items():
+        ct[m].run("share_keys", sessions[m].receive_shares, relay)
+
+    plain = np.zeros(params.vector_length, dtype=np.int64)
+    exact_float = np.zeros(dim, dtype=np.float64)
+    vector_bytes = 0
+    for m in active("masked"):
+        if m not in relays:
+            continue
+        delta = rng.standard_normal(dim).astype(np.float32) * np.float32(clip / math.sqrt(dim))
+        weight = 1.0
+        q = ct[m].run("masked_input", quantize, delta, weight, spec, os.urandom(32))
+        msg = ct[m].run("masked_input", sessions[m].masked_input, q)
+        vector_bytes = len(msg.vector)
+        st.run("masked_input", server.receive_masked_input, msg)
+        plain += q
+        norm = float(np.linalg.norm(delta.astype(np.float64)))
+        exact_float += delta * (min(1.0, clip / norm) if norm > 0 else 1.0) * weight
+    request = st.run("masked_input", server.close_masked_input)
+    responders = [m for m in request.survivors if m in active("unmask")]
+    for m in responders:
+        msg = ct[m].run("unmask", sessions[m].unmask, request)
+        st.run("unmask", server.receive_unmask, msg)
+    result = st.run("unmask", server.finalize)
+
+    survivors = set(result.survivors)
+    plain_ring = plain & spec.ring_mask
+    exact = bool(np.array_equal(result.ring_sum.astype(np.int64), plain_ring))
+    mean = result.weighted_sum / result.weight_sum
+    max_abs_err = float(np.max(np.abs(mean - exact_float / len(survivors))))
+
+    floor_s = _floor(params, len(survivors), _dropped_edges(server, result.dropped))
+    client_totals = [ct[m].total for m in survivors]
+    client_stage = {
+        stage: round(statistics.median(ct[m].stages.get(stage, 0.0) for m in survivors), 6)
+        for stage in ("advertise", "share_keys", "masked_input", "unmask")
+    }
+    return with_environment(
+        {
+            "bench": "secagg",
+            "clients": clients,
+            "dim": dim,
+            "neighbors": neighbors,
+            "threshold": threshold,
+            "bits": bits,
+            "ring_bits": ring_bits,
+            "dropout": dropout,
+            "dropout_stage": dropout_stage,
+            "dropped": len(result.dropped),
+            "survivors": len(survivors),
+            "exact": exact,
+            "max_abs_err": max_abs_err,
+            "quant_step": spec.step(),
+            "client_s": round(statistics.median(client_totals), 6),
+            "client_stage_s": client_stage,
+            "server_s": round(st.total, 6),
+            "server_stage_s": {k: round(v, 6) for k, v in st.stages.items()},
+            "floor_s": round(floor_s, 6),
+            "server_over_floor": round(st.total / floor_s, 3) if floor_s else None,
+            "bytes_per_param": round(vector_bytes / dim, 6),
+            "share_bytes_per_client": (int(statistics.median(share_bytes)) if share_bytes else 0),
+            "share_ciphertext_bytes": SHARE_CIPHERTEXT_BYTES,
+        }
+    )
+
+
+def _dropped_edges(server: ServerSession, dropped: tuple[str, ...]) -> int:
+    return sum(len(server.graph.live_neighbors(m, server.survivors)) for m in dropped)
+
+
+def _floor(params: SecAggParams, survivors: int, dropped_edges: int) -> float:
+    """PRG output the server had to generate, plus adding up the survivors' vectors."""
+    dtype = params.quant.dtype
+    acc = np.zeros(params.vector_length, dtype=dtype)
+    vector = prg.expand(os.urandom(32), b"floor/vector", params.vector_length, dtype)
+    start = time.perf_counter()
+    for _ in range(survivors):
+        np.add(acc, vector, out=acc)
+    for i in range(survivors + dropped_edges):
+        np.subtract(
+            acc, prg.expand(os.urandom(32), b"floor/%d" % i, params.vector_length, dtype), out=acc
+        )
+    return time.perf_counter() - start
