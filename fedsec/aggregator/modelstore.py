@@ -1,0 +1,353 @@
+"""The aggregator's store of model versions: content-addressed files, signed manifests.
+
+Layout under ``root``::
+
+    models/<sha256>.safetensors    model bytes, named by their hash
+    manifests/<version:08d>.json   signed ModelManifest for each version
+
+Every write goes to a temporary file in the same directory, is fsynced, renamed into
+place and the directory fsynced, so a file is either complete or absent.  The model
+file is written before the manifest that names it, so a crash can leave an orphan
+model file (harmless, reused if the same weights are stored again) but never a
+manifest without its model.  Whatever else is found on disk (a truncated model, a
+manifest that does not verify) is reported and skipped: :meth:`ModelStore.latest`
+returns the newest version that verifies end to end.
+
+One process writes a store at a time (the aggregator); readers in the same process are
+serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy.typing as npt
+
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import FedsecError, IntegrityError, NotFound
+from fedsec.modelfile import (
+    ManifestKind,
+    ModelManifest,
+    encode_model,
+    manifest_from_json,
+    manifest_to_json,
+    sha256_hex,
+    sign_manifest,
+    verify_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+_MANIFEST_NAME = re.compile(r"^(\d{8})\.json$")
+# Temporary files are dot-files so no reader ever mistakes one for a finished file.
+_TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True)
+class StoreProblem:
+    """A version on disk that was skipped, and why."""
+
+    version: int
+    reason: str
+
+
+def atomic_write(path: Path, body: bytes, *, mode: int = 0o644) -> None:
+    """Write ``body`` to ``path`` durably: temp file, fsync, rename, fsync directory.
+
+    Replaces an existing file.  On any failure the temp file is removed.
+    """
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ModelStore:
+    """Model versions of one federation, signed by the aggregator."""
+
+    def __init__(self, root: Path, signer: SigningIdentity, federation_id: str) -> None:
+        """Open (creating if needed) the store at ``root`` and remove leftover temp files."""
+        self.root = Path(root)
+        self.models_dir = self.root / "models"
+        self.manifests_dir = self.root / "manifests"
+        self._signer = signer
+        self._public = signer.public_bytes
+        self.federation_id = federation_id
+        self._lock = threading.RLock()
+        # version -> (manifest stat, model stat) of the files last verified good, so
+        # latest() does not rehash a large model on every call.
+        self._verified: dict[int, tuple[tuple[int, int], tuple[int, int], ModelManifest]] = {}
+        self._problems: dict[int, str] = {}
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        self.manifests_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_leftover_tmp_files()
+
+    # -- writing -------------------------------------------------------------------
+
+    def put(
+        self,
+        arrays: Mapping[str, npt.ArrayLike],
+        *,
+        parent: int | None,
+        round: int | None,
+        kind: ManifestKind,
+        metrics: Mapping[str, float],
+        note: str = "",
+    ) -> ModelManifest:
+        """Store a new model version.
+
+        The version number is one more than the highest manifest on disk, even an
+        unverifiable one, so a number once published is never reused.
+
+        Args:
+            arrays: tensor name -> array (encoded as float32 safetensors).
+            parent: the version this one derives from, or None for an initial model.
+            round: the round that produced it, if any.
+            kind: "initial", "aggregate" or "rollback".
+            metrics: validation metrics to record (finite floats).
+            note: free text (e.g. an operator's rollback reason).
+
+        Returns:
+            The signed manifest of the new version.
+
+        Raises:
+            IntegrityError: bad arrays, metrics, or a parent that is not a good version.
+        """
+        data = encode_model(arrays)
+        with self._lock:
+            self._check_parent(parent)
+            sha = sha256_hex(data)
+            self._write_model(sha, data)
+            return self._publish(
+                sha, parent=parent, round=round, kind=kind, metrics=metrics, note=note
+            )
+
+    def rollback(self, to_version: int, *, note: str = "") -> ModelManifest:
+        """Publish an older good version again as the newest (kind "rollback").
+
+        The new version has ``parent=to_version``, the same file and metrics.
+
+        Raises:
+            NotFound / IntegrityError: ``to_version`` is missing or does not verify.
+        """
+        with self._lock:
+            target = self.get(to_version)
+            return self._publish(
+                target.sha256,
+                parent=to_version,
+                round=target.round,
+                kind="rollback",
+                metrics=target.metrics,
+                note=note,
+            )
+
+    def _check_parent(self, parent: int | None) -> None:
+        if parent is None:
+            return
+        try:
+            self.get(parent)
+        except FedsecError as exc:
+            raise IntegrityError(f"parent version {parent} is not a good version: {exc}") from None
+
+    def _write_model(self, sha: str, data: bytes) -> None:
+        path = self.model_path(sha)
+        if path.exists():
+            try:
+                if sha256_hex(path.read_bytes()) == sha:
+                    return
+            except OSError:
+                pass
+            log.warning("model_file_rewritten sha256=%s reason=content_mismatch", sha)
+        atomic_write(path, data)
+
+    def _publish(
+        self,
+        sha: str,
+        *,
+        parent: int | None,
+        round: int | None,
+        kind: ManifestKind,
+        metrics: Mapping[str, float],
+        note: str,
+    ) -> ModelManifest:
+        version = self._highest_version_on_disk() + 1
+        manifest = sign_manifest(
+            federation_id=self.federation_id,
+            version=version,
+            parent=parent,
+            round=round,
+            sha256=sha,
+            metrics=metrics,
+            kind=kind,
+            note=note,
+            signer=self._signer,
+        )
+        atomic_write(self.manifest_path(version), manifest_to_json(manifest))
+        log.info("model_version_stored version=%d sha256=%s kind=%s", version, sha, kind)
+        return manifest
+
+    # -- reading -------------------------------------------------------------------
+
+    def model_path(self, sha256: str) -> Path:
+        """Where the model file with this hash lives (it may not exist)."""
+        return self.models_dir / f"{sha256}.safetensors"
+
+    def manifest_path(self, version: int) -> Path:
+        """Where the manifest of ``version`` lives (it may not exist)."""
+        return self.manifests_dir / f"{version:08d}.json"
+
+    def versions_on_disk(self) -> list[int]:
+        """Every version number with a manifest file, verified or not, ascending."""
+        found = []
+        for entry in os.scandir(self.manifests_dir):
+            match = _MANIFEST_NAME.fullmatch(entry.name)
+            if match:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def _highest_version_on_disk(self) -> int:
+        versions = self.versions_on_disk()
+        return versions[-1] if versions else 0
+
+    def get(self, version: int) -> ModelManifest:
+        """The verified manifest of ``version``.
+
+        Raises:
+            NotFound: no manifest for this version.
+            IntegrityError / SignatureError: it, or its model file, does not verify.
+        """
+        with self._lock:
+            try:
+                manifest = self._verify(version)
+            except FedsecError as exc:
+                if not isinstance(exc, NotFound):
+                    self._report(version, exc.detail)
+                raise
+            self._problems.pop(version, None)
+            return manifest
+
+    def read(self, version: int) -> bytes:
+        """The model file of ``version``, checked against its signed manifest.
+
+        Raises:
+            NotFound, IntegrityError, SignatureError: as for :meth:`get`.
+        """
+        with self._lock:
+            manifest = self.get(version)
+            data = self._read_model(version, manifest.sha256)
+            verify_manifest(manifest, self._public, data, federation_id=self.federation_id)
+            return data
+
+    def latest(self) -> ModelManifest:
+        """The newest version whose manifest and model file both verify.
+
+        Newer versions that do not verify are logged, listed by :meth:`problems`, and
+        skipped.
+
+        Raises:
+            NotFound: the store holds no good version.
+        """
+        with self._lock:
+            for version in reversed(self.versions_on_disk()):
+                try:
+                    return self.get(version)
+                except FedsecError:
+                    continue
+            raise NotFound(f"model store {self.root} holds no verified model version")
+
+    def history(self) -> list[ModelManifest]:
+        """Every good version, oldest first (bad ones are reported and left out)."""
+        with self._lock:
+            good = []
+            for version in self.versions_on_disk():
+                try:
+                    good.append(self.get(version))
+                except FedsecError:
+                    continue
+            return good
+
+    def problems(self) -> list[StoreProblem]:
+        """Versions found bad by the last look at them, oldest first."""
+        with self._lock:
+            return [StoreProblem(v, r) for v, r in sorted(self._problems.items())]
+
+    # -- internals -------------------------------------------------------------------
+
+    def _verify(self, version: int) -> ModelManifest:
+        mpath = self.manifest_path(version)
+        try:
+            mstat = mpath.stat()
+        except FileNotFoundError:
+            raise NotFound(f"model version {version} does not exist") from None
+        manifest_key = (mstat.st_mtime_ns, mstat.st_size)
+        cached = self._verified.get(version)
+        if cached is not None and cached[0] == manifest_key:
+            model_key = self._stat_key(self.model_path(cached[2].sha256))
+            if model_key == cached[1]:
+                return cached[2]
+        self._verified.pop(version, None)
+        manifest = manifest_from_json(mpath.read_bytes())
+        if manifest.version != version:
+            raise IntegrityError(
+                f"manifest file {mpath.name} holds version {manifest.version}, not {version}"
+            )
+        verify_manifest(manifest, self._public, federation_id=self.federation_id)
+        model_file = self.model_path(manifest.sha256)
+        model_key = self._stat_key(model_file)
+        data = self._read_model(version, manifest.sha256)
+        verify_manifest(manifest, self._public, data, federation_id=self.federation_id)
+        if model_key is not None:
+            self._verified[version] = (manifest_key, model_key, manifest)
+        return manifest
+
+    def _read_model(self, version: int, sha: str) -> bytes:
+        try:
+            return self.model_path(sha).read_bytes()
+        except FileNotFoundError:
+            raise IntegrityError(
+                f"model file {sha}.safetensors of version {version} is missing"
+            ) from None
+
+    @staticmethod
+    def _stat_key(path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def _report(self, version: int, reason: str) -> None:
+        if self._problems.get(version) != reason:
+            log.warning("model_version_skipped version=%d reason=%r", version, reason)
+        self._problems[version] = reason
+
+    def _remove_leftover_tmp_files(self) -> None:
+        for directory in (self.models_dir, self.manifests_dir):
+            for entry in os.scandir(directory):
+                if entry.name.startswith(".") and _TMP_MARK in entry.name:
+                    log.info("leftover_tmp_removed path=%s", entry.path)
+                    Path(entry.path).unlink(missing_ok=True)

@@ -1,0 +1,469 @@
+"""The admin-signed roster: who may take part in a federation, with which key and role.
+
+Each :class:`RosterEntry` is signed by the federation admin's Ed25519 key (domain
+``"roster-entry"``, over the canonical JSON of the entry's fields and the federation
+id), so the aggregator cannot enrol members of its own or swap a member's key: anyone
+holding the admin public key can check every entry, and the transparency log carries
+each change as an event (:meth:`Roster.add` and :meth:`Roster.revoke` return it).
+
+A revocation is the same entry re-signed with ``status = "revoked"`` and the time of
+revocation.  Ids and keys are never reused, even after revocation, so an old signed
+entry can never be mistaken for a new enrolment.
+
+The roster lives in ``root/roster.json``, written atomically (temp file, fsync,
+rename).  Writers (the CLI) serialise on a lock file and re-read before changing it;
+a running aggregator picks up their changes with :meth:`Roster.reload_if_changed`.
+A monotonic ``serial`` numbers every change; a reload never goes back to a lower one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from fedsec.aggregator.modelstore import atomic_write
+from fedsec.config import ID_PATTERN
+from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json, key_id
+from fedsec.errors import ConfigError, FedsecError, IntegrityError, NotFound, SignatureError
+
+log = logging.getLogger(__name__)
+
+ROSTER_ENTRY_DOMAIN = "roster-entry"
+ROSTER_FORMAT = "fedsec-roster/1"
+ROSTER_FILE = "roster.json"
+
+# A roster of 100k members is ~30 MB of JSON; refusing larger files bounds what a
+# corrupted or hostile file can cost to parse.
+MAX_ROSTER_BYTES = 64 * 1024 * 1024
+
+Role = Literal["agent", "observer", "auditor"]
+Status = Literal["active", "revoked"]
+
+_KEY_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SIG_HEX = re.compile(r"^[0-9a-f]{128}$")
+
+
+class RosterEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One member: id, Ed25519 public key (hex), role, weight cap and status, admin-signed."""
+
+    agent_id: str
+    public_key: str
+    role: Role
+    max_weight: float | None
+    status: Status
+    added_at: float
+    revoked_at: float | None = None
+    admin_signature: str = ""
+
+    @property
+    def public_key_bytes(self) -> bytes:
+        return bytes.fromhex(self.public_key)
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.public_key_bytes)
+
+    @property
+    def is_active(self) -> bool:
+        return self.status == "active"
+
+    def signed_bytes(self, federation_id: str) -> bytes:
+        """The bytes the admin signs: every field but the signature, plus the federation."""
+        return canonical_json(
+            {
+                "federation_id": federation_id,
+                "agent_id": self.agent_id,
+                "public_key": self.public_key,
+                "role": self.role,
+                "max_weight": None if self.max_weight is None else float(self.max_weight),
+                "status": self.status,
+                "added_at": float(self.added_at),
+                "revoked_at": None if self.revoked_at is None else float(self.revoked_at),
+            }
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (as stored in roster.json and in log events)."""
+        result: dict[str, Any] = msgspec.to_builtins(self)
+        return result
+
+
+def _check_entry_fields(entry: RosterEntry) -> None:
+    if not ID_PATTERN.fullmatch(entry.agent_id):
+        raise IntegrityError(f"roster entry id {entry.agent_id!r} is not a valid identifier")
+    if not _KEY_HEX.fullmatch(entry.public_key):
+        raise IntegrityError(
+            f"roster entry {entry.agent_id!r}: public key must be 64 lowercase hex digits"
+        )
+    if entry.max_weight is not None and not 0 < entry.max_weight <= 1:
+        raise IntegrityError(
+            f"roster entry {entry.agent_id!r}: max_weight must be in (0, 1], got {entry.max_weight}"
+        )
+    if not math.isfinite(entry.added_at):
+        raise IntegrityError(f"roster entry {entry.agent_id!r}: added_at is not finite")
+    if (entry.status == "revoked") != (entry.revoked_at is not None):
+        raise IntegrityError(
+            f"roster entry {entry.agent_id!r}: revoked_at must be set exactly when revoked"
+        )
+
+
+def sign_roster_entry(
+    *,
+    federation_id: str,
+    agent_id: str,
+    public_key: bytes,
+    role: Role,
+    admin: SigningIdentity,
+    max_weight: float | None = None,
+    added_at: float | None = None,
+) -> RosterEntry:
+    """Create an active entry signed by the admin key.
+
+    Raises:
+        IntegrityError: invalid id, key length or max_weight.
+    """
+    if len(public_key) != 32:
+        raise IntegrityError(f"an Ed25519 public key is 32 bytes, got {len(public_key)}")
+    unsigned = RosterEntry(
+        agent_id=agent_id,
+        public_key=public_key.hex(),
+        role=role,
+        max_weight=None if max_weight is None else float(max_weight),
+        status="active",
+        added_at=time.time() if added_at is None else float(added_at),
+    )
+    _check_entry_fields(unsigned)
+    return _signed(unsigned, admin, federation_id)
+
+
+def revoke_roster_entry(
+    entry: RosterEntry, admin: SigningIdentity, federation_id: str, *, at: float | None = None
+) -> RosterEntry:
+    """The admin-signed revocation of ``entry`` (same fields, status "revoked")."""
+    revoked = msgspec.structs.replace(
+        entry,
+        status="revoked",
+        revoked_at=time.time() if at is None else float(at),
+        admin_signature="",
+    )
+    return _signed(revoked, admin, federation_id)
+
+
+def _signed(entry: RosterEntry, admin: SigningIdentity, federation_id: str) -> RosterEntry:
+    signature = admin.sign(ROSTER_ENTRY_DOMAIN, entry.signed_bytes(federation_id))
+    return msgspec.structs.replace(entry, admin_signature=signature.hex())
+
+
+def verify_roster_entry(entry: RosterEntry, admin_public: bytes, federation_id: str) -> None:
+    """Check an entry's fields and admin signature.
+
+    Raises:
+        IntegrityError: a field is invalid.
+        SignatureError: the admin signature is missing or does not verify.
+    """
+    _check_entry_fields(entry)
+    if not _SIG_HEX.fullmatch(entry.admin_signature):
+        raise SignatureError(f"roster entry {entry.agent_id!r} has no valid admin signature")
+    try:
+        PublicIdentity(admin_public).verify(
+            ROSTER_ENTRY_DOMAIN,
+            entry.signed_bytes(federation_id),
+            bytes.fromhex(entry.admin_signature),
+        )
+    except SignatureError:
+        raise SignatureError(
+            f"roster entry {entry.agent_id!r}: admin signature does not verify"
+        ) from None
+
+
+def roster_event(
+    kind: Literal["roster_add", "roster_revoke"],
+    serial: int,
+    federation_id: str,
+    entry: RosterEntry,
+) -> dict[str, Any]:
+    """A roster change as a transparency-log event (JSON-ready dict)."""
+    return {
+        "type": kind,
+        "federation_id": federation_id,
+        "serial": serial,
+        "entry": entry.to_dict(),
+    }
+
+
+def entry_from_event(event: dict[str, Any]) -> RosterEntry:
+    """The entry carried by a roster event (its signature is not checked here).
+
+    Raises:
+        IntegrityError: the event is malformed.
+    """
+    try:
+        return msgspec.convert(event["entry"], type=RosterEntry, strict=True)
+    except (KeyError, TypeError, msgspec.ValidationError) as exc:
+        raise IntegrityError(f"roster event is malformed: {exc}") from None
+
+
+class _RosterDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    format: str
+    federation_id: str
+    admin_key_id: str
+    serial: int
+    entries: list[RosterEntry]
+
+
+class Roster:
+    """The members of one federation, as stored in ``root/roster.json``."""
+
+    def __init__(self, root: Path, federation_id: str, admin_public: bytes) -> None:
+        """Load and verify the roster (an absent file is an empty roster).
+
+        Raises:
+            IntegrityError / SignatureError: the file is malformed, belongs to another
+                federation or admin, or holds an entry that does not verify.
+        """
+        self.root = Path(root)
+        self.path = self.root / ROSTER_FILE
+        self._lock_path = self.root / f".{ROSTER_FILE}.lock"
+        self.federation_id = federation_id
+        self.admin_public = PublicIdentity(admin_public).public_bytes
+        self.last_reload_error: str | None = None
+        self._mutex = threading.RLock()
+        self._serial = 0
+        self._entries: dict[str, RosterEntry] = {}
+        self._by_key: dict[str, RosterEntry] = {}
+        self._stat: tuple[int, int, int] | None = None
+        self._failed_stat: tuple[int, int, int] | None = None
+        serial, entries, stat = self._read_disk()
+        self._install(serial, entries, stat)
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def serial(self) -> int:
+        """Number of changes ever made to this roster."""
+        return self._serial
+
+    def entries(self) -> list[RosterEntry]:
+        """All entries, active and revoked, in the order they were added."""
+        with self._mutex:
+            return list(self._entries.values())
+
+    def get(self, agent_id: str) -> RosterEntry | None:
+        """The entry for ``agent_id`` (active or revoked), or None."""
+        with self._mutex:
+            return self._entries.get(agent_id)
+
+    def by_key_id(self, key_id: str) -> RosterEntry | None:
+        """The entry whose public key has this key id (active or revoked), or None."""
+        with self._mutex:
+            return self._by_key.get(key_id)
+
+    def active_agents(self) -> list[RosterEntry]:
+        """Active entries with role "agent": the members that may contribute updates."""
+        with self._mutex:
+            return [e for e in self._entries.values() if e.is_active and e.role == "agent"]
+
+    def verify_all(self, admin_public: bytes | None = None) -> None:
+        """Re-check every entry's signature (against ``admin_public`` if given).
+
+        Raises:
+            IntegrityError / SignatureError: naming the first bad entry.
+        """
+        key = self.admin_public if admin_public is None else admin_public
+        with self._mutex:
+            for entry in self._entries.values():
+                verify_roster_entry(entry, key, self.federation_id)
+
+    # -- changes ----------------------------------------------------------------------
+
+    def add(self, entry: RosterEntry) -> dict[str, Any]:
+        """Enrol a new member.
+
+        Returns:
+            The ``roster_add`` event for the transparency log.
+
+        Raises:
+            SignatureError: the entry is not signed by this roster's admin.
+            IntegrityError: the entry is invalid or not active.
+            ConfigError: the id or the public key is already in the roster (even revoked).
+        """
+        verify_roster_entry(entry, self.admin_public, self.federation_id)
+        if entry.status != "active":
+            raise IntegrityError(f"roster entry {entry.agent_id!r}: a new entry must be active")
+        with self._exclusive():
+            if entry.agent_id in self._entries:
+                raise ConfigError(
+                    f"roster already has an entry with id {entry.agent_id!r} "
+                    f"({self._entries[entry.agent_id].status}); ids are never reused"
+                )
+            other = self._by_key.get(entry.key_id)
+            if other is not None:
+                raise ConfigError(
+                    f"public key {entry.key_id} is already enrolled as {other.agent_id!r} "
+                    f"({other.status}); keys are never reused"
+                )
+            entries = [*self._entries.values(), entry]
+            self._write(self._serial + 1, entries)
+            log.info("roster_add agent=%s key=%s role=%s", entry.agent_id, entry.key_id, entry.role)
+            return roster_event("roster_add", self._serial, self.federation_id, entry)
+
+    def revoke(
+        self, agent_id: str, admin: SigningIdentity, *, at: float | None = None
+    ) -> dict[str, Any]:
+        """Revoke a member with an admin-signed revocation.
+
+        Returns:
+            The ``roster_revoke`` event for the transparency log.
+
+        Raises:
+            SignatureError: ``admin`` is not this roster's admin key.
+            NotFound: no such member.
+            ConfigError: it is already revoked.
+        """
+        if admin.public_bytes != self.admin_public:
+            raise SignatureError(
+                f"key {admin.key_id} is not the admin key of federation {self.federation_id!r}"
+            )
+        with self._exclusive():
+            current = self._entries.get(agent_id)
+            if current is None:
+                raise NotFound(f"roster has no entry with id {agent_id!r}")
+            if current.status == "revoked":
+                raise ConfigError(f"roster entry {agent_id!r} is already revoked")
+            revoked = revoke_roster_entry(current, admin, self.federation_id, at=at)
+            entries = [revoked if e.agent_id == agent_id else e for e in self._entries.values()]
+            self._write(self._serial + 1, entries)
+            log.info("roster_revoke agent=%s key=%s", agent_id, revoked.key_id)
+            return roster_event("roster_revoke", self._serial, self.federation_id, revoked)
+
+    def reload_if_changed(self) -> bool:
+        """Pick up changes another process made to roster.json.
+
+        A file that does not verify, or whose serial goes backwards, is refused: the
+        roster already loaded stays in force, the reason is logged once and kept in
+        :attr:`last_reload_error`.
+
+        Returns:
+            True if a newer roster was loaded.
+        """
+        with self._mutex:
+            stat = self._stat_key()
+            if stat == self._stat or (stat is not None and stat == self._failed_stat):
+                return False
+            try:
+                serial, entries, stat = self._read_disk()
+                if serial < self._serial:
+                    raise IntegrityError(
+                        f"{self.path}: serial {serial} is older than the loaded {self._serial}"
+                    )
+                if serial == self._serial and entries != list(self._entries.values()):
+                    raise IntegrityError(
+                        f"{self.path}: content changed without a new serial ({serial})"
+                    )
+            except FedsecError as exc:
+                self._failed_stat = stat
+                self.last_reload_error = exc.detail
+                log.warning("roster_reload_refused reason=%r", exc.detail)
+                return False
+            changed = serial != self._serial
+            self._install(serial, entries, stat)
+            self.last_reload_error = None
+            if changed:
+                log.info("roster_reloaded serial=%d entries=%d", serial, len(entries))
+            return changed
+
+    # -- internals --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the cross-process lock and bring the in-memory roster up to date."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._mutex, open(self._lock_path, "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                serial, entries, stat = self._read_disk()
+                if serial < self._serial:
+                    raise IntegrityError(
+                        f"{self.path}: serial {serial} is older than the loaded {self._serial}"
+                    )
+                self._install(serial, entries, stat)
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _stat_key(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _read_disk(self) -> tuple[int, list[RosterEntry], tuple[int, int, int] | None]:
+        stat = self._stat_key()
+        if stat is None:
+            return 0, [], None
+        if stat[1] > MAX_ROSTER_BYTES:
+            raise IntegrityError(f"{self.path} is {stat[1]} bytes, the limit is {MAX_ROSTER_BYTES}")
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0, [], None
+        try:
+            doc = msgspec.json.decode(raw, type=_RosterDocument)
+        except msgspec.DecodeError as exc:
+            raise IntegrityError(f"{self.path} is malformed: {exc}") from None
+        if doc.format != ROSTER_FORMAT:
+            raise IntegrityError(f"{self.path}: format {doc.format!r} is not {ROSTER_FORMAT!r}")
+        if doc.federation_id != self.federation_id:
+            raise IntegrityError(
+                f"{self.path} belongs to federation {doc.federation_id!r}, "
+                f"not {self.federation_id!r}"
+            )
+        admin_id = key_id(self.admin_public)
+        if doc.admin_key_id != admin_id:
+            raise IntegrityError(
+                f"{self.path} was written for admin key {doc.admin_key_id}, not {admin_id}"
+            )
+        ids: set[str] = set()
+        keys: set[str] = set()
+        for entry in doc.entries:
+            verify_roster_entry(entry, self.admin_public, self.federation_id)
+            if entry.agent_id in ids or entry.public_key in keys:
+                raise IntegrityError(
+                    f"{self.path}: entry {entry.agent_id!r} duplicates an id or a key"
+                )
+            ids.add(entry.agent_id)
+            keys.add(entry.public_key)
+        return doc.serial, doc.entries, stat
+
+    def _install(
+        self, serial: int, entries: list[RosterEntry], stat: tuple[int, int, int] | None
+    ) -> None:
+        self._serial = serial
+        self._entries = {e.agent_id: e for e in entries}
+        self._by_key = {e.key_id: e for e in entries}
+        self._stat = stat
+        self._failed_stat = None
+
+    def _write(self, serial: int, entries: list[RosterEntry]) -> None:
+        doc = {
+            "format": ROSTER_FORMAT,
+            "federation_id": self.federation_id,
+            "admin_key_id": key_id(self.admin_public),
+            "serial": serial,
+            "entries": [e.to_dict() for e in entries],
+        }
+        body = json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+        atomic_write(self.path, body)
+        self._install(serial, entries, self._stat_key())

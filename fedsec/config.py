@@ -1,0 +1,691 @@
+"""Configuration files: ``federation.toml`` (aggregator) and ``agent.toml`` (data owner).
+
+Each file is parsed with :mod:`tomllib` and validated into frozen msgspec Structs that
+refuse unknown keys.  Every default below carries a comment saying why it is that value;
+the same sentences are written into generated files (:func:`dump_federation_config`,
+:func:`default_federation_toml`) and into ``docs/config.md``.  A bad file is refused
+with a :class:`~fedsec.errors.ConfigError` naming the file, the key path and the
+reason, e.g. ``federation.toml: round.quant_bits: expected an integer in 2..16, got 40``.
+
+Relative paths in a file (``agent.state_dir``, ``data.csv``, ``server.tls_cert``,
+``server.tls_key``) are resolved against the directory holding that file, so a
+configuration means the same thing whatever directory a service is started from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import tomllib
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from fedsec.errors import ConfigError
+
+# Identifiers appear in URLs, file names and log lines: keep them to a safe alphabet.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
+_PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+
+MiB = 1024 * 1024
+
+# Key path -> why the default is what it is.  Written as comments into generated files.
+DOCS: dict[str, str] = {
+    # federation.toml
+    "federation.id": "Names the federation; bound into every signature so messages of one "
+    "federation can never be replayed in another.",
+    "federation.task": "Bundled task (model + data loader) every member trains; "
+    "breast_cancer is small enough to run anywhere.",
+    "federation.task_options": "Task-specific options passed to the task (e.g. hidden layer "
+    "sizes); empty means the task's own defaults.",
+    "round.min_agents": "Fewest members a round may close with. Secure summation reveals only a "
+    "sum: with 2 members each could subtract its own update and learn the other's, so 3.",
+    "round.max_agents": "Largest cohort per round; bounds the aggregator's per-round work "
+    "(key lists, shares) and memory.",
+    "round.rounds": "Rounds to run before the federation stops; 10 is a short first run on "
+    "the bundled tasks, raise it for real ones.",
+    "round.neighbors": "SecAgg+ neighbours k per member; 0 = auto (the coordinator picks "
+    "O(log n) from the cohort size; n-1, classic SecAgg, for small cohorts).",
+    "round.threshold": "Shamir threshold t (shares needed to unmask); 0 = auto (the "
+    "coordinator picks just over half of the neighbours, the SecAgg+ security bound).",
+    "round.quant_bits": "Bits per coordinate after stochastic rounding (2..16); 8 bits is a "
+    "quarter of float32's size with rounding error well below typical DP noise.",
+    "round.clip_norm": "L2 bound C on each member's update; caps any one member's influence "
+    "and fixes the quantisation range.",
+    "round.secure_sum": "secagg = SecAgg+ masking (the aggregator learns only the sum); none = "
+    "trusted aggregator, plain signed updates (enables robust rules).",
+    "round.mode": "sync = rounds with a cohort and stage deadlines; buffered = FedBuff "
+    "asynchronous intake closing every buffer_size contributions.",
+    "round.buffer_size": "Contributions per aggregate in buffered mode; 10 balances freshness "
+    "against the per-aggregate overhead.",
+    "round.max_staleness": "Buffered mode refuses updates trained on a model more than this "
+    "many versions old; 4 keeps stale gradients from dragging the model back.",
+    "round.open_s": "Seconds members have to train after a round opens; 600 is generous "
+    "for one local epoch of a small task on a CPU.",
+    "round.advertise_s": "Seconds to upload signed ephemeral keys; a few requests, 30 s "
+    "tolerates slow links.",
+    "round.share_s": "Seconds to upload encrypted Shamir shares; 30 s as for advertise.",
+    "round.masked_s": "Seconds to upload the masked update; 60 s allows a model-sized upload "
+    "on a slow link.",
+    "round.unmask_s": "Seconds for survivors to return shares for unmasking; 30 s.",
+    "round.max_weight_samples": "Sample count at which a member's weight w reaches 1.0 "
+    "(w = min(1, samples / this)); caps the pull of one very large member.",
+    "training.local_epochs": "Local passes over the member's data per round; 1 keeps the "
+    "privacy cost per round low and limits client drift.",
+    "training.batch_size": "Records per DP-SGD batch; 32 suits the small bundled datasets.",
+    "training.lr": "Local learning rate; 0.05 is stable for the bundled tasks with SGD.",
+    "training.optimizer": "Local optimiser (sgd or adam); sgd is the standard DP-SGD "
+    "setting and needs the least tuning.",
+    "dp.enabled": "Train with DP-SGD (per-record clipping + Gaussian noise); on unless every "
+    "member's data is public.",
+    "dp.noise_multiplier": "Noise std / max_grad_norm; 1.0 is the common DP-SGD starting "
+    "point; the accountant reports the epsilon it costs.",
+    "dp.max_grad_norm": "Per-record gradient clipping bound; 1.0 is the usual DP-SGD default.",
+    "dp.delta": "DP delta; must be well below 1/records, 1e-5 suits datasets up to ~10^4 records.",
+    "server.host": "Address the aggregator listens on; loopback by default so nothing is "
+    "exposed until the operator says so.",
+    "server.port": "TCP port; 8443 is the conventional unprivileged HTTPS port.",
+    "server.max_body_bytes": "Largest binary request body (models, masked vectors); 64 MiB "
+    "holds a float32 model of just under 16M parameters.",
+    "server.max_json_bytes": "Largest JSON control message; 1 MiB holds key lists and share "
+    "bundles for cohorts in the hundreds.",
+    "server.clock_skew_s": "Request signatures older or newer than this are refused; 300 s is "
+    "the usual window for unsynchronised clocks (as Kerberos).",
+    "server.optimizer": "Server optimiser: fedavg applies the averaged update; fedadam applies "
+    "it through Adam (Reddi et al. 2021).",
+    "server.server_lr": "Server learning rate; 1.0 with fedavg is plain federated averaging.",
+    "server.adam_beta1": "FedAdam first-moment decay; 0.9 as in Reddi et al.",
+    "server.adam_beta2": "FedAdam second-moment decay; 0.99 as in Reddi et al.",
+    "server.adam_tau": "FedAdam adaptivity (epsilon); 1e-3 as in Reddi et al.",
+    "server.tls_cert": "PEM certificate for HTTPS; empty = plain HTTP (requests are still "
+    "signed; use only behind a TLS-terminating proxy or on loopback).",
+    "server.tls_key": "PEM private key matching tls_cert; set both or neither.",
+    "validation.enabled": "Score each new global model on the aggregator's validation split "
+    "and alert on degradation.",
+    # agent.toml
+    "agent.id": "This member's id in the roster; must match the id the admin enrolled.",
+    "agent.aggregator_url": "Base URL of the aggregator (http:// or https://).",
+    "agent.aggregator_public_key": "Aggregator's Ed25519 public key, 64 hex digits, from the "
+    "operator; pins every model manifest and receipt to it.",
+    "agent.state_dir": "Where the agent keeps its key, privacy ledger and audit vault; "
+    "relative to this file.",
+    "agent.device": "Training device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps.",
+    "data.task": "Bundled task to train; must equal the federation's task.",
+    "data.task_options": "Task-specific options; must match the federation's.",
+    "data.dataset_id": "Names this member's dataset in the privacy ledger (epsilon is "
+    "tracked per dataset); empty = derived from task, partition and csv.",
+    "data.partition": "How the bundled dataset is split among demo members: iid, or "
+    "dirichlet:ALPHA for label skew (smaller alpha = more skew).",
+    "data.part_index": "Which part this member gets (0-based, < parts).",
+    "data.parts": "Number of parts the bundled dataset is split into (1 = all of it).",
+    "data.seed": "Seed of the split, so every member computes the same partition.",
+    "data.csv": "CSV file with this member's own records instead of the bundled data; "
+    "relative to this file; empty = bundled data.",
+    "privacy.epsilon": "Total epsilon this member will spend on this dataset across all "
+    "rounds; training stops past it. 8 is a common upper bound for useful DP models.",
+    "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
+    "network.retry_max": "Retries of a failed request before giving up on the stage; 8 "
+    "spans about 45 s of outage with the backoff below (0.5+1+2+4+8+10+10+10).",
+    "network.backoff_initial_s": "First retry delay; doubles per retry up to backoff_max_s.",
+    "network.backoff_max_s": "Longest retry delay; 10 s keeps a member inside stage "
+    "deadlines of 30 s.",
+    "network.timeout_s": "Per-request timeout; 30 s allows a model download on a slow link.",
+}
+
+
+# -- federation.toml -----------------------------------------------------------------
+
+
+class FederationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    task: str = "breast_cancer"
+    task_options: dict[str, Any] = {}
+
+
+class RoundSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    min_agents: int = 3
+    max_agents: int = 100
+    rounds: int = 10
+    neighbors: int = 0
+    threshold: int = 0
+    quant_bits: int = 8
+    clip_norm: float = 1.0
+    secure_sum: Literal["secagg", "none"] = "secagg"
+    mode: Literal["sync", "buffered"] = "sync"
+    buffer_size: int = 10
+    max_staleness: int = 4
+    open_s: float = 600.0
+    advertise_s: float = 30.0
+    share_s: float = 30.0
+    masked_s: float = 60.0
+    unmask_s: float = 30.0
+    max_weight_samples: int = 10000
+
+
+class TrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    optimizer: Literal["sgd", "adam"] = "sgd"
+
+
+class DPSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+
+
+class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8443
+    max_body_bytes: int = 64 * MiB
+    max_json_bytes: int = 1 * MiB
+    clock_skew_s: float = 300.0
+    optimizer: Literal["fedavg", "fedadam"] = "fedavg"
+    server_lr: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_tau: float = 1e-3
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+class ValidationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+
+
+class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything the aggregator needs to run a federation (``federation.toml``)."""
+
+    federation: FederationSection
+    round: RoundSection = msgspec.field(default_factory=RoundSection)
+    training: TrainingSection = msgspec.field(default_factory=TrainingSection)
+    dp: DPSection = msgspec.field(default_factory=DPSection)
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
+    validation: ValidationSection = msgspec.field(default_factory=ValidationSection)
+
+
+# -- agent.toml ------------------------------------------------------------------------
+
+
+class AgentSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    aggregator_url: str
+    aggregator_public_key: str
+    state_dir: str = "state"
+    device: str = "auto"
+
+    @property
+    def aggregator_public_key_bytes(self) -> bytes:
+        return bytes.fromhex(self.aggregator_public_key)
+
+
+class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: str = "breast_cancer"
+    task_options: dict[str, Any] = {}
+    dataset_id: str = ""
+    partition: str = "iid"
+    part_index: int = 0
+    parts: int = 1
+    seed: int = 0
+    csv: str = ""
+
+    def effective_dataset_id(self) -> str:
+        """``dataset_id``, or one derived from where the data comes from."""
+        if self.dataset_id:
+            return self.dataset_id
+        if self.csv:
+            return f"csv:{Path(self.csv).name}"
+        return f"{self.task}:{self.partition}:{self.seed}:{self.part_index}/{self.parts}"
+
+    def dirichlet_alpha(self) -> float | None:
+        """The Dirichlet concentration of a ``dirichlet:ALPHA`` partition, else None."""
+        match = _PARTITION.fullmatch(self.partition)
+        if match and match.group("alpha") is not None:
+            return float(match.group("alpha"))
+        return None
+
+
+class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    epsilon: float = 8.0
+    delta: float = 1e-5
+
+
+class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    retry_max: int = 8
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    timeout_s: float = 30.0
+
+
+class AgentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything a data owner's agent needs (``agent.toml``)."""
+
+    agent: AgentSection
+    data: DataSection = msgspec.field(default_factory=DataSection)
+    privacy: PrivacySection = msgspec.field(default_factory=PrivacySection)
+    network: NetworkSection = msgspec.field(default_factory=NetworkSection)
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+class _Problems:
+    """Collects ``key: expected ..., got ...`` sentences."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def require(self, ok: bool, path: str, expected: str, got: object) -> None:
+        if not ok:
+            self.items.append(f"{path}: expected {expected}, got {_show(got)}")
+
+    def fail(self, path: str, sentence: str) -> None:
+        self.items.append(f"{path}: {sentence}")
+
+    def int_range(self, path: str, value: int, lo: int, hi: int | None = None) -> None:
+        if hi is None:
+            self.require(value >= lo, path, f"an integer >= {lo}", value)
+        else:
+            self.require(lo <= value <= hi, path, f"an integer in {lo}..{hi}", value)
+
+    def positive(self, path: str, value: float) -> None:
+        self.require(math.isfinite(value) and value > 0, path, "a number > 0", value)
+
+    def open_unit(self, path: str, value: float, *, zero_ok: bool = False) -> None:
+        ok = (0 <= value < 1) if zero_ok else (0 < value < 1)
+        self.require(ok, path, "a number in [0, 1)" if zero_ok else "a number in (0, 1)", value)
+
+    def identifier(self, path: str, value: str) -> None:
+        self.require(
+            bool(ID_PATTERN.fullmatch(value)),
+            path,
+            "1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit",
+            value,
+        )
+
+
+def _show(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _validate_federation(cfg: FederationConfig) -> list[str]:
+    p = _Problems()
+    p.identifier("federation.id", cfg.federation.id)
+    p.require(bool(cfg.federation.task), "federation.task", "a task name", cfg.federation.task)
+    r = cfg.round
+    min_members = 3 if r.secure_sum == "secagg" else 1
+    p.int_range("round.min_agents", r.min_agents, min_members, 100_000)
+    p.int_range("round.max_agents", r.max_agents, max(r.min_agents, 1), 100_000)
+    p.int_range("round.rounds", r.rounds, 1)
+    if r.neighbors:
+        p.int_range("round.neighbors", r.neighbors, 2, max(r.max_agents - 1, 2))
+    if r.threshold:
+        upper = r.neighbors + 1 if r.neighbors else r.max_agents
+        p.int_range("round.threshold", r.threshold, 2, max(upper, 2))
+    p.int_range("round.quant_bits", r.quant_bits, 2, 16)
+    p.positive("round.clip_norm", r.clip_norm)
+    p.int_range("round.buffer_size", r.buffer_size, 1, 100_000)
+    p.int_range("round.max_staleness", r.max_staleness, 0)
+    for name in ("open_s", "advertise_s", "share_s", "masked_s", "unmask_s"):
+        p.positive(f"round.{name}", getattr(r, name))
+    p.int_range("round.max_weight_samples", r.max_weight_samples, 1)
+    t = cfg.training
+    p.int_range("training.local_epochs", t.local_epochs, 1, 1000)
+    p.int_range("training.batch_size", t.batch_size, 1)
+    p.positive("training.lr", t.lr)
+    d = cfg.dp
+    if d.enabled:
+        p.positive("dp.noise_multiplier", d.noise_multiplier)
+    else:
+        p.require(
+            d.noise_multiplier >= 0, "dp.noise_multiplier", "a number >= 0", d.noise_multiplier
+        )
+    p.positive("dp.max_grad_norm", d.max_grad_norm)
+    p.open_unit("dp.delta", d.delta)
+    s = cfg.server
+    p.require(bool(s.host), "server.host", "a host name or address", s.host)
+    p.int_range("server.port", s.port, 0, 65535)
+    p.int_range("server.max_body_bytes", s.max_body_bytes, 1024)
+    p.int_range("server.max_json_bytes", s.max_json_bytes, 1024, max(s.max_body_bytes, 1024))
+    p.positive("server.clock_skew_s", s.clock_skew_s)
+    p.positive("server.server_lr", s.server_lr)
+    p.open_unit("server.adam_beta1", s.adam_beta1, zero_ok=True)
+    p.open_unit("server.adam_beta2", s.adam_beta2, zero_ok=True)
+    p.positive("server.adam_tau", s.adam_tau)
+    if bool(s.tls_cert) != bool(s.tls_key):
+        missing = "server.tls_key" if s.tls_cert else "server.tls_cert"
+        p.fail(missing, "must be set when the other of tls_cert/tls_key is set")
+    return p.items
+
+
+def _validate_agent(cfg: AgentConfig) -> list[str]:
+    p = _Problems()
+    a = cfg.agent
+    p.identifier("agent.id", a.id)
+    p.require(
+        a.aggregator_url.startswith(("http://", "https://")) and len(a.aggregator_url) > 8,
+        "agent.aggregator_url",
+        "an http:// or https:// URL",
+        a.aggregator_url,
+    )
+    p.require(
+        bool(_HEX_KEY.fullmatch(a.aggregator_public_key)),
+        "agent.aggregator_public_key",
+        "64 hex digits (an Ed25519 public key)",
+        a.aggregator_public_key,
+    )
+    p.require(bool(a.state_dir), "agent.state_dir", "a directory path", a.state_dir)
+    devices = "auto, cpu, cuda, cuda:N or mps"
+    p.require(bool(_DEVICE.fullmatch(a.device)), "agent.device", devices, a.device)
+    d = cfg.data
+    p.require(bool(d.task), "data.task", "a task name", d.task)
+    match = _PARTITION.fullmatch(d.partition)
+    alpha_ok = True
+    if match and match.group("alpha") is not None:
+        try:
+            alpha = float(match.group("alpha"))
+            alpha_ok = math.isfinite(alpha) and alpha > 0
+        except ValueError:
+            alpha_ok = False
+    p.require(
+        bool(match) and alpha_ok,
+        "data.partition",
+        "iid or dirichlet:ALPHA with ALPHA > 0",
+        d.partition,
+    )
+    p.int_range("data.parts", d.parts, 1, 100_000)
+    p.int_range("data.part_index", d.part_index, 0, max(d.parts - 1, 0))
+    p.int_range("data.seed", d.seed, 0)
+    p.positive("privacy.epsilon", cfg.privacy.epsilon)
+    p.open_unit("privacy.delta", cfg.privacy.delta)
+    n = cfg.network
+    p.int_range("network.retry_max", n.retry_max, 0, 1000)
+    p.positive("network.backoff_initial_s", n.backoff_initial_s)
+    p.positive("network.backoff_max_s", n.backoff_max_s)
+    p.require(
+        n.backoff_max_s >= n.backoff_initial_s,
+        "network.backoff_max_s",
+        f"a number >= backoff_initial_s ({n.backoff_initial_s})",
+        n.backoff_max_s,
+    )
+    p.positive("network.timeout_s", n.timeout_s)
+    return p.items
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+_C = typing.TypeVar("_C", FederationConfig, AgentConfig)
+
+_MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+
+
+def _parse(text: str, source: str, kind: type[_C], validate: Callable[[_C], list[str]]) -> _C:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        cfg = msgspec.convert(doc, type=kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_explain(str(exc), doc, kind)}") from None
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+    return cfg
+
+
+def _explain(message: str, doc: Mapping[str, Any], kind: type) -> str:
+    """Turn a msgspec error into ``key.path: reason, got value``."""
+    match = _MSGSPEC_ERROR.match(message)
+    assert match is not None
+    msg, raw_path = match.group("msg"), (match.group("path") or "")
+    segments = [s for s in re.split(r"\.|\[(\d+)\]", raw_path) if s]
+    path = ".".join(segments)
+    unknown = re.match(r"Object contains unknown field `(.+)`", msg)
+    if unknown:
+        return f"{_join(path, unknown.group(1))}: unknown key"
+    missing = re.match(r"Object missing required field `(.+)`", msg)
+    if missing:
+        return f"{_join(path, missing.group(1))}: required key is missing"
+    got = _lookup(doc, segments)
+    literal = _literal_choices(kind, segments)
+    if literal is not None:
+        choices = ", ".join(repr(c) for c in literal)
+        return f"{path}: expected one of {choices}, got {_show(got)}"
+    expected = re.match(r"Expected `([^`]+)`", msg)
+    if expected:
+        return f"{path}: expected {_type_words(expected.group(1))}, got {_show(got)}"
+    return f"{path}: {msg}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_words(name: str) -> str:
+    return {
+        "int": "an integer",
+        "float": "a number",
+        "str": "a string",
+        "bool": "true or false",
+        "object": "a table",
+    }.get(name, name)
+
+
+def _lookup(doc: Any, segments: list[str]) -> object:
+    for seg in segments:
+        if isinstance(doc, Mapping) and seg in doc:
+            doc = doc[seg]
+        elif isinstance(doc, list) and seg.isdigit() and int(seg) < len(doc):
+            doc = doc[int(seg)]
+        else:
+            return "?"
+    return doc
+
+
+def _literal_choices(kind: type, segments: list[str]) -> tuple[object, ...] | None:
+    current: Any = kind
+    for seg in segments:
+        if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
+            return None
+        hints = typing.get_type_hints(current)
+        if seg not in hints:
+            return None
+        current = hints[seg]
+    if typing.get_origin(current) is Literal:
+        return typing.get_args(current)
+    return None
+
+
+def _resolve(base: Path, value: str) -> str:
+    if not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _read(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read configuration file: {exc}") from None
+
+
+def parse_federation_config(text: str, source: str = "federation.toml") -> FederationConfig:
+    """Validate TOML text as a federation config (paths are left as written).
+
+    Raises:
+        ConfigError: naming ``source``, the key path and the reason.
+    """
+    return _parse(text, source, FederationConfig, _validate_federation)
+
+
+def parse_agent_config(text: str, source: str = "agent.toml") -> AgentConfig:
+    """Validate TOML text as an agent config (paths are left as written).
+
+    Raises:
+        ConfigError: naming ``source``, the key path and the reason.
+    """
+    return _parse(text, source, AgentConfig, _validate_agent)
+
+
+def load_federation_config(path: Path) -> FederationConfig:
+    """Read and validate ``federation.toml``; TLS paths resolved against its directory.
+
+    Raises:
+        ConfigError: missing/unreadable file, bad TOML, unknown key, bad value.
+    """
+    path = Path(path)
+    cfg = parse_federation_config(_read(path), str(path))
+    base = path.parent.resolve()
+    server = msgspec.structs.replace(
+        cfg.server,
+        tls_cert=_resolve(base, cfg.server.tls_cert),
+        tls_key=_resolve(base, cfg.server.tls_key),
+    )
+    return msgspec.structs.replace(cfg, server=server)
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    """Read and validate ``agent.toml``; state_dir and csv resolved against its directory.
+
+    Raises:
+        ConfigError: missing/unreadable file, bad TOML, unknown key, bad value.
+    """
+    path = Path(path)
+    cfg = parse_agent_config(_read(path), str(path))
+    base = path.parent.resolve()
+    agent = msgspec.structs.replace(cfg.agent, state_dir=_resolve(base, cfg.agent.state_dir))
+    data = msgspec.structs.replace(cfg.data, csv=_resolve(base, cfg.data.csv))
+    return msgspec.structs.replace(cfg, agent=agent, data=data)
+
+
+# -- writing -------------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(value: str) -> str:
+    out = ['"']
+    for ch in value:
+        code = ord(ch)
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def toml_value(value: object) -> str:
+    """One TOML value: strings, bools, ints, floats, lists and (inline) tables."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        if not value:
+            return "{}"
+        inner = ", ".join(f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }"
+    raise ConfigError(f"cannot write {type(value).__name__} value {value!r} as TOML")
+
+
+def _wrap_comment(text: str, width: int = 88) -> Iterator[str]:
+    line = "#"
+    for word in text.split():
+        if len(line) + 1 + len(word) > width and line != "#":
+            yield line
+            line = "#"
+        line += " " + word
+    yield line
+
+
+def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
+    """A config as TOML text with every key documented by a comment."""
+    doc = msgspec.to_builtins(cfg)
+    lines = [f"# {title}", "# Reference: docs/config.md. Unknown keys are refused.", ""]
+    for section, table in doc.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            why = DOCS.get(f"{section}.{key}")
+            if why:
+                lines.extend(_wrap_comment(why))
+            lines.append(f"{_toml_key(key)} = {toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def dump_federation_config(cfg: FederationConfig, path: Path) -> None:
+    """Write ``cfg`` as documented TOML to ``path`` (atomically)."""
+    _write_text(path, render_toml(cfg, f"fedsec federation {cfg.federation.id}"))
+
+
+def dump_agent_config(cfg: AgentConfig, path: Path) -> None:
+    """Write ``cfg`` as documented TOML to ``path`` (atomically)."""
+    _write_text(path, render_toml(cfg, f"fedsec agent {cfg.agent.id}"))
+
+
+def default_federation_toml(federation_id: str, task: str = "breast_cancer") -> str:
+    """A documented ``federation.toml`` with every default spelled out.
+
+    Raises:
+        ConfigError: ``federation_id`` or ``task`` is invalid.
+    """
+    cfg = FederationConfig(federation=FederationSection(id=federation_id, task=task))
+    problems = _validate_federation(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return render_toml(cfg, f"fedsec federation {federation_id}")

@@ -1,0 +1,387 @@
+"""Model files and their signed manifests, shared by agent, aggregator and audit.
+
+A model travels as a safetensors file of float32 tensors, never as a pickle: decoding
+parses a JSON header and copies raw little-endian floats, so a hostile file can at
+worst be refused, not run.  Encoding is deterministic (sorted names, fixed metadata,
+float32 little-endian) so the same weights always give the same bytes and therefore
+the same sha256, which is what content addressing and re-aggregation audits compare.
+
+A :class:`ModelManifest` names one model version: its sha256, its parent version, the
+round that produced it and its validation metrics, signed by the aggregator in the
+``"model-manifest"`` domain over the canonical JSON of every field but the signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+import time
+from collections.abc import Collection, Mapping
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+from safetensors import SafetensorError
+from safetensors.numpy import load as _st_load
+from safetensors.numpy import save as _st_save
+
+from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
+from fedsec.errors import IntegrityError, PayloadTooLarge, SignatureError
+
+MANIFEST_DOMAIN = "model-manifest"
+
+# Fixed metadata written into every file: part of the hashed bytes, so it must never
+# vary between writers.  One key only: safetensors keeps metadata in an unordered map,
+# so two keys could be written in either order and change the hash.
+MODEL_METADATA: dict[str, str] = {"format": "np"}
+
+# The only tensor dtype accepted: updates are computed, clipped and quantized in float32,
+# and one dtype keeps the encoding (hence the hash) unique for given weights.
+MODEL_DTYPE = "F32"
+
+# A safetensors header is a few hundred bytes per tensor; 16 MiB allows ~50k tensors
+# (large transformer checkpoints have a few thousand) while bounding the JSON parse.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+# Manifests hold a handful of numbers, a note and metrics; 64 KiB is generous and keeps
+# a hostile manifest from costing more than a page of memory to parse.
+MAX_MANIFEST_BYTES = 64 * 1024
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SIG_HEX = re.compile(r"^[0-9a-f]{128}$")
+
+ManifestKind = Literal["initial", "aggregate", "rollback"]
+
+FloatArray = npt.NDArray[np.float32]
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lowercase hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_model(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
+    """Encode named tensors as deterministic safetensors bytes.
+
+    Args:
+        arrays: tensor name -> array; every value is converted to little-endian float32.
+
+    Returns:
+        The file bytes; equal arrays always give equal bytes.
+
+    Raises:
+        IntegrityError: no tensors, a bad name, or a tensor with NaN/inf values.
+    """
+    if not arrays:
+        raise IntegrityError("a model needs at least one tensor")
+    ordered: dict[str, np.ndarray[Any, Any]] = {}
+    for name in sorted(arrays):
+        _check_name(name)
+        value = np.ascontiguousarray(np.asarray(arrays[name], dtype="<f4"))
+        if not bool(np.isfinite(value).all()):
+            raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
+        ordered[name] = value
+    return bytes(_st_save(ordered, metadata=dict(MODEL_METADATA)))
+
+
+def decode_model(
+    data: bytes,
+    *,
+    max_bytes: int,
+    expected_names: Collection[str] | None = None,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, FloatArray]:
+    """Decode and validate a model file received from anywhere.
+
+    The size is checked before anything is parsed, and the header (names, dtypes,
+    shapes, offsets) before any tensor is materialised.
+
+    Args:
+        data: safetensors bytes.
+        max_bytes: refuse larger inputs (a configured limit).
+        expected_names: if given, the file must hold exactly these tensor names.
+        expected_shapes: if given, each named tensor must have this shape.
+
+    Returns:
+        tensor name -> float32 array (writable copies).
+
+    Raises:
+        PayloadTooLarge: ``data`` is longer than ``max_bytes``.
+        IntegrityError: malformed file, wrong dtype, unexpected/missing names or shapes,
+            or NaN/inf values.
+    """
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"model file is {len(data)} bytes, the limit is {max_bytes}")
+    header = _parse_header(data)
+    names = [k for k in header if k != "__metadata__"]
+    if not names:
+        raise IntegrityError("model file holds no tensors")
+    for name in names:
+        _check_name(name)
+        info = header[name]
+        if not isinstance(info, dict):
+            raise IntegrityError(f"model file: header entry for {name!r} is not an object")
+        dtype = info.get("dtype")
+        if dtype != MODEL_DTYPE:
+            raise IntegrityError(
+                f"tensor {name!r} has dtype {dtype!r}, only {MODEL_DTYPE} is accepted"
+            )
+        shape = info.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise IntegrityError(f"tensor {name!r} has a malformed shape {shape!r}")
+    if expected_names is not None:
+        expected = set(expected_names)
+        unexpected = sorted(set(names) - expected)
+        missing = sorted(expected - set(names))
+        if unexpected:
+            raise IntegrityError(f"model file holds unexpected tensors: {', '.join(unexpected)}")
+        if missing:
+            raise IntegrityError(f"model file lacks tensors: {', '.join(missing)}")
+    if expected_shapes is not None:
+        for name, want in expected_shapes.items():
+            if name in header and tuple(header[name]["shape"]) != tuple(want):
+                got = tuple(header[name]["shape"])
+                raise IntegrityError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
+    try:
+        loaded = _st_load(bytes(data))
+    except (SafetensorError, ValueError) as exc:
+        raise IntegrityError(f"model file is malformed: {exc}") from None
+    result: dict[str, FloatArray] = {}
+    for name in sorted(loaded):
+        value = np.array(loaded[name], dtype=np.float32, copy=True)
+        if not bool(np.isfinite(value).all()):
+            raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
+        result[name] = value
+    return result
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name or name == "__metadata__" or len(name) > 1024:
+        raise IntegrityError(f"invalid tensor name {name!r}")
+
+
+def _parse_header(data: bytes) -> dict[str, Any]:
+    if len(data) < 8:
+        raise IntegrityError(f"model file is {len(data)} bytes, too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > MAX_HEADER_BYTES or header_len > len(data) - 8:
+        raise IntegrityError(
+            f"model file header length {header_len} exceeds the file or the "
+            f"{MAX_HEADER_BYTES}-byte limit"
+        )
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"model file header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise IntegrityError("model file header is not a JSON object")
+    return header
+
+
+class ModelManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One signed model version.  ``signature`` is hex Ed25519 over all other fields."""
+
+    federation_id: str
+    version: int
+    parent: int | None
+    round: int | None
+    sha256: str
+    created: float
+    metrics: dict[str, float]
+    kind: ManifestKind
+    note: str
+    signature: str
+
+    def signed_bytes(self) -> bytes:
+        """The exact bytes the signature covers (canonical JSON, signature excluded)."""
+        return _signed_payload(
+            federation_id=self.federation_id,
+            version=self.version,
+            parent=self.parent,
+            round=self.round,
+            sha256=self.sha256,
+            created=self.created,
+            metrics=self.metrics,
+            kind=self.kind,
+            note=self.note,
+        )
+
+    def to_json(self) -> bytes:
+        """Serialise for storage or the wire."""
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ModelManifest:
+        """Parse a manifest, refusing unknown fields, wrong types and oversize input.
+
+        Raises:
+            IntegrityError: malformed manifest.
+        """
+        return manifest_from_json(data)
+
+
+def _signed_payload(
+    *,
+    federation_id: str,
+    version: int,
+    parent: int | None,
+    round: int | None,
+    sha256: str,
+    created: float,
+    metrics: Mapping[str, float],
+    kind: str,
+    note: str,
+) -> bytes:
+    # Floats are normalised so an int passed by a caller and the float it becomes after
+    # a JSON round trip sign identically.
+    return canonical_json(
+        {
+            "federation_id": federation_id,
+            "version": int(version),
+            "parent": None if parent is None else int(parent),
+            "round": None if round is None else int(round),
+            "sha256": sha256,
+            "created": float(created),
+            "metrics": {str(k): float(v) for k, v in metrics.items()},
+            "kind": kind,
+            "note": note,
+        }
+    )
+
+
+def _check_fields(
+    version: int,
+    parent: int | None,
+    round: int | None,
+    sha256: str,
+    created: float,
+    metrics: Mapping[str, float],
+    kind: str,
+) -> None:
+    if version < 1:
+        raise IntegrityError(f"manifest version must be >= 1, got {version}")
+    if parent is not None and not 1 <= parent < version:
+        raise IntegrityError(f"manifest parent {parent} must be an earlier version than {version}")
+    if round is not None and round < 0:
+        raise IntegrityError(f"manifest round must be >= 0, got {round}")
+    if not _SHA256_HEX.fullmatch(sha256):
+        raise IntegrityError(f"manifest sha256 {sha256!r} is not 64 lowercase hex digits")
+    if not math.isfinite(created):
+        raise IntegrityError("manifest created time is not finite")
+    for key, value in metrics.items():
+        if not math.isfinite(float(value)):
+            raise IntegrityError(f"manifest metric {key!r} is not finite")
+    if kind not in ("initial", "aggregate", "rollback"):
+        raise IntegrityError(f"manifest kind {kind!r} is not initial, aggregate or rollback")
+
+
+def sign_manifest(
+    *,
+    federation_id: str,
+    version: int,
+    parent: int | None,
+    round: int | None,
+    sha256: str,
+    metrics: Mapping[str, float],
+    kind: ManifestKind,
+    signer: SigningIdentity,
+    note: str = "",
+    created: float | None = None,
+) -> ModelManifest:
+    """Build and sign a manifest.
+
+    Args:
+        created: unix time; defaults to now.
+
+    Returns:
+        The signed manifest.
+
+    Raises:
+        IntegrityError: a field is out of range (bad hash, version, non-finite metric).
+    """
+    when = time.time() if created is None else float(created)
+    _check_fields(version, parent, round, sha256, when, metrics, kind)
+    fields: dict[str, Any] = {
+        "federation_id": federation_id,
+        "version": int(version),
+        "parent": parent,
+        "round": round,
+        "sha256": sha256,
+        "created": when,
+        "metrics": {str(k): float(v) for k, v in metrics.items()},
+        "kind": kind,
+        "note": note,
+    }
+    signature = signer.sign(MANIFEST_DOMAIN, _signed_payload(**fields))
+    return ModelManifest(**fields, signature=signature.hex())
+
+
+def verify_manifest(
+    manifest: ModelManifest,
+    aggregator_public_key: bytes,
+    data: bytes | None = None,
+    *,
+    federation_id: str | None = None,
+) -> None:
+    """Check a manifest's signature and, if given, that ``data`` is the file it names.
+
+    Args:
+        aggregator_public_key: the 32-byte Ed25519 key of the aggregator.
+        data: the model file bytes, to compare with ``manifest.sha256``.
+        federation_id: if given, the manifest must belong to this federation.
+
+    Raises:
+        SignatureError: the signature is malformed or does not verify.
+        IntegrityError: fields out of range, wrong federation, or file hash mismatch.
+    """
+    if not _SIG_HEX.fullmatch(manifest.signature):
+        raise SignatureError(f"manifest v{manifest.version}: signature is not 64 bytes of hex")
+    _check_fields(
+        manifest.version,
+        manifest.parent,
+        manifest.round,
+        manifest.sha256,
+        manifest.created,
+        manifest.metrics,
+        manifest.kind,
+    )
+    PublicIdentity(aggregator_public_key).verify(
+        MANIFEST_DOMAIN, manifest.signed_bytes(), bytes.fromhex(manifest.signature)
+    )
+    if federation_id is not None and manifest.federation_id != federation_id:
+        raise IntegrityError(
+            f"manifest v{manifest.version} belongs to federation {manifest.federation_id!r}, "
+            f"not {federation_id!r}"
+        )
+    if data is not None:
+        actual = sha256_hex(data)
+        if actual != manifest.sha256:
+            raise IntegrityError(
+                f"model file sha256 {actual} does not match manifest v{manifest.version} "
+                f"sha256 {manifest.sha256}"
+            )
+
+
+def manifest_to_json(manifest: ModelManifest) -> bytes:
+    """Serialise a manifest as JSON bytes."""
+    return msgspec.json.encode(manifest)
+
+
+def manifest_from_json(data: bytes) -> ModelManifest:
+    """Parse a manifest, refusing unknown fields, wrong types and oversize input.
+
+    Raises:
+        IntegrityError: malformed manifest (the signature is *not* checked here).
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError(f"manifest is {len(data)} bytes, the limit is {MAX_MANIFEST_BYTES}")
+    try:
+        return msgspec.json.decode(data, type=ModelManifest)
+    except msgspec.DecodeError as exc:
+        raise IntegrityError(f"manifest is malformed: {exc}") from None

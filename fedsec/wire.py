@@ -1,0 +1,328 @@
+"""Message schemas of the aggregator's HTTP API, shared by agent and aggregator.
+
+Control messages are JSON decoded into msgspec Structs that refuse unknown
+fields; binary values travel as lowercase hex (keys, signatures, shares) or
+as raw request bodies (masked input vectors, model files).  The request
+signature (RFC 9421, :mod:`fedsec.crypto.httpsig`) authenticates every agent
+request; objects that must stay verifiable after the request (round specs,
+privacy reports, receipts, key advertisements) carry their own Ed25519
+signature with a domain of their own.
+
+Endpoints (all under /v1; ``{r}`` = round number, ``?attempt=N`` = its attempt):
+
+=======  ==================================  ===============================  ==========
+method   path                                body / answer                    who
+=======  ==================================  ===============================  ==========
+GET      /health                             {"status": "ok"}                 anyone
+GET      /openapi.json                       OpenAPI 3.1 document             anyone
+GET      /status                             FederationStatus                 anyone
+GET      /round?wait=TOKEN&timeout=S         RoundState (long-poll on token)  agent
+POST     /rounds/{r}/join?attempt=N          JoinRequest -> JoinResponse      agent
+GET      /models/latest                      ModelManifest JSON               agent
+GET      /models/{v}/manifest                ModelManifest JSON               agent
+GET      /models/{v}                         safetensors bytes                agent
+POST     /rounds/{r}/report?attempt=N        PrivacyReport                    agent
+POST     /rounds/{r}/advertise?attempt=N     AdvertiseKeysBody                agent
+GET      /rounds/{r}/keys?attempt=N          KeyListBody                      agent
+POST     /rounds/{r}/shares?attempt=N        ShareKeysBody                    agent
+GET      /rounds/{r}/shares?attempt=N        ShareRelayBody                   agent
+POST     /rounds/{r}/masked-input?attempt=N  raw vector bytes -> Receipt      agent
+GET      /rounds/{r}/unmask?attempt=N        UnmaskRequestBody                agent
+POST     /rounds/{r}/unmask?attempt=N        UnmaskResponseBody               agent
+GET      /rounds/{r}/receipt                 Receipt                          agent
+=======  ==================================  ===============================  ==========
+
+Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
+from fedsec.errors import PayloadError, PayloadTooLarge
+
+API_PREFIX = "/v1"
+
+ROUND_SPEC_DOMAIN = "round-spec"
+PRIVACY_REPORT_DOMAIN = "privacy-report"
+RECEIPT_DOMAIN = "contribution-receipt"
+
+Stage = Literal[
+    "open",  # cohort forming: agents join
+    "advertise",  # cohort fixed, spec signed: agents train, then advertise keys
+    "share_keys",
+    "masked_input",
+    "unmask",
+    "closed",  # aggregated: new model version written
+    "aborted",  # too few members; a new attempt follows
+]
+SecureSum = Literal["secagg", "none"]
+
+
+class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    local_epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+
+
+class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+
+
+class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The signed contract of one round attempt; fixed when the cohort is."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    secure_sum: SecureSum
+    model_version: int
+    model_sha256: str
+    task: str
+    task_version: str
+    schema_fingerprint: str
+    cohort: list[str]
+    neighbors: int
+    threshold: int
+    quant_bits: int
+    ring_bits: int
+    clip_norm: float
+    dim: int
+    seed: str  # hex, 32 bytes: the neighbour graph
+    max_weight_samples: int  # sample count at which a member's weight reaches 1
+    weight_caps: dict[str, float]  # member -> cap on its weight w (roster max-weight)
+    training: TrainingSpec
+    dp: DPSpec
+    deadlines: dict[str, float]  # stage -> unix time by which it closes
+    signature: str = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = msgspec.to_builtins(self)
+        fields.pop("signature")
+        return canonical_json(fields)
+
+    def sign(self, signer: SigningIdentity) -> RoundSpec:
+        return msgspec.structs.replace(
+            self, signature=signer.sign(ROUND_SPEC_DOMAIN, self.signed_bytes()).hex()
+        )
+
+    def verify(self, aggregator_public: bytes) -> None:
+        """Raises SignatureError when the spec was not signed by the aggregator."""
+        PublicIdentity(aggregator_public).verify(
+            ROUND_SPEC_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
+        )
+
+
+class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an agent polls: the current round, its stage and, once fixed, its spec."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    stage: Stage
+    token: int  # changes whenever anything an agent waits for changes
+    model_version: int
+    rounds_completed: int
+    rounds_target: int  # 0 = run until stopped
+    finished: bool
+    spec: RoundSpec | None = None
+    detail: str = ""
+
+
+class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    dataset_schema: str  # schema fingerprint of the agent's local data
+    task_version: str
+    samples: int
+
+
+class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    accepted: bool
+    detail: str
+
+
+class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The agent's signed account of the privacy it spends in this round."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    member: str
+    dataset_id: str
+    epsilon: float  # total spent on this dataset after this round, all rounds included
+    delta: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    samples: int
+    signature: str = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = msgspec.to_builtins(self)
+        fields.pop("signature")
+        return canonical_json(fields)
+
+    def sign(self, signer: SigningIdentity) -> PrivacyReport:
+        return msgspec.structs.replace(
+            self, signature=signer.sign(PRIVACY_REPORT_DOMAIN, self.signed_bytes()).hex()
+        )
+
+    def verify(self, member_public: bytes) -> None:
+        PublicIdentity(member_public).verify(
+            PRIVACY_REPORT_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
+        )
+
+
+class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    enc_public: str
+    mask_public: str
+    signature: str
+
+
+class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    member: str
+    enc_public: str
+    mask_public: str
+    signature: str
+
+
+class KeyListBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    entries: list[KeyEntry]
+
+
+class OutgoingShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    recipient: str
+    ciphertext: str
+
+
+class ShareKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    shares: list[OutgoingShare]
+
+
+class IncomingShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sender: str
+    ciphertext: str
+
+
+class ShareRelayBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    participants: list[str]
+    shares: list[IncomingShare]
+
+
+class UnmaskRequestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    survivors: list[str]
+    dropped: list[str]
+
+
+class UnmaskResponseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seed_shares: dict[str, str]
+    key_shares: dict[str, str]
+
+
+class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The aggregator's signed acknowledgement that a contribution was accepted."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    member: str
+    contribution_sha256: str
+    log_index: int
+    issued_at: float
+    signature: str = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = msgspec.to_builtins(self)
+        fields.pop("signature")
+        return canonical_json(fields)
+
+    def sign(self, signer: SigningIdentity) -> Receipt:
+        return msgspec.structs.replace(
+            self, signature=signer.sign(RECEIPT_DOMAIN, self.signed_bytes()).hex()
+        )
+
+    def verify(self, aggregator_public: bytes) -> None:
+        PublicIdentity(aggregator_public).verify(
+            RECEIPT_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
+        )
+
+
+class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    round: int
+    attempt: int
+    stage: Stage
+    cohort: int
+    participants: int
+    survivors: int
+    dropped: list[str]
+    model_version: int | None
+    accuracy: float | None
+    loss: float | None
+    aggregation_s: float | None
+    duration_s: float | None
+    epsilon_max: float | None
+    detail: str
+
+
+class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    federation_id: str
+    round: int
+    attempt: int
+    stage: Stage
+    model_version: int
+    rounds_completed: int
+    rounds_target: int
+    finished: bool
+    agents_active: int
+    history: list[RoundSummary]
+    alerts: list[str]
+
+
+class ErrorBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    error: str
+    detail: str
+
+
+T = TypeVar("T")
+
+
+def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:
+    """Decode a JSON body into ``kind``, checking its size first.
+
+    Raises:
+        PayloadTooLarge: more than ``max_bytes``.
+        PayloadError: malformed JSON, wrong types or unknown fields (named).
+    """
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise PayloadError(f"{what} is invalid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise PayloadError(f"{what} is not valid JSON: {exc}") from None
+
+
+def encode(value: Any) -> bytes:
+    return msgspec.json.encode(value)
+
+
+def _unhex(value: str, what: str) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise PayloadError(f"{what} is not hex") from None
+
+
+def unhex(value: str, what: str, length: int | None = None) -> bytes:
+    """Hex to bytes, refusing bad hex or the wrong length with a sentence naming ``what``."""
+    raw = _unhex(value, what)
+    if length is not None and len(raw) != length:
+        raise PayloadError(f"{what} must be {length} bytes, got {len(raw)}")
+    return raw

@@ -1,0 +1,260 @@
+"""ModelStore: atomic, content-addressed, signed model versions that survive crashes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedsec.aggregator.modelstore import ModelStore
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import IntegrityError, NotFound, SignatureError
+from fedsec.modelfile import decode_model, encode_model, sha256_hex
+
+FED = "fed-1"
+
+
+def _arrays(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((3, 2)).astype(np.float32), "b": np.zeros(3, np.float32)}
+
+
+@pytest.fixture
+def signer() -> SigningIdentity:
+    return SigningIdentity.generate()
+
+
+@pytest.fixture
+def store(tmp_path: Path, signer: SigningIdentity) -> ModelStore:
+    s = ModelStore(tmp_path, signer, FED)
+    s.put(_arrays(1), parent=None, round=None, kind="initial", metrics={})
+    s.put(_arrays(2), parent=1, round=1, kind="aggregate", metrics={"accuracy": 0.8})
+    return s
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_put_assigns_versions_and_layout(store: ModelStore, tmp_path: Path) -> None:
+    latest = store.latest()
+    assert latest.version == 2 and latest.parent == 1 and latest.round == 1
+    assert latest.metrics == {"accuracy": 0.8}
+    data = store.read(2)
+    assert sha256_hex(data) == latest.sha256
+    assert (tmp_path / "models" / f"{latest.sha256}.safetensors").read_bytes() == data
+    assert (tmp_path / "manifests" / "00000002.json").exists()
+    out = decode_model(data, max_bytes=1 << 20)
+    np.testing.assert_array_equal(out["w"], _arrays(2)["w"])
+    assert [m.version for m in store.history()] == [1, 2]
+    assert store.problems() == []
+
+
+def test_empty_store_has_no_latest(tmp_path: Path, signer: SigningIdentity) -> None:
+    with pytest.raises(NotFound):
+        ModelStore(tmp_path, signer, FED).latest()
+    with pytest.raises(NotFound):
+        ModelStore(tmp_path, signer, FED).get(1)
+
+
+def test_same_weights_share_one_file(store: ModelStore, tmp_path: Path) -> None:
+    m = store.put(_arrays(1), parent=2, round=2, kind="aggregate", metrics={})
+    assert m.sha256 == store.get(1).sha256
+    assert len(list((tmp_path / "models").iterdir())) == 2
+
+
+def test_reopen_sees_same_versions(
+    store: ModelStore, tmp_path: Path, signer: SigningIdentity
+) -> None:
+    again = ModelStore(tmp_path, signer, FED)
+    assert again.latest() == store.latest()
+
+
+def test_partial_tmp_files_are_ignored_and_cleaned(
+    store: ModelStore, tmp_path: Path, signer: SigningIdentity
+) -> None:
+    # Crash while writing the model file of version 3, and while writing its manifest.
+    (tmp_path / "models" / f".{'a' * 64}.safetensors.tmp-99-abcd").write_bytes(b"\x00" * 10)
+    (tmp_path / "manifests" / ".00000003.json.tmp-99-abcd").write_bytes(b'{"federa')
+    assert store.latest().version == 2
+    reopened = ModelStore(tmp_path, signer, FED)
+    assert reopened.latest().version == 2
+    leftovers = [p for p in tmp_path.rglob(".*") if p.is_file()]
+    assert leftovers == []
+    assert reopened.put(_arrays(3), parent=2, round=2, kind="aggregate", metrics={}).version == 3
+
+
+def test_model_without_manifest_is_harmless(store: ModelStore, tmp_path: Path) -> None:
+    # Crash after the model file was renamed into place but before the manifest.
+    data = encode_model(_arrays(9))
+    (tmp_path / "models" / f"{sha256_hex(data)}.safetensors").write_bytes(data)
+    assert store.latest().version == 2
+    assert store.problems() == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_model_file_falls_back(
+    store: ModelStore, tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = store.model_path(store.get(2).sha256)
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-5])
+    elif damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING):
+        latest = store.latest()
+    assert latest.version == 1
+    (problem,) = store.problems()
+    assert problem.version == 2
+    assert "sha256" in problem.reason or "missing" in problem.reason
+    assert "version=2" in caplog.text
+    with pytest.raises(IntegrityError):
+        store.read(2)
+    assert [m.version for m in store.history()] == [1]
+
+
+def test_garbage_manifest_falls_back(store: ModelStore, tmp_path: Path) -> None:
+    (tmp_path / "manifests" / "00000003.json").write_bytes(b'{"federation_id": "fed-1", "ver')
+    assert store.latest().version == 2
+    assert [p.version for p in store.problems()] == [3]
+    # A new put never reuses the number of a bad version.
+    assert store.put(_arrays(5), parent=2, round=3, kind="aggregate", metrics={}).version == 4
+
+
+def test_signature_tamper_detected(store: ModelStore, tmp_path: Path) -> None:
+    path = tmp_path / "manifests" / "00000002.json"
+    doc = json.loads(path.read_bytes())
+    doc["metrics"]["accuracy"] = 0.99
+    path.write_bytes(json.dumps(doc).encode())
+    assert store.latest().version == 1
+    with pytest.raises(SignatureError):
+        store.get(2)
+    assert "does not verify" in store.problems()[0].reason
+
+
+def test_manifest_by_another_key_refused(store: ModelStore, tmp_path: Path) -> None:
+    other = ModelStore(tmp_path / "other", SigningIdentity.generate(), FED)
+    other.put(_arrays(1), parent=None, round=None, kind="initial", metrics={})
+    other.put(_arrays(7), parent=1, round=1, kind="aggregate", metrics={})
+    forged = other.manifest_path(2).read_bytes()
+    (tmp_path / "manifests" / "00000003.json").write_bytes(
+        forged.replace(b'"version":2', b'"version":3')
+    )
+    assert store.latest().version == 2
+
+
+def test_manifest_under_wrong_filename_refused(store: ModelStore, tmp_path: Path) -> None:
+    (tmp_path / "manifests" / "00000007.json").write_bytes(store.manifest_path(2).read_bytes())
+    assert store.latest().version == 2
+    assert "holds version 2, not 7" in store.problems()[0].reason
+
+
+def test_other_federation_refused(tmp_path: Path, signer: SigningIdentity) -> None:
+    a = ModelStore(tmp_path, signer, "fed-a")
+    a.put(_arrays(1), parent=None, round=None, kind="initial", metrics={})
+    b = ModelStore(tmp_path, signer, "fed-b")
+    with pytest.raises(NotFound):
+        b.latest()
+    assert "fed-a" in b.problems()[0].reason
+
+
+def test_bad_parent_refused_and_nothing_written(store: ModelStore, tmp_path: Path) -> None:
+    before = _snapshot(tmp_path)
+    with pytest.raises(IntegrityError, match="parent version 9"):
+        store.put(_arrays(3), parent=9, round=2, kind="aggregate", metrics={})
+    with pytest.raises(IntegrityError, match="NaN"):
+        store.put(
+            {"w": np.array([np.nan], np.float32)}, parent=2, round=2, kind="aggregate", metrics={}
+        )
+    assert _snapshot(tmp_path) == before
+
+
+def test_rollback_republishes_old_file(store: ModelStore) -> None:
+    m = store.rollback(1, note="v2 degraded accuracy")
+    assert (m.version, m.parent, m.kind, m.note) == (3, 1, "rollback", "v2 degraded accuracy")
+    assert m.sha256 == store.get(1).sha256
+    assert store.latest() == m
+    assert store.read(3) == store.read(1)
+
+
+def test_corrupted_shared_file_is_repaired_by_put(store: ModelStore) -> None:
+    sha = store.get(1).sha256
+    store.model_path(sha).write_bytes(b"junk")
+    assert store.latest().version == 2
+    store.put(_arrays(1), parent=2, round=2, kind="aggregate", metrics={})
+    assert store.get(1).sha256 == sha
+    assert [m.version for m in store.history()] == [1, 2, 3]
+    assert store.problems() == []
+
+
+def test_durable_write_uses_fsync(
+    tmp_path: Path, signer: SigningIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ModelStore(tmp_path, signer, FED).put(
+        _arrays(1), parent=None, round=None, kind="initial", metrics={}
+    )
+    # model file + its directory, manifest + its directory
+    assert len(synced) == 4
+
+
+_CRASH_SCRIPT = """
+import os, sys
+from pathlib import Path
+import numpy as np
+from fedsec.aggregator import modelstore
+from fedsec.crypto.identity import SigningIdentity
+
+root, seed, target = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3]
+real_replace = os.replace
+
+def crashing_replace(src, dst):
+    if target in str(dst):
+        os._exit(3)  # the process dies mid-write: tmp file written and fsynced, not renamed
+    real_replace(src, dst)
+
+modelstore.os.replace = crashing_replace
+store = modelstore.ModelStore(root, SigningIdentity(seed), "fed-1")
+store.put({"w": np.full(3, 7.0, np.float32)}, parent=2, round=2, kind="aggregate", metrics={})
+"""
+
+
+@pytest.mark.parametrize("crash_at", ["models", "manifests"])
+def test_real_crash_mid_write_keeps_previous_version(tmp_path: Path, crash_at: str) -> None:
+    import subprocess
+    import sys
+
+    seed = os.urandom(32)
+    signer = SigningIdentity(seed)
+    store = ModelStore(tmp_path, signer, FED)
+    store.put(_arrays(1), parent=None, round=None, kind="initial", metrics={})
+    store.put(_arrays(2), parent=1, round=1, kind="aggregate", metrics={})
+    result = subprocess.run(
+        [sys.executable, "-c", _CRASH_SCRIPT, str(tmp_path), seed.hex(), crash_at],
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr.decode()
+    assert list((tmp_path / crash_at).glob(".*.tmp-*")), "the crash should leave a temp file"
+    reopened = ModelStore(tmp_path, signer, FED)
+    assert reopened.latest().version == 2
+    assert reopened.problems() == []
+    assert not list(tmp_path.rglob(".*.tmp-*"))
+    assert reopened.put(_arrays(3), parent=2, round=2, kind="aggregate", metrics={}).version == 3
