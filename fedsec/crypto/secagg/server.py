@@ -107,6 +107,18 @@ class ServerSession:
         self._seed_shares: dict[str, list[shamir.Share]] = {}
         self._key_shares: dict[str, list[shamir.Share]] = {}
 
+    @property
+    def shared(self) -> frozenset[str]:
+        """Members whose shares were accepted in the share-keys stage (so far)."""
+        return (
+            frozenset(self._shares) if self.stage is ServerStage.SHARE_KEYS else self.participants
+        )
+
+    @property
+    def answered(self) -> frozenset[str]:
+        """Survivors whose unmask answers were accepted."""
+        return frozenset(self._responses)
+
     # -- helpers -----------------------------------------------------------------------------
 
     def _expect(self, stage: ServerStage, member: str) -> None:
@@ -314,7 +326,12 @@ class ServerSession:
         self._expect(ServerStage.UNMASK, "(finalize)")
         p = self.params
         seeds = {m: self._recover(m, key_share=False) for m in sorted(self.survivors)}
-        keys = {m: self._recover(m, key_share=True) for m in sorted(self.dropped)}
+        # a dropped member with no surviving neighbour left no pairwise mask in the sum
+        keys = {
+            m: self._recover(m, key_share=True)
+            for m in sorted(self.dropped)
+            if self.graph.live_neighbors(m, self.survivors)
+        }
         for member, secret in keys.items():
             if KeyAgreementKey(secret).public_bytes != self.advertised[member].mask_public:
                 raise ProtocolError(

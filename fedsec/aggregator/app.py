@@ -1,0 +1,381 @@
+"""The aggregator's HTTP API (aiohttp): authentication, limits, errors, long-polling.
+
+Handlers only move bytes: they authenticate the request (RFC 9421 signature,
+roster role), decode the body with its size limit, call the coordinator and
+encode the answer.  Errors the user caused are ``FedsecError`` and become 4xx
+``{"error", "detail"}``; anything else is our bug: logged, answered 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from fedsec import wire
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.openapi import openapi_document
+from fedsec.aggregator.workspace import Workspace
+from fedsec.crypto.httpsig import NonceCache, RequestVerifier
+from fedsec.errors import (
+    AuthError,
+    FedsecError,
+    ForbiddenError,
+    PayloadError,
+    PayloadTooLarge,
+)
+
+log = logging.getLogger(__name__)
+
+# Agents long-poll GET /round; 25 s stays under common proxy idle timeouts (30-60 s).
+MAX_LONG_POLL_S = 25.0
+# Deadlines are seconds long; checking 20 times a second closes a stage within 50 ms.
+TICK_S = 0.05
+# Roster changes made by the CLI while serving are picked up within a second.
+ROSTER_RELOAD_S = 1.0
+# Nonces are kept for twice the skew window so a request is never accepted after its
+# nonce has been forgotten.
+NONCE_CACHE_ENTRIES = 200_000
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+WORKSPACE = web.AppKey("workspace", Workspace)
+VERIFIER = web.AppKey("verifier", RequestVerifier)
+
+
+class _ChangeSignal:
+    """Wakes long-polling requests when the coordinator's token changes."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+CHANGED = web.AppKey("changed", _ChangeSignal)
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=wire.encode(value), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except FedsecError as exc:
+        log.info(
+            "event=refused method=%s path=%s code=%s status=%d detail=%r",
+            request.method,
+            request.path,
+            exc.code,
+            exc.http_status,
+            exc.detail,
+        )
+        return _json(wire.ErrorBody(error=exc.code, detail=exc.detail), exc.http_status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = wire.ErrorBody(error=exc.reason.lower().replace(" ", "_"), detail=exc.reason)
+        return _json(body, exc.status)
+    except Exception:
+        log.exception("event=internal_error method=%s path=%s", request.method, request.path)
+        return _json(
+            wire.ErrorBody(error="internal_error", detail="the aggregator hit a bug; see its log"),
+            500,
+        )
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refusing before reading it when the declared length is over ``limit``."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    return body
+
+
+async def _authenticate(
+    request: web.Request, limit: int, roles: tuple[str, ...]
+) -> tuple[str, bytes]:
+    """Verify the request signature; return (agent id, body)."""
+    body = await _read_body(request, limit)
+    ws = request.app[WORKSPACE]
+    key_id = request.app[VERIFIER].verify(request.method, request.raw_path, request.headers, body)
+    entry = ws.roster.by_key_id(key_id)
+    if entry is None or not entry.is_active:
+        raise AuthError(f"key {key_id} is unknown or revoked")
+    if entry.role not in roles:
+        raise ForbiddenError(
+            f"{entry.agent_id} has role {entry.role}; this needs {' or '.join(roles)}"
+        )
+    return entry.agent_id, body
+
+
+def _round_args(request: web.Request) -> tuple[int, int]:
+    try:
+        round_ = int(request.match_info["round"])
+        attempt = int(request.query.get("attempt", "0"))
+    except ValueError:
+        raise PayloadError("round and attempt must be integers") from None
+    return round_, attempt
+
+
+def _decode(raw: bytes, kind: type[T], request: web.Request, what: str) -> T:
+    ws = request.app[WORKSPACE]
+    return wire.decode(raw, kind, max_bytes=ws.config.server.max_json_bytes, what=what)
+
+
+# -- public endpoints --------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(openapi_document())
+
+
+async def status(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    ws = request.app[WORKSPACE]
+    live = coord.live
+    history = [
+        msgspec.json.decode(r.summary, type=wire.RoundSummary)
+        for r in ws.state.rounds(200)
+        if r.summary is not None
+    ]
+    return _json(
+        wire.FederationStatus(
+            federation_id=ws.federation_id,
+            round=live.round,
+            attempt=live.attempt,
+            stage=live.stage,  # type: ignore[arg-type]
+            model_version=ws.models.latest().version,
+            rounds_completed=coord.rounds_completed,
+            rounds_target=ws.config.round.rounds,
+            finished=coord.finished,
+            agents_active=len(ws.roster.active_agents()),
+            history=history,
+            alerts=coord.alerts[-50:],
+        )
+    )
+
+
+# -- agent endpoints ---------------------------------------------------------------------------
+
+_AGENT = ("agent",)
+_ANY = ("agent", "observer", "auditor")
+
+
+def _json_limit(request: web.Request) -> int:
+    return request.app[WORKSPACE].config.server.max_json_bytes
+
+
+async def get_round(request: web.Request) -> web.Response:
+    await _authenticate(request, _json_limit(request), _ANY)
+    coord = request.app[COORDINATOR]
+    try:
+        wait = int(request.query.get("wait", "0"))
+        timeout = min(float(request.query.get("timeout", "0")), MAX_LONG_POLL_S)
+    except ValueError:
+        raise PayloadError("wait must be an integer token and timeout a number") from None
+    if wait and wait == coord.token and timeout > 0:
+        await request.app[CHANGED].wait(timeout)
+    return _json(coord.round_state())
+
+
+async def get_roster(request: web.Request) -> web.Response:
+    await _authenticate(request, _json_limit(request), _ANY)
+    ws = request.app[WORKSPACE]
+    return _json(
+        {
+            "federation_id": ws.federation_id,
+            "admin_public_key": ws.admin_public.hex(),
+            "entries": [e.to_dict() for e in ws.roster.entries()],
+        }
+    )
+
+
+async def join(request: web.Request) -> web.Response:
+    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    req = _decode(body, wire.JoinRequest, request, "join request")
+    return _json(request.app[COORDINATOR].join(member, r, a, req))
+
+
+async def report(request: web.Request) -> web.Response:
+    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    rep = _decode(body, wire.PrivacyReport, request, "privacy report")
+    request.app[COORDINATOR].report(member, r, a, rep)
+    return _json({"accepted": True})
+
+
+async def advertise(request: web.Request) -> web.Response:
+    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    msg = _decode(body, wire.AdvertiseKeysBody, request, "key advertisement")
+    request.app[COORDINATOR].advertise(member, r, a, msg)
+    return _json({"accepted": True})
+
+
+async def keys(request: web.Request) -> web.Response:
+    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    return _json(request.app[COORDINATOR].key_list(member, r, a))
+
+
+async def post_shares(request: web.Request) -> web.Response:
+    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    msg = _decode(body, wire.ShareKeysBody, request, "encrypted shares")
+    request.app[COORDINATOR].share_keys(member, r, a, msg)
+    return _json({"accepted": True})
+
+
+async def get_shares(request: web.Request) -> web.Response:
+    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    return _json(request.app[COORDINATOR].share_relay(member, r, a))
+
+
+async def masked_input(request: web.Request) -> web.Response:
+    ws = request.app[WORKSPACE]
+    member, body = await _authenticate(request, ws.config.server.max_body_bytes, _AGENT)
+    r, a = _round_args(request)
+    return _json(request.app[COORDINATOR].masked_input(member, r, a, body))
+
+
+async def get_unmask(request: web.Request) -> web.Response:
+    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    return _json(request.app[COORDINATOR].unmask_request(member, r, a))
+
+
+async def post_unmask(request: web.Request) -> web.Response:
+    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    r, a = _round_args(request)
+    msg = _decode(body, wire.UnmaskResponseBody, request, "unmask answer")
+    request.app[COORDINATOR].unmask(member, r, a, msg)
+    return _json({"accepted": True})
+
+
+async def receipt(request: web.Request) -> web.Response:
+    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    r, _a = _round_args(request)
+    return _json(request.app[COORDINATOR].receipt(member, r))
+
+
+def _version(request: web.Request) -> int:
+    try:
+        return int(request.match_info["version"])
+    except ValueError:
+        raise PayloadError("model version must be an integer") from None
+
+
+async def latest_manifest(request: web.Request) -> web.Response:
+    await _authenticate(request, _json_limit(request), _ANY)
+    return web.Response(
+        body=request.app[WORKSPACE].models.latest().to_json(), content_type="application/json"
+    )
+
+
+async def manifest(request: web.Request) -> web.Response:
+    await _authenticate(request, _json_limit(request), _ANY)
+    m = request.app[WORKSPACE].models.get(_version(request))
+    return web.Response(body=m.to_json(), content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    await _authenticate(request, _json_limit(request), _ANY)
+    data = request.app[WORKSPACE].models.read(_version(request))
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
+# -- application -------------------------------------------------------------------------------
+
+
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
+    coord = app[COORDINATOR]
+    ws = app[WORKSPACE]
+    signal = app[CHANGED]
+    coord.on_change = signal.fire
+
+    async def run() -> None:
+        last_reload = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if now - last_reload >= ROSTER_RELOAD_S:
+                    if ws.roster.reload_if_changed():
+                        signal.fire()
+                    last_reload = now
+                coord.tick()
+            except Exception:
+                log.exception("event=tick_failed")
+            await asyncio.sleep(TICK_S)
+
+    task = asyncio.create_task(run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> web.Application:
+    """Build the aiohttp application for ``workspace``."""
+    cfg = workspace.config.server
+    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app[WORKSPACE] = workspace
+    app[COORDINATOR] = coordinator or Coordinator(workspace)
+    app[CHANGED] = _ChangeSignal()
+
+    def resolve(key_id: str) -> bytes | None:
+        entry = workspace.roster.by_key_id(key_id)
+        return entry.public_key_bytes if entry is not None and entry.is_active else None
+
+    app[VERIFIER] = RequestVerifier(
+        resolve,
+        NonceCache(window_s=2 * cfg.clock_skew_s, max_entries=NONCE_CACHE_ENTRIES),
+        max_skew_s=cfg.clock_skew_s,
+    )
+    p = wire.API_PREFIX
+    app.router.add_get(f"{p}/health", health)
+    app.router.add_get(f"{p}/openapi.json", openapi)
+    app.router.add_get(f"{p}/status", status)
+    app.router.add_get(f"{p}/round", get_round)
+    app.router.add_get(f"{p}/roster", get_roster)
+    app.router.add_get(f"{p}/models/latest", latest_manifest)
+    app.router.add_get(f"{p}/models/{{version}}/manifest", manifest)
+    app.router.add_get(f"{p}/models/{{version}}", model)
+    r = f"{p}/rounds/{{round}}"
+    app.router.add_post(f"{r}/join", join)
+    app.router.add_post(f"{r}/report", report)
+    app.router.add_post(f"{r}/advertise", advertise)
+    app.router.add_get(f"{r}/keys", keys)
+    app.router.add_post(f"{r}/shares", post_shares)
+    app.router.add_get(f"{r}/shares", get_shares)
+    app.router.add_post(f"{r}/masked-input", masked_input)
+    app.router.add_get(f"{r}/unmask", get_unmask)
+    app.router.add_post(f"{r}/unmask", post_unmask)
+    app.router.add_get(f"{r}/receipt", receipt)
+    app.cleanup_ctx.append(_ticker)
+    return app

@@ -1,0 +1,164 @@
+"""``fedsec aggregator``: create a federation, manage its roster, serve it, roll back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import ssl
+from pathlib import Path
+
+import click
+
+from fedsec.aggregator.roster import sign_roster_entry
+from fedsec.aggregator.workspace import Workspace, init_workspace
+from fedsec.crypto.identity import load_public_key
+from fedsec.errors import ConfigError
+
+SERVE_INFO = "serve.json"
+
+
+@click.group()
+def aggregator() -> None:
+    """Consortium side: federation workspace, roster, HTTP service."""
+
+
+@aggregator.command("init")
+@click.option("--dir", "root", type=click.Path(path_type=Path), required=True)
+@click.option("--federation-id", required=True)
+@click.option("--task", default="breast_cancer", show_default=True)
+@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True))
+def init_cmd(root: Path, federation_id: str, task: str, config_file: Path | None) -> None:
+    """Create a workspace: keys, federation.toml, roster, initial model."""
+    text = config_file.read_text() if config_file else None
+    ws = init_workspace(root, federation_id, task, config_text=text)
+    click.echo(f"federation {ws.federation_id} created in {root}")
+    click.echo(f"aggregator public key: {ws.signer.public_bytes.hex()}")
+    click.echo(f"admin key: {root / 'admin.key'} (keep it offline once the roster is set up)")
+    ws.close()
+
+
+@aggregator.group()
+def roster() -> None:
+    """Add or revoke members (admin-signed)."""
+
+
+@roster.command("add")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--agent-id", required=True)
+@click.option("--public-key", type=click.Path(path_type=Path, exists=True), required=True)
+@click.option("--role", type=click.Choice(["agent", "observer", "auditor"]), default="agent")
+@click.option("--max-weight", type=float, default=None)
+def roster_add(
+    workspace: Path, agent_id: str, public_key: Path, role: str, max_weight: float | None
+) -> None:
+    """Enrol a member; a serving aggregator picks it up within a second."""
+    ws = Workspace.open(workspace)
+    entry = sign_roster_entry(
+        federation_id=ws.federation_id,
+        agent_id=agent_id,
+        public_key=load_public_key(public_key),
+        role=role,  # type: ignore[arg-type]
+        admin=ws.admin(),
+        max_weight=max_weight,
+    )
+    ws.roster.add(entry)
+    click.echo(f"added {agent_id} ({role}, key {entry.key_id})")
+    ws.close()
+
+
+@roster.command("revoke")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--agent-id", required=True)
+def roster_revoke(workspace: Path, agent_id: str) -> None:
+    """Revoke a member's key; its requests are refused from then on."""
+    ws = Workspace.open(workspace)
+    ws.roster.revoke(agent_id, ws.admin())
+    click.echo(f"revoked {agent_id}")
+    ws.close()
+
+
+@aggregator.command("serve")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--host", default=None, help="default: server.host from federation.toml")
+@click.option("--port", type=int, default=None, help="default: server.port; 0 = any free port")
+@click.option("--tls-cert", type=click.Path(path_type=Path), default=None)
+@click.option("--tls-key", type=click.Path(path_type=Path), default=None)
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(
+    workspace: Path,
+    host: str | None,
+    port: int | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    log_level: str,
+) -> None:
+    """Run the aggregator until interrupted."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    ws = Workspace.open(workspace)
+    cfg = ws.config.server
+    cert = tls_cert or (Path(cfg.tls_cert) if cfg.tls_cert else None)
+    key = tls_key or (Path(cfg.tls_key) if cfg.tls_key else None)
+    if (cert is None) != (key is None):
+        raise ConfigError("TLS needs both a certificate and a key")
+    ssl_ctx = None
+    if cert and key:
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(cert, key)
+    asyncio.run(_serve(ws, host or cfg.host, cfg.port if port is None else port, ssl_ctx))
+
+
+async def _serve(ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
+    from aiohttp import web
+
+    from fedsec.aggregator.app import make_app
+
+    app = make_app(ws)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    scheme = "https" if ssl_ctx else "http"
+    url = f"{scheme}://{host}:{bound}"
+    info = ws.root / SERVE_INFO
+    info.write_text(json.dumps({"url": url, "pid": __import__("os").getpid()}))
+    click.echo(f"aggregator for {ws.federation_id} listening on {url}", err=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    info.unlink(missing_ok=True)
+    ws.close()
+
+
+@aggregator.command("rollback")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--to", "version", type=int, required=True)
+@click.option("--note", default="")
+def rollback(workspace: Path, version: int, note: str) -> None:
+    """Publish a new version whose weights are those of VERSION (history kept, signed)."""
+    ws = Workspace.open(workspace)
+    manifest = ws.models.rollback(version, note=note or f"rollback to version {version}")
+    click.echo(f"version {manifest.version} now holds the weights of version {version}")
+    ws.close()
+
+
+@aggregator.command("status")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+def status_cmd(workspace: Path) -> None:
+    """Print rounds and model versions from the workspace's state."""
+    ws = Workspace.open(workspace)
+    for row in ws.state.rounds():
+        click.echo(
+            f"round {row.round}.{row.attempt}: {row.stage} model={row.model_version} {row.detail}"
+        )
+    click.echo(f"latest model version: {ws.models.latest().version}")
+    ws.close()

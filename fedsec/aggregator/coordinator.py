@@ -1,0 +1,815 @@
+"""The round coordinator: drives SecAgg+ rounds over the durable state store.
+
+Everything here is synchronous and free of sockets: the HTTP layer
+(:mod:`fedsec.aggregator.app`) authenticates a request, then calls one method
+with the member's id and the decoded body, and :meth:`Coordinator.tick` is
+called periodically to close stages on deadlines.  Tests drive it directly.
+
+Round life (``sync`` mode)::
+
+    open ──(cohort fixed, spec signed)──> advertise ──> share_keys ──> masked_input
+         ──> unmask ──(aggregate, new model version)──> closed ──> next round opens
+    any stage ──(fewer than needed remain / secrets unrecoverable)──> aborted
+         ──> same round, next attempt, opens without the lost members
+
+With ``secure_sum = "none"`` the key stages are skipped: members upload their
+quantized update in the clear (still signed) and the aggregator sums it.
+
+Every accepted message is committed to SQLite before the method returns, and
+:meth:`Coordinator.resume` rebuilds the round in progress after a restart by
+replaying those messages into a fresh :class:`ServerSession`.  A retried
+message identical to the one already accepted gets the same answer
+(idempotent); a different one is refused as a duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from fedsec import wire
+from fedsec.aggregator.optimizers import ServerOptimizer, make_optimizer
+from fedsec.aggregator.workspace import Workspace
+from fedsec.crypto.quantize import QuantSpec, default_ring_bits, dequantize_one, unpack
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    MaskedInput,
+    SecAggParams,
+    ServerSession,
+    ShareKeys,
+    ShareRelay,
+    UnmaskResponse,
+    default_neighbors,
+)
+from fedsec.crypto.secagg.graph import default_threshold
+from fedsec.errors import (
+    BadVector,
+    DuplicateMessage,
+    FedsecError,
+    NotFound,
+    PayloadError,
+    ProtocolError,
+    RecoveryImpossible,
+    RoundAborted,
+    TaskMismatch,
+    UnknownMember,
+    WrongStage,
+)
+from fedsec.modelfile import decode_model
+from fedsec.tasks import get_task
+from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
+
+log = logging.getLogger(__name__)
+
+_KEY_STAGES = ("advertise", "share_keys")
+_ORDER = ("open", "advertise", "share_keys", "masked_input", "unmask")
+# Model files are read back from our own store; bound them anyway (1 GiB ≫ any bundled task).
+_MAX_MODEL_BYTES = 1 << 30
+
+
+@dataclass
+class _Live:
+    """In-memory view of the round attempt in progress (rebuilt from SQLite on resume)."""
+
+    round: int
+    attempt: int
+    stage: str
+    opened_at: float
+    stage_started_at: float
+    spec: wire.RoundSpec | None = None
+    session: ServerSession | None = None
+    relays: dict[str, ShareRelay] | None = None
+    plain_sum: np.ndarray | None = None  # secure_sum = "none": Σ w·Δ in float64
+    plain_weight: float = 0.0
+    plain_members: list[str] | None = None
+
+
+class Coordinator:
+    """Drives rounds for one federation workspace.
+
+    Args:
+        workspace: the opened workspace.
+        clock: time source (tests pass a fake one).
+        on_change: called whenever something an agent may be waiting for changed.
+    """
+
+    def __init__(
+        self,
+        workspace: Workspace,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.ws = workspace
+        self.cfg = workspace.config
+        self.clock = clock
+        self.on_change = on_change
+        self.token = 1
+        fed = self.cfg.federation
+        self.task = get_task(fed.task, **fed.task_options)
+        self.model = self.task.build_model(seed=0)
+        self.dim = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self._validation = self._load_validation()
+        self.optimizer: ServerOptimizer = make_optimizer(self.cfg.server, self.dim, workspace.state)
+        self.alerts: list[str] = []
+        self.live: _Live = self.resume()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self.token += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def _load_validation(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.cfg.validation.enabled or self.task.name == "csv":
+            return None
+        data = self.task.load(seed=0)
+        return data.x_test, data.y_test
+
+    @property
+    def rounds_completed(self) -> int:
+        return sum(1 for r in self.ws.state.rounds(100000) if r.stage == "closed")
+
+    @property
+    def finished(self) -> bool:
+        target = self.cfg.round.rounds
+        return target > 0 and self.rounds_completed >= target
+
+    def _expect(self, member: str, round_: int, attempt: int, stage: str) -> _Live:
+        live = self.live
+        if (round_, attempt) != (live.round, live.attempt):
+            raise WrongStage(
+                f"{member}: message for round {round_} attempt {attempt}, but the current "
+                f"round is {live.round} attempt {live.attempt} (stage {live.stage})"
+            )
+        if live.stage != stage:
+            raise WrongStage(
+                f"{member}: {stage} message refused: round {live.round} is in stage {live.stage}"
+            )
+        return live
+
+    def _in_cohort(self, live: _Live, member: str) -> wire.RoundSpec:
+        assert live.spec is not None
+        if member not in live.spec.cohort:
+            raise UnknownMember(f"{member} is not in the cohort of round {live.round}")
+        return live.spec
+
+    def _idempotent(self, live: _Live, stage: str, member: str, body: bytes) -> bool:
+        """True when this exact message was already accepted; refuse a different one."""
+        stored = self.ws.state.message(live.round, live.attempt, stage, member)
+        if stored is None:
+            return False
+        if stored == body:
+            return True
+        raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
+
+    # -- state queries -----------------------------------------------------------------------
+
+    def round_state(self) -> wire.RoundState:
+        live = self.live
+        return wire.RoundState(
+            federation_id=self.ws.federation_id,
+            round=live.round,
+            attempt=live.attempt,
+            stage=live.stage,  # type: ignore[arg-type]
+            token=self.token,
+            model_version=self.ws.models.latest().version,
+            rounds_completed=self.rounds_completed,
+            rounds_target=self.cfg.round.rounds,
+            finished=self.finished,
+            spec=live.spec,
+        )
+
+    # -- open: join ----------------------------------------------------------------------------
+
+    def join(
+        self, member: str, round_: int, attempt: int, req: wire.JoinRequest
+    ) -> wire.JoinResponse:
+        """A member asks to be in this round's cohort."""
+        if self.finished:
+            raise WrongStage(f"the federation finished its {self.cfg.round.rounds} rounds")
+        live = self._expect(member, round_, attempt, "open")
+        if req.task_version != self.task.version:
+            raise TaskMismatch(
+                f"{member} runs task {self.task.name} version {req.task_version}, the federation "
+                f"requires version {self.task.version}"
+            )
+        if req.dataset_schema != self.task.schema.fingerprint():
+            raise TaskMismatch(
+                f"{member}'s data schema {req.dataset_schema[:16]}… differs from the federation's "
+                f"{self.task.schema.fingerprint()[:16]}… (features or classes differ)"
+            )
+        if req.samples < 1:
+            raise PayloadError(f"{member} reports {req.samples} samples; need at least 1")
+        joins = self.ws.state.joins(live.round, live.attempt)
+        if member in joins:
+            return wire.JoinResponse(accepted=True, detail="already joined")
+        if len(joins) >= self.cfg.round.max_agents:
+            return wire.JoinResponse(accepted=False, detail="cohort is full; try the next round")
+        self.ws.state.add_join(live.round, live.attempt, member, req.samples, self.clock())
+        self._changed()
+        return wire.JoinResponse(accepted=True, detail="joined")
+
+    def _fix_cohort(self, live: _Live, joins: dict[str, int], now: float) -> None:
+        cfg = self.cfg.round
+        cohort = sorted(joins)[: cfg.max_agents]
+        n = len(cohort)
+        secure = cfg.secure_sum == "secagg"
+        if secure:
+            auto_k, auto_t = default_neighbors(n)
+            k = min(cfg.neighbors, n - 1) if cfg.neighbors else auto_k
+            t = (
+                min(cfg.threshold, k)
+                if cfg.threshold
+                else (auto_t if not cfg.neighbors else default_threshold(k))
+            )
+        else:
+            k, t = 0, 0
+        ring_bits = default_ring_bits(cfg.quant_bits, n)
+        manifest = self.ws.models.latest()
+        caps = {}
+        for m in cohort:
+            entry = self.ws.roster.get(m)
+            if entry is not None and entry.max_weight is not None:
+                caps[m] = float(entry.max_weight)
+        spec = wire.RoundSpec(
+            federation_id=self.ws.federation_id,
+            round=live.round,
+            attempt=live.attempt,
+            secure_sum=cfg.secure_sum,
+            model_version=manifest.version,
+            model_sha256=manifest.sha256,
+            task=self.task.name,
+            task_version=self.task.version,
+            schema_fingerprint=self.task.schema.fingerprint(),
+            cohort=cohort,
+            neighbors=k,
+            threshold=t,
+            quant_bits=cfg.quant_bits,
+            ring_bits=ring_bits,
+            clip_norm=cfg.clip_norm,
+            dim=self.dim,
+            seed=os.urandom(32).hex(),
+            max_weight_samples=cfg.max_weight_samples,
+            weight_caps=caps,
+            training=wire.TrainingSpec(
+                local_epochs=self.cfg.training.local_epochs,
+                batch_size=self.cfg.training.batch_size,
+                lr=self.cfg.training.lr,
+                optimizer=self.cfg.training.optimizer,
+            ),
+            dp=wire.DPSpec(
+                enabled=self.cfg.dp.enabled,
+                noise_multiplier=self.cfg.dp.noise_multiplier,
+                max_grad_norm=self.cfg.dp.max_grad_norm,
+                delta=self.cfg.dp.delta,
+            ),
+            deadlines={
+                "train_s": cfg.open_s,
+                "advertise_s": cfg.advertise_s,
+                "share_keys_s": cfg.share_s,
+                "masked_input_s": cfg.masked_s,
+                "unmask_s": cfg.unmask_s,
+            },
+        ).sign(self.ws.signer)
+        first = "advertise" if secure else "masked_input"
+        self.ws.state.set_stage(live.round, live.attempt, first, now, spec=wire.encode(spec))
+        self._install_spec(live, spec)
+        live.stage, live.stage_started_at = first, now
+        log.info(
+            "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s",
+            live.round,
+            live.attempt,
+            n,
+            k,
+            t,
+            cfg.secure_sum,
+        )
+        self._changed()
+
+    def _install_spec(self, live: _Live, spec: wire.RoundSpec) -> None:
+        live.spec = spec
+        if spec.secure_sum == "secagg":
+            live.session = ServerSession(self._params(spec), self._roster_keys(spec.cohort))
+        else:
+            live.plain_sum = np.zeros(spec.dim, dtype=np.float64)
+            live.plain_weight = 0.0
+            live.plain_members = []
+
+    def _params(self, spec: wire.RoundSpec) -> SecAggParams:
+        return SecAggParams(
+            federation_id=spec.federation_id,
+            round=spec.round * 1000 + spec.attempt,  # distinct per attempt: fresh masks
+            cohort=tuple(spec.cohort),
+            neighbors=spec.neighbors,
+            threshold=spec.threshold,
+            quant=QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits),
+            dim=spec.dim,
+            seed=bytes.fromhex(spec.seed),
+        )
+
+    def _roster_keys(self, cohort: list[str]) -> dict[str, bytes]:
+        keys = {}
+        for member in cohort:
+            entry = self.ws.roster.get(member)
+            if entry is not None:
+                keys[member] = entry.public_key_bytes
+        return keys
+
+    # -- privacy report ------------------------------------------------------------------------
+
+    def report(self, member: str, round_: int, attempt: int, report: wire.PrivacyReport) -> None:
+        """Record a member's signed privacy report for this round (any stage after open)."""
+        live = self.live
+        if (round_, attempt) != (live.round, live.attempt) or live.spec is None:
+            raise WrongStage(f"{member}: privacy report for a round that is not in progress")
+        self._in_cohort(live, member)
+        if (report.member, report.round, report.attempt, report.federation_id) != (
+            member,
+            round_,
+            attempt,
+            self.ws.federation_id,
+        ):
+            raise PayloadError(
+                f"{member}: privacy report names another member, round or federation"
+            )
+        if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
+            raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
+        entry = self.ws.roster.get(member)
+        assert entry is not None
+        report.verify(entry.public_key_bytes)
+        body = wire.encode(report)
+        stored = self.ws.state.report(round_, attempt, member)
+        if stored is not None:
+            if stored == body:
+                return
+            raise DuplicateMessage(f"{member} already reported a different epsilon this round")
+        self.ws.state.add_report(round_, attempt, member, report.epsilon, body)
+
+    # -- SecAgg+ stages ------------------------------------------------------------------------
+
+    def advertise(
+        self, member: str, round_: int, attempt: int, body: wire.AdvertiseKeysBody
+    ) -> None:
+        live = self._expect(member, round_, attempt, "advertise")
+        self._in_cohort(live, member)
+        raw = wire.encode(body)
+        if self._idempotent(live, "advertise", member, raw):
+            return
+        msg = _advertise_from_wire(member, body)
+        assert live.session is not None
+        live.session.receive_advertise(msg)
+        self.ws.state.add_message(live.round, live.attempt, "advertise", member, raw)
+        if len(live.session.advertised) == len(self._in_cohort(live, member).cohort):
+            self._close_stage(self.clock())
+
+    def key_list(self, member: str, round_: int, attempt: int) -> wire.KeyListBody:
+        live = self._expect_at_least(member, round_, attempt, "share_keys")
+        assert live.session is not None
+        if member not in live.session.live:
+            raise UnknownMember(f"{member} is not a live member of round {live.round}")
+        return wire.KeyListBody(
+            entries=[
+                wire.KeyEntry(
+                    member=m,
+                    enc_public=a.enc_public.hex(),
+                    mask_public=a.mask_public.hex(),
+                    signature=a.signature.hex(),
+                )
+                for m, a in sorted(live.session.advertised.items())
+                if m in live.session.live
+            ]
+        )
+
+    def share_keys(self, member: str, round_: int, attempt: int, body: wire.ShareKeysBody) -> None:
+        live = self._expect(member, round_, attempt, "share_keys")
+        raw = wire.encode(body)
+        if self._idempotent(live, "share_keys", member, raw):
+            return
+        msg = ShareKeys(
+            member,
+            tuple(
+                EncryptedShare(member, s.recipient, wire.unhex(s.ciphertext, "share ciphertext"))
+                for s in body.shares
+            ),
+        )
+        assert live.session is not None
+        live.session.receive_share_keys(msg)
+        self.ws.state.add_message(live.round, live.attempt, "share_keys", member, raw)
+        if live.session.shared == live.session.live:
+            self._close_stage(self.clock())
+
+    def share_relay(self, member: str, round_: int, attempt: int) -> wire.ShareRelayBody:
+        live = self._expect_at_least(member, round_, attempt, "masked_input")
+        if live.relays is None or member not in live.relays:
+            raise UnknownMember(f"{member} is not a participant of round {live.round}")
+        relay = live.relays[member]
+        return wire.ShareRelayBody(
+            participants=list(relay.participants),
+            shares=[
+                wire.IncomingShare(sender=s.sender, ciphertext=s.ciphertext.hex())
+                for s in relay.shares
+            ],
+        )
+
+    def masked_input(self, member: str, round_: int, attempt: int, raw: bytes) -> wire.Receipt:
+        """Accept a masked (or, without secure summation, plain quantized) input."""
+        live = self._expect(member, round_, attempt, "masked_input")
+        spec = self._in_cohort(live, member)
+        if self._idempotent(live, "masked_input", member, raw):
+            stored = self.ws.state.receipt(round_, member)
+            assert stored is not None
+            return msgspec.json.decode(stored, type=wire.Receipt)
+        if live.session is not None:
+            live.session.receive_masked_input(MaskedInput(member, raw))
+        else:
+            self._add_plain(live, spec, member, raw)
+        digest = hashlib.sha256(raw).hexdigest()
+        with self.ws.state.transaction():
+            seq = self.ws.state.add_message(live.round, live.attempt, "masked_input", member, raw)
+            receipt = wire.Receipt(
+                federation_id=self.ws.federation_id,
+                round=live.round,
+                attempt=live.attempt,
+                member=member,
+                contribution_sha256=digest,
+                log_index=seq,
+                issued_at=self.clock(),
+            ).sign(self.ws.signer)
+            self.ws.state.add_receipt(live.round, live.attempt, member, wire.encode(receipt))
+        expected = live.session.participants if live.session is not None else spec.cohort
+        done = live.session.contributed if live.session is not None else live.plain_members or []
+        if len(done) == len(expected):
+            self._close_stage(self.clock())
+        return receipt
+
+    def _add_plain(self, live: _Live, spec: wire.RoundSpec, member: str, raw: bytes) -> None:
+        assert live.plain_members is not None and live.plain_sum is not None
+        if member in live.plain_members:
+            raise DuplicateMessage(f"{member} already sent its update")
+        quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+        vector = unpack(raw, spec.dim + 1, spec.ring_bits)
+        if int(vector.max(initial=0)) > quant.levels:
+            raise BadVector(f"{member}'s update has values above {quant.levels} levels")
+        update, weight = dequantize_one(vector, quant)
+        live.plain_sum += update
+        live.plain_weight += weight
+        live.plain_members.append(member)
+
+    def unmask_request(self, member: str, round_: int, attempt: int) -> wire.UnmaskRequestBody:
+        live = self._expect_at_least(member, round_, attempt, "unmask")
+        assert live.session is not None
+        if member not in live.session.survivors:
+            raise UnknownMember(f"{member} is not a survivor of round {live.round}")
+        return wire.UnmaskRequestBody(
+            survivors=sorted(live.session.survivors), dropped=sorted(live.session.dropped)
+        )
+
+    def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> None:
+        live = self._expect(member, round_, attempt, "unmask")
+        raw = wire.encode(body)
+        if self._idempotent(live, "unmask", member, raw):
+            return
+        msg = _unmask_from_wire(member, body)
+        assert live.session is not None
+        live.session.receive_unmask(msg)
+        self.ws.state.add_message(live.round, live.attempt, "unmask", member, raw)
+        if live.session.answered == live.session.survivors:
+            self._close_stage(self.clock())
+
+    def receipt(self, member: str, round_: int) -> wire.Receipt:
+        stored = self.ws.state.receipt(round_, member)
+        if stored is None:
+            raise NotFound(f"no accepted contribution from {member} in round {round_}")
+        return msgspec.json.decode(stored, type=wire.Receipt)
+
+    def _expect_at_least(self, member: str, round_: int, attempt: int, stage: str) -> _Live:
+        live = self.live
+        if (round_, attempt) != (live.round, live.attempt):
+            raise WrongStage(
+                f"{member}: request for round {round_} attempt {attempt}, but the current round "
+                f"is {live.round} attempt {live.attempt}"
+            )
+        if live.stage not in _ORDER or _ORDER.index(live.stage) < _ORDER.index(stage):
+            raise WrongStage(f"{member}: round {live.round} has not reached stage {stage} yet")
+        return live
+
+    # -- deadlines and stage transitions -------------------------------------------------------
+
+    def _deadline(self, live: _Live) -> float:
+        r = self.cfg.round
+        spent = {
+            # joining: the advertise window doubles as the join window
+            "open": r.advertise_s,
+            "advertise": r.open_s + r.advertise_s,
+            "share_keys": r.share_s,
+            "masked_input": r.masked_s + (r.open_s if r.secure_sum == "none" else 0.0),
+            "unmask": r.unmask_s,
+        }.get(live.stage, math.inf)
+        return live.stage_started_at + spent
+
+    def tick(self) -> None:
+        """Close the current stage if its deadline passed (or, for open, the cohort is ready)."""
+        if self.finished:
+            return
+        now = self.clock()
+        live = self.live
+        if live.stage == "open":
+            joins = self.ws.state.joins(live.round, live.attempt)
+            active = {e.agent_id for e in self.ws.roster.active_agents()}
+            ready = len(joins) >= self.cfg.round.max_agents or (active and active <= joins.keys())
+            if len(joins) >= self.cfg.round.min_agents and (ready or now >= self._deadline(live)):
+                self._fix_cohort(live, joins, now)
+            return
+        if now >= self._deadline(live):
+            self._close_stage(now)
+
+    def _close_stage(self, now: float) -> None:
+        live = self.live
+        try:
+            if live.stage == "advertise":
+                assert live.session is not None
+                live.session.close_advertise()
+                self._enter(live, "share_keys", now)
+            elif live.stage == "share_keys":
+                assert live.session is not None
+                live.relays = live.session.close_share_keys()
+                self._enter(live, "masked_input", now)
+            elif live.stage == "masked_input":
+                if live.session is not None:
+                    live.session.close_masked_input()
+                    self._enter(live, "unmask", now)
+                else:
+                    self._aggregate_plain(live, now)
+            elif live.stage == "unmask":
+                self._aggregate_secure(live, now)
+        except (RoundAborted, RecoveryImpossible) as exc:
+            self._abort(live, now, exc.detail)
+
+    def _enter(self, live: _Live, stage: str, now: float) -> None:
+        self.ws.state.set_stage(live.round, live.attempt, stage, now)
+        live.stage, live.stage_started_at = stage, now
+        log.info("event=stage round=%d attempt=%d stage=%s", live.round, live.attempt, stage)
+        self._changed()
+
+    def _abort(self, live: _Live, now: float, detail: str) -> None:
+        log.warning(
+            "event=round_aborted round=%d attempt=%d reason=%r", live.round, live.attempt, detail
+        )
+        summary = self._summary(live, "aborted", None, None, None, now, detail)
+        self.ws.state.close_round(
+            live.round,
+            live.attempt,
+            "aborted",
+            now,
+            model_version=None,
+            summary=wire.encode(summary),
+            detail=detail,
+        )
+        self.alerts.append(f"round {live.round} attempt {live.attempt} aborted: {detail}")
+        self.live = self._open(live.round, live.attempt + 1, now)
+        self._changed()
+
+    # -- aggregation -----------------------------------------------------------------------------
+
+    def _aggregate_secure(self, live: _Live, now: float) -> None:
+        assert live.session is not None
+        start = time.perf_counter()
+        result = live.session.finalize()
+        self._apply(
+            live,
+            result.weighted_sum,
+            result.weight_sum,
+            list(result.survivors),
+            list(result.dropped),
+            start,
+            now,
+        )
+
+    def _aggregate_plain(self, live: _Live, now: float) -> None:
+        assert live.spec is not None and live.plain_sum is not None
+        members = live.plain_members or []
+        dropped = sorted(set(live.spec.cohort) - set(members))
+        if len(members) < self.cfg.round.min_agents:
+            raise RoundAborted(
+                f"round {live.round}: {len(members)} updates arrived, need "
+                f"{self.cfg.round.min_agents}; missing: {dropped}"
+            )
+        start = time.perf_counter()
+        self._apply(live, live.plain_sum, live.plain_weight, sorted(members), dropped, start, now)
+
+    def _apply(
+        self,
+        live: _Live,
+        weighted_sum: np.ndarray,
+        weight_sum: float,
+        survivors: list[str],
+        dropped: list[str],
+        start: float,
+        now: float,
+    ) -> None:
+        if weight_sum <= 0:
+            raise RoundAborted(f"round {live.round}: the survivors' total weight is zero")
+        mean = (weighted_sum / weight_sum).astype(np.float32)
+        parent = self.ws.models.latest()
+        arrays = decode_model(self.ws.models.read(parent.version), max_bytes=_MAX_MODEL_BYTES)
+        arrays_to_state(self.model, arrays)
+        current = flatten_params(self.model)
+        load_flat_params(self.model, self.optimizer.step(current, mean))
+        metrics: dict[str, float] = {}
+        if self._validation is not None:
+            acc, loss = evaluate(self.model, *self._validation)
+            metrics = {"accuracy": acc, "loss": loss}
+        manifest = self.ws.models.put(
+            state_to_arrays(self.model),
+            parent=parent.version,
+            round=live.round,
+            kind="aggregate",
+            metrics=metrics,
+        )
+        self.optimizer.save()
+        aggregation_s = time.perf_counter() - start
+        summary = self._summary(
+            live,
+            "closed",
+            manifest.version,
+            metrics,
+            aggregation_s,
+            now,
+            "",
+            survivors=len(survivors),
+            dropped=dropped,
+        )
+        self.ws.state.close_round(
+            live.round,
+            live.attempt,
+            "closed",
+            now,
+            model_version=manifest.version,
+            summary=wire.encode(summary),
+            detail="",
+        )
+        log.info(
+            "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
+            "accuracy=%s aggregation_s=%.4f",
+            live.round,
+            live.attempt,
+            len(survivors),
+            dropped,
+            manifest.version,
+            metrics.get("accuracy"),
+            aggregation_s,
+        )
+        self.live = self._open(live.round + 1, 0, now)
+        self._changed()
+
+    def _summary(
+        self,
+        live: _Live,
+        stage: str,
+        version: int | None,
+        metrics: dict[str, float] | None,
+        aggregation_s: float | None,
+        now: float,
+        detail: str,
+        survivors: int = 0,
+        dropped: list[str] | None = None,
+    ) -> wire.RoundSummary:
+        cohort = len(live.spec.cohort) if live.spec is not None else 0
+        if live.session is not None:
+            participants = len(live.session.participants)
+        else:
+            participants = len(live.plain_members or [])
+        return wire.RoundSummary(
+            round=live.round,
+            attempt=live.attempt,
+            stage=stage,  # type: ignore[arg-type]
+            cohort=cohort,
+            participants=participants,
+            survivors=survivors,
+            dropped=dropped or [],
+            model_version=version,
+            accuracy=(metrics or {}).get("accuracy"),
+            loss=(metrics or {}).get("loss"),
+            aggregation_s=aggregation_s,
+            duration_s=now - live.opened_at,
+            epsilon_max=self.ws.state.epsilon_max(live.round, live.attempt),
+            detail=detail,
+        )
+
+    # -- opening and resuming --------------------------------------------------------------------
+
+    def _open(self, round_: int, attempt: int, now: float) -> _Live:
+        if not self.finished:
+            self.ws.state.open_round(round_, attempt, now)
+            log.info("event=round_open round=%d attempt=%d", round_, attempt)
+        return _Live(round_, attempt, "open" if not self.finished else "closed", now, now)
+
+    def resume(self) -> _Live:
+        """Rebuild the round in progress from the state store (or open the first one)."""
+        now = self.clock()
+        row = self.ws.state.latest_round()
+        if row is None:
+            return self._open(1, 0, now)
+        if row.stage == "closed":
+            return (
+                self._open(row.round + 1, 0, now)
+                if not self.finished
+                else _Live(row.round, row.attempt, "closed", row.opened_at, row.stage_started_at)
+            )
+        if row.stage == "aborted":
+            return self._open(row.round, row.attempt + 1, now)
+        live = _Live(row.round, row.attempt, "open", row.opened_at, row.stage_started_at)
+        if row.spec is None:
+            return live
+        spec = msgspec.json.decode(row.spec, type=wire.RoundSpec)
+        self._install_spec(live, spec)
+        reached = _ORDER.index(row.stage)
+        replay = (
+            ("advertise", "share_keys", "masked_input", "unmask")
+            if spec.secure_sum == "secagg"
+            else ("masked_input",)
+        )
+        for stage in replay:
+            live.stage = stage
+            for member, body in self.ws.state.messages(row.round, row.attempt, stage):
+                self._replay(live, spec, stage, member, body)
+            if _ORDER.index(stage) >= reached:
+                break
+            if live.session is not None:
+                if stage == "advertise":
+                    live.session.close_advertise()
+                elif stage == "share_keys":
+                    live.relays = live.session.close_share_keys()
+                elif stage == "masked_input":
+                    live.session.close_masked_input()
+        live.stage, live.stage_started_at = row.stage, row.stage_started_at
+        log.info("event=resumed round=%d attempt=%d stage=%s", live.round, live.attempt, live.stage)
+        return live
+
+    def _replay(
+        self, live: _Live, spec: wire.RoundSpec, stage: str, member: str, body: bytes
+    ) -> None:
+        try:
+            if stage == "masked_input":
+                if live.session is not None:
+                    live.session.receive_masked_input(MaskedInput(member, body))
+                else:
+                    self._add_plain(live, spec, member, body)
+                return
+            assert live.session is not None
+            if stage == "advertise":
+                live.session.receive_advertise(
+                    _advertise_from_wire(
+                        member, msgspec.json.decode(body, type=wire.AdvertiseKeysBody)
+                    )
+                )
+            elif stage == "share_keys":
+                parsed = msgspec.json.decode(body, type=wire.ShareKeysBody)
+                live.session.receive_share_keys(
+                    ShareKeys(
+                        member,
+                        tuple(
+                            EncryptedShare(member, s.recipient, bytes.fromhex(s.ciphertext))
+                            for s in parsed.shares
+                        ),
+                    )
+                )
+            elif stage == "unmask":
+                live.session.receive_unmask(
+                    _unmask_from_wire(
+                        member, msgspec.json.decode(body, type=wire.UnmaskResponseBody)
+                    )
+                )
+        except FedsecError as exc:  # pragma: no cover - stored messages were accepted once
+            raise ProtocolError(
+                f"state database holds a {stage} message from {member} that no longer "
+                f"verifies: {exc.detail}"
+            ) from None
+
+
+def _advertise_from_wire(member: str, body: wire.AdvertiseKeysBody) -> AdvertiseKeys:
+    return AdvertiseKeys(
+        member,
+        wire.unhex(body.enc_public, "enc_public", 32),
+        wire.unhex(body.mask_public, "mask_public", 32),
+        wire.unhex(body.signature, "signature", 64),
+    )
+
+
+def _unmask_from_wire(member: str, body: wire.UnmaskResponseBody) -> UnmaskResponse:
+    return UnmaskResponse(
+        member,
+        tuple((m, wire.unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
+        tuple((m, wire.unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
+    )

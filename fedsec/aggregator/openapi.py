@@ -1,0 +1,176 @@
+"""The OpenAPI 3.1 document of the aggregator API, built from the wire schemas."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import msgspec
+
+from fedsec import wire
+
+_SCHEMAS: tuple[type, ...] = (
+    wire.RoundState,
+    wire.JoinRequest,
+    wire.JoinResponse,
+    wire.PrivacyReport,
+    wire.AdvertiseKeysBody,
+    wire.KeyListBody,
+    wire.ShareKeysBody,
+    wire.ShareRelayBody,
+    wire.UnmaskRequestBody,
+    wire.UnmaskResponseBody,
+    wire.Receipt,
+    wire.FederationStatus,
+    wire.ErrorBody,
+)
+
+_SIGNED = "RFC 9421 HTTP Message Signature (Ed25519) of a roster member"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json_body(name: str) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
+    errors = {
+        code: {"description": text, "content": {"application/json": {"schema": _ref("ErrorBody")}}}
+        for code, text in (
+            ("400", "malformed or invalid request"),
+            ("401", "missing, bad or replayed signature; unknown or revoked key"),
+            ("403", "role not allowed, or member not in this round"),
+            ("409", "wrong round, attempt or stage; duplicate message"),
+            ("413", "body over the configured limit"),
+        )
+    }
+    content = {"application/json": {"schema": _ref(name)}} if name else {}
+    ok: dict[str, Any] = {"description": description}
+    if content:
+        ok["content"] = content
+    return {"200": ok, **errors}
+
+
+_ROUND = {"name": "round", "in": "path", "required": True, "schema": {"type": "integer"}}
+_ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": {"type": "integer"}}
+_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer"}}
+
+
+def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    op.update(extra)
+    return op
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    """The document served at /v1/openapi.json."""
+    _, components = msgspec.json.schema_components(
+        _SCHEMAS, ref_template="#/components/schemas/{name}"
+    )
+    p = wire.API_PREFIX
+    r = f"{p}/rounds/{{round}}"
+    rp = [_ROUND, _ATTEMPT]
+    binary = {
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+    }
+    paths: dict[str, Any] = {
+        f"{p}/health": {"get": _op("liveness", {"200": {"description": "alive"}}, security=[])},
+        f"{p}/openapi.json": {
+            "get": _op("this document", {"200": {"description": "OpenAPI"}}, security=[])
+        },
+        f"{p}/status": {
+            "get": _op("federation status and round history", _ok("FederationStatus"), security=[])
+        },
+        f"{p}/round": {
+            "get": _op(
+                "current round; long-polls while the token equals ?wait",
+                _ok("RoundState"),
+                parameters=[
+                    {"name": "wait", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "timeout", "in": "query", "schema": {"type": "number"}},
+                ],
+            )
+        },
+        f"{p}/roster": {"get": _op("admin-signed roster entries", _ok(None))},
+        f"{p}/models/latest": {"get": _op("manifest of the newest good model", _ok(None))},
+        f"{p}/models/{{version}}/manifest": {
+            "get": _op("signed manifest", _ok(None), parameters=[_VERSION])
+        },
+        f"{p}/models/{{version}}": {
+            "get": _op(
+                "safetensors model file",
+                {"200": {"description": "model", **binary}},
+                parameters=[_VERSION],
+            )
+        },
+        f"{r}/join": {
+            "post": _op(
+                "join the cohort",
+                _ok("JoinResponse"),
+                parameters=rp,
+                requestBody=_json_body("JoinRequest"),
+            )
+        },
+        f"{r}/report": {
+            "post": _op(
+                "signed privacy report",
+                _ok(None),
+                parameters=rp,
+                requestBody=_json_body("PrivacyReport"),
+            )
+        },
+        f"{r}/advertise": {
+            "post": _op(
+                "advertise ephemeral keys",
+                _ok(None),
+                parameters=rp,
+                requestBody=_json_body("AdvertiseKeysBody"),
+            )
+        },
+        f"{r}/keys": {"get": _op("relayed key list", _ok("KeyListBody"), parameters=rp)},
+        f"{r}/shares": {
+            "post": _op(
+                "encrypted Shamir shares",
+                _ok(None),
+                parameters=rp,
+                requestBody=_json_body("ShareKeysBody"),
+            ),
+            "get": _op("shares addressed to the caller", _ok("ShareRelayBody"), parameters=rp),
+        },
+        f"{r}/masked-input": {
+            "post": _op(
+                "masked, packed input vector",
+                _ok("Receipt"),
+                parameters=rp,
+                requestBody={"required": True, **binary},
+            )
+        },
+        f"{r}/unmask": {
+            "get": _op("survivors and dropped members", _ok("UnmaskRequestBody"), parameters=rp),
+            "post": _op(
+                "shares for unmasking",
+                _ok(None),
+                parameters=rp,
+                requestBody=_json_body("UnmaskResponseBody"),
+            ),
+        },
+        f"{r}/receipt": {
+            "get": _op("signed receipt of the caller's contribution", _ok("Receipt"), parameters=rp)
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "fedsec aggregator", "version": "1"},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "httpsig": {"type": "http", "scheme": "signature", "description": _SIGNED}
+            },
+        },
+        "security": [{"httpsig": []}],
+    }

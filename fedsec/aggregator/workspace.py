@@ -1,0 +1,126 @@
+"""A federation workspace on disk: config, keys, roster, models and state database.
+
+Layout::
+
+    federation.toml      configuration (docs/config.md)
+    aggregator.key/.pub  the aggregator's signing key (specs, manifests, receipts)
+    admin.key/.pub       the admin key that signs roster entries (keep it offline)
+    roster.json          admin-signed roster
+    models/ manifests/   content-addressed model files and signed manifests
+    state.db             SQLite state (WAL)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedsec.aggregator.modelstore import ModelStore
+from fedsec.aggregator.roster import Roster
+from fedsec.aggregator.state import StateStore
+from fedsec.config import (
+    FederationConfig,
+    default_federation_toml,
+    load_federation_config,
+    parse_federation_config,
+)
+from fedsec.crypto.identity import (
+    SigningIdentity,
+    load_public_key,
+    save_public_key,
+)
+from fedsec.errors import ConfigError
+from fedsec.tasks import get_task
+from fedsec.tasks.params import state_to_arrays
+
+CONFIG_FILE = "federation.toml"
+AGGREGATOR_KEY = "aggregator.key"
+ADMIN_KEY = "admin.key"
+STATE_DB = "state.db"
+
+
+@dataclass
+class Workspace:
+    root: Path
+    config: FederationConfig
+    signer: SigningIdentity
+    admin_public: bytes
+    roster: Roster
+    models: ModelStore
+    state: StateStore
+
+    @property
+    def federation_id(self) -> str:
+        return self.config.federation.id
+
+    @classmethod
+    def open(cls, root: Path) -> Workspace:
+        """Open an initialised workspace.
+
+        Raises:
+            ConfigError: not a workspace, or an invalid federation.toml.
+        """
+        root = Path(root)
+        if not (root / CONFIG_FILE).exists():
+            raise ConfigError(
+                f"{root} is not a federation workspace (no {CONFIG_FILE}); "
+                "run: fedsec aggregator init"
+            )
+        config = load_federation_config(root / CONFIG_FILE)
+        signer = SigningIdentity.load(root / AGGREGATOR_KEY)
+        admin_public = load_public_key(root / "admin.pub")
+        fid = config.federation.id
+        return cls(
+            root=root,
+            config=config,
+            signer=signer,
+            admin_public=admin_public,
+            roster=Roster(root, fid, admin_public),
+            models=ModelStore(root, signer, fid),
+            state=StateStore(root / STATE_DB),
+        )
+
+    def admin(self) -> SigningIdentity:
+        """The admin signing key (only where it is kept beside the workspace)."""
+        return SigningIdentity.load(self.root / ADMIN_KEY)
+
+    def close(self) -> None:
+        self.state.close()
+
+
+def init_workspace(
+    root: Path,
+    federation_id: str,
+    task: str = "breast_cancer",
+    config_text: str | None = None,
+    model_seed: int = 0,
+) -> Workspace:
+    """Create a workspace: keys (0600), config, empty roster, initial model version 1.
+
+    Raises:
+        ConfigError: the directory already holds a workspace, or the config is invalid.
+    """
+    root = Path(root)
+    if (root / CONFIG_FILE).exists():
+        raise ConfigError(f"{root} already holds a federation workspace")
+    text = config_text if config_text is not None else default_federation_toml(federation_id, task)
+    config = parse_federation_config(text, str(root / CONFIG_FILE))
+    root.mkdir(parents=True, exist_ok=True)
+    signer = SigningIdentity.generate()
+    admin = SigningIdentity.generate()
+    signer.save(root / AGGREGATOR_KEY)
+    admin.save(root / ADMIN_KEY)
+    save_public_key(root / "aggregator.pub", signer.public_bytes)
+    save_public_key(root / "admin.pub", admin.public_bytes)
+    the_task = get_task(config.federation.task, **config.federation.task_options)
+    models = ModelStore(root, signer, config.federation.id)
+    models.put(
+        state_to_arrays(the_task.build_model(seed=model_seed)),
+        parent=None,
+        round=None,
+        kind="initial",
+        metrics={},
+        note=f"initial {the_task.name} v{the_task.version} model, seed {model_seed}",
+    )
+    (root / CONFIG_FILE).write_text(text)
+    return Workspace.open(root)
