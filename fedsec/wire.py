@@ -268,6 +268,8 @@ class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     duration_s: float | None
     epsilon_max: float | None
     detail: str
+    bytes_up: int = 0  # request bodies received from members during this attempt
+    bytes_down: int = 0  # response bodies sent to members during this attempt
 
 
 class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

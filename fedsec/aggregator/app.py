@@ -74,6 +74,21 @@ def _json(value: Any, status: int = 200) -> web.Response:
 
 
 @web.middleware
+async def traffic_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count body bytes per round attempt (the demo's bytes up/down columns)."""
+    coord = request.app[COORDINATOR]
+    key = (coord.live.round, coord.live.attempt)
+    response = await handler(request)
+    body = response.body if isinstance(response, web.Response) else None
+    sent = len(body) if isinstance(body, bytes | bytearray) else 0
+    if request.path.startswith(f"{wire.API_PREFIX}/rounds/") or request.path.startswith(
+        f"{wire.API_PREFIX}/models/"
+    ):
+        coord.count_traffic(key, request.content_length or 0, sent)
+    return response
+
+
+@web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
@@ -343,7 +358,9 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
 def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> web.Application:
     """Build the aiohttp application for ``workspace``."""
     cfg = workspace.config.server
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app = web.Application(
+        middlewares=[traffic_middleware, error_middleware], client_max_size=cfg.max_body_bytes
+    )
     app[WORKSPACE] = workspace
     app[COORDINATOR] = coordinator or Coordinator(workspace)
     app[CHANGED] = _ChangeSignal()

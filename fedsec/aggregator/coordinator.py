@@ -121,6 +121,8 @@ class Coordinator:
         self._validation = self._load_validation()
         self.optimizer: ServerOptimizer = make_optimizer(self.cfg.server, self.dim, workspace.state)
         self.alerts: list[str] = []
+        # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
+        self.traffic: dict[tuple[int, int], list[int]] = {}
         self.live: _Live = self.resume()
 
     # -- helpers -----------------------------------------------------------------------------
@@ -174,6 +176,12 @@ class Coordinator:
         raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
 
     # -- state queries -----------------------------------------------------------------------
+
+    def count_traffic(self, key: tuple[int, int], received: int, sent: int) -> None:
+        """Add one request's body sizes to the attempt that was current when it arrived."""
+        counts = self.traffic.setdefault(key, [0, 0])
+        counts[0] += received
+        counts[1] += sent
 
     def round_state(self) -> wire.RoundState:
         live = self.live
@@ -705,6 +713,8 @@ class Coordinator:
             duration_s=now - live.opened_at,
             epsilon_max=self.ws.state.epsilon_max(live.round, live.attempt),
             detail=detail,
+            bytes_up=self.traffic.get((live.round, live.attempt), [0, 0])[0],
+            bytes_down=self.traffic.get((live.round, live.attempt), [0, 0])[1],
         )
 
     # -- opening and resuming --------------------------------------------------------------------
