@@ -1,0 +1,398 @@
+"""The privacy ledger: how much of each dataset's (epsilon, delta) budget is spent.
+
+One JSON file in the agent's state directory holds, per dataset id, the budget and
+the history of DP rounds trained on it (noise multiplier, sample rate, steps). Spent
+epsilon is always recomputed by composing the whole history with Opacus' RDP
+accountant: adding per-round epsilons would overstate the cost badly, and caching a
+total would let it drift from the history that justifies it.
+
+Durability: every change is written to a temporary file, fsynced, and renamed over
+the ledger (then the directory is fsynced), so a crash leaves either the old or the
+new ledger, never a torn one. Read-modify-write cycles hold an exclusive lock on a
+side file, so two agent processes sharing a state directory cannot lose a round.
+A ledger that cannot be parsed is an error, never silently reset: resetting would
+forget privacy already spent.
+
+Charge a round *before* training it (:meth:`PrivacyLedger.charge`, or
+:meth:`~PrivacyLedger.check_can_train` then :meth:`~PrivacyLedger.record`): a crash
+after training but before recording would otherwise spend privacy off the books.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from opacus.accountants import RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from fedsec.errors import BudgetExhausted, ConfigError, IntegrityError
+
+LEDGER_FILENAME = "privacy_ledger.json"
+LEDGER_FORMAT = "fedsec.privacy_ledger"
+LEDGER_VERSION = 1
+
+# get_noise_multiplier stops once its epsilon is within this distance below the target;
+# 0.01 is Opacus' default, fine against budgets of order 1-10.
+NOISE_SEARCH_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class RoundCharge:
+    """One DP training round as the accountant sees it."""
+
+    round: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    recorded_at: str = ""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A dataset's total privacy budget across all rounds."""
+
+    epsilon: float
+    delta: float
+
+
+def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    if not history:
+        return 0.0
+    accountant = RDPAccountant()
+    # Opacus' RDP history is a list of (noise_multiplier, sample_rate, steps).
+    accountant.history = list(history)
+    with warnings.catch_warnings():
+        # For heavy noise the best RDP order is the largest default one, so the bound is
+        # slightly loose, i.e. conservative; the default orders keep the ledger equal to
+        # what Opacus reports per round.
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(accountant.get_epsilon(delta=delta))
+
+
+def _validate_round(noise_multiplier: float, sample_rate: float, steps: int) -> None:
+    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+        raise ConfigError(f"noise_multiplier must be positive and finite, got {noise_multiplier}")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ConfigError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+
+
+def noise_for_budget(
+    target_epsilon: float, delta: float, sample_rate: float, steps_per_round: int, rounds: int
+) -> float:
+    """The smallest noise multiplier (within tolerance) that lasts ``rounds`` rounds.
+
+    Composing ``rounds`` identical rounds of ``steps_per_round`` steps is the same as one
+    run of ``rounds * steps_per_round`` steps, which Opacus' search solves directly.
+
+    Raises:
+        ConfigError: a non-positive argument or delta outside (0, 1).
+    """
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ConfigError(f"target epsilon must be positive and finite, got {target_epsilon}")
+    if not 0.0 < delta < 1.0:
+        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    if rounds < 1:
+        raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    _validate_round(1.0, sample_rate, steps_per_round)
+    with warnings.catch_warnings():
+        # The search probes very large noise, where the RDP bound is loose (see _epsilon).
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps_per_round * rounds,
+                accountant="rdp",
+                epsilon_tolerance=NOISE_SEARCH_TOLERANCE,
+            )
+        )
+
+
+class PrivacyLedger:
+    """Per-dataset privacy budgets and spending, persisted in ``state_dir``."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        """Open (or prepare to create) the ledger in ``state_dir``.
+
+        Raises:
+            IntegrityError: an existing ledger file is unreadable or malformed.
+        """
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / LEDGER_FILENAME
+        self._lock_path = self.state_dir / (LEDGER_FILENAME + ".lock")
+        self._datasets: dict[str, dict[str, Any]] = self._read()
+
+    # ---- reading -----------------------------------------------------------------
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            raw_text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise IntegrityError(f"privacy ledger {self.path} cannot be read: {exc}") from exc
+        try:
+            raw = json.loads(raw_text)
+            return self._parse(raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(
+                f"privacy ledger {self.path} is corrupt ({exc}); refusing to reset it, since "
+                "that would forget privacy already spent. Restore it from a backup."
+            ) from exc
+
+    @staticmethod
+    def _parse(raw: Any) -> dict[str, dict[str, Any]]:
+        if not isinstance(raw, dict) or raw.get("format") != LEDGER_FORMAT:
+            raise ValueError(f"not a {LEDGER_FORMAT} document")
+        if raw.get("version") != LEDGER_VERSION:
+            raise ValueError(f"unsupported ledger version {raw.get('version')!r}")
+        datasets = raw["datasets"]
+        if not isinstance(datasets, dict):
+            raise TypeError("'datasets' must be an object")
+        for dataset_id, entry in datasets.items():
+            budget = entry["budget"]
+            Budget(float(budget["epsilon"]), float(budget["delta"]))
+            for item in entry["history"]:
+                _validate_round(
+                    float(item["noise_multiplier"]), float(item["sample_rate"]), int(item["steps"])
+                )
+                int(item["round"])
+            if not isinstance(dataset_id, str):
+                raise TypeError("dataset ids must be strings")
+        return datasets
+
+    def _reload(self) -> None:
+        self._datasets = self._read()
+
+    def _entry(self, dataset_id: str) -> dict[str, Any]:
+        entry = self._datasets.get(dataset_id)
+        if entry is None:
+            raise ConfigError(
+                f"dataset '{dataset_id}' has no privacy budget in {self.path}; set one first"
+            )
+        return entry
+
+    # ---- writing -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the ledger's lock and work on the freshest on-disk state."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock_path.open("a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                self._reload()
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _write(self, datasets: dict[str, dict[str, Any]]) -> None:
+        document = {"format": LEDGER_FORMAT, "version": LEDGER_VERSION, "datasets": datasets}
+        payload = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
+        fd, tmp_name = tempfile.mkstemp(prefix=LEDGER_FILENAME + ".", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "wb") as tmp:
+                tmp.write(payload)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp_name, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
+        # The rename is only durable once the directory entry itself is on disk.
+        dir_fd = os.open(self.state_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._datasets = datasets
+
+    # ---- public API --------------------------------------------------------------
+
+    def datasets(self) -> list[str]:
+        """Ids of the datasets with a budget, sorted."""
+        return sorted(self._datasets)
+
+    def budget(self, dataset_id: str) -> Budget:
+        """The budget of ``dataset_id``.
+
+        Raises:
+            ConfigError: the dataset has no budget.
+        """
+        raw = self._entry(dataset_id)["budget"]
+        return Budget(float(raw["epsilon"]), float(raw["delta"]))
+
+    def history(self, dataset_id: str) -> list[RoundCharge]:
+        """Every round charged to ``dataset_id``, oldest first."""
+        return [
+            RoundCharge(
+                round=int(item["round"]),
+                noise_multiplier=float(item["noise_multiplier"]),
+                sample_rate=float(item["sample_rate"]),
+                steps=int(item["steps"]),
+                recorded_at=str(item.get("recorded_at", "")),
+            )
+            for item in self._entry(dataset_id)["history"]
+        ]
+
+    def set_budget(self, dataset_id: str, epsilon: float, delta: float) -> None:
+        """Create or change the budget of ``dataset_id`` (durable on return).
+
+        Epsilon may be changed at any time (the data owner's decision); delta may not
+        change once rounds are recorded, because the spent epsilon is only meaningful
+        against the delta it was accounted for.
+
+        Raises:
+            ConfigError: invalid values, or a delta change after spending.
+        """
+        if not (epsilon > 0 and math.isfinite(epsilon)):
+            raise ConfigError(f"budget epsilon must be positive and finite, got {epsilon}")
+        if not 0.0 < delta < 1.0:
+            raise ConfigError(f"budget delta must be in (0, 1), got {delta}")
+        with self._locked():
+            datasets = json.loads(json.dumps(self._datasets))
+            entry = datasets.setdefault(dataset_id, {"history": []})
+            old = entry.get("budget")
+            if old is not None and entry["history"] and float(old["delta"]) != delta:
+                raise ConfigError(
+                    f"dataset '{dataset_id}': budget delta cannot change from {old['delta']} "
+                    f"to {delta} after {len(entry['history'])} recorded round(s)"
+                )
+            entry["budget"] = {"epsilon": float(epsilon), "delta": float(delta)}
+            self._write(datasets)
+
+    def spent(self, dataset_id: str) -> float:
+        """Epsilon spent on ``dataset_id`` over all recorded rounds, at the budget's delta.
+
+        Recomputed from the full history with the RDP accountant.
+        """
+        return self.projected_after(dataset_id, [])
+
+    def projected(
+        self, dataset_id: str, noise_multiplier: float, sample_rate: float, steps: int
+    ) -> float:
+        """Total epsilon of ``dataset_id`` if one more round with these settings ran."""
+        _validate_round(noise_multiplier, sample_rate, steps)
+        return self.projected_after(dataset_id, [(noise_multiplier, sample_rate, steps)])
+
+    def projected_after(self, dataset_id: str, extra: list[tuple[float, float, int]]) -> float:
+        """Total epsilon after the recorded history plus ``extra`` (nm, rate, steps) rounds."""
+        entry = self._entry(dataset_id)
+        history = [
+            (float(i["noise_multiplier"]), float(i["sample_rate"]), int(i["steps"]))
+            for i in entry["history"]
+        ]
+        return _epsilon(history + list(extra), float(entry["budget"]["delta"]))
+
+    def remaining(self, dataset_id: str) -> float:
+        """Budget epsilon minus spent epsilon (negative only if the budget was lowered)."""
+        return self.budget(dataset_id).epsilon - self.spent(dataset_id)
+
+    def check_can_train(
+        self,
+        dataset_id: str,
+        round: int,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+    ) -> float:
+        """Refuse a round that would exceed the budget; return the projected total epsilon.
+
+        Raises:
+            BudgetExhausted: the projected total epsilon exceeds the budget.
+            ConfigError: no budget for the dataset, or invalid round settings.
+        """
+        self._reload()
+        budget = self.budget(dataset_id)
+        projected = self.projected(dataset_id, noise_multiplier, sample_rate, steps)
+        if projected > budget.epsilon:
+            spent = self.spent(dataset_id)
+            raise BudgetExhausted(
+                f"dataset '{dataset_id}': training round {round} would spend epsilon "
+                f"{projected:.2f} > budget {budget.epsilon:g} (spent {spent:.2f}); "
+                "refusing to train"
+            )
+        return projected
+
+    def record(
+        self,
+        dataset_id: str,
+        round: int,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+    ) -> float:
+        """Append a round to the history of ``dataset_id``; durable before returning.
+
+        Recording does not check the budget (the privacy was spent, or is about to be);
+        use :meth:`charge` to check and record in one locked step. A round number may
+        appear twice: a retried round spends privacy twice.
+
+        Returns:
+            the new total epsilon spent.
+
+        Raises:
+            ConfigError: no budget for the dataset, or invalid round settings.
+        """
+        _validate_round(noise_multiplier, sample_rate, steps)
+        with self._locked():
+            self._append(dataset_id, round, noise_multiplier, sample_rate, steps)
+        return self.spent(dataset_id)
+
+    def charge(
+        self,
+        dataset_id: str,
+        round: int,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+    ) -> float:
+        """Check the budget and record the round atomically; call before training.
+
+        Returns:
+            the new total epsilon spent.
+
+        Raises:
+            BudgetExhausted: the round would exceed the budget; the ledger is unchanged.
+            ConfigError: no budget for the dataset, or invalid round settings.
+        """
+        with self._locked():
+            self.check_can_train(dataset_id, round, noise_multiplier, sample_rate, steps)
+            self._append(dataset_id, round, noise_multiplier, sample_rate, steps)
+        return self.spent(dataset_id)
+
+    def _append(
+        self,
+        dataset_id: str,
+        round: int,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+    ) -> None:
+        self._entry(dataset_id)
+        datasets = json.loads(json.dumps(self._datasets))
+        datasets[dataset_id]["history"].append(
+            {
+                "round": int(round),
+                "noise_multiplier": float(noise_multiplier),
+                "sample_rate": float(sample_rate),
+                "steps": int(steps),
+                "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        )
+        self._write(datasets)

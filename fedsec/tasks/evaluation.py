@@ -1,0 +1,56 @@
+"""Accuracy and loss of a model on a labelled set."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+# Large enough to amortise per-batch overhead, small enough for any bundled model's
+# activations to fit comfortably on a small GPU.
+EVAL_BATCH_SIZE = 1024
+
+
+def evaluate(
+    model: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    device: torch.device | str = "cpu",
+    batch_size: int = EVAL_BATCH_SIZE,
+) -> tuple[float, float]:
+    """Evaluate ``model`` on ``(x, y)``.
+
+    The caller's model is not moved or left in eval mode: if it lives on another
+    device, a copy is evaluated.
+
+    Returns:
+        ``(accuracy, mean cross-entropy loss)``; ``(nan, nan)`` for an empty set.
+    """
+    n = len(y)
+    if n == 0:
+        return float("nan"), float("nan")
+    target = torch.device(device)
+    first = next(model.parameters(), None)
+    on_target = first is None or first.device == target
+    work = model if on_target else copy.deepcopy(model).to(target)
+    was_training = work.training
+    work.eval()
+    correct = 0
+    loss_sum = 0.0
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                xb = torch.from_numpy(np.ascontiguousarray(x[start : start + batch_size])).to(
+                    target, torch.float32
+                )
+                yb = torch.from_numpy(np.ascontiguousarray(y[start : start + batch_size])).to(
+                    target, torch.int64
+                )
+                logits = work(xb)
+                loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+                correct += int((logits.argmax(dim=1) == yb).sum())
+    finally:
+        work.train(was_training)
+    return correct / n, loss_sum / n
