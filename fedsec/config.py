@@ -131,6 +131,8 @@ DOCS: dict[str, str] = {
     "privacy.epsilon": "Total epsilon this member will spend on this dataset across all "
     "rounds; training stops past it. 8 is a common upper bound for useful DP models.",
     "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
+    "privacy.require_dp": "Refuse rounds that ask for training without DP-SGD; turn off only "
+    "for simulations on public data, never for real records.",
     "network.retry_max": "Retries of a failed request before giving up on the stage; 8 "
     "spans about 45 s of outage with the backoff below (0.5+1+2+4+8+10+10+10).",
     "network.backoff_initial_s": "First retry delay; doubles per retry up to backoff_max_s.",
@@ -257,6 +259,7 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     epsilon: float = 8.0
     delta: float = 1e-5
+    require_dp: bool = True
 
 
 class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

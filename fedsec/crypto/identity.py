@@ -156,7 +156,7 @@ class SigningIdentity:
             )
         try:
             doc = json.loads(path.read_bytes())
-            if doc.get("kind") != _KEY_FILE_KIND:
+            if not isinstance(doc, dict) or doc.get("kind") != _KEY_FILE_KIND:
                 raise ValueError("not a fedsec Ed25519 key file")
             identity = cls(bytes.fromhex(doc["seed"]))
             if identity.public_bytes.hex() != doc["public_key"]:

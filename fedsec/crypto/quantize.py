@@ -97,9 +97,14 @@ class QuantSpec:
 
 
 def _l2_norm(vec: npt.NDArray[np.float32]) -> float:
-    norm = float(np.linalg.norm(vec))  # BLAS nrm2: scaled, so no overflow in float32
+    with np.errstate(over="ignore"):
+        norm = float(np.linalg.norm(vec))  # sqrt(x·x) in float32: squares overflow above ~1.8e19
     if not math.isfinite(norm):
-        raise QuantizationError("update contains NaN or infinite values")
+        if not np.all(np.isfinite(vec)):
+            raise QuantizationError("update contains NaN or infinite values")
+        # finite but huge: rescale by the largest magnitude (rare path, one temporary vector)
+        peak = float(np.max(np.abs(vec)))
+        norm = peak * float(np.linalg.norm(vec / np.float32(peak)))
     return norm
 
 
