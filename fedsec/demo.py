@@ -1,0 +1,303 @@
+"""``fedsec demo`` (a local federation in separate processes) and ``fedsec simulate``.
+
+The demo is what a newcomer runs first: a real aggregator process and five real
+agent processes on loopback, ten SecAgg+ rounds with DP on a non-IID split of a
+bundled dataset; one agent crashes right after sharing its keys in round 4 (the
+round still closes, its masks are removed through its neighbours' shares) and
+comes back in round 7, catching up on the newest signed model.
+
+``fedsec simulate`` runs the same components in one process for measurements:
+a real aggregator on loopback HTTP and N agents as asyncio tasks, plus the same
+model trained centrally for comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import click
+
+from fedsec import wire
+from fedsec.errors import ConfigError
+from fedsec.federation import (
+    agent_config,
+    create_federation,
+    enrol_agents,
+    federation_toml,
+    write_agent_config,
+)
+
+# The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
+DEMO_TIMEOUT_S = 240.0
+CRASH_ENV = "FEDSEC_FAULT_CRASH_AT"  # "ROUND:STAGE": the agent kills itself there (chaos tests)
+
+
+def _status(url: str) -> wire.FederationStatus | None:
+    try:
+        with urllib.request.urlopen(f"{url}{wire.API_PREFIX}/status", timeout=5) as resp:
+            import msgspec
+
+            return msgspec.json.decode(resp.read(), type=wire.FederationStatus)
+    except OSError:
+        return None
+
+
+def _wait_for_serve(info: Path, proc: subprocess.Popen[bytes], deadline: float) -> str:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"the aggregator exited with code {proc.returncode}; see its log")
+        if info.exists():
+            return str(json.loads(info.read_text())["url"])
+        time.sleep(0.1)
+    raise ConfigError("the aggregator did not start within its deadline")
+
+
+def _row(s: wire.RoundSummary, agents: int) -> str:
+    acc = f"{100 * s.accuracy:6.2f}%" if s.accuracy is not None else "    -  "
+    eps = f"{s.epsilon_max:6.2f}" if s.epsilon_max is not None else "    - "
+    per = max(s.participants, 1)
+    state = "ok" if s.stage == "closed" else f"ABORTED: {s.detail}"
+    dropped = ",".join(d.split("-")[-1] for d in s.dropped) or "-"
+    return (
+        f"{s.round:>5} {s.attempt:>3} {s.cohort:>6} {s.survivors:>9} {dropped:>7} {acc:>8} "
+        f"{eps:>7} {s.bytes_up / per / 1024:>9.1f} {s.bytes_down / per / 1024:>9.1f} "
+        f"{(s.duration_s or 0):>7.2f}  {state}"
+    )
+
+
+HEADER = "round try cohort survivors dropped accuracy eps_max  KiB_up/a KiB_dn/a  time_s  result"
+
+
+@click.command()
+@click.option(
+    "--workspace",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="directory to create (default: a new temporary one, kept)",
+)
+@click.option("--agents", default=5, show_default=True)
+@click.option("--rounds", default=10, show_default=True)
+@click.option("--task", default="breast_cancer", show_default=True)
+@click.option("--partition", default="dirichlet:0.5", show_default=True)
+@click.option("--epsilon", default=8.0, show_default=True, help="each agent's privacy budget")
+@click.option(
+    "--crash/--no-crash",
+    default=True,
+    show_default=True,
+    help="crash one agent after share keys in round 4, restart it in round 7",
+)
+def demo(
+    workspace: Path | None,
+    agents: int,
+    rounds: int,
+    task: str,
+    partition: str,
+    epsilon: float,
+    crash: bool,
+) -> None:
+    """Run a local federation: aggregator + agents as processes, SecAgg+ with DP."""
+    root = workspace or Path(tempfile.mkdtemp(prefix="fedsec-demo-"))
+    if workspace is not None and workspace.exists() and any(workspace.iterdir()):
+        raise ConfigError(f"{workspace} exists and is not empty; choose a new directory")
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    deadline = start + DEMO_TIMEOUT_S
+    text = federation_toml(
+        "demo",
+        task,
+        round_={
+            "min_agents": 3,
+            "max_agents": agents,
+            "rounds": rounds,
+            "advertise_s": 4.0,
+            "share_s": 5.0,
+            "masked_s": 8.0,
+            "unmask_s": 5.0,
+            "open_s": 60.0,
+            "max_weight_samples": 200,
+        },
+        training={"local_epochs": 2, "batch_size": 16, "lr": 0.1},
+        dp={"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0},
+        server={"port": 0},
+    )
+    ws = create_federation(root, "demo", task, text)
+    local = enrol_agents(ws, root, agents)
+    aggregator_public = ws.signer.public_bytes
+    ws.close()
+    logs = root / "logs"
+    logs.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "fedsec"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def launch(name: str, args: list[str], extra: dict[str, str] | None = None) -> None:
+        log = (logs / f"{name}.log").open("ab")
+        procs[name] = subprocess.Popen(
+            cmd + args, stdout=log, stderr=subprocess.STDOUT, env={**env, **(extra or {})}
+        )
+
+    click.echo(f"workspace: {root}")
+    try:
+        launch(
+            "aggregator",
+            ["aggregator", "serve", "--workspace", str(root / "aggregator"), "--port", "0"],
+        )
+        url = _wait_for_serve(root / "aggregator" / "serve.json", procs["aggregator"], deadline)
+        click.echo(f"aggregator: {url} (log: {logs / 'aggregator.log'})")
+        for i, a in enumerate(local):
+            cfg = agent_config(
+                a,
+                url=url,
+                aggregator_public=aggregator_public,
+                task=task,
+                part_index=i,
+                parts=agents,
+                partition=partition,
+                seed=7,
+                epsilon=epsilon,
+            )
+            write_agent_config(a, cfg)
+            fault = {CRASH_ENV: "4:share_keys"} if crash and i == agents - 1 else None
+            launch(a.agent_id, ["agent", "run", "--config", str(a.config_path)], fault)
+        click.echo(
+            f"agents: {', '.join(a.agent_id for a in local)}"
+            + (f" ({local[-1].agent_id} will crash after share keys in round 4)" if crash else "")
+        )
+        click.echo("")
+        click.echo(HEADER)
+        shown: set[tuple[int, int]] = set()
+        restarted = not crash
+        status = None
+        while time.monotonic() < deadline:
+            status = _status(url)
+            if status is not None:
+                for s in status.history:
+                    if (s.round, s.attempt) not in shown:
+                        shown.add((s.round, s.attempt))
+                        click.echo(_row(s, agents))
+                if not restarted and status.round >= 7:
+                    last = local[-1]
+                    launch(last.agent_id, ["agent", "run", "--config", str(last.config_path)])
+                    click.echo(f"      ({last.agent_id} restarted: it rejoins and catches up)")
+                    restarted = True
+                if status.finished:
+                    break
+            if procs["aggregator"].poll() is not None:
+                raise ConfigError("the aggregator exited unexpectedly; see its log")
+            time.sleep(0.3)
+        else:
+            raise ConfigError(
+                f"the demo did not finish within {DEMO_TIMEOUT_S:.0f} s; logs in {logs}"
+            )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert status is not None
+    closed = [s for s in status.history if s.stage == "closed"]
+    final = closed[-1] if closed else None
+    click.echo("")
+    click.echo(
+        f"{len(closed)} rounds closed in {time.monotonic() - start:.1f} s; "
+        f"model version {status.model_version}"
+        + (f", held-out accuracy {100 * final.accuracy:.2f}%" if final and final.accuracy else "")
+    )
+    click.echo(f"state:  {root / 'aggregator' / 'state.db'}")
+    click.echo(
+        f"models: {root / 'aggregator' / 'models'} "
+        f"(signed manifests in {root / 'aggregator' / 'manifests'})"
+    )
+    click.echo(f"agents: {root}/agent-*/state (privacy ledger, receipts, vault)")
+    click.echo(f"logs:   {logs}")
+
+
+# -- simulate ------------------------------------------------------------------------------------
+
+
+def _parse_dp(value: str) -> float | None:
+    if value == "none":
+        return None
+    try:
+        eps = float(value)
+    except ValueError:
+        raise click.BadParameter("--dp-epsilon takes a number or 'none'") from None
+    if not (math.isfinite(eps) and eps > 0):
+        raise click.BadParameter("--dp-epsilon must be positive")
+    return eps
+
+
+@click.command()
+@click.option("--task", default="mnist1d", show_default=True)
+@click.option("--agents", default=50, show_default=True)
+@click.option("--rounds", default=20, show_default=True)
+@click.option("--partition", default="iid", show_default=True)
+@click.option(
+    "--secure-sum", type=click.Choice(["secagg", "none"]), default="secagg", show_default=True
+)
+@click.option("--quant-bits", default=8, show_default=True)
+@click.option("--clip", default=0.0, help="update clip norm; 0 = a task default")
+@click.option("--dp-epsilon", default="none", show_default=True, help="per-agent budget or 'none'")
+@click.option("--local-epochs", default=0, help="0 = task default for simulation")
+@click.option("--lr", default=0.0, help="0 = task default")
+@click.option("--server-optimizer", type=click.Choice(["fedavg", "fedadam"]), default="fedavg")
+@click.option("--server-lr", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def simulate(
+    task: str,
+    agents: int,
+    rounds: int,
+    partition: str,
+    secure_sum: str,
+    quant_bits: int,
+    clip: float,
+    dp_epsilon: str,
+    local_epochs: int,
+    lr: float,
+    server_optimizer: str,
+    server_lr: float,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Federated vs centralized training of a bundled task, over loopback HTTP."""
+    from fedsec.simulation import SimulationSpec, run_simulation
+
+    result = asyncio.run(
+        run_simulation(
+            SimulationSpec(
+                task=task,
+                agents=agents,
+                rounds=rounds,
+                partition=partition,
+                secure_sum=secure_sum,
+                quant_bits=quant_bits,
+                clip=clip,
+                dp_epsilon=_parse_dp(dp_epsilon),
+                local_epochs=local_epochs,
+                lr=lr,
+                server_optimizer=server_optimizer,
+                server_lr=server_lr,
+                seed=seed,
+            )
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for key, value in result.items():
+            click.echo(f"{key:>32}: {value}")

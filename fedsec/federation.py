@@ -1,0 +1,130 @@
+"""Set up a whole local federation: workspace, enrolled agents and their configs.
+
+Shared by ``fedsec demo`` (separate processes), ``fedsec simulate`` (one process)
+and the end-to-end tests, so all three run the same set-up code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedsec.aggregator.roster import sign_roster_entry
+from fedsec.aggregator.workspace import Workspace, init_workspace
+from fedsec.config import (
+    AgentConfig,
+    AgentSection,
+    DataSection,
+    DPSection,
+    FederationConfig,
+    FederationSection,
+    NetworkSection,
+    PrivacySection,
+    RoundSection,
+    ServerSection,
+    TrainingSection,
+    dump_agent_config,
+    render_toml,
+)
+from fedsec.crypto.identity import SigningIdentity, save_public_key
+
+
+@dataclass
+class LocalAgent:
+    agent_id: str
+    root: Path
+    identity: SigningIdentity
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "agent.toml"
+
+
+def federation_toml(
+    federation_id: str,
+    task: str,
+    *,
+    round_: dict[str, Any] | None = None,
+    training: dict[str, Any] | None = None,
+    dp: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
+) -> str:
+    """A federation.toml with the given overrides of each section's defaults."""
+    cfg = FederationConfig(
+        federation=FederationSection(id=federation_id, task=task),
+        round=RoundSection(**(round_ or {})),
+        training=TrainingSection(**(training or {})),
+        dp=DPSection(**(dp or {})),
+        server=ServerSection(**(server or {})),
+    )
+    return render_toml(cfg, f"fedsec federation {federation_id}")
+
+
+def create_federation(root: Path, federation_id: str, task: str, config_text: str) -> Workspace:
+    """Initialise the aggregator workspace under ``root/aggregator``."""
+    return init_workspace(root / "aggregator", federation_id, task, config_text=config_text)
+
+
+def enrol_agents(ws: Workspace, root: Path, count: int, prefix: str = "agent") -> list[LocalAgent]:
+    """Create ``count`` agent identities under ``root/<id>`` and add them to the roster."""
+    admin = ws.admin()
+    agents = []
+    for i in range(count):
+        agent_id = f"{prefix}-{i + 1}"
+        home = root / agent_id
+        identity = SigningIdentity.generate()
+        identity.save(home / "identity.key")
+        save_public_key(home / "identity.pub", identity.public_bytes)
+        ws.roster.add(
+            sign_roster_entry(
+                federation_id=ws.federation_id,
+                agent_id=agent_id,
+                public_key=identity.public_bytes,
+                role="agent",
+                admin=admin,
+            )
+        )
+        agents.append(LocalAgent(agent_id, home, identity))
+    return agents
+
+
+def agent_config(
+    agent: LocalAgent,
+    *,
+    url: str,
+    aggregator_public: bytes,
+    task: str,
+    part_index: int,
+    parts: int,
+    partition: str,
+    seed: int,
+    epsilon: float,
+    delta: float = 1e-5,
+    require_dp: bool = True,
+    device: str = "auto",
+) -> AgentConfig:
+    """The agent.toml of one simulated data owner holding part ``part_index`` of a task."""
+    return AgentConfig(
+        agent=AgentSection(
+            id=agent.agent_id,
+            aggregator_url=url,
+            aggregator_public_key=aggregator_public.hex(),
+            state_dir=str(agent.root / "state"),
+            device=device,
+        ),
+        data=DataSection(
+            task=task,
+            dataset_id=f"{task}-part-{part_index}",
+            partition=partition,
+            part_index=part_index,
+            parts=parts,
+            seed=seed,
+        ),
+        privacy=PrivacySection(epsilon=epsilon, delta=delta, require_dp=require_dp),
+        network=NetworkSection(retry_max=6, backoff_initial_s=0.2, backoff_max_s=2.0),
+    )
+
+
+def write_agent_config(agent: LocalAgent, cfg: AgentConfig) -> None:
+    dump_agent_config(cfg, agent.config_path)
