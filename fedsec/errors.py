@@ -182,3 +182,26 @@ class IntegrityError(FedsecError):
     """Stored or received content does not match its hash, manifest or signature."""
 
     code = "integrity_error"
+
+
+class AggregatorUnreachable(FedsecError):
+    """The aggregator did not answer (connection failures, timeouts, 5xx) after all retries."""
+
+    code = "aggregator_unreachable"
+    http_status = 503
+
+
+class AggregatorRefused(FedsecError):
+    """The aggregator refused a request with an error code this client has no class for.
+
+    ``code`` and ``http_status`` are the server's, set per instance.
+    """
+
+    code = "aggregator_refused"
+
+    def __init__(
+        self, detail: str, code: str = "aggregator_refused", http_status: int = 400
+    ) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.http_status = http_status

@@ -1,0 +1,231 @@
+"""``fedsec agent``: set up a data owner's agent, run it, and show its privacy spending.
+
+User errors (any :class:`~fedsec.errors.FedsecError`) print one sentence on stderr
+and exit 1, without a traceback, whether this group runs under ``fedsec`` or alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from fedsec.config import (
+    AgentConfig,
+    AgentSection,
+    DataSection,
+    PrivacySection,
+    dump_agent_config,
+    load_agent_config,
+    parse_agent_config,
+    render_toml,
+)
+from fedsec.crypto.identity import SigningIdentity, save_public_key
+from fedsec.errors import ConfigError, FedsecError
+
+__all__ = ["agent"]
+
+CONFIG_FILE = "agent.toml"
+PUBLIC_KEY_FILE = "identity.pub"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FedsecError as exc:
+            click.echo(f"error: {exc.detail}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _KeyValueFormatter(logging.Formatter):
+    """``time level logger event key=value ...``: the runtime's messages are already k=v."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s level=%(levelname)s logger=%(name)s event=%(message)s")
+
+
+def _configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KeyValueFormatter())
+    root = logging.getLogger("fedsec")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+@click.group()
+def agent() -> None:
+    """Data owner's agent: trains locally under DP and contributes securely."""
+
+
+@agent.command("init")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="directory for the key, agent.toml and the agent's state",
+)
+@click.option("--agent-id", required=True, help="this member's id, as the admin enrols it")
+@click.option("--aggregator-url", required=True, help="https://host:port of the aggregator")
+@click.option(
+    "--aggregator-public-key", required=True, help="aggregator's Ed25519 key, 64 hex digits"
+)
+@click.option("--task", default="breast_cancer", show_default=True, help="bundled task name")
+@click.option("--dataset-id", default="", help="ledger name of this dataset (default: derived)")
+@click.option("--partition", default="iid", show_default=True, help="iid or dirichlet:ALPHA")
+@click.option("--part-index", default=0, show_default=True, help="this member's part (0-based)")
+@click.option("--parts", default=1, show_default=True, help="parts the bundled data is split in")
+@click.option(
+    "--epsilon",
+    default=PrivacySection().epsilon,
+    show_default=True,
+    help="total privacy budget on this dataset",
+)
+@click.option(
+    "--delta", default=PrivacySection().delta, show_default=True, help="DP delta of the budget"
+)
+@click.option(
+    "--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N for training"
+)
+@_user_errors
+def init_command(
+    directory: Path,
+    agent_id: str,
+    aggregator_url: str,
+    aggregator_public_key: str,
+    task: str,
+    dataset_id: str,
+    partition: str,
+    part_index: int,
+    parts: int,
+    epsilon: float,
+    delta: float,
+    device: str,
+) -> None:
+    """Create an identity key and agent.toml in DIR; print the public key to enrol."""
+    config_path = directory / CONFIG_FILE
+    key_path = directory / "identity.key"
+    public_path = directory / PUBLIC_KEY_FILE
+    for path in (config_path, key_path):
+        if path.exists():
+            raise ConfigError(f"{path} already exists; refusing to overwrite it")
+    cfg = AgentConfig(
+        agent=AgentSection(
+            id=agent_id,
+            aggregator_url=aggregator_url,
+            aggregator_public_key=aggregator_public_key.lower(),
+            state_dir=".",
+            device=device,
+        ),
+        data=DataSection(
+            task=task,
+            dataset_id=dataset_id,
+            partition=partition,
+            part_index=part_index,
+            parts=parts,
+        ),
+        privacy=PrivacySection(epsilon=epsilon, delta=delta),
+    )
+    # Validate exactly as `agent run` will read it, before anything is written.
+    parse_agent_config(render_toml(cfg, f"fedsec agent {agent_id}"), str(config_path))
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    identity = SigningIdentity.generate()
+    identity.save(key_path)
+    save_public_key(public_path, identity.public_bytes)
+    dump_agent_config(cfg, config_path)
+    click.echo(f"agent {agent_id} initialised in {directory}")
+    click.echo(f"config:     {config_path}")
+    click.echo(f"secret key: {key_path} (mode 0600; never share it)")
+    click.echo(f"public key: {identity.public_bytes.hex()}")
+    click.echo(f"key id:     {identity.key_id}")
+    click.echo(f"hand {public_path} (or the public key above) to the consortium admin to enrol")
+
+
+@agent.command("run")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="the agent's agent.toml",
+)
+@click.option("--rounds", type=int, default=None, help="stop after this many closed rounds")
+@click.option("--verbose", is_flag=True, help="debug logging")
+@_user_errors
+def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
+    """Take part in the federation until it finishes (or --rounds are done)."""
+    from fedsec.agent.runtime import IDENTITY_FILE, AgentRuntime
+
+    _configure_logging(verbose)
+    cfg = load_agent_config(config_path)
+    identity = SigningIdentity.load(Path(cfg.agent.state_dir) / IDENTITY_FILE)
+    runtime = AgentRuntime(cfg, identity, progress=sys.stderr.isatty())
+
+    async def main() -> list[Any]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            return list(await runtime.run(max_rounds=rounds, stop=stop))
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    outcomes = asyncio.run(main())
+    closed = sum(1 for o in outcomes if o.status == "closed")
+    spent = runtime.ledger.spent(runtime.dataset_id)
+    click.echo(
+        f"agent {cfg.agent.id}: {closed} round(s) contributed of {len(outcomes)} in the cohort; "
+        f"epsilon spent on '{runtime.dataset_id}': {spent:.3f} of {cfg.privacy.epsilon:g}"
+    )
+
+
+@agent.command("status")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="the agent's agent.toml",
+)
+@_user_errors
+def status_command(config_path: Path) -> None:
+    """Privacy spent per dataset, and receipts held."""
+    from fedsec.agent.ledger import PrivacyLedger
+    from fedsec.agent.vault import Vault
+
+    cfg = load_agent_config(config_path)
+    state_dir = Path(cfg.agent.state_dir)
+    ledger = PrivacyLedger(state_dir)
+    click.echo(f"agent {cfg.agent.id} (state in {state_dir})")
+    datasets = ledger.datasets()
+    if not datasets:
+        click.echo("privacy ledger: no rounds trained yet")
+    for dataset_id in datasets:
+        budget = ledger.budget(dataset_id)
+        spent = ledger.spent(dataset_id)
+        rounds = len(ledger.history(dataset_id))
+        click.echo(
+            f"dataset {dataset_id}: epsilon spent {spent:.3f} of {budget.epsilon:g} "
+            f"(delta {budget.delta:g}) over {rounds} round(s)"
+        )
+    vault = Vault(state_dir)
+    receipts = vault.receipts()
+    click.echo(
+        f"receipts: {len(receipts)}" + (f" (last round {receipts[-1].round})" if receipts else "")
+    )

@@ -1,0 +1,997 @@
+"""The agent's main loop: follow the aggregator's rounds, train under DP, contribute securely.
+
+One round attempt, as the agent sees it (stages of :data:`fedsec.wire.Stage`)::
+
+    open ──► join (schema fingerprint, task version, sample count)
+    spec with us in the cohort ──► verify spec signature and task ──► charge the
+        privacy ledger ──► download + verify the spec's model ──► train (DP-SGD)
+        ──► signed privacy report
+    secagg:  advertise keys ─► share_keys ─► masked_input (+ receipt) ─► unmask ─► closed
+    none:    masked_input (plain quantized vector, + receipt) ─► closed
+
+The agent long-polls ``GET /round`` with the last token it saw and reacts to each
+state; if the attempt is aborted or a new one starts, the half-done session is
+dropped and the agent follows the newest state.  Catching up after missed rounds
+needs nothing special: every round names the model version to start from and
+the agent downloads exactly that one.
+
+Privacy: the ledger is charged (checked and recorded durably, in one locked step)
+*before* training, so a crash can never spend privacy off the books.  A retried
+attempt of the same round reuses the update already trained on the same model
+with the same settings instead of training (and spending) again.  Rounds that ask
+for training without DP are refused: this agent's promise to its data owner is
+DP-SGD on every round.
+
+Failures are split in two.  Round-local ones (a stage missed, a 409 from the
+aggregator, a relayed key list that does not verify) drop this agent from the
+attempt with a warning and it waits for the next.  Everything else (spec or
+manifest signatures that do not verify, a task mismatch, an exhausted budget,
+an unreachable aggregator, authentication refused) ends :meth:`AgentRuntime.run`
+with the error, whose sentence the CLI prints.
+
+Logs are ``event key=value``; they never carry keys, shares, seeds or vectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fedsec.agent.client import AggregatorClient
+from fedsec.agent.device import resolve_device
+from fedsec.agent.faults import crash_point
+from fedsec.agent.ledger import PrivacyLedger
+from fedsec.agent.training import DPParams, fresh_seed, plan_round, train_local
+from fedsec.agent.vault import RoundRecord, Vault
+from fedsec.aggregator.roster import verify_roster_entry
+from fedsec.config import AgentConfig, DataSection
+from fedsec.crypto.identity import SigningIdentity, load_public_key, save_public_key
+from fedsec.crypto.quantize import QuantSpec, RingVector, pack, quantize
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    ClientSession,
+    EncryptedShare,
+    KeyList,
+    SecAggParams,
+    ShareRelay,
+    UnmaskRequest,
+)
+from fedsec.errors import (
+    AggregatorRefused,
+    BudgetExhausted,
+    ConfigError,
+    DuplicateMessage,
+    FedsecError,
+    IntegrityError,
+    NotFound,
+    PayloadError,
+    ProtocolError,
+    SignatureError,
+    TaskMismatch,
+)
+from fedsec.modelfile import decode_model, verify_manifest
+from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_partition
+from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
+from fedsec.wire import (
+    AdvertiseKeysBody,
+    JoinRequest,
+    KeyListBody,
+    OutgoingShare,
+    PrivacyReport,
+    Receipt,
+    RoundSpec,
+    RoundState,
+    ShareKeysBody,
+    ShareRelayBody,
+    Stage,
+    UnmaskResponseBody,
+    unhex,
+)
+
+__all__ = [
+    "ADMIN_KEY_FILE",
+    "IDENTITY_FILE",
+    "AgentRuntime",
+    "LocalData",
+    "RoundOutcome",
+    "check_spec_task",
+    "load_local_data",
+    "member_weight",
+    "quant_spec",
+    "secagg_params",
+    "verify_round_spec",
+]
+
+log = logging.getLogger(__name__)
+
+#: The agent's signing key, in its state directory (written 0600 by ``fedsec agent init``).
+IDENTITY_FILE: Final = "identity.key"
+#: The roster admin key, pinned on first use (see :meth:`AgentRuntime._roster`).
+ADMIN_KEY_FILE: Final = "roster_admin.pub"
+#: Long-poll wait asked of the aggregator.  30 s is well under common proxy idle
+#: timeouts (nginx's proxy_read_timeout defaults to 60 s) and keeps an idle agent at
+#: two requests a minute.
+POLL_TIMEOUT_S: Final = 30.0
+#: A server that answers a long poll at once with an unchanged token would make the
+#: agent spin; it waits this long before polling again.
+MIN_REPOLL_S: Final = 0.25
+#: Allowance over the raw float32 size of the local model when downloading a model
+#: file: the safetensors header is ~100 bytes per tensor, so 1 MiB covers ~10k tensors.
+MODEL_HEADER_SLACK_BYTES: Final = 1024 * 1024
+#: Statuses whose 4xx answers mean "not in this attempt any more", not "stop the agent".
+_ROUND_LOCAL_STATUSES: Final = frozenset({404, 409, 410, 425})
+#: Stage order, to tell "not yet" from "already past".
+_STAGE_ORDER: Final[dict[str, int]] = {
+    "open": 0,
+    "advertise": 1,
+    "share_keys": 2,
+    "masked_input": 3,
+    "unmask": 4,
+    "closed": 5,
+}
+
+OutcomeStatus = Literal["closed", "aborted", "missed", "dropped"]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one round attempt in which this agent was in the cohort ended for it.
+
+    ``status``: ``closed`` (contributed; the round aggregated), ``aborted``
+    (the attempt was abandoned; another may follow), ``missed`` (a stage passed
+    before the agent was ready), ``dropped`` (a round-local error, in ``detail``).
+    """
+
+    round: int
+    attempt: int
+    status: OutcomeStatus
+    model_version: int
+    epsilon: float | None = None
+    samples: int = 0
+    weight: float | None = None
+    receipt: Receipt | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """This member's task and its share of the training data."""
+
+    task: Task
+    x: npt.NDArray[np.float32]
+    y: npt.NDArray[np.int64]
+
+    @property
+    def samples(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class _TrainedUpdate:
+    """An update trained for one round, reusable by a retried attempt of that round."""
+
+    key: tuple[object, ...]
+    delta: npt.NDArray[np.float32]
+    epsilon: float  # total spent on the dataset once this round was charged
+    steps: int
+    sample_rate: float
+
+
+@dataclass(frozen=True)
+class _Contribution:
+    """What this member puts into one attempt."""
+
+    trained: _TrainedUpdate
+    samples: int
+    weight: float
+    quantized: RingVector
+
+
+class _AttemptOver(Exception):
+    """The attempt we were in ended (aborted, replaced, or the round moved on)."""
+
+    def __init__(self, state: RoundState) -> None:
+        super().__init__(f"round {state.round} attempt {state.attempt} stage {state.stage}")
+        self.state = state
+
+
+class _StageMissed(Exception):
+    def __init__(self, state: RoundState, wanted: str) -> None:
+        super().__init__(f"stage {wanted} already passed (now {state.stage})")
+        self.state = state
+
+
+class _Stopped(Exception):
+    """The caller asked the runtime to stop."""
+
+
+# ----------------------------------------------------------------------- pure checks
+
+
+def verify_round_spec(spec: RoundSpec, aggregator_public: bytes) -> None:
+    """Check that the aggregator whose key we pinned signed ``spec``.
+
+    Raises:
+        SignatureError: "round spec signature does not verify: ..." naming the key.
+    """
+    try:
+        spec.verify(aggregator_public)
+    except (SignatureError, PayloadError) as exc:
+        raise SignatureError(
+            f"round spec signature does not verify: {exc.detail}; the spec of round "
+            f"{spec.round} was not signed by the aggregator key in agent.toml "
+            f"({aggregator_public.hex()[:16]}...)"
+        ) from None
+
+
+def check_spec_task(spec: RoundSpec, task: Task, dim: int) -> None:
+    """Refuse a round whose task, task version, data schema or model size differs from ours.
+
+    Raises:
+        TaskMismatch: naming the difference.
+    """
+    if spec.task != task.name:
+        raise TaskMismatch(
+            f"round {spec.round} trains task {spec.task!r} but this agent is set up for "
+            f"{task.name!r} (data.task in agent.toml)"
+        )
+    if spec.task_version != task.version:
+        raise TaskMismatch(
+            f"round {spec.round} requires task {spec.task!r} version {spec.task_version!r} "
+            f"but this agent runs version {task.version!r}; upgrade fedsec on the older side"
+        )
+    check_schema(spec.schema_fingerprint, task)
+    if spec.dim != dim:
+        raise TaskMismatch(
+            f"round {spec.round} has {spec.dim} model parameters but the local "
+            f"{task.name!r} model has {dim}"
+        )
+
+
+def member_weight(samples: int, spec: RoundSpec, member: str) -> float:
+    """w = min(1, samples / max_weight_samples, this member's cap from the roster)."""
+    cap = float(spec.weight_caps.get(member, 1.0))
+    return float(max(0.0, min(1.0, samples / spec.max_weight_samples, cap)))
+
+
+def quant_spec(spec: RoundSpec) -> QuantSpec:
+    """The quantization the round prescribes."""
+    return QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+
+
+def secagg_params(spec: RoundSpec) -> SecAggParams:
+    """SecAgg+ parameters of the round, from its signed spec.
+
+    Raises:
+        ProtocolError / QuantizationError / PayloadError: the spec's values are invalid.
+    """
+    return SecAggParams(
+        federation_id=spec.federation_id,
+        round=spec.round,
+        cohort=tuple(spec.cohort),
+        neighbors=spec.neighbors,
+        threshold=spec.threshold,
+        quant=quant_spec(spec),
+        dim=spec.dim,
+        seed=unhex(spec.seed, "round seed", 32),
+    )
+
+
+def training_params(spec: RoundSpec, task: Task) -> TrainingParams:
+    """Local optimiser settings of the round.  Momentum is not in the spec: the task's.
+
+    Raises:
+        ConfigError: an unknown optimiser or invalid values.
+    """
+    optimizer = spec.training.optimizer
+    if optimizer not in ("sgd", "adam"):
+        raise ConfigError(f"round {spec.round} asks for unknown optimizer {optimizer!r}")
+    return TrainingParams(
+        lr=spec.training.lr,
+        batch_size=spec.training.batch_size,
+        local_epochs=spec.training.local_epochs,
+        optimizer=cast(Literal["sgd", "adam"], optimizer),
+        momentum=task.defaults.momentum if optimizer == "sgd" else 0.0,
+    )
+
+
+def load_local_data(data: DataSection) -> LocalData:
+    """Build the task and this member's part of its training data.
+
+    Raises:
+        ConfigError: unknown task, bad options or partition, unreadable CSV.
+    """
+    options = dict(data.task_options)
+    if data.csv:
+        if data.task != "csv":
+            raise ConfigError(
+                f'data.csv is set but data.task is {data.task!r}; set data.task = "csv"'
+            )
+        options["path"] = data.csv
+    task = get_task(data.task, **options)
+    dataset = task.load()
+    x, y = dataset.x_train, dataset.y_train
+    if data.parts > 1:
+        parts = parse_partition(data.partition).apply(y, data.parts, data.seed)
+        index = parts[data.part_index]
+        x, y = x[index], y[index]
+    return LocalData(task=task, x=x, y=y)
+
+
+# --------------------------------------------------------------- wire <-> secagg
+
+
+def _key_list(body: KeyListBody) -> KeyList:
+    return KeyList(
+        tuple(
+            AdvertiseKeys(
+                e.member,
+                unhex(e.enc_public, f"encryption key of {e.member!r}", 32),
+                unhex(e.mask_public, f"mask key of {e.member!r}", 32),
+                unhex(e.signature, f"key signature of {e.member!r}", 64),
+            )
+            for e in body.entries
+        )
+    )
+
+
+def _share_relay(body: ShareRelayBody, member: str) -> ShareRelay:
+    return ShareRelay(
+        member,
+        tuple(body.participants),
+        tuple(
+            EncryptedShare(s.sender, member, unhex(s.ciphertext, f"share from {s.sender!r}"))
+            for s in body.shares
+        ),
+    )
+
+
+def _is_round_local(exc: FedsecError) -> bool:
+    if isinstance(exc, ProtocolError | NotFound):
+        return True
+    return isinstance(exc, AggregatorRefused) and exc.http_status in _ROUND_LOCAL_STATUSES
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+class AgentRuntime:
+    """Runs one data owner's agent against its aggregator.
+
+    Args:
+        config: the validated ``agent.toml``.
+        identity: the agent's signing key (its public half must be the roster's).
+        progress: show a progress bar while training.
+        client: an aggregator client to use (tests); default one built from config.
+        poll_timeout_s: long-poll wait asked of the aggregator.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        identity: SigningIdentity,
+        *,
+        progress: bool = False,
+        client: AggregatorClient | None = None,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.member = config.agent.id
+        self.progress = progress
+        self.poll_timeout_s = poll_timeout_s
+        self.state_dir = Path(config.agent.state_dir)
+        self.aggregator_public = config.agent.aggregator_public_key_bytes
+        self.dataset_id = config.data.effective_dataset_id()
+        self.ledger = PrivacyLedger(self.state_dir)
+        self.vault = Vault(self.state_dir)
+        self._client = client
+        self._stop = asyncio.Event()
+        self._local: LocalData | None = None
+        self._device: torch.device | None = None
+        self._federation: str | None = None
+        self._joined: set[tuple[int, int]] = set()
+        self._handled: set[tuple[int, int]] = set()
+        self._update: _TrainedUpdate | None = None
+        self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
+        self._last_cost: tuple[float, float, int] | None = None
+        self._receipts: dict[tuple[int, int], Receipt] = {}
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def prepare(self) -> LocalData:
+        """Load data, resolve the device and set the ledger budget; refuse a spent budget.
+
+        Idempotent; :meth:`run` calls it first.
+
+        Raises:
+            ConfigError: bad data settings, device, or a budget delta change after spending.
+            BudgetExhausted: nothing of the budget is left.
+        """
+        if self._local is None:
+            self._device = resolve_device(self.config.agent.device)
+            self._local = load_local_data(self.config.data)
+            privacy = self.config.privacy
+            known = self.dataset_id in self.ledger.datasets()
+            budget = self.ledger.budget(self.dataset_id) if known else None
+            if budget is None or (budget.epsilon, budget.delta) != (privacy.epsilon, privacy.delta):
+                self.ledger.set_budget(self.dataset_id, privacy.epsilon, privacy.delta)
+            spent = self.ledger.spent(self.dataset_id)
+            if spent >= privacy.epsilon:
+                raise BudgetExhausted(
+                    f"dataset '{self.dataset_id}': epsilon {spent:.2f} of the budget "
+                    f"{privacy.epsilon:g} is already spent; refusing to train"
+                )
+            log.info(
+                "agent_ready member=%s task=%s samples=%d dataset=%s spent=%.3f budget=%g "
+                "device=%s",
+                self.member,
+                self._local.task.name,
+                self._local.samples,
+                self.dataset_id,
+                spent,
+                privacy.epsilon,
+                self._device,
+            )
+        return self._local
+
+    def _make_client(self) -> AggregatorClient:
+        net = self.config.network
+        return AggregatorClient(
+            self.config.agent.aggregator_url,
+            self.identity,
+            self.aggregator_public,
+            timeout_s=net.timeout_s,
+            retry_max=net.retry_max,
+            backoff_initial_s=net.backoff_initial_s,
+            backoff_max_s=net.backoff_max_s,
+        )
+
+    # -- main loop ------------------------------------------------------------------
+
+    async def run(
+        self, max_rounds: int | None = None, stop: asyncio.Event | None = None
+    ) -> list[RoundOutcome]:
+        """Follow the federation until it finishes, ``max_rounds`` rounds closed with
+        our contribution, or ``stop`` is set.
+
+        Returns:
+            One outcome per round attempt in whose cohort this agent was.
+
+        Raises:
+            FedsecError: a fatal error (see module docstring), e.g. BudgetExhausted,
+                TaskMismatch, SignatureError, AggregatorUnreachable.
+        """
+        if stop is not None:
+            self._stop = stop
+        await asyncio.to_thread(self.prepare)
+        client = self._client or self._make_client()
+        outcomes: list[RoundOutcome] = []
+        try:
+            state = await self._poll(client, None)
+            while True:
+                if state.finished:
+                    log.info("federation_finished rounds_completed=%d", state.rounds_completed)
+                    break
+                key = (state.round, state.attempt)
+                following: RoundState | None = None
+                if state.stage == "open" and key not in self._joined and state.spec is None:
+                    await self._join(client, state)
+                spec = state.spec
+                if (
+                    spec is not None
+                    and key not in self._handled
+                    and self.member in spec.cohort
+                    and state.stage not in ("closed", "aborted")
+                ):
+                    self._handled.add(key)
+                    outcome, following = await self._participate(client, state, spec)
+                    outcomes.append(outcome)
+                    closed = sum(1 for o in outcomes if o.status == "closed")
+                    if max_rounds is not None and closed >= max_rounds:
+                        break
+                state = following or await self._poll(client, state.token)
+        except _Stopped:
+            log.info("agent_stopped member=%s", self.member)
+        finally:
+            if self._client is None:
+                await client.close()
+        return outcomes
+
+    async def _poll(self, client: AggregatorClient, token: int | None) -> RoundState:
+        """The next round state (long-polled on ``token``), or _Stopped when asked to stop."""
+        if self._stop.is_set():
+            raise _Stopped
+        started = time.monotonic()
+        wait = 0.0 if token is None else self.poll_timeout_s
+        fetch = asyncio.ensure_future(client.get_round(token, wait))
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (fetch, stopper):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if fetch not in done:
+            raise _Stopped
+        state = fetch.result()
+        if self._federation is None:
+            self._federation = state.federation_id
+        elif state.federation_id != self._federation:
+            raise IntegrityError(
+                f"aggregator switched federation from {self._federation!r} to "
+                f"{state.federation_id!r}"
+            )
+        if token is not None and state.token == token and time.monotonic() - started < 0.05:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), MIN_REPOLL_S)
+        return state
+
+    async def _wait_for(
+        self, client: AggregatorClient, state: RoundState, stages: Iterable[Stage]
+    ) -> RoundState:
+        """Long-poll until the attempt of ``state`` reaches one of ``stages``.
+
+        Raises:
+            _AttemptOver: the attempt was aborted or another round/attempt began.
+            _StageMissed: the attempt is already past every stage in ``stages``.
+        """
+        wanted = tuple(stages)
+        key = (state.round, state.attempt)
+        latest = max(_STAGE_ORDER[s] for s in wanted)
+        current = state
+        while True:
+            if (current.round, current.attempt) != key or current.stage == "aborted":
+                raise _AttemptOver(current)
+            if current.stage in wanted:
+                return current
+            if _STAGE_ORDER[current.stage] > latest:
+                raise _StageMissed(current, "/".join(wanted))
+            current = await self._poll(client, current.token)
+
+    async def _join(self, client: AggregatorClient, state: RoundState) -> None:
+        local = self.prepare()
+        key = (state.round, state.attempt)
+        self._joined.add(key)
+        if self._last_cost is not None:
+            # The last round's cost is the best guess of this one's: do not take a cohort
+            # seat that the budget could not pay for.
+            self.ledger.check_can_train(self.dataset_id, state.round, *self._last_cost)
+        request = JoinRequest(
+            dataset_schema=local.task.schema.fingerprint(),
+            task_version=local.task.version,
+            samples=local.samples,
+        )
+        try:
+            answer = await client.join(state.round, state.attempt, request)
+        except DuplicateMessage:
+            log.info("round_join_duplicate round=%d attempt=%d", *key)
+            return
+        except FedsecError as exc:
+            if not _is_round_local(exc):
+                raise
+            log.warning("round_join_refused round=%d attempt=%d reason=%r", *key, exc.detail)
+            return
+        if answer.accepted:
+            log.info("round_joined round=%d attempt=%d samples=%d", *key, local.samples)
+        else:
+            log.warning("round_join_rejected round=%d attempt=%d reason=%r", *key, answer.detail)
+
+    async def _participate(
+        self, client: AggregatorClient, state: RoundState, spec: RoundSpec
+    ) -> tuple[RoundOutcome, RoundState | None]:
+        """Take part in one attempt; return its outcome and the newest state seen."""
+        verify_round_spec(spec, self.aggregator_public)
+        r, a = state.round, state.attempt
+        if (spec.federation_id, spec.round, spec.attempt) != (state.federation_id, r, a):
+            log.warning(
+                "round_spec_mismatch round=%d attempt=%d spec_round=%d spec_attempt=%d",
+                r,
+                a,
+                spec.round,
+                spec.attempt,
+            )
+            return self._outcome(spec, "dropped", detail="spec names another round"), None
+        first_stage = "advertise" if spec.secure_sum == "secagg" else "masked_input"
+        if _STAGE_ORDER[state.stage] > _STAGE_ORDER[first_stage]:
+            # Joined before a restart, back too late: training now would spend privacy
+            # on an update that can no longer be sent.
+            detail = f"stage {first_stage} already passed (now {state.stage})"
+            log.warning("round_missed round=%d attempt=%d reason=%r", r, a, detail)
+            return self._outcome(spec, "missed", detail), None
+        local = self.prepare()
+        model = local.task.build_model(0)
+        check_spec_task(spec, local.task, param_count(model))
+        weight = member_weight(local.samples, spec, self.member)
+        base = RoundOutcome(r, a, "dropped", spec.model_version, samples=local.samples)
+        receipt: Receipt | None = None
+        try:
+            session: ClientSession | None = None
+            if spec.secure_sum == "secagg":
+                # Before training: a roster or parameters that do not check out must not
+                # cost any privacy.
+                roster = await self._roster(client, spec.federation_id)
+                session = ClientSession(secagg_params(spec), self.member, self.identity, roster)
+            trained = await self._train(client, spec, local, model)
+            base = RoundOutcome(
+                r, a, "dropped", spec.model_version, trained.epsilon, local.samples, weight
+            )
+            await self._report(client, spec, local, trained)
+            q = quantize(trained.delta, weight, quant_spec(spec), os.urandom(32))
+            contribution = _Contribution(trained, local.samples, weight, q)
+            if session is not None:
+                receipt, current = await self._secagg_round(
+                    client, state, spec, session, contribution
+                )
+            else:
+                receipt, current = await self._plain_round(client, state, spec, contribution)
+            final = await self._wait_for(client, current, ("closed",))
+            log.info("round_closed round=%d attempt=%d", r, a)
+            return _with(base, "closed", receipt), final
+        except _AttemptOver as over:
+            receipt = self._receipts.get((r, a))
+            now = over.state
+            status: OutcomeStatus = "aborted"
+            if receipt is not None and now.round > r:
+                status = "closed"  # the round moved on after taking our contribution
+            log.info(
+                "round_attempt_over round=%d attempt=%d status=%s now_round=%d now_attempt=%d "
+                "stage=%s",
+                r,
+                a,
+                status,
+                now.round,
+                now.attempt,
+                now.stage,
+            )
+            return _with(base, status, receipt), now
+        except _StageMissed as missed:
+            receipt = self._receipts.get((r, a))
+            log.warning("round_missed round=%d attempt=%d reason=%r", r, a, str(missed))
+            return _with(base, "missed", receipt, str(missed)), missed.state
+        except FedsecError as exc:
+            if not _is_round_local(exc):
+                raise
+            receipt = self._receipts.get((r, a))
+            log.warning("round_dropped round=%d attempt=%d reason=%r", r, a, exc.detail)
+            return _with(base, "dropped", receipt, exc.detail), None
+
+    def _outcome(self, spec: RoundSpec, status: OutcomeStatus, detail: str) -> RoundOutcome:
+        return RoundOutcome(spec.round, spec.attempt, status, spec.model_version, detail=detail)
+
+    # -- training -------------------------------------------------------------------
+
+    async def _train(
+        self, client: AggregatorClient, spec: RoundSpec, local: LocalData, model: torch.nn.Module
+    ) -> _TrainedUpdate:
+        """Charge the ledger, fetch the spec's model and train; reuse a retried round's update."""
+        params = training_params(spec, local.task)
+        key: tuple[object, ...] = (spec.federation_id, spec.round, spec.model_version)
+        key += (spec.model_sha256, spec.training, spec.dp)
+        if self._update is not None and self._update.key == key:
+            log.info("round_update_reused round=%d attempt=%d", spec.round, spec.attempt)
+            return self._update
+        if not spec.dp.enabled and self.config.privacy.require_dp:
+            raise ConfigError(
+                f"round {spec.round} asks for training without differential privacy; this "
+                "agent trains only with DP-SGD, so it refuses (ask the operator to set "
+                "dp.enabled = true)"
+            )
+        sample_rate, steps = plan_round(local.samples, params)
+        cost = (spec.dp.noise_multiplier, sample_rate, steps)
+        self._last_cost = cost
+        if spec.dp.enabled:
+            try:
+                epsilon = self.ledger.charge(self.dataset_id, spec.round, *cost)
+            except BudgetExhausted as exc:
+                log.error(
+                    "privacy_budget_exhausted dataset=%s reason=%r", self.dataset_id, exc.detail
+                )
+                raise
+        else:
+            # allowed only with privacy.require_dp = false (simulations on public data)
+            epsilon = self.ledger.spent(self.dataset_id)
+            log.warning("training_without_dp round=%d dataset=%s", spec.round, self.dataset_id)
+        log.info(
+            "privacy_charged round=%d dataset=%s steps=%d sample_rate=%.4f noise=%g epsilon=%.3f",
+            spec.round,
+            self.dataset_id,
+            steps,
+            sample_rate,
+            spec.dp.noise_multiplier,
+            epsilon,
+        )
+        await self._load_global_model(client, spec, model)
+        before = flatten_params(model)
+        dp = (
+            DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
+            if spec.dp.enabled
+            else None
+        )
+        assert self._device is not None
+        result = await asyncio.to_thread(
+            train_local,
+            model,
+            local.x,
+            local.y,
+            params,
+            dp,
+            self._device,
+            fresh_seed(),
+            self.progress,
+        )
+        if result.steps != steps or abs(result.sample_rate - sample_rate) > 1e-12:
+            log.warning(
+                "privacy_plan_differs round=%d planned_steps=%d steps=%d planned_rate=%g rate=%g",
+                spec.round,
+                steps,
+                result.steps,
+                sample_rate,
+                result.sample_rate,
+            )
+        delta = (flatten_params(model) - before).astype(np.float32)
+        log.info(
+            "round_trained round=%d steps=%d loss=%.4f seconds=%.1f",
+            spec.round,
+            result.steps,
+            result.train_loss,
+            result.duration_s,
+        )
+        self._update = _TrainedUpdate(key, delta, epsilon, steps, sample_rate)
+        return self._update
+
+    async def _load_global_model(
+        self, client: AggregatorClient, spec: RoundSpec, model: torch.nn.Module
+    ) -> None:
+        """Download the spec's model version, verify manifest and hash, load it into ``model``.
+
+        Raises:
+            IntegrityError / SignatureError: the manifest or file does not verify, or it
+                is not the model the spec names.
+        """
+        state = model.state_dict()
+        if self._model is None or self._model[:2] != (spec.model_version, spec.model_sha256):
+            manifest = await client.manifest(spec.model_version)
+            if manifest.sha256 != spec.model_sha256:
+                raise IntegrityError(
+                    f"round {spec.round} names model v{spec.model_version} with sha256 "
+                    f"{spec.model_sha256[:16]}..., but its manifest says {manifest.sha256[:16]}..."
+                )
+            limit = sum(t.numel() for t in state.values()) * 4 + MODEL_HEADER_SLACK_BYTES
+            data = await client.model_bytes(spec.model_version, limit)
+            verify_manifest(
+                manifest, self.aggregator_public, data, federation_id=spec.federation_id
+            )
+            arrays = decode_model(
+                data,
+                max_bytes=limit,
+                expected_names=list(state),
+                expected_shapes={k: tuple(v.shape) for k, v in state.items()},
+            )
+            self._model = (spec.model_version, spec.model_sha256, arrays)
+            log.info("model_downloaded version=%d bytes=%d", spec.model_version, len(data))
+        arrays_to_state(model, {k: v.copy() for k, v in self._model[2].items()})
+
+    async def _report(
+        self, client: AggregatorClient, spec: RoundSpec, local: LocalData, trained: _TrainedUpdate
+    ) -> None:
+        report = PrivacyReport(
+            federation_id=spec.federation_id,
+            round=spec.round,
+            attempt=spec.attempt,
+            member=self.member,
+            dataset_id=self.dataset_id,
+            epsilon=trained.epsilon,
+            delta=self.config.privacy.delta,
+            noise_multiplier=spec.dp.noise_multiplier,
+            sample_rate=trained.sample_rate,
+            steps=trained.steps,
+            samples=local.samples,
+        ).sign(self.identity)
+        with contextlib.suppress(DuplicateMessage):
+            await client.report(spec.round, spec.attempt, report)
+        log.info("privacy_reported round=%d epsilon=%.3f", spec.round, trained.epsilon)
+
+    # -- contributing ---------------------------------------------------------------
+
+    async def _roster(self, client: AggregatorClient, federation_id: str) -> dict[str, bytes]:
+        """Active agents' public keys from the admin-signed roster.
+
+        The admin key is pinned on first use in ``state_dir/roster_admin.pub`` and a
+        different one is refused afterwards: the aggregator serves the roster, so
+        without the pin it could sign a roster of its own and substitute keys.
+
+        Raises:
+            SignatureError: the admin key changed, an entry does not verify, or the
+                roster holds a different key for this agent.
+        """
+        body = await client.roster()
+        admin = unhex(body.admin_public_key, "roster admin public key", 32)
+        pinned_path = self.state_dir / ADMIN_KEY_FILE
+        if pinned_path.exists():
+            pinned = load_public_key(pinned_path)
+            if pinned != admin:
+                raise SignatureError(
+                    f"the roster is signed by admin key {admin.hex()[:16]}..., not the key "
+                    f"{pinned.hex()[:16]}... pinned in {pinned_path}; if the consortium really "
+                    "rotated its admin key, replace that file with the new key"
+                )
+        else:
+            save_public_key(pinned_path, admin)
+            log.warning("roster_admin_pinned key=%s file=%s", admin.hex(), pinned_path)
+        roster: dict[str, bytes] = {}
+        for entry in body.entries:
+            verify_roster_entry(entry, admin, federation_id)
+            if entry.is_active and entry.role == "agent":
+                roster[entry.agent_id] = entry.public_key_bytes
+        if roster.get(self.member) != self.identity.public_bytes:
+            raise SignatureError(
+                f"the roster does not enrol {self.member!r} as an active agent with this "
+                f"agent's key {self.identity.key_id}"
+            )
+        return roster
+
+    async def _secagg_round(
+        self,
+        client: AggregatorClient,
+        state: RoundState,
+        spec: RoundSpec,
+        session: ClientSession,
+        c: _Contribution,
+    ) -> tuple[Receipt, RoundState]:
+        r, a = spec.round, spec.attempt
+
+        current = await self._wait_for(client, state, ("advertise",))
+        adv = session.advertise()
+        await _tolerate_duplicate(
+            client.advertise(
+                r,
+                a,
+                AdvertiseKeysBody(adv.enc_public.hex(), adv.mask_public.hex(), adv.signature.hex()),
+            )
+        )
+        log.info("secagg_advertised round=%d attempt=%d", r, a)
+        crash_point(r, "advertise")
+
+        current = await self._wait_for(client, current, ("share_keys",))
+        shares = session.share_keys(_key_list(await client.keys(r, a)))
+        outgoing = [OutgoingShare(s.recipient, s.ciphertext.hex()) for s in shares.shares]
+        await _tolerate_duplicate(client.post_shares(r, a, ShareKeysBody(outgoing)))
+        log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(outgoing))
+        crash_point(r, "share_keys")
+
+        current = await self._wait_for(client, current, ("masked_input",))
+        session.receive_shares(_share_relay(await client.get_shares(r, a), self.member))
+        masked = await asyncio.to_thread(session.masked_input, c.quantized)
+        receipt = await self._send_vector(client, spec, c, masked.vector)
+        crash_point(r, "masked_input")
+
+        current = await self._wait_for(client, current, ("unmask",))
+        request = await client.get_unmask(r, a)
+        answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
+        await _tolerate_duplicate(
+            client.unmask(
+                r,
+                a,
+                UnmaskResponseBody(
+                    {m: s.hex() for m, s in answer.seed_shares},
+                    {m: s.hex() for m, s in answer.key_shares},
+                ),
+            )
+        )
+        log.info(
+            "secagg_unmasked round=%d attempt=%d survivors=%d dropped=%d",
+            r,
+            a,
+            len(request.survivors),
+            len(request.dropped),
+        )
+        return receipt, current
+
+    async def _plain_round(
+        self, client: AggregatorClient, state: RoundState, spec: RoundSpec, c: _Contribution
+    ) -> tuple[Receipt, RoundState]:
+        current = await self._wait_for(client, state, ("masked_input",))
+        receipt = await self._send_vector(client, spec, c, pack(c.quantized, spec.ring_bits))
+        return receipt, current
+
+    async def _send_vector(
+        self, client: AggregatorClient, spec: RoundSpec, contribution: _Contribution, vector: bytes
+    ) -> Receipt:
+        """Keep the update for audits, send ``vector``, check and store the receipt.
+
+        Raises:
+            IntegrityError: the receipt names another member, round or contribution.
+        """
+        r, a = spec.round, spec.attempt
+        self.vault.keep_update(r, a, contribution.quantized)
+        digest = hashlib.sha256(vector).hexdigest()
+        try:
+            receipt = await client.masked_input(r, a, vector)
+        except DuplicateMessage:
+            # A retry after a lost answer: the first try was taken; fetch its receipt.
+            receipt = await client.receipt(r)
+        expected = (spec.federation_id, r, a, self.member, digest)
+        got = (
+            receipt.federation_id,
+            receipt.round,
+            receipt.attempt,
+            receipt.member,
+            receipt.contribution_sha256,
+        )
+        if got != expected:
+            raise IntegrityError(
+                f"receipt for round {r} attempt {a} does not acknowledge what was sent: "
+                f"expected {expected}, got {got}"
+            )
+        self.vault.save_receipt(receipt)
+        self._receipts[(r, a)] = receipt
+        self._save_record(spec, contribution, receipt)
+        log.info(
+            "contribution_accepted round=%d attempt=%d bytes=%d sha256=%s log_index=%d",
+            r,
+            a,
+            len(vector),
+            digest,
+            receipt.log_index,
+        )
+        return receipt
+
+    def _save_record(self, spec: RoundSpec, contribution: _Contribution, receipt: Receipt) -> None:
+        trained = contribution.trained
+        self.vault.save_record(
+            RoundRecord(
+                federation_id=spec.federation_id,
+                round=spec.round,
+                attempt=spec.attempt,
+                member=self.member,
+                dataset_id=self.dataset_id,
+                model_version=spec.model_version,
+                secure_sum=spec.secure_sum,
+                epsilon=trained.epsilon,
+                samples=contribution.samples,
+                weight=contribution.weight,
+                steps=trained.steps,
+                contribution_sha256=receipt.contribution_sha256,
+                receipt_log_index=receipt.log_index,
+                recorded_at=time.time(),
+            )
+        )
+
+
+def _with(
+    base: RoundOutcome, status: OutcomeStatus, receipt: Receipt | None, detail: str = ""
+) -> RoundOutcome:
+    return RoundOutcome(
+        base.round,
+        base.attempt,
+        status,
+        base.model_version,
+        base.epsilon,
+        base.samples,
+        base.weight,
+        receipt,
+        detail,
+    )
+
+
+async def _tolerate_duplicate(request: Awaitable[None]) -> None:
+    """Await a POST; a 409 duplicate means an earlier (retried) try already landed."""
+    try:
+        await request
+    except DuplicateMessage:
+        log.info("request_duplicate_ignored")
