@@ -194,6 +194,11 @@ def demo(
                     break
             if procs["aggregator"].poll() is not None:
                 raise ConfigError("the aggregator exited unexpectedly; see its log")
+            agents_alive = [n for n, p in procs.items() if n != "aggregator" and p.poll() is None]
+            if not agents_alive and (status is None or not status.finished):
+                raise ConfigError(
+                    f"every agent exited before the federation finished; logs in {logs}"
+                )
             time.sleep(0.3)
         else:
             raise ConfigError(
@@ -222,7 +227,7 @@ def demo(
         f"models: {root / 'aggregator' / 'models'} "
         f"(signed manifests in {root / 'aggregator' / 'manifests'})"
     )
-    click.echo(f"agents: {root}/agent-*/state (privacy ledger, receipts, vault)")
+    click.echo(f"agents: {root}/agent-*/ (identity, privacy ledger, receipts, vault)")
     click.echo(f"logs:   {logs}")
 
 

@@ -110,7 +110,7 @@ def agent_config(
             id=agent.agent_id,
             aggregator_url=url,
             aggregator_public_key=aggregator_public.hex(),
-            state_dir=str(agent.root / "state"),
+            state_dir=str(agent.root),  # holds identity.key, ledger, receipts, vault
             device=device,
         ),
         data=DataSection(

@@ -42,6 +42,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
+from fedsec.crypto.quantize import QuantSpec
+from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
 
 API_PREFIX = "/v1"
@@ -107,6 +109,30 @@ class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         fields = msgspec.to_builtins(self)
         fields.pop("signature")
         return canonical_json(fields)
+
+    def quant_spec(self) -> QuantSpec:
+        """The quantization this round prescribes."""
+        return QuantSpec(self.quant_bits, self.clip_norm, self.ring_bits)
+
+    def secagg_params(self) -> SecAggParams:
+        """SecAgg+ parameters of this attempt, identical for aggregator and members.
+
+        Each attempt has a fresh seed, so its digest, and hence every signature,
+        share and mask bound to it, differs from any other attempt's.
+
+        Raises:
+            ProtocolError / QuantizationError / PayloadError: invalid values in the spec.
+        """
+        return SecAggParams(
+            federation_id=self.federation_id,
+            round=self.round,
+            cohort=tuple(self.cohort),
+            neighbors=self.neighbors,
+            threshold=self.threshold,
+            quant=self.quant_spec(),
+            dim=self.dim,
+            seed=unhex(self.seed, "round seed", 32),
+        )
 
     def sign(self, signer: SigningIdentity) -> RoundSpec:
         return msgspec.structs.replace(

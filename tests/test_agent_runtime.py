@@ -29,8 +29,6 @@ from fedsec.agent.runtime import (
     RoundOutcome,
     check_spec_task,
     member_weight,
-    quant_spec,
-    secagg_params,
     verify_round_spec,
 )
 from fedsec.agent.vault import Vault
@@ -187,7 +185,7 @@ class FakeAggregator:
         self.roster_admin = ADMIN
         if spec.secure_sum == "secagg":
             roster = {m: IDENTITIES[m].public_bytes for m in self.cohort}
-            self.secagg = ServerSession(secagg_params(spec), roster)
+            self.secagg = ServerSession(spec.secagg_params(), roster)
 
     def advance(self, **changes: Any) -> None:
         self.state = msgspec.structs.replace(self.state, token=self.state.token + 1, **changes)
@@ -482,7 +480,7 @@ def test_plain_round_contributes_and_keeps_receipt_record_and_vault(tmp_path: Pa
     assert fake.joined["alice"].dataset_schema == TASK.schema.fingerprint()
     vector = fake.vectors["alice"]
     q = unpack(vector, DIM + 1, spec.ring_bits)
-    _, weight = dequantize_one(q, quant_spec(spec))
+    _, weight = dequantize_one(q, spec.quant_spec())
     assert weight == pytest.approx(samples / 1000, abs=1 / 255)
 
     report = fake.reports["alice"]

@@ -58,13 +58,12 @@ from fedsec.agent.vault import RoundRecord, Vault
 from fedsec.aggregator.roster import verify_roster_entry
 from fedsec.config import AgentConfig, DataSection
 from fedsec.crypto.identity import SigningIdentity, load_public_key, save_public_key
-from fedsec.crypto.quantize import QuantSpec, RingVector, pack, quantize
+from fedsec.crypto.quantize import RingVector, pack, quantize
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     ClientSession,
     EncryptedShare,
     KeyList,
-    SecAggParams,
     ShareRelay,
     UnmaskRequest,
 )
@@ -109,8 +108,6 @@ __all__ = [
     "check_spec_task",
     "load_local_data",
     "member_weight",
-    "quant_spec",
-    "secagg_params",
     "verify_round_spec",
 ]
 
@@ -264,29 +261,6 @@ def member_weight(samples: int, spec: RoundSpec, member: str) -> float:
     """w = min(1, samples / max_weight_samples, this member's cap from the roster)."""
     cap = float(spec.weight_caps.get(member, 1.0))
     return float(max(0.0, min(1.0, samples / spec.max_weight_samples, cap)))
-
-
-def quant_spec(spec: RoundSpec) -> QuantSpec:
-    """The quantization the round prescribes."""
-    return QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
-
-
-def secagg_params(spec: RoundSpec) -> SecAggParams:
-    """SecAgg+ parameters of the round, from its signed spec.
-
-    Raises:
-        ProtocolError / QuantizationError / PayloadError: the spec's values are invalid.
-    """
-    return SecAggParams(
-        federation_id=spec.federation_id,
-        round=spec.round,
-        cohort=tuple(spec.cohort),
-        neighbors=spec.neighbors,
-        threshold=spec.threshold,
-        quant=quant_spec(spec),
-        dim=spec.dim,
-        seed=unhex(spec.seed, "round seed", 32),
-    )
 
 
 def training_params(spec: RoundSpec, task: Task) -> TrainingParams:
@@ -625,13 +599,13 @@ class AgentRuntime:
                 # Before training: a roster or parameters that do not check out must not
                 # cost any privacy.
                 roster = await self._roster(client, spec.federation_id)
-                session = ClientSession(secagg_params(spec), self.member, self.identity, roster)
+                session = ClientSession(spec.secagg_params(), self.member, self.identity, roster)
             trained = await self._train(client, spec, local, model)
             base = RoundOutcome(
                 r, a, "dropped", spec.model_version, trained.epsilon, local.samples, weight
             )
             await self._report(client, spec, local, trained)
-            q = quantize(trained.delta, weight, quant_spec(spec), os.urandom(32))
+            q = quantize(trained.delta, weight, spec.quant_spec(), os.urandom(32))
             contribution = _Contribution(trained, local.samples, weight, q)
             if session is not None:
                 receipt, current = await self._secagg_round(

@@ -120,10 +120,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return body
+    # StreamReader.read(n) returns what has arrived so far (up to n), not n bytes: a body
+    # that comes in several pieces (slow link, chunked encoding) must be read in a loop.
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    return b"".join(chunks)
 
 
 async def _authenticate(

@@ -38,12 +38,11 @@ import numpy as np
 from fedsec import wire
 from fedsec.aggregator.optimizers import ServerOptimizer, make_optimizer
 from fedsec.aggregator.workspace import Workspace
-from fedsec.crypto.quantize import QuantSpec, default_ring_bits, dequantize_one, unpack
+from fedsec.crypto.quantize import default_ring_bits, dequantize_one, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     EncryptedShare,
     MaskedInput,
-    SecAggParams,
     ServerSession,
     ShareKeys,
     ShareRelay,
@@ -308,23 +307,11 @@ class Coordinator:
     def _install_spec(self, live: _Live, spec: wire.RoundSpec) -> None:
         live.spec = spec
         if spec.secure_sum == "secagg":
-            live.session = ServerSession(self._params(spec), self._roster_keys(spec.cohort))
+            live.session = ServerSession(spec.secagg_params(), self._roster_keys(spec.cohort))
         else:
             live.plain_sum = np.zeros(spec.dim, dtype=np.float64)
             live.plain_weight = 0.0
             live.plain_members = []
-
-    def _params(self, spec: wire.RoundSpec) -> SecAggParams:
-        return SecAggParams(
-            federation_id=spec.federation_id,
-            round=spec.round * 1000 + spec.attempt,  # distinct per attempt: fresh masks
-            cohort=tuple(spec.cohort),
-            neighbors=spec.neighbors,
-            threshold=spec.threshold,
-            quant=QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits),
-            dim=spec.dim,
-            seed=bytes.fromhex(spec.seed),
-        )
 
     def _roster_keys(self, cohort: list[str]) -> dict[str, bytes]:
         keys = {}
@@ -465,7 +452,7 @@ class Coordinator:
         assert live.plain_members is not None and live.plain_sum is not None
         if member in live.plain_members:
             raise DuplicateMessage(f"{member} already sent its update")
-        quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+        quant = spec.quant_spec()
         vector = unpack(raw, spec.dim + 1, spec.ring_bits)
         if int(vector.max(initial=0)) > quant.levels:
             raise BadVector(f"{member}'s update has values above {quant.levels} levels")
@@ -563,6 +550,13 @@ class Coordinator:
                 self._aggregate_secure(live, now)
         except (RoundAborted, RecoveryImpossible) as exc:
             self._abort(live, now, exc.detail)
+        except ProtocolError as exc:
+            if live.stage != "unmask":
+                raise
+            # A survivor's shares are off the polynomial or rebuild another mask key than it
+            # advertised: the sum cannot be unmasked.  Abort (and retry) rather than leave
+            # the round stuck for every later tick: one lying member must not wedge it.
+            self._abort(live, now, f"round {live.round} aborted at unmask: {exc.detail}")
 
     def _enter(self, live: _Live, stage: str, now: float) -> None:
         self.ws.state.set_stage(live.round, live.attempt, stage, now)

@@ -1,0 +1,337 @@
+"""Shared pieces for the coordinator and HTTP API tests.
+
+A federation workspace with enrolled identities, a fake clock, the client side
+of a SecAgg+ cohort (real :class:`ClientSession` objects speaking the wire
+schemas), the aggregate a round must produce, and a snapshot of everything a
+refused request must leave untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsec import wire
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.roster import ROSTER_FILE, sign_roster_entry
+from fedsec.aggregator.workspace import Workspace, init_workspace
+from fedsec.config import default_federation_toml
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_sum, pack, quantize
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    ClientSession,
+    EncryptedShare,
+    KeyList,
+    SecAggParams,
+    ShareRelay,
+    UnmaskRequest,
+)
+from fedsec.modelfile import decode_model
+from fedsec.tasks import get_task
+from fedsec.tasks.params import arrays_to_state, flatten_params
+
+FED = "fed1"
+TASK = "breast_cancer"
+STATE_TABLES = ("rounds", "joins", "messages", "reports", "receipts", "server_state")
+
+# Short deadlines: tests move the fake clock past them instead of waiting.
+FAST_ROUND = {
+    "open_s": 5.0,
+    "advertise_s": 5.0,
+    "share_s": 5.0,
+    "masked_s": 5.0,
+    "unmask_s": 5.0,
+}
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, dict) and not value:
+        return "{}"
+    raise TypeError(f"cannot write {value!r} as TOML here")
+
+
+def config_text(federation_id: str = FED, **sections: Mapping[str, Any]) -> str:
+    """The default federation.toml with ``section={key: value}`` overrides applied."""
+    doc = tomllib.loads(default_federation_toml(federation_id, TASK))
+    for name, values in sections.items():
+        doc.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in doc.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {_toml_value(v)}" for key, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def identity_for(name: str) -> SigningIdentity:
+    return SigningIdentity(hashlib.sha256(b"aggregator-test/" + name.encode()).digest())
+
+
+@dataclass
+class Federation:
+    ws: Workspace
+    identities: dict[str, SigningIdentity]  # every enrolled id, whatever its role
+
+    @property
+    def root(self) -> Path:
+        return self.ws.root
+
+
+def make_federation(
+    root: Path,
+    agents: Iterable[str] = ("a0", "a1", "a2", "a3", "a4"),
+    *,
+    observers: Iterable[str] = (),
+    auditors: Iterable[str] = (),
+    round: Mapping[str, Any] | None = None,
+    server: Mapping[str, Any] | None = None,
+    validation: bool = True,
+) -> Federation:
+    """A fresh workspace with the given members enrolled (admin-signed roster entries)."""
+    text = config_text(
+        round={**FAST_ROUND, **(round or {})},
+        server=dict(server or {}),
+        validation={"enabled": validation},
+    )
+    ws = init_workspace(root, FED, TASK, config_text=text)
+    admin = ws.admin()
+    identities: dict[str, SigningIdentity] = {}
+    for role, names in (("agent", agents), ("observer", observers), ("auditor", auditors)):
+        for name in names:
+            identities[name] = identity_for(name)
+            ws.roster.add(
+                sign_roster_entry(
+                    federation_id=FED,
+                    agent_id=name,
+                    public_key=identities[name].public_bytes,
+                    role=role,  # type: ignore[arg-type]
+                    admin=admin,
+                )
+            )
+    return Federation(ws, identities)
+
+
+def join_request(samples: int = 50) -> wire.JoinRequest:
+    task = get_task(TASK)
+    return wire.JoinRequest(
+        dataset_schema=task.schema.fingerprint(), task_version=task.version, samples=samples
+    )
+
+
+def params_from_spec(spec: wire.RoundSpec) -> SecAggParams:
+    """The SecAgg+ parameters an agent derives from a signed round spec."""
+    return spec.secagg_params()
+
+
+def fixed_delta(member: str, dim: int) -> np.ndarray:
+    """A small deterministic update (norm well under the default clip of 1.0)."""
+    digest = hashlib.sha256(b"delta/" + member.encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "big"))
+    return rng.normal(scale=0.01, size=dim).astype(np.float32)
+
+
+WEIGHTS = (1.0, 0.5, 0.75, 0.25, 1.0, 0.6)
+
+
+def weight_for(member: str) -> float:
+    return WEIGHTS[int(hashlib.sha256(member.encode()).digest()[0]) % len(WEIGHTS)]
+
+
+def quantized_input(member: str, spec: wire.RoundSpec) -> RingVector:
+    quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+    seed = hashlib.sha256(b"rounding/" + member.encode()).digest()
+    return quantize(fixed_delta(member, spec.dim), weight_for(member), quant, seed)
+
+
+def plain_input(member: str, spec: wire.RoundSpec) -> bytes:
+    """A member's packed quantized update for ``secure_sum = "none"``."""
+    return pack(quantized_input(member, spec), spec.ring_bits)
+
+
+class Cohort:
+    """The client side of one SecAgg+ round: real ClientSessions, wire-schema messages.
+
+    Every answer is computed once per member and cached, so the same bytes can be
+    handed to several coordinators (an uninterrupted and a restarted one).
+    """
+
+    def __init__(self, spec: wire.RoundSpec, identities: Mapping[str, SigningIdentity]) -> None:
+        self.spec = spec
+        self.params = params_from_spec(spec)
+        roster = {m: identities[m].public_bytes for m in spec.cohort}
+        self.sessions = {
+            m: ClientSession(self.params, m, identities[m], roster) for m in spec.cohort
+        }
+        self._advertised: dict[str, wire.AdvertiseKeysBody] = {}
+        self._shares: dict[str, wire.ShareKeysBody] = {}
+        self._masked: dict[str, bytes] = {}
+        self._unmask: dict[str, wire.UnmaskResponseBody] = {}
+        self.quantized: dict[str, RingVector] = {}
+
+    def advertise(self, member: str) -> wire.AdvertiseKeysBody:
+        if member not in self._advertised:
+            a = self.sessions[member].advertise()
+            self._advertised[member] = wire.AdvertiseKeysBody(
+                enc_public=a.enc_public.hex(),
+                mask_public=a.mask_public.hex(),
+                signature=a.signature.hex(),
+            )
+        return self._advertised[member]
+
+    def share_keys(self, member: str, keys: wire.KeyListBody) -> wire.ShareKeysBody:
+        if member not in self._shares:
+            key_list = KeyList(
+                tuple(
+                    AdvertiseKeys(
+                        e.member,
+                        bytes.fromhex(e.enc_public),
+                        bytes.fromhex(e.mask_public),
+                        bytes.fromhex(e.signature),
+                    )
+                    for e in keys.entries
+                )
+            )
+            out = self.sessions[member].share_keys(key_list)
+            self._shares[member] = wire.ShareKeysBody(
+                shares=[
+                    wire.OutgoingShare(recipient=s.recipient, ciphertext=s.ciphertext.hex())
+                    for s in out.shares
+                ]
+            )
+        return self._shares[member]
+
+    def receive_shares(self, member: str, relay: wire.ShareRelayBody) -> None:
+        self.sessions[member].receive_shares(
+            ShareRelay(
+                member,
+                tuple(relay.participants),
+                tuple(
+                    EncryptedShare(s.sender, member, bytes.fromhex(s.ciphertext))
+                    for s in relay.shares
+                ),
+            )
+        )
+
+    def masked_input(self, member: str) -> bytes:
+        if member not in self._masked:
+            self.quantized[member] = quantized_input(member, self.spec)
+            self._masked[member] = self.sessions[member].masked_input(self.quantized[member]).vector
+        return self._masked[member]
+
+    def unmask(self, member: str, request: wire.UnmaskRequestBody) -> wire.UnmaskResponseBody:
+        if member not in self._unmask:
+            resp = self.sessions[member].unmask(
+                UnmaskRequest(tuple(request.survivors), tuple(request.dropped))
+            )
+            self._unmask[member] = wire.UnmaskResponseBody(
+                seed_shares={m: s.hex() for m, s in resp.seed_shares},
+                key_shares={m: s.hex() for m, s in resp.key_shares},
+            )
+        return self._unmask[member]
+
+
+def expected_params(
+    old: np.ndarray, quantized: Iterable[RingVector], spec: wire.RoundSpec
+) -> np.ndarray:
+    """FedAvg (server_lr 1) of the exact ring sum of the survivors' quantized inputs."""
+    quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+    vectors = list(quantized)
+    total = np.zeros(spec.dim + 1, dtype=np.uint64)
+    for q in vectors:
+        total += q.astype(np.uint64)
+    ring = (total & np.uint64(quant.ring_mask)).astype(quant.dtype)
+    weighted, weights = dequantize_sum(ring, len(vectors), quant)
+    mean = (weighted / weights).astype(np.float32)
+    return (old + np.float32(1.0) * mean).astype(np.float32)
+
+
+def float_mean(members: Iterable[str], dim: int) -> np.ndarray:
+    """Σ w·Δ / Σ w from the unquantized updates (to check within quantization error)."""
+    ms = list(members)
+    num = sum(weight_for(m) * fixed_delta(m, dim).astype(np.float64) for m in ms)
+    return np.asarray(num / sum(weight_for(m) for m in ms))
+
+
+def model_params(ws: Workspace, version: int) -> np.ndarray:
+    model = get_task(TASK).build_model(seed=0)
+    arrays_to_state(model, decode_model(ws.models.read(version), max_bytes=1 << 30))
+    return flatten_params(model)
+
+
+def table_rows(ws: Workspace, table: str) -> list[tuple[Any, ...]]:
+    """Every committed row of a state table, read through a separate connection."""
+    assert table in STATE_TABLES
+    con = sqlite3.connect(f"file:{ws.state.path}?mode=ro", uri=True)
+    try:
+        return con.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()
+    finally:
+        con.close()
+
+
+@dataclass
+class Snapshot:
+    tables: dict[str, list[tuple[Any, ...]]]
+    live: tuple[Any, ...]
+    session: tuple[Any, ...] | None
+    plain: tuple[Any, ...] | None
+    token: int
+    roster: bytes
+    models: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def snapshot(ws: Workspace, coord: Coordinator) -> Snapshot:
+    """Everything a refused request must leave as it was."""
+    live = coord.live
+    session = None
+    if live.session is not None:
+        s = live.session
+        session = (
+            s.stage,
+            tuple(sorted(s.advertised)),
+            s.live,
+            s.shared,
+            s.participants,
+            tuple(s.contributed),
+            s.survivors,
+            s.answered,
+        )
+    plain = None
+    if live.plain_members is not None:
+        plain = (tuple(live.plain_members), live.plain_weight, live.plain_sum.tobytes())  # type: ignore[union-attr]
+    return Snapshot(
+        tables={t: table_rows(ws, t) for t in STATE_TABLES},
+        live=(live.round, live.attempt, live.stage, live.stage_started_at, live.spec),
+        session=session,
+        plain=plain,
+        token=coord.token,
+        roster=(ws.root / ROSTER_FILE).read_bytes(),
+        models=ws.models.versions_on_disk(),
+    )

@@ -1,0 +1,638 @@
+"""The round coordinator, driven directly (no sockets) with real ClientSessions.
+
+Covers stage transitions, cohort fixing, drop-outs at each stage, aborts and
+retried attempts, idempotent intake, resuming after a restart at every stage,
+plain (``secure_sum = "none"``) rounds, privacy reports and join checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from aggregator_helpers import (
+    FAST_ROUND,
+    FED,
+    Cohort,
+    FakeClock,
+    Federation,
+    expected_params,
+    float_mean,
+    join_request,
+    make_federation,
+    model_params,
+    plain_input,
+    quantized_input,
+    snapshot,
+    table_rows,
+)
+
+from fedsec import wire
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.workspace import Workspace
+from fedsec.crypto.quantize import QuantSpec, pack
+from fedsec.errors import (
+    BadVector,
+    DuplicateMessage,
+    FedsecError,
+    PayloadError,
+    SignatureError,
+    TaskMismatch,
+    UnknownMember,
+    WrongStage,
+)
+from fedsec.modelfile import verify_manifest
+
+MEMBERS = ("a0", "a1", "a2", "a3", "a4")
+# Deadline of the advertise stage: the agents' training window plus the upload window.
+ADVERTISE_DEADLINE = FAST_ROUND["open_s"] + FAST_ROUND["advertise_s"]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Federation:
+    return make_federation(tmp_path / "ws")
+
+
+def _start(
+    fed: Federation, clock: FakeClock, members: tuple[str, ...] = MEMBERS
+) -> tuple[Coordinator, Cohort]:
+    """A coordinator whose round 1 cohort is fixed with ``members``."""
+    coord = Coordinator(fed.ws, clock=clock)
+    for m in members:
+        assert coord.join(m, 1, 0, join_request()).accepted
+    coord.tick()
+    assert coord.live.spec is not None
+    return coord, Cohort(coord.live.spec, fed.identities)
+
+
+def _ra(coord: Coordinator) -> tuple[int, int]:
+    return coord.live.round, coord.live.attempt
+
+
+def _advertise(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = _ra(coord)
+    for m in members:
+        coord.advertise(m, r, a, cohort.advertise(m))
+
+
+def _share(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = _ra(coord)
+    for m in members:
+        coord.share_keys(m, r, a, cohort.share_keys(m, coord.key_list(m, r, a)))
+
+
+def _fetch_shares(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = _ra(coord)
+    for m in members:
+        cohort.receive_shares(m, coord.share_relay(m, r, a))
+
+
+def _masked(
+    coord: Coordinator, cohort: Cohort, members: tuple[str, ...]
+) -> dict[str, wire.Receipt]:
+    r, a = _ra(coord)
+    return {m: coord.masked_input(m, r, a, cohort.masked_input(m)) for m in members}
+
+
+def _unmask(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = _ra(coord)
+    for m in members:
+        coord.unmask(m, r, a, cohort.unmask(m, coord.unmask_request(m, r, a)))
+
+
+def _rounds(fed: Federation) -> list[tuple[int, int, str, int | None]]:
+    return [(r.round, r.attempt, r.stage, r.model_version) for r in fed.ws.state.rounds()]
+
+
+def _summary(fed: Federation, round_: int, attempt: int) -> wire.RoundSummary:
+    row = fed.ws.state.get_round(round_, attempt)
+    assert row is not None and row.summary is not None
+    return msgspec.json.decode(row.summary, type=wire.RoundSummary)
+
+
+def _check_aggregate(fed: Federation, cohort: Cohort, survivors: tuple[str, ...]) -> None:
+    """Version 2 is version 1 plus the weighted mean of exactly the survivors' inputs."""
+    old, new = model_params(fed.ws, 1), model_params(fed.ws, 2)
+    exact = expected_params(old, [cohort.quantized[m] for m in survivors], cohort.spec)
+    np.testing.assert_array_equal(new, exact)
+    # ...and that mean is the survivors' Σw·Δ/Σw within quantization error.
+    quant = QuantSpec(cohort.spec.quant_bits, cohort.spec.clip_norm, cohort.spec.ring_bits)
+    # Stochastic rounding moves each w·Δ coordinate by under one step (2C/L); the slack
+    # covers the rounding of the weights themselves.
+    weights = sum(float(cohort.quantized[m][-1]) / quant.levels for m in survivors)
+    signal = float_mean(survivors, cohort.spec.dim)
+    error = (new.astype(np.float64) - old) - signal
+    assert np.abs(error).max() <= 1.5 * len(survivors) * quant.step() / weights
+    assert np.linalg.norm(error) < 0.5 * np.linalg.norm(signal)
+
+
+def _refused(
+    fed: Federation, coord: Coordinator, exc: type[FedsecError], call: object, *args: object
+) -> FedsecError:
+    """``call(*args)`` raises ``exc`` and changes nothing."""
+    before = snapshot(fed.ws, coord)
+    with pytest.raises(exc) as info:
+        call(*args)  # type: ignore[operator]
+    assert type(info.value) is exc
+    assert info.value.detail
+    assert snapshot(fed.ws, coord) == before
+    return info.value
+
+
+# -- a whole round ---------------------------------------------------------------------------------
+
+
+def test_round_walks_every_stage_and_publishes_a_signed_child_version(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord = Coordinator(fed.ws, clock=clock)
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 0, "open")
+    for m in MEMBERS[:-1]:
+        coord.join(m, 1, 0, join_request())
+    coord.tick()
+    assert coord.live.stage == "open"  # a4 is enrolled and the join window is still open
+    coord.join("a4", 1, 0, join_request())
+    coord.tick()  # every active agent joined: no need to wait for the deadline
+    assert coord.live.stage == "advertise"
+    assert fed.ws.state.get_round(1, 0).stage == "advertise"  # type: ignore[union-attr]
+
+    spec = coord.live.spec
+    assert spec is not None
+    spec.verify(fed.ws.signer.public_bytes)
+    assert spec.cohort == list(MEMBERS)
+    assert (spec.model_version, spec.model_sha256) == (1, fed.ws.models.get(1).sha256)
+    cohort = Cohort(spec, fed.identities)
+
+    _advertise(coord, cohort, MEMBERS)
+    assert coord.live.stage == "share_keys"
+    _share(coord, cohort, MEMBERS)
+    assert coord.live.stage == "masked_input"
+    _fetch_shares(coord, cohort, MEMBERS)
+    receipts = _masked(coord, cohort, MEMBERS)
+    assert coord.live.stage == "unmask"
+    assert fed.ws.state.get_round(1, 0).stage == "unmask"  # type: ignore[union-attr]
+    _unmask(coord, cohort, MEMBERS)
+
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (2, 0, "open")
+    assert _rounds(fed) == [(1, 0, "closed", 2), (2, 0, "open", None)]
+    manifest = fed.ws.models.latest()
+    assert (manifest.version, manifest.parent, manifest.round, manifest.kind) == (
+        2,
+        1,
+        1,
+        "aggregate",
+    )
+    verify_manifest(manifest, fed.ws.signer.public_bytes, fed.ws.models.read(2), federation_id=FED)
+    assert set(manifest.metrics) == {"accuracy", "loss"}
+    _check_aggregate(fed, cohort, MEMBERS)
+    summary = _summary(fed, 1, 0)
+    assert (summary.stage, summary.cohort, summary.survivors, summary.dropped) == (
+        "closed",
+        5,
+        5,
+        [],
+    )
+    for m, receipt in receipts.items():
+        receipt.verify(fed.ws.signer.public_bytes)
+        assert coord.receipt(m, 1) == receipt
+    assert coord.round_state().model_version == 2
+
+
+def test_cohort_fixed_at_the_join_deadline_with_enough_members(
+    fed: Federation, clock: FakeClock
+) -> None:
+    # before the deadline, enough members do not fix the cohort while enrolled agents may come
+    early = Coordinator(make_federation(fed.root.parent / "early").ws, clock=clock)
+    for m in ("a0", "a1", "a2"):
+        early.join(m, 1, 0, join_request())
+    early.tick()
+    assert early.live.stage == "open"
+
+    coord = Coordinator(fed.ws, clock=clock)
+    coord.join("a3", 1, 0, join_request())
+    coord.join("a1", 1, 0, join_request())
+    clock.advance(FAST_ROUND["advertise_s"] + 1)
+    coord.tick()
+    assert coord.live.stage == "open"  # deadline passed, but 2 < min_agents
+    coord.join("a0", 1, 0, join_request())
+    coord.tick()
+    assert coord.live.stage == "advertise"
+    assert coord.live.spec is not None and coord.live.spec.cohort == ["a0", "a1", "a3"]
+    # the join window is closed: a late member is refused and nothing is recorded
+    _refused(fed, coord, WrongStage, coord.join, "a2", 1, 0, join_request())
+
+
+def test_member_lost_at_advertise_is_left_out(fed: Federation, clock: FakeClock) -> None:
+    coord, cohort = _start(fed, clock)
+    alive = MEMBERS[:4]
+    _advertise(coord, cohort, alive)
+    assert coord.live.stage == "advertise"
+    _refused(fed, coord, WrongStage, coord.key_list, "a0", 1, 0)
+    clock.advance(ADVERTISE_DEADLINE - 1)
+    coord.tick()
+    assert coord.live.stage == "advertise"
+    clock.advance(2)
+    coord.tick()
+    assert coord.live.stage == "share_keys"
+    assert [e.member for e in coord.key_list("a0", 1, 0).entries] == list(alive)
+    _refused(fed, coord, UnknownMember, coord.key_list, "a4", 1, 0)
+    _refused(fed, coord, WrongStage, coord.advertise, "a4", 1, 0, cohort.advertise("a4"))
+
+    _share(coord, cohort, alive)
+    _fetch_shares(coord, cohort, alive)
+    _masked(coord, cohort, alive)
+    _unmask(coord, cohort, alive)
+    assert _rounds(fed)[0] == (1, 0, "closed", 2)
+    _check_aggregate(fed, cohort, alive)
+    summary = _summary(fed, 1, 0)
+    assert (summary.cohort, summary.participants, summary.survivors) == (5, 4, 4)
+
+
+def test_member_lost_after_share_keys_is_unmasked_out_of_the_sum(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    survivors = MEMBERS[:4]
+    _masked(coord, cohort, survivors)
+    assert coord.live.stage == "masked_input"  # a4 may still send until the deadline
+    clock.advance(FAST_ROUND["masked_s"])
+    coord.tick()
+    assert coord.live.stage == "unmask"
+    request = coord.unmask_request("a0", 1, 0)
+    assert (request.survivors, request.dropped) == (list(survivors), ["a4"])
+    _refused(fed, coord, UnknownMember, coord.unmask_request, "a4", 1, 0)
+    _refused(fed, coord, WrongStage, coord.masked_input, "a4", 1, 0, cohort.masked_input("a4"))
+
+    _unmask(coord, cohort, survivors)
+    assert _rounds(fed)[0] == (1, 0, "closed", 2)
+    _check_aggregate(fed, cohort, survivors)
+    summary = _summary(fed, 1, 0)
+    assert (summary.participants, summary.survivors, summary.dropped) == (5, 4, ["a4"])
+
+
+# -- aborts ----------------------------------------------------------------------------------------
+
+
+def test_too_few_members_abort_the_attempt_and_the_next_attempt_completes(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS[:3])
+    clock.advance(ADVERTISE_DEADLINE)
+    coord.tick()
+
+    row = fed.ws.state.get_round(1, 0)
+    assert row is not None
+    assert (row.stage, row.model_version) == ("aborted", None)
+    assert "'a3'" in row.detail and "'a4'" in row.detail
+    assert _summary(fed, 1, 0).stage == "aborted"
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
+    assert fed.ws.state.get_round(1, 1).stage == "open"  # type: ignore[union-attr]
+    assert any("aborted" in alert for alert in coord.alerts)
+    assert fed.ws.models.latest().version == 1
+    # messages for the aborted attempt are refused
+    _refused(fed, coord, WrongStage, coord.join, "a0", 1, 0, join_request())
+    _refused(fed, coord, WrongStage, coord.advertise, "a3", 1, 0, cohort.advertise("a3"))
+
+    for m in MEMBERS:
+        coord.join(m, 1, 1, join_request())
+    coord.tick()
+    spec = coord.live.spec
+    assert spec is not None and (spec.round, spec.attempt) == (1, 1)
+    retry = Cohort(spec, fed.identities)
+    _advertise(coord, retry, MEMBERS)
+    _share(coord, retry, MEMBERS)
+    _fetch_shares(coord, retry, MEMBERS)
+    _masked(coord, retry, MEMBERS)
+    _unmask(coord, retry, MEMBERS)
+    assert _rounds(fed) == [
+        (1, 0, "aborted", None),
+        (1, 1, "closed", 2),
+        (2, 0, "open", None),
+    ]
+    assert fed.ws.models.latest().round == 1
+    _check_aggregate(fed, retry, MEMBERS)
+
+
+def test_silent_survivors_at_unmask_abort_naming_them(fed: Federation, clock: FakeClock) -> None:
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    _masked(coord, cohort, MEMBERS)
+    _unmask(coord, cohort, MEMBERS[:2])  # threshold is 3: seeds cannot be recovered
+    clock.advance(FAST_ROUND["unmask_s"])
+    coord.tick()
+    row = fed.ws.state.get_round(1, 0)
+    assert row is not None and row.stage == "aborted"
+    assert "silent holders" in row.detail and "a4" in row.detail
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
+    assert fed.ws.models.latest().version == 1
+
+
+# -- idempotent intake -----------------------------------------------------------------------------
+
+
+def test_retried_messages_are_idempotent_and_different_ones_refused(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord, cohort = _start(fed, clock)
+    coord.advertise("a0", 1, 0, cohort.advertise("a0"))
+    coord.advertise("a0", 1, 0, cohort.advertise("a0"))  # same bytes: accepted again, no-op
+    assert len(table_rows(fed.ws, "messages")) == 1
+    other = Cohort(cohort.spec, fed.identities)  # fresh ephemeral keys for a0
+    _refused(fed, coord, DuplicateMessage, coord.advertise, "a0", 1, 0, other.advertise("a0"))
+
+    _advertise(coord, cohort, MEMBERS[1:])
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    raw = cohort.masked_input("a0")
+    receipt = coord.masked_input("a0", 1, 0, raw)
+    receipt.verify(fed.ws.signer.public_bytes)
+    assert receipt.member == "a0" and (receipt.round, receipt.attempt) == (1, 0)
+    assert receipt.contribution_sha256 == hashlib.sha256(raw).hexdigest()
+    before = snapshot(fed.ws, coord)
+    clock.advance(1)
+    assert coord.masked_input("a0", 1, 0, raw) == receipt  # the same signed receipt
+    assert snapshot(fed.ws, coord) == before
+    assert len(table_rows(fed.ws, "receipts")) == 1
+
+    changed = bytearray(raw)
+    changed[0] ^= 1
+    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, bytes(changed))
+    _refused(fed, coord, BadVector, coord.masked_input, "a1", 1, 0, raw[:-1])
+    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 2, 0, cohort.masked_input("a1"))
+    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 1, 1, cohort.masked_input("a1"))
+    # the refusals left the round able to finish with the right sum
+    _masked(coord, cohort, MEMBERS[1:])
+    _unmask(coord, cohort, MEMBERS)
+    _check_aggregate(fed, cohort, MEMBERS)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+def _session_view(coord: Coordinator) -> tuple[object, ...]:
+    live, s = coord.live, coord.live.session
+    assert s is not None
+    return (
+        live.round,
+        live.attempt,
+        live.stage,
+        live.stage_started_at,
+        live.spec,
+        s.stage,
+        {m: (a.enc_public, a.mask_public) for m, a in s.advertised.items()},
+        s.live,
+        s.shared,
+        s.participants,
+        sorted(s.contributed),
+        s.survivors,
+        s.dropped,
+        s.answered,
+    )
+
+
+RESTART_POINTS = [
+    ("advertise", 2),
+    ("share_keys", 0),
+    ("share_keys", 3),
+    ("masked_input", 0),
+    ("masked_input", 2),
+    ("unmask", 0),
+    ("unmask", 2),
+]
+
+
+@pytest.mark.parametrize(("stage", "done"), RESTART_POINTS)
+def test_restarted_coordinator_finishes_the_round_with_the_same_model(
+    tmp_path: Path, clock: FakeClock, stage: str, done: int
+) -> None:
+    """Two copies of one workspace get the same messages; copy b restarts mid-round."""
+    fed = make_federation(tmp_path / "a")
+    _, cohort = _start(fed, clock)
+    fed.ws.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    spaces = {k: Workspace.open(tmp_path / k) for k in "ab"}
+    coords = {k: Coordinator(w, clock=clock) for k, w in spaces.items()}
+    restarted = []
+
+    def point(at: str, index: int) -> None:
+        if (at, index) != (stage, done):
+            return
+        before = _session_view(coords["b"])
+        spaces["b"].close()
+        spaces["b"] = Workspace.open(tmp_path / "b")
+        coords["b"] = Coordinator(spaces["b"], clock=clock)
+        assert _session_view(coords["b"]) == before
+        restarted.append(at)
+
+    def both(method: str, *args: object) -> object:
+        answers = [getattr(c, method)(*args) for c in coords.values()]
+        assert answers[0] == answers[1]
+        return answers[0]
+
+    for i, m in enumerate(MEMBERS):
+        point("advertise", i)
+        both("advertise", m, 1, 0, cohort.advertise(m))
+    for i, m in enumerate(MEMBERS):
+        point("share_keys", i)
+        keys = both("key_list", m, 1, 0)
+        both("share_keys", m, 1, 0, cohort.share_keys(m, keys))  # type: ignore[arg-type]
+    survivors = MEMBERS[:4]
+    receipts = {}
+    for i, m in enumerate(survivors):
+        point("masked_input", i)
+        cohort.receive_shares(m, both("share_relay", m, 1, 0))  # type: ignore[arg-type]
+        receipts[m] = both("masked_input", m, 1, 0, cohort.masked_input(m))
+    cohort.receive_shares("a4", both("share_relay", "a4", 1, 0))  # type: ignore[arg-type]
+    clock.advance(FAST_ROUND["masked_s"])  # a4 never sends its input
+    for c in coords.values():
+        c.tick()
+    for i, m in enumerate(survivors):
+        point("unmask", i)
+        if i:  # a retry of an input accepted before the restart gets the same receipt
+            last = survivors[i - 1]
+            assert coords["b"].receipt(last, 1) == receipts[last]
+        request = both("unmask_request", m, 1, 0)
+        both("unmask", m, 1, 0, cohort.unmask(m, request))  # type: ignore[arg-type]
+
+    assert restarted == [stage]
+    fed_b = Federation(spaces["b"], fed.identities)
+    for w in spaces.values():
+        assert [(r.round, r.attempt, r.stage) for r in w.state.rounds()] == [
+            (1, 0, "closed"),
+            (2, 0, "open"),
+        ]
+    assert spaces["a"].models.get(2).sha256 == spaces["b"].models.get(2).sha256
+    assert spaces["a"].models.read(2) == spaces["b"].models.read(2)
+    _check_aggregate(fed_b, cohort, survivors)
+    summaries = [_summary(Federation(w, fed.identities), 1, 0) for w in spaces.values()]
+    assert summaries[0].dropped == summaries[1].dropped == ["a4"]
+    assert summaries[0].survivors == summaries[1].survivors == 4
+
+
+# -- secure_sum = "none" ---------------------------------------------------------------------------
+
+
+def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) -> None:
+    fed = make_federation(
+        tmp_path / "ws",
+        agents=("a0", "a1", "a2"),
+        round={"secure_sum": "none", "min_agents": 2, "rounds": 1},
+    )
+    coord = Coordinator(fed.ws, clock=clock)
+    for m in ("a0", "a1", "a2"):
+        coord.join(m, 1, 0, join_request())
+    coord.tick()
+    assert coord.live.stage == "masked_input"  # no key stages
+    spec = coord.live.spec
+    assert spec is not None and spec.secure_sum == "none" and spec.neighbors == 0
+
+    quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
+    too_big = np.zeros(spec.dim + 1, dtype=quant.dtype)
+    too_big[3] = quant.levels + 1
+    _refused(fed, coord, BadVector, coord.masked_input, "a0", 1, 0, pack(too_big, spec.ring_bits))
+    receipts = {m: coord.masked_input(m, 1, 0, plain_input(m, spec)) for m in ("a0", "a1")}
+    assert coord.masked_input("a0", 1, 0, plain_input("a0", spec)) == receipts["a0"]
+    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, plain_input("a1", spec))
+    # a restart rebuilds the running plain sum from the stored updates
+    running = (coord.live.plain_sum.copy(), coord.live.plain_weight)  # type: ignore[union-attr]
+    fed.ws.close()
+    fed = Federation(Workspace.open(fed.root), fed.identities)
+    coord = Coordinator(fed.ws, clock=clock)
+    assert coord.live.stage == "masked_input" and coord.live.plain_members == ["a0", "a1"]
+    np.testing.assert_array_equal(coord.live.plain_sum, running[0])  # type: ignore[arg-type]
+    assert coord.live.plain_weight == running[1]
+    assert coord.masked_input("a1", 1, 0, plain_input("a1", spec)) == receipts["a1"]
+    coord.masked_input("a2", 1, 0, plain_input("a2", spec))
+
+    assert _rounds(fed) == [(1, 0, "closed", 2)]
+    assert coord.finished and coord.live.stage == "closed"
+    quantized = [quantized_input(m, spec) for m in ("a0", "a1", "a2")]
+    old, new = model_params(fed.ws, 1), model_params(fed.ws, 2)
+    np.testing.assert_allclose(new, expected_params(old, quantized, spec), rtol=0, atol=1e-6)
+    error = (new.astype(np.float64) - old) - float_mean(("a0", "a1", "a2"), spec.dim)
+    signal = float_mean(("a0", "a1", "a2"), spec.dim)
+    assert np.linalg.norm(error) < 0.5 * np.linalg.norm(signal)
+    verify_manifest(fed.ws.models.get(2), fed.ws.signer.public_bytes, fed.ws.models.read(2))
+    # the federation finished its one round: nothing more is accepted
+    _refused(fed, coord, WrongStage, coord.join, "a0", 2, 0, join_request())
+
+
+# -- privacy reports -------------------------------------------------------------------------------
+
+
+def _report(member: str, epsilon: float = 1.5, **changes: object) -> wire.PrivacyReport:
+    fields: dict[str, object] = {
+        "federation_id": FED,
+        "round": 1,
+        "attempt": 0,
+        "member": member,
+        "dataset_id": f"breast_cancer:iid:0:{member}",
+        "epsilon": epsilon,
+        "delta": 1e-5,
+        "noise_multiplier": 1.0,
+        "sample_rate": 0.1,
+        "steps": 10,
+        "samples": 50,
+    }
+    fields.update(changes)
+    return wire.PrivacyReport(**fields)  # type: ignore[arg-type]
+
+
+def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: FakeClock) -> None:
+    coord = Coordinator(fed.ws, clock=clock)
+    ids = fed.identities
+    _refused(fed, coord, WrongStage, coord.report, "a0", 1, 0, _report("a0").sign(ids["a0"]))
+    for m in MEMBERS:
+        coord.join(m, 1, 0, join_request())
+    coord.tick()
+
+    good = _report("a0").sign(ids["a0"])
+    coord.report("a0", 1, 0, good)
+    stored = fed.ws.state.report(1, 0, "a0")
+    assert stored is not None
+    decoded = msgspec.json.decode(stored, type=wire.PrivacyReport)
+    decoded.verify(ids["a0"].public_bytes)
+    assert decoded.epsilon == 1.5
+    coord.report("a0", 1, 0, good)  # retry: same report, nothing new
+    assert len(table_rows(fed.ws, "reports")) == 1
+
+    forged = _report("a1").sign(ids["a2"])
+    _refused(fed, coord, SignatureError, coord.report, "a1", 1, 0, forged)
+    tampered = msgspec.structs.replace(_report("a1").sign(ids["a1"]), epsilon=0.1)
+    _refused(fed, coord, SignatureError, coord.report, "a1", 1, 0, tampered)
+    unsigned = _report("a1")
+    _refused(fed, coord, SignatureError, coord.report, "a1", 1, 0, unsigned)
+    other = _report("a2").sign(ids["a2"])
+    _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, other)
+    negative = _report("a1", epsilon=-1.0).sign(ids["a1"])
+    _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, negative)
+    changed = _report("a0", epsilon=2.0).sign(ids["a0"])
+    _refused(fed, coord, DuplicateMessage, coord.report, "a0", 1, 0, changed)
+    wrong_round = _report("a1", round=2).sign(ids["a1"])
+    _refused(fed, coord, WrongStage, coord.report, "a1", 2, 0, wrong_round)
+    assert fed.ws.state.epsilons() == {"a0": 1.5}
+
+
+# -- join checks -----------------------------------------------------------------------------------
+
+
+def test_join_refuses_another_task_version_or_schema(fed: Federation, clock: FakeClock) -> None:
+    coord = Coordinator(fed.ws, clock=clock)
+    good = join_request()
+    wrong_version = msgspec.structs.replace(good, task_version=good.task_version + ".x")
+    wrong_schema = msgspec.structs.replace(good, dataset_schema="0" * 64)
+    err = _refused(fed, coord, TaskMismatch, coord.join, "a0", 1, 0, wrong_version)
+    assert err.http_status == 409 and "version" in err.detail
+    err = _refused(fed, coord, TaskMismatch, coord.join, "a0", 1, 0, wrong_schema)
+    assert "schema" in err.detail
+    no_data = msgspec.structs.replace(good, samples=0)
+    _refused(fed, coord, PayloadError, coord.join, "a0", 1, 0, no_data)
+    _refused(fed, coord, WrongStage, coord.join, "a0", 1, 1, good)
+    _refused(fed, coord, WrongStage, coord.join, "a0", 2, 0, good)
+
+    assert coord.join("a0", 1, 0, good) == wire.JoinResponse(accepted=True, detail="joined")
+    assert coord.join("a0", 1, 0, good).detail == "already joined"
+    assert fed.ws.state.joins(1, 0) == {"a0": 50}
+
+
+def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
+    fed: Federation, clock: FakeClock
+) -> None:
+    """A survivor answering unmask with a share off the polynomial must not stall rounds."""
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    _masked(coord, cohort, MEMBERS)
+    _unmask(coord, cohort, MEMBERS[:4])
+    honest = cohort.unmask("a4", coord.unmask_request("a4", 1, 0))
+    owner, share = sorted(honest.seed_shares.items())[0]
+    forged_share = share[:-2] + format(int(share[-2:], 16) ^ 1, "02x")
+    forged = wire.UnmaskResponseBody(
+        seed_shares={**honest.seed_shares, owner: forged_share}, key_shares=honest.key_shares
+    )
+    coord.unmask("a4", 1, 0, forged)  # accepted (it is well formed); the sum cannot be formed
+
+    row = fed.ws.state.get_round(1, 0)
+    assert row is not None and row.stage == "aborted"
+    assert "inconsistent" in row.detail
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
+    assert fed.ws.models.latest().version == 1
+    clock.advance(FAST_ROUND["unmask_s"])
+    coord.tick()  # and the clock keeps driving the federation
+    assert (coord.live.round, coord.live.attempt) == (1, 1)
