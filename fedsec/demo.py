@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -78,6 +79,23 @@ def _row(s: wire.RoundSummary, agents: int) -> str:
 HEADER = "round try cohort survivors dropped accuracy eps_max  KiB_up/a KiB_dn/a  time_s  result"
 
 
+def _noise_for_demo(
+    task: str, partition: str, agents: int, rounds: int, epsilon: float, training: dict[str, Any]
+) -> float:
+    """Noise multiplier with which the smallest member's budget lasts all rounds.
+
+    Members with more records sample a smaller fraction per step and so spend less.
+    """
+    from fedsec.agent.ledger import noise_for_budget
+    from fedsec.agent.training import plan_round
+    from fedsec.tasks import TrainingParams, get_task, parse_partition
+
+    data = get_task(task).load()
+    parts = parse_partition(partition).apply(data.y_train, agents, 7)
+    rate, steps = plan_round(min(len(p) for p in parts), TrainingParams(**training))
+    return round(noise_for_budget(epsilon, 1e-5, rate, steps, rounds) * 1.02, 4)
+
+
 @click.command()
 @click.option(
     "--workspace",
@@ -112,6 +130,8 @@ def demo(
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     deadline = start + DEMO_TIMEOUT_S
+    training = {"local_epochs": 2, "batch_size": 16, "lr": 0.1}
+    noise = _noise_for_demo(task, partition, agents, rounds, epsilon, training)
     text = federation_toml(
         "demo",
         task,
@@ -126,8 +146,8 @@ def demo(
             "open_s": 60.0,
             "max_weight_samples": 200,
         },
-        training={"local_epochs": 2, "batch_size": 16, "lr": 0.1},
-        dp={"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0},
+        training=training,
+        dp={"enabled": True, "noise_multiplier": noise, "max_grad_norm": 1.0},
         server={"port": 0},
     )
     ws = create_federation(root, "demo", task, text)

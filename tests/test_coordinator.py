@@ -225,6 +225,9 @@ def test_cohort_fixed_at_the_join_deadline_with_enough_members(
     assert coord.live.stage == "open"  # deadline passed, but 2 < min_agents
     coord.join("a0", 1, 0, join_request())
     coord.tick()
+    assert coord.live.stage == "open"  # the join window starts at the min_agents-th join
+    clock.advance(FAST_ROUND["advertise_s"] + 1)
+    coord.tick()
     assert coord.live.stage == "advertise"
     assert coord.live.spec is not None and coord.live.spec.cohort == ["a0", "a1", "a3"]
     # the join window is closed: a late member is refused and nothing is recorded

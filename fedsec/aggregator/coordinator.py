@@ -224,6 +224,7 @@ class Coordinator:
         if len(joins) >= self.cfg.round.max_agents:
             return wire.JoinResponse(accepted=False, detail="cohort is full; try the next round")
         self.ws.state.add_join(live.round, live.attempt, member, req.samples, self.clock())
+        self._maybe_fix_cohort(live, self.clock())
         self._changed()
         return wire.JoinResponse(accepted=True, detail="joined")
 
@@ -504,8 +505,6 @@ class Coordinator:
     def _deadline(self, live: _Live) -> float:
         r = self.cfg.round
         spent = {
-            # joining: the advertise window doubles as the join window
-            "open": r.advertise_s,
             "advertise": r.open_s + r.advertise_s,
             "share_keys": r.share_s,
             "masked_input": r.masked_s + (r.open_s if r.secure_sum == "none" else 0.0),
@@ -520,14 +519,26 @@ class Coordinator:
         now = self.clock()
         live = self.live
         if live.stage == "open":
-            joins = self.ws.state.joins(live.round, live.attempt)
-            active = {e.agent_id for e in self.ws.roster.active_agents()}
-            ready = len(joins) >= self.cfg.round.max_agents or (active and active <= joins.keys())
-            if len(joins) >= self.cfg.round.min_agents and (ready or now >= self._deadline(live)):
-                self._fix_cohort(live, joins, now)
+            self._maybe_fix_cohort(live, now)
             return
         if now >= self._deadline(live):
             self._close_stage(now)
+
+    def _maybe_fix_cohort(self, live: _Live, now: float) -> None:
+        """Fix the cohort when every active member joined, the cohort is full, or the
+        join window (``advertise_s``, counted from the ``min_agents``-th join) passed."""
+        cfg = self.cfg.round
+        joins = self.ws.state.joins(live.round, live.attempt)
+        if len(joins) < cfg.min_agents:
+            return
+        active = {e.agent_id for e in self.ws.roster.active_agents()}
+        quorum_at = self.ws.state.join_time(live.round, live.attempt, cfg.min_agents)
+        if (
+            len(joins) >= cfg.max_agents
+            or active <= joins.keys()
+            or now >= quorum_at + cfg.advertise_s
+        ):
+            self._fix_cohort(live, joins, now)
 
     def _close_stage(self, now: float) -> None:
         live = self.live

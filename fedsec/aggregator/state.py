@@ -184,6 +184,15 @@ class StateStore:
         ).fetchall()
         return {m: s for m, s in rows}
 
+    def join_time(self, round_: int, attempt: int, nth: int) -> float:
+        """When the ``nth`` member (1-based) joined this attempt; +inf if fewer joined."""
+        row = self._db.execute(
+            "SELECT joined_at FROM joins WHERE round=? AND attempt=? ORDER BY joined_at "
+            "LIMIT 1 OFFSET ?",
+            (round_, attempt, nth - 1),
+        ).fetchone()
+        return float(row[0]) if row else float("inf")
+
     # -- messages ----------------------------------------------------------------------------
 
     def add_message(self, round_: int, attempt: int, stage: str, member: str, body: bytes) -> int:
