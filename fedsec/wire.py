@@ -27,6 +27,7 @@ GET      /rounds/{r}/keys?attempt=N          KeyListBody                      ag
 POST     /rounds/{r}/shares?attempt=N        ShareKeysBody                    agent
 GET      /rounds/{r}/shares?attempt=N        ShareRelayBody                   agent
 POST     /rounds/{r}/masked-input?attempt=N  raw vector bytes -> Receipt      agent
+         &commitment=HEX&signature=HEX       (ContributionStatement)
 GET      /rounds/{r}/unmask?attempt=N        UnmaskRequestBody                agent
 POST     /rounds/{r}/unmask?attempt=N        UnmaskResponseBody               agent
 GET      /rounds/{r}/receipt                 Receipt                          agent
@@ -51,6 +52,7 @@ API_PREFIX = "/v1"
 ROUND_SPEC_DOMAIN = "round-spec"
 PRIVACY_REPORT_DOMAIN = "privacy-report"
 RECEIPT_DOMAIN = "contribution-receipt"
+CONTRIBUTION_DOMAIN = "contribution-statement"
 
 Stage = Literal[
     "open",  # cohort forming: agents join
@@ -249,6 +251,41 @@ class UnmaskRequestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 class UnmaskResponseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed_shares: dict[str, str]
     key_shares: dict[str, str]
+
+
+class ContributionStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A member's signed statement of what it contributed to a round attempt.
+
+    Binds the exact bytes uploaded (``vector_sha256``) to the commitment
+    H(salt ‖ quantized update) the auditor may later ask it to open.  Sent as the
+    ``commitment`` and ``signature`` query parameters of the masked-input upload
+    (covered by the request signature) and written into the transparency log.
+    """
+
+    federation_id: str
+    round: int
+    attempt: int
+    member: str
+    vector_sha256: str
+    commitment: str
+    signature: str = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = msgspec.to_builtins(self)
+        fields.pop("signature")
+        return canonical_json(fields)
+
+    def sign(self, signer: SigningIdentity) -> ContributionStatement:
+        return msgspec.structs.replace(
+            self, signature=signer.sign(CONTRIBUTION_DOMAIN, self.signed_bytes()).hex()
+        )
+
+    def verify(self, member_public: bytes) -> None:
+        """Raises SignatureError (or PayloadError for a malformed commitment)."""
+        unhex(self.commitment, "commitment", 32)
+        PublicIdentity(member_public).verify(
+            CONTRIBUTION_DOMAIN, self.signed_bytes(), unhex(self.signature, "signature", 64)
+        )
 
 
 class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -50,6 +50,7 @@ from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.wire import (
     API_PREFIX,
     AdvertiseKeysBody,
+    ContributionStatement,
     ErrorBody,
     JoinRequest,
     JoinResponse,
@@ -426,8 +427,12 @@ class AggregatorClient:
             what="share relay",
         )
 
-    async def masked_input(self, round: int, attempt: int, vector: bytes) -> Receipt:
-        """``POST /rounds/{r}/masked-input``: the packed vector; returns the verified receipt.
+    async def masked_input(
+        self, round: int, attempt: int, vector: bytes, statement: ContributionStatement
+    ) -> Receipt:
+        """``POST /rounds/{r}/masked-input``: the packed vector with the signed contribution
+        statement (commitment and signature as query parameters); returns the verified
+        receipt.
 
         Raises:
             SignatureError: the receipt is not signed by the pinned aggregator key.
@@ -435,7 +440,11 @@ class AggregatorClient:
         raw = await self._request(
             "POST",
             f"/rounds/{round}/masked-input",
-            query={"attempt": attempt},
+            query={
+                "attempt": attempt,
+                "commitment": statement.commitment,
+                "signature": statement.signature,
+            },
             body=vector,
             content_type="application/octet-stream",
             max_bytes=MAX_RECEIPT_BYTES,

@@ -57,6 +57,7 @@ from fedsec.agent.training import DPParams, fresh_seed, plan_round, train_local
 from fedsec.agent.vault import RoundRecord, Vault
 from fedsec.aggregator.roster import verify_roster_entry
 from fedsec.config import AgentConfig, DataSection
+from fedsec.crypto.commitment import CommitmentContext, commit
 from fedsec.crypto.identity import SigningIdentity, load_public_key, save_public_key
 from fedsec.crypto.quantize import RingVector, pack, quantize
 from fedsec.crypto.secagg import (
@@ -85,6 +86,7 @@ from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_par
 from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
 from fedsec.wire import (
     AdvertiseKeysBody,
+    ContributionStatement,
     JoinRequest,
     KeyListBody,
     OutgoingShare,
@@ -892,10 +894,23 @@ class AgentRuntime:
             IntegrityError: the receipt names another member, round or contribution.
         """
         r, a = spec.round, spec.attempt
-        self.vault.keep_update(r, a, contribution.quantized)
+        salt = self.vault.keep_update_once(r, a, contribution.quantized)
         digest = hashlib.sha256(vector).hexdigest()
+        commitment = commit(
+            contribution.quantized,
+            salt,
+            CommitmentContext(spec.federation_id, r, a, self.member, spec.ring_bits),
+        )
+        statement = ContributionStatement(
+            federation_id=spec.federation_id,
+            round=r,
+            attempt=a,
+            member=self.member,
+            vector_sha256=digest,
+            commitment=commitment.hex(),
+        ).sign(self.identity)
         try:
-            receipt = await client.masked_input(r, a, vector)
+            receipt = await client.masked_input(r, a, vector, statement)
         except DuplicateMessage:
             # A retry after a lost answer: the first try was taken; fetch its receipt.
             receipt = await client.receipt(r)

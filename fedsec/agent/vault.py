@@ -159,6 +159,19 @@ class Vault:
         atomic_write(self.vault_dir / f"{stem}.salt.npy", _npy(np.frombuffer(salt, np.uint8)))
         return salt
 
+    def keep_update_once(
+        self, round: int, attempt: int, update: npt.NDArray[np.unsignedinteger]
+    ) -> bytes:
+        """Like :meth:`keep_update`, but a retry of the same update keeps its first salt,
+        so the commitment already sent stays openable."""
+        try:
+            kept = self.load_update(round, attempt)
+        except IntegrityError:
+            return self.keep_update(round, attempt, update)
+        if np.array_equal(kept.update, update):
+            return kept.salt
+        return self.keep_update(round, attempt, update)
+
     def load_update(self, round: int, attempt: int) -> VaultEntry:
         """Read back a kept update and its salt.
 

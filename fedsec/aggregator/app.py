@@ -282,7 +282,14 @@ async def masked_input(request: web.Request) -> web.Response:
     ws = request.app[WORKSPACE]
     member, body = await _authenticate(request, ws.config.server.max_body_bytes, _AGENT)
     r, a = _round_args(request)
-    return _json(request.app[COORDINATOR].masked_input(member, r, a, body))
+    commitment = request.query.get("commitment", "")
+    signature = request.query.get("signature", "")
+    if not commitment or not signature:
+        raise PayloadError(
+            "masked input needs the commitment and signature query parameters "
+            "(the member's signed contribution statement)"
+        )
+    return _json(request.app[COORDINATOR].masked_input(member, r, a, body, commitment, signature))
 
 
 async def get_unmask(request: web.Request) -> web.Response:

@@ -31,11 +31,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from fedsec import wire
+from fedsec.aggregator.audit_trail import AuditTrail
 from fedsec.aggregator.optimizers import ServerOptimizer, make_optimizer
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.quantize import default_ring_bits, dequantize_one, unpack
@@ -119,6 +121,24 @@ class Coordinator:
         self.dim = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self._validation = self._load_validation()
         self.optimizer: ServerOptimizer = make_optimizer(self.cfg.server, self.dim, workspace.state)
+        self.trail = AuditTrail(
+            workspace.root, workspace.state, workspace.signer, fed.id, clock=clock
+        )
+        self.trail.genesis(
+            {
+                "federation_id": fed.id,
+                "aggregator_public_key": workspace.signer.public_bytes.hex(),
+                "admin_public_key": workspace.admin_public.hex(),
+                "task": self.task.name,
+                "task_version": self.task.version,
+                "schema_fingerprint": self.task.schema.fingerprint(),
+                "server": msgspec.to_builtins(self.cfg.server),
+                "round": msgspec.to_builtins(self.cfg.round),
+            }
+        )
+        self.trail.sync_roster(workspace.roster)
+        self.trail.sync_models(workspace.models)
+        self._roster_serial = workspace.roster.serial
         self.alerts: list[str] = []
         # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
         self.traffic: dict[tuple[int, int], list[int]] = {}
@@ -291,7 +311,11 @@ class Coordinator:
             },
         ).sign(self.ws.signer)
         first = "advertise" if secure else "masked_input"
-        self.ws.state.set_stage(live.round, live.attempt, first, now, spec=wire.encode(spec))
+        self.trail.sync_roster(self.ws.roster)
+        self.trail.sync_models(self.ws.models)
+        with self.ws.state.transaction():
+            self.ws.state.set_stage(live.round, live.attempt, first, now, spec=wire.encode(spec))
+            self.trail.append("round_spec", msgspec.to_builtins(spec))
         self._install_spec(live, spec)
         live.stage, live.stage_started_at = first, now
         log.info(
@@ -350,7 +374,9 @@ class Coordinator:
             if stored == body:
                 return
             raise DuplicateMessage(f"{member} already reported a different epsilon this round")
-        self.ws.state.add_report(round_, attempt, member, report.epsilon, body)
+        with self.ws.state.transaction():
+            self.ws.state.add_report(round_, attempt, member, report.epsilon, body)
+            self.trail.append("privacy_report", msgspec.to_builtins(report))
 
     # -- SecAgg+ stages ------------------------------------------------------------------------
 
@@ -365,9 +391,29 @@ class Coordinator:
         msg = _advertise_from_wire(member, body)
         assert live.session is not None
         live.session.receive_advertise(msg)
-        self.ws.state.add_message(live.round, live.attempt, "advertise", member, raw)
+        self._record(live, "advertise", member, raw)
         if len(live.session.advertised) == len(self._in_cohort(live, member).cohort):
             self._close_stage(self.clock())
+
+    def _record(self, live: _Live, stage: str, member: str, raw: bytes, **extra: Any) -> int:
+        """Store an accepted message, archive it and log it, in one transaction; return
+        the log index of its entry."""
+        digest = self.trail.keep(raw)
+        with self.ws.state.transaction():
+            self.ws.state.add_message(live.round, live.attempt, stage, member, raw)
+            entry = self.trail.append(
+                "accepted",
+                {
+                    "round": live.round,
+                    "attempt": live.attempt,
+                    "stage": stage,
+                    "member": member,
+                    "sha256": digest,
+                    "bytes": len(raw),
+                    **extra,
+                },
+            )
+        return entry.index
 
     def key_list(self, member: str, round_: int, attempt: int) -> wire.KeyListBody:
         live = self._expect_at_least(member, round_, attempt, "share_keys")
@@ -401,7 +447,7 @@ class Coordinator:
         )
         assert live.session is not None
         live.session.receive_share_keys(msg)
-        self.ws.state.add_message(live.round, live.attempt, "share_keys", member, raw)
+        self._record(live, "share_keys", member, raw)
         if live.session.shared == live.session.live:
             self._close_stage(self.clock())
 
@@ -418,28 +464,90 @@ class Coordinator:
             ],
         )
 
-    def masked_input(self, member: str, round_: int, attempt: int, raw: bytes) -> wire.Receipt:
-        """Accept a masked (or, without secure summation, plain quantized) input."""
+    def masked_input(
+        self,
+        member: str,
+        round_: int,
+        attempt: int,
+        raw: bytes,
+        commitment: str,
+        signature: str,
+    ) -> wire.Receipt:
+        """Accept a masked (or, without secure summation, plain quantized) input.
+
+        ``commitment`` (hex, H(salt ‖ quantized update), for the auditor) and
+        ``signature`` (the member's Ed25519 signature of the
+        :class:`wire.ContributionStatement` binding round, vector hash and
+        commitment) make the contribution attributable and auditable.  Refusals
+        are logged too.
+        """
+        try:
+            return self._masked_input(member, round_, attempt, raw, commitment, signature)
+        except FedsecError as exc:
+            if not isinstance(exc, DuplicateMessage):
+                self.trail.append(
+                    "refused",
+                    {
+                        "round": round_,
+                        "attempt": attempt,
+                        "stage": "masked_input",
+                        "member": member,
+                        "sha256": hashlib.sha256(raw).hexdigest(),
+                        "code": exc.code,
+                        "detail": exc.detail,
+                    },
+                )
+            raise
+
+    def _masked_input(
+        self, member: str, round_: int, attempt: int, raw: bytes, commitment: str, signature: str
+    ) -> wire.Receipt:
         live = self._expect(member, round_, attempt, "masked_input")
         spec = self._in_cohort(live, member)
         if self._idempotent(live, "masked_input", member, raw):
             stored = self.ws.state.receipt(round_, member)
             assert stored is not None
             return msgspec.json.decode(stored, type=wire.Receipt)
+        digest = hashlib.sha256(raw).hexdigest()
+        statement = wire.ContributionStatement(
+            federation_id=self.ws.federation_id,
+            round=round_,
+            attempt=attempt,
+            member=member,
+            vector_sha256=digest,
+            commitment=commitment,
+            signature=signature,
+        )
+        entry = self.ws.roster.get(member)
+        assert entry is not None
+        statement.verify(entry.public_key_bytes)
         if live.session is not None:
             live.session.receive_masked_input(MaskedInput(member, raw))
         else:
             self._add_plain(live, spec, member, raw)
-        digest = hashlib.sha256(raw).hexdigest()
+        archived = self.trail.keep(raw)
         with self.ws.state.transaction():
-            seq = self.ws.state.add_message(live.round, live.attempt, "masked_input", member, raw)
+            self.ws.state.add_message(live.round, live.attempt, "masked_input", member, raw)
+            logged = self.trail.append(
+                "accepted",
+                {
+                    "round": live.round,
+                    "attempt": live.attempt,
+                    "stage": "masked_input",
+                    "member": member,
+                    "sha256": archived,
+                    "bytes": len(raw),
+                    "commitment": commitment,
+                    "signature": signature,
+                },
+            )
             receipt = wire.Receipt(
                 federation_id=self.ws.federation_id,
                 round=live.round,
                 attempt=live.attempt,
                 member=member,
                 contribution_sha256=digest,
-                log_index=seq,
+                log_index=logged.index,
                 issued_at=self.clock(),
             ).sign(self.ws.signer)
             self.ws.state.add_receipt(live.round, live.attempt, member, wire.encode(receipt))
@@ -479,7 +587,7 @@ class Coordinator:
         msg = _unmask_from_wire(member, body)
         assert live.session is not None
         live.session.receive_unmask(msg)
-        self.ws.state.add_message(live.round, live.attempt, "unmask", member, raw)
+        self._record(live, "unmask", member, raw)
         if live.session.answered == live.session.survivors:
             self._close_stage(self.clock())
 
@@ -516,6 +624,9 @@ class Coordinator:
         """Close the current stage if its deadline passed (or, for open, the cohort is ready)."""
         if self.finished:
             return
+        if self.ws.roster.serial != self._roster_serial:
+            self._roster_serial = self.ws.roster.serial
+            self.trail.sync_roster(self.ws.roster)
         now = self.clock()
         live = self.live
         if live.stage == "open":
@@ -580,15 +691,20 @@ class Coordinator:
             "event=round_aborted round=%d attempt=%d reason=%r", live.round, live.attempt, detail
         )
         summary = self._summary(live, "aborted", None, None, None, now, detail)
-        self.ws.state.close_round(
-            live.round,
-            live.attempt,
-            "aborted",
-            now,
-            model_version=None,
-            summary=wire.encode(summary),
-            detail=detail,
-        )
+        with self.ws.state.transaction():
+            self.ws.state.close_round(
+                live.round,
+                live.attempt,
+                "aborted",
+                now,
+                model_version=None,
+                summary=wire.encode(summary),
+                detail=detail,
+            )
+            self.trail.append(
+                "round_aborted", {"round": live.round, "attempt": live.attempt, "detail": detail}
+            )
+            self.trail.sign_head()
         self.alerts.append(f"round {live.round} attempt {live.attempt} aborted: {detail}")
         self.live = self._open(live.round, live.attempt + 1, now)
         self._changed()
@@ -607,6 +723,7 @@ class Coordinator:
             list(result.dropped),
             start,
             now,
+            hashlib.sha256(result.ring_sum.tobytes()).hexdigest(),
         )
 
     def _aggregate_plain(self, live: _Live, now: float) -> None:
@@ -619,7 +736,17 @@ class Coordinator:
                 f"{self.cfg.round.min_agents}; missing: {dropped}"
             )
         start = time.perf_counter()
-        self._apply(live, live.plain_sum, live.plain_weight, sorted(members), dropped, start, now)
+        total = live.plain_sum.astype("<f8")
+        self._apply(
+            live,
+            live.plain_sum,
+            live.plain_weight,
+            sorted(members),
+            dropped,
+            start,
+            now,
+            hashlib.sha256(total.tobytes()).hexdigest(),
+        )
 
     def _apply(
         self,
@@ -630,6 +757,7 @@ class Coordinator:
         dropped: list[str],
         start: float,
         now: float,
+        sum_sha256: str,
     ) -> None:
         if weight_sum <= 0:
             raise RoundAborted(f"round {live.round}: the survivors' total weight is zero")
@@ -650,7 +778,6 @@ class Coordinator:
             kind="aggregate",
             metrics=metrics,
         )
-        self.optimizer.save()
         aggregation_s = time.perf_counter() - start
         summary = self._summary(
             live,
@@ -663,15 +790,33 @@ class Coordinator:
             survivors=len(survivors),
             dropped=dropped,
         )
-        self.ws.state.close_round(
-            live.round,
-            live.attempt,
-            "closed",
-            now,
-            model_version=manifest.version,
-            summary=wire.encode(summary),
-            detail="",
-        )
+        with self.ws.state.transaction():
+            self.optimizer.save()
+            self.ws.state.close_round(
+                live.round,
+                live.attempt,
+                "closed",
+                now,
+                model_version=manifest.version,
+                summary=wire.encode(summary),
+                detail="",
+            )
+            self.trail.append(
+                "aggregate",
+                {
+                    "round": live.round,
+                    "attempt": live.attempt,
+                    "survivors": survivors,
+                    "dropped": dropped,
+                    "sum_sha256": sum_sha256,
+                    "weight_sum": weight_sum,
+                    "parent_version": parent.version,
+                    "optimizer": self.cfg.server.optimizer,
+                    "server_lr": self.cfg.server.server_lr,
+                },
+            )
+            self.trail.sync_models(self.ws.models)
+            self.trail.sign_head()
         log.info(
             "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
             "accuracy=%s aggregation_s=%.4f",
@@ -726,7 +871,9 @@ class Coordinator:
 
     def _open(self, round_: int, attempt: int, now: float) -> _Live:
         if not self.finished:
-            self.ws.state.open_round(round_, attempt, now)
+            with self.ws.state.transaction():
+                self.ws.state.open_round(round_, attempt, now)
+                self.trail.append("round_open", {"round": round_, "attempt": attempt})
             log.info("event=round_open round=%d attempt=%d", round_, attempt)
         return _Live(round_, attempt, "open" if not self.finished else "closed", now, now)
 

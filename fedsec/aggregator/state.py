@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,10 @@ CREATE TABLE IF NOT EXISTS receipts (
     body BLOB NOT NULL,
     PRIMARY KEY (round, attempt, member)
 );
+CREATE TABLE IF NOT EXISTS log (
+    idx INTEGER PRIMARY KEY,
+    line BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS server_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
@@ -94,6 +98,7 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        self._after_commit: list[Callable[[], None]] = []
 
     def close(self) -> None:
         self._db.close()
@@ -261,6 +266,27 @@ class StateStore:
         ).fetchone()
         return bytes(row[0]) if row else None
 
+    # -- transparency log ----------------------------------------------------------------------
+
+    def add_log_line(self, index: int, line: bytes) -> None:
+        self._db.execute("INSERT INTO log VALUES (?, ?)", (index, line))
+
+    def log_tail(self) -> tuple[int, bytes] | None:
+        row = self._db.execute("SELECT idx, line FROM log ORDER BY idx DESC LIMIT 1").fetchone()
+        return (int(row[0]), bytes(row[1])) if row else None
+
+    def log_lines(self, start: int = 0) -> Iterator[tuple[int, bytes]]:
+        cur = self._db.execute("SELECT idx, line FROM log WHERE idx >= ? ORDER BY idx", (start,))
+        for idx, line in cur:
+            yield int(idx), bytes(line)
+
+    def in_transaction(self) -> bool:
+        return self._db.in_transaction
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after every commit of an explicit transaction."""
+        self._after_commit.append(callback)
+
     # -- server optimiser state --------------------------------------------------------------
 
     def put_value(self, name: str, value: bytes) -> None:
@@ -276,16 +302,17 @@ class StateStore:
     # -- transactions ------------------------------------------------------------------------
 
     def _transaction(self) -> _Tx:
-        return _Tx(self._db)
+        return _Tx(self._db, self._after_commit)
 
     def transaction(self) -> _Tx:
         """``with store.transaction(): ...`` groups writes into one atomic commit."""
-        return _Tx(self._db)
+        return _Tx(self._db, self._after_commit)
 
 
 class _Tx:
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, after: list[Callable[[], None]]) -> None:
         self._db = db
+        self._after = after
         self._outer = False
 
     def __enter__(self) -> None:
@@ -298,5 +325,7 @@ class _Tx:
             return
         if exc_type is None:
             self._db.execute("COMMIT")
+            for callback in self._after:
+                callback()
         else:
             self._db.execute("ROLLBACK")

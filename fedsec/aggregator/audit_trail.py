@@ -1,0 +1,155 @@
+"""The aggregator's side of the audit trail: transparency log entries and the archive.
+
+Entries are written to the ``log`` table of the state database in the same
+transaction as the state change they record, so the log and the state can never
+disagree; after each commit the new lines are appended to ``audit/log.jsonl``,
+the file third parties verify (:mod:`fedsec.audit.log` documents the format).  A
+file that is behind the database (a crash between commit and append) is
+completed at start-up; one that disagrees with it is rewritten from it.
+
+Accepted protocol messages are also copied into the content-addressed archive
+(``audit/archive``) before their log entry is written, so every aggregate can be
+re-run by anyone holding the archive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedsec.aggregator.modelstore import ModelStore, atomic_write
+from fedsec.aggregator.roster import Roster
+from fedsec.aggregator.state import StateStore
+from fedsec.audit.archive import Archive
+from fedsec.audit.log import GENESIS_PREV, LogEntry, head_body, make_entry
+from fedsec.crypto.identity import SigningIdentity
+
+log = logging.getLogger(__name__)
+
+LOG_FILE = "audit/log.jsonl"
+ARCHIVE_DIR = "audit/archive"
+
+
+class AuditTrail:
+    def __init__(
+        self,
+        root: Path,
+        state: StateStore,
+        signer: SigningIdentity,
+        federation_id: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.state = state
+        self.signer = signer
+        self.federation_id = federation_id
+        self.clock = clock
+        self.path = Path(root) / LOG_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.archive = Archive(Path(root) / ARCHIVE_DIR)
+        self._file_count = self._reconcile_file()
+        state.on_commit(self.sync_file)
+        self._roster_logged: set[tuple[str, str]] = set()
+        self._versions_logged: set[int] = set()
+        for _, line in state.log_lines():
+            doc = json.loads(line)
+            if doc["kind"] == "roster":
+                self._roster_logged.add((doc["body"]["agent_id"], doc["body"]["status"]))
+            elif doc["kind"] == "model_version":
+                self._versions_logged.add(int(doc["body"]["version"]))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def append(self, kind: str, body: dict[str, Any]) -> LogEntry:
+        """Add an entry (inside the caller's transaction, if any)."""
+        tail = self.state.log_tail()
+        index, prev = (0, GENESIS_PREV) if tail is None else (tail[0] + 1, _hash(tail[1]))
+        entry = make_entry(index, prev, self.clock(), kind, body)
+        self.state.add_log_line(entry.index, entry.line)
+        if not self.state.in_transaction():
+            self.sync_file()
+        return entry
+
+    def sign_head(self) -> LogEntry:
+        """Sign the chain so far (called at every round close)."""
+        tail = self.state.log_tail()
+        assert tail is not None
+        last = _entry_from_line(tail[1])
+        return self.append("head", head_body(self.signer, self.federation_id, last))
+
+    def genesis(self, body: dict[str, Any]) -> None:
+        if self.state.log_tail() is None:
+            self.append("genesis", body)
+
+    def sync_roster(self, roster: Roster) -> None:
+        for entry in roster.entries():
+            key = (entry.agent_id, entry.status)
+            if key not in self._roster_logged:
+                self.append("roster", entry.to_dict())
+                self._roster_logged.add(key)
+
+    def sync_models(self, models: ModelStore) -> None:
+        for manifest in models.history():
+            if manifest.version in self._versions_logged:
+                continue
+            self.append("model_version", json.loads(manifest.to_json()))
+            if manifest.kind == "rollback":
+                self.append(
+                    "rollback",
+                    {
+                        "version": manifest.version,
+                        "weights_of": manifest.parent,
+                        "note": manifest.note,
+                    },
+                )
+            self._versions_logged.add(manifest.version)
+
+    def keep(self, data: bytes) -> str:
+        """Archive ``data``; return its sha256."""
+        return self.archive.put(data)
+
+    # -- the exported file ---------------------------------------------------------------------
+
+    def sync_file(self) -> None:
+        """Append committed lines the file does not have yet (fsync)."""
+        new = list(self.state.log_lines(self._file_count))
+        if not new:
+            return
+        with self.path.open("ab") as fh:
+            for _, line in new:
+                fh.write(line + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._file_count = new[-1][0] + 1
+
+    def _reconcile_file(self) -> int:
+        db = [line for _, line in self.state.log_lines()]
+        try:
+            on_disk = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            on_disk = []
+        if on_disk == db[: len(on_disk)]:
+            count = len(on_disk)
+        else:
+            log.warning("event=log_file_rewritten path=%s reason=differs_from_state", self.path)
+            atomic_write(self.path, b"".join(line + b"\n" for line in db))
+            count = len(db)
+        self._file_count = count
+        if count < len(db):
+            self.sync_file()
+        return len(db)
+
+
+def _hash(line: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(line).hexdigest()
+
+
+def _entry_from_line(line: bytes) -> LogEntry:
+    doc = json.loads(line)
+    return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], line)

@@ -1,0 +1,95 @@
+"""``fedsec audit``: independent verification of a federation's records."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from fedsec.errors import ConfigError
+
+LOG_FILE = Path("audit/log.jsonl")
+ARCHIVE_DIR = Path("audit/archive")
+
+
+def find_workspace(root: Path) -> Path:
+    """The aggregator workspace at ``root`` or, for a demo directory, ``root/aggregator``."""
+    for candidate in (root, root / "aggregator"):
+        if (candidate / LOG_FILE).exists():
+            return candidate
+    raise ConfigError(f"no transparency log under {root} (looked for {LOG_FILE})")
+
+
+def _receipt_files(dirs: tuple[Path, ...]) -> list[Path]:
+    files: list[Path] = []
+    for d in dirs:
+        if d.is_file():
+            files.append(d)
+        elif d.is_dir():
+            files.extend(sorted(p for p in d.rglob("*.json") if p.is_file()))
+        else:
+            raise ConfigError(f"receipts path {d} does not exist")
+    return files
+
+
+@click.group()
+def audit() -> None:
+    """Compliance side: verify the log, challenge members, report."""
+
+
+@audit.command("verify")
+@click.option("--log", "log_path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--archive", type=click.Path(path_type=Path, file_okay=False), default=None)
+@click.option(
+    "--models",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="aggregator workspace holding models/ (to re-derive model versions)",
+)
+@click.option(
+    "--workspace",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="aggregator (or demo) workspace: finds log, archive, models",
+)
+@click.option(
+    "--receipts",
+    type=click.Path(path_type=Path, exists=True),
+    multiple=True,
+    help="receipt files or directories (repeatable)",
+)
+@click.option("--aggregator-key", default=None, help="pin the aggregator's public key (hex)")
+@click.option("--json", "as_json", is_flag=True)
+def verify_cmd(
+    log_path: Path | None,
+    archive: Path | None,
+    models: Path | None,
+    workspace: Path | None,
+    receipts: tuple[Path, ...],
+    aggregator_key: str | None,
+    as_json: bool,
+) -> None:
+    """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all hold."""
+    from fedsec.audit.verify import verify_log
+
+    if workspace is not None:
+        ws = find_workspace(workspace)
+        log_path = log_path or ws / LOG_FILE
+        archive = archive or ws / ARCHIVE_DIR
+        models = models or ws
+    if log_path is None:
+        raise ConfigError("give --log PATH or --workspace DIR")
+    pinned = bytes.fromhex(aggregator_key) if aggregator_key else None
+    result = verify_log(log_path, archive, models, _receipt_files(receipts), pinned)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(
+            f"entries {result.entries}, signed heads {result.heads}, rounds re-aggregated "
+            f"{result.rounds_verified}, model versions re-derived {result.models_verified}, "
+            f"privacy reports {result.privacy_reports}, receipts {result.receipts_checked}"
+        )
+        click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
+    sys.exit(0 if result.ok else 1)

@@ -1,0 +1,467 @@
+"""``fedsec audit verify``: check a federation's transparency log without trusting its operator.
+
+What is checked, entry by entry, stopping at the first problem:
+
+- the chain: canonical lines, consecutive indexes, each ``prev`` the hash of the
+  line before (any flipped byte, deleted, reordered or inserted entry breaks it);
+- every ``head`` signature (aggregator key from the genesis entry, or pinned with
+  ``aggregator_key``);
+- roster entries signed by the admin key; every other signature checked against
+  the roster *as it was at that point of the log* (a key added later, or revoked
+  earlier, does not count);
+- round specs signed by the aggregator, cohorts drawn from active agents;
+- every accepted message: its archived bytes exist and hash to the logged digest
+  (a swapped archive file is caught), masked inputs carry a valid signed
+  contribution statement;
+- every aggregate recomputed from the archive: the SecAgg+ round replayed through
+  the same server state machine from the archived advertisements, shares, masked
+  inputs and unmask reveals, and the unmasked sum's sha256 compared; then the
+  model version recomputed from its parent file with the logged server optimiser
+  and its safetensors sha256 compared bit for bit;
+- model manifests signed by the aggregator and matching their files;
+- privacy reports signed by their member, ε non-decreasing per member and
+  dataset, and ε recomputed from the logged DP parameters with an independent
+  accountant (:mod:`fedsec.audit.accountant`) within 1%;
+- receipts presented: signed by the aggregator and naming a logged contribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fedsec import wire
+from fedsec.aggregator.roster import RosterEntry, verify_roster_entry
+from fedsec.audit import accountant
+from fedsec.audit.archive import Archive
+from fedsec.audit.log import LogEntry, read_log, verify_head
+from fedsec.crypto.quantize import dequantize_one
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    MaskedInput,
+    ServerSession,
+    ShareKeys,
+    UnmaskResponse,
+)
+from fedsec.errors import FedsecError, IntegrityError
+from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
+
+EPSILON_TOLERANCE = 0.01  # the issue's bar: independent recomputation within 1%
+_MAX_MODEL_BYTES = 1 << 30
+
+
+class VerificationFailed(IntegrityError):
+    """The log, archive, models or receipts do not hold up; names the first bad entry."""
+
+    code = "verification_failed"
+
+
+@dataclass
+class VerifyResult:
+    ok: bool = True
+    entries: int = 0
+    heads: int = 0
+    rounds_verified: int = 0
+    models_verified: int = 0
+    receipts_checked: int = 0
+    privacy_reports: int = 0
+    problem: str | None = None
+    epsilon: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "entries": self.entries,
+            "heads": self.heads,
+            "rounds_verified": self.rounds_verified,
+            "models_verified": self.models_verified,
+            "receipts_checked": self.receipts_checked,
+            "privacy_reports": self.privacy_reports,
+            "epsilon": self.epsilon,
+            "problem": self.problem,
+        }
+
+
+@dataclass
+class _Attempt:
+    spec: wire.RoundSpec
+    messages: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, member, sha)
+
+
+class Verifier:
+    def __init__(
+        self,
+        archive: Archive | None,
+        models_root: Path | None,
+        aggregator_key: bytes | None = None,
+    ) -> None:
+        self.archive = archive
+        self.models_root = models_root
+        self.pinned_key = aggregator_key
+        self.result = VerifyResult()
+        self.federation_id = ""
+        self.aggregator_key = b""
+        self.admin_key = b""
+        self.roster: dict[str, RosterEntry] = {}
+        self.attempts: dict[tuple[int, int], _Attempt] = {}
+        self.contributions: dict[int, dict[str, Any]] = {}  # log index -> accepted entry body
+        self.reports: dict[tuple[str, str], list[wire.PrivacyReport]] = defaultdict(list)
+        self.manifests: dict[int, ModelManifest] = {}
+        self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
+        self.genesis: dict[str, Any] = {}
+        self.adam: tuple[np.ndarray, np.ndarray] | None = None
+        self._prev: LogEntry | None = None
+
+    # -- entry point ----------------------------------------------------------------------------
+
+    def run(self, log_path: Path, receipts: Iterable[Path] = ()) -> VerifyResult:
+        try:
+            for entry in read_log(log_path):
+                self._check(entry)
+                self._prev = entry
+                self.result.entries += 1
+            if self.result.entries == 0:
+                raise VerificationFailed(f"{log_path} holds no entries")
+            for path in receipts:
+                self._check_receipt(path)
+        except FedsecError as exc:
+            self.result.ok = False
+            self.result.problem = exc.detail
+        return self.result
+
+    # -- per entry --------------------------------------------------------------------------------
+
+    def _fail(self, entry: LogEntry, why: str) -> VerificationFailed:
+        return VerificationFailed(f"log entry {entry.index} ({entry.kind}): {why}")
+
+    def _check(self, entry: LogEntry) -> None:
+        body = entry.body
+        if entry.index == 0:
+            if entry.kind != "genesis":
+                raise self._fail(entry, "the first entry must be the genesis entry")
+            self.genesis = body
+            self.federation_id = str(body["federation_id"])
+            self.aggregator_key = bytes.fromhex(str(body["aggregator_public_key"]))
+            self.admin_key = bytes.fromhex(str(body["admin_public_key"]))
+            if self.pinned_key is not None and self.pinned_key != self.aggregator_key:
+                raise self._fail(entry, "genesis names an aggregator key other than the pinned one")
+            return
+        handler = getattr(self, f"_on_{entry.kind}", None)
+        if handler is None:
+            raise self._fail(entry, f"kind {entry.kind} may not appear after genesis")
+        try:
+            handler(entry, body)
+        except VerificationFailed:
+            raise
+        except (FedsecError, KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
+            detail = exc.detail if isinstance(exc, FedsecError) else repr(exc)
+            raise self._fail(entry, detail) from None
+
+    def _on_head(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        assert self._prev is not None
+        verify_head(entry, self.aggregator_key, self._prev)
+        self.result.heads += 1
+
+    def _on_roster(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        roster_entry = msgspec.convert(body, RosterEntry)
+        verify_roster_entry(roster_entry, self.admin_key, self.federation_id)
+        self.roster[roster_entry.agent_id] = roster_entry
+
+    def _member_key(self, entry: LogEntry, member: str) -> bytes:
+        known = self.roster.get(member)
+        if known is None or not known.is_active:
+            raise self._fail(entry, f"{member} is not an active roster member at this point")
+        return known.public_key_bytes
+
+    def _on_round_open(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_round_spec(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        spec = msgspec.convert(body, wire.RoundSpec)
+        spec.verify(self.aggregator_key)
+        if spec.federation_id != self.federation_id:
+            raise self._fail(entry, f"spec of federation {spec.federation_id}")
+        for member in spec.cohort:
+            self._member_key(entry, member)
+        self.attempts[(spec.round, spec.attempt)] = _Attempt(spec)
+
+    def _attempt(self, entry: LogEntry, body: dict[str, Any]) -> _Attempt:
+        key = (int(body["round"]), int(body["attempt"]))
+        if key not in self.attempts:
+            raise self._fail(entry, f"round {key[0]} attempt {key[1]} has no signed spec before it")
+        return self.attempts[key]
+
+    def _on_accepted(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        attempt = self._attempt(entry, body)
+        member, stage, digest = str(body["member"]), str(body["stage"]), str(body["sha256"])
+        if member not in attempt.spec.cohort:
+            raise self._fail(entry, f"{member} is not in the cohort of this round")
+        public = self._member_key(entry, member)
+        if self.archive is not None:
+            self.archive.get(digest)  # exists and hashes to the logged digest
+        if stage == "masked_input":
+            wire.ContributionStatement(
+                federation_id=self.federation_id,
+                round=attempt.spec.round,
+                attempt=attempt.spec.attempt,
+                member=member,
+                vector_sha256=digest,
+                commitment=str(body["commitment"]),
+                signature=str(body["signature"]),
+            ).verify(public)
+            self.contributions[entry.index] = body
+        attempt.messages.append((stage, member, digest))
+
+    def _on_refused(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_privacy_report(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        report = msgspec.convert(body, wire.PrivacyReport)
+        report.verify(self._member_key(entry, report.member))
+        history = self.reports[(report.member, report.dataset_id)]
+        if history and report.epsilon < history[-1].epsilon - 1e-9:
+            raise self._fail(
+                entry,
+                f"{report.member} reports epsilon {report.epsilon:.4f} on {report.dataset_id}, "
+                f"less than the {history[-1].epsilon:.4f} it reported before",
+            )
+        # a retried attempt of the same round reuses the same training: count rounds once
+        charged = {r.round: r for r in history}
+        charged[report.round] = report
+        rounds = [(r.noise_multiplier, r.sample_rate, r.steps) for r in charged.values()]
+        independent = accountant.epsilon(rounds, report.delta) if report.noise_multiplier else 0.0
+        if report.noise_multiplier and abs(independent - report.epsilon) > EPSILON_TOLERANCE * max(
+            independent, 1e-9
+        ):
+            raise self._fail(
+                entry,
+                f"{report.member} reports epsilon {report.epsilon:.4f}, but its logged DP "
+                f"parameters give {independent:.4f} (independent accountant)",
+            )
+        history.append(report)
+        self.result.privacy_reports += 1
+        self.result.epsilon[report.member] = report.epsilon
+
+    def _on_aggregate(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        attempt = self._attempt(entry, body)
+        if self.archive is None:
+            return
+        spec = attempt.spec
+        survivors, total, weight = self._replay(entry, attempt)
+        if sorted(survivors) != sorted(body["survivors"]):
+            raise self._fail(entry, f"the archive gives survivors {sorted(survivors)}")
+        digest = hashlib.sha256(total).hexdigest()
+        if digest != body["sum_sha256"]:
+            raise self._fail(
+                entry, "the sum recomputed from the archived inputs and reveals differs"
+            )
+        self.result.rounds_verified += 1
+        if self.models_root is not None:
+            self._recompute_model(entry, body, spec, weight)
+
+    def _replay(self, entry: LogEntry, attempt: _Attempt) -> tuple[list[str], bytes, Any]:
+        assert self.archive is not None
+        spec = attempt.spec
+        if spec.secure_sum == "none":
+            quant = spec.quant_spec()
+            plain = np.zeros(spec.dim, dtype=np.float64)
+            weights = 0.0
+            members = []
+            from fedsec.crypto.quantize import unpack
+
+            for stage, member, digest in attempt.messages:
+                if stage != "masked_input":
+                    continue
+                vector = unpack(self.archive.get(digest), spec.dim + 1, spec.ring_bits)
+                update, w = dequantize_one(vector, quant)
+                plain += update
+                weights += w
+                members.append(member)
+            return members, plain.astype("<f8").tobytes(), (plain, weights)
+        keys = {m: self._member_key(entry, m) for m in spec.cohort}
+        session = ServerSession(spec.secagg_params(), keys)
+        order = ("advertise", "share_keys", "masked_input", "unmask")
+        current = 0
+        for stage, member, digest in attempt.messages:
+            target = order.index(stage)
+            while current < target:
+                _close(session, order[current])
+                current += 1
+            raw = self.archive.get(digest)
+            _feed(session, stage, member, raw)
+        while current < len(order) - 1:
+            _close(session, order[current])
+            current += 1
+        result = session.finalize()
+        return (
+            list(result.survivors),
+            result.ring_sum.tobytes(),
+            (result.weighted_sum, result.weight_sum),
+        )
+
+    def _recompute_model(
+        self, entry: LogEntry, body: dict[str, Any], spec: wire.RoundSpec, sums: Any
+    ) -> None:
+        from fedsec.tasks import get_task
+        from fedsec.tasks.params import (
+            arrays_to_state,
+            flatten_params,
+            load_flat_params,
+            state_to_arrays,
+        )
+
+        assert self.models_root is not None
+        parent = self.manifests.get(int(body["parent_version"]))
+        if parent is None:
+            raise self._fail(entry, f"parent version {body['parent_version']} was never logged")
+        data = (self.models_root / "models" / f"{parent.sha256}.safetensors").read_bytes()
+        weighted, weights = sums
+        mean = (np.asarray(weighted) / weights).astype(np.float32)
+        model = get_task(spec.task).build_model(0)
+        arrays_to_state(model, decode_model(data, max_bytes=_MAX_MODEL_BYTES))
+        current = flatten_params(model)
+        lr = float(body["server_lr"])
+        if body["optimizer"] == "fedadam":
+            server = self.genesis["server"]
+            b1, b2, tau = server["adam_beta1"], server["adam_beta2"], server["adam_tau"]
+            m, v = self.adam or (np.zeros_like(current), np.zeros_like(current))
+            m = (b1 * m + (1 - b1) * mean).astype(np.float32)
+            v = (b2 * v + (1 - b2) * mean**2).astype(np.float32)
+            self.adam = (m, v)
+            new = (current + lr * m / (np.sqrt(v) + tau)).astype(np.float32)
+        else:
+            new = (current + np.float32(lr) * mean).astype(np.float32)
+        load_flat_params(model, new)
+        digest = hashlib.sha256(encode_model(state_to_arrays(model))).hexdigest()
+        self.pending_model[spec.round] = digest
+
+    def _on_model_version(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        manifest = ModelManifest.from_json(json.dumps(body).encode())
+        data = None
+        if self.models_root is not None:
+            data = (self.models_root / "models" / f"{manifest.sha256}.safetensors").read_bytes()
+        verify_manifest(manifest, self.aggregator_key, data, federation_id=self.federation_id)
+        if manifest.kind == "aggregate" and manifest.round in self.pending_model:
+            expected = self.pending_model.pop(manifest.round)
+            if expected != manifest.sha256:
+                raise self._fail(
+                    entry,
+                    f"model version {manifest.version} has sha256 {manifest.sha256[:16]}…, but "
+                    f"re-deriving it from version {manifest.parent} and the round's sum gives "
+                    f"{expected[:16]}…",
+                )
+            self.result.models_verified += 1
+        if manifest.kind == "rollback":
+            parent = self.manifests.get(manifest.parent or -1)
+            if parent is None or parent.sha256 != manifest.sha256:
+                raise self._fail(entry, "a rollback must carry exactly the weights of its target")
+        self.manifests[manifest.version] = manifest
+
+    def _on_round_aborted(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_rollback(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_alert(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_challenge(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    def _on_reveal(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pass
+
+    # -- receipts ----------------------------------------------------------------------------------
+
+    def _check_receipt(self, path: Path) -> None:
+        try:
+            receipt = msgspec.json.decode(path.read_bytes(), type=wire.Receipt)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise VerificationFailed(f"receipt {path}: unreadable ({exc})") from None
+        try:
+            receipt.verify(self.aggregator_key)
+        except FedsecError:
+            raise VerificationFailed(
+                f"receipt {path}: not signed by the federation's aggregator key"
+            ) from None
+        logged = self.contributions.get(receipt.log_index)
+        if logged is None:
+            raise VerificationFailed(
+                f"receipt {path}: log entry {receipt.log_index} is not an accepted contribution "
+                "(the contribution was dropped from the log)"
+            )
+        if (logged["member"], int(logged["round"]), int(logged["attempt"])) != (
+            receipt.member,
+            receipt.round,
+            receipt.attempt,
+        ) or logged["sha256"] != receipt.contribution_sha256:
+            raise VerificationFailed(
+                f"receipt {path}: log entry {receipt.log_index} records a different contribution"
+            )
+        self.result.receipts_checked += 1
+
+
+def _close(session: ServerSession, stage: str) -> None:
+    if stage == "advertise":
+        session.close_advertise()
+    elif stage == "share_keys":
+        session.close_share_keys()
+    elif stage == "masked_input":
+        session.close_masked_input()
+
+
+def _feed(session: ServerSession, stage: str, member: str, raw: bytes) -> None:
+    if stage == "advertise":
+        body = msgspec.json.decode(raw, type=wire.AdvertiseKeysBody)
+        session.receive_advertise(
+            AdvertiseKeys(
+                member,
+                bytes.fromhex(body.enc_public),
+                bytes.fromhex(body.mask_public),
+                bytes.fromhex(body.signature),
+            )
+        )
+    elif stage == "share_keys":
+        shares = msgspec.json.decode(raw, type=wire.ShareKeysBody)
+        session.receive_share_keys(
+            ShareKeys(
+                member,
+                tuple(
+                    EncryptedShare(member, s.recipient, bytes.fromhex(s.ciphertext))
+                    for s in shares.shares
+                ),
+            )
+        )
+    elif stage == "masked_input":
+        session.receive_masked_input(MaskedInput(member, raw))
+    elif stage == "unmask":
+        body_u = msgspec.json.decode(raw, type=wire.UnmaskResponseBody)
+        session.receive_unmask(
+            UnmaskResponse(
+                member,
+                tuple((m, bytes.fromhex(s)) for m, s in sorted(body_u.seed_shares.items())),
+                tuple((m, bytes.fromhex(s)) for m, s in sorted(body_u.key_shares.items())),
+            )
+        )
+
+
+def verify_log(
+    log_path: Path,
+    archive_dir: Path | None = None,
+    models_root: Path | None = None,
+    receipts: Iterable[Path] = (),
+    aggregator_key: bytes | None = None,
+) -> VerifyResult:
+    """Verify a transparency log; see the module docstring for what is checked."""
+    archive = Archive(archive_dir) if archive_dir is not None else None
+    return Verifier(archive, models_root, aggregator_key).run(log_path, receipts)
