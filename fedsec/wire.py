@@ -31,6 +31,10 @@ POST     /rounds/{r}/masked-input?attempt=N  raw vector bytes -> Receipt      ag
 GET      /rounds/{r}/unmask?attempt=N        UnmaskRequestBody                agent
 POST     /rounds/{r}/unmask?attempt=N        UnmaskResponseBody               agent
 GET      /rounds/{r}/receipt                 Receipt                          agent
+POST     /audit/challenges                   ChallengeRequest -> Challenge    auditor
+GET      /audit/challenges                   ChallengeList (open, for caller) agent
+POST     /audit/reveals                      RevealBody -> Reveal             agent
+GET      /audit/reveals                      RevealList (for caller)          auditor
 =======  ==================================  ===============================  ==========
 
 Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
@@ -314,6 +318,69 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         PublicIdentity(aggregator_public).verify(
             RECEIPT_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
         )
+
+
+class ChallengeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An auditor asks a member to open its committed update of one round attempt.
+
+    ``beacon_index`` names a signed log head written after the round closed; its
+    hash decides, with ``rate``, which members are challenged (fedsec.crypto.commitment
+    ``challenged``), so no member can know in advance.
+    """
+
+    round: int
+    attempt: int
+    member: str
+    beacon_index: int
+    rate: float
+
+
+class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    round: int
+    attempt: int
+    member: str
+    auditor: str
+    beacon_index: int
+    beacon: str
+    rate: float
+    log_index: int
+
+
+class ChallengeList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    challenges: list[Challenge]
+
+
+class RevealBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A member's answer: its quantized update and salt, sealed to the auditor's key."""
+
+    round: int
+    attempt: int
+    auditor: str
+    sealed: str  # hex
+
+
+class Reveal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    round: int
+    attempt: int
+    member: str
+    auditor: str
+    sealed: str
+    log_index: int
+
+
+class RevealList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    reveals: list[Reveal]
+
+
+class RevealPayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a reveal holds once opened by the auditor."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    member: str
+    update: str  # hex of the quantized vector, little-endian in the round's ring dtype
+    salt: str  # hex, 32 bytes
 
 
 class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -229,3 +229,32 @@ def status_command(config_path: Path) -> None:
     click.echo(
         f"receipts: {len(receipts)}" + (f" (last round {receipts[-1].round})" if receipts else "")
     )
+
+
+@agent.command("answer-challenges")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="the agent's agent.toml",
+)
+@_user_errors
+def answer_challenges_command(config_path: Path) -> None:
+    """Answer pending audit challenges once (a running agent does this after every round)."""
+    from fedsec.agent.runtime import IDENTITY_FILE, AgentRuntime
+
+    _configure_logging(False)
+    cfg = load_agent_config(config_path)
+    identity = SigningIdentity.load(Path(cfg.agent.state_dir) / IDENTITY_FILE)
+    runtime = AgentRuntime(cfg, identity)
+
+    async def main() -> int:
+        client = runtime.make_client()
+        try:
+            state = await client.get_round(None, 0)
+            return await runtime.answer_challenges(client, state.federation_id)
+        finally:
+            await client.close()
+
+    click.echo(f"agent {cfg.agent.id}: answered {asyncio.run(main())} challenge(s)")

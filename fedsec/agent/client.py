@@ -50,6 +50,9 @@ from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.wire import (
     API_PREFIX,
     AdvertiseKeysBody,
+    Challenge,
+    ChallengeList,
+    ChallengeRequest,
     ContributionStatement,
     ErrorBody,
     JoinRequest,
@@ -57,6 +60,9 @@ from fedsec.wire import (
     KeyListBody,
     PrivacyReport,
     Receipt,
+    Reveal,
+    RevealBody,
+    RevealList,
     RoundState,
     ShareKeysBody,
     ShareRelayBody,
@@ -503,6 +509,35 @@ class AggregatorClient:
     async def roster(self) -> RosterBody:
         """``GET /roster``: admin-signed entries; the caller verifies them, pinning the admin."""
         return await self._json("GET", "/roster", RosterBody, what="roster")
+
+    # -- audit ------------------------------------------------------------------------
+
+    async def challenges(self) -> ChallengeList:
+        """``GET /audit/challenges``: open challenges addressed to us."""
+        return await self._json("GET", "/audit/challenges", ChallengeList, what="challenges")
+
+    async def reveal(self, body: RevealBody) -> Reveal:
+        """``POST /audit/reveals``: answer a challenge with a sealed reveal."""
+        return await self._json(
+            "POST",
+            "/audit/reveals",
+            Reveal,
+            payload=body,
+            what="reveal acknowledgement",
+            max_bytes=DEFAULT_MAX_MODEL_BYTES,
+        )
+
+    async def challenge(self, request: ChallengeRequest) -> Challenge:
+        """``POST /audit/challenges`` (auditor role)."""
+        return await self._json(
+            "POST", "/audit/challenges", Challenge, payload=request, what="challenge"
+        )
+
+    async def reveals(self) -> RevealList:
+        """``GET /audit/reveals`` (auditor role): reveals sealed to us."""
+        return await self._json(
+            "GET", "/audit/reveals", RevealList, what="reveals", max_bytes=DEFAULT_MAX_MODEL_BYTES
+        )
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -57,7 +58,7 @@ from fedsec.agent.training import DPParams, fresh_seed, plan_round, train_local
 from fedsec.agent.vault import RoundRecord, Vault
 from fedsec.aggregator.roster import verify_roster_entry
 from fedsec.config import AgentConfig, DataSection
-from fedsec.crypto.commitment import CommitmentContext, commit
+from fedsec.crypto.commitment import CommitmentContext, commit, seal_reveal
 from fedsec.crypto.identity import SigningIdentity, load_public_key, save_public_key
 from fedsec.crypto.quantize import RingVector, pack, quantize
 from fedsec.crypto.secagg import (
@@ -92,6 +93,8 @@ from fedsec.wire import (
     OutgoingShare,
     PrivacyReport,
     Receipt,
+    RevealBody,
+    RevealPayload,
     RoundSpec,
     RoundState,
     ShareKeysBody,
@@ -423,7 +426,7 @@ class AgentRuntime:
             )
         return self._local
 
-    def _make_client(self) -> AggregatorClient:
+    def make_client(self) -> AggregatorClient:
         net = self.config.network
         return AggregatorClient(
             self.config.agent.aggregator_url,
@@ -453,7 +456,7 @@ class AgentRuntime:
         if stop is not None:
             self._stop = stop
         await asyncio.to_thread(self.prepare)
-        client = self._client or self._make_client()
+        client = self._client or self.make_client()
         outcomes: list[RoundOutcome] = []
         try:
             state = await self._poll(client, None)
@@ -475,6 +478,7 @@ class AgentRuntime:
                     self._handled.add(key)
                     outcome, following = await self._participate(client, state, spec)
                     outcomes.append(outcome)
+                    await self._answer_quietly(client, spec.federation_id)
                     closed = sum(1 for o in outcomes if o.status == "closed")
                     if max_rounds is not None and closed >= max_rounds:
                         break
@@ -485,6 +489,52 @@ class AgentRuntime:
             if self._client is None:
                 await client.close()
         return outcomes
+
+    async def answer_challenges(self, client: AggregatorClient, federation_id: str) -> int:
+        """Open every pending audit challenge: seal the kept update and its salt to the
+        challenging auditor's key (from the admin-signed roster) and send it.
+
+        Returns:
+            How many challenges were answered.
+
+        Raises:
+            IntegrityError: the vault no longer holds a challenged update.
+        """
+        pending = await client.challenges()
+        if not pending.challenges:
+            return 0
+        auditors = await self._roster(client, federation_id, role="auditor")
+        answered = 0
+        for ch in pending.challenges:
+            key = auditors.get(ch.auditor)
+            if key is None:
+                log.warning("challenge_ignored auditor=%s reason=not_an_active_auditor", ch.auditor)
+                continue
+            kept = self.vault.load_update(ch.round, ch.attempt)
+            payload = RevealPayload(
+                federation_id=federation_id,
+                round=ch.round,
+                attempt=ch.attempt,
+                member=self.member,
+                update=np.ascontiguousarray(kept.update)
+                .astype(kept.update.dtype.newbyteorder("<"))
+                .tobytes()
+                .hex(),
+                salt=kept.salt.hex(),
+            )
+            sealed = seal_reveal(key, msgspec.json.encode(payload))
+            await _tolerate_duplicate(
+                client.reveal(RevealBody(ch.round, ch.attempt, ch.auditor, sealed.hex()))
+            )
+            answered += 1
+            log.info("challenge_answered round=%d auditor=%s", ch.round, ch.auditor)
+        return answered
+
+    async def _answer_quietly(self, client: AggregatorClient, federation_id: str) -> None:
+        try:
+            await self.answer_challenges(client, federation_id)
+        except FedsecError as exc:
+            log.warning("challenges_unanswered reason=%r", exc.detail)
 
     async def _poll(self, client: AggregatorClient, token: int | None) -> RoundState:
         """The next round state (long-polled on ``token``), or _Stopped when asked to stop."""
@@ -784,8 +834,10 @@ class AgentRuntime:
 
     # -- contributing ---------------------------------------------------------------
 
-    async def _roster(self, client: AggregatorClient, federation_id: str) -> dict[str, bytes]:
-        """Active agents' public keys from the admin-signed roster.
+    async def _roster(
+        self, client: AggregatorClient, federation_id: str, role: str = "agent"
+    ) -> dict[str, bytes]:
+        """Active members' public keys of ``role`` from the admin-signed roster.
 
         The admin key is pinned on first use in ``state_dir/roster_admin.pub`` and a
         different one is refused afterwards: the aggregator serves the roster, so
@@ -812,9 +864,9 @@ class AgentRuntime:
         roster: dict[str, bytes] = {}
         for entry in body.entries:
             verify_roster_entry(entry, admin, federation_id)
-            if entry.is_active and entry.role == "agent":
+            if entry.is_active and entry.role == role:
                 roster[entry.agent_id] = entry.public_key_bytes
-        if roster.get(self.member) != self.identity.public_bytes:
+        if role == "agent" and roster.get(self.member) != self.identity.public_bytes:
             raise SignatureError(
                 f"the roster does not enrol {self.member!r} as an active agent with this "
                 f"agent's key {self.identity.key_id}"
@@ -978,7 +1030,7 @@ def _with(
     )
 
 
-async def _tolerate_duplicate(request: Awaitable[None]) -> None:
+async def _tolerate_duplicate(request: Awaitable[object]) -> None:
     """Await a POST; a 409 duplicate means an earlier (retried) try already landed."""
     try:
         await request

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from fedsec import wire
+from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.openapi import openapi_document
 from fedsec.aggregator.workspace import Workspace
@@ -47,6 +48,7 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+CHALLENGES = web.AppKey("challenges", ChallengeDesk)
 WORKSPACE = web.AppKey("workspace", Workspace)
 VERIFIER = web.AppKey("verifier", RequestVerifier)
 
@@ -312,6 +314,34 @@ async def receipt(request: web.Request) -> web.Response:
     return _json(request.app[COORDINATOR].receipt(member, r))
 
 
+# -- audit challenges and reveals ----------------------------------------------------------------
+
+
+async def post_challenge(request: web.Request) -> web.Response:
+    auditor, body = await _authenticate(request, _json_limit(request), ("auditor",))
+    req = _decode(body, wire.ChallengeRequest, request, "challenge")
+    return _json(request.app[CHALLENGES].challenge(auditor, req))
+
+
+async def get_challenges(request: web.Request) -> web.Response:
+    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    return _json(request.app[CHALLENGES].open_for(member))
+
+
+async def post_reveal(request: web.Request) -> web.Response:
+    ws = request.app[WORKSPACE]
+    member, body = await _authenticate(request, ws.config.server.max_body_bytes, _AGENT)
+    reveal = wire.decode(
+        body, wire.RevealBody, max_bytes=ws.config.server.max_body_bytes, what="reveal"
+    )
+    return _json(request.app[CHALLENGES].reveal(member, reveal))
+
+
+async def get_reveals(request: web.Request) -> web.Response:
+    auditor, _ = await _authenticate(request, _json_limit(request), ("auditor",))
+    return _json(request.app[CHALLENGES].reveals_for(auditor))
+
+
 def _version(request: web.Request) -> int:
     try:
         return int(request.match_info["version"])
@@ -376,6 +406,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     )
     app[WORKSPACE] = workspace
     app[COORDINATOR] = coordinator or Coordinator(workspace)
+    app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = _ChangeSignal()
 
     def resolve(key_id: str) -> bytes | None:
@@ -407,5 +438,9 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     app.router.add_get(f"{r}/unmask", get_unmask)
     app.router.add_post(f"{r}/unmask", post_unmask)
     app.router.add_get(f"{r}/receipt", receipt)
+    app.router.add_post(f"{p}/audit/challenges", post_challenge)
+    app.router.add_get(f"{p}/audit/challenges", get_challenges)
+    app.router.add_post(f"{p}/audit/reveals", post_reveal)
+    app.router.add_get(f"{p}/audit/reveals", get_reveals)
     app.cleanup_ctx.append(_ticker)
     return app

@@ -23,6 +23,12 @@ _SCHEMAS: tuple[type, ...] = (
     wire.Receipt,
     wire.FederationStatus,
     wire.ErrorBody,
+    wire.ChallengeRequest,
+    wire.Challenge,
+    wire.ChallengeList,
+    wire.RevealBody,
+    wire.Reveal,
+    wire.RevealList,
 )
 
 _SIGNED = "RFC 9421 HTTP Message Signature (Ed25519) of a roster member"
@@ -157,6 +163,22 @@ def openapi_document() -> dict[str, Any]:
                 parameters=rp,
                 requestBody=_json_body("UnmaskResponseBody"),
             ),
+        },
+        f"{p}/audit/challenges": {
+            "post": _op(
+                "auditor challenges a member's round",
+                _ok("Challenge"),
+                requestBody=_json_body("ChallengeRequest"),
+            ),
+            "get": _op("open challenges addressed to the caller", _ok("ChallengeList")),
+        },
+        f"{p}/audit/reveals": {
+            "post": _op(
+                "sealed reveal answering a challenge",
+                _ok("Reveal"),
+                requestBody=_json_body("RevealBody"),
+            ),
+            "get": _op("reveals sealed to the calling auditor", _ok("RevealList")),
         },
         f"{r}/receipt": {
             "get": _op("signed receipt of the caller's contribution", _ok("Receipt"), parameters=rp)

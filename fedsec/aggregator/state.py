@@ -65,6 +65,22 @@ CREATE TABLE IF NOT EXISTS log (
     idx INTEGER PRIMARY KEY,
     line BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS challenges (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    auditor TEXT NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member, auditor)
+);
+CREATE TABLE IF NOT EXISTS reveals (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    auditor TEXT NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member, auditor)
+);
 CREATE TABLE IF NOT EXISTS server_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
@@ -286,6 +302,40 @@ class StateStore:
     def on_commit(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after every commit of an explicit transaction."""
         self._after_commit.append(callback)
+
+    # -- audit challenges and reveals ---------------------------------------------------------
+
+    def add_challenge(self, r: int, a: int, member: str, auditor: str, body: bytes) -> None:
+        self._db.execute(
+            "INSERT INTO challenges VALUES (?, ?, ?, ?, ?)", (r, a, member, auditor, body)
+        )
+
+    def challenge(self, r: int, a: int, member: str, auditor: str) -> bytes | None:
+        row = self._db.execute(
+            "SELECT body FROM challenges WHERE round=? AND attempt=? AND member=? AND auditor=?",
+            (r, a, member, auditor),
+        ).fetchone()
+        return bytes(row[0]) if row else None
+
+    def open_challenges(self, member: str) -> list[bytes]:
+        rows = self._db.execute(
+            "SELECT c.body FROM challenges c LEFT JOIN reveals v ON c.round=v.round AND "
+            "c.attempt=v.attempt AND c.member=v.member AND c.auditor=v.auditor "
+            "WHERE c.member=? AND v.body IS NULL ORDER BY c.round, c.attempt",
+            (member,),
+        ).fetchall()
+        return [bytes(r[0]) for r in rows]
+
+    def add_reveal(self, r: int, a: int, member: str, auditor: str, body: bytes) -> None:
+        self._db.execute(
+            "INSERT INTO reveals VALUES (?, ?, ?, ?, ?)", (r, a, member, auditor, body)
+        )
+
+    def reveals_for(self, auditor: str) -> list[bytes]:
+        rows = self._db.execute(
+            "SELECT body FROM reveals WHERE auditor=? ORDER BY round, attempt, member", (auditor,)
+        ).fetchall()
+        return [bytes(r[0]) for r in rows]
 
     # -- server optimiser state --------------------------------------------------------------
 

@@ -179,12 +179,8 @@ def _auditor_box_key(auditor_public_ed25519: bytes) -> nacl.public.PublicKey:
 
 
 def auditor_curve25519_secret(identity: SigningIdentity) -> bytes:
-    """The X25519 secret matching ``identity``'s Ed25519 key, for :func:`open_reveal`.
-
-    Uses the identity's private signing key until ``SigningIdentity`` exposes a public
-    accessor for it (requested from the identity module's owner).
-    """
-    return bytes(identity._signing_key.to_curve25519_private_key())
+    """The X25519 secret matching ``identity``'s Ed25519 key, for :func:`open_reveal`."""
+    return identity.x25519_secret()
 
 
 def seal_reveal(auditor_public_ed25519: bytes, payload: bytes) -> bytes:

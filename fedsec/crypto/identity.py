@@ -123,6 +123,14 @@ class SigningIdentity:
             raise ValueError("an RFC 9421 signature base starts with a quoted component name")
         return bytes(self._signing_key.sign(signature_base).signature)
 
+    def x25519_secret(self) -> bytes:
+        """The X25519 secret birationally equivalent to this Ed25519 key.
+
+        Lets an auditor open reveals sealed to its Ed25519 public key without a second
+        key pair to distribute.  Never log or store the result.
+        """
+        return bytes(self._signing_key.to_curve25519_private_key())
+
     def save(self, path: Path) -> None:
         """Write the secret key to ``path`` with mode 0600, atomically; refuses to overwrite."""
         path = Path(path)

@@ -1,0 +1,156 @@
+"""The auditor's side of proof-of-honest-training: draw challenges, open reveals.
+
+1. After rounds close, :func:`draw_challenges` reads the transparency log and, for
+   each closed round attempt, takes the first signed head written after it as the
+   beacon; the members selected by ``challenged(survivors, round, beacon, rate)``
+   are challenged.  Nobody could know the beacon before the round closed.
+2. Members answer with their quantized update and salt sealed to the auditor's
+   key.  :func:`open_reveal_checked` opens one and checks it against the
+   commitment the member signed in its contribution statement (from the log), so
+   a member cannot reveal anything but what it committed to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from fedsec import wire
+from fedsec.audit.log import read_log
+from fedsec.crypto.commitment import (
+    CommitmentContext,
+    challenged,
+    open_reveal,
+    verify_commitment,
+)
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.crypto.quantize import ring_dtype
+from fedsec.errors import IntegrityError
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    spec: wire.RoundSpec
+    survivors: list[str]
+    beacon_index: int | None
+    beacon: bytes | None
+    parent_version: int
+    commitments: dict[str, str]  # member -> commitment hex (from its signed statement)
+
+
+def closed_rounds(log_path: Path) -> dict[tuple[int, int], ClosedRound]:
+    """Every closed round attempt in the log, with its beacon (None until a head follows)."""
+    specs: dict[tuple[int, int], wire.RoundSpec] = {}
+    commitments: dict[tuple[int, int], dict[str, str]] = {}
+    out: dict[tuple[int, int], ClosedRound] = {}
+    waiting: list[tuple[int, int]] = []
+    for entry in read_log(log_path):
+        body = entry.body
+        if entry.kind == "round_spec":
+            spec = msgspec.convert(body, wire.RoundSpec)
+            specs[(spec.round, spec.attempt)] = spec
+        elif entry.kind == "accepted" and body.get("stage") == "masked_input":
+            key = (int(body["round"]), int(body["attempt"]))
+            commitments.setdefault(key, {})[str(body["member"])] = str(body["commitment"])
+        elif entry.kind == "aggregate":
+            key = (int(body["round"]), int(body["attempt"]))
+            out[key] = ClosedRound(
+                specs[key],
+                list(body["survivors"]),
+                None,
+                None,
+                int(body["parent_version"]),
+                commitments.get(key, {}),
+            )
+            waiting.append(key)
+        elif entry.kind == "head":
+            beacon = hashlib.sha256(entry.line).digest()
+            for key in waiting:
+                r = out[key]
+                out[key] = ClosedRound(
+                    r.spec, r.survivors, entry.index, beacon, r.parent_version, r.commitments
+                )
+            waiting = []
+    return out
+
+
+def draw_challenges(
+    log_path: Path, rate: float, rounds: set[int] | None = None
+) -> list[wire.ChallengeRequest]:
+    """The challenges the log's beacons select at ``rate`` (optionally only some rounds)."""
+    requests = []
+    for (r, a), closed in sorted(closed_rounds(log_path).items()):
+        if closed.beacon is None or closed.beacon_index is None:
+            continue
+        if rounds is not None and r not in rounds:
+            continue
+        for member in challenged(closed.survivors, r, closed.beacon, rate):
+            requests.append(wire.ChallengeRequest(r, a, member, closed.beacon_index, rate))
+    return requests
+
+
+@dataclass(frozen=True)
+class OpenedReveal:
+    round: int
+    attempt: int
+    member: str
+    quantized: npt.NDArray[np.unsignedinteger]
+    spec: wire.RoundSpec
+    parent_version: int
+    info: dict[str, Any]
+
+
+def open_reveal_checked(
+    auditor: SigningIdentity,
+    reveal: wire.Reveal,
+    rounds: dict[tuple[int, int], ClosedRound],
+) -> OpenedReveal:
+    """Open ``reveal`` and check it against the member's logged commitment.
+
+    Raises:
+        DecryptionError: not sealed to this auditor's key.
+        IntegrityError: it names another member or round, or does not open the
+            commitment the member signed.
+    """
+    sealed = bytes.fromhex(reveal.sealed)
+    payload = msgspec.json.decode(
+        open_reveal(auditor.x25519_secret(), sealed), type=wire.RevealPayload
+    )
+    if (payload.member, payload.round, payload.attempt) != (
+        reveal.member,
+        reveal.round,
+        reveal.attempt,
+    ):
+        raise IntegrityError(
+            f"reveal from {reveal.member} for round {reveal.round} opens to "
+            f"{payload.member}'s round {payload.round}"
+        )
+    closed = rounds.get((reveal.round, reveal.attempt))
+    if closed is None or reveal.member not in closed.commitments:
+        raise IntegrityError(
+            f"the log holds no contribution of {reveal.member} to round {reveal.round}"
+        )
+    spec = closed.spec
+    quantized = np.frombuffer(bytes.fromhex(payload.update), dtype=ring_dtype(spec.ring_bits))
+    verify_commitment(
+        bytes.fromhex(closed.commitments[reveal.member]),
+        quantized,
+        bytes.fromhex(payload.salt),
+        CommitmentContext(
+            spec.federation_id, reveal.round, reveal.attempt, reveal.member, spec.ring_bits
+        ),
+    )
+    if quantized.size != spec.dim + 1:
+        raise IntegrityError(
+            f"revealed update of {reveal.member} has {quantized.size} elements, "
+            f"the round's model has {spec.dim} (+1 weight)"
+        )
+    return OpenedReveal(
+        reveal.round, reveal.attempt, reveal.member, quantized, spec, closed.parent_version, {}
+    )
