@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -93,3 +94,67 @@ def verify_cmd(
         )
         click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
     sys.exit(0 if result.ok else 1)
+
+
+def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]:
+    from fedsec.agent.client import AggregatorClient
+    from fedsec.crypto.identity import SigningIdentity
+
+    identity = SigningIdentity.load(key)
+    client = AggregatorClient(
+        url,
+        identity,
+        bytes.fromhex(aggregator_key),
+        timeout_s=30.0,
+        retry_max=4,
+        backoff_initial_s=0.5,
+        backoff_max_s=5.0,
+    )
+    return identity, client
+
+
+@audit.command("challenge")
+@click.option("--url", required=True, help="aggregator base URL")
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help="the auditor's identity key (roster role auditor)",
+)
+@click.option("--aggregator-key", required=True, help="aggregator public key (hex)")
+@click.option(
+    "--log",
+    "log_path",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help="the federation's transparency log",
+)
+@click.option(
+    "--rate",
+    type=float,
+    default=0.2,
+    show_default=True,
+    help="probability that a member's round is challenged",
+)
+@click.option("--round", "rounds", type=int, multiple=True, help="only these rounds")
+def challenge_cmd(
+    url: str, key: Path, aggregator_key: str, log_path: Path, rate: float, rounds: tuple[int, ...]
+) -> None:
+    """Challenge the (member, round) pairs the signed log heads select at RATE."""
+    import asyncio
+
+    from fedsec.audit.challenge import draw_challenges
+
+    requests = draw_challenges(log_path, rate, set(rounds) if rounds else None)
+    _, client = _auditor_client(url, key, aggregator_key)
+
+    async def main() -> int:
+        try:
+            for req in requests:
+                await client.challenge(req)
+                click.echo(f"challenged {req.member} for round {req.round}.{req.attempt}")
+        finally:
+            await client.close()
+        return len(requests)
+
+    click.echo(f"{asyncio.run(main())} challenge(s) sent")
