@@ -34,7 +34,6 @@ from fedsec.federation import (
     federation_toml,
 )
 
-
 pytestmark = pytest.mark.asyncio
 
 
