@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from fedsec import wire
+from fedsec import faults, wire
 from fedsec.errors import ConfigError
 from fedsec.federation import (
     agent_config,
@@ -40,7 +40,6 @@ from fedsec.federation import (
 
 # The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
 DEMO_TIMEOUT_S = 240.0
-CRASH_ENV = "FEDSEC_FAULT_CRASH_AT"  # "ROUND:STAGE": the agent kills itself there (chaos tests)
 
 
 def _status(url: str) -> wire.FederationStatus | None:
@@ -187,7 +186,7 @@ def demo(
                 epsilon=epsilon,
             )
             write_agent_config(a, cfg)
-            fault = {CRASH_ENV: "4:share_keys"} if crash and i == agents - 1 else None
+            fault = {faults.AGENT_ENV: "4:share_keys"} if crash and i == agents - 1 else None
             launch(a.agent_id, ["agent", "run", "--config", str(a.config_path)], fault)
         click.echo(
             f"agents: {', '.join(a.agent_id for a in local)}"

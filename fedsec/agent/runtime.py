@@ -52,7 +52,6 @@ import torch
 
 from fedsec.agent.client import AggregatorClient
 from fedsec.agent.device import resolve_device
-from fedsec.agent.faults import crash_point
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.training import DPParams, fresh_seed, plan_round, train_local
 from fedsec.agent.vault import RoundRecord, Vault
@@ -82,6 +81,7 @@ from fedsec.errors import (
     SignatureError,
     TaskMismatch,
 )
+from fedsec.faults import crash_point, deterministic_bytes
 from fedsec.modelfile import decode_model, verify_manifest
 from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_partition
 from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
@@ -657,7 +657,8 @@ class AgentRuntime:
                 r, a, "dropped", spec.model_version, trained.epsilon, local.samples, weight
             )
             await self._report(client, spec, local, trained)
-            q = quantize(trained.delta, weight, spec.quant_spec(), os.urandom(32))
+            rounding = deterministic_bytes(self.member, spec.round, "rounding") or os.urandom(32)
+            q = quantize(trained.delta, weight, spec.quant_spec(), rounding)
             contribution = _Contribution(trained, local.samples, weight, q)
             if session is not None:
                 receipt, current = await self._secagg_round(
@@ -757,7 +758,7 @@ class AgentRuntime:
             params,
             dp,
             self._device,
-            fresh_seed(),
+            _training_seed(self.member, spec.round),
             self.progress,
         )
         if result.steps != steps or abs(result.sample_rate - sample_rate) > 1e-12:
@@ -1028,6 +1029,13 @@ def _with(
         receipt,
         detail,
     )
+
+
+def _training_seed(member: str, round_: int) -> int:
+    """A fresh secret seed for DP noise and sampling (deterministic only under the unsafe
+    test switch, see fedsec.faults)."""
+    fixed = deterministic_bytes(member, round_, "training")
+    return int.from_bytes(fixed[:8], "big") >> 1 if fixed else fresh_seed()
 
 
 async def _tolerate_duplicate(request: Awaitable[object]) -> None:

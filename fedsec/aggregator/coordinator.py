@@ -65,7 +65,8 @@ from fedsec.errors import (
     UnknownMember,
     WrongStage,
 )
-from fedsec.modelfile import decode_model
+from fedsec.faults import AGGREGATOR_ENV, crash_point
+from fedsec.modelfile import ModelManifest, decode_model, encode_model
 from fedsec.tasks import get_task
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
@@ -318,6 +319,7 @@ class Coordinator:
             self.trail.append("round_spec", msgspec.to_builtins(spec))
         self._install_spec(live, spec)
         live.stage, live.stage_started_at = first, now
+        crash_point(live.round, first, AGGREGATOR_ENV)
         log.info(
             "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s",
             live.round,
@@ -413,7 +415,12 @@ class Coordinator:
                     **extra,
                 },
             )
+        self._after_message(live, stage)
         return entry.index
+
+    def _after_message(self, live: _Live, stage: str) -> None:
+        count = sum(1 for _ in self.ws.state.messages(live.round, live.attempt, stage))
+        crash_point(live.round, f"{stage}:{count}", AGGREGATOR_ENV)
 
     def key_list(self, member: str, round_: int, attempt: int) -> wire.KeyListBody:
         live = self._expect_at_least(member, round_, attempt, "share_keys")
@@ -551,6 +558,7 @@ class Coordinator:
                 issued_at=self.clock(),
             ).sign(self.ws.signer)
             self.ws.state.add_receipt(live.round, live.attempt, member, wire.encode(receipt))
+        self._after_message(live, "masked_input")
         expected = live.session.participants if live.session is not None else spec.cohort
         done = live.session.contributed if live.session is not None else live.plain_members or []
         if len(done) == len(expected):
@@ -632,8 +640,28 @@ class Coordinator:
         if live.stage == "open":
             self._maybe_fix_cohort(live, now)
             return
-        if now >= self._deadline(live):
+        if now >= self._deadline(live) or self._stage_complete(live):
             self._close_stage(now)
+
+    def _stage_complete(self, live: _Live) -> bool:
+        """Everyone expected in this stage has answered (e.g. just before a restart)."""
+        session = live.session
+        if session is None:
+            spec = live.spec
+            return (
+                live.stage == "masked_input"
+                and spec is not None
+                and len(live.plain_members or []) == len(spec.cohort)
+            )
+        if live.stage == "advertise":
+            return len(session.advertised) == len(session.params.cohort)
+        if live.stage == "share_keys":
+            return session.shared == session.live
+        if live.stage == "masked_input":
+            return len(session.contributed) == len(session.participants)
+        if live.stage == "unmask":
+            return session.answered == session.survivors
+        return False
 
     def _maybe_fix_cohort(self, live: _Live, now: float) -> None:
         """Fix the cohort when every active member joined, the cohort is full, or the
@@ -684,6 +712,7 @@ class Coordinator:
         self.ws.state.set_stage(live.round, live.attempt, stage, now)
         live.stage, live.stage_started_at = stage, now
         log.info("event=stage round=%d attempt=%d stage=%s", live.round, live.attempt, stage)
+        crash_point(live.round, stage, AGGREGATOR_ENV)
         self._changed()
 
     def _abort(self, live: _Live, now: float, detail: str) -> None:
@@ -771,13 +800,17 @@ class Coordinator:
         if self._validation is not None:
             acc, loss = evaluate(self.model, *self._validation)
             metrics = {"accuracy": acc, "loss": loss}
-        manifest = self.ws.models.put(
-            state_to_arrays(self.model),
+        arrays_out = state_to_arrays(self.model)
+        manifest = self._written_before(
+            arrays_out, parent.version, live.round
+        ) or self.ws.models.put(
+            arrays_out,
             parent=parent.version,
             round=live.round,
             kind="aggregate",
             metrics=metrics,
         )
+        crash_point(live.round, "model_write", AGGREGATOR_ENV)
         aggregation_s = time.perf_counter() - start
         summary = self._summary(
             live,
@@ -830,6 +863,25 @@ class Coordinator:
         )
         self.live = self._open(live.round + 1, 0, now)
         self._changed()
+
+    def _written_before(
+        self, arrays: dict[str, np.ndarray], parent: int, round_: int
+    ) -> ModelManifest | None:
+        """The version a previous incarnation already wrote for this round, if it crashed
+        after writing the model but before recording the round as closed."""
+        versions = self.ws.models.versions_on_disk()
+        if not versions:
+            return None
+        try:
+            newest = self.ws.models.get(versions[-1])
+        except FedsecError:
+            return None
+        if newest.kind != "aggregate" or newest.parent != parent or newest.round != round_:
+            return None
+        if newest.sha256 != hashlib.sha256(encode_model(arrays)).hexdigest():
+            return None
+        log.info("event=model_reused version=%d round=%d", newest.version, round_)
+        return newest
 
     def _summary(
         self,
