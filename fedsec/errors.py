@@ -205,3 +205,9 @@ class AggregatorRefused(FedsecError):
         super().__init__(detail)
         self.code = code
         self.http_status = http_status
+
+
+class StaleUpdate(ProtocolError):
+    """Buffered mode: the update was trained on a model too many versions old."""
+
+    code = "stale"

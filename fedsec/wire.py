@@ -108,8 +108,12 @@ class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weight_caps: dict[str, float]  # member -> cap on its weight w (roster max-weight)
     training: TrainingSpec
     dp: DPSpec
-    deadlines: dict[str, float]  # stage -> unix time by which it closes
+    deadlines: dict[str, float]  # stage -> seconds it may last
     signature: str = ""
+    mode: Literal["sync", "buffered"] = "sync"
+    # buffered mode: member -> staleness τ (current version − the version it trained on);
+    # the member scales its weight by (1 + τ)^-½ before masking
+    staleness: dict[str, int] = msgspec.field(default_factory=dict)
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)
@@ -166,12 +170,16 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finished: bool
     spec: RoundSpec | None = None
     detail: str = ""
+    mode: Literal["sync", "buffered"] = "sync"
+    # buffered mode: the signed plan members train by before joining (no cohort yet)
+    plan: RoundSpec | None = None
 
 
 class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dataset_schema: str  # schema fingerprint of the agent's local data
     task_version: str
     samples: int
+    base_version: int | None = None  # buffered mode: the model version the update is from
 
 
 class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -194,6 +202,9 @@ class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     steps: int
     samples: int
     signature: str = ""
+    # the round whose training this reports (buffered members train before the round
+    # they contribute to; a retried attempt reuses its training); -1 = ``round``
+    trained_round: int = -1
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)

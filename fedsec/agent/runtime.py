@@ -79,6 +79,7 @@ from fedsec.errors import (
     PayloadError,
     ProtocolError,
     SignatureError,
+    StaleUpdate,
     TaskMismatch,
 )
 from fedsec.faults import crash_point, deterministic_bytes
@@ -189,6 +190,8 @@ class _TrainedUpdate:
     epsilon: float  # total spent on the dataset once this round was charged
     steps: int
     sample_rate: float
+    base_version: int = 0  # the model version it was trained from
+    trained_round: int = -1  # the round the ledger charged for this training
 
 
 @dataclass(frozen=True)
@@ -365,12 +368,14 @@ class AgentRuntime:
         progress: bool = False,
         client: AggregatorClient | None = None,
         poll_timeout_s: float = POLL_TIMEOUT_S,
+        slowdown: float = 1.0,
     ) -> None:
         self.config = config
         self.identity = identity
         self.member = config.agent.id
         self.progress = progress
         self.poll_timeout_s = poll_timeout_s
+        self.slowdown = slowdown  # simulations only: this member trains slowdown x slower
         self.state_dir = Path(config.agent.state_dir)
         self.aggregator_public = config.agent.aggregator_public_key_bytes
         self.dataset_id = config.data.effective_dataset_id()
@@ -467,7 +472,16 @@ class AgentRuntime:
                 key = (state.round, state.attempt)
                 following: RoundState | None = None
                 if state.stage == "open" and key not in self._joined and state.spec is None:
-                    await self._join(client, state)
+                    if state.mode == "buffered":
+                        await self._train_for_buffer(client, state)
+                        state = await self._poll(client, None)  # training took a while
+                        key = (state.round, state.attempt)
+                    if state.stage == "open" and key not in self._joined and state.spec is None:
+                        if not await self._join(client, state):
+                            # refused as stale: retrain on the newest model now, rather
+                            # than wait for the next change of round state
+                            state = await self._poll(client, None)
+                            continue
                 spec = state.spec
                 if (
                     spec is not None
@@ -589,7 +603,8 @@ class AgentRuntime:
                 raise _StageMissed(current, "/".join(wanted))
             current = await self._poll(client, current.token)
 
-    async def _join(self, client: AggregatorClient, state: RoundState) -> None:
+    async def _join(self, client: AggregatorClient, state: RoundState) -> bool:
+        """Ask for a seat in the cohort; False when the update must be retrained first."""
         local = self.prepare()
         key = (state.round, state.attempt)
         self._joined.add(key)
@@ -601,21 +616,44 @@ class AgentRuntime:
             dataset_schema=local.task.schema.fingerprint(),
             task_version=local.task.version,
             samples=local.samples,
+            base_version=(
+                self._update.base_version
+                if state.mode == "buffered" and self._update is not None
+                else None
+            ),
         )
         try:
             answer = await client.join(state.round, state.attempt, request)
         except DuplicateMessage:
             log.info("round_join_duplicate round=%d attempt=%d", *key)
-            return
+            return True
+        except StaleUpdate as exc:
+            log.warning("round_join_stale round=%d attempt=%d reason=%r", *key, exc.detail)
+            self._update = None  # retrain on the newest model
+            self._joined.discard(key)
+            return False
         except FedsecError as exc:
             if not _is_round_local(exc):
                 raise
             log.warning("round_join_refused round=%d attempt=%d reason=%r", *key, exc.detail)
-            return
+            return True
         if answer.accepted:
             log.info("round_joined round=%d attempt=%d samples=%d", *key, local.samples)
         else:
             log.warning("round_join_rejected round=%d attempt=%d reason=%r", *key, answer.detail)
+        return True
+
+    async def _train_for_buffer(self, client: AggregatorClient, state: RoundState) -> None:
+        """Buffered mode: train on the newest signed plan before joining, unless an
+        update is already waiting."""
+        if self._update is not None or state.plan is None:
+            return
+        plan = state.plan
+        verify_round_spec(plan, self.aggregator_public)
+        local = self.prepare()
+        model = local.task.build_model(0)
+        check_spec_task(plan, local.task, param_count(model))
+        await self._train(client, plan, local, model)
 
     async def _participate(
         self, client: AggregatorClient, state: RoundState, spec: RoundSpec
@@ -643,6 +681,10 @@ class AgentRuntime:
         model = local.task.build_model(0)
         check_spec_task(spec, local.task, param_count(model))
         weight = member_weight(local.samples, spec, self.member)
+        if spec.mode == "buffered":
+            # FedBuff: a stale update counts less, (1 + τ)^-½; applied before masking since
+            # the aggregator only ever sees sums
+            weight *= (1.0 + spec.staleness.get(self.member, 0)) ** -0.5
         base = RoundOutcome(r, a, "dropped", spec.model_version, samples=local.samples)
         receipt: Receipt | None = None
         try:
@@ -668,6 +710,8 @@ class AgentRuntime:
                 receipt, current = await self._plain_round(client, state, spec, contribution)
             final = await self._wait_for(client, current, ("closed",))
             log.info("round_closed round=%d attempt=%d", r, a)
+            if spec.mode == "buffered":
+                self._update = None  # contributed: the next buffer gets a fresh update
             return _with(base, "closed", receipt), final
         except _AttemptOver as over:
             receipt = self._receipts.get((r, a))
@@ -712,6 +756,11 @@ class AgentRuntime:
         if self._update is not None and self._update.key == key:
             log.info("round_update_reused round=%d attempt=%d", spec.round, spec.attempt)
             return self._update
+        if spec.mode == "buffered" and spec.cohort and self._update is not None:
+            # buffered: the update was trained before joining, on the version we named
+            base = spec.model_version - spec.staleness.get(self.member, 0)
+            if self._update.base_version == base:
+                return self._update
         if not spec.dp.enabled and self.config.privacy.require_dp:
             raise ConfigError(
                 f"round {spec.round} asks for training without differential privacy; this "
@@ -778,7 +827,18 @@ class AgentRuntime:
             result.train_loss,
             result.duration_s,
         )
-        self._update = _TrainedUpdate(key, delta, epsilon, steps, sample_rate)
+        if self.slowdown > 1.0:
+            # simulations of slow members only: stretch training to slowdown x its time
+            await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
+        self._update = _TrainedUpdate(
+            key,
+            delta,
+            epsilon,
+            steps,
+            sample_rate,
+            base_version=spec.model_version,
+            trained_round=spec.round,
+        )
         return self._update
 
     async def _load_global_model(
@@ -828,6 +888,7 @@ class AgentRuntime:
             sample_rate=trained.sample_rate,
             steps=trained.steps,
             samples=local.samples,
+            trained_round=trained.trained_round,
         ).sign(self.identity)
         with contextlib.suppress(DuplicateMessage):
             await client.report(spec.round, spec.attempt, report)

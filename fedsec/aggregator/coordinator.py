@@ -61,6 +61,7 @@ from fedsec.errors import (
     ProtocolError,
     RecoveryImpossible,
     RoundAborted,
+    StaleUpdate,
     TaskMismatch,
     UnknownMember,
     WrongStage,
@@ -94,6 +95,7 @@ class _Live:
     plain_sum: np.ndarray | None = None  # secure_sum = "none": Σ w·Δ in float64
     plain_weight: float = 0.0
     plain_members: list[str] | None = None
+    plan: wire.RoundSpec | None = None  # buffered mode: what members train by before joining
 
 
 class Coordinator:
@@ -186,6 +188,15 @@ class Coordinator:
             raise UnknownMember(f"{member} is not in the cohort of round {live.round}")
         return live.spec
 
+    def _accepted_before(
+        self, member: str, round_: int, attempt: int, stage: str, body: bytes
+    ) -> bool:
+        """True when this exact message was already durably accepted for that attempt,
+        whatever the stage is now: the member's retry after an answer lost to a crash
+        (the message that moved the round on, e.g. the last advertise, was stored, then
+        the aggregator died before answering) gets the same answer, not wrong_stage."""
+        return self.ws.state.message(round_, attempt, stage, member) == body
+
     def _idempotent(self, live: _Live, stage: str, member: str, body: bytes) -> bool:
         """True when this exact message was already accepted; refuse a different one."""
         stored = self.ws.state.message(live.round, live.attempt, stage, member)
@@ -216,6 +227,8 @@ class Coordinator:
             rounds_target=self.cfg.round.rounds,
             finished=self.finished,
             spec=live.spec,
+            mode=self.cfg.round.mode,
+            plan=live.plan,
         )
 
     # -- open: join ----------------------------------------------------------------------------
@@ -239,21 +252,68 @@ class Coordinator:
             )
         if req.samples < 1:
             raise PayloadError(f"{member} reports {req.samples} samples; need at least 1")
+        if self.buffered:
+            self._check_staleness(member, req.base_version)
         joins = self.ws.state.joins(live.round, live.attempt)
         if member in joins:
             return wire.JoinResponse(accepted=True, detail="already joined")
-        if len(joins) >= self.cfg.round.max_agents:
+        if len(joins) >= self.cohort_cap:
             return wire.JoinResponse(accepted=False, detail="cohort is full; try the next round")
-        self.ws.state.add_join(live.round, live.attempt, member, req.samples, self.clock())
+        self.ws.state.add_join(
+            live.round, live.attempt, member, req.samples, self.clock(), req.base_version
+        )
         self._maybe_fix_cohort(live, self.clock())
         self._changed()
         return wire.JoinResponse(accepted=True, detail="joined")
 
+    @property
+    def buffered(self) -> bool:
+        return self.cfg.round.mode == "buffered"
+
+    @property
+    def cohort_cap(self) -> int:
+        """Members per cohort: max_agents, or the buffer size K in buffered mode."""
+        r = self.cfg.round
+        return min(r.max_agents, r.buffer_size) if self.buffered else r.max_agents
+
+    def _check_staleness(self, member: str, base: int | None) -> None:
+        """Buffered mode: τ = current version − base version must be within max_staleness.
+
+        Raises:
+            PayloadError: no base version, or one from the future.
+            StaleUpdate: τ > max_staleness (409).
+        """
+        current = self.ws.models.latest().version
+        if base is None or base > current or base < 1:
+            raise PayloadError(
+                f"{member}: buffered rounds need the model version the update was trained on "
+                f"(1..{current}), got {base}"
+            )
+        tau = current - base
+        if tau > self.cfg.round.max_staleness:
+            raise StaleUpdate(
+                f"{member}'s update was trained on version {base}, {tau} versions behind the "
+                f"current {current}; the federation accepts at most "
+                f"{self.cfg.round.max_staleness}: train on the newest model"
+            )
+
     def _fix_cohort(self, live: _Live, joins: dict[str, int], now: float) -> None:
+        cohort = sorted(list(joins)[: self.cohort_cap])  # the first to join, by arrival
+        staleness: dict[str, int] = {}
+        if self.buffered:
+            current = self.ws.models.latest().version
+            bases = self.ws.state.join_bases(live.round, live.attempt)
+            staleness = {m: current - (bases.get(m) or current) for m in cohort}
+        spec = self._build_spec(live, cohort, staleness)
+        self._commit_spec(live, spec, now)
+
+    def _build_spec(
+        self, live: _Live, cohort: list[str], staleness: dict[str, int]
+    ) -> wire.RoundSpec:
+        """The signed spec of this attempt (with an empty cohort: the buffered-mode plan)."""
         cfg = self.cfg.round
-        cohort = sorted(joins)[: cfg.max_agents]
         n = len(cohort)
-        secure = cfg.secure_sum == "secagg"
+        secure = cfg.secure_sum == "secagg" and n >= 3
         if secure:
             auto_k, auto_t = default_neighbors(n)
             k = min(cfg.neighbors, n - 1) if cfg.neighbors else auto_k
@@ -264,14 +324,14 @@ class Coordinator:
             )
         else:
             k, t = 0, 0
-        ring_bits = default_ring_bits(cfg.quant_bits, n)
+        ring_bits = default_ring_bits(cfg.quant_bits, max(n, 1))
         manifest = self.ws.models.latest()
         caps = {}
         for m in cohort:
             entry = self.ws.roster.get(m)
             if entry is not None and entry.max_weight is not None:
                 caps[m] = float(entry.max_weight)
-        spec = wire.RoundSpec(
+        return wire.RoundSpec(
             federation_id=self.ws.federation_id,
             round=live.round,
             attempt=live.attempt,
@@ -310,8 +370,12 @@ class Coordinator:
                 "masked_input_s": cfg.masked_s,
                 "unmask_s": cfg.unmask_s,
             },
+            mode=cfg.mode,
+            staleness=staleness,
         ).sign(self.ws.signer)
-        first = "advertise" if secure else "masked_input"
+
+    def _commit_spec(self, live: _Live, spec: wire.RoundSpec, now: float) -> None:
+        first = "advertise" if spec.secure_sum == "secagg" else "masked_input"
         self.trail.sync_roster(self.ws.roster)
         self.trail.sync_models(self.ws.models)
         with self.ws.state.transaction():
@@ -321,13 +385,14 @@ class Coordinator:
         live.stage, live.stage_started_at = first, now
         crash_point(live.round, first, AGGREGATOR_ENV)
         log.info(
-            "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s",
+            "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s mode=%s",
             live.round,
             live.attempt,
-            n,
-            k,
-            t,
-            cfg.secure_sum,
+            len(spec.cohort),
+            spec.neighbors,
+            spec.threshold,
+            spec.secure_sum,
+            spec.mode,
         )
         self._changed()
 
@@ -385,9 +450,11 @@ class Coordinator:
     def advertise(
         self, member: str, round_: int, attempt: int, body: wire.AdvertiseKeysBody
     ) -> None:
+        raw = wire.encode(body)
+        if self._accepted_before(member, round_, attempt, "advertise", raw):
+            return
         live = self._expect(member, round_, attempt, "advertise")
         self._in_cohort(live, member)
-        raw = wire.encode(body)
         if self._idempotent(live, "advertise", member, raw):
             return
         msg = _advertise_from_wire(member, body)
@@ -441,8 +508,10 @@ class Coordinator:
         )
 
     def share_keys(self, member: str, round_: int, attempt: int, body: wire.ShareKeysBody) -> None:
-        live = self._expect(member, round_, attempt, "share_keys")
         raw = wire.encode(body)
+        if self._accepted_before(member, round_, attempt, "share_keys", raw):
+            return
+        live = self._expect(member, round_, attempt, "share_keys")
         if self._idempotent(live, "share_keys", member, raw):
             return
         msg = ShareKeys(
@@ -509,12 +578,12 @@ class Coordinator:
     def _masked_input(
         self, member: str, round_: int, attempt: int, raw: bytes, commitment: str, signature: str
     ) -> wire.Receipt:
+        if self._accepted_before(member, round_, attempt, "masked_input", raw):
+            return self.receipt(member, round_)
         live = self._expect(member, round_, attempt, "masked_input")
         spec = self._in_cohort(live, member)
         if self._idempotent(live, "masked_input", member, raw):
-            stored = self.ws.state.receipt(round_, member)
-            assert stored is not None
-            return msgspec.json.decode(stored, type=wire.Receipt)
+            return self.receipt(member, round_)
         digest = hashlib.sha256(raw).hexdigest()
         statement = wire.ContributionStatement(
             federation_id=self.ws.federation_id,
@@ -588,8 +657,10 @@ class Coordinator:
         )
 
     def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> None:
-        live = self._expect(member, round_, attempt, "unmask")
         raw = wire.encode(body)
+        if self._accepted_before(member, round_, attempt, "unmask", raw):
+            return
+        live = self._expect(member, round_, attempt, "unmask")
         if self._idempotent(live, "unmask", member, raw):
             return
         msg = _unmask_from_wire(member, body)
@@ -621,9 +692,11 @@ class Coordinator:
     def _deadline(self, live: _Live) -> float:
         r = self.cfg.round
         spent = {
-            "advertise": r.open_s + r.advertise_s,
+            # buffered members trained before joining; sync members train now
+            "advertise": r.advertise_s + (0.0 if self.buffered else r.open_s),
             "share_keys": r.share_s,
-            "masked_input": r.masked_s + (r.open_s if r.secure_sum == "none" else 0.0),
+            "masked_input": r.masked_s
+            + (r.open_s if r.secure_sum == "none" and not self.buffered else 0.0),
             "unmask": r.unmask_s,
         }.get(live.stage, math.inf)
         return live.stage_started_at + spent
@@ -673,7 +746,7 @@ class Coordinator:
         active = {e.agent_id for e in self.ws.roster.active_agents()}
         quorum_at = self.ws.state.join_time(live.round, live.attempt, cfg.min_agents)
         if (
-            len(joins) >= cfg.max_agents
+            len(joins) >= self.cohort_cap
             or active <= joins.keys()
             or now >= quorum_at + cfg.advertise_s
         ):
@@ -791,7 +864,7 @@ class Coordinator:
         if weight_sum <= 0:
             raise RoundAborted(f"round {live.round}: the survivors' total weight is zero")
         mean = (weighted_sum / weight_sum).astype(np.float32)
-        parent = self.ws.models.latest()
+        parent = self._parent_model(live.round)
         arrays = decode_model(self.ws.models.read(parent.version), max_bytes=_MAX_MODEL_BYTES)
         arrays_to_state(self.model, arrays)
         current = flatten_params(self.model)
@@ -864,6 +937,15 @@ class Coordinator:
         self.live = self._open(live.round + 1, 0, now)
         self._changed()
 
+    def _parent_model(self, round_: int) -> ModelManifest:
+        """The version this round's aggregate applies to: the newest one, unless that is
+        this round's own aggregate, written by an incarnation that died before recording
+        the round as closed (applying the mean to it again would count the round twice)."""
+        latest = self.ws.models.latest()
+        if latest.kind == "aggregate" and latest.round == round_ and latest.parent is not None:
+            return self.ws.models.get(latest.parent)
+        return latest
+
     def _written_before(
         self, arrays: dict[str, np.ndarray], parent: int, round_: int
     ) -> ModelManifest | None:
@@ -927,7 +1009,10 @@ class Coordinator:
                 self.ws.state.open_round(round_, attempt, now)
                 self.trail.append("round_open", {"round": round_, "attempt": attempt})
             log.info("event=round_open round=%d attempt=%d", round_, attempt)
-        return _Live(round_, attempt, "open" if not self.finished else "closed", now, now)
+        live = _Live(round_, attempt, "open" if not self.finished else "closed", now, now)
+        if self.buffered:
+            live.plan = self._build_spec(live, [], {})
+        return live
 
     def resume(self) -> _Live:
         """Rebuild the round in progress from the state store (or open the first one)."""

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS joins (
     member TEXT NOT NULL,
     samples INTEGER NOT NULL,
     joined_at REAL NOT NULL,
+    base_version INTEGER,
     PRIMARY KEY (round, attempt, member)
 );
 CREATE TABLE IF NOT EXISTS messages (
@@ -193,10 +194,26 @@ class StateStore:
 
     # -- joins -------------------------------------------------------------------------------
 
-    def add_join(self, round_: int, attempt: int, member: str, samples: int, now: float) -> None:
+    def add_join(
+        self,
+        round_: int,
+        attempt: int,
+        member: str,
+        samples: int,
+        now: float,
+        base_version: int | None = None,
+    ) -> None:
         self._db.execute(
-            "INSERT INTO joins VALUES (?, ?, ?, ?, ?)", (round_, attempt, member, samples, now)
+            "INSERT INTO joins VALUES (?, ?, ?, ?, ?, ?)",
+            (round_, attempt, member, samples, now, base_version),
         )
+
+    def join_bases(self, round_: int, attempt: int) -> dict[str, int | None]:
+        rows = self._db.execute(
+            "SELECT member, base_version FROM joins WHERE round=? AND attempt=?",
+            (round_, attempt),
+        ).fetchall()
+        return {m: (int(b) if b is not None else None) for m, b in rows}
 
     def joins(self, round_: int, attempt: int) -> dict[str, int]:
         rows = self._db.execute(
