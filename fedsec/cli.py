@@ -89,6 +89,18 @@ def _register_optional() -> None:
             raise
         for name in names:
             main.add_command(getattr(mod, name.replace("-", "_")))
+    for module, attr, name in (
+        ("fedsec.bench.audit_cli", "bench_audit", "audit"),
+        ("fedsec.bench.chaos", "bench_chaos", "chaos"),
+        ("fedsec.bench.async_bench", "bench_async", "async"),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("fedsec"):
+                continue
+            raise
+        bench.add_command(getattr(mod, attr), name=name)
 
 
 _register_optional()
