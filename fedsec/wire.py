@@ -84,8 +84,12 @@ class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     delta: float
 
 
-class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The signed contract of one round attempt; fixed when the cohort is."""
+class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The signed contract of one round attempt; fixed when the cohort is.
+
+    Signed objects omit fields that hold their default, so adding an optional field
+    later leaves every earlier signature valid.
+    """
 
     federation_id: str
     round: int
@@ -117,7 +121,7 @@ class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)
-        fields.pop("signature")
+        fields.pop("signature", None)
         return canonical_json(fields)
 
     def quant_spec(self) -> QuantSpec:
@@ -187,7 +191,7 @@ class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detail: str
 
 
-class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The agent's signed account of the privacy it spends in this round."""
 
     federation_id: str
@@ -208,7 +212,7 @@ class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)
-        fields.pop("signature")
+        fields.pop("signature", None)
         return canonical_json(fields)
 
     def sign(self, signer: SigningIdentity) -> PrivacyReport:
@@ -268,7 +272,9 @@ class UnmaskResponseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     key_shares: dict[str, str]
 
 
-class ContributionStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ContributionStatement(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """A member's signed statement of what it contributed to a round attempt.
 
     Binds the exact bytes uploaded (``vector_sha256``) to the commitment
@@ -287,7 +293,7 @@ class ContributionStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=T
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)
-        fields.pop("signature")
+        fields.pop("signature", None)
         return canonical_json(fields)
 
     def sign(self, signer: SigningIdentity) -> ContributionStatement:
@@ -303,7 +309,7 @@ class ContributionStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=T
         )
 
 
-class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The aggregator's signed acknowledgement that a contribution was accepted."""
 
     federation_id: str
@@ -317,7 +323,7 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def signed_bytes(self) -> bytes:
         fields = msgspec.to_builtins(self)
-        fields.pop("signature")
+        fields.pop("signature", None)
         return canonical_json(fields)
 
     def sign(self, signer: SigningIdentity) -> Receipt:
