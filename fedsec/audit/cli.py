@@ -158,3 +158,74 @@ def challenge_cmd(
         return len(requests)
 
     click.echo(f"{asyncio.run(main())} challenge(s) sent")
+
+
+@audit.command("report")
+@click.option("--log", "log_path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--archive", type=click.Path(path_type=Path, file_okay=False), default=None)
+@click.option(
+    "--models",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="aggregator workspace holding models/ (to re-derive model versions)",
+)
+@click.option(
+    "--workspace",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="aggregator (or demo) workspace: finds log, archive, models",
+)
+@click.option(
+    "--receipts",
+    type=click.Path(path_type=Path, exists=True),
+    multiple=True,
+    help="receipt files or directories (repeatable)",
+)
+@click.option("--aggregator-key", default=None, help="pin the aggregator's public key (hex)")
+@click.option(
+    "--verdicts",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="challenge verdicts (JSON) from `fedsec audit check`",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="HTML file to write (self-contained, opens offline)",
+)
+def report_cmd(
+    log_path: Path | None,
+    archive: Path | None,
+    models: Path | None,
+    workspace: Path | None,
+    receipts: tuple[Path, ...],
+    aggregator_key: str | None,
+    verdicts: Path | None,
+    out: Path,
+) -> None:
+    """Verify the log and write a one-file HTML report; exit 0 only if verification holds."""
+    from fedsec.aggregator.modelstore import atomic_write
+    from fedsec.audit.report import build_report
+
+    if workspace is not None:
+        ws = find_workspace(workspace)
+        log_path = log_path or ws / LOG_FILE
+        archive = archive or ws / ARCHIVE_DIR
+        models = models or ws
+    if log_path is None:
+        raise ConfigError("give --log PATH or --workspace DIR")
+    try:
+        pinned = bytes.fromhex(aggregator_key) if aggregator_key else None
+    except ValueError:
+        raise ConfigError("--aggregator-key must be hex") from None
+    page, result = build_report(
+        log_path, archive, models, _receipt_files(receipts), pinned, verdicts
+    )
+    try:
+        atomic_write(out, page.encode())
+    except OSError as exc:
+        raise ConfigError(f"cannot write the report to {out}: {exc.strerror}") from None
+    click.echo(f"report written to {out}")
+    click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
+    sys.exit(0 if result.ok else 1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,17 +145,13 @@ class Verifier:
 
     def _check(self, entry: LogEntry) -> None:
         body = entry.body
+        handler: Callable[[LogEntry, dict[str, Any]], None] | None
         if entry.index == 0:
             if entry.kind != "genesis":
                 raise self._fail(entry, "the first entry must be the genesis entry")
-            self.genesis = body
-            self.federation_id = str(body["federation_id"])
-            self.aggregator_key = bytes.fromhex(str(body["aggregator_public_key"]))
-            self.admin_key = bytes.fromhex(str(body["admin_public_key"]))
-            if self.pinned_key is not None and self.pinned_key != self.aggregator_key:
-                raise self._fail(entry, "genesis names an aggregator key other than the pinned one")
-            return
-        handler = getattr(self, f"_on_{entry.kind}", None)
+            handler = self._genesis
+        else:
+            handler = getattr(self, f"_on_{entry.kind}", None)
         if handler is None:
             raise self._fail(entry, f"kind {entry.kind} may not appear after genesis")
         try:
@@ -165,6 +161,25 @@ class Verifier:
         except (FedsecError, KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
             detail = exc.detail if isinstance(exc, FedsecError) else repr(exc)
             raise self._fail(entry, detail) from None
+
+    def _genesis(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        self.genesis = body
+        self.federation_id = str(body["federation_id"])
+        self.aggregator_key = bytes.fromhex(str(body["aggregator_public_key"]))
+        self.admin_key = bytes.fromhex(str(body["admin_public_key"]))
+        if self.pinned_key is not None and self.pinned_key != self.aggregator_key:
+            raise self._fail(entry, "genesis names an aggregator key other than the pinned one")
+
+    def _model_bytes(self, entry: LogEntry, digest: str) -> bytes:
+        """The model file named ``digest`` (checked to be a sha256 hex, so it stays in models/)."""
+        assert self.models_root is not None
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise self._fail(entry, f"model reference {digest!r} is not a sha256 hex digest")
+        path = self.models_root / "models" / f"{digest}.safetensors"
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise self._fail(entry, f"model file {path} cannot be read ({exc.strerror})") from None
 
     def _on_head(self, entry: LogEntry, body: dict[str, Any]) -> None:
         assert self._prev is not None
@@ -235,8 +250,10 @@ class Verifier:
                 f"less than the {history[-1].epsilon:.4f} it reported before",
             )
         # a retried attempt of the same round reuses the same training: count rounds once
-        charged = {r.round: r for r in history}
-        charged[report.round] = report
+        # one charge per training: a retried attempt, or a buffered member contributing
+        # an update trained earlier, reports the same training again
+        charged = {_trained_round(r): r for r in history}
+        charged[_trained_round(report)] = report
         rounds = [(r.noise_multiplier, r.sample_rate, r.steps) for r in charged.values()]
         independent = accountant.epsilon(rounds, report.delta) if report.noise_multiplier else 0.0
         if report.noise_multiplier and abs(independent - report.epsilon) > EPSILON_TOLERANCE * max(
@@ -323,7 +340,7 @@ class Verifier:
         parent = self.manifests.get(int(body["parent_version"]))
         if parent is None:
             raise self._fail(entry, f"parent version {body['parent_version']} was never logged")
-        data = (self.models_root / "models" / f"{parent.sha256}.safetensors").read_bytes()
+        data = self._model_bytes(entry, parent.sha256)
         weighted, weights = sums
         mean = (np.asarray(weighted) / weights).astype(np.float32)
         model = get_task(spec.task).build_model(0)
@@ -348,7 +365,7 @@ class Verifier:
         manifest = ModelManifest.from_json(json.dumps(body).encode())
         data = None
         if self.models_root is not None:
-            data = (self.models_root / "models" / f"{manifest.sha256}.safetensors").read_bytes()
+            data = self._model_bytes(entry, manifest.sha256)
         verify_manifest(manifest, self.aggregator_key, data, federation_id=self.federation_id)
         if manifest.kind == "aggregate" and manifest.round in self.pending_model:
             expected = self.pending_model.pop(manifest.round)
@@ -409,6 +426,10 @@ class Verifier:
                 f"receipt {path}: log entry {receipt.log_index} records a different contribution"
             )
         self.result.receipts_checked += 1
+
+
+def _trained_round(report: wire.PrivacyReport) -> int:
+    return report.trained_round if report.trained_round >= 0 else report.round
 
 
 def _close(session: ServerSession, stage: str) -> None:
