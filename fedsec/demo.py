@@ -279,7 +279,7 @@ def _parse_dp(value: str) -> float | None:
 @click.option("--local-epochs", default=0, help="0 = task default for simulation")
 @click.option("--lr", default=0.0, help="0 = task default")
 @click.option("--server-optimizer", type=click.Choice(["fedavg", "fedadam"]), default="fedavg")
-@click.option("--server-lr", default=1.0, show_default=True)
+@click.option("--server-lr", default=0.0, help="0 = task default for FedAvg, 0.01 for FedAdam")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(

@@ -9,6 +9,7 @@ refused request must leave untouched.
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.roster import ROSTER_FILE, sign_roster_entry
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import default_federation_toml
+from fedsec.crypto.commitment import CommitmentContext, commit
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_sum, pack, quantize
 from fedsec.crypto.secagg import (
@@ -175,6 +177,62 @@ def plain_input(member: str, spec: wire.RoundSpec) -> bytes:
     return pack(quantized_input(member, spec), spec.ring_bits)
 
 
+def salt_for(member: str) -> bytes:
+    """A fixed commitment salt per member, so a retried upload is byte-identical."""
+    return hashlib.sha256(b"salt/" + member.encode()).digest()
+
+
+def commitment_for(member: str, spec: wire.RoundSpec, quantized: RingVector) -> str:
+    """Hex H(salt ‖ quantized update) for ``member``'s contribution to ``spec``'s attempt."""
+    context = CommitmentContext(
+        spec.federation_id, spec.round, spec.attempt, member, spec.ring_bits
+    )
+    return commit(quantized, salt_for(member), context).hex()
+
+
+def contribution_statement(
+    member: str,
+    spec: wire.RoundSpec,
+    raw: bytes,
+    quantized: RingVector,
+    signer: SigningIdentity,
+) -> wire.ContributionStatement:
+    """``member``'s statement binding the uploaded ``raw`` bytes to its commitment,
+    signed by ``signer`` (the member's own identity unless a test forges one)."""
+    return wire.ContributionStatement(
+        federation_id=spec.federation_id,
+        round=spec.round,
+        attempt=spec.attempt,
+        member=member,
+        vector_sha256=hashlib.sha256(raw).hexdigest(),
+        commitment=commitment_for(member, spec, quantized),
+    ).sign(signer)
+
+
+Upload = tuple[bytes, str, str]  # (raw vector, commitment hex, signature hex)
+
+
+def plain_upload(
+    member: str,
+    spec: wire.RoundSpec,
+    identities: Mapping[str, SigningIdentity],
+    raw: bytes | None = None,
+    *,
+    signer: str | None = None,
+) -> Upload:
+    """(raw, commitment, signature) of a plain (``secure_sum = "none"``) input.
+
+    ``raw`` replaces the uploaded bytes (the statement is then signed over them);
+    ``signer`` names another member whose key signs the statement.
+    """
+    if raw is None:
+        raw = plain_input(member, spec)
+    statement = contribution_statement(
+        member, spec, raw, quantized_input(member, spec), identities[signer or member]
+    )
+    return raw, statement.commitment, statement.signature
+
+
 class Cohort:
     """The client side of one SecAgg+ round: real ClientSessions, wire-schema messages.
 
@@ -184,6 +242,7 @@ class Cohort:
 
     def __init__(self, spec: wire.RoundSpec, identities: Mapping[str, SigningIdentity]) -> None:
         self.spec = spec
+        self.identities = dict(identities)
         self.params = params_from_spec(spec)
         roster = {m: identities[m].public_bytes for m in spec.cohort}
         self.sessions = {
@@ -245,6 +304,22 @@ class Cohort:
             self._masked[member] = self.sessions[member].masked_input(self.quantized[member]).vector
         return self._masked[member]
 
+    def upload(self, member: str, raw: bytes | None = None, *, signer: str | None = None) -> Upload:
+        """(raw, commitment, signature): the masked input with its signed contribution
+        statement, as the coordinator's ``masked_input`` takes them.
+
+        The salt is fixed per member and Ed25519 is deterministic, so every call returns
+        the same values.  ``raw`` replaces the uploaded bytes (the statement is then
+        signed over them); ``signer`` names another member whose key signs it.
+        """
+        masked = self.masked_input(member)
+        if raw is None:
+            raw = masked
+        statement = contribution_statement(
+            member, self.spec, raw, self.quantized[member], self.identities[signer or member]
+        )
+        return raw, statement.commitment, statement.signature
+
     def unmask(self, member: str, request: wire.UnmaskRequestBody) -> wire.UnmaskResponseBody:
         if member not in self._unmask:
             resp = self.sessions[member].unmask(
@@ -291,6 +366,20 @@ def table_rows(ws: Workspace, table: str) -> list[tuple[Any, ...]]:
     con = sqlite3.connect(f"file:{ws.state.path}?mode=ro", uri=True)
     try:
         return con.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()
+    finally:
+        con.close()
+
+
+def log_entries(ws: Workspace, start: int = 0) -> list[dict[str, Any]]:
+    """The committed transparency-log entries from index ``start`` on, decoded.
+
+    Read through a separate connection; deliberately not part of :func:`snapshot`,
+    since a refused contribution is itself logged.
+    """
+    con = sqlite3.connect(f"file:{ws.state.path}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT line FROM log WHERE idx >= ? ORDER BY idx", (start,))
+        return [json.loads(bytes(line)) for (line,) in rows.fetchall()]
     finally:
         con.close()
 

@@ -7,6 +7,7 @@ passes only if what the client signs is what it sends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,14 @@ from fedsec.errors import (
     SignatureError,
     WrongStage,
 )
-from fedsec.wire import JoinRequest, JoinResponse, Receipt, RoundState, encode
+from fedsec.wire import (
+    ContributionStatement,
+    JoinRequest,
+    JoinResponse,
+    Receipt,
+    RoundState,
+    encode,
+)
 
 AGENT = SigningIdentity(bytes(range(32)))
 AGGREGATOR = SigningIdentity(bytes(range(32, 64)))
@@ -123,8 +131,6 @@ def state(token: int = 1) -> RoundState:
 
 
 def signed_receipt(body: bytes, signer: SigningIdentity = AGGREGATOR) -> Receipt:
-    import hashlib
-
     return Receipt(
         federation_id="fed",
         round=3,
@@ -136,7 +142,21 @@ def signed_receipt(body: bytes, signer: SigningIdentity = AGGREGATOR) -> Receipt
     ).sign(signer)
 
 
+def statement_for(vector: bytes) -> ContributionStatement:
+    return ContributionStatement(
+        federation_id="fed",
+        round=3,
+        attempt=1,
+        member="alice",
+        vector_sha256=hashlib.sha256(vector).hexdigest(),
+        commitment="cd" * 32,
+    ).sign(AGENT)
+
+
 def test_every_request_is_signed_and_verifies() -> None:
+    vector = b"\x00\x01\x02packed"
+    statement = statement_for(vector)
+
     async def scenario(server: Recorder, client: AggregatorClient) -> None:
         @server.route("GET", "/v1/round")
         async def get_round(request: web.Request) -> web.Response:
@@ -148,13 +168,24 @@ def test_every_request_is_signed_and_verifies() -> None:
 
         @server.route("POST", "/v1/rounds/3/masked-input")
         async def masked(request: web.Request) -> web.Response:
-            return web.Response(body=encode(signed_receipt(await request.read())))
+            body = await request.read()
+            # the statement travels as query parameters and verifies for the exact body
+            ContributionStatement(
+                federation_id="fed",
+                round=3,
+                attempt=int(request.query["attempt"]),
+                member="alice",
+                vector_sha256=hashlib.sha256(body).hexdigest(),
+                commitment=request.query["commitment"],
+                signature=request.query["signature"],
+            ).verify(AGENT.public_bytes)
+            return web.Response(body=encode(signed_receipt(body)))
 
         assert (await client.get_round()).token == 5
         assert (await client.get_round(wait_token=4, timeout=0.5)).token == 5
         answer = await client.join(3, 1, JoinRequest("ab" * 32, "1", 120))
         assert answer == JoinResponse(True, "welcome")
-        receipt = await client.masked_input(3, 1, b"\x00\x01\x02packed")
+        receipt = await client.masked_input(3, 1, vector, statement)
         assert receipt.log_index == 7
 
     seen = run(scenario).seen
@@ -165,7 +196,12 @@ def test_every_request_is_signed_and_verifies() -> None:
     assert seen[2]["query"] == {"attempt": "1"}
     assert msgspec.json.decode(seen[2]["body"], type=JoinRequest).samples == 120
     assert seen[3]["content_type"] == "application/octet-stream"
-    assert seen[3]["body"] == b"\x00\x01\x02packed"
+    assert seen[3]["body"] == vector
+    assert seen[3]["query"] == {
+        "attempt": "1",
+        "commitment": statement.commitment,
+        "signature": statement.signature,
+    }
 
 
 def test_base_url_path_prefix_is_signed_as_sent() -> None:

@@ -34,6 +34,7 @@ from fedsec.agent.runtime import (
 from fedsec.agent.vault import Vault
 from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.config import AgentConfig, AgentSection, DataSection, NetworkSection, PrivacySection
+from fedsec.crypto.commitment import CommitmentContext, verify_commitment
 from fedsec.crypto.httpsig import NonceCache, RequestVerifier
 from fedsec.crypto.identity import SigningIdentity, save_public_key
 from fedsec.crypto.quantize import dequantize_one, unpack
@@ -49,6 +50,7 @@ from fedsec.errors import (
     BudgetExhausted,
     ConfigError,
     FedsecError,
+    PayloadError,
     SignatureError,
     TaskMismatch,
 )
@@ -57,6 +59,7 @@ from fedsec.tasks import get_task
 from fedsec.tasks.params import param_count, state_to_arrays
 from fedsec.wire import (
     AdvertiseKeysBody,
+    ContributionStatement,
     DPSpec,
     IncomingShare,
     JoinRequest,
@@ -176,6 +179,7 @@ class FakeAggregator:
         self.joined: dict[str, JoinRequest] = {}
         self.reports: dict[str, PrivacyReport] = {}
         self.vectors: dict[str, bytes] = {}
+        self.statements: dict[str, ContributionStatement] = {}
         self.unmasked: set[str] = set()
         self.result: Any = None
         self.secagg: ServerSession | None = None
@@ -250,6 +254,22 @@ class FakeAggregator:
             )
         if route == ("POST", f"/v1/rounds/{r}/masked-input"):
             assert request.content_type == "application/octet-stream"
+            commitment = request.query.get("commitment", "")
+            signature = request.query.get("signature", "")
+            if not commitment or not signature:
+                raise PayloadError("masked input needs the commitment and signature parameters")
+            assert int(request.query["attempt"]) == self.spec.attempt
+            statement = ContributionStatement(
+                federation_id=FED,
+                round=r,
+                attempt=self.spec.attempt,
+                member=member,
+                vector_sha256=hashlib.sha256(body).hexdigest(),
+                commitment=commitment,
+                signature=signature,
+            )
+            statement.verify(IDENTITIES[member].public_bytes)  # SignatureError: 401
+            self.statements[member] = statement
             self.vectors[member] = body
             if self.secagg is not None:
                 self.secagg.receive_masked_input(MaskedInput(member, body))
@@ -337,6 +357,16 @@ class FakeAggregator:
                 self.advance(stage="closed")
             return web.json_response({})
         raise AssertionError(f"unexpected request {route}")
+
+
+def check_commitment(fake: FakeAggregator, state_dir: Path, member: str) -> None:
+    """The statement the member signed commits to the update and salt in its vault."""
+    statement = fake.statements[member]
+    kept = Vault(state_dir).load_update(statement.round, statement.attempt)
+    context = CommitmentContext(
+        FED, statement.round, statement.attempt, member, fake.spec.ring_bits
+    )
+    verify_commitment(bytes.fromhex(statement.commitment), kept.update, kept.salt, context)
 
 
 def _json(value: Any) -> web.Response:
@@ -499,6 +529,10 @@ def test_plain_round_contributes_and_keeps_receipt_record_and_vault(tmp_path: Pa
     assert record.epsilon == pytest.approx(report.epsilon)
     kept = vault.load_update(1, 1)
     assert np.array_equal(kept.update, q) and len(kept.salt) == 32
+    statement = fake.statements["alice"]
+    assert (statement.round, statement.attempt, statement.member) == (1, 1, "alice")
+    assert statement.vector_sha256 == receipt.contribution_sha256
+    check_commitment(fake, tmp_path / "alice", "alice")
     for path in (tmp_path / "alice" / "vault").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
@@ -520,6 +554,7 @@ def test_secagg_round_with_three_agents_sums_exactly(tmp_path: Path) -> None:
         assert (tmp_path / m / ADMIN_KEY_FILE).read_text().strip() == ADMIN.public_bytes.hex()
         (receipt,) = Vault(tmp_path / m).receipts()
         assert receipt.contribution_sha256 == hashlib.sha256(fake.vectors[m]).hexdigest()
+        check_commitment(fake, tmp_path / m, m)
 
 
 class AbortingAggregator(FakeAggregator):
@@ -548,6 +583,8 @@ def test_aborted_attempt_is_dropped_and_the_retry_reuses_the_update(tmp_path: Pa
     assert outcomes[0].epsilon == outcomes[1].epsilon == pytest.approx(ledger.spent(dataset))
     (receipt,) = Vault(tmp_path / "alice").receipts()
     assert (receipt.round, receipt.attempt) == (1, 2)
+    assert fake.statements["alice"].attempt == 2
+    check_commitment(fake, tmp_path / "alice", "alice")  # committed for attempt 2
 
 
 # --------------------------------------------------------------------------------- CLI

@@ -45,6 +45,7 @@ AGENTS = ("a0", "a1", "a2", "a3")
 MAX_BODY = 4096  # a masked vector of this task is ~1.5 KB
 MAX_JSON = 2048
 JOIN = "/v1/rounds/1/join?attempt=0"
+MASKED = "/v1/rounds/1/masked-input"
 
 
 @pytest.fixture
@@ -139,6 +140,20 @@ async def api(
     return Api(client, fed, coord)
 
 
+def _masked_path(commitment: str, signature: str, round_: int = 1, attempt: int = 0) -> str:
+    """The masked-input target carrying a contribution statement as query parameters."""
+    return (
+        f"/v1/rounds/{round_}/masked-input?attempt={attempt}"
+        f"&commitment={commitment}&signature={signature}"
+    )
+
+
+def _upload(cohort: Cohort, member: str, raw: bytes | None = None, **kw: Any) -> tuple[str, bytes]:
+    """(path, body) of ``member``'s masked input with its signed statement."""
+    body, commitment, signature = cohort.upload(member, raw, **kw)
+    return _masked_path(commitment, signature), body
+
+
 def _join_body(**changes: Any) -> bytes:
     return wire.encode(msgspec.structs.replace(join_request(), **changes))
 
@@ -171,7 +186,7 @@ async def test_health_status_and_openapi_cover_every_route(api: Api) -> None:
         for route in api.client.server.app.router.routes()  # type: ignore[union-attr]
         if route.method != "HEAD" and route.resource is not None
     }
-    assert len(routes) == 18
+    assert len(routes) == 22  # 18 protocol routes + the 4 audit challenge/reveal routes
     for path, method in routes:
         assert path in paths, path
         assert method in paths[path], (path, method)
@@ -285,11 +300,9 @@ async def test_wrong_round_attempt_or_stage_is_a_conflict(api: Api) -> None:
         409, "wrong_stage", lambda: api.call("a0", "POST", "/v1/rounds/1/advertise", advert)
     )
     await api.refused(409, "wrong_stage", lambda: api.call("a0", "GET", "/v1/rounds/1/keys"))
-    await api.refused(
-        409,
-        "wrong_stage",
-        lambda: api.call("a0", "POST", "/v1/rounds/1/masked-input", b"\x00" * 100),
-    )
+    # a well-formed statement: the stage, not the statement, is what is refused
+    early = _masked_path("00" * 32, "00" * 64)
+    await api.refused(409, "wrong_stage", lambda: api.call("a0", "POST", early, b"\x00" * 100))
     cohort = await _fix_cohort(api)
     await api.refused(409, "wrong_stage", lambda: api.call("a0", "POST", JOIN, body))
     good = wire.encode(cohort.advertise("a0"))
@@ -324,7 +337,7 @@ async def test_malformed_json_unknown_fields_and_bad_numbers(api: Api) -> None:
 
 async def test_oversized_bodies_are_refused_before_use(api: Api) -> None:
     big = b"\x00" * (MAX_BODY + 1)
-    path = "/v1/rounds/1/masked-input"
+    path = _masked_path("00" * 32, "00" * 64)
     detail = await api.refused(413, "payload_too_large", lambda: api.call("a0", "POST", path, big))
     assert str(MAX_BODY) in detail
     padded = _join_body()[:-1] + b"," + b" " * MAX_JSON + b'"x": 1}'
@@ -351,23 +364,55 @@ async def _to_masked_input(api: Api) -> Cohort:
 
 async def test_masked_input_retry_duplicate_and_bad_vector(api: Api) -> None:
     cohort = await _to_masked_input(api)
-    path = "/v1/rounds/1/masked-input"
-    raw = cohort.masked_input("a0")
+    path, raw = _upload(cohort, "a0")
     first = msgspec.convert(await api.ok("a0", "POST", path, raw), wire.Receipt)
     first.verify(api.fed.ws.signer.public_bytes)
     before = snapshot(api.fed.ws, api.coord)
+    assert _upload(cohort, "a0") == (path, raw)  # a retry sends the very same request
     again = msgspec.convert(await api.ok("a0", "POST", path, raw), wire.Receipt)
     assert again == first
     assert snapshot(api.fed.ws, api.coord) == before
     changed = bytes([raw[0] ^ 1]) + raw[1:]
-    await api.refused(409, "duplicate", lambda: api.call("a0", "POST", path, changed))
-    detail = await api.refused(
-        400, "bad_vector", lambda: api.call("a1", "POST", path, cohort.masked_input("a1")[:-3])
-    )
+    changed_path, _ = _upload(cohort, "a0", changed)
+    await api.refused(409, "duplicate", lambda: api.call("a0", "POST", changed_path, changed))
+    short_path, short = _upload(cohort, "a1", cohort.masked_input("a1")[:-3])
+    detail = await api.refused(400, "bad_vector", lambda: api.call("a1", "POST", short_path, short))
     assert "bytes" in detail
     await api.refused(403, "forbidden", lambda: api.call("obs", "POST", path, raw))
     got = await api.ok("a0", "GET", "/v1/rounds/1/receipt")
     assert msgspec.convert(got, wire.Receipt) == first
+
+
+async def test_masked_input_without_its_statement_is_a_bad_request(api: Api) -> None:
+    cohort = await _to_masked_input(api)
+    raw, commitment, signature = cohort.upload("a0")
+    for path in (
+        f"{MASKED}?attempt=0",
+        f"{MASKED}?attempt=0&commitment={commitment}",
+        f"{MASKED}?attempt=0&signature={signature}",
+        f"{MASKED}?attempt=0&commitment=&signature={signature}",
+        f"{MASKED}?attempt=0&commitment={commitment}&signature=",
+    ):
+        detail = await api.refused(
+            400, "bad_request", lambda p=path: api.call("a0", "POST", p, raw)
+        )
+        assert "commitment" in detail and "signature" in detail
+    assert api.coord.live.session is not None and api.coord.live.session.contributed == []
+    await api.ok("a0", "POST", _masked_path(commitment, signature), raw)
+
+
+async def test_masked_input_statement_signed_by_another_member_is_refused(api: Api) -> None:
+    cohort = await _to_masked_input(api)
+    path, raw = _upload(cohort, "a1", signer="a2")  # a1's statement, a2's signature
+    await api.refused(401, "bad_signature", lambda: api.call("a1", "POST", path, raw))
+    # a genuine statement of a0's does not cover a1's upload either
+    a0_path, _ = _upload(cohort, "a0")
+    await api.refused(401, "bad_signature", lambda: api.call("a1", "POST", a0_path, raw))
+    assert api.coord.live.session is not None and api.coord.live.session.contributed == []
+    path, raw = _upload(cohort, "a1")
+    receipt = msgspec.convert(await api.ok("a1", "POST", path, raw), wire.Receipt)
+    receipt.verify(api.fed.ws.signer.public_bytes)
+    assert api.coord.live.session.contributed == ["a1"]
 
 
 # -- a whole secure round over HTTP ----------------------------------------------------------------
@@ -381,12 +426,10 @@ async def test_secure_round_over_http_survives_a_member_lost_after_share_keys(
     spec.verify(api.fed.ws.signer.public_bytes)
     assert (spec.cohort, spec.neighbors, spec.threshold) == (list(AGENTS), 3, 2)
     survivors = AGENTS[:3]  # a3 stops after share keys
-    path = "/v1/rounds/1/masked-input"
     receipts = {}
     for m in survivors:
-        receipts[m] = msgspec.convert(
-            await api.ok(m, "POST", path, cohort.masked_input(m)), wire.Receipt
-        )
+        path, raw = _upload(cohort, m)
+        receipts[m] = msgspec.convert(await api.ok(m, "POST", path, raw), wire.Receipt)
     clock.advance(FAST_ROUND["masked_s"])  # the ticker closes the stage at its deadline
     await api.wait_stage("unmask")
     for m in survivors:
@@ -430,8 +473,7 @@ async def _trickle(parts: list[bytes]) -> AsyncIterator[bytes]:
 
 async def test_body_arriving_in_pieces_is_read_whole(api: Api) -> None:
     cohort = await _to_masked_input(api)
-    path = "/v1/rounds/1/masked-input"
-    raw = cohort.masked_input("a0")
+    path, raw = _upload(cohort, "a0")
     headers = api.headers("a0", "POST", path, raw)
     parts = [raw[:500], raw[500:1000], raw[1000:]]
     status, body, _ = await api.send("POST", path, _trickle(parts), headers)  # type: ignore[arg-type]
@@ -441,6 +483,7 @@ async def test_body_arriving_in_pieces_is_read_whole(api: Api) -> None:
     assert api.coord.live.session is not None and api.coord.live.session.contributed == ["a0"]
 
     big = [b"\x00" * (MAX_BODY // 2), b"\x00" * (MAX_BODY // 2), b"\x00" * 10]
+    path, _ = _upload(cohort, "a1")
     headers = api.headers("a1", "POST", path, b"".join(big))
     await api.refused(
         413,

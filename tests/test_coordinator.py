@@ -23,9 +23,11 @@ from aggregator_helpers import (
     expected_params,
     float_mean,
     join_request,
+    log_entries,
     make_federation,
     model_params,
     plain_input,
+    plain_upload,
     quantized_input,
     snapshot,
     table_rows,
@@ -100,7 +102,7 @@ def _masked(
     coord: Coordinator, cohort: Cohort, members: tuple[str, ...]
 ) -> dict[str, wire.Receipt]:
     r, a = _ra(coord)
-    return {m: coord.masked_input(m, r, a, cohort.masked_input(m)) for m in members}
+    return {m: coord.masked_input(m, r, a, *cohort.upload(m)) for m in members}
 
 
 def _unmask(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
@@ -205,6 +207,18 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
         receipt.verify(fed.ws.signer.public_bytes)
         assert coord.receipt(m, 1) == receipt
     assert coord.round_state().model_version == 2
+    # every accepted input is logged with the member's signed statement
+    accepted = {
+        e["body"]["member"]: e
+        for e in log_entries(fed.ws)
+        if e["kind"] == "accepted" and e["body"]["stage"] == "masked_input"
+    }
+    assert set(accepted) == set(MEMBERS)
+    for m, entry in accepted.items():
+        raw, commitment, signature = cohort.upload(m)
+        assert entry["index"] == receipts[m].log_index
+        assert (entry["body"]["commitment"], entry["body"]["signature"]) == (commitment, signature)
+        assert entry["body"]["sha256"] == hashlib.sha256(raw).hexdigest()
 
 
 def test_cohort_fixed_at_the_join_deadline_with_enough_members(
@@ -276,7 +290,7 @@ def test_member_lost_after_share_keys_is_unmasked_out_of_the_sum(
     request = coord.unmask_request("a0", 1, 0)
     assert (request.survivors, request.dropped) == (list(survivors), ["a4"])
     _refused(fed, coord, UnknownMember, coord.unmask_request, "a4", 1, 0)
-    _refused(fed, coord, WrongStage, coord.masked_input, "a4", 1, 0, cohort.masked_input("a4"))
+    _refused(fed, coord, WrongStage, coord.masked_input, "a4", 1, 0, *cohort.upload("a4"))
 
     _unmask(coord, cohort, survivors)
     assert _rounds(fed)[0] == (1, 0, "closed", 2)
@@ -361,25 +375,75 @@ def test_retried_messages_are_idempotent_and_different_ones_refused(
     _advertise(coord, cohort, MEMBERS[1:])
     _share(coord, cohort, MEMBERS)
     _fetch_shares(coord, cohort, MEMBERS)
-    raw = cohort.masked_input("a0")
-    receipt = coord.masked_input("a0", 1, 0, raw)
+    raw, commitment, signature = cohort.upload("a0")
+    receipt = coord.masked_input("a0", 1, 0, raw, commitment, signature)
     receipt.verify(fed.ws.signer.public_bytes)
     assert receipt.member == "a0" and (receipt.round, receipt.attempt) == (1, 0)
     assert receipt.contribution_sha256 == hashlib.sha256(raw).hexdigest()
     before = snapshot(fed.ws, coord)
     clock.advance(1)
-    assert coord.masked_input("a0", 1, 0, raw) == receipt  # the same signed receipt
+    retry = cohort.upload("a0")
+    assert retry == (raw, commitment, signature)  # fixed salt: a retry is byte-identical
+    assert coord.masked_input("a0", 1, 0, *retry) == receipt  # the same signed receipt
     assert snapshot(fed.ws, coord) == before
     assert len(table_rows(fed.ws, "receipts")) == 1
 
     changed = bytearray(raw)
     changed[0] ^= 1
-    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, bytes(changed))
-    _refused(fed, coord, BadVector, coord.masked_input, "a1", 1, 0, raw[:-1])
-    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 2, 0, cohort.masked_input("a1"))
-    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 1, 1, cohort.masked_input("a1"))
+    changed_upload = cohort.upload("a0", bytes(changed))
+    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, *changed_upload)
+    # the statement is signed over the short vector, so the vector itself is what is refused
+    _refused(fed, coord, BadVector, coord.masked_input, "a1", 1, 0, *cohort.upload("a1", raw[:-1]))
+    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 2, 0, *cohort.upload("a1"))
+    _refused(fed, coord, WrongStage, coord.masked_input, "a1", 1, 1, *cohort.upload("a1"))
     # the refusals left the round able to finish with the right sum
     _masked(coord, cohort, MEMBERS[1:])
+    _unmask(coord, cohort, MEMBERS)
+    _check_aggregate(fed, cohort, MEMBERS)
+
+
+def test_masked_input_needs_the_members_own_signed_statement(
+    fed: Federation, clock: FakeClock
+) -> None:
+    """A statement signed by another key, or not covering what was sent, is refused;
+    each refusal changes no state but is itself logged."""
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    raw, commitment, signature = cohort.upload("a1")
+
+    logged = len(log_entries(fed.ws))
+    forged = cohort.upload("a1", signer="a2")  # a2's key signs a1's statement
+    err = _refused(fed, coord, SignatureError, coord.masked_input, "a1", 1, 0, *forged)
+    assert err.http_status == 401
+    # the refusal appended exactly one "refused" entry to the transparency log, nothing else
+    (entry,) = log_entries(fed.ws, logged)
+    assert entry["kind"] == "refused"
+    assert entry["body"] == {
+        "round": 1,
+        "attempt": 0,
+        "stage": "masked_input",
+        "member": "a1",
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "code": "bad_signature",
+        "detail": err.detail,
+    }
+
+    other = cohort.upload("a0")  # a genuine statement, but for a0's vector
+    _refused(fed, coord, SignatureError, coord.masked_input, "a1", 1, 0, raw, *other[1:])
+    _refused(
+        fed, coord, SignatureError, coord.masked_input, "a1", 1, 0, other[0], commitment, signature
+    )
+    swapped = "00" * 32  # the commitment is covered by the signature
+    _refused(fed, coord, SignatureError, coord.masked_input, "a1", 1, 0, raw, swapped, signature)
+    _refused(fed, coord, SignatureError, coord.masked_input, "a1", 1, 0, raw, commitment, "00" * 64)
+    _refused(fed, coord, PayloadError, coord.masked_input, "a1", 1, 0, raw, "ab" * 31, signature)
+    _refused(fed, coord, PayloadError, coord.masked_input, "a1", 1, 0, raw, commitment, "zz")
+    assert coord.live.session is not None and coord.live.session.contributed == []
+
+    # the member's own statement is still accepted and the round finishes with every input
+    _masked(coord, cohort, MEMBERS)
     _unmask(coord, cohort, MEMBERS)
     _check_aggregate(fed, cohort, MEMBERS)
 
@@ -459,7 +523,7 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
     for i, m in enumerate(survivors):
         point("masked_input", i)
         cohort.receive_shares(m, both("share_relay", m, 1, 0))  # type: ignore[arg-type]
-        receipts[m] = both("masked_input", m, 1, 0, cohort.masked_input(m))
+        receipts[m] = both("masked_input", m, 1, 0, *cohort.upload(m))
     cohort.receive_shares("a4", both("share_relay", "a4", 1, 0))  # type: ignore[arg-type]
     clock.advance(FAST_ROUND["masked_s"])  # a4 never sends its input
     for c in coords.values():
@@ -507,10 +571,13 @@ def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) 
     quant = QuantSpec(spec.quant_bits, spec.clip_norm, spec.ring_bits)
     too_big = np.zeros(spec.dim + 1, dtype=quant.dtype)
     too_big[3] = quant.levels + 1
-    _refused(fed, coord, BadVector, coord.masked_input, "a0", 1, 0, pack(too_big, spec.ring_bits))
-    receipts = {m: coord.masked_input(m, 1, 0, plain_input(m, spec)) for m in ("a0", "a1")}
-    assert coord.masked_input("a0", 1, 0, plain_input("a0", spec)) == receipts["a0"]
-    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, plain_input("a1", spec))
+    ids = fed.identities
+    bad = plain_upload("a0", spec, ids, pack(too_big, spec.ring_bits))
+    _refused(fed, coord, BadVector, coord.masked_input, "a0", 1, 0, *bad)
+    receipts = {m: coord.masked_input(m, 1, 0, *plain_upload(m, spec, ids)) for m in ("a0", "a1")}
+    assert coord.masked_input("a0", 1, 0, *plain_upload("a0", spec, ids)) == receipts["a0"]
+    other = plain_upload("a0", spec, ids, plain_input("a1", spec))
+    _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, *other)
     # a restart rebuilds the running plain sum from the stored updates
     running = (coord.live.plain_sum.copy(), coord.live.plain_weight)  # type: ignore[union-attr]
     fed.ws.close()
@@ -519,8 +586,8 @@ def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) 
     assert coord.live.stage == "masked_input" and coord.live.plain_members == ["a0", "a1"]
     np.testing.assert_array_equal(coord.live.plain_sum, running[0])  # type: ignore[arg-type]
     assert coord.live.plain_weight == running[1]
-    assert coord.masked_input("a1", 1, 0, plain_input("a1", spec)) == receipts["a1"]
-    coord.masked_input("a2", 1, 0, plain_input("a2", spec))
+    assert coord.masked_input("a1", 1, 0, *plain_upload("a1", spec, ids)) == receipts["a1"]
+    coord.masked_input("a2", 1, 0, *plain_upload("a2", spec, ids))
 
     assert _rounds(fed) == [(1, 0, "closed", 2)]
     assert coord.finished and coord.live.stage == "closed"

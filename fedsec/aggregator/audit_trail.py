@@ -92,9 +92,14 @@ class AuditTrail:
                 self.append("roster", entry.to_dict())
                 self._roster_logged.add(key)
 
-    def sync_models(self, models: ModelStore) -> None:
+    def sync_models(self, models: ModelStore, defer_round: int | None = None) -> None:
+        """Log every model version not logged yet, except (``defer_round``) the aggregate
+        of a round still in progress: written by an incarnation that died before closing
+        the round, it is logged after the round's aggregate entry, where verifiers look."""
         for manifest in models.history():
             if manifest.version in self._versions_logged:
+                continue
+            if manifest.kind == "aggregate" and manifest.round == defer_round:
                 continue
             self.append("model_version", json.loads(manifest.to_json()))
             if manifest.kind == "rollback":

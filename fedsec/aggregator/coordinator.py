@@ -140,7 +140,15 @@ class Coordinator:
             }
         )
         self.trail.sync_roster(workspace.roster)
-        self.trail.sync_models(workspace.models)
+        in_progress = workspace.state.latest_round()
+        self.trail.sync_models(
+            workspace.models,
+            defer_round=(
+                in_progress.round
+                if in_progress is not None and in_progress.stage not in ("closed", "aborted")
+                else None
+            ),
+        )
         self._roster_serial = workspace.roster.serial
         self.alerts: list[str] = []
         # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
@@ -560,19 +568,19 @@ class Coordinator:
         try:
             return self._masked_input(member, round_, attempt, raw, commitment, signature)
         except FedsecError as exc:
-            if not isinstance(exc, DuplicateMessage):
-                self.trail.append(
-                    "refused",
-                    {
-                        "round": round_,
-                        "attempt": attempt,
-                        "stage": "masked_input",
-                        "member": member,
-                        "sha256": hashlib.sha256(raw).hexdigest(),
-                        "code": exc.code,
-                        "detail": exc.detail,
-                    },
-                )
+            # every refused contribution is logged, a different resend included
+            self.trail.append(
+                "refused",
+                {
+                    "round": round_,
+                    "attempt": attempt,
+                    "stage": "masked_input",
+                    "member": member,
+                    "sha256": hashlib.sha256(raw).hexdigest(),
+                    "code": exc.code,
+                    "detail": exc.detail,
+                },
+            )
             raise
 
     def _masked_input(

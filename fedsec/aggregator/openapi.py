@@ -151,7 +151,21 @@ def openapi_document() -> dict[str, Any]:
             "post": _op(
                 "masked, packed input vector",
                 _ok("Receipt"),
-                parameters=rp,
+                parameters=[
+                    *rp,
+                    {
+                        "name": "commitment",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                    },
+                    {
+                        "name": "signature",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "pattern": "^[0-9a-f]{128}$"},
+                    },
+                ],
                 requestBody={"required": True, **binary},
             )
         },

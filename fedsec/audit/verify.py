@@ -131,6 +131,12 @@ class Verifier:
                 self.result.entries += 1
             if self.result.entries == 0:
                 raise VerificationFailed(f"{log_path} holds no entries")
+            if self.pending_model:
+                rounds = sorted(self.pending_model)
+                raise VerificationFailed(
+                    f"the aggregate of round(s) {rounds} was never published as a logged model "
+                    "version"
+                )
             for path in receipts:
                 self._check_receipt(path)
         except FedsecError as exc:
@@ -270,6 +276,12 @@ class Verifier:
 
     def _on_aggregate(self, entry: LogEntry, body: dict[str, Any]) -> None:
         attempt = self._attempt(entry, body)
+        if int(body["parent_version"]) != attempt.spec.model_version:
+            raise self._fail(
+                entry,
+                f"round {attempt.spec.round} was applied to version {body['parent_version']}, "
+                f"but its signed spec names version {attempt.spec.model_version}",
+            )
         if self.archive is None:
             return
         spec = attempt.spec
