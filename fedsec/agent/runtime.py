@@ -476,12 +476,12 @@ class AgentRuntime:
                         await self._train_for_buffer(client, state)
                         state = await self._poll(client, None)  # training took a while
                         key = (state.round, state.attempt)
-                    if state.stage == "open" and key not in self._joined and state.spec is None:
-                        if not await self._join(client, state):
-                            # refused as stale: retrain on the newest model now, rather
-                            # than wait for the next change of round state
-                            state = await self._poll(client, None)
-                            continue
+                    fresh = state.stage == "open" and key not in self._joined
+                    if fresh and state.spec is None and not await self._join(client, state):
+                        # refused as stale: retrain on the newest model now, rather
+                        # than wait for the next change of round state
+                        state = await self._poll(client, None)
+                        continue
                 spec = state.spec
                 if (
                     spec is not None

@@ -151,11 +151,26 @@ class Coordinator:
         )
         self._roster_serial = workspace.roster.serial
         self.alerts: list[str] = []
+        self._report_model_problems()
         # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
         self.traffic: dict[tuple[int, int], list[int]] = {}
         self.live: _Live = self.resume()
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def alert(self, detail: str) -> None:
+        """Raise an operator alert: kept for the dashboard and written to the log."""
+        log.warning("event=alert detail=%r", detail)
+        self.alerts.append(detail)
+        self.trail.append("alert", {"detail": detail, "time": self.clock()})
+
+    def _report_model_problems(self) -> None:
+        latest = self.ws.models.latest()
+        for problem in self.ws.models.problems():
+            self.alert(
+                f"model version {problem.version} is unusable ({problem.reason}); "
+                f"serving the last good version {latest.version}"
+            )
 
     def _changed(self) -> None:
         self.token += 1
@@ -815,7 +830,7 @@ class Coordinator:
                 "round_aborted", {"round": live.round, "attempt": live.attempt, "detail": detail}
             )
             self.trail.sign_head()
-        self.alerts.append(f"round {live.round} attempt {live.attempt} aborted: {detail}")
+        self.alert(f"round {live.round} attempt {live.attempt} aborted: {detail}")
         self.live = self._open(live.round, live.attempt + 1, now)
         self._changed()
 
