@@ -376,6 +376,7 @@ class AgentRuntime:
         self.progress = progress
         self.poll_timeout_s = poll_timeout_s
         self.slowdown = slowdown  # simulations only: this member trains slowdown x slower
+        self._verified_roster: set[tuple[bytes, str, bytes, str]] = set()
         self.state_dir = Path(config.agent.state_dir)
         self.aggregator_public = config.agent.aggregator_public_key_bytes
         self.dataset_id = config.data.effective_dataset_id()
@@ -925,7 +926,11 @@ class AgentRuntime:
             log.warning("roster_admin_pinned key=%s file=%s", admin.hex(), pinned_path)
         roster: dict[str, bytes] = {}
         for entry in body.entries:
-            verify_roster_entry(entry, admin, federation_id)
+            # each entry is verified once; later rosters repeat mostly the same entries
+            seen = (admin, federation_id, entry.signed_bytes(federation_id), entry.admin_signature)
+            if seen not in self._verified_roster:
+                verify_roster_entry(entry, admin, federation_id)
+                self._verified_roster.add(seen)
             if entry.is_active and entry.role == role:
                 roster[entry.agent_id] = entry.public_key_bytes
         if role == "agent" and roster.get(self.member) != self.identity.public_bytes:
