@@ -182,3 +182,37 @@ async def test_challenges_must_follow_from_a_beacon_after_the_round(fed: Federat
             await agent_client.challenge(
                 wire.ChallengeRequest(1, 0, first.survivors[0], first.beacon_index, 1.0)
             )
+
+
+async def test_audit_check_judges_every_reveal_against_the_control_sample(
+    fed: Federation, tmp_path: Path
+) -> None:
+    from fedsec.audit.check import check_reveals
+    from fedsec.tasks import get_task
+
+    async with fed.client(fed.auditor) as client:
+        for req in draw_challenges(fed.log, rate=1.0):
+            await client.challenge(req)
+    for rt in fed.runtimes:
+        async with rt.make_client() as client:
+            await rt.answer_challenges(client, "fed")
+    async with fed.client(fed.auditor) as client:
+        reveals = (await client.reveals()).reveals
+    data = get_task("breast_cancer").load()
+    control = tmp_path / "control.npz"
+    np.savez(control, x=data.x_test, y=data.y_test)
+    forged = msgspec.structs.replace(reveals[0], sealed=reveals[1].sealed)  # someone else's
+    verdicts = check_reveals(fed.auditor, [*reveals[1:], forged], fed.log, fed.ws.root, control)
+    assert len(verdicts) == len(reveals)
+    by_key = {(v["member"], v["round"]): v for v in verdicts}
+    bad = by_key[(forged.member, forged.round)]
+    assert not bad["passed"] and bad["failed"] == ["commitment"]
+    for v in verdicts:
+        if v is not bad:
+            assert {"signal", "direction", "magnitude", "replay"} & set(v["scores"]) or v["failed"]
+
+    # a control sample with the wrong schema is refused, naming the file
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((4, 3), np.float32), y=np.zeros(4, np.int64))
+    with pytest.raises(Exception, match=r"wrong\.npz"):
+        check_reveals(fed.auditor, reveals[1:2], fed.log, fed.ws.root, wrong)

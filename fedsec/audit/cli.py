@@ -229,3 +229,61 @@ def report_cmd(
     click.echo(f"report written to {out}")
     click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
     sys.exit(0 if result.ok else 1)
+
+
+@audit.command("check")
+@click.option("--url", required=True, help="aggregator base URL")
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help="the auditor's identity key",
+)
+@click.option("--aggregator-key", required=True, help="aggregator public key (hex)")
+@click.option(
+    "--workspace",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="workspace holding the log and model store (or a copy)",
+)
+@click.option(
+    "--control-sample",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help=".npz with arrays x and y drawn from the task's distribution",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="write the verdicts as JSON (for `fedsec audit report --verdicts`)",
+)
+def check_cmd(
+    url: str,
+    key: Path,
+    aggregator_key: str,
+    workspace: Path,
+    control_sample: Path,
+    out: Path | None,
+) -> None:
+    """Open the reveals sealed to this auditor and judge each against the control sample."""
+    import asyncio
+
+    from fedsec.audit.check import check_reveals
+
+    ws = find_workspace(workspace)
+    identity, client = _auditor_client(url, key, aggregator_key)
+
+    async def fetch() -> Any:
+        try:
+            return (await client.reveals()).reveals
+        finally:
+            await client.close()
+
+    verdicts = check_reveals(identity, asyncio.run(fetch()), ws / LOG_FILE, ws, control_sample)
+    for v in verdicts:
+        status = "PASS" if v["passed"] else "FAIL " + ",".join(v["failed"])
+        click.echo(f"round {v['round']}.{v['attempt']} {v['member']}: {status}")
+    if out is not None:
+        out.write_text(json.dumps({"verdicts": verdicts}, indent=1))
+    sys.exit(0 if all(v["passed"] for v in verdicts) else 1)

@@ -1,0 +1,158 @@
+"""``fedsec audit check``: open the reveals sealed to this auditor and judge each update.
+
+For every reveal: open it with the auditor's key, check it against the commitment the
+member signed (from the transparency log), then run the control-sample checks of
+:mod:`fedsec.audit.control` against the global model the round started from (read from
+the model store and checked against the signed spec's sha256), the round's signed
+training settings and the member's signed privacy report (records and steps).
+A reveal that cannot be opened or does not match its commitment fails outright.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from fedsec import wire
+from fedsec.agent.training import DPParams
+from fedsec.audit.challenge import ClosedRound, closed_rounds, open_reveal_checked
+from fedsec.audit.control import (
+    MemberClaim,
+    Reference,
+    RevealedUpdate,
+    RoundTraining,
+    build_reference,
+    check_update,
+    load_control_sample,
+)
+from fedsec.audit.log import read_log
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import FedsecError, IntegrityError
+from fedsec.modelfile import decode_model
+from fedsec.tasks import TrainingParams, get_task
+from fedsec.tasks.params import arrays_to_state, flatten_params
+
+_MAX_MODEL_BYTES = 1 << 30
+
+
+@dataclass
+class _RoundContext:
+    closed: ClosedRound
+    training: RoundTraining
+    global_params: npt.NDArray[np.float32]
+
+
+def _reports(log_path: Path) -> dict[tuple[str, int, int], wire.PrivacyReport]:
+    out = {}
+    for entry in read_log(log_path):
+        if entry.kind == "privacy_report":
+            report = msgspec.convert(entry.body, wire.PrivacyReport)
+            out[(report.member, report.round, report.attempt)] = report
+    return out
+
+
+def _global_params(models_root: Path, closed: ClosedRound) -> npt.NDArray[np.float32]:
+    spec = closed.spec
+    data = (models_root / "models" / f"{spec.model_sha256}.safetensors").read_bytes()
+    if hashlib.sha256(data).hexdigest() != spec.model_sha256:
+        raise IntegrityError(f"model file of version {spec.model_version} does not match its hash")
+    model = get_task(spec.task).build_model(0)
+    arrays_to_state(model, decode_model(data, max_bytes=_MAX_MODEL_BYTES))
+    return flatten_params(model)
+
+
+def check_reveals(
+    auditor: SigningIdentity,
+    reveals: list[wire.Reveal],
+    log_path: Path,
+    models_root: Path,
+    control_sample: Path,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One verdict per reveal (see the module docstring)."""
+    rounds = closed_rounds(log_path)
+    reports = _reports(log_path)
+    contexts: dict[tuple[int, int], _RoundContext] = {}
+    references: dict[tuple[int, int, int], Reference] = {}
+    history: list[RevealedUpdate] = []
+    verdicts: list[dict[str, Any]] = []
+    for reveal in sorted(reveals, key=lambda r: (r.round, r.attempt, r.member)):
+        base = {"member": reveal.member, "round": reveal.round, "attempt": reveal.attempt}
+        try:
+            opened = open_reveal_checked(auditor, reveal, rounds)
+        except FedsecError as exc:
+            verdicts.append(
+                {
+                    **base,
+                    "passed": False,
+                    "failed": ["commitment"],
+                    "detail": exc.detail,
+                    "scores": {},
+                }
+            )
+            continue
+        key = (reveal.round, reveal.attempt)
+        if key not in contexts:
+            closed = rounds[key]
+            spec = closed.spec
+            task = get_task(spec.task)
+            training = RoundTraining(
+                TrainingParams(
+                    lr=spec.training.lr,
+                    batch_size=spec.training.batch_size,
+                    local_epochs=spec.training.local_epochs,
+                    optimizer=spec.training.optimizer,  # type: ignore[arg-type]
+                    momentum=task.defaults.momentum,
+                ),
+                (
+                    DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
+                    if spec.dp.enabled
+                    else None
+                ),
+                spec.clip_norm,
+            )
+            contexts[key] = _RoundContext(closed, training, _global_params(models_root, closed))
+        ctx = contexts[key]
+        spec = ctx.closed.spec
+        task = get_task(spec.task)
+        control = load_control_sample(control_sample, task)
+        report = reports.get((reveal.member, reveal.round, reveal.attempt))
+        if report is None:
+            verdicts.append(
+                {
+                    **base,
+                    "passed": False,
+                    "failed": ["claim"],
+                    "detail": "no signed privacy report for this round",
+                    "scores": {},
+                }
+            )
+            continue
+        claim = MemberClaim(reveal.member, reveal.round, report.samples, report.steps)
+        ref_key = (reveal.round, reveal.attempt, report.samples)
+        if ref_key not in references:
+            references[ref_key] = build_reference(
+                task, ctx.global_params, ctx.training, control, report.samples, reveal.round, seed
+            )
+        revealed = RevealedUpdate.from_quantized(
+            reveal.member, reveal.round, opened.quantized, spec.quant_spec()
+        )
+        verdict = check_update(
+            task, references[ref_key], ctx.training, claim, revealed, history, control
+        )
+        history.append(revealed)
+        verdicts.append(
+            {
+                **base,
+                "passed": verdict.passed,
+                "failed": list(verdict.failed),
+                "scores": {k: float(v) for k, v in verdict.scores.items()},
+            }
+        )
+    return verdicts
