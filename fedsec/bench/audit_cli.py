@@ -23,7 +23,7 @@ DEFAULT_ATTACKS = "zero,noise,replay,signflip,scale"
     help="comma list of zero, noise, replay, signflip, scale",
 )
 @click.option("--dp-epsilon", default=8.0, show_default=True, help="DP budget over all rounds")
-@click.option("--trials", default=3, show_default=True, help="federations with fresh seeds")
+@click.option("--trials", default=2, show_default=True, help="federations with fresh seeds")
 @click.option("--seed", default=0, show_default=True, help="first trial's seed")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_audit(

@@ -1,0 +1,197 @@
+"""Control-sample checks: an honest DP update passes; lazy, replayed and poisoned ones fail;
+a control sample file that does not fit the task is refused with the difference named."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedsec.agent.training import DPParams, plan_round, train_local
+from fedsec.audit.control import (
+    MemberClaim,
+    Reference,
+    RevealedUpdate,
+    RoundTraining,
+    Verdict,
+    build_reference,
+    check_update,
+    load_control_sample,
+)
+from fedsec.crypto.quantize import QuantSpec, quantize
+from fedsec.errors import TaskMismatch
+from fedsec.tasks import get_task
+from fedsec.tasks.base import Task, TrainingParams
+from fedsec.tasks.params import flatten_params, load_flat_params
+
+TASK = get_task("mnist1d")
+PARAMS = TrainingParams(lr=0.05, batch_size=20, local_epochs=3, optimizer="sgd")
+# Less noise and more records than the benchmark, so a single fixed-seed update carries
+# an unmistakable signal and the test does not sit near a threshold.
+DP = DPParams(noise_multiplier=0.6, max_grad_norm=1.0, delta=1e-5)
+SAMPLES = 400
+
+
+@dataclass(frozen=True)
+class Setup:
+    task: Task
+    training: RoundTraining
+    spec: QuantSpec
+    reference: Reference
+    control: tuple[np.ndarray, np.ndarray]
+    honest: np.ndarray
+    claim: MemberClaim
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = TASK.load()
+        control = (data.x_test[:400], data.y_test[:400])
+        global_params = flatten_params(TASK.build_model(0))
+        model = TASK.build_model(0)
+        train_local(model, data.x_train[:SAMPLES], data.y_train[:SAMPLES], PARAMS, DP, "cpu", 1)
+        honest = flatten_params(model) - global_params
+        clip = 2.5 * float(np.linalg.norm(honest))
+        training = RoundTraining(PARAMS, DP, clip)
+        reference = build_reference(TASK, global_params, training, control, SAMPLES, 2, seed=7)
+        steps = plan_round(SAMPLES, PARAMS)[1]
+        yield Setup(
+            TASK,
+            training,
+            QuantSpec(8, clip, 12),
+            reference,
+            control,
+            honest,
+            MemberClaim("alice", 2, SAMPLES, steps),
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reveal(s: Setup, delta: np.ndarray, round: int = 2, weight: float = 1.0) -> RevealedUpdate:
+    q = quantize(delta, weight, s.spec, os.urandom(32))
+    return RevealedUpdate.from_quantized("alice", round, q, s.spec)
+
+
+def _check(
+    s: Setup, revealed: RevealedUpdate, history: list[RevealedUpdate] | None = None
+) -> Verdict:
+    return check_update(
+        s.task, s.reference, s.training, s.claim, revealed, history or [], s.control
+    )
+
+
+def test_honest_update_passes(setup: Setup) -> None:
+    verdict = _check(setup, _reveal(setup, setup.honest, weight=0.8))
+    assert verdict.passed, verdict
+    assert verdict.failed == ()
+    assert verdict.scores["z_direction"] > 0
+    assert 0.8 < verdict.scores["norm_ratio"] < 1.25
+
+
+def test_zero_update_fails(setup: Setup) -> None:
+    verdict = _check(setup, _reveal(setup, np.zeros_like(setup.honest)))
+    assert not verdict.passed
+    assert "signal" in verdict.failed and "magnitude" in verdict.failed
+
+
+def test_noise_update_fails(setup: Setup) -> None:
+    z = np.random.default_rng(3).standard_normal(setup.honest.size)
+    noise = z * (np.linalg.norm(setup.honest) / np.linalg.norm(z))
+    verdict = _check(setup, _reveal(setup, noise))
+    assert "signal" in verdict.failed
+
+
+def test_signflip_fails(setup: Setup) -> None:
+    verdict = _check(setup, _reveal(setup, -setup.honest))
+    assert "direction" in verdict.failed
+
+
+def test_scaled_update_fails_after_clipping(setup: Setup) -> None:
+    verdict = _check(setup, _reveal(setup, 10 * setup.honest))
+    assert verdict.failed == ("magnitude",)
+    assert verdict.scores["norm_ratio"] > 2.0  # clipped to C = 2.5x the honest norm
+
+
+def test_replay_fails(setup: Setup) -> None:
+    earlier = _reveal(setup, setup.honest, round=1)
+    verdict = _check(setup, _reveal(setup, setup.honest), [earlier])
+    assert verdict.failed == ("replay",)
+    assert verdict.scores["replay_cosine"] > 0.5
+    # the same update from a *later* round is not evidence of a replay
+    later = replace(earlier, round=3)
+    assert _check(setup, _reveal(setup, setup.honest), [later]).passed
+
+
+def test_wrong_claim_and_zero_weight_fail(setup: Setup) -> None:
+    lying = replace(setup.claim, steps=setup.claim.steps + 1)
+    verdict = check_update(
+        setup.task, setup.reference, setup.training, lying, _reveal(setup, setup.honest)
+    )
+    assert verdict.failed == ("claim",)
+    weightless = _reveal(setup, setup.honest, weight=0.0)
+    assert "weight" in _check(setup, weightless).failed
+
+
+def test_reference_is_unchanged_by_checks(setup: Setup) -> None:
+    before = setup.reference.global_params.copy()
+    _check(setup, _reveal(setup, -setup.honest))
+    assert np.array_equal(before, setup.reference.global_params)
+    model = TASK.build_model(0)
+    load_flat_params(model, before)  # still a valid parameter vector
+
+
+# --- control sample files ------------------------------------------------------------
+
+
+def test_load_control_sample(tmp_path: Path) -> None:
+    path = tmp_path / "control.npz"
+    x = np.zeros((5, 1, 40), dtype=np.float64)
+    y = np.array([0, 1, 2, 3, 9], dtype=np.int32)
+    np.savez(path, x=x, y=y)
+    cx, cy = load_control_sample(path, TASK)
+    assert cx.dtype == np.float32 and cy.dtype == np.int64
+    assert cx.shape == (5, 1, 40) and list(cy) == [0, 1, 2, 3, 9]
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"x": np.zeros((5, 1, 40), np.float32)}, r"lacks array\(s\) \['y'\]"),
+        ({"x": np.zeros((5, 40), np.float32), "y": np.zeros(5, np.int64)}, "x has shape"),
+        ({"x": np.zeros((5, 1, 40), np.float32), "y": np.zeros(4, np.int64)}, "y has shape"),
+        ({"x": np.zeros((2, 1, 40), np.float32), "y": np.array([0, 10])}, r"labels span 0\.\.10"),
+        ({"x": np.zeros((2, 1, 40), np.int64), "y": np.array([0, 1])}, "x has dtype int64"),
+        ({"x": np.zeros((2, 1, 40), np.float32), "y": np.array([0.0, 1.0])}, "y has dtype"),
+        ({"x": np.full((2, 1, 40), np.nan, np.float32), "y": np.array([0, 1])}, "NaN"),
+    ],
+)
+def test_control_sample_mismatch_refused(
+    tmp_path: Path, arrays: dict[str, np.ndarray], message: str
+) -> None:
+    path = tmp_path / "control.npz"
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    with pytest.raises(TaskMismatch, match=message) as info:
+        load_control_sample(path, TASK)
+    assert str(path) in info.value.detail
+
+
+def test_control_sample_with_pickled_objects_refused(tmp_path: Path) -> None:
+    path = tmp_path / "control.npz"
+    np.savez(path, x=np.array([{"a": 1}], dtype=object), y=np.array([0]))
+    with pytest.raises(TaskMismatch, match="without pickles"):
+        load_control_sample(path, TASK)
+
+
+def test_control_sample_not_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "missing.npz"
+    with pytest.raises(TaskMismatch, match=r"missing\.npz"):
+        load_control_sample(path, TASK)
