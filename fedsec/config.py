@@ -15,9 +15,7 @@ configuration means the same thing whatever directory a service is started from.
 from __future__ import annotations
 
 import math
-import os
 import re
-import secrets
 import tomllib
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from fedsec.errors import ConfigError
+from fedsec.fsio import atomic_write
 
 # Identifiers appear in URLs, file names and log lines: keep them to a safe alphabet.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -657,18 +656,7 @@ def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(Path(path), text.encode("utf-8"), parents_mode=0o755)
 
 
 def dump_federation_config(cfg: FederationConfig, path: Path) -> None:

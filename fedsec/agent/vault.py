@@ -21,7 +21,6 @@ so a crash leaves the previous file or the new one, never a torn one.
 from __future__ import annotations
 
 import io
-import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from fedsec import fsio
 from fedsec.errors import IntegrityError
 from fedsec.wire import Receipt
 
@@ -82,24 +82,8 @@ def _stem(round: int, attempt: int) -> str:
 
 
 def atomic_write(path: Path, body: bytes, mode: int = 0o600) -> None:
-    """Write ``body`` to ``path`` durably with ``mode``: temp file, fsync, rename, fsync dir."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Durable write inside the vault (private directories, 0600 files by default)."""
+    fsio.atomic_write(path, body, mode=mode, parents_mode=0o700)
 
 
 class Vault:

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedsec.aggregator.modelstore import ModelStore, atomic_write
+from fedsec.aggregator.modelstore import ModelStore
 from fedsec.aggregator.roster import Roster
 from fedsec.aggregator.state import StateStore
 from fedsec.audit.archive import Archive
 from fedsec.audit.log import GENESIS_PREV, LogEntry, head_body, make_entry
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.fsio import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy.typing as npt
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import FedsecError, IntegrityError, NotFound
+from fedsec.fsio import TMP_MARK, atomic_write
 from fedsec.modelfile import (
     ManifestKind,
     ModelManifest,
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 _MANIFEST_NAME = re.compile(r"^(\d{8})\.json$")
 # Temporary files are dot-files so no reader ever mistakes one for a finished file.
-_TMP_MARK = ".tmp-"
 
 
 @dataclass(frozen=True)
@@ -56,34 +55,6 @@ class StoreProblem:
 
     version: int
     reason: str
-
-
-def atomic_write(path: Path, body: bytes, *, mode: int = 0o644) -> None:
-    """Write ``body`` to ``path`` durably: temp file, fsync, rename, fsync directory.
-
-    Replaces an existing file.  On any failure the temp file is removed.
-    """
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ModelStore:
@@ -348,6 +319,6 @@ class ModelStore:
     def _remove_leftover_tmp_files(self) -> None:
         for directory in (self.models_dir, self.manifests_dir):
             for entry in os.scandir(directory):
-                if entry.name.startswith(".") and _TMP_MARK in entry.name:
+                if entry.name.startswith(".") and TMP_MARK in entry.name:
                     log.info("leftover_tmp_removed path=%s", entry.path)
                     Path(entry.path).unlink(missing_ok=True)

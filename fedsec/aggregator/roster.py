@@ -32,10 +32,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from fedsec.aggregator.modelstore import atomic_write
 from fedsec.config import ID_PATTERN
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json, key_id
 from fedsec.errors import ConfigError, FedsecError, IntegrityError, NotFound, SignatureError
+from fedsec.fsio import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -205,8 +205,8 @@ def report_cmd(
     out: Path,
 ) -> None:
     """Verify the log and write a one-file HTML report; exit 0 only if verification holds."""
-    from fedsec.aggregator.modelstore import atomic_write
     from fedsec.audit.report import build_report
+    from fedsec.fsio import atomic_write
 
     if workspace is not None:
         ws = find_workspace(workspace)

@@ -1,0 +1,52 @@
+"""Durable, atomic file writes shared by every part of fedsec.
+
+A write goes to a hidden temp file beside the target, is fsynced, renamed over the
+target and the directory is fsynced, so a crash at any point leaves either the old
+file or the new one, never a torn one.  Leftover temp files carry :data:`TMP_MARK`
+in their name so stores can clean them up at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: Path, body: bytes, *, mode: int = 0o644, parents_mode: int | None = None
+) -> None:
+    """Write ``body`` to ``path`` durably with permission ``mode``, replacing any file.
+
+    Args:
+        parents_mode: create missing parent directories with this mode (None: they must
+            exist).
+
+    On any failure the temp file is removed and the old file is untouched.
+    """
+    path = Path(path)
+    if parents_mode is not None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=parents_mode)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
