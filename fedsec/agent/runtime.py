@@ -709,10 +709,10 @@ class AgentRuntime:
                 )
             else:
                 receipt, current = await self._plain_round(client, state, spec, contribution)
+            if spec.mode == "buffered":
+                self._update = None  # consumed: the next buffer gets a freshly trained update
             final = await self._wait_for(client, current, ("closed",))
             log.info("round_closed round=%d attempt=%d", r, a)
-            if spec.mode == "buffered":
-                self._update = None  # contributed: the next buffer gets a fresh update
             return _with(base, "closed", receipt), final
         except _AttemptOver as over:
             receipt = self._receipts.get((r, a))
