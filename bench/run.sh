@@ -28,3 +28,12 @@ echo "== simulate mnist1d, 50 agents, Dirichlet 0.5, SecAgg+"
 $SIM --partition dirichlet:0.5 --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, IID, SecAgg+, DP epsilon 8"
 $SIM --partition iid --secure-sum secagg --dp-epsilon 8 | tee -a "$out/simulate.jsonl"
+echo "== audit detection (control-sample checks), epsilon 8 and 3"
+for eps in 8 3; do
+  $FEDSEC bench audit --task mnist1d --agents 20 --rounds 5 --bad 0.2 \
+    --attacks zero,noise,replay,signflip,scale --dp-epsilon $eps --json | tee -a "$out/audit.jsonl"
+done
+echo "== chaos: aggregator killed at every stage, compared with an uninterrupted run"
+$FEDSEC bench chaos --agents 6 --rounds 5 --json | tee -a "$out/chaos.jsonl"
+echo "== async: buffered vs synchronous rounds, 20% of members 10x slower"
+$FEDSEC bench async --json | tee -a "$out/async.jsonl"
