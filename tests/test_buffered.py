@@ -19,9 +19,8 @@ from fedsec.audit.verify import verify_log
 from fedsec.errors import PayloadError, StaleUpdate
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
 
-pytestmark = pytest.mark.asyncio
 
-
+@pytest.mark.asyncio
 async def test_buffered_rounds_take_the_first_k_and_weight_stale_updates(tmp_path: Path) -> None:
     text = federation_toml(
         "buf",
