@@ -682,10 +682,12 @@ class AgentRuntime:
         model = local.task.build_model(0)
         check_spec_task(spec, local.task, param_count(model))
         weight = member_weight(local.samples, spec, self.member)
-        if spec.mode == "buffered":
-            # FedBuff: a stale update counts less, (1 + τ)^-½; applied before masking since
-            # the aggregator only ever sees sums
-            weight *= (1.0 + spec.staleness.get(self.member, 0)) ** -0.5
+        # FedBuff: a stale update counts less, s(τ) = (1 + τ)^-½.  It scales the update,
+        # not the weight: the aggregator divides by Σ w, which would cancel a discount
+        # shared by the whole buffer.  Applied here since the aggregator sees only sums.
+        discount = (
+            (1.0 + spec.staleness.get(self.member, 0)) ** -0.5 if spec.mode == "buffered" else 1.0
+        )
         base = RoundOutcome(r, a, "dropped", spec.model_version, samples=local.samples)
         receipt: Receipt | None = None
         try:
@@ -701,7 +703,7 @@ class AgentRuntime:
             )
             await self._report(client, spec, local, trained)
             rounding = deterministic_bytes(self.member, spec.round, "rounding") or os.urandom(32)
-            q = quantize(trained.delta, weight, spec.quant_spec(), rounding)
+            q = quantize(trained.delta * np.float32(discount), weight, spec.quant_spec(), rounding)
             contribution = _Contribution(trained, local.samples, weight, q)
             if session is not None:
                 receipt, current = await self._secagg_round(

@@ -32,6 +32,8 @@ async def run_async_bench(
     slowdown: float = 10.0,
     target_accuracy: float = 0.75,
     seed: int = 0,
+    local_epochs: int = 2,
+    buffered_server_lr: float = 1.0,
 ) -> dict[str, Any]:
     base = SimulationSpec(
         task=task,
@@ -43,6 +45,7 @@ async def run_async_bench(
         target_accuracy=target_accuracy,
         seed=seed,
         baseline=False,
+        local_epochs=local_epochs,
     )
     sync = await run_simulation(replace(base, mode="sync"))
     buffered = await run_simulation(
@@ -52,6 +55,8 @@ async def run_async_bench(
             mode="buffered",
             buffer_size=buffer_size,
             max_staleness=max_staleness,
+            # consecutive buffers build on nearly the same base: a full step each overshoots
+            server_lr=buffered_server_lr,
         )
     )
     t_sync, t_buf = sync["time_to_target_s"], buffered["time_to_target_s"]
@@ -64,6 +69,8 @@ async def run_async_bench(
             "slowdown": slowdown,
             "buffer_size": buffer_size,
             "max_staleness": max_staleness,
+            "local_epochs": local_epochs,
+            "buffered_server_lr": buffered_server_lr,
             "target_accuracy": target_accuracy,
             "sync_rounds": sync["rounds"],
             "buffered_versions": buffered["rounds"],
@@ -91,6 +98,8 @@ async def run_async_bench(
 @click.option("--slowdown", default=10.0, show_default=True)
 @click.option("--target-accuracy", default=0.75, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--local-epochs", default=2, show_default=True)
+@click.option("--buffered-server-lr", default=1.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_async(
     task: str,
@@ -102,6 +111,8 @@ def bench_async(
     slowdown: float,
     target_accuracy: float,
     seed: int,
+    local_epochs: int,
+    buffered_server_lr: float,
     as_json: bool,
 ) -> None:
     """Buffered vs synchronous rounds with slow members: time to a target accuracy."""
@@ -116,6 +127,8 @@ def bench_async(
             slowdown,
             target_accuracy,
             seed,
+            local_epochs,
+            buffered_server_lr,
         )
     )
     click.echo(json.dumps(result))
