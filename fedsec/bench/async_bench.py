@@ -25,12 +25,12 @@ from fedsec.simulation import SimulationSpec, run_simulation
 async def run_async_bench(
     task: str = "mnist1d",
     agents: int = 20,
-    rounds: int = 20,
+    rounds: int = 25,
     buffer_size: int = 8,
     max_staleness: int = 4,
     slow_fraction: float = 0.2,
     slowdown: float = 10.0,
-    target_accuracy: float = 0.75,
+    target_accuracy: float = 0.7,
     seed: int = 0,
     local_epochs: int = 2,
     buffered_server_lr: float = 1.0,
@@ -91,12 +91,12 @@ async def run_async_bench(
 @click.command()
 @click.option("--task", default="mnist1d", show_default=True)
 @click.option("--agents", default=20, show_default=True)
-@click.option("--rounds", default=20, show_default=True, help="synchronous rounds")
+@click.option("--rounds", default=25, show_default=True, help="synchronous rounds")
 @click.option("--buffer-size", default=8, show_default=True, help="K")
 @click.option("--max-staleness", default=4, show_default=True, help="S")
 @click.option("--slow-fraction", default=0.2, show_default=True)
 @click.option("--slowdown", default=10.0, show_default=True)
-@click.option("--target-accuracy", default=0.75, show_default=True)
+@click.option("--target-accuracy", default=0.7, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--local-epochs", default=2, show_default=True)
 @click.option("--buffered-server-lr", default=1.0, show_default=True)
