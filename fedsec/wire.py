@@ -48,6 +48,14 @@ import msgspec
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
 from fedsec.crypto.quantize import QuantSpec
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    MaskedInput,
+    ServerSession,
+    ShareKeys,
+    UnmaskResponse,
+)
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
 
@@ -439,6 +447,57 @@ class ErrorBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 T = TypeVar("T")
+
+
+# -- wire bodies -> SecAgg+ messages ------------------------------------------------------------
+
+
+def advertise_message(member: str, body: AdvertiseKeysBody) -> AdvertiseKeys:
+    return AdvertiseKeys(
+        member,
+        unhex(body.enc_public, "enc_public", 32),
+        unhex(body.mask_public, "mask_public", 32),
+        unhex(body.signature, "signature", 64),
+    )
+
+
+def share_keys_message(member: str, body: ShareKeysBody) -> ShareKeys:
+    return ShareKeys(
+        member,
+        tuple(
+            EncryptedShare(member, s.recipient, unhex(s.ciphertext, "share ciphertext"))
+            for s in body.shares
+        ),
+    )
+
+
+def unmask_message(member: str, body: UnmaskResponseBody) -> UnmaskResponse:
+    return UnmaskResponse(
+        member,
+        tuple((m, unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
+        tuple((m, unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
+    )
+
+
+def feed_accepted(session: ServerSession, stage: str, member: str, raw: bytes) -> None:
+    """Feed a message accepted earlier (as stored or archived: JSON body, or the raw
+    vector for ``masked_input``) back into ``session``: resume and re-aggregation."""
+    if stage == "advertise":
+        session.receive_advertise(
+            advertise_message(member, msgspec.json.decode(raw, type=AdvertiseKeysBody))
+        )
+    elif stage == "share_keys":
+        session.receive_share_keys(
+            share_keys_message(member, msgspec.json.decode(raw, type=ShareKeysBody))
+        )
+    elif stage == "masked_input":
+        session.receive_masked_input(MaskedInput(member, raw))
+    elif stage == "unmask":
+        session.receive_unmask(
+            unmask_message(member, msgspec.json.decode(raw, type=UnmaskResponseBody))
+        )
+    else:
+        raise ValueError(f"unknown SecAgg+ stage {stage!r}")
 
 
 def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:

@@ -42,13 +42,9 @@ from fedsec.aggregator.optimizers import ServerOptimizer, make_optimizer
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.quantize import default_ring_bits, dequantize_one, unpack
 from fedsec.crypto.secagg import (
-    AdvertiseKeys,
-    EncryptedShare,
     MaskedInput,
     ServerSession,
-    ShareKeys,
     ShareRelay,
-    UnmaskResponse,
     default_neighbors,
 )
 from fedsec.crypto.secagg.graph import default_threshold
@@ -480,7 +476,7 @@ class Coordinator:
         self._in_cohort(live, member)
         if self._idempotent(live, "advertise", member, raw):
             return
-        msg = _advertise_from_wire(member, body)
+        msg = wire.advertise_message(member, body)
         assert live.session is not None
         live.session.receive_advertise(msg)
         self._record(live, "advertise", member, raw)
@@ -537,13 +533,7 @@ class Coordinator:
         live = self._expect(member, round_, attempt, "share_keys")
         if self._idempotent(live, "share_keys", member, raw):
             return
-        msg = ShareKeys(
-            member,
-            tuple(
-                EncryptedShare(member, s.recipient, wire.unhex(s.ciphertext, "share ciphertext"))
-                for s in body.shares
-            ),
-        )
+        msg = wire.share_keys_message(member, body)
         assert live.session is not None
         live.session.receive_share_keys(msg)
         self._record(live, "share_keys", member, raw)
@@ -686,7 +676,7 @@ class Coordinator:
         live = self._expect(member, round_, attempt, "unmask")
         if self._idempotent(live, "unmask", member, raw):
             return
-        msg = _unmask_from_wire(member, body)
+        msg = wire.unmask_message(member, body)
         assert live.session is not None
         live.session.receive_unmask(msg)
         self._record(live, "unmask", member, raw)
@@ -1083,55 +1073,12 @@ class Coordinator:
         self, live: _Live, spec: wire.RoundSpec, stage: str, member: str, body: bytes
     ) -> None:
         try:
-            if stage == "masked_input":
-                if live.session is not None:
-                    live.session.receive_masked_input(MaskedInput(member, body))
-                else:
-                    self._add_plain(live, spec, member, body)
-                return
-            assert live.session is not None
-            if stage == "advertise":
-                live.session.receive_advertise(
-                    _advertise_from_wire(
-                        member, msgspec.json.decode(body, type=wire.AdvertiseKeysBody)
-                    )
-                )
-            elif stage == "share_keys":
-                parsed = msgspec.json.decode(body, type=wire.ShareKeysBody)
-                live.session.receive_share_keys(
-                    ShareKeys(
-                        member,
-                        tuple(
-                            EncryptedShare(member, s.recipient, bytes.fromhex(s.ciphertext))
-                            for s in parsed.shares
-                        ),
-                    )
-                )
-            elif stage == "unmask":
-                live.session.receive_unmask(
-                    _unmask_from_wire(
-                        member, msgspec.json.decode(body, type=wire.UnmaskResponseBody)
-                    )
-                )
+            if live.session is not None:
+                wire.feed_accepted(live.session, stage, member, body)
+            elif stage == "masked_input":
+                self._add_plain(live, spec, member, body)
         except FedsecError as exc:  # pragma: no cover - stored messages were accepted once
             raise ProtocolError(
                 f"state database holds a {stage} message from {member} that no longer "
                 f"verifies: {exc.detail}"
             ) from None
-
-
-def _advertise_from_wire(member: str, body: wire.AdvertiseKeysBody) -> AdvertiseKeys:
-    return AdvertiseKeys(
-        member,
-        wire.unhex(body.enc_public, "enc_public", 32),
-        wire.unhex(body.mask_public, "mask_public", 32),
-        wire.unhex(body.signature, "signature", 64),
-    )
-
-
-def _unmask_from_wire(member: str, body: wire.UnmaskResponseBody) -> UnmaskResponse:
-    return UnmaskResponse(
-        member,
-        tuple((m, wire.unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
-        tuple((m, wire.unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
-    )

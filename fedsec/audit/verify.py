@@ -45,12 +45,7 @@ from fedsec.audit.archive import Archive
 from fedsec.audit.log import LogEntry, read_log, verify_head
 from fedsec.crypto.quantize import dequantize_one
 from fedsec.crypto.secagg import (
-    AdvertiseKeys,
-    EncryptedShare,
-    MaskedInput,
     ServerSession,
-    ShareKeys,
-    UnmaskResponse,
 )
 from fedsec.errors import FedsecError, IntegrityError
 from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
@@ -326,7 +321,7 @@ class Verifier:
                 _close(session, order[current])
                 current += 1
             raw = self.archive.get(digest)
-            _feed(session, stage, member, raw)
+            wire.feed_accepted(session, stage, member, raw)
         while current < len(order) - 1:
             _close(session, order[current])
             current += 1
@@ -451,41 +446,6 @@ def _close(session: ServerSession, stage: str) -> None:
         session.close_share_keys()
     elif stage == "masked_input":
         session.close_masked_input()
-
-
-def _feed(session: ServerSession, stage: str, member: str, raw: bytes) -> None:
-    if stage == "advertise":
-        body = msgspec.json.decode(raw, type=wire.AdvertiseKeysBody)
-        session.receive_advertise(
-            AdvertiseKeys(
-                member,
-                bytes.fromhex(body.enc_public),
-                bytes.fromhex(body.mask_public),
-                bytes.fromhex(body.signature),
-            )
-        )
-    elif stage == "share_keys":
-        shares = msgspec.json.decode(raw, type=wire.ShareKeysBody)
-        session.receive_share_keys(
-            ShareKeys(
-                member,
-                tuple(
-                    EncryptedShare(member, s.recipient, bytes.fromhex(s.ciphertext))
-                    for s in shares.shares
-                ),
-            )
-        )
-    elif stage == "masked_input":
-        session.receive_masked_input(MaskedInput(member, raw))
-    elif stage == "unmask":
-        body_u = msgspec.json.decode(raw, type=wire.UnmaskResponseBody)
-        session.receive_unmask(
-            UnmaskResponse(
-                member,
-                tuple((m, bytes.fromhex(s)) for m, s in sorted(body_u.seed_shares.items())),
-                tuple((m, bytes.fromhex(s)) for m, s in sorted(body_u.key_shares.items())),
-            )
-        )
 
 
 def verify_log(
