@@ -42,7 +42,7 @@ Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -92,12 +92,41 @@ class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     delta: float
 
 
-class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+S = TypeVar("S", bound="_Signed")
+
+
+class _Signed(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """An object that stays verifiable after its request: Ed25519 over its canonical JSON
+    without the ``signature`` field, in a domain of its own (``DOMAIN``).  Fields holding
+    their default are omitted, so adding an optional field later keeps old signatures
+    valid."""
+
+    DOMAIN: ClassVar[str] = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = msgspec.to_builtins(self)
+        fields.pop("signature", None)
+        return canonical_json(fields)
+
+    def sign(self: S, signer: SigningIdentity) -> S:
+        return msgspec.structs.replace(
+            self, signature=signer.sign(self.DOMAIN, self.signed_bytes()).hex()
+        )
+
+    def verify(self, public_key: bytes) -> None:
+        """Raises SignatureError unless signed by ``public_key`` (PayloadError: not hex)."""
+        signature = _unhex(str(getattr(self, "signature", "")), "signature")
+        PublicIdentity(public_key).verify(self.DOMAIN, self.signed_bytes(), signature)
+
+
+class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The signed contract of one round attempt; fixed when the cohort is.
 
     Signed objects omit fields that hold their default, so adding an optional field
     later leaves every earlier signature valid.
     """
+
+    DOMAIN: ClassVar[str] = ROUND_SPEC_DOMAIN
 
     federation_id: str
     round: int
@@ -127,11 +156,6 @@ class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     # the member scales its weight by (1 + τ)^-½ before masking
     staleness: dict[str, int] = msgspec.field(default_factory=dict)
 
-    def signed_bytes(self) -> bytes:
-        fields = msgspec.to_builtins(self)
-        fields.pop("signature", None)
-        return canonical_json(fields)
-
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
         return QuantSpec(self.quant_bits, self.clip_norm, self.ring_bits)
@@ -154,17 +178,6 @@ class RoundSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
             quant=self.quant_spec(),
             dim=self.dim,
             seed=unhex(self.seed, "round seed", 32),
-        )
-
-    def sign(self, signer: SigningIdentity) -> RoundSpec:
-        return msgspec.structs.replace(
-            self, signature=signer.sign(ROUND_SPEC_DOMAIN, self.signed_bytes()).hex()
-        )
-
-    def verify(self, aggregator_public: bytes) -> None:
-        """Raises SignatureError when the spec was not signed by the aggregator."""
-        PublicIdentity(aggregator_public).verify(
-            ROUND_SPEC_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
         )
 
 
@@ -199,8 +212,10 @@ class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detail: str
 
 
-class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The agent's signed account of the privacy it spends in this round."""
+
+    DOMAIN: ClassVar[str] = PRIVACY_REPORT_DOMAIN
 
     federation_id: str
     round: int
@@ -217,21 +232,6 @@ class PrivacyReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omi
     # the round whose training this reports (buffered members train before the round
     # they contribute to; a retried attempt reuses its training); -1 = ``round``
     trained_round: int = -1
-
-    def signed_bytes(self) -> bytes:
-        fields = msgspec.to_builtins(self)
-        fields.pop("signature", None)
-        return canonical_json(fields)
-
-    def sign(self, signer: SigningIdentity) -> PrivacyReport:
-        return msgspec.structs.replace(
-            self, signature=signer.sign(PRIVACY_REPORT_DOMAIN, self.signed_bytes()).hex()
-        )
-
-    def verify(self, member_public: bytes) -> None:
-        PublicIdentity(member_public).verify(
-            PRIVACY_REPORT_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
-        )
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -280,9 +280,7 @@ class UnmaskResponseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     key_shares: dict[str, str]
 
 
-class ContributionStatement(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
-):
+class ContributionStatement(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A member's signed statement of what it contributed to a round attempt.
 
     Binds the exact bytes uploaded (``vector_sha256``) to the commitment
@@ -290,6 +288,8 @@ class ContributionStatement(
     ``commitment`` and ``signature`` query parameters of the masked-input upload
     (covered by the request signature) and written into the transparency log.
     """
+
+    DOMAIN: ClassVar[str] = CONTRIBUTION_DOMAIN
 
     federation_id: str
     round: int
@@ -299,26 +299,16 @@ class ContributionStatement(
     commitment: str
     signature: str = ""
 
-    def signed_bytes(self) -> bytes:
-        fields = msgspec.to_builtins(self)
-        fields.pop("signature", None)
-        return canonical_json(fields)
-
-    def sign(self, signer: SigningIdentity) -> ContributionStatement:
-        return msgspec.structs.replace(
-            self, signature=signer.sign(CONTRIBUTION_DOMAIN, self.signed_bytes()).hex()
-        )
-
-    def verify(self, member_public: bytes) -> None:
+    def verify(self, public_key: bytes) -> None:
         """Raises SignatureError (or PayloadError for a malformed commitment)."""
         unhex(self.commitment, "commitment", 32)
-        PublicIdentity(member_public).verify(
-            CONTRIBUTION_DOMAIN, self.signed_bytes(), unhex(self.signature, "signature", 64)
-        )
+        super().verify(public_key)
 
 
-class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+class Receipt(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The aggregator's signed acknowledgement that a contribution was accepted."""
+
+    DOMAIN: ClassVar[str] = RECEIPT_DOMAIN
 
     federation_id: str
     round: int
@@ -328,21 +318,6 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     log_index: int
     issued_at: float
     signature: str = ""
-
-    def signed_bytes(self) -> bytes:
-        fields = msgspec.to_builtins(self)
-        fields.pop("signature", None)
-        return canonical_json(fields)
-
-    def sign(self, signer: SigningIdentity) -> Receipt:
-        return msgspec.structs.replace(
-            self, signature=signer.sign(RECEIPT_DOMAIN, self.signed_bytes()).hex()
-        )
-
-    def verify(self, aggregator_public: bytes) -> None:
-        PublicIdentity(aggregator_public).verify(
-            RECEIPT_DOMAIN, self.signed_bytes(), _unhex(self.signature, "signature")
-        )
 
 
 class ChallengeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
