@@ -248,6 +248,7 @@ def demo(
     )
     click.echo(f"agents: {root}/agent-*/ (identity, privacy ledger, receipts, vault)")
     click.echo(f"logs:   {logs}")
+    click.echo(f"audit:  fedsec audit verify --workspace {root}   (and: fedsec audit report)")
 
 
 # -- simulate ------------------------------------------------------------------------------------
