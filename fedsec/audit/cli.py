@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from fedsec.errors import ConfigError
+
+F = TypeVar("F", bound=Any)
 
 LOG_FILE = Path("audit/log.jsonl")
 ARCHIVE_DIR = Path("audit/archive")
@@ -35,33 +37,66 @@ def _receipt_files(dirs: tuple[Path, ...]) -> list[Path]:
     return files
 
 
+def _record_options(fn: F) -> F:
+    """The options naming a federation's records (shared by verify and report)."""
+    for option in reversed(
+        (
+            click.option(
+                "--log", "log_path", type=click.Path(path_type=Path, exists=True, dir_okay=False)
+            ),
+            click.option("--archive", type=click.Path(path_type=Path, file_okay=False)),
+            click.option(
+                "--models",
+                type=click.Path(path_type=Path, file_okay=False),
+                help="aggregator workspace holding models/ (to re-derive model versions)",
+            ),
+            click.option(
+                "--workspace",
+                type=click.Path(path_type=Path, exists=True, file_okay=False),
+                help="aggregator (or demo) workspace: finds log, archive, models",
+            ),
+            click.option(
+                "--receipts",
+                type=click.Path(path_type=Path, exists=True),
+                multiple=True,
+                help="receipt files or directories (repeatable)",
+            ),
+            click.option("--aggregator-key", help="pin the aggregator's public key (hex)"),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _records(
+    log_path: Path | None,
+    archive: Path | None,
+    models: Path | None,
+    workspace: Path | None,
+    aggregator_key: str | None,
+) -> tuple[Path, Path | None, Path | None, bytes | None]:
+    """Resolve the record options: a workspace fills in whatever was not given."""
+    if workspace is not None:
+        ws = find_workspace(workspace)
+        log_path = log_path or ws / LOG_FILE
+        archive = archive or ws / ARCHIVE_DIR
+        models = models or ws
+    if log_path is None:
+        raise ConfigError("give --log PATH or --workspace DIR")
+    try:
+        pinned = bytes.fromhex(aggregator_key) if aggregator_key else None
+    except ValueError:
+        raise ConfigError("--aggregator-key must be hex") from None
+    return log_path, archive, models, pinned
+
+
 @click.group()
 def audit() -> None:
     """Compliance side: verify the log, challenge members, report."""
 
 
 @audit.command("verify")
-@click.option("--log", "log_path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--archive", type=click.Path(path_type=Path, file_okay=False), default=None)
-@click.option(
-    "--models",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="aggregator workspace holding models/ (to re-derive model versions)",
-)
-@click.option(
-    "--workspace",
-    type=click.Path(path_type=Path, exists=True, file_okay=False),
-    default=None,
-    help="aggregator (or demo) workspace: finds log, archive, models",
-)
-@click.option(
-    "--receipts",
-    type=click.Path(path_type=Path, exists=True),
-    multiple=True,
-    help="receipt files or directories (repeatable)",
-)
-@click.option("--aggregator-key", default=None, help="pin the aggregator's public key (hex)")
+@_record_options
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(
     log_path: Path | None,
@@ -75,14 +110,9 @@ def verify_cmd(
     """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all hold."""
     from fedsec.audit.verify import verify_log
 
-    if workspace is not None:
-        ws = find_workspace(workspace)
-        log_path = log_path or ws / LOG_FILE
-        archive = archive or ws / ARCHIVE_DIR
-        models = models or ws
-    if log_path is None:
-        raise ConfigError("give --log PATH or --workspace DIR")
-    pinned = bytes.fromhex(aggregator_key) if aggregator_key else None
+    log_path, archive, models, pinned = _records(
+        log_path, archive, models, workspace, aggregator_key
+    )
     result = verify_log(log_path, archive, models, _receipt_files(receipts), pinned)
     if as_json:
         click.echo(json.dumps(result.as_dict()))
@@ -161,27 +191,7 @@ def challenge_cmd(
 
 
 @audit.command("report")
-@click.option("--log", "log_path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--archive", type=click.Path(path_type=Path, file_okay=False), default=None)
-@click.option(
-    "--models",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="aggregator workspace holding models/ (to re-derive model versions)",
-)
-@click.option(
-    "--workspace",
-    type=click.Path(path_type=Path, exists=True, file_okay=False),
-    default=None,
-    help="aggregator (or demo) workspace: finds log, archive, models",
-)
-@click.option(
-    "--receipts",
-    type=click.Path(path_type=Path, exists=True),
-    multiple=True,
-    help="receipt files or directories (repeatable)",
-)
-@click.option("--aggregator-key", default=None, help="pin the aggregator's public key (hex)")
+@_record_options
 @click.option(
     "--verdicts",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
@@ -208,17 +218,9 @@ def report_cmd(
     from fedsec.audit.report import build_report
     from fedsec.fsio import atomic_write
 
-    if workspace is not None:
-        ws = find_workspace(workspace)
-        log_path = log_path or ws / LOG_FILE
-        archive = archive or ws / ARCHIVE_DIR
-        models = models or ws
-    if log_path is None:
-        raise ConfigError("give --log PATH or --workspace DIR")
-    try:
-        pinned = bytes.fromhex(aggregator_key) if aggregator_key else None
-    except ValueError:
-        raise ConfigError("--aggregator-key must be hex") from None
+    log_path, archive, models, pinned = _records(
+        log_path, archive, models, workspace, aggregator_key
+    )
     page, result = build_report(
         log_path, archive, models, _receipt_files(receipts), pinned, verdicts
     )
