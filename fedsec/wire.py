@@ -198,6 +198,8 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: Literal["sync", "buffered"] = "sync"
     # buffered mode: the signed plan members train by before joining (no cohort yet)
     plan: RoundSpec | None = None
+    # changes whenever the roster does: members refetch the roster only then
+    roster_serial: int = 0
 
 
 class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -377,6 +377,7 @@ class AgentRuntime:
         self.poll_timeout_s = poll_timeout_s
         self.slowdown = slowdown  # simulations only: this member trains slowdown x slower
         self._verified_roster: set[tuple[bytes, str, bytes, str]] = set()
+        self._roster_cache: dict[str, tuple[int, dict[str, bytes]]] = {}
         self.state_dir = Path(config.agent.state_dir)
         self.aggregator_public = config.agent.aggregator_public_key_bytes
         self.dataset_id = config.data.effective_dataset_id()
@@ -695,7 +696,7 @@ class AgentRuntime:
             if spec.secure_sum == "secagg":
                 # Before training: a roster or parameters that do not check out must not
                 # cost any privacy.
-                roster = await self._roster(client, spec.federation_id)
+                roster = await self._roster(client, spec.federation_id, serial=state.roster_serial)
                 session = ClientSession(spec.secagg_params(), self.member, self.identity, roster)
             trained = await self._train(client, spec, local, model)
             base = RoundOutcome(
@@ -900,7 +901,11 @@ class AgentRuntime:
     # -- contributing ---------------------------------------------------------------
 
     async def _roster(
-        self, client: AggregatorClient, federation_id: str, role: str = "agent"
+        self,
+        client: AggregatorClient,
+        federation_id: str,
+        role: str = "agent",
+        serial: int = 0,
     ) -> dict[str, bytes]:
         """Active members' public keys of ``role`` from the admin-signed roster.
 
@@ -912,6 +917,9 @@ class AgentRuntime:
             SignatureError: the admin key changed, an entry does not verify, or the
                 roster holds a different key for this agent.
         """
+        cached = self._roster_cache.get(role)
+        if serial and cached is not None and cached[0] == serial:
+            return cached[1]  # unchanged since the last round (the serial says so)
         body = await client.roster()
         admin = unhex(body.admin_public_key, "roster admin public key", 32)
         pinned_path = self.state_dir / ADMIN_KEY_FILE
@@ -940,6 +948,8 @@ class AgentRuntime:
                 f"the roster does not enrol {self.member!r} as an active agent with this "
                 f"agent's key {self.identity.key_id}"
             )
+        if serial:
+            self._roster_cache[role] = (serial, roster)
         return roster
 
     async def _secagg_round(

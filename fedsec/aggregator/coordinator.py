@@ -114,6 +114,7 @@ class Coordinator:
         self.clock = clock
         self.on_change = on_change
         self.token = 1
+        self._closed_rounds: int | None = None
         fed = self.cfg.federation
         self.task = get_task(fed.task, **fed.task_options)
         self.model = self.task.build_model(seed=0)
@@ -181,7 +182,9 @@ class Coordinator:
 
     @property
     def rounds_completed(self) -> int:
-        return sum(1 for r in self.ws.state.rounds(100000) if r.stage == "closed")
+        if self._closed_rounds is None:  # counted once, then kept up to date by _apply
+            self._closed_rounds = self.ws.state.count_closed_rounds()
+        return self._closed_rounds
 
     @property
     def finished(self) -> bool:
@@ -248,6 +251,7 @@ class Coordinator:
             spec=live.spec,
             mode=self.cfg.round.mode,
             plan=live.plan,
+            roster_serial=self.ws.roster.serial,
         )
 
     # -- open: join ----------------------------------------------------------------------------
@@ -505,8 +509,9 @@ class Coordinator:
         return entry.index
 
     def _after_message(self, live: _Live, stage: str) -> None:
-        count = sum(1 for _ in self.ws.state.messages(live.round, live.attempt, stage))
-        crash_point(live.round, f"{stage}:{count}", AGGREGATOR_ENV)
+        if os.environ.get(AGGREGATOR_ENV):  # chaos tests only: off the hot path otherwise
+            count = self.ws.state.count_messages(live.round, live.attempt, stage)
+            crash_point(live.round, f"{stage}:{count}", AGGREGATOR_ENV)
 
     def key_list(self, member: str, round_: int, attempt: int) -> wire.KeyListBody:
         live = self._expect_at_least(member, round_, attempt, "share_keys")
@@ -936,6 +941,7 @@ class Coordinator:
             )
             self.trail.sync_models(self.ws.models)
             self.trail.sign_head()
+        self._closed_rounds = None  # one more closed round: recount on next use
         log.info(
             "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
             "accuracy=%s aggregation_s=%.4f",

@@ -249,6 +249,17 @@ class StateStore:
         ).fetchone()
         return bytes(row[0]) if row else None
 
+    def count_messages(self, round_: int, attempt: int, stage: str) -> int:
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM messages WHERE round=? AND attempt=? AND stage=?",
+            (round_, attempt, stage),
+        ).fetchone()
+        return int(row[0])
+
+    def count_closed_rounds(self) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM rounds WHERE stage='closed'").fetchone()
+        return int(row[0])
+
     def messages(self, round_: int, attempt: int, stage: str) -> Iterator[tuple[str, bytes]]:
         cur = self._db.execute(
             "SELECT member, body FROM messages WHERE round=? AND attempt=? AND stage=? "
