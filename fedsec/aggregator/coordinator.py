@@ -473,18 +473,22 @@ class Coordinator:
     def advertise(
         self, member: str, round_: int, attempt: int, body: wire.AdvertiseKeysBody
     ) -> None:
-        raw = wire.encode(body)
-        if self._accepted_before(member, round_, attempt, "advertise", raw):
+        self._accept(member, round_, attempt, "advertise", wire.encode(body))
+
+    def _accept(self, member: str, round_: int, attempt: int, stage: str, raw: bytes) -> None:
+        """Accept one SecAgg+ control message (its JSON body): an identical retry gets the
+        same answer, even after a restart moved the round on; anything else is validated
+        by the session, stored, archived and logged; the stage closes once complete."""
+        if self._accepted_before(member, round_, attempt, stage, raw):
             return
-        live = self._expect(member, round_, attempt, "advertise")
+        live = self._expect(member, round_, attempt, stage)
         self._in_cohort(live, member)
-        if self._idempotent(live, "advertise", member, raw):
+        if self._idempotent(live, stage, member, raw):
             return
-        msg = wire.advertise_message(member, body)
         assert live.session is not None
-        live.session.receive_advertise(msg)
-        self._record(live, "advertise", member, raw)
-        if len(live.session.advertised) == len(self._in_cohort(live, member).cohort):
+        wire.feed_accepted(live.session, stage, member, raw)
+        self._record(live, stage, member, raw)
+        if self._stage_complete(live):
             self._close_stage(self.clock())
 
     def _record(self, live: _Live, stage: str, member: str, raw: bytes, **extra: Any) -> int:
@@ -532,18 +536,7 @@ class Coordinator:
         )
 
     def share_keys(self, member: str, round_: int, attempt: int, body: wire.ShareKeysBody) -> None:
-        raw = wire.encode(body)
-        if self._accepted_before(member, round_, attempt, "share_keys", raw):
-            return
-        live = self._expect(member, round_, attempt, "share_keys")
-        if self._idempotent(live, "share_keys", member, raw):
-            return
-        msg = wire.share_keys_message(member, body)
-        assert live.session is not None
-        live.session.receive_share_keys(msg)
-        self._record(live, "share_keys", member, raw)
-        if live.session.shared == live.session.live:
-            self._close_stage(self.clock())
+        self._accept(member, round_, attempt, "share_keys", wire.encode(body))
 
     def share_relay(self, member: str, round_: int, attempt: int) -> wire.ShareRelayBody:
         live = self._expect_at_least(member, round_, attempt, "masked_input")
@@ -675,18 +668,7 @@ class Coordinator:
         )
 
     def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> None:
-        raw = wire.encode(body)
-        if self._accepted_before(member, round_, attempt, "unmask", raw):
-            return
-        live = self._expect(member, round_, attempt, "unmask")
-        if self._idempotent(live, "unmask", member, raw):
-            return
-        msg = wire.unmask_message(member, body)
-        assert live.session is not None
-        live.session.receive_unmask(msg)
-        self._record(live, "unmask", member, raw)
-        if live.session.answered == live.session.survivors:
-            self._close_stage(self.clock())
+        self._accept(member, round_, attempt, "unmask", wire.encode(body))
 
     def receipt(self, member: str, round_: int) -> wire.Receipt:
         stored = self.ws.state.receipt(round_, member)
