@@ -126,15 +126,37 @@ def verify_cmd(
     sys.exit(0 if result.ok else 1)
 
 
+def _auditor_options(fn: F) -> F:
+    """How an auditor reaches the aggregator (shared by challenge and check)."""
+    for option in reversed(
+        (
+            click.option("--url", required=True, help="aggregator base URL"),
+            click.option(
+                "--key",
+                type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                required=True,
+                help="the auditor's identity key (roster role auditor)",
+            ),
+            click.option("--aggregator-key", required=True, help="aggregator public key (hex)"),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
 def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]:
     from fedsec.agent.client import AggregatorClient
     from fedsec.crypto.identity import SigningIdentity
 
     identity = SigningIdentity.load(key)
+    try:
+        aggregator_public = bytes.fromhex(aggregator_key)
+    except ValueError:
+        raise ConfigError("--aggregator-key must be hex") from None
     client = AggregatorClient(
         url,
         identity,
-        bytes.fromhex(aggregator_key),
+        aggregator_public,
         timeout_s=30.0,
         retry_max=4,
         backoff_initial_s=0.5,
@@ -144,14 +166,7 @@ def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]
 
 
 @audit.command("challenge")
-@click.option("--url", required=True, help="aggregator base URL")
-@click.option(
-    "--key",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
-    required=True,
-    help="the auditor's identity key (roster role auditor)",
-)
-@click.option("--aggregator-key", required=True, help="aggregator public key (hex)")
+@_auditor_options
 @click.option(
     "--log",
     "log_path",
@@ -234,14 +249,7 @@ def report_cmd(
 
 
 @audit.command("check")
-@click.option("--url", required=True, help="aggregator base URL")
-@click.option(
-    "--key",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
-    required=True,
-    help="the auditor's identity key",
-)
-@click.option("--aggregator-key", required=True, help="aggregator public key (hex)")
+@_auditor_options
 @click.option(
     "--workspace",
     type=click.Path(path_type=Path, exists=True, file_okay=False),
