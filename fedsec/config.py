@@ -108,6 +108,9 @@ DOCS: dict[str, str] = {
     "server.tls_key": "PEM private key matching tls_cert; set both or neither.",
     "validation.enabled": "Score each new global model on the aggregator's validation split "
     "and alert on degradation.",
+    "audit.archive_retention_rounds": "Closed rounds whose archived protocol messages are kept; "
+    "0 = keep forever, so anyone holding the archive can re-run every aggregate. N keeps the "
+    "newest N; older rounds are pruned under a signed archive_pruned log entry.",
     # agent.toml
     "agent.id": "This member's id in the roster; must match the id the admin enrolled.",
     "agent.aggregator_url": "Base URL of the aggregator (http:// or https://).",
@@ -203,6 +206,10 @@ class ValidationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     enabled: bool = True
 
 
+class AuditSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    archive_retention_rounds: int = 0
+
+
 class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything the aggregator needs to run a federation (``federation.toml``)."""
 
@@ -212,6 +219,7 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     dp: DPSection = msgspec.field(default_factory=DPSection)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     validation: ValidationSection = msgspec.field(default_factory=ValidationSection)
+    audit: AuditSection = msgspec.field(default_factory=AuditSection)
 
 
 # -- agent.toml ------------------------------------------------------------------------
@@ -368,6 +376,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     if bool(s.tls_cert) != bool(s.tls_key):
         missing = "server.tls_key" if s.tls_cert else "server.tls_cert"
         p.fail(missing, "must be set when the other of tls_cert/tls_key is set")
+    p.int_range("audit.archive_retention_rounds", cfg.audit.archive_retention_rounds, 0)
     return p.items
 
 

@@ -7,7 +7,9 @@ goodbye, exactly like a machine losing power.  Points are stage names (an agent:
 right after completing that stage; the aggregator: right after durably entering
 it), ``STAGE:N`` (the aggregator, after durably accepting the N-th message of the
 stage) and ``model_write`` (the aggregator, after writing the new model file but
-before recording the round as closed).  Unset, as always in production, nothing
+before recording the round as closed) and ``archive_prune`` (the aggregator, after
+logging an ``archive_pruned`` entry but before deleting the archive objects it
+names).  Unset, as always in production, nothing
 happens.
 
 ``FEDSEC_UNSAFE_DETERMINISTIC_SEED``: an agent derives its training and rounding

@@ -9,7 +9,11 @@ completed at start-up; one that disagrees with it is rewritten from it.
 
 Accepted protocol messages are also copied into the content-addressed archive
 (``audit/archive``) before their log entry is written, so every aggregate can be
-re-run by anyone holding the archive.
+re-run by anyone holding the archive.  With a retention window
+(``audit.archive_retention_rounds``) the objects of older rounds are deleted at a
+round close, but only after an ``archive_pruned`` entry saying which has been
+committed and written to the file: a crash in between leaves objects the log calls
+deleted, and the next start deletes them.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 from fedsec.aggregator.modelstore import ModelStore
 from fedsec.aggregator.roster import Roster
 from fedsec.aggregator.state import StateStore
-from fedsec.audit.archive import Archive
+from fedsec.audit.archive import Archive, ArchiveIndex
 from fedsec.audit.log import GENESIS_PREV, LogEntry, head_body, make_entry
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.fsio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,14 @@ class AuditTrail:
                 self._roster_logged.add((doc["body"]["agent_id"], doc["body"]["status"]))
             elif doc["kind"] == "model_version":
                 self._versions_logged.add(int(doc["body"]["version"]))
+        # which archive objects the log refers to, kept up to date by _index_log
+        self._index = ArchiveIndex()
+        self._index_count = 0  # entries indexed
+        self._index_tail = b""  # the line of the last one, to spot a rolled-back transaction
+        self._pending_deletion: LogEntry | None = None
+        state.on_commit(self._delete_pruned)  # after sync_file: the file has the entry first
+        self._index_log()
+        self._finish_last_pruning()
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -117,6 +130,79 @@ class AuditTrail:
     def keep(self, data: bytes) -> str:
         """Archive ``data``; return its sha256."""
         return self.archive.put(data)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def prune_archive(self, retention_rounds: int) -> LogEntry | None:
+        """Log the archive objects that fall out of the retention window; delete them once
+        the entry is committed.
+
+        Call at a round close, inside its transaction and before :meth:`sign_head`, so the
+        round's head signs the entry.  ``retention_rounds`` 0 keeps everything.
+
+        Returns:
+            the ``archive_pruned`` entry, or None when nothing is due.
+        """
+        if retention_rounds < 1:
+            return None
+        self._index_log()
+        pruning = self._index.plan(retention_rounds, self.archive.contains)
+        if pruning is None:
+            return None
+        entry = self.append("archive_pruned", pruning.to_body())
+        self._pending_deletion = entry
+        if not self.state.in_transaction():  # committed (and in the file) already
+            self._delete_pruned()
+        return entry
+
+    def _index_log(self) -> None:
+        """Bring the archive index up to the log's tail (this transaction's lines included).
+
+        A rolled-back transaction may have taken lines the index saw: then start over.
+        """
+        if self._index_count:
+            tail = next(iter(self.state.log_lines(self._index_count - 1)), None)
+            if tail is None or tail[1] != self._index_tail:
+                self._index, self._index_count = ArchiveIndex(), 0
+        for index, line in self.state.log_lines(self._index_count):
+            doc = json.loads(line)
+            self._index.observe(index, doc["kind"], doc["body"])
+            self._index_tail, self._index_count = line, index + 1
+
+    def _delete_pruned(self) -> None:
+        """After a commit: delete what a just-committed ``archive_pruned`` entry lists."""
+        entry, self._pending_deletion = self._pending_deletion, None
+        if entry is None:
+            return
+        committed = next(iter(self.state.log_lines(entry.index)), None)
+        if committed is None or committed[1] != entry.line:
+            return  # the transaction that wrote it was rolled back
+        self._index_log()
+        # chaos tests: die with the entry committed and in the file, nothing deleted yet
+        crash_point(max(self._index.closed, default=0), "archive_prune", AGGREGATOR_ENV)
+        self._delete_listed(entry.index)
+
+    def _finish_last_pruning(self) -> None:
+        """At start-up: finish the deletions of the newest pruning (a crash may have cut
+        them short; earlier ones were finished by earlier starts)."""
+        if self._index.prunings:
+            self._delete_listed(max(self._index.prunings))
+
+    def _delete_listed(self, index: int) -> None:
+        pruning = self._index.prunings[index]
+        deleted = sum(
+            self.archive.delete(digest)
+            for digest in pruning.objects
+            if self._index.still_deletable(index, digest)
+        )
+        if deleted:
+            log.info(
+                "event=archive_pruned log_index=%d rounds=%s before_round=%d deleted=%d",
+                index,
+                list(pruning.rounds),
+                pruning.before_round,
+                deleted,
+            )
 
     # -- the exported file ---------------------------------------------------------------------
 

@@ -922,6 +922,7 @@ class Coordinator:
                 },
             )
             self.trail.sync_models(self.ws.models)
+            self.trail.prune_archive(self.cfg.audit.archive_retention_rounds)
             self.trail.sign_head()
         self._closed_rounds = None  # one more closed round: recount on next use
         log.info(

@@ -4,6 +4,12 @@ A file's name is the SHA-256 of its bytes, so anyone holding the archive and the
 transparency log can re-run every aggregation and detect a swapped file.  Masked
 inputs reveal nothing on their own; unmask reveals only what the aggregator was
 entitled to learn.  Writes are atomic (temp file, fsync, rename).
+
+Retention (``audit.archive_retention_rounds``) may delete the objects of old rounds.
+A deletion is never silent: it is announced first by an ``archive_pruned`` log entry
+(:class:`Pruning`) naming the rounds and the objects, signed by the round close's
+head.  :class:`ArchiveIndex` reads the log to say which objects a pruning may
+delete (the aggregator) and whether a logged one kept to the rules (verifiers).
 """
 
 from __future__ import annotations
@@ -11,9 +17,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedsec.errors import IntegrityError, NotFound
+
+# Log entry kinds whose body names an archive object (``sha256``) of a round (``round``).
+REFERRING_KINDS = frozenset({"accepted", "reveal"})
+
+
+def _is_digest(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
 
 
 class Archive:
@@ -21,7 +39,7 @@ class Archive:
         self.root = Path(root)
 
     def path(self, digest: str) -> Path:
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        if not _is_digest(digest):
             raise IntegrityError(f"archive reference {digest!r} is not a sha256 hex digest")
         return self.root / digest[:2] / digest
 
@@ -56,3 +74,187 @@ class Archive:
         if not hmac.compare_digest(actual, digest):
             raise IntegrityError(f"archive object {digest} holds content with sha256 {actual}")
         return data
+
+    def contains(self, digest: str) -> bool:
+        return self.path(digest).exists()
+
+    def delete(self, digest: str) -> bool:
+        """Remove the object ``digest``; return whether it was there.  Only for objects an
+        ``archive_pruned`` entry already lists (the log says why they are gone)."""
+        try:
+            self.path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Pruning:
+    """The body of an ``archive_pruned`` log entry (docs/audit-log.md, §3).
+
+    ``before_round``: every round below it is pruned (its aggregate is no longer
+    re-run); ``rounds``: the rounds this entry newly prunes; ``objects``: the archive
+    objects it deletes, sorted; ``retention_rounds``: the setting that chose them.
+    """
+
+    retention_rounds: int
+    before_round: int
+    rounds: tuple[int, ...]
+    objects: tuple[str, ...]
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "retention_rounds": self.retention_rounds,
+            "before_round": self.before_round,
+            "rounds": list(self.rounds),
+            "objects": list(self.objects),
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Pruning:
+        """Read a logged body.
+
+        Raises:
+            IntegrityError: a field is missing, of the wrong type, or out of order.
+        """
+        fields = {"retention_rounds", "before_round", "rounds", "objects"}
+        if set(body) != fields:
+            raise IntegrityError(f"an archive_pruned body has exactly the fields {sorted(fields)}")
+        retention, before = body["retention_rounds"], body["before_round"]
+        rounds, objects = body["rounds"], body["objects"]
+        if not (_is_int(retention) and retention >= 1 and _is_int(before) and before >= 1):
+            raise IntegrityError("retention_rounds and before_round must be integers >= 1")
+        if not (isinstance(rounds, list) and all(_is_int(r) and r < before for r in rounds)):
+            raise IntegrityError(f"rounds must be a list of round numbers below {before}")
+        if rounds != sorted(set(rounds)):
+            raise IntegrityError("rounds must be sorted, without repeats")
+        if not (isinstance(objects, list) and objects and all(_is_digest(d) for d in objects)):
+            raise IntegrityError("objects must be a non-empty list of sha256 hex digests")
+        if objects != sorted(set(objects)):
+            raise IntegrityError("objects must be sorted, without repeats")
+        return cls(retention, before, tuple(rounds), tuple(objects))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class ArchiveIndex:
+    """Which archive objects the log refers to, from which rounds, and what was pruned.
+
+    Feed it the log's entries in order (:meth:`observe`).  The aggregator asks it what
+    to prune (:meth:`plan`); a verifier asks whether a logged pruning kept to the rules
+    (:meth:`problem_with`, before observing that entry) and, reading ahead, whether a
+    missing object's absence is explained (:meth:`deleted_by`, :meth:`pruned_by`).
+    """
+
+    def __init__(self) -> None:
+        self.rounds: set[int] = set()  # rounds opened or closed
+        self.closed: set[int] = set()  # rounds with an aggregate entry
+        self.refs: dict[str, list[tuple[int, int]]] = {}  # digest -> [(log index, round)]
+        self.prunings: dict[int, Pruning] = {}  # log index -> what that entry pruned
+        self.listed: dict[str, list[int]] = {}  # digest -> archive_pruned entries listing it
+        # digests referred to since the last entry that listed them: the only candidates
+        # of the next pruning, so planning costs the retention window, not the history
+        self._unlisted: set[str] = set()
+
+    def observe(self, index: int, kind: str, body: Mapping[str, Any]) -> None:
+        """Take note of log entry ``index``.
+
+        Raises:
+            IntegrityError, KeyError, ValueError, TypeError: a malformed body.
+        """
+        if kind in ("round_open", "aggregate"):
+            self.rounds.add(int(body["round"]))
+            if kind == "aggregate":
+                self.closed.add(int(body["round"]))
+        elif kind in REFERRING_KINDS:
+            digest, round_ = str(body["sha256"]), int(body["round"])
+            self.refs.setdefault(digest, []).append((index, round_))
+            self._unlisted.add(digest)
+        elif kind == "archive_pruned":
+            pruning = Pruning.from_body(body)
+            self.prunings[index] = pruning
+            for digest in pruning.objects:
+                self.listed.setdefault(digest, []).append(index)
+                self._unlisted.discard(digest)
+
+    @property
+    def pruned_before(self) -> int:
+        """Every round below this one has been pruned (0: none)."""
+        return max((p.before_round for p in self.prunings.values()), default=0)
+
+    def window_start(self, retention_rounds: int) -> int | None:
+        """The oldest round ``retention_rounds`` keeps (the N-th newest closed round), or
+        None while fewer rounds have closed."""
+        if retention_rounds < 1 or len(self.closed) < retention_rounds:
+            return None
+        return sorted(self.closed)[-retention_rounds]
+
+    def plan(self, retention_rounds: int, present: Callable[[str], bool]) -> Pruning | None:
+        """The pruning due under ``retention_rounds``, or None when nothing is to be deleted.
+
+        An object is deleted when every entry referring to it belongs to a round before
+        the window (an object shared by content with a kept round stays), some reference
+        came after the last pruning that listed it, and it is ``present`` on disk.
+        """
+        start = self.window_start(retention_rounds)
+        if start is None:
+            return None
+        objects = sorted(
+            digest
+            for digest in self._unlisted
+            if all(r < start for _, r in self.refs[digest]) and present(digest)
+        )
+        if not objects:
+            return None
+        already = self.pruned_before
+        rounds = tuple(sorted(r for r in self.rounds if already <= r < start))
+        return Pruning(retention_rounds, start, rounds, tuple(objects))
+
+    def problem_with(self, pruning: Pruning) -> str | None:
+        """Why ``pruning``, as the next log entry, breaks the retention rules (or None)."""
+        n = pruning.retention_rounds
+        start = self.window_start(n)
+        if start is None or pruning.before_round > start:
+            newest = sorted(self.closed)[-n:]
+            return (
+                f"it prunes rounds before {pruning.before_round}, but the newest {n} closed "
+                f"round(s) {newest} must all be kept"
+            )
+        already = self.pruned_before
+        due = sorted(r for r in self.rounds if already <= r < pruning.before_round)
+        if list(pruning.rounds) != due:
+            return (
+                f"it lists rounds {list(pruning.rounds)}, but the rounds it prunes (before "
+                f"{pruning.before_round}, not pruned earlier) are {due}"
+            )
+        for digest in pruning.objects:
+            refs = self.refs.get(digest)
+            if not refs:
+                return f"it deletes archive object {digest}, which no earlier entry refers to"
+            kept = sorted({r for _, r in refs if r >= pruning.before_round})
+            if kept:
+                return (
+                    f"it deletes archive object {digest}, which round {kept[0]} refers to and "
+                    "retention keeps"
+                )
+        return None
+
+    def pruned_by(self, round_: int) -> int | None:
+        """Log index of the first ``archive_pruned`` entry that pruned ``round_``, if any."""
+        return next((i for i, p in sorted(self.prunings.items()) if round_ < p.before_round), None)
+
+    def deleted_by(self, digest: str, round_: int, index: int) -> int | None:
+        """Log index of an ``archive_pruned`` entry, after entry ``index`` (which refers to
+        ``digest`` for ``round_``), that lists ``digest`` and prunes ``round_``, if any."""
+        for j in self.listed.get(digest, ()):
+            if j > index and round_ < self.prunings[j].before_round:
+                return j
+        return None
+
+    def still_deletable(self, index: int, digest: str) -> bool:
+        """Whether ``digest``, listed by the pruning at ``index``, may still be deleted:
+        no kept round and no later entry refers to it (it was not archived again)."""
+        before = self.prunings[index].before_round
+        return all(i < index and r < before for i, r in self.refs.get(digest, ()))

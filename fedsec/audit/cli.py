@@ -122,6 +122,8 @@ def verify_cmd(
             f"{result.rounds_verified}, model versions re-derived {result.models_verified}, "
             f"privacy reports {result.privacy_reports}, receipts {result.receipts_checked}"
         )
+        for pruned in result.pruned_rounds:
+            click.echo(f"round {pruned['round']}: not re-aggregated, {pruned['detail']}")
         click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
     sys.exit(0 if result.ok else 1)
 

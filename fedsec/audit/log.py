@@ -47,6 +47,7 @@ KINDS = frozenset(
         "round_aborted",
         "rollback",
         "alert",
+        "archive_pruned",  # archive objects of rounds past retention deleted: which, and why
         "challenge",  # an auditor's challenge of (member, round)
         "reveal",  # a sealed reveal relayed to the auditor
         "head",  # aggregator signature over the chain so far
@@ -96,24 +97,41 @@ def head_body(signer: SigningIdentity, federation_id: str, last: LogEntry) -> di
 def verify_head(entry: LogEntry, aggregator_public: bytes, signed: LogEntry) -> None:
     """Check a ``head`` entry's signature over ``signed`` (the entry before it).
 
+    The messages say what is wrong with the head but not which entry the head is:
+    callers name it (``log entry 24 (head): ...``), so it is named once.
+
     Raises:
         IntegrityError: it names another entry, or the signature does not verify.
     """
     body = entry.body
-    if body.get("signed_index") != signed.index or body.get("signed_hash") != signed.hash:
+    claimed_index, claimed_hash = body.get("signed_index"), body.get("signed_hash")
+    if claimed_index != signed.index:
         raise IntegrityError(
-            f"log entry {entry.index}: head signs entry {body.get('signed_index')} "
-            f"but follows entry {signed.index}"
+            f"head claims to sign entry {claimed_index}, but the entry before it is entry "
+            f"{signed.index} (entries were deleted or inserted before the head)"
+        )
+    if claimed_hash != signed.hash:
+        raise IntegrityError(
+            f"head signs entry {signed.index} with hash {str(claimed_hash)[:16]}…, but that "
+            f"entry hashes to {signed.hash[:16]}… (entries up to {signed.index} were changed "
+            "after the head was written)"
         )
     try:
-        PublicIdentity(aggregator_public).verify(
+        signature = bytes.fromhex(str(body.get("signature")))
+    except ValueError:
+        raise IntegrityError("head signature is not hex") from None
+    aggregator = PublicIdentity(aggregator_public)
+    try:
+        aggregator.verify(
             HEAD_DOMAIN,
             head_statement(str(body.get("federation_id")), signed.index, signed.hash),
-            bytes.fromhex(str(body.get("signature"))),
+            signature,
         )
-    except (ValueError, SignatureError) as exc:
+    except SignatureError:
         raise IntegrityError(
-            f"log entry {entry.index}: head signature does not verify ({exc})"
+            f"head signature does not verify under the aggregator key {aggregator.key_id} "
+            f"(entries up to {signed.index} were rewritten after signing, or another key "
+            "signed the head)"
         ) from None
 
 

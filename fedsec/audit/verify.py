@@ -1,9 +1,15 @@
 """``fedsec audit verify``: check a federation's transparency log without trusting its operator.
 
-What is checked, entry by entry, stopping at the first problem:
+What is checked, stopping at the first problem:
 
-- the chain: canonical lines, consecutive indexes, each ``prev`` the hash of the
-  line before (any flipped byte, deleted, reordered or inserted entry breaks it);
+- first, over the whole file, the chain: canonical lines, consecutive indexes, each
+  ``prev`` the hash of the line before (any flipped byte, deleted, reordered or
+  inserted entry breaks it).  The whole chain is checked before any entry is judged
+  because a later ``archive_pruned`` entry decides how earlier entries are: their
+  archive objects may be gone;
+
+then entry by entry:
+
 - every ``head`` signature (aggregator key from the genesis entry, or pinned with
   ``aggregator_key``);
 - roster entries signed by the admin key; every other signature checked against
@@ -12,12 +18,18 @@ What is checked, entry by entry, stopping at the first problem:
 - round specs signed by the aggregator, cohorts drawn from active agents;
 - every accepted message: its archived bytes exist and hash to the logged digest
   (a swapped archive file is caught), masked inputs carry a valid signed
-  contribution statement;
+  contribution statement.  An object may be missing only if a later, head-signed
+  ``archive_pruned`` entry lists it for a round it prunes;
+- every ``archive_pruned`` entry: signed by a later head, and keeping to the
+  retention rules (:meth:`fedsec.audit.archive.ArchiveIndex.problem_with`): it spares
+  the newest ``retention_rounds`` closed rounds and every object they refer to;
 - every aggregate recomputed from the archive: the SecAgg+ round replayed through
   the same server state machine from the archived advertisements, shares, masked
   inputs and unmask reveals, and the unmasked sum's sha256 compared; then the
   model version recomputed from its parent file with the logged server optimiser
-  and its safetensors sha256 compared bit for bit;
+  and its safetensors sha256 compared bit for bit.  Rounds pruned by retention are
+  not re-run but listed (``pruned_rounds``); with FedAdam no later model version can
+  be re-derived either, as the optimiser's moments depend on every earlier round;
 - model manifests signed by the aggregator and matching their files;
 - privacy reports signed by their member, ε non-decreasing per member and
   dataset, and ε recomputed from the logged DP parameters with an independent
@@ -27,6 +39,7 @@ What is checked, entry by entry, stopping at the first problem:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import defaultdict
@@ -41,13 +54,13 @@ import numpy as np
 from fedsec import wire
 from fedsec.aggregator.roster import RosterEntry, verify_roster_entry
 from fedsec.audit import accountant
-from fedsec.audit.archive import Archive
+from fedsec.audit.archive import Archive, ArchiveIndex, Pruning
 from fedsec.audit.log import LogEntry, read_log, verify_head
 from fedsec.crypto.quantize import dequantize_one
 from fedsec.crypto.secagg import (
     ServerSession,
 )
-from fedsec.errors import FedsecError, IntegrityError
+from fedsec.errors import FedsecError, IntegrityError, NotFound
 from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
 
 EPSILON_TOLERANCE = 0.01  # the issue's bar: independent recomputation within 1%
@@ -66,6 +79,8 @@ class VerifyResult:
     entries: int = 0
     heads: int = 0
     rounds_verified: int = 0
+    # rounds whose archive objects retention deleted: {"round", "log_entry", "detail"}
+    pruned_rounds: list[dict[str, Any]] = field(default_factory=list)
     models_verified: int = 0
     receipts_checked: int = 0
     privacy_reports: int = 0
@@ -78,6 +93,7 @@ class VerifyResult:
             "entries": self.entries,
             "heads": self.heads,
             "rounds_verified": self.rounds_verified,
+            "pruned_rounds": self.pruned_rounds,
             "models_verified": self.models_verified,
             "receipts_checked": self.receipts_checked,
             "privacy_reports": self.privacy_reports,
@@ -114,12 +130,17 @@ class Verifier:
         self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
         self.genesis: dict[str, Any] = {}
         self.adam: tuple[np.ndarray, np.ndarray] | None = None
+        self.adam_unknown = False  # a FedAdam round was pruned: later moments cannot be known
         self._prev: LogEntry | None = None
+        self.archived = ArchiveIndex()  # the log so far: what refers to which object
+        self.ahead = ArchiveIndex()  # the whole log, read first: which objects were pruned
+        self.last_head = -1
 
     # -- entry point ----------------------------------------------------------------------------
 
     def run(self, log_path: Path, receipts: Iterable[Path] = ()) -> VerifyResult:
         try:
+            self._read_ahead(log_path)
             for entry in read_log(log_path):
                 self._check(entry)
                 self._prev = entry
@@ -139,6 +160,23 @@ class Verifier:
             self.result.problem = exc.detail
         return self.result
 
+    def _read_ahead(self, log_path: Path) -> None:
+        """First pass: the chain, the last head, and the head-signed prunings."""
+        malformed = (FedsecError, KeyError, ValueError, TypeError)  # named in the second pass
+        prunings: list[LogEntry] = []
+        for entry in read_log(log_path):
+            if entry.kind == "head":
+                self.last_head = entry.index
+            if entry.kind == "archive_pruned":
+                prunings.append(entry)
+            else:
+                with contextlib.suppress(*malformed):
+                    self.ahead.observe(entry.index, entry.kind, entry.body)
+        for entry in prunings:
+            if entry.index < self.last_head:  # an unsigned one explains nothing
+                with contextlib.suppress(*malformed):
+                    self.ahead.observe(entry.index, entry.kind, entry.body)
+
     # -- per entry --------------------------------------------------------------------------------
 
     def _fail(self, entry: LogEntry, why: str) -> VerificationFailed:
@@ -157,6 +195,7 @@ class Verifier:
             raise self._fail(entry, f"kind {entry.kind} may not appear after genesis")
         try:
             handler(entry, body)
+            self.archived.observe(entry.index, entry.kind, body)
         except VerificationFailed:
             raise
         except (FedsecError, KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
@@ -223,7 +262,7 @@ class Verifier:
             raise self._fail(entry, f"{member} is not in the cohort of this round")
         public = self._member_key(entry, member)
         if self.archive is not None:
-            self.archive.get(digest)  # exists and hashes to the logged digest
+            self._check_archived(entry, attempt.spec.round, f"{stage} from {member}", digest)
         if stage == "masked_input":
             wire.ContributionStatement(
                 federation_id=self.federation_id,
@@ -236,6 +275,44 @@ class Verifier:
             ).verify(public)
             self.contributions[entry.index] = body
         attempt.messages.append((stage, member, digest))
+
+    def _check_archived(self, entry: LogEntry, round_: int, what: str, digest: str) -> None:
+        """The object exists and hashes to ``digest``, or a signed pruning deleted it."""
+        assert self.archive is not None
+        try:
+            self.archive.get(digest)
+        except NotFound:
+            if self.ahead.deleted_by(digest, round_, entry.index) is not None:
+                return
+            pruned = self.ahead.pruned_by(round_)
+            why = (
+                f"round {round_} was pruned by log entry {pruned}, which does not list it"
+                if pruned is not None
+                else "no archive_pruned entry records its deletion"
+            )
+            raise self._fail(
+                entry, f"round {round_}: archive object {digest} ({what}) is missing; {why}"
+            ) from None
+
+    def _on_archive_pruned(self, entry: LogEntry, body: dict[str, Any]) -> None:
+        pruning = Pruning.from_body(body)
+        if entry.index > self.last_head:
+            raise self._fail(
+                entry,
+                "no head signs it (the aggregator writes it at a round close, before that "
+                "close's head)",
+            )
+        problem = self.archived.problem_with(pruning)
+        if problem is not None:
+            raise self._fail(entry, problem)
+        for round_ in pruning.rounds:
+            self.result.pruned_rounds.append(
+                {
+                    "round": round_,
+                    "log_entry": entry.index,
+                    "detail": f"pruned by retention (log entry {entry.index})",
+                }
+            )
 
     def _on_refused(self, entry: LogEntry, body: dict[str, Any]) -> None:
         pass
@@ -280,6 +357,10 @@ class Verifier:
         if self.archive is None:
             return
         spec = attempt.spec
+        fedadam = body["optimizer"] == "fedadam"
+        if self.ahead.pruned_by(spec.round) is not None:
+            self.adam_unknown = self.adam_unknown or fedadam
+            return  # listed in pruned_rounds when its archive_pruned entry is checked
         survivors, total, weight = self._replay(entry, attempt)
         if sorted(survivors) != sorted(body["survivors"]):
             raise self._fail(entry, f"the archive gives survivors {sorted(survivors)}")
@@ -289,7 +370,7 @@ class Verifier:
                 entry, "the sum recomputed from the archived inputs and reveals differs"
             )
         self.result.rounds_verified += 1
-        if self.models_root is not None:
+        if self.models_root is not None and not (fedadam and self.adam_unknown):
             self._recompute_model(entry, body, spec, weight)
 
     def _replay(self, entry: LogEntry, attempt: _Attempt) -> tuple[list[str], bytes, Any]:
