@@ -285,8 +285,10 @@ class Coordinator:
         self.ws.state.add_join(
             live.round, live.attempt, member, req.samples, self.clock(), req.base_version
         )
+        # No _changed(): a join alters nothing a waiting agent reads, and waking every
+        # earlier joiner on each join costs O(n²) long-poll answers per round.  Fixing
+        # the cohort (when this join completes it) announces itself.
         self._maybe_fix_cohort(live, self.clock())
-        self._changed()
         return wire.JoinResponse(accepted=True, detail="joined")
 
     @property

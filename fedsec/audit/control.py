@@ -29,15 +29,18 @@ noise with a known null distribution:
   declared size, with the round's settings; DP noise makes the honest norm nearly
   deterministic (±1 % here), so a scaled update is caught while clipping leaves room;
 * **replay**: cosine with the member's and others' earlier revealed updates; fresh DP
-  noise makes honest updates of different rounds nearly orthogonal (|cos| < 0.05).
+  noise makes honest updates of different rounds nearly orthogonal (|cos| < 0.07).
 
-Calibration (``fedsec bench audit --trials 2``, MNIST-1D, 20 members x 200 records,
-5 rounds, SGD lr 0.05, batch 20, 5 local epochs = 50 steps, DP max_grad_norm 1.0,
-8-bit quantization, C = 2.5x the honest norm): at eps 8 (noise multiplier 1.28)
-every attack was caught (TPR 1.0 on 6-10 pairs each) at FPR 5/160 = 3.1 %; at eps 3
-(noise multiplier 2.57) the signal test no longer separates honest from noise (FPR
-71 %), while replay, scale and signflip remain detectable.  The numbers behind each
-threshold are next to it.
+Calibration (``fedsec bench audit --trials 6``, MNIST-1D, 20 members x 200 records,
+5 rounds, full-batch DP-SGD: SGD lr 0.3, batch 200, 10 local epochs = 10 steps, DP
+max_grad_norm 1.0, 8-bit quantization, C = 2.5x the honest norm): at eps 8 (noise
+multiplier 4.51) every attack was caught (TPR 1.0 on 18-30 pairs each) at FPR
+2/480 = 0.4 %; at eps 3 (noise multiplier 10.6) the signal test no longer separates
+honest from noise (FPR 69 %), while replay, scale and zero remain detectable.  The
+training recipe matters: at batch 20 (50 steps, noise multiplier 1.28 for eps 8) the
+weakest honest first-round updates scored z ~ 0.4-2 and FPR was 3.1 %, because at a
+fixed eps a larger batch buys more signal per unit of noise (see fedsec.bench.audit).
+The numbers behind each threshold are next to it.
 """
 
 from __future__ import annotations
@@ -81,24 +84,27 @@ FloatVec = npt.NDArray[np.float64]
 # --- thresholds (calibrated; see the module docstring and fedsec.bench.audit) -------------
 
 #: Minimum combined signal z-score.  Under white noise it is ~N(0, 1) (slightly right
-#: skewed), so 2.5 passes ~0.6 % of zero/noise updates.  Calibration at eps 8 (2 trials,
-#: 160 honest pairs): honest min 1.28 / median 7.1 (4 of 160 below 2.5, all at the first
-#: rounds where the gradient signal is weakest); zero and noise max 1.06.  At eps 3 the
-#: honest median is only 1.8: the per-round signal is below what one update can show.
+#: skewed), so 2.5 passes ~0.6 % of zero/noise updates.  Calibration at eps 8 (6 trials,
+#: 480 honest pairs): honest min 1.30 / 1st percentile 3.42 / median 10.3 (2 of 480 below
+#: 2.5, both in the first round, where the gradients at the random initial model
+#: largely cancel); zero and noise max 1.95.  At eps 3 the honest median is only 1.9:
+#: the per-round signal is below what one update can show.
 SIGNAL_MIN_Z: Final = 2.5
-#: Minimum descent-direction z-score.  0 splits honest (median +3.5 at eps 8, min -0.06,
-#: 1 of 160 below 0) from sign-flipped updates (max -2.08).
+#: Minimum descent-direction z-score.  0 splits honest (median +5.2 at eps 8, min +0.11,
+#: none of 480 below 0) from sign-flipped updates (median -4.2, max -0.09): a flipped
+#: update is the mirror image of an honest one, so the threshold sits in the middle.
 DIRECTION_MIN_Z: Final = 0.0
 #: Largest tolerated rise of the control loss (nats) when Δ is applied.  Honest DP steps
-#: moved it by -0.03..+0.01 at eps 8 (max +0.02 at eps 3); a clipped scaled step raised
-#: it by 0.02-0.16 at eps 3.  DP noise dominates one update, so this is a backstop.
+#: moved it by -0.07..+0.014 at eps 8 (max +0.06 at eps 3, 26 of 480 above 0.02); a
+#: clipped scaled step raised it by 0.04-0.63 at eps 3.  DP noise dominates one update,
+#: so this is a backstop.
 LOSS_MAX_INCREASE: Final = 0.02
-#: Accepted ratio |Δ| / median |reference DP update|.  Honest ratios fell in 0.96-1.04
-#: (DP noise makes the norm nearly deterministic); zero updates 0.39-0.42, scaled ones
-#: clipped to C = 2.5x honest gave 2.40-2.56.
+#: Accepted ratio |Δ| / median |reference DP update|.  Honest ratios fell in 0.955-1.048
+#: (DP noise makes the norm nearly deterministic); zero updates 0.40-0.41, scaled ones
+#: clipped to C = 2.5x honest gave 2.42-2.53.
 MAGNITUDE_BAND: Final = (0.8, 1.25)
 #: Cosine at which an update counts as a copy of an earlier one.  Honest updates had
-#: cos <= 0.05 with every earlier update; a re-quantized replay 0.75, an exact one 1.0.
+#: cos <= 0.07 with every earlier update; a re-quantized replay >= 0.75, an exact one 1.0.
 REPLAY_MAX_COSINE: Final = 0.5
 #: Principal gradient directions used by the signal test.  Weights r/(1+r) decay fast, so
 #: more components add little power; 100 keeps the SVD of the control gradients cheap.

@@ -58,9 +58,13 @@ from fedsec.tasks.partition import partition_iid
 
 ATTACKS: Final = ("zero", "noise", "replay", "signflip", "scale")
 #: Plain SGD keeps the honest update "lr · Σ clipped gradients + noise", which the
-#: auditor's expectations model exactly; 5 epochs of batch 20 is the simulation's
-#: MNIST-1D schedule.
-BENCH_TRAINING: Final = TrainingParams(lr=0.05, batch_size=20, local_epochs=5, optimizer="sgd")
+#: auditor's expectations model exactly.  Full-batch steps (batch = a member's 200
+#: records, 10 steps): at a fixed ε a larger batch buys more signal per unit of DP noise
+#: (√T·B/σ is 140 at batch 200 against 110 at batch 20 for ε = 8 over 5 rounds), the
+#: usual DP-SGD advice (De et al., 2022), and it is what makes one update auditable:
+#: at batch 20 the weakest honest first-round updates scored z ≈ 0.4-2 (10 % below 2.1),
+#: at batch 200 none below 4.7 (seed 1, rounds 0-1).
+BENCH_TRAINING: Final = TrainingParams(lr=0.3, batch_size=200, local_epochs=10, optimizer="sgd")
 MAX_GRAD_NORM: Final = 1.0
 DELTA: Final = 1e-5
 QUANT_BITS: Final = 8
