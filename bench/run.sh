@@ -19,19 +19,19 @@ done
 # fedsec simulate: 50 MNIST-1D agents over loopback HTTP vs the same model trained centrally
 # for rounds x local_epochs epochs (SIM_DEFAULTS in fedsec/simulation.py).  The IID runs
 # with and without SecAgg+ give the secure-summation wall-time overhead.
-SIM="$FEDSEC simulate --task mnist1d --agents 50 --rounds 40 --quant-bits 8 --seed 0 --json"
+SIM="$FEDSEC simulate --task mnist1d --agents 50 --quant-bits 8 --seed 0 --json"
 echo "== simulate mnist1d, 50 agents, IID, SecAgg+"
-$SIM --partition iid --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
+$SIM --rounds 150 --partition iid --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, IID, no secure summation"
-$SIM --partition iid --secure-sum none --dp-epsilon none | tee -a "$out/simulate.jsonl"
+$SIM --rounds 150 --partition iid --secure-sum none --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, Dirichlet 0.5, SecAgg+"
-$SIM --partition dirichlet:0.5 --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
+$SIM --rounds 150 --partition dirichlet:0.5 --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, IID, SecAgg+, DP epsilon 8"
-$SIM --partition iid --secure-sum secagg --dp-epsilon 8 | tee -a "$out/simulate.jsonl"
+$SIM --rounds 40 --partition iid --secure-sum secagg --dp-epsilon 8 | tee -a "$out/simulate.jsonl"
 echo "== audit detection (control-sample checks), epsilon 8 and 3"
 for eps in 8 3; do
   $FEDSEC bench audit --task mnist1d --agents 20 --rounds 5 --bad 0.2 \
-    --attacks zero,noise,replay,signflip,scale --dp-epsilon $eps --json | tee -a "$out/audit.jsonl"
+    --attacks zero,noise,replay,signflip,scale --dp-epsilon $eps --trials 6 --json | tee -a "$out/audit.jsonl"
 done
 echo "== chaos: aggregator killed at every stage, compared with an uninterrupted run"
 $FEDSEC bench chaos --agents 6 --rounds 5 --json | tee -a "$out/chaos.jsonl"

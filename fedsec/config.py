@@ -66,7 +66,8 @@ DOCS: dict[str, str] = {
     "against the per-aggregate overhead.",
     "round.max_staleness": "Buffered mode refuses updates trained on a model more than this "
     "many versions old; 4 keeps stale gradients from dragging the model back.",
-    "round.open_s": "Seconds members have to train after a round opens; 600 is generous "
+    "round.open_s": "Seconds members have to train once the cohort is fixed (added to the "
+    "masked-input deadline); 600 is generous "
     "for one local epoch of a small task on a CPU.",
     "round.advertise_s": "Seconds to upload signed ephemeral keys; a few requests, 30 s "
     "tolerates slow links.",

@@ -430,7 +430,7 @@ async def test_secure_round_over_http_survives_a_member_lost_after_share_keys(
     for m in survivors:
         path, raw = _upload(cohort, m)
         receipts[m] = msgspec.convert(await api.ok(m, "POST", path, raw), wire.Receipt)
-    clock.advance(FAST_ROUND["masked_s"])  # the ticker closes the stage at its deadline
+    clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])  # the ticker closes the stage
     await api.wait_stage("unmask")
     for m in survivors:
         request = msgspec.convert(

@@ -50,8 +50,9 @@ from fedsec.errors import (
 from fedsec.modelfile import verify_manifest
 
 MEMBERS = ("a0", "a1", "a2", "a3", "a4")
-# Deadline of the advertise stage: the agents' training window plus the upload window.
-ADVERTISE_DEADLINE = FAST_ROUND["open_s"] + FAST_ROUND["advertise_s"]
+# Deadline of the advertise stage: members advertise while they train, so only the upload
+# window (training time belongs to the masked-input stage).
+ADVERTISE_DEADLINE = FAST_ROUND["advertise_s"]
 
 
 @pytest.fixture
@@ -284,7 +285,7 @@ def test_member_lost_after_share_keys_is_unmasked_out_of_the_sum(
     survivors = MEMBERS[:4]
     _masked(coord, cohort, survivors)
     assert coord.live.stage == "masked_input"  # a4 may still send until the deadline
-    clock.advance(FAST_ROUND["masked_s"])
+    clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])
     coord.tick()
     assert coord.live.stage == "unmask"
     request = coord.unmask_request("a0", 1, 0)
@@ -525,7 +526,7 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
         cohort.receive_shares(m, both("share_relay", m, 1, 0))  # type: ignore[arg-type]
         receipts[m] = both("masked_input", m, 1, 0, *cohort.upload(m))
     cohort.receive_shares("a4", both("share_relay", "a4", 1, 0))  # type: ignore[arg-type]
-    clock.advance(FAST_ROUND["masked_s"])  # a4 never sends its input
+    clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])  # a4 never sends its input
     for c in coords.values():
         c.tick()
     for i, m in enumerate(survivors):

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,7 +114,11 @@ class Coordinator:
         self.cfg = workspace.config
         self.clock = clock
         self.on_change = on_change
-        self.token = 1
+        # Agents long-poll "until the token differs from the one I saw".  A restarted
+        # aggregator must not hand out tokens its predecessor used, or an agent holding
+        # one would sleep through the resumed round; a random start (below 2^53, exact
+        # in JSON) makes a repeat across restarts vanishingly unlikely.
+        self.token = secrets.randbits(52) + 1
         self._closed_rounds: int | None = None
         fed = self.cfg.federation
         self.task = get_task(fed.task, **fed.task_options)
@@ -694,11 +699,12 @@ class Coordinator:
     def _deadline(self, live: _Live) -> float:
         r = self.cfg.round
         spent = {
-            # buffered members trained before joining; sync members train now
-            "advertise": r.advertise_s + (0.0 if self.buffered else r.open_s),
+            # Buffered members trained before joining; sync members train now, while
+            # (SecAgg+) they advertise and share keys, so training time is part of the
+            # masked-input stage in both modes.
+            "advertise": r.advertise_s,
             "share_keys": r.share_s,
-            "masked_input": r.masked_s
-            + (r.open_s if r.secure_sum == "none" and not self.buffered else 0.0),
+            "masked_input": r.masked_s + (0.0 if self.buffered else r.open_s),
             "unmask": r.unmask_s,
         }.get(live.stage, math.inf)
         return live.stage_started_at + spent

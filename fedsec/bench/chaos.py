@@ -66,7 +66,7 @@ AGENT_STAGES = ("advertise", "share_keys", "masked_input")
 #: they cost nothing when nobody dies.  "short" ones keep rounds with a dead agent quick.
 RESTART_DEADLINES: Mapping[str, float] = {
     "open_s": 60.0,
-    "advertise_s": 5.0,
+    "advertise_s": 30.0,
     "share_s": 30.0,
     "masked_s": 30.0,
     "unmask_s": 30.0,
