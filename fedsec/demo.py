@@ -279,6 +279,9 @@ def _parse_dp(value: str) -> float | None:
 @click.option("--dp-epsilon", default="none", show_default=True, help="per-agent budget or 'none'")
 @click.option("--local-epochs", default=0, help="0 = task default for simulation")
 @click.option("--lr", default=0.0, help="0 = task default")
+@click.option(
+    "--batch-size", default=0, help="local batch size; 0 = task default (DP favours large batches)"
+)
 @click.option("--server-optimizer", type=click.Choice(["fedavg", "fedadam"]), default="fedavg")
 @click.option("--server-lr", default=0.0, help="0 = task default for FedAvg, 0.01 for FedAdam")
 @click.option("--seed", default=0, show_default=True)
@@ -294,6 +297,7 @@ def simulate(
     dp_epsilon: str,
     local_epochs: int,
     lr: float,
+    batch_size: int,
     server_optimizer: str,
     server_lr: float,
     seed: int,
@@ -315,6 +319,7 @@ def simulate(
                 dp_epsilon=_parse_dp(dp_epsilon),
                 local_epochs=local_epochs,
                 lr=lr,
+                batch_size=batch_size,
                 server_optimizer=server_optimizer,
                 server_lr=server_lr,
                 seed=seed,

@@ -81,6 +81,7 @@ class SimulationSpec:
     dp_epsilon: float | None = None
     local_epochs: int = 0
     lr: float = 0.0
+    batch_size: int = 0  # 0 = the task's simulation default
     server_optimizer: str = "fedavg"
     server_lr: float = 0.0  # 0 = the task's default (FedAvg) or FEDADAM_LR
     seed: int = 0
@@ -134,7 +135,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     smallest = min(len(p) for p in parts)
     training = {
         "local_epochs": spec.local_epochs or defaults["local_epochs"],
-        "batch_size": defaults["batch_size"],
+        "batch_size": spec.batch_size or defaults["batch_size"],
         "lr": spec.lr or defaults["lr"],
         "optimizer": defaults["optimizer"],
     }

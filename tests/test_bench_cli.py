@@ -42,3 +42,31 @@ def test_bench_secagg_reports_an_exact_round(stage: str) -> None:
     )
     for key in ("client_s", "server_s", "floor_s", "share_bytes_per_client", "peak_rss_mb"):
         assert record[key] >= 0
+
+
+def test_simulate_uses_the_requested_local_settings() -> None:
+    """A tiny real federation over loopback: the options reach the members' training."""
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--task",
+            "breast_cancer",
+            "--agents",
+            "3",
+            "--rounds",
+            "2",
+            "--secure-sum",
+            "none",
+            "--batch-size",
+            "8",
+            "--local-epochs",
+            "1",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.strip().splitlines()[-1])
+    assert (record["batch_size"], record["local_epochs"], record["rounds"]) == (8, 1, 2)
+    assert record["aborted_rounds"] == 0
+    assert 0.5 < record["final_accuracy"] <= 1.0
