@@ -46,6 +46,7 @@ from test_resilience import MEMBERS, _round
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.workspace import CONFIG_FILE, Workspace, init_workspace
 from fedsec.audit.log import head_body, parse_line
+from fedsec.audit.report import summarize
 from fedsec.cli import main
 from fedsec.config import AuditSection, dump_federation_config, parse_federation_config
 from fedsec.errors import ConfigError
@@ -159,6 +160,11 @@ def test_retention_prunes_older_rounds_under_a_signed_log_entry(
     assert doc["heads"] == ROUNDS and doc["entries"] == len(logged)
     plain = CliRunner().invoke(main, ["audit", "verify", "--workspace", str(root)])
     assert plain.exit_code == 0 and "OK: every check holds" in plain.stdout, plain.output
+    assert "round 1: not re-aggregated, pruned by retention" in plain.stdout
+    # the compliance report lists each pruning among its events
+    events = [e for e in summarize(logged).events if e[1] == "archive_pruned"]
+    assert [e[0] for e in events] == [p["index"] for p in pruned]
+    assert "round(s) [1] deleted under retention (1 rounds kept" in events[0][2]
 
 
 def _plain_round(

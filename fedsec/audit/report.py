@@ -242,6 +242,19 @@ def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
         )
     elif kind == "alert":
         s.events.append((_index(doc), kind, json.dumps(body, sort_keys=True)))
+    elif kind == "archive_pruned":
+        rounds = body.get("rounds")
+        objects = body.get("objects")
+        s.events.append(
+            (
+                _index(doc),
+                kind,
+                f"archive of round(s) {rounds} deleted under retention "
+                f"({body.get('retention_rounds')} rounds kept; "
+                f"{len(objects) if isinstance(objects, list) else '?'} objects); "
+                "these rounds can no longer be re-aggregated",
+            )
+        )
     elif kind == "challenge":
         s.challenges.append(body)
     elif kind == "reveal":
@@ -793,7 +806,7 @@ def _events(s: LogSummary) -> str:
         for i, kind, text in s.events
     )
     return (
-        "<h2>Aborts, rollbacks and alerts</h2><div class='card'><table><tr>"
+        "<h2>Aborts, rollbacks, alerts and archive pruning</h2><div class='card'><table><tr>"
         f"<th class='n'>entry</th><th>kind</th><th>what</th></tr>{rows}</table></div>"
     )
 
