@@ -13,11 +13,15 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,9 @@ from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.training import plan_round, train_centralized
 from fedsec.aggregator.app import make_app
-from fedsec.bench.common import with_environment
+from fedsec.aggregator.workspace import Workspace
+from fedsec.bench.common import federation_status, free_port, with_environment
+from fedsec.errors import ConfigError
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 
@@ -93,6 +99,9 @@ class SimulationSpec:
     slowdown: float = 1.0  # ... this many times slower
     target_accuracy: float = 0.0  # report the wall time at which the model first reaches it
     baseline: bool = True  # also train the centralized baseline
+    # The aggregator as its own ``fedsec aggregator serve`` process, as deployed: its
+    # request handling then runs beside the members instead of sharing their event loop.
+    aggregator_process: bool = True
 
 
 # A RAM-backed directory for the throw-away workspace when there is one: the aggregator's
@@ -118,6 +127,57 @@ def _quiet_fedsec_logs() -> Iterator[None]:
             yield
     finally:
         logger.setLevel(level)
+
+
+#: Seconds a separate aggregator process may take to start serving (Python + torch).
+AGGREGATOR_START_S = 120.0
+
+
+@contextlib.asynccontextmanager
+async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
+    """Serve ``ws`` on an ephemeral 127.0.0.1 port; yield its URL.
+
+    ``separate``: run ``fedsec aggregator serve`` as a child process (logging to
+    ``serve.log`` in the workspace), stopped with SIGTERM afterwards; otherwise serve
+    in this process's event loop.
+    """
+    if not separate:
+        runner = web.AppRunner(make_app(ws), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDSEC_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    command = [sys.executable, "-m", "fedsec", "aggregator", "serve"]
+    command += ["--workspace", str(ws.root), "--port", str(port)]
+    with (ws.root / "serve.log").open("ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + AGGREGATOR_START_S
+        while await asyncio.to_thread(federation_status, url) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ConfigError(
+                    f"the simulation's aggregator did not start serving {url} "
+                    f"(exit code {proc.poll()}); see {ws.root / 'serve.log'}"
+                )
+            await asyncio.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
 
 
 async def run_simulation(spec: SimulationSpec, workdir: Path | None = None) -> dict[str, Any]:
@@ -176,21 +236,17 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     )
     ws = create_federation(root, "sim", spec.task, text)
     local = enrol_agents(ws, root, spec.agents)
-    app = make_app(ws)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}"
-    start = time.perf_counter()
-    try:
+    aggregator_public = ws.signer.public_bytes
+    if spec.aggregator_process:
+        ws.close()  # the serving process owns the workspace until it exits
+    async with _serving(ws, spec.aggregator_process) as url:
+        start = time.perf_counter()
         runtimes = [
             AgentRuntime(
                 agent_config(
                     a,
                     url=url,
-                    aggregator_public=ws.signer.public_bytes,
+                    aggregator_public=aggregator_public,
                     task=spec.task,
                     part_index=i,
                     parts=spec.agents,
@@ -206,8 +262,8 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
         ]
         await asyncio.gather(*(rt.run() for rt in runtimes))
         wall = time.perf_counter() - start
-    finally:
-        await runner.cleanup()
+    if spec.aggregator_process:
+        ws = Workspace.open(ws.root)
     rows = ws.state.rounds(100000)
     summaries = [msgspec.json.decode(r.summary, type=wire.RoundSummary) for r in rows if r.summary]
     reached = [

@@ -34,14 +34,12 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +49,7 @@ import click
 import msgspec
 
 from fedsec import faults, wire
+from fedsec.bench.common import federation_status, free_port
 from fedsec.config import NetworkSection
 from fedsec.errors import ConfigError
 
@@ -86,13 +85,6 @@ AGENT_NETWORK = NetworkSection(
 STATUS_POLL_S = 0.1
 _CREATE_LOCK = threading.Lock()
 _FAULT_RE = re.compile(r"event=fault_injected crash_at=(\S+)")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def aggregator_schedule(rounds: int, points: Sequence[str] = STAGE_POINTS) -> list[str]:
@@ -146,14 +138,6 @@ class ChaosRun:
     @property
     def aborted(self) -> list[wire.RoundSummary]:
         return [s for s in self.history if s.stage == "aborted"]
-
-
-def _status(url: str) -> wire.FederationStatus | None:
-    try:
-        with urllib.request.urlopen(f"{url}{wire.API_PREFIX}/status", timeout=2) as resp:
-            return msgspec.json.decode(resp.read(), type=wire.FederationStatus)
-    except (OSError, msgspec.DecodeError):
-        return None
 
 
 def _progress_key(s: wire.FederationStatus) -> tuple[int, int, str, int]:
@@ -269,7 +253,7 @@ class _Federation:
     def wait_serving(self, deadline: float) -> wire.FederationStatus:
         assert self.aggregator is not None
         while time.monotonic() < deadline:
-            status = _status(self.url)
+            status = federation_status(self.url)
             if status is not None:
                 return status
             if self.aggregator.poll() is not None:
@@ -347,7 +331,7 @@ def run_federation(plan: ChaosPlan, root: Path) -> ChaosRun:
                 fed.start_aggregator(schedule.pop(0) if schedule else None)
                 restarted_at = time.monotonic()
                 continue
-            status = _status(fed.url)
+            status = federation_status(fed.url)
             if status is not None:
                 last = status
                 if restarted_at is not None and _progress_key(status) != resumed_from:
