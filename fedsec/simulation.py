@@ -1,10 +1,17 @@
 """``fedsec simulate``: a real aggregator on loopback HTTP and N agents in one process.
 
-Each agent is a full :class:`AgentRuntime` (signed requests, SecAgg+ or plain
-intake, DP-SGD when asked) running as an asyncio task; training runs in worker
-threads so the aggregator keeps serving.  The same model is also trained
-centrally on the union of the agents' data for the same number of epochs, and
-the gap between the two is reported.
+The aggregator is a ``fedsec aggregator serve`` child process, as deployed (or, with
+``aggregator_process=False``, an app in this process's event loop).  Each agent is
+a full :class:`AgentRuntime` (signed requests, SecAgg+ or plain intake, DP-SGD when
+asked) running as an asyncio task; training runs in worker threads.  The same model
+is also trained centrally on the union of the agents' data for the same number of
+epochs, and the gap between the two is reported.
+
+Why a separate aggregator process: with everything in one event loop, the
+aggregator's request handling and 50 members' SecAgg+ client work serialise on one
+core.  On a 2-core machine (MNIST-1D, 50 members, 150 rounds) SecAgg+ rounds took
+2.15 s against 1.34 s plain in one process, and 1.66 s against 1.13 s with the
+aggregator in its own process.
 """
 
 from __future__ import annotations
