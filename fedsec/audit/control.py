@@ -86,9 +86,8 @@ FloatVec = npt.NDArray[np.float64]
 #: Minimum combined signal z-score.  Under white noise it is ~N(0, 1) (slightly right
 #: skewed), so 2.5 passes ~0.6 % of zero/noise updates.  Calibration at eps 8 (6 trials,
 #: 480 honest pairs): honest min 1.30 / 1st percentile 3.42 / median 10.3 (2 of 480 below
-#: 2.5, both in the first round, where the gradients at the random initial model
-#: largely cancel); zero and noise max 1.95.  At eps 3 the honest median is only 1.9:
-#: the per-round signal is below what one update can show.
+#: 2.5); zero and noise max 1.95.  At eps 3 the honest median is only 1.9: the per-round
+#: signal is below what one update can show.
 SIGNAL_MIN_Z: Final = 2.5
 #: Minimum descent-direction z-score.  0 splits honest (median +5.2 at eps 8, min +0.11,
 #: none of 480 below 0) from sign-flipped updates (median -4.2, max -0.09): a flipped
