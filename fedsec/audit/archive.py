@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedsec.errors import IntegrityError, NotFound
+from fedsec.fsio import atomic_write
 
 # Log entry kinds whose body names an archive object (``sha256``) of a round (``round``).
 REFERRING_KINDS = frozenset({"accepted", "reveal"})
@@ -49,13 +49,7 @@ class Archive:
         target = self.path(digest)
         if target.exists():
             return digest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{digest}.tmp-{os.getpid()}")
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        atomic_write(target, data, parents_mode=0o777)
         return digest
 
     def get(self, digest: str) -> bytes:

@@ -19,6 +19,7 @@ import nacl.exceptions
 import nacl.signing
 
 from fedsec.errors import KeyFileError, SignatureError
+from fedsec.fsio import atomic_write
 
 DOMAIN_PREFIX = b"fedsec/v1/"
 PUBLIC_KEY_BYTES = 32
@@ -179,19 +180,7 @@ class SigningIdentity:
 
 def write_secret_file(path: Path, body: bytes) -> None:
     """Create ``path`` with mode 0600 holding ``body``: temp file, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(Path(path), body, mode=0o600, parents_mode=0o777)
 
 
 def save_public_key(path: Path, public_bytes: bytes) -> None:
