@@ -244,3 +244,20 @@ def test_every_key_is_documented() -> None:
                 path = f"{section.name}.{field.name}"
                 assert path in DOCS, f"{root}: {path} has no comment"
                 assert f"`{path}`" in docs_md, f"docs/config.md lacks {path}"
+
+
+def test_aggregator_logging_survives_opacus_basic_config() -> None:
+    import logging
+
+    import opacus  # noqa: F401  (its import calls logging.basicConfig at WARNING)
+
+    from fedsec.aggregator.cli import configure_logging
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        configure_logging("info")
+        assert logging.getLogger("fedsec.aggregator.coordinator").isEnabledFor(logging.INFO)
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])

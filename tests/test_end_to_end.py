@@ -44,6 +44,10 @@ def test_demo_round_survives_an_agent_killed_after_share_keys(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "5 rounds closed" in proc.stdout
+    # the aggregator's operational log keeps its INFO events (Opacus' import-time
+    # basicConfig once silenced them)
+    served = (root / "logs" / "aggregator.log").read_text()
+    assert "event=stage round=4" in served and "event=round_open round=5" in served
 
     ws = Workspace.open(root / "aggregator")
     try:

@@ -95,9 +95,7 @@ def serve(
     log_level: str,
 ) -> None:
     """Run the aggregator until interrupted."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(log_level)
     ws = Workspace.open(workspace)
     cfg = ws.config.server
     cert = tls_cert or (Path(cfg.tls_cert) if cfg.tls_cert else None)
@@ -137,6 +135,19 @@ async def _serve(ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | 
     await runner.cleanup()
     info.unlink(missing_ok=True)
     ws.close()
+
+
+def configure_logging(level: str) -> None:
+    """Log to stderr at ``level``.
+
+    ``force``: importing Opacus (through the tasks) calls ``logging.basicConfig`` at
+    WARNING, which would otherwise make this call a no-op and drop every INFO event.
+    """
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        force=True,
+    )
 
 
 @aggregator.command("rollback")
