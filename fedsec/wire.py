@@ -275,6 +275,20 @@ class ShareRelayBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class UnmaskRequestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     survivors: list[str]
     dropped: list[str]
+    # the round-state token when this was answered: long-poll GET /round with it to
+    # wait for the round to close without first fetching the unmask state again
+    state_token: int | None = None
+
+
+class Accepted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Answer to a SecAgg+ upload: accepted, and, when the request asked to ``wait``
+    and the round reached the next stage in time, that stage's data for the caller
+    (one request instead of long-polling the round and then fetching it)."""
+
+    accepted: bool
+    keys: KeyListBody | None = None  # POST advertise: the relayed key list
+    relay: ShareRelayBody | None = None  # POST shares: the shares addressed to the caller
+    state: RoundState | None = None  # POST unmask: the round state once the attempt is over
 
 
 class UnmaskResponseBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -320,6 +334,15 @@ class Receipt(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=Tr
     log_index: int
     issued_at: float
     signature: str = ""
+
+
+class MaskedInputAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Answer to ``POST masked-input?wait=S`` (without ``wait`` the answer is the bare
+    Receipt): the receipt, held until the round reaches the unmask stage, with the
+    caller's unmask request when it is a survivor."""
+
+    receipt: Receipt
+    unmask: UnmaskRequestBody | None = None
 
 
 class ChallengeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

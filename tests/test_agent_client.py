@@ -34,8 +34,10 @@ from fedsec.wire import (
     ContributionStatement,
     JoinRequest,
     JoinResponse,
+    MaskedInputAnswer,
     Receipt,
     RoundState,
+    UnmaskRequestBody,
     encode,
 )
 
@@ -185,8 +187,8 @@ def test_every_request_is_signed_and_verifies() -> None:
         assert (await client.get_round(wait_token=4, timeout=0.5)).token == 5
         answer = await client.join(3, 1, JoinRequest("ab" * 32, "1", 120))
         assert answer == JoinResponse(True, "welcome")
-        receipt = await client.masked_input(3, 1, vector, statement)
-        assert receipt.log_index == 7
+        receipt, unmask = await client.masked_input(3, 1, vector, statement)
+        assert receipt.log_index == 7 and unmask is None
 
     seen = run(scenario).seen
     assert [e["method"] for e in seen] == ["GET", "GET", "POST", "POST"]
@@ -360,3 +362,32 @@ def test_receipt_not_signed_by_the_pinned_aggregator_is_refused() -> None:
             await client.receipt(3)
 
     run(scenario)
+
+
+def test_held_masked_input_answer_carries_the_unmask_request() -> None:
+    """With ``wait`` the answer is {receipt, unmask}; an aggregator that does not hold
+    answers sends the bare receipt, which is taken as it is.  Either receipt must
+    verify against the pinned aggregator key."""
+    vector = b"\x00\x01\x02packed"
+    statement = statement_for(vector)
+    request = UnmaskRequestBody(survivors=["alice", "bob"], dropped=["carol"], state_token=9)
+    answers = [
+        encode(MaskedInputAnswer(receipt=signed_receipt(vector), unmask=request)),
+        encode(signed_receipt(vector)),
+        encode(MaskedInputAnswer(receipt=signed_receipt(vector, STRANGER), unmask=request)),
+    ]
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("POST", "/v1/rounds/3/masked-input")
+        async def masked(request: web.Request) -> web.Response:
+            return web.Response(body=answers.pop(0), content_type="application/json")
+
+        receipt, unmask = await client.masked_input(3, 1, vector, statement, wait=2.0)
+        assert receipt.log_index == 7 and unmask == request
+        receipt, unmask = await client.masked_input(3, 1, vector, statement, wait=2.0)
+        assert receipt.log_index == 7 and unmask is None
+        with pytest.raises(SignatureError):
+            await client.masked_input(3, 1, vector, statement, wait=2.0)
+
+    seen = run(scenario).seen
+    assert [e["query"]["wait"] for e in seen] == ["2", "2", "2"]

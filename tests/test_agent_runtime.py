@@ -53,6 +53,7 @@ from fedsec.errors import (
     PayloadError,
     SignatureError,
     TaskMismatch,
+    WrongStage,
 )
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
 from fedsec.tasks import get_task
@@ -196,6 +197,13 @@ class FakeAggregator:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    def reached(self, stage: str) -> None:
+        """Stage data before its stage: 409, as the real aggregator answers once a
+        ``wait`` is over."""
+        order = ("open", "advertise", "share_keys", "masked_input", "unmask", "closed")
+        if order.index(self.state.stage) < order.index(stage):
+            raise WrongStage(f"round has not reached stage {stage} yet")
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         keyid = self.verifier.verify(request.method, request.raw_path, request.headers, body)
@@ -309,8 +317,10 @@ class FakeAggregator:
             if len(self.secagg.advertised) == len(self.cohort):
                 self.key_list = self.secagg.close_advertise()
                 self.advance(stage="share_keys")
-            return web.json_response({})
+            # no ?wait support: the agent falls back to polling the round state
+            return web.json_response({"accepted": True})
         if route == ("GET", f"/v1/rounds/{r}/keys"):
+            self.reached("share_keys")
             entries = [
                 KeyEntry(e.member, e.enc_public.hex(), e.mask_public.hex(), e.signature.hex())
                 for e in self.key_list.entries
@@ -330,8 +340,9 @@ class FakeAggregator:
             if len(self.secagg.shared) == len(self.cohort):
                 self.relays = self.secagg.close_share_keys()
                 self.advance(stage="masked_input")
-            return web.json_response({})
+            return web.json_response({"accepted": True})
         if route == ("GET", f"/v1/rounds/{r}/shares"):
+            self.reached("masked_input")
             relay = self.relays[member]
             return _json(
                 ShareRelayBody(
@@ -340,6 +351,7 @@ class FakeAggregator:
                 )
             )
         if route == ("GET", f"/v1/rounds/{r}/unmask"):
+            self.reached("unmask")
             req = self.unmask_request
             return _json(UnmaskRequestBody(list(req.survivors), list(req.dropped)))
         if route == ("POST", f"/v1/rounds/{r}/unmask"):
@@ -355,7 +367,7 @@ class FakeAggregator:
             if self.unmasked == set(self.cohort):
                 self.result = self.secagg.finalize()
                 self.advance(stage="closed")
-            return web.json_response({})
+            return web.json_response({"accepted": True})
         raise AssertionError(f"unexpected request {route}")
 
 

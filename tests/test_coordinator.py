@@ -509,6 +509,9 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
 
     def both(method: str, *args: object) -> object:
         answers = [getattr(c, method)(*args) for c in coords.values()]
+        if isinstance(answers[0], wire.UnmaskRequestBody):
+            # the long-poll token is per process (random start), not round state
+            answers = [msgspec.structs.replace(a, state_token=None) for a in answers]
         assert answers[0] == answers[1]
         return answers[0]
 

@@ -127,3 +127,13 @@ def test_empty_plaintext_round_trip(pair: tuple[KeyAgreementKey, KeyAgreementKey
     alice, bob = pair
     sealed = seal(alice.shared_key(bob.public_bytes), b"", CTX)
     assert open_sealed(bob.shared_key(alice.public_bytes), sealed, CTX) == b""
+
+
+def test_agreement_refuses_low_order_and_wrong_length_keys() -> None:
+    alice = KeyAgreementKey()
+    with pytest.raises(DecryptionError, match="low-order"):
+        alice.shared_key(bytes(32))  # the identity point: the agreement would be all zero
+    with pytest.raises(DecryptionError, match="public key is 32 bytes"):
+        shared_key(alice.secret_bytes, bytes(31))
+    with pytest.raises(DecryptionError, match="secret key is 32 bytes"):
+        shared_key(alice.secret_bytes[:31], KeyAgreementKey().public_bytes)

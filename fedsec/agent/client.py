@@ -44,11 +44,13 @@ from fedsec.errors import (
     AggregatorRefused,
     AggregatorUnreachable,
     FedsecError,
+    PayloadError,
     PayloadTooLarge,
 )
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.wire import (
     API_PREFIX,
+    Accepted,
     AdvertiseKeysBody,
     Challenge,
     ChallengeList,
@@ -58,6 +60,7 @@ from fedsec.wire import (
     JoinRequest,
     JoinResponse,
     KeyListBody,
+    MaskedInputAnswer,
     PrivacyReport,
     Receipt,
     Reveal,
@@ -393,91 +396,153 @@ class AggregatorClient:
             what="report answer",
         )
 
-    async def advertise(self, round: int, attempt: int, body: AdvertiseKeysBody) -> None:
-        """``POST /rounds/{r}/advertise``: our signed ephemeral public keys."""
-        await self._request(
+    def _stage_query(self, attempt: int, wait: float) -> dict[str, int | str]:
+        query: dict[str, int | str] = {"attempt": attempt}
+        if wait > 0:
+            query["wait"] = _seconds(wait)
+        return query
+
+    def _wait_timeout(self, wait: float) -> float:
+        return self.timeout_s + max(wait, 0.0) + LONG_POLL_SLACK_S
+
+    async def advertise(
+        self, round: int, attempt: int, body: AdvertiseKeysBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/advertise``: our signed ephemeral public keys.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                share_keys; the answer then carries the key list (``keys``).
+        """
+        return await self._json(
             "POST",
             f"/rounds/{round}/advertise",
-            query={"attempt": attempt},
-            body=encode(body),
-            content_type="application/json",
-            max_bytes=MAX_ERROR_BYTES,
+            Accepted,
+            query=self._stage_query(attempt, wait),
+            payload=body,
             what="advertise answer",
+            timeout_s=self._wait_timeout(wait),
         )
 
-    async def keys(self, round: int, attempt: int) -> KeyListBody:
-        """``GET /rounds/{r}/keys``: the relayed key list."""
+    async def keys(self, round: int, attempt: int, wait: float = 0.0) -> KeyListBody:
+        """``GET /rounds/{r}/keys``: the relayed key list (long-polled up to ``wait`` s)."""
         return await self._json(
-            "GET", f"/rounds/{round}/keys", KeyListBody, query={"attempt": attempt}, what="key list"
+            "GET",
+            f"/rounds/{round}/keys",
+            KeyListBody,
+            query=self._stage_query(attempt, wait),
+            what="key list",
+            timeout_s=self._wait_timeout(wait),
         )
 
-    async def post_shares(self, round: int, attempt: int, body: ShareKeysBody) -> None:
-        """``POST /rounds/{r}/shares``: our encrypted shares for relay."""
-        await self._request(
+    async def post_shares(
+        self, round: int, attempt: int, body: ShareKeysBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/shares``: our encrypted shares for relay.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                masked_input; the answer then carries our share relay (``relay``).
+        """
+        return await self._json(
             "POST",
             f"/rounds/{round}/shares",
-            query={"attempt": attempt},
-            body=encode(body),
-            content_type="application/json",
-            max_bytes=MAX_ERROR_BYTES,
+            Accepted,
+            query=self._stage_query(attempt, wait),
+            payload=body,
             what="shares answer",
+            timeout_s=self._wait_timeout(wait),
         )
 
-    async def get_shares(self, round: int, attempt: int) -> ShareRelayBody:
-        """``GET /rounds/{r}/shares``: shares addressed to us and the participants."""
+    async def get_shares(self, round: int, attempt: int, wait: float = 0.0) -> ShareRelayBody:
+        """``GET /rounds/{r}/shares``: shares addressed to us and the participants
+        (long-polled up to ``wait`` s)."""
         return await self._json(
             "GET",
             f"/rounds/{round}/shares",
             ShareRelayBody,
-            query={"attempt": attempt},
+            query=self._stage_query(attempt, wait),
             what="share relay",
+            timeout_s=self._wait_timeout(wait),
         )
 
     async def masked_input(
-        self, round: int, attempt: int, vector: bytes, statement: ContributionStatement
-    ) -> Receipt:
+        self,
+        round: int,
+        attempt: int,
+        vector: bytes,
+        statement: ContributionStatement,
+        wait: float = 0.0,
+    ) -> tuple[Receipt, UnmaskRequestBody | None]:
         """``POST /rounds/{r}/masked-input``: the packed vector with the signed contribution
-        statement (commitment and signature as query parameters); returns the verified
-        receipt.
+        statement (commitment and signature as query parameters).
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                the unmask stage (SecAgg+); the answer then carries our unmask request.
+
+        Returns:
+            The verified receipt, and the unmask request when one came with it.
 
         Raises:
             SignatureError: the receipt is not signed by the pinned aggregator key.
         """
+        query: dict[str, int | str] = {
+            "attempt": attempt,
+            "commitment": statement.commitment,
+            "signature": statement.signature,
+        }
+        if wait > 0:
+            query["wait"] = _seconds(wait)
         raw = await self._request(
             "POST",
             f"/rounds/{round}/masked-input",
-            query={
-                "attempt": attempt,
-                "commitment": statement.commitment,
-                "signature": statement.signature,
-            },
+            query=query,
             body=vector,
             content_type="application/octet-stream",
-            max_bytes=MAX_RECEIPT_BYTES,
+            max_bytes=MAX_JSON_BYTES if wait > 0 else MAX_RECEIPT_BYTES,
             what="receipt",
+            timeout_s=self._wait_timeout(wait),
         )
-        return self._verified_receipt(raw)
+        if wait > 0:
+            try:
+                answer = decode(raw, MaskedInputAnswer, max_bytes=MAX_JSON_BYTES, what="receipt")
+            except PayloadError:
+                pass  # an aggregator that does not hold answers sends the bare receipt
+            else:
+                answer.receipt.verify(self.aggregator.public_bytes)
+                return answer.receipt, answer.unmask
+        return self._verified_receipt(raw), None
 
-    async def get_unmask(self, round: int, attempt: int) -> UnmaskRequestBody:
-        """``GET /rounds/{r}/unmask``: survivors and dropped members."""
+    async def get_unmask(self, round: int, attempt: int, wait: float = 0.0) -> UnmaskRequestBody:
+        """``GET /rounds/{r}/unmask``: survivors and dropped members (long-polled up to
+        ``wait`` s)."""
         return await self._json(
             "GET",
             f"/rounds/{round}/unmask",
             UnmaskRequestBody,
-            query={"attempt": attempt},
+            query=self._stage_query(attempt, wait),
             what="unmask request",
+            timeout_s=self._wait_timeout(wait),
         )
 
-    async def unmask(self, round: int, attempt: int, body: UnmaskResponseBody) -> None:
-        """``POST /rounds/{r}/unmask``: our shares for unmasking."""
-        await self._request(
+    async def unmask(
+        self, round: int, attempt: int, body: UnmaskResponseBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/unmask``: our shares for unmasking.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the attempt is over;
+                the answer then carries the round state (``state``).
+        """
+        return await self._json(
             "POST",
             f"/rounds/{round}/unmask",
-            query={"attempt": attempt},
-            body=encode(body),
-            content_type="application/json",
-            max_bytes=MAX_ERROR_BYTES,
+            Accepted,
+            query=self._stage_query(attempt, wait),
+            payload=body,
             what="unmask answer",
+            timeout_s=self._wait_timeout(wait),
         )
 
     async def receipt(self, round: int) -> Receipt:

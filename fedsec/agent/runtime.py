@@ -41,15 +41,17 @@ Logs are ``event key=value``; they never carry keys, shares, seeds or vectors.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, cast
+from typing import Final, Literal, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -87,12 +89,14 @@ from fedsec.errors import (
     SignatureError,
     StaleUpdate,
     TaskMismatch,
+    WrongStage,
 )
 from fedsec.faults import crash_point, deterministic_bytes
 from fedsec.modelfile import decode_model, verify_manifest
 from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_partition
 from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
 from fedsec.wire import (
+    Accepted,
     AdvertiseKeysBody,
     ContributionStatement,
     JoinRequest,
@@ -107,6 +111,7 @@ from fedsec.wire import (
     ShareKeysBody,
     ShareRelayBody,
     Stage,
+    UnmaskRequestBody,
     UnmaskResponseBody,
     unhex,
 )
@@ -124,6 +129,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The agent's signing key, in its state directory (written 0600 by ``fedsec agent init``).
 IDENTITY_FILE: Final = "identity.key"
@@ -364,6 +371,10 @@ class AgentRuntime:
         progress: show a progress bar while training.
         client: an aggregator client to use (tests); default one built from config.
         poll_timeout_s: long-poll wait asked of the aggregator.
+        training_executor: where local training runs (default: asyncio's default
+            executor).  Simulations that host many agents in one process pass one
+            pool with a thread per core: more training threads than cores only
+            contend for the GIL with the event loop that runs every agent's protocol.
     """
 
     def __init__(
@@ -375,6 +386,7 @@ class AgentRuntime:
         client: AggregatorClient | None = None,
         poll_timeout_s: float = POLL_TIMEOUT_S,
         slowdown: float = 1.0,
+        training_executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self.config = config
         self.identity = identity
@@ -382,6 +394,7 @@ class AgentRuntime:
         self.progress = progress
         self.poll_timeout_s = poll_timeout_s
         self.slowdown = slowdown  # simulations only: this member trains slowdown x slower
+        self._training_executor = training_executor
         self._verified_roster: set[tuple[bytes, str, bytes, str]] = set()
         self._roster_cache: dict[str, tuple[int, dict[str, bytes]]] = {}
         self.state_dir = Path(config.agent.state_dir)
@@ -560,23 +573,9 @@ class AgentRuntime:
 
     async def _poll(self, client: AggregatorClient, token: int | None) -> RoundState:
         """The next round state (long-polled on ``token``), or _Stopped when asked to stop."""
-        if self._stop.is_set():
-            raise _Stopped
         started = time.monotonic()
         wait = 0.0 if token is None else self.poll_timeout_s
-        fetch = asyncio.ensure_future(client.get_round(token, wait))
-        stopper = asyncio.ensure_future(self._stop.wait())
-        try:
-            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (fetch, stopper):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        if fetch not in done:
-            raise _Stopped
-        state = fetch.result()
+        state = await self._unless_stopped(client.get_round(token, wait))
         if self._federation is None:
             self._federation = state.federation_id
         elif state.federation_id != self._federation:
@@ -589,17 +588,60 @@ class AgentRuntime:
                 await asyncio.wait_for(self._stop.wait(), MIN_REPOLL_S)
         return state
 
+    async def _unless_stopped(self, request: Awaitable[T]) -> T:
+        """``request``'s result; raises _Stopped (cancelling it) once asked to stop."""
+        if self._stop.is_set():
+            raise _Stopped
+        fetch = asyncio.ensure_future(request)
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (fetch, stopper):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if fetch not in done:
+            raise _Stopped
+        return fetch.result()
+
+    async def _stage_data(
+        self,
+        client: AggregatorClient,
+        state: RoundState,
+        stage: Stage,
+        fetch: Callable[[float], Awaitable[T]],
+    ) -> tuple[T, RoundState]:
+        """The data of ``stage`` for this member: long-polled in one request (``fetch``
+        with a wait); when that answers before the stage (wait over, attempt aborted),
+        fall back to polling the round state, then fetch at once.
+
+        Returns:
+            The data, and the newest round state seen (``state`` when none was polled).
+        """
+        try:
+            return await self._unless_stopped(fetch(self.poll_timeout_s)), state
+        except WrongStage:
+            current = await self._wait_for(client, state, (stage,))
+            return await self._unless_stopped(fetch(0.0)), current
+
     async def _wait_for(
-        self, client: AggregatorClient, state: RoundState, stages: Iterable[Stage]
+        self,
+        client: AggregatorClient,
+        state: RoundState,
+        stages: Iterable[Stage],
+        attempt: tuple[int, int] | None = None,
     ) -> RoundState:
-        """Long-poll until the attempt of ``state`` reaches one of ``stages``.
+        """Long-poll until the attempt (round, attempt) — by default that of ``state`` —
+        reaches one of ``stages``.
 
         Raises:
             _AttemptOver: the attempt was aborted or another round/attempt began.
             _StageMissed: the attempt is already past every stage in ``stages``.
         """
         wanted = tuple(stages)
-        key = (state.round, state.attempt)
+        key = attempt or (state.round, state.attempt)
         latest = max(_STAGE_ORDER[s] for s in wanted)
         current = state
         while True:
@@ -705,7 +747,7 @@ class AgentRuntime:
                 # cost any privacy.
                 roster = await self._roster(client, spec.federation_id, serial=state.roster_serial)
                 session = ClientSession(spec.secagg_params(), self.member, self.identity, roster)
-                trained, current = await self._train_during_key_setup(
+                trained, current, relay = await self._train_during_key_setup(
                     client, state, spec, session, local, model
                 )
             else:
@@ -719,13 +761,16 @@ class AgentRuntime:
             contribution = _Contribution(trained, local.samples, weight, q)
             if session is not None:
                 receipt, current = await self._secagg_round(
-                    client, current, spec, session, contribution
+                    client, current, spec, session, contribution, relay
                 )
             else:
                 receipt, current = await self._plain_round(client, current, spec, contribution)
             if spec.mode == "buffered":
                 self._update = None  # consumed: the next buffer gets a freshly trained update
-            final = await self._wait_for(client, current, ("closed",))
+            if current.round > r:
+                final = current  # the held unmask answer came once our round had closed
+            else:
+                final = await self._wait_for(client, current, ("closed",), attempt=(r, a))
             log.info("round_closed round=%d attempt=%d", r, a)
             return _with(base, "closed", receipt), final
         except _AttemptOver as over:
@@ -814,16 +859,19 @@ class AgentRuntime:
             else None
         )
         assert self._device is not None
-        result = await asyncio.to_thread(
-            train_local,
-            model,
-            local.x,
-            local.y,
-            params,
-            dp,
-            self._device,
-            _training_seed(self.member, spec.round),
-            self.progress,
+        result = await asyncio.get_running_loop().run_in_executor(
+            self._training_executor,
+            functools.partial(
+                train_local,
+                model,
+                local.x,
+                local.y,
+                params,
+                dp,
+                self._device,
+                _training_seed(self.member, spec.round),
+                self.progress,
+            ),
         )
         if result.steps != steps or abs(result.sample_rate - sample_rate) > 1e-12:
             log.warning(
@@ -971,8 +1019,9 @@ class AgentRuntime:
         session: ClientSession,
         local: LocalData,
         model: torch.nn.Module,
-    ) -> tuple[_TrainedUpdate, RoundState]:
-        """Train while advertising keys and sharing them; return the update and the state.
+    ) -> tuple[_TrainedUpdate, RoundState, ShareRelayBody | None]:
+        """Train while advertising keys and sharing them; return the update, the state
+        and the share relay if it came with the shares' answer.
 
         If the key stages fail (the attempt is aborted, a stage is missed), training is
         still awaited, so the update is kept for a retried attempt and the privacy it
@@ -987,32 +1036,50 @@ class AgentRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await setup
             raise
-        return trained, await setup
+        current, relay = await setup
+        return trained, current, relay
 
     async def _secagg_key_stages(
         self, client: AggregatorClient, state: RoundState, spec: RoundSpec, session: ClientSession
-    ) -> RoundState:
-        """SecAgg+ advertise and share-keys stages; they do not need the update."""
+    ) -> tuple[RoundState, ShareRelayBody | None]:
+        """SecAgg+ advertise and share-keys stages; they do not need the update.
+
+        Each upload asks the aggregator to hold its answer until the next stage and
+        carry that stage's data (key list, share relay): one request per stage instead
+        of an upload, a long poll of the round state and a fetch.  Returns the newest
+        round state seen and the share relay when it came with the shares' answer.
+        """
         r, a = spec.round, spec.attempt
         current = await self._wait_for(client, state, ("advertise",))
         adv = session.advertise()
-        await _tolerate_duplicate(
-            client.advertise(
-                r,
-                a,
-                AdvertiseKeysBody(adv.enc_public.hex(), adv.mask_public.hex(), adv.signature.hex()),
-            )
-        )
+        body = AdvertiseKeysBody(adv.enc_public.hex(), adv.mask_public.hex(), adv.signature.hex())
+        answer = await self._upload(client.advertise(r, a, body, self.poll_timeout_s))
         log.info("secagg_advertised round=%d attempt=%d", r, a)
         crash_point(r, "advertise")
 
-        current = await self._wait_for(client, current, ("share_keys",))
-        shares = session.share_keys(_key_list(await client.keys(r, a)))
+        if answer is not None and answer.keys is not None:
+            keys = answer.keys
+        else:
+            keys, current = await self._stage_data(
+                client, current, "share_keys", lambda wait: client.keys(r, a, wait)
+            )
+        shares = session.share_keys(_key_list(keys))
         outgoing = [OutgoingShare(s.recipient, s.ciphertext.hex()) for s in shares.shares]
-        await _tolerate_duplicate(client.post_shares(r, a, ShareKeysBody(outgoing)))
+        answer = await self._upload(
+            client.post_shares(r, a, ShareKeysBody(outgoing), self.poll_timeout_s)
+        )
         log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(outgoing))
         crash_point(r, "share_keys")
-        return current
+        return current, answer.relay if answer is not None else None
+
+    async def _upload(self, request: Awaitable[Accepted]) -> Accepted | None:
+        """A SecAgg+ upload's answer; None when a 409 duplicate says an earlier (retried)
+        try already landed."""
+        try:
+            return await self._unless_stopped(request)
+        except DuplicateMessage:
+            log.info("request_duplicate_ignored")
+            return None
 
     async def _secagg_round(
         self,
@@ -1021,28 +1088,38 @@ class AgentRuntime:
         spec: RoundSpec,
         session: ClientSession,
         c: _Contribution,
+        relay: ShareRelayBody | None,
     ) -> tuple[Receipt, RoundState]:
         """SecAgg+ masked input and unmask stages, after the key stages."""
         r, a = spec.round, spec.attempt
-        current = await self._wait_for(client, state, ("masked_input",))
-        session.receive_shares(_share_relay(await client.get_shares(r, a), self.member))
+        current = state
+        if relay is None:
+            fetched, current = await self._stage_data(
+                client, current, "masked_input", lambda wait: client.get_shares(r, a, wait)
+            )
+        else:
+            fetched = relay
+        session.receive_shares(_share_relay(fetched, self.member))
         masked = await asyncio.to_thread(session.masked_input, c.quantized)
-        receipt = await self._send_vector(client, spec, c, masked.vector)
+        # the receipt is held until the unmask stage and comes with our unmask request
+        receipt, held = await self._send_vector(
+            client, spec, c, masked.vector, wait=self.poll_timeout_s
+        )
         crash_point(r, "masked_input")
 
-        current = await self._wait_for(client, current, ("unmask",))
-        request = await client.get_unmask(r, a)
-        answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
-        await _tolerate_duplicate(
-            client.unmask(
-                r,
-                a,
-                UnmaskResponseBody(
-                    {m: s.hex() for m, s in answer.seed_shares},
-                    {m: s.hex() for m, s in answer.key_shares},
-                ),
+        if held is not None:
+            request = held
+        else:
+            request, current = await self._stage_data(
+                client, current, "unmask", lambda wait: client.get_unmask(r, a, wait)
             )
+        answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
+        body = UnmaskResponseBody(
+            {m: s.hex() for m, s in answer.seed_shares},
+            {m: s.hex() for m, s in answer.key_shares},
         )
+        # held until the attempt is over; the answer carries the round state then
+        accepted = await self._upload(client.unmask(r, a, body, self.poll_timeout_s))
         log.info(
             "secagg_unmasked round=%d attempt=%d survivors=%d dropped=%d",
             r,
@@ -1050,19 +1127,33 @@ class AgentRuntime:
             len(request.survivors),
             len(request.dropped),
         )
+        if accepted is not None and accepted.state is not None:
+            current = accepted.state
+        elif request.state_token is not None and (current.round, current.attempt) == (r, a):
+            # the state as of the unmask request: the wait for the close starts there
+            current = msgspec.structs.replace(current, stage="unmask", token=request.state_token)
         return receipt, current
 
     async def _plain_round(
         self, client: AggregatorClient, state: RoundState, spec: RoundSpec, c: _Contribution
     ) -> tuple[Receipt, RoundState]:
         current = await self._wait_for(client, state, ("masked_input",))
-        receipt = await self._send_vector(client, spec, c, pack(c.quantized, spec.ring_bits))
+        receipt, _ = await self._send_vector(client, spec, c, pack(c.quantized, spec.ring_bits))
         return receipt, current
 
     async def _send_vector(
-        self, client: AggregatorClient, spec: RoundSpec, contribution: _Contribution, vector: bytes
-    ) -> Receipt:
+        self,
+        client: AggregatorClient,
+        spec: RoundSpec,
+        contribution: _Contribution,
+        vector: bytes,
+        wait: float = 0.0,
+    ) -> tuple[Receipt, UnmaskRequestBody | None]:
         """Keep the update for audits, send ``vector``, check and store the receipt.
+
+        Returns:
+            The receipt, and the unmask request when the answer was held for it
+            (``wait`` > 0, SecAgg+).
 
         Raises:
             IntegrityError: the receipt names another member, round or contribution.
@@ -1083,8 +1174,10 @@ class AgentRuntime:
             vector_sha256=digest,
             commitment=commitment.hex(),
         ).sign(self.identity)
+        request: UnmaskRequestBody | None = None
         try:
-            receipt = await client.masked_input(r, a, vector, statement)
+            # not cut short by a stop: the receipt of an accepted contribution is kept
+            receipt, request = await client.masked_input(r, a, vector, statement, wait)
         except DuplicateMessage:
             # A retry after a lost answer: the first try was taken; fetch its receipt.
             receipt = await client.receipt(r)
@@ -1112,7 +1205,7 @@ class AgentRuntime:
             digest,
             receipt.log_index,
         )
-        return receipt
+        return receipt, request
 
     def _save_record(self, spec: RoundSpec, contribution: _Contribution, receipt: Receipt) -> None:
         trained = contribution.trained

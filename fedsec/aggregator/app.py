@@ -160,6 +160,45 @@ def _round_args(request: web.Request) -> tuple[int, int]:
     return round_, attempt
 
 
+def _wait_seconds(request: web.Request) -> float:
+    """The ``wait`` query parameter of a stage-data request: seconds to hold the answer
+    until the round reaches that stage (0, the default, answers at once)."""
+    try:
+        wait = float(request.query.get("wait", "0"))
+    except ValueError:
+        raise PayloadError("wait must be a number of seconds") from None
+    if not 0 <= wait < float("inf"):
+        raise PayloadError("wait must be a non-negative number of seconds")
+    return min(wait, MAX_LONG_POLL_S)
+
+
+async def _hold_while(request: web.Request, pending: Callable[[], bool], wait: float) -> None:
+    """Hold the request, at most ``wait`` seconds, while ``pending()`` (re-checked each
+    time the round state changes)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while pending():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        await request.app[CHANGED].wait(left)
+
+
+async def _hold_until(
+    request: web.Request, round_: int, attempt: int, stage: str, wait: float
+) -> bool:
+    """Hold the request, at most ``wait`` seconds, while the attempt is still in
+    progress before ``stage``; True when it has reached (or passed) ``stage``."""
+    coord = request.app[COORDINATOR]
+    await _hold_while(request, lambda: coord.before_stage(round_, attempt, stage), wait)
+    live = coord.live
+    return (
+        (live.round, live.attempt) == (round_, attempt)
+        and live.stage != "aborted"
+        and not coord.before_stage(round_, attempt, stage)
+    )
+
+
 def _decode(raw: bytes, kind: type[T], request: web.Request, what: str) -> T:
     ws = request.app[WORKSPACE]
     return wire.decode(raw, kind, max_bytes=ws.config.server.max_json_bytes, what=what)
@@ -252,17 +291,37 @@ async def report(request: web.Request) -> web.Response:
     return _json({"accepted": True})
 
 
+async def _next_stage_data(
+    request: web.Request, r: int, a: int, stage: str, wait: float, fetch: Callable[[], T]
+) -> T | None:
+    """After an accepted upload with ``?wait``: the next stage's data for the caller once
+    the round reaches it, or None (no wait asked, not reached in time, attempt over, or
+    the caller is not in it; the agent then falls back to polling)."""
+    if wait <= 0 or not await _hold_until(request, r, a, stage, wait):
+        return None
+    try:
+        return fetch()
+    except FedsecError:
+        return None
+
+
 async def advertise(request: web.Request) -> web.Response:
     member, body = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
     msg = _decode(body, wire.AdvertiseKeysBody, request, "key advertisement")
-    request.app[COORDINATOR].advertise(member, r, a, msg)
-    return _json({"accepted": True})
+    wait = _wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.advertise(member, r, a, msg)
+    keys = await _next_stage_data(
+        request, r, a, "share_keys", wait, lambda: coord.key_list(member, r, a)
+    )
+    return _json(wire.Accepted(accepted=True, keys=keys))
 
 
 async def keys(request: web.Request) -> web.Response:
     member, _ = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
+    await _hold_until(request, r, a, "share_keys", _wait_seconds(request))
     return _json(request.app[COORDINATOR].key_list(member, r, a))
 
 
@@ -270,13 +329,19 @@ async def post_shares(request: web.Request) -> web.Response:
     member, body = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
     msg = _decode(body, wire.ShareKeysBody, request, "encrypted shares")
-    request.app[COORDINATOR].share_keys(member, r, a, msg)
-    return _json({"accepted": True})
+    wait = _wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.share_keys(member, r, a, msg)
+    relay = await _next_stage_data(
+        request, r, a, "masked_input", wait, lambda: coord.share_relay(member, r, a)
+    )
+    return _json(wire.Accepted(accepted=True, relay=relay))
 
 
 async def get_shares(request: web.Request) -> web.Response:
     member, _ = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
+    await _hold_until(request, r, a, "masked_input", _wait_seconds(request))
     return _json(request.app[COORDINATOR].share_relay(member, r, a))
 
 
@@ -291,12 +356,26 @@ async def masked_input(request: web.Request) -> web.Response:
             "masked input needs the commitment and signature query parameters "
             "(the member's signed contribution statement)"
         )
-    return _json(request.app[COORDINATOR].masked_input(member, r, a, body, commitment, signature))
+    wait = _wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    receipt = coord.masked_input(member, r, a, body, commitment, signature)
+    if "wait" not in request.query:
+        return _json(receipt)
+    secure = coord.live.session is not None and (coord.live.round, coord.live.attempt) == (r, a)
+    unmask = (
+        await _next_stage_data(
+            request, r, a, "unmask", wait, lambda: coord.unmask_request(member, r, a)
+        )
+        if secure
+        else None
+    )
+    return _json(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
 
 
 async def get_unmask(request: web.Request) -> web.Response:
     member, _ = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
+    await _hold_until(request, r, a, "unmask", _wait_seconds(request))
     return _json(request.app[COORDINATOR].unmask_request(member, r, a))
 
 
@@ -304,8 +383,20 @@ async def post_unmask(request: web.Request) -> web.Response:
     member, body = await _authenticate(request, _json_limit(request), _AGENT)
     r, a = _round_args(request)
     msg = _decode(body, wire.UnmaskResponseBody, request, "unmask answer")
-    request.app[COORDINATOR].unmask(member, r, a, msg)
-    return _json({"accepted": True})
+    wait = _wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.unmask(member, r, a, msg)
+    if wait <= 0:
+        return _json(wire.Accepted(accepted=True))
+
+    def unmasking() -> bool:
+        live = coord.live
+        return (live.round, live.attempt, live.stage) == (r, a, "unmask")
+
+    # held until the attempt is over: the answer then carries the state the agent
+    # would otherwise long-poll for next (closed, usually the next round already open)
+    await _hold_while(request, unmasking, wait)
+    return _json(wire.Accepted(accepted=True, state=None if unmasking() else coord.round_state()))
 
 
 async def receipt(request: web.Request) -> web.Response:

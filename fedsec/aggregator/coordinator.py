@@ -671,7 +671,9 @@ class Coordinator:
         if member not in live.session.survivors:
             raise UnknownMember(f"{member} is not a survivor of round {live.round}")
         return wire.UnmaskRequestBody(
-            survivors=sorted(live.session.survivors), dropped=sorted(live.session.dropped)
+            survivors=sorted(live.session.survivors),
+            dropped=sorted(live.session.dropped),
+            state_token=self.token,
         )
 
     def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> None:
@@ -682,6 +684,15 @@ class Coordinator:
         if stored is None:
             raise NotFound(f"no accepted contribution from {member} in round {round_}")
         return msgspec.json.decode(stored, type=wire.Receipt)
+
+    def before_stage(self, round_: int, attempt: int, stage: str) -> bool:
+        """True while attempt (round_, attempt) is in progress and has not yet reached
+        ``stage``: what a request long-polling for that stage's data waits on.  False
+        once it has, or once the attempt is over (aborted, closed, superseded)."""
+        live = self.live
+        if (round_, attempt) != (live.round, live.attempt) or live.stage not in _ORDER:
+            return False
+        return _ORDER.index(live.stage) < _ORDER.index(stage)
 
     def _expect_at_least(self, member: str, round_: int, attempt: int, stage: str) -> _Live:
         live = self.live

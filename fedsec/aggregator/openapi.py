@@ -20,7 +20,9 @@ _SCHEMAS: tuple[type, ...] = (
     wire.ShareRelayBody,
     wire.UnmaskRequestBody,
     wire.UnmaskResponseBody,
+    wire.Accepted,
     wire.Receipt,
+    wire.MaskedInputAnswer,
     wire.FederationStatus,
     wire.ErrorBody,
     wire.ChallengeRequest,
@@ -63,6 +65,19 @@ def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
 _ROUND = {"name": "round", "in": "path", "required": True, "schema": {"type": "integer"}}
 _ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": {"type": "integer"}}
 _VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer"}}
+
+
+def _wait(until: str) -> dict[str, Any]:
+    return {
+        "name": "wait",
+        "in": "query",
+        "required": False,
+        "description": (
+            f"seconds (at most 25) the aggregator may hold the answer until {until}; "
+            "0 or absent answers at once"
+        ),
+        "schema": {"type": "number", "minimum": 0},
+    }
 
 
 def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -131,28 +146,53 @@ def openapi_document() -> dict[str, Any]:
         },
         f"{r}/advertise": {
             "post": _op(
-                "advertise ephemeral keys",
-                _ok(None),
-                parameters=rp,
+                "advertise ephemeral keys; with ?wait the answer is held until share_keys "
+                "and carries the caller's key list (keys)",
+                _ok("Accepted"),
+                parameters=[*rp, _wait("the round reaches share_keys")],
                 requestBody=_json_body("AdvertiseKeysBody"),
             )
         },
-        f"{r}/keys": {"get": _op("relayed key list", _ok("KeyListBody"), parameters=rp)},
+        f"{r}/keys": {
+            "get": _op(
+                "relayed key list",
+                _ok("KeyListBody"),
+                parameters=[*rp, _wait("the round reaches share_keys")],
+            )
+        },
         f"{r}/shares": {
             "post": _op(
-                "encrypted Shamir shares",
-                _ok(None),
-                parameters=rp,
+                "encrypted Shamir shares; with ?wait the answer is held until masked_input "
+                "and carries the caller's share relay (relay)",
+                _ok("Accepted"),
+                parameters=[*rp, _wait("the round reaches masked_input")],
                 requestBody=_json_body("ShareKeysBody"),
             ),
-            "get": _op("shares addressed to the caller", _ok("ShareRelayBody"), parameters=rp),
+            "get": _op(
+                "shares addressed to the caller",
+                _ok("ShareRelayBody"),
+                parameters=[*rp, _wait("the round reaches masked_input")],
+            ),
         },
         f"{r}/masked-input": {
             "post": _op(
-                "masked, packed input vector",
-                _ok("Receipt"),
+                "masked, packed input vector; answered with the signed Receipt, or, when "
+                "?wait is given, with MaskedInputAnswer (the receipt, held until the unmask "
+                "stage, and the caller's unmask request)",
+                {
+                    **_ok(None),
+                    "200": {
+                        "description": "Receipt; MaskedInputAnswer when ?wait is given",
+                        "content": {
+                            "application/json": {
+                                "schema": {"oneOf": [_ref("Receipt"), _ref("MaskedInputAnswer")]}
+                            }
+                        },
+                    },
+                },
                 parameters=[
                     *rp,
+                    _wait("the round reaches unmask"),
                     {
                         "name": "commitment",
                         "in": "query",
@@ -170,11 +210,16 @@ def openapi_document() -> dict[str, Any]:
             )
         },
         f"{r}/unmask": {
-            "get": _op("survivors and dropped members", _ok("UnmaskRequestBody"), parameters=rp),
+            "get": _op(
+                "survivors and dropped members",
+                _ok("UnmaskRequestBody"),
+                parameters=[*rp, _wait("the round reaches unmask")],
+            ),
             "post": _op(
-                "shares for unmasking",
-                _ok(None),
-                parameters=rp,
+                "shares for unmasking; with ?wait the answer is held until the attempt is "
+                "over and carries the round state then (state)",
+                _ok("Accepted"),
+                parameters=[*rp, _wait("the attempt is over")],
                 requestBody=_json_body("UnmaskResponseBody"),
             ),
         },

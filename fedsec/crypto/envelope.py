@@ -62,17 +62,23 @@ class KeyAgreementKey:
 
     def shared_key(self, peer_public: bytes) -> bytes:
         """32-byte pairwise key with ``peer_public`` (X25519 + HSalsa20)."""
-        if len(peer_public) != KEY_BYTES:
-            raise DecryptionError(f"an X25519 public key is 32 bytes, got {len(peer_public)}")
-        try:
-            return bytes(sodium.crypto_box_beforenm(peer_public, self.secret_bytes))
-        except nacl.exceptions.RuntimeError:
-            raise DecryptionError("X25519 agreement failed (low-order public key)") from None
+        return shared_key(self.secret_bytes, peer_public)
 
 
 def shared_key(secret: bytes, peer_public: bytes) -> bytes:
-    """Pairwise key from a raw X25519 secret (e.g. one reconstructed from Shamir shares)."""
-    return KeyAgreementKey(secret).shared_key(peer_public)
+    """Pairwise key from a raw X25519 secret (e.g. one reconstructed from Shamir shares).
+
+    Straight to libsodium: building a ``PrivateKey`` would also derive its public key,
+    a second scalar multiplication per agreement that nothing uses.
+    """
+    if len(secret) != KEY_BYTES:
+        raise DecryptionError(f"an X25519 secret key is 32 bytes, got {len(secret)}")
+    if len(peer_public) != KEY_BYTES:
+        raise DecryptionError(f"an X25519 public key is 32 bytes, got {len(peer_public)}")
+    try:
+        return bytes(sodium.crypto_box_beforenm(peer_public, secret))
+    except nacl.exceptions.RuntimeError:
+        raise DecryptionError("X25519 agreement failed (low-order public key)") from None
 
 
 def seal(key: bytes, plaintext: bytes, context: EnvelopeContext) -> bytes:

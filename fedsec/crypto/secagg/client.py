@@ -19,7 +19,7 @@ from fedsec.crypto.envelope import EnvelopeContext, KeyAgreementKey, open_sealed
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.crypto.quantize import RingVector, pack
 from fedsec.crypto.secagg import masks
-from fedsec.crypto.secagg.graph import NeighbourGraph, member_x, prune
+from fedsec.crypto.secagg.graph import member_x, prune, round_graph
 from fedsec.crypto.secagg.messages import (
     ADVERTISE_DOMAIN,
     AdvertiseKeys,
@@ -106,13 +106,15 @@ class ClientSession:
         self.member = member
         self._identity = identity
         self._roster = roster
-        self.graph = NeighbourGraph(params.cohort, params.neighbors, params.seed)
+        self.graph = round_graph(params.cohort, params.neighbors, params.seed)
         self._x = member_x(params.cohort)
         self.stage = ClientStage.ADVERTISE
         self._enc_key = KeyAgreementKey()
         self._mask_key = KeyAgreementKey()
         self._self_seed = os.urandom(32)
         self._keys: dict[str, AdvertiseKeys] = {}
+        # neighbour -> pairwise envelope key, agreed once when sharing, reused to open
+        self._envelope_keys: dict[str, bytes] = {}
         self._live: frozenset[str] = frozenset()
         self._participants: frozenset[str] = frozenset()
         # neighbour -> (share of its self-mask seed, share of its mask key)
@@ -178,15 +180,13 @@ class ClientSession:
             self._mask_key.secret_bytes, self.params.threshold, [self._x[p] for p in neighbours]
         )
         out = []
+        envelope_keys = {p: self._enc_key.shared_key(keys[p].enc_public) for p in neighbours}
         for peer, s_seed, s_key in zip(neighbours, seed_shares, key_shares, strict=True):
             plaintext = s_seed.to_bytes() + s_key.to_bytes()
-            sealed = seal(
-                self._enc_key.shared_key(keys[peer].enc_public),
-                plaintext,
-                self._context(self.member, peer),
-            )
+            sealed = seal(envelope_keys[peer], plaintext, self._context(self.member, peer))
             out.append(EncryptedShare(self.member, peer, sealed))
         self._keys = keys
+        self._envelope_keys = envelope_keys
         self._live = live
         self.stage = ClientStage.AWAIT_SHARES
         return ShareKeys(self.member, tuple(out))
@@ -223,7 +223,7 @@ class ClientSession:
                 raise DuplicateMessage(f"two shares from {share.sender!r}")
             try:
                 plaintext = open_sealed(
-                    self._enc_key.shared_key(self._keys[share.sender].enc_public),
+                    self._envelope_keys[share.sender],
                     share.ciphertext,
                     self._context(share.sender, self.member),
                 )

@@ -26,6 +26,7 @@ k < n − 1 achieves it, classic SecAgg (k = n − 1) is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -80,6 +81,14 @@ class NeighbourGraph:
         """Neighbours of ``member`` that are in ``alive``, in cohort order."""
         adj = self._adjacent[member]
         return [m for m in self.cohort if m in adj and m in alive]
+
+
+@functools.lru_cache(maxsize=16)
+def round_graph(cohort: tuple[str, ...], neighbors: int, seed: bytes) -> NeighbourGraph:
+    """The graph of one round, built once per process: it is a pure function of its
+    arguments and immutable, and in a simulation every member of the round (and the
+    server) would otherwise rebuild the same one."""
+    return NeighbourGraph(cohort, neighbors, seed)
 
 
 def prune(graph: NeighbourGraph, alive: Iterable[str], threshold: int) -> frozenset[str]:

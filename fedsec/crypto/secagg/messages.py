@@ -10,7 +10,7 @@ the transport's request signature (agent -> aggregator) or by AEAD (shares).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fedsec.crypto.identity import canonical_json
 from fedsec.crypto.quantize import QuantSpec, packed_size
@@ -34,6 +34,8 @@ class SecAggParams:
     quant: QuantSpec
     dim: int  # model parameters; the masked vector has dim + 1 elements (weight last)
     seed: bytes
+    # computed once: a member checks ~k signatures and derives ~k pair seeds bound to it
+    _digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.cohort)
@@ -56,6 +58,7 @@ class SecAggParams:
             raise ProtocolError(f"dimension must be positive, got {self.dim}")
         if len(self.seed) != SEED_BYTES:
             raise ProtocolError(f"round seed must be {SEED_BYTES} bytes")
+        object.__setattr__(self, "_digest", self._compute_digest())
 
     @property
     def vector_length(self) -> int:
@@ -67,6 +70,9 @@ class SecAggParams:
 
     def digest(self) -> bytes:
         """SHA-256 over every parameter: binds signatures and masks to this exact round."""
+        return self._digest
+
+    def _compute_digest(self) -> bytes:
         return hashlib.sha256(
             canonical_json(
                 {

@@ -34,7 +34,7 @@ from fedsec.crypto.envelope import NONCE_BYTES, TAG_BYTES, KeyAgreementKey
 from fedsec.crypto.quantize import RingVector, dequantize_sum, unpack
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
-from fedsec.crypto.secagg.graph import NeighbourGraph, member_x, prune
+from fedsec.crypto.secagg.graph import member_x, prune, round_graph
 from fedsec.crypto.secagg.messages import (
     AdvertiseKeys,
     EncryptedShare,
@@ -91,7 +91,7 @@ class ServerSession:
     def __init__(self, params: SecAggParams, roster: Mapping[str, bytes]) -> None:
         self.params = params
         self._roster = roster
-        self.graph = NeighbourGraph(params.cohort, params.neighbors, params.seed)
+        self.graph = round_graph(params.cohort, params.neighbors, params.seed)
         self._x = member_x(params.cohort)
         self.stage = ServerStage.ADVERTISE
         self.advertised: dict[str, AdvertiseKeys] = {}
