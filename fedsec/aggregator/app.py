@@ -80,13 +80,17 @@ async def traffic_middleware(request: web.Request, handler: Handler) -> web.Stre
     """Count body bytes per round attempt (the demo's bytes up/down columns)."""
     coord = request.app[COORDINATOR]
     key = (coord.live.round, coord.live.attempt)
+    counted = request.path.startswith(f"{wire.API_PREFIX}/rounds/") or request.path.startswith(
+        f"{wire.API_PREFIX}/models/"
+    )
+    if counted:
+        # counted on arrival: a held answer (e.g. the unmask answer, held until the round
+        # is over) must not leave its upload out of the round's summary
+        coord.count_traffic(key, request.content_length or 0, 0)
     response = await handler(request)
     body = response.body if isinstance(response, web.Response) else None
-    sent = len(body) if isinstance(body, bytes | bytearray) else 0
-    if request.path.startswith(f"{wire.API_PREFIX}/rounds/") or request.path.startswith(
-        f"{wire.API_PREFIX}/models/"
-    ):
-        coord.count_traffic(key, request.content_length or 0, sent)
+    if counted and isinstance(body, bytes | bytearray):
+        coord.count_traffic(key, 0, len(body))
     return response
 
 
