@@ -35,7 +35,7 @@ from fedsec import wire
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 ROUND = "/v1/rounds/1"
-BAD_WAITS = ("-1", "nan", "inf", "-inf", "1e999", "abc", "")
+BAD_WAITS = ("-1", "nan", "inf", "-inf", "1e999", "1e3", "1_0", "%205", "abc", "")
 HELD = 0.3  # how long a request must stay unanswered to count as held
 BOUND = 8.0  # no single step of these tests may take longer than this
 
@@ -302,8 +302,9 @@ async def _refuse_bad_waits(api: Api, who: str, method: str, path: str, body: by
 
 
 async def test_bad_wait_is_refused_before_anything_is_accepted(api: Api, clock: FakeClock) -> None:
-    """``wait`` of -1, nan, inf, 1e999, abc or empty is refused 400 on every upload and
-    stage-data GET, at the stage where the same request without it is accepted."""
+    """``wait`` of -1, nan, inf, 1e999, 1e3, 1_0, " 5" (sent encoded), abc or empty is
+    refused 400 on every upload and stage-data GET, at the stage where the same request
+    without it is accepted."""
     cohort = await _fix_cohort(api)
     for m in AGENTS:
         body = wire.encode(cohort.advertise(m))
@@ -346,7 +347,7 @@ async def test_wait_is_capped_not_refused(api: Api) -> None:
     cohort = await _fix_cohort(api)
 
     async def advertise(m: str) -> Any:
-        path = f"{ROUND}/advertise?attempt=0&wait=1e9"
+        path = f"{ROUND}/advertise?attempt=0&wait=999999999"
         return await api.ok(m, "POST", path, cohort.advertise(m))
 
     answers = await _held_until_last(advertise)

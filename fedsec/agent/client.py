@@ -648,7 +648,9 @@ async def _read_limited(
 
 
 def _seconds(value: float) -> str:
-    return f"{max(value, 0.0):g}"
+    """Seconds as a plain decimal ("30", "0.5"; never exponent notation), at ms precision."""
+    text = f"{min(max(value, 0.0), 1e9):.3f}".rstrip("0").rstrip(".")
+    return text or "0"
 
 
 def _short(raw: bytes) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ ROSTER_RELOAD_S = 1.0
 # Nonces are kept for twice the skew window so a request is never accepted after its
 # nonce has been forgotten.
 NONCE_CACHE_ENTRIES = 200_000
+
+_WAIT_RE = re.compile(r"[0-9]{1,12}(\.[0-9]{1,6})?")
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -167,13 +170,13 @@ def _round_args(request: web.Request) -> tuple[int, int]:
 def _wait_seconds(request: web.Request) -> float:
     """The ``wait`` query parameter of a stage-data request: seconds to hold the answer
     until the round reaches that stage (0, the default, answers at once)."""
-    try:
-        wait = float(request.query.get("wait", "0"))
-    except ValueError:
-        raise PayloadError("wait must be a number of seconds") from None
-    if not 0 <= wait < float("inf"):
-        raise PayloadError("wait must be a non-negative number of seconds")
-    return min(wait, MAX_LONG_POLL_S)
+    raw = request.query.get("wait", "0")
+    # plain decimal only: float() would also take "nan", "inf", "1e999", "1_0" and " 5"
+    if not _WAIT_RE.fullmatch(raw):
+        raise PayloadError(
+            f"wait must be a non-negative number of seconds like 5 or 2.5, got {raw[:32]!r}"
+        )
+    return min(float(raw), MAX_LONG_POLL_S)
 
 
 async def _hold_while(request: web.Request, pending: Callable[[], bool], wait: float) -> None:
