@@ -262,7 +262,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     # One training thread per core: the default pool (cores + 4 threads) made the 50
     # agents' event loop wait for the GIL behind up to six training threads.
     trainers = concurrent.futures.ThreadPoolExecutor(
-        max_workers=len(os.sched_getaffinity(0)) or 1, thread_name_prefix="fedsec-train"
+        max_workers=_usable_cores(), thread_name_prefix="fedsec-train"
     )
     with trainers:
         wall = await _run_agents(spec, ws, local, aggregator_public, trainers)
@@ -340,6 +340,13 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             "round_s_mean": round(wall / len(closed), 2) if closed else None,
         }
     )
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 async def _run_agents(

@@ -402,8 +402,30 @@ class AggregatorClient:
             query["wait"] = _seconds(wait)
         return query
 
-    def _wait_timeout(self, wait: float) -> float:
-        return self.timeout_s + max(wait, 0.0) + LONG_POLL_SLACK_S
+    def _wait_timeout(self, wait: float) -> float | None:
+        """Client timeout for an answer the aggregator may hold ``wait`` seconds."""
+        return self.timeout_s + wait + LONG_POLL_SLACK_S if wait > 0 else None
+
+    async def _stage_json(
+        self,
+        method: str,
+        path: str,
+        kind: type[T],
+        attempt: int,
+        wait: float,
+        what: str,
+        payload: Any = None,
+    ) -> T:
+        """A SecAgg+ stage request whose answer the aggregator may hold ``wait`` seconds."""
+        return await self._json(
+            method,
+            path,
+            kind,
+            query=self._stage_query(attempt, wait),
+            payload=payload,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
 
     async def advertise(
         self, round: int, attempt: int, body: AdvertiseKeysBody, wait: float = 0.0
@@ -414,25 +436,20 @@ class AggregatorClient:
             wait: seconds the aggregator may hold the answer until the round reaches
                 share_keys; the answer then carries the key list (``keys``).
         """
-        return await self._json(
+        return await self._stage_json(
             "POST",
             f"/rounds/{round}/advertise",
             Accepted,
-            query=self._stage_query(attempt, wait),
+            attempt,
+            wait,
+            "advertise answer",
             payload=body,
-            what="advertise answer",
-            timeout_s=self._wait_timeout(wait),
         )
 
     async def keys(self, round: int, attempt: int, wait: float = 0.0) -> KeyListBody:
         """``GET /rounds/{r}/keys``: the relayed key list (long-polled up to ``wait`` s)."""
-        return await self._json(
-            "GET",
-            f"/rounds/{round}/keys",
-            KeyListBody,
-            query=self._stage_query(attempt, wait),
-            what="key list",
-            timeout_s=self._wait_timeout(wait),
+        return await self._stage_json(
+            "GET", f"/rounds/{round}/keys", KeyListBody, attempt, wait, "key list"
         )
 
     async def post_shares(
@@ -444,26 +461,21 @@ class AggregatorClient:
             wait: seconds the aggregator may hold the answer until the round reaches
                 masked_input; the answer then carries our share relay (``relay``).
         """
-        return await self._json(
+        return await self._stage_json(
             "POST",
             f"/rounds/{round}/shares",
             Accepted,
-            query=self._stage_query(attempt, wait),
+            attempt,
+            wait,
+            "shares answer",
             payload=body,
-            what="shares answer",
-            timeout_s=self._wait_timeout(wait),
         )
 
     async def get_shares(self, round: int, attempt: int, wait: float = 0.0) -> ShareRelayBody:
         """``GET /rounds/{r}/shares``: shares addressed to us and the participants
         (long-polled up to ``wait`` s)."""
-        return await self._json(
-            "GET",
-            f"/rounds/{round}/shares",
-            ShareRelayBody,
-            query=self._stage_query(attempt, wait),
-            what="share relay",
-            timeout_s=self._wait_timeout(wait),
+        return await self._stage_json(
+            "GET", f"/rounds/{round}/shares", ShareRelayBody, attempt, wait, "share relay"
         )
 
     async def masked_input(
@@ -487,13 +499,8 @@ class AggregatorClient:
         Raises:
             SignatureError: the receipt is not signed by the pinned aggregator key.
         """
-        query: dict[str, int | str] = {
-            "attempt": attempt,
-            "commitment": statement.commitment,
-            "signature": statement.signature,
-        }
-        if wait > 0:
-            query["wait"] = _seconds(wait)
+        query = self._stage_query(attempt, wait)
+        query.update(commitment=statement.commitment, signature=statement.signature)
         raw = await self._request(
             "POST",
             f"/rounds/{round}/masked-input",
@@ -517,13 +524,8 @@ class AggregatorClient:
     async def get_unmask(self, round: int, attempt: int, wait: float = 0.0) -> UnmaskRequestBody:
         """``GET /rounds/{r}/unmask``: survivors and dropped members (long-polled up to
         ``wait`` s)."""
-        return await self._json(
-            "GET",
-            f"/rounds/{round}/unmask",
-            UnmaskRequestBody,
-            query=self._stage_query(attempt, wait),
-            what="unmask request",
-            timeout_s=self._wait_timeout(wait),
+        return await self._stage_json(
+            "GET", f"/rounds/{round}/unmask", UnmaskRequestBody, attempt, wait, "unmask request"
         )
 
     async def unmask(
@@ -535,14 +537,14 @@ class AggregatorClient:
             wait: seconds the aggregator may hold the answer until the attempt is over;
                 the answer then carries the round state (``state``).
         """
-        return await self._json(
+        return await self._stage_json(
             "POST",
             f"/rounds/{round}/unmask",
             Accepted,
-            query=self._stage_query(attempt, wait),
+            attempt,
+            wait,
+            "unmask answer",
             payload=body,
-            what="unmask answer",
-            timeout_s=self._wait_timeout(wait),
         )
 
     async def receipt(self, round: int) -> Receipt:

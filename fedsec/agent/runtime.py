@@ -1073,13 +1073,8 @@ class AgentRuntime:
         return current, answer.relay if answer is not None else None
 
     async def _upload(self, request: Awaitable[Accepted]) -> Accepted | None:
-        """A SecAgg+ upload's answer; None when a 409 duplicate says an earlier (retried)
-        try already landed."""
-        try:
-            return await self._unless_stopped(request)
-        except DuplicateMessage:
-            log.info("request_duplicate_ignored")
-            return None
+        """A SecAgg+ upload's answer, cut short by a stop; None for a 409 duplicate."""
+        return await _tolerate_duplicate(self._unless_stopped(request))
 
     async def _secagg_round(
         self,
@@ -1252,9 +1247,11 @@ def _training_seed(member: str, round_: int) -> int:
     return int.from_bytes(fixed[:8], "big") >> 1 if fixed else fresh_seed()
 
 
-async def _tolerate_duplicate(request: Awaitable[object]) -> None:
-    """Await a POST; a 409 duplicate means an earlier (retried) try already landed."""
+async def _tolerate_duplicate(request: Awaitable[T]) -> T | None:
+    """Await a POST; None when a 409 duplicate says an earlier (retried) try already
+    landed."""
     try:
-        await request
+        return await request
     except DuplicateMessage:
         log.info("request_duplicate_ignored")
+        return None

@@ -368,13 +368,10 @@ async def masked_input(request: web.Request) -> web.Response:
     receipt = coord.masked_input(member, r, a, body, commitment, signature)
     if "wait" not in request.query:
         return _json(receipt)
-    secure = coord.live.session is not None and (coord.live.round, coord.live.attempt) == (r, a)
-    unmask = (
-        await _next_stage_data(
-            request, r, a, "unmask", wait, lambda: coord.unmask_request(member, r, a)
-        )
-        if secure
-        else None
+    # a plain round has no unmask stage to hold for (another attempt is never held)
+    held = wait if coord.live.session is not None else 0.0
+    unmask = await _next_stage_data(
+        request, r, a, "unmask", held, lambda: coord.unmask_request(member, r, a)
     )
     return _json(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
 
