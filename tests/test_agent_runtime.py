@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from fedsec.agent import runtime as runtime_mod
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.runtime import (
     ADMIN_KEY_FILE,
@@ -549,7 +550,12 @@ def test_plain_round_contributes_and_keeps_receipt_record_and_vault(tmp_path: Pa
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-def test_secagg_round_with_three_agents_sums_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline_masking", [True, False], ids=["inline", "thread"])
+def test_secagg_round_with_three_agents_sums_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline_masking: bool
+) -> None:
+    # small vectors are masked on the event loop, large ones in a worker thread
+    monkeypatch.setattr(runtime_mod, "INLINE_MASKING_MAX_DIM", 10**9 if inline_masking else 0)
     spec = make_spec(cohort=MEMBERS, secure_sum="secagg")
     fake = FakeAggregator(spec)
     outcomes = run_agents(fake, tmp_path, MEMBERS)

@@ -328,6 +328,12 @@ def load_local_data(data: DataSection) -> LocalData:
 # --------------------------------------------------------------- wire <-> secagg
 
 
+# Masks for a vector this small (~1 ms for the MNIST-1D CNN's 5,210 parameters) are
+# computed on the event loop: a worker thread costs two GIL hand-offs and a wake-up,
+# measured 0.05 s a round slower with 50 agents sharing one process.
+INLINE_MASKING_MAX_DIM = 100_000
+
+
 def _key_list(body: KeyListBody) -> KeyList:
     return KeyList(
         tuple(
@@ -1095,7 +1101,10 @@ class AgentRuntime:
         else:
             fetched = relay
         session.receive_shares(_share_relay(fetched, self.member))
-        masked = await asyncio.to_thread(session.masked_input, c.quantized)
+        if spec.dim <= INLINE_MASKING_MAX_DIM:
+            masked = session.masked_input(c.quantized)
+        else:  # keep the event loop responsive while a large vector is masked
+            masked = await asyncio.to_thread(session.masked_input, c.quantized)
         # the receipt is held until the unmask stage and comes with our unmask request
         receipt, held = await self._send_vector(
             client, spec, c, masked.vector, wait=self.poll_timeout_s
