@@ -74,7 +74,8 @@ DOCS: dict[str, str] = {
     "round.share_s": "Seconds to upload encrypted Shamir shares; 30 s as for advertise.",
     "round.masked_s": "Seconds to upload the masked update; 60 s allows a model-sized upload "
     "on a slow link.",
-    "round.unmask_s": "Seconds for survivors to return shares for unmasking; 30 s.",
+    "round.unmask_s": "Seconds for survivors to return shares for unmasking; 30 s. The stage "
+    "closes earlier once the answers decide the sum.",
     "round.max_weight_samples": "Sample count at which a member's weight w reaches 1.0 "
     "(w = min(1, samples / this)); caps the pull of one very large member.",
     "training.local_epochs": "Local passes over the member's data per round; 1 keeps the "

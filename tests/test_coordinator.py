@@ -360,6 +360,46 @@ def test_silent_survivors_at_unmask_abort_naming_them(fed: Federation, clock: Fa
     assert fed.ws.models.latest().version == 1
 
 
+def test_unmask_closes_once_the_answers_decide_the_sum(tmp_path: Path, clock: FakeClock) -> None:
+    members = tuple(f"a{i}" for i in range(9))
+    fed = make_federation(tmp_path / "ws", agents=members)
+    coord, cohort = _start(fed, clock, members)
+    spec = cohort.spec
+    assert (spec.neighbors, spec.threshold) == (8, 5)  # classic SecAgg for 9
+    _advertise(coord, cohort, members)
+    _share(coord, cohort, members)
+    _fetch_shares(coord, cohort, members)
+    _masked(coord, cohort, members[:8])  # a8 is lost after sharing its keys
+    clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])
+    coord.tick()
+    r, a = _ra(coord)
+    assert coord.live.stage == "unmask"
+    answers = {m: cohort.unmask(m, coord.unmask_request(m, r, a)) for m in members[:8]}
+    for m in members[:6]:
+        assert coord.unmask(m, r, a, answers[m])
+    # a0's seed: shares from a1..a5, 5 of the t + 1 = 6 wanted
+    assert coord.live.stage == "unmask"
+    assert coord.unmask("a6", r, a, answers["a6"])
+    # every seed and a8's mask key now has 6 shares: closed without waiting for a7
+    assert (coord.live.round, coord.live.stage) == (2, "open")
+    _check_aggregate(fed, cohort, members[:8])
+    assert _summary(fed, 1, 0).dropped == ["a8"]
+    decided = [
+        e["body"]["member"]
+        for e in log_entries(fed.ws)
+        if e["kind"] == "accepted" and e["body"]["stage"] == "unmask"
+    ]
+    assert decided == list(members[:7])
+
+    # a7's answer, late, is not needed: taken, but nothing is stored or logged
+    before, logged = snapshot(fed.ws, coord), len(log_entries(fed.ws))
+    assert not coord.unmask("a7", r, a, answers["a7"])
+    assert snapshot(fed.ws, coord) == before
+    assert len(log_entries(fed.ws)) == logged
+    # a member whose masked input was not summed gets no such pass
+    _refused(fed, coord, WrongStage, coord.unmask, "a8", r, a, answers["a7"])
+
+
 # -- idempotent intake -----------------------------------------------------------------------------
 
 

@@ -303,3 +303,56 @@ def test_dropped_member_whose_neighbours_all_dropped_needs_no_recovery() -> None
     result = r.server.finalize()
     assert set(result.dropped) == lost
     assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
+
+
+def test_unmask_is_decided_once_every_secret_has_t_plus_one_shares() -> None:
+    # classic SecAgg, 9 members, t = 3: every secret has 8 holders (7 after a dropout)
+    params = make_params(9, 8, 3)
+    r = Round(params)
+    r.advertise()
+    r.share_keys()
+    request = r.masked_input(lost={"m08"})
+    assert not r.server.ready_to_finalize()
+    answered: list[str] = []
+    for m in request.survivors:
+        if r.server.ready_to_finalize():
+            break
+        r.server.receive_unmask(r.clients[m].unmask(request))
+        answered.append(m)
+    # a seed's holders are the other survivors; t + 1 = 4 of them hold a share of each
+    # seed once m00..m04 answered (m00's seed: m01..m04)
+    assert answered == ["m00", "m01", "m02", "m03", "m04"]
+    assert r.server.answered != r.server.survivors  # decided without m04..m07
+    result = r.server.finalize()
+    assert result.survivors == params.cohort[:8] and result.dropped == ("m08",)
+    assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
+
+
+def test_unmask_is_not_decided_while_a_secret_lacks_its_check_share() -> None:
+    params = make_params(10, 4, 3)  # sparse: each secret has 4 holders, t + 1 = 4
+    r = Round(params)
+    r.advertise()
+    r.share_keys()
+    request = r.masked_input()
+    graph = r.server.graph
+    # everyone answers but two neighbours of m00: m00's seed has 2 shares, fewer than t
+    silent = sorted(graph.neighbors("m00"))[:2]
+    for m in request.survivors:
+        if m not in silent:
+            r.server.receive_unmask(r.clients[m].unmask(request))
+    assert not r.server.ready_to_finalize()
+    # one more answer gives m00's seed t = 3 shares but not the fourth that checks them
+    r.server.receive_unmask(r.clients[silent[0]].unmask(request))
+    assert not r.server.ready_to_finalize()
+    r.server.receive_unmask(r.clients[silent[1]].unmask(request))
+    assert r.server.ready_to_finalize()
+    result = r.server.finalize()
+    assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
+
+
+def test_ready_to_finalize_is_false_outside_the_unmask_stage() -> None:
+    r = Round(make_params(5))
+    assert not r.server.ready_to_finalize()
+    r.advertise()
+    r.share_keys()
+    assert not r.server.ready_to_finalize()

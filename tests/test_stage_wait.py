@@ -14,22 +14,30 @@ import asyncio
 import functools
 import json
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import pytest
+import pytest_asyncio
 import test_aggregator_api as http_api
 from aggregator_helpers import (
     FAST_ROUND,
+    Cohort,
     FakeClock,
     expected_params,
+    join_request,
     log_entries,
+    make_federation,
     model_params,
 )
+from aiohttp.test_utils import TestClient
 from test_aggregator_api import AGENTS, Api, _fix_cohort, _to_masked_input, _upload
 
 from fedsec import wire
+from fedsec.aggregator.app import make_app
+from fedsec.aggregator.coordinator import Coordinator
 
 # a hung held request fails its test within seconds, not at the suite-wide timeout
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -443,3 +451,65 @@ async def test_openapi_documents_wait_and_the_held_answers(api: Api) -> None:
     for path in (f"{r}/advertise", f"{r}/shares", f"{r}/unmask"):
         assert "#/components/schemas/Accepted" in ok_schema(path, "post"), path
     assert "#/components/schemas/MaskedInputAnswer" in ok_schema(f"{r}/masked-input", "post")
+
+
+# -- the unmask stage closes once the answers decide the sum --------------------------------------
+
+SIX = tuple(f"a{i}" for i in range(6))
+
+
+@pytest_asyncio.fixture
+async def api6(
+    tmp_path: Path, clock: FakeClock, aiohttp_client: Callable[..., Awaitable[TestClient]]
+) -> Api:
+    # classic SecAgg for 6 with t = 2: each seed has 5 holders and t + 1 = 3 of them
+    # decide it, so a0..a3's answers decide the sum without a4's and a5's
+    fed = make_federation(tmp_path / "ws6", agents=SIX, round={"threshold": 2}, validation=False)
+    coord = Coordinator(fed.ws, clock=clock)
+    return Api(await aiohttp_client(make_app(fed.ws, coord)), fed, coord)
+
+
+async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api6: Api) -> None:
+    api = api6
+    for m in SIX:
+        await api.ok(m, "POST", f"{ROUND}/join?attempt=0", join_request())
+    state = await api.wait_stage("advertise")
+    assert state.spec is not None and (state.spec.neighbors, state.spec.threshold) == (5, 2)
+    cohort = Cohort(state.spec, api.fed.identities)
+    for m in SIX:
+        await api.ok(m, "POST", f"{ROUND}/advertise?attempt=0", cohort.advertise(m))
+    keys = msgspec.convert(await api.ok("a0", "GET", f"{ROUND}/keys?attempt=0"), wire.KeyListBody)
+    for m in SIX:
+        await api.ok(m, "POST", f"{ROUND}/shares?attempt=0", cohort.share_keys(m, keys))
+    for m in SIX:
+        relay = await api.ok(m, "GET", f"{ROUND}/shares?attempt=0")
+        cohort.receive_shares(m, msgspec.convert(relay, wire.ShareRelayBody))
+
+    async def masked(m: str) -> wire.MaskedInputAnswer:
+        path, raw = _upload(cohort, m)
+        answer = await api.ok(m, "POST", f"{path}&wait=5", raw)
+        return msgspec.convert(answer, wire.MaskedInputAnswer)
+
+    held = await _bounded(asyncio.gather(*(masked(m) for m in SIX)))
+    requests = {m: answer.unmask for m, answer in zip(SIX, held, strict=True)}
+    answers = {m: cohort.unmask(m, request) for m, request in requests.items() if request}
+    assert set(answers) == set(SIX)
+
+    async def unmask(m: str) -> wire.Accepted:
+        path = f"{ROUND}/unmask?attempt=0&wait=5"
+        return _accepted(await _bounded(api.ok(m, "POST", path, answers[m])))
+
+    # a0..a3 decide the sum: their held answers are released by the close
+    decided = await _bounded(asyncio.gather(*(unmask(m) for m in SIX[:4])))
+    for answer in decided:
+        assert answer.state is not None and (answer.state.round, answer.state.stage) == (2, "open")
+    logged = len(log_entries(api.fed.ws))
+    # a4 and a5 come late: answered at once with the state, nothing stored or logged
+    for m in SIX[4:]:
+        late = await unmask(m)
+        assert late.state is not None and (late.state.round, late.state.stage) == (2, "open")
+        assert api.fed.ws.state.message(1, 0, "unmask", m) is None
+    assert len(log_entries(api.fed.ws)) == logged
+    old, new = model_params(api.fed.ws, 1), model_params(api.fed.ws, 2)
+    exact = expected_params(old, [cohort.quantized[m] for m in SIX], cohort.spec)
+    np.testing.assert_array_equal(new, exact)

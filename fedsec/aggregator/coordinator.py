@@ -676,8 +676,33 @@ class Coordinator:
             state_token=self.token,
         )
 
-    def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> None:
-        self._accept(member, round_, attempt, "unmask", wire.encode(body))
+    def unmask(self, member: str, round_: int, attempt: int, body: wire.UnmaskResponseBody) -> bool:
+        """Take a survivor's unmask answer; False when it came after the attempt closed
+        without needing it (the other answers already decided the sum, see
+        ``ServerSession.ready_to_finalize``): nothing is stored or logged then."""
+        raw = wire.encode(body)
+        if self._closed_without(member, round_, attempt, raw):
+            log.info(
+                "event=unmask_not_needed round=%d attempt=%d member=%s", round_, attempt, member
+            )
+            return False
+        self._accept(member, round_, attempt, "unmask", raw)
+        return True
+
+    def _closed_without(self, member: str, round_: int, attempt: int, raw: bytes) -> bool:
+        """True for the late unmask answer of a member whose masked input the attempt,
+        now closed, summed without waiting for that answer."""
+        live = self.live
+        if (round_, attempt) == (live.round, live.attempt):
+            return False
+        state = self.ws.state
+        row = state.get_round(round_, attempt)
+        return (
+            row is not None
+            and row.stage == "closed"
+            and state.message(round_, attempt, "masked_input", member) is not None
+            and state.message(round_, attempt, "unmask", member) is None
+        )
 
     def receipt(self, member: str, round_: int) -> wire.Receipt:
         stored = self.ws.state.receipt(round_, member)
@@ -736,7 +761,8 @@ class Coordinator:
             self._close_stage(now)
 
     def _stage_complete(self, live: _Live) -> bool:
-        """Everyone expected in this stage has answered (e.g. just before a restart)."""
+        """Everyone expected in this stage has answered (e.g. just before a restart), or,
+        at unmask, enough of them to decide the sum."""
         session = live.session
         if session is None:
             spec = live.spec
@@ -752,7 +778,8 @@ class Coordinator:
         if live.stage == "masked_input":
             return len(session.contributed) == len(session.participants)
         if live.stage == "unmask":
-            return session.answered == session.survivors
+            # every survivor answered, or the answers so far already decide the sum
+            return session.answered == session.survivors or session.ready_to_finalize()
         return False
 
     def _maybe_fix_cohort(self, live: _Live, now: float) -> None:
@@ -789,6 +816,14 @@ class Coordinator:
                 else:
                     self._aggregate_plain(live, now)
             elif live.stage == "unmask":
+                assert live.session is not None
+                log.info(
+                    "event=unmask_closed round=%d attempt=%d answered=%d survivors=%d",
+                    live.round,
+                    live.attempt,
+                    len(live.session.answered),
+                    len(live.session.survivors),
+                )
                 self._aggregate_secure(live, now)
         except (RoundAborted, RecoveryImpossible) as exc:
             self._abort(live, now, exc.detail)

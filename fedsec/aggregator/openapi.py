@@ -217,7 +217,9 @@ def openapi_document() -> dict[str, Any]:
             ),
             "post": _op(
                 "shares for unmasking; with ?wait the answer is held until the attempt is "
-                "over and carries the round state then (state)",
+                "over and carries the round state then (state). The stage closes once the "
+                "answers decide the sum; a survivor's answer after that close is accepted "
+                "as not needed and stores nothing",
                 _ok("Accepted"),
                 parameters=[*rp, _wait("the attempt is over")],
                 requestBody=_json_body("UnmaskResponseBody"),

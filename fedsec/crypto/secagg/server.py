@@ -15,7 +15,11 @@ Dropouts at every stage:
   neighbours reveal shares of its mask key so its pairwise masks can be removed;
 - unmask: fine while every needed secret still has t shares; otherwise
   :class:`RecoveryImpossible` names the members whose secrets are short and the
-  holders that did not answer.
+  holders that did not answer.  The stage need not wait for every survivor:
+  :meth:`ServerSession.ready_to_finalize` says when the answers so far already
+  decide the sum (t + 1 shares of every needed secret, so reconstruction still
+  checks one share against the others), e.g. when a survivor died after sending
+  its masked input.
 
 The masked inputs are added into one running sum as they arrive, so memory is
 O(d) whatever the cohort size.
@@ -106,6 +110,7 @@ class ServerSession:
         # owner -> shares revealed so far, filled as unmask answers arrive
         self._seed_shares: dict[str, list[shamir.Share]] = {}
         self._key_shares: dict[str, list[shamir.Share]] = {}
+        self._needed: tuple[tuple[bool, str, int], ...] = ()  # set when unmask starts
 
     @property
     def shared(self) -> frozenset[str]:
@@ -118,6 +123,25 @@ class ServerSession:
     def answered(self) -> frozenset[str]:
         """Survivors whose unmask answers were accepted."""
         return frozenset(self._responses)
+
+    def ready_to_finalize(self) -> bool:
+        """True once the unmask answers so far decide the sum: every secret
+        :meth:`finalize` needs (each survivor's self-mask seed, the mask key of each
+        dropped member that left pairwise masks) has t + 1 shares, or the share of every
+        surviving holder when only t hold it.
+
+        Reconstruction reads t shares and checks one more against them, so the sum,
+        and the refusal of an inconsistent share, are what waiting for every survivor
+        would give.  False while a needed secret has fewer than t shares: then only
+        the remaining answers, or the deadline, can end the stage.
+        """
+        if self.stage is not ServerStage.UNMASK:
+            return False
+        for key_share, owner, wanted in self._needed:
+            have = len((self._key_shares if key_share else self._seed_shares).get(owner, ()))
+            if have < wanted:
+                return False
+        return True
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -254,6 +278,18 @@ class ServerSession:
         self._abort_if_short(survivors, "masked input")
         self.survivors = survivors
         self.dropped = self.participants - survivors
+        # (mask key?, owner, shares wanted) for every secret finalize needs: t + 1 when
+        # that many survivors hold it, so one share can be checked, else all holders (at
+        # least t: with fewer holders the secret is lost and only the deadline ends it)
+        t = self.params.threshold
+        needed = []
+        for key_share, owners in ((False, survivors), (True, self.dropped)):
+            for owner in sorted(owners):
+                holders = len(self.graph.live_neighbors(owner, survivors))
+                if key_share and not holders:
+                    continue  # dropped with no surviving neighbour: it left no pairwise mask
+                needed.append((key_share, owner, max(t, min(t + 1, holders))))
+        self._needed = tuple(needed)
         self.stage = ServerStage.UNMASK
         return UnmaskRequest(tuple(sorted(survivors)), tuple(sorted(self.dropped)))
 
