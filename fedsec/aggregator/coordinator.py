@@ -680,16 +680,15 @@ class Coordinator:
         """Take a survivor's unmask answer; False when it came after the attempt closed
         without needing it (the other answers already decided the sum, see
         ``ServerSession.ready_to_finalize``): nothing is stored or logged then."""
-        raw = wire.encode(body)
-        if self._closed_without(member, round_, attempt, raw):
+        if self._closed_without(member, round_, attempt):
             log.info(
                 "event=unmask_not_needed round=%d attempt=%d member=%s", round_, attempt, member
             )
             return False
-        self._accept(member, round_, attempt, "unmask", raw)
+        self._accept(member, round_, attempt, "unmask", wire.encode(body))
         return True
 
-    def _closed_without(self, member: str, round_: int, attempt: int, raw: bytes) -> bool:
+    def _closed_without(self, member: str, round_: int, attempt: int) -> bool:
         """True for the late unmask answer of a member whose masked input the attempt,
         now closed, summed without waiting for that answer."""
         live = self.live

@@ -130,10 +130,11 @@ class ServerSession:
         dropped member that left pairwise masks) has t + 1 shares, or the share of every
         surviving holder when only t hold it.
 
-        Reconstruction reads t shares and checks one more against them, so the sum,
-        and the refusal of an inconsistent share, are what waiting for every survivor
-        would give.  False while a needed secret has fewer than t shares: then only
-        the remaining answers, or the deadline, can end the stage.
+        Any t consistent shares rebuild the same secret, so the sum is the one every
+        survivor's answers would give; and reconstruction still checks one more share
+        against the t it reads, so an inconsistent share is refused, not summed.  False
+        while a needed secret has fewer than t shares: then only the remaining answers,
+        or the deadline, can end the stage.
         """
         if self.stage is not ServerStage.UNMASK:
             return False
