@@ -93,6 +93,8 @@ class _Live:
     plain_weight: float = 0.0
     plain_members: list[str] | None = None
     plan: wire.RoundSpec | None = None  # buffered mode: what members train by before joining
+    # SecAgg+: the key list every live member fetches, built once (fixed from share_keys on)
+    key_list: wire.KeyListBody | None = None
 
 
 class Coordinator:
@@ -529,18 +531,20 @@ class Coordinator:
         assert live.session is not None
         if member not in live.session.live:
             raise UnknownMember(f"{member} is not a live member of round {live.round}")
-        return wire.KeyListBody(
-            entries=[
-                wire.KeyEntry(
-                    member=m,
-                    enc_public=a.enc_public.hex(),
-                    mask_public=a.mask_public.hex(),
-                    signature=a.signature.hex(),
-                )
-                for m, a in sorted(live.session.advertised.items())
-                if m in live.session.live
-            ]
-        )
+        if live.key_list is None:
+            live.key_list = wire.KeyListBody(
+                entries=[
+                    wire.KeyEntry(
+                        member=m,
+                        enc_public=a.enc_public.hex(),
+                        mask_public=a.mask_public.hex(),
+                        signature=a.signature.hex(),
+                    )
+                    for m, a in sorted(live.session.advertised.items())
+                    if m in live.session.live
+                ]
+            )
+        return live.key_list
 
     def share_keys(self, member: str, round_: int, attempt: int, body: wire.ShareKeysBody) -> None:
         self._accept(member, round_, attempt, "share_keys", wire.encode(body))

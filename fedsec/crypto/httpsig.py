@@ -40,6 +40,7 @@ enforces that first byte before signing.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import heapq
@@ -297,9 +298,17 @@ def sign_request(
             covered_component_ids=COVERED_COMPONENTS,
             body=body,
         )
-        signer.apply(view, prepared, _sign_signature_base(identity, prepared.signature_base))
     except HTTPMessageSignaturesException as exc:
         raise ValueError(f"cannot sign {method} {url}: {exc}") from exc
+    signature = _sign_signature_base(identity, prepared.signature_base)
+    # prepare() has built the signature base and validated every component, parameter
+    # and the label.  The library's apply() would resolve all components again, to catch
+    # a message changed while an external signer worked: ``view`` is private to this
+    # call and cannot change, and that second pass was ~40 % of an agent's signing time.
+    # Both fields are one-member Structured Field Dictionaries (RFC 8941 §3.2): the label
+    # with the serialized inner list, and with the signature as a Byte Sequence (§3.3.5).
+    view.headers["Signature-Input"] = f"{prepared.label}={prepared.signature_params}"
+    view.headers["Signature"] = f"{prepared.label}=:{base64.b64encode(signature).decode()}:"
     added = {_FIELD_NAMES[name.lower()]: value for name, value in view.headers.items()}
     for name, value in added.items():
         # The verifier would refuse anything larger; fail here, at the source.

@@ -34,9 +34,15 @@ def key_id(public_key: bytes) -> str:
     return "ed25519:" + hashlib.sha256(public_key).hexdigest()[:32]
 
 
+# One encoder for every call: json.dumps with non-default options builds a new
+# JSONEncoder each time, which was half the cost of encoding a SecAgg+ envelope's
+# associated data (~70 encodings per member and round).  The encoder keeps no state.
+_CANONICAL_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """Deterministic JSON encoding (sorted keys, no spaces, UTF-8) for signing and hashing."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _CANONICAL_ENCODER.encode(value).encode()
 
 
 def _signed_bytes(domain: str, message: bytes) -> bytes:

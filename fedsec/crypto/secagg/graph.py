@@ -92,8 +92,19 @@ def round_graph(cohort: tuple[str, ...], neighbors: int, seed: bytes) -> Neighbo
 
 
 def prune(graph: NeighbourGraph, alive: Iterable[str], threshold: int) -> frozenset[str]:
-    """Largest subset of ``alive`` in which every member has ≥ ``threshold`` live neighbours."""
+    """Largest subset of ``alive`` in which every member has ≥ ``threshold`` live neighbours.
+
+    The subset is unique (any member it keeps has enough neighbours in it, whatever
+    the order of removals), so the whole cohort with ``degree >= threshold``, the
+    common case of a round without losses, is returned without counting.
+    """
     current = set(alive)
+    if (
+        graph.degree >= threshold
+        and len(current) == len(graph.cohort)
+        and current.issuperset(graph.cohort)
+    ):
+        return frozenset(current)
     changed = True
     while changed:
         changed = False
