@@ -24,7 +24,7 @@ GET      /models/{v}                         safetensors bytes                ag
 POST     /rounds/{r}/report?attempt=N        PrivacyReport                    agent
 POST     /rounds/{r}/advertise?attempt=N     AdvertiseKeysBody                agent
 GET      /rounds/{r}/keys?attempt=N          KeyListBody                      agent
-POST     /rounds/{r}/shares?attempt=N        ShareKeysBody                    agent
+POST     /rounds/{r}/shares?attempt=N        ShareKeysBody (+ PrivacyReport)  agent
 GET      /rounds/{r}/shares?attempt=N        ShareRelayBody                   agent
 POST     /rounds/{r}/masked-input?attempt=N  raw vector bytes -> Receipt      agent
          &commitment=HEX&signature=HEX       (ContributionStatement)
@@ -258,8 +258,13 @@ class OutgoingShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ciphertext: str
 
 
-class ShareKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ShareKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     shares: list[OutgoingShare]
+    # The member's privacy report for this attempt, carried instead of a separate
+    # POST /report: the privacy is charged before training, so the report is ready
+    # when the shares go out.  Stored and logged as its own entry, never as part of
+    # the shares message.
+    report: PrivacyReport | None = None
 
 
 class IncomingShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

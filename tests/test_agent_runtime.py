@@ -180,6 +180,7 @@ class FakeAggregator:
         self.requests: list[tuple[str, str, str]] = []
         self.joined: dict[str, JoinRequest] = {}
         self.reports: dict[str, PrivacyReport] = {}
+        self.reports_with_shares: set[str] = set()  # members whose report came with shares
         self.vectors: dict[str, bytes] = {}
         self.statements: dict[str, ContributionStatement] = {}
         self.unmasked: set[str] = set()
@@ -329,6 +330,10 @@ class FakeAggregator:
             return _json(KeyListBody(entries))
         if route == ("POST", f"/v1/rounds/{r}/shares"):
             shares = msgspec.json.decode(body, type=ShareKeysBody)
+            if shares.report is not None:
+                shares.report.verify(IDENTITIES[member].public_bytes)
+                self.reports[member] = shares.report
+                self.reports_with_shares.add(member)
             self.secagg.receive_share_keys(
                 ShareKeys(
                     member,
@@ -568,7 +573,16 @@ def test_secagg_round_with_three_agents_sums_exactly(
     expected = sum(Vault(tmp_path / m).load_update(1, 1).update.astype(np.int64) for m in MEMBERS)
     ring_mask = (1 << spec.ring_bits) - 1
     assert np.array_equal(result.ring_sum.astype(np.int64), expected & ring_mask)
+    # each privacy report came with the member's shares, none on its own
+    assert fake.reports_with_shares == set(MEMBERS) == set(fake.reports)
+    assert ("POST", "/v1/rounds/1/report") not in {(verb, path) for _, verb, path in fake.requests}
     for m in MEMBERS:
+        report = fake.reports[m]
+        ledger = PrivacyLedger(tmp_path / m)
+        (dataset,) = ledger.datasets()
+        assert (report.round, report.attempt, report.member) == (1, 1, m)
+        assert report.epsilon == pytest.approx(ledger.spent(dataset))
+        assert report.trained_round == 1 and report.steps == ledger.history(dataset)[0].steps
         assert (tmp_path / m / ADMIN_KEY_FILE).read_text().strip() == ADMIN.public_bytes.hex()
         (receipt,) = Vault(tmp_path / m).receipts()
         assert receipt.contribution_sha256 == hashlib.sha256(fake.vectors[m]).hexdigest()

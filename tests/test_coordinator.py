@@ -702,6 +702,50 @@ def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: Fake
     assert fed.ws.state.epsilons() == {"a0": 1.5}
 
 
+def test_shares_carry_the_privacy_report_checked_first_and_stored_apart(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord, cohort = _start(fed, clock)
+    ids = fed.identities
+    _advertise(coord, cohort, MEMBERS)
+    assert coord.live.stage == "share_keys"
+    body = {m: cohort.share_keys(m, coord.key_list(m, 1, 0)) for m in MEMBERS}
+
+    def with_report(member: str, report: wire.PrivacyReport) -> wire.ShareKeysBody:
+        return msgspec.structs.replace(body[member], report=report)
+
+    # a bad report refuses the whole message: neither the shares nor the report are kept
+    forged = with_report("a0", _report("a0").sign(ids["a1"]))
+    _refused(fed, coord, SignatureError, coord.share_keys, "a0", 1, 0, forged)
+    misnamed = with_report("a0", _report("a1").sign(ids["a1"]))
+    _refused(fed, coord, PayloadError, coord.share_keys, "a0", 1, 0, misnamed)
+
+    good = with_report("a0", _report("a0").sign(ids["a0"]))
+    coord.share_keys("a0", 1, 0, good)
+    coord.share_keys("a0", 1, 0, good)  # an identical retry changes nothing
+    # the shares are stored as they would be without the report (archive, resume, audit)
+    stored = fed.ws.state.message(1, 0, "share_keys", "a0")
+    assert stored == wire.encode(body["a0"]) and b"report" not in stored
+    report = fed.ws.state.report(1, 0, "a0")
+    assert report is not None
+    assert msgspec.json.decode(report, type=wire.PrivacyReport).epsilon == 1.5
+    kinds = [msgspec.json.decode(line).get("kind") for _, line in fed.ws.state.log_lines()]
+    assert kinds.count("privacy_report") == 1
+
+    # a report sent on its own first stands; the shares are not refused for a different one
+    coord.report("a1", 1, 0, _report("a1").sign(ids["a1"]))
+    coord.share_keys("a1", 1, 0, with_report("a1", _report("a1", epsilon=9.0).sign(ids["a1"])))
+    assert fed.ws.state.message(1, 0, "share_keys", "a1") is not None
+    assert fed.ws.state.epsilons() == {"a0": 1.5, "a1": 1.5}
+
+    for m in MEMBERS[2:]:
+        coord.share_keys(m, 1, 0, with_report(m, _report(m).sign(ids[m])))
+    assert coord.live.stage == "masked_input"
+    assert set(fed.ws.state.epsilons()) == set(MEMBERS)
+    # after the stage closed, the same message is still answered as before
+    coord.share_keys("a4", 1, 0, with_report("a4", _report("a4").sign(ids["a4"])))
+
+
 # -- join checks -----------------------------------------------------------------------------------
 
 

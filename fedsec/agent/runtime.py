@@ -208,6 +208,17 @@ class _TrainedUpdate:
 
 
 @dataclass(frozen=True)
+class _Charge:
+    """What one training costs, charged to the privacy ledger before it starts."""
+
+    key: tuple[object, ...]
+    epsilon: float  # total spent on the dataset once this round was charged
+    steps: int
+    sample_rate: float
+    trained_round: int
+
+
+@dataclass(frozen=True)
 class _Contribution:
     """What this member puts into one attempt."""
 
@@ -753,15 +764,20 @@ class AgentRuntime:
                 # cost any privacy.
                 roster = await self._roster(client, spec.federation_id, serial=state.roster_serial)
                 session = ClientSession(spec.secagg_params(), self.member, self.identity, roster)
-                trained, current, relay = await self._train_during_key_setup(
-                    client, state, spec, session, local, model
+                charge = self._charge(spec, local)
+                # the report rides with the shares: one request fewer than POST /report
+                report = self._privacy_report(spec, local, charge)
+                trained, current, relay, reported = await self._train_during_key_setup(
+                    client, state, spec, session, local, model, charge, report
                 )
             else:
                 trained = await self._train(client, spec, local, model)
+                reported = False
             base = RoundOutcome(
                 r, a, "dropped", spec.model_version, trained.epsilon, local.samples, weight
             )
-            await self._report(client, spec, local, trained)
+            if not reported:
+                await self._report(client, spec, local, trained)
             rounding = deterministic_bytes(self.member, spec.round, "rounding") or os.urandom(32)
             q = quantize(trained.delta * np.float32(discount), weight, spec.quant_spec(), rounding)
             contribution = _Contribution(trained, local.samples, weight, q)
@@ -813,9 +829,82 @@ class AgentRuntime:
     # -- training -------------------------------------------------------------------
 
     async def _train(
-        self, client: AggregatorClient, spec: RoundSpec, local: LocalData, model: torch.nn.Module
+        self,
+        client: AggregatorClient,
+        spec: RoundSpec,
+        local: LocalData,
+        model: torch.nn.Module,
+        charge: _Charge | _TrainedUpdate | None = None,
     ) -> _TrainedUpdate:
-        """Charge the ledger, fetch the spec's model and train; reuse a retried round's update."""
+        """Charge the ledger (unless ``charge`` is what :meth:`_charge` returned), fetch
+        the spec's model and train; reuse a retried round's update."""
+        if charge is None:
+            charge = self._charge(spec, local)
+        if isinstance(charge, _TrainedUpdate):
+            return charge
+        params = training_params(spec, local.task)
+        await self._load_global_model(client, spec, model)
+        before = flatten_params(model)
+        dp = (
+            DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
+            if spec.dp.enabled
+            else None
+        )
+        assert self._device is not None
+        result = await asyncio.get_running_loop().run_in_executor(
+            self._training_executor,
+            functools.partial(
+                train_local,
+                model,
+                local.x,
+                local.y,
+                params,
+                dp,
+                self._device,
+                _training_seed(self.member, spec.round),
+                self.progress,
+            ),
+        )
+        if result.steps != charge.steps or abs(result.sample_rate - charge.sample_rate) > 1e-12:
+            log.warning(
+                "privacy_plan_differs round=%d planned_steps=%d steps=%d planned_rate=%g rate=%g",
+                spec.round,
+                charge.steps,
+                result.steps,
+                charge.sample_rate,
+                result.sample_rate,
+            )
+        delta = (flatten_params(model) - before).astype(np.float32)
+        log.info(
+            "round_trained round=%d steps=%d loss=%.4f seconds=%.1f",
+            spec.round,
+            result.steps,
+            result.train_loss,
+            result.duration_s,
+        )
+        if self.slowdown > 1.0:
+            # simulations of slow members only: stretch training to slowdown x its time
+            await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
+        self._update = _TrainedUpdate(
+            charge.key,
+            delta,
+            charge.epsilon,
+            charge.steps,
+            charge.sample_rate,
+            base_version=spec.model_version,
+            trained_round=charge.trained_round,
+        )
+        return self._update
+
+    def _charge(self, spec: RoundSpec, local: LocalData) -> _Charge | _TrainedUpdate:
+        """Charge the privacy ledger for training on ``spec``, before training starts; or
+        return the update a retried attempt (or a buffered member) reuses, charged when
+        it was trained.
+
+        Raises:
+            ConfigError: the round trains without DP and this agent requires it.
+            BudgetExhausted: the charge would exceed the budget.
+        """
         params = training_params(spec, local.task)
         key: tuple[object, ...] = (spec.federation_id, spec.round, spec.model_version)
         key += (spec.model_sha256, spec.training, spec.dp)
@@ -857,58 +946,7 @@ class AgentRuntime:
             spec.dp.noise_multiplier,
             epsilon,
         )
-        await self._load_global_model(client, spec, model)
-        before = flatten_params(model)
-        dp = (
-            DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
-            if spec.dp.enabled
-            else None
-        )
-        assert self._device is not None
-        result = await asyncio.get_running_loop().run_in_executor(
-            self._training_executor,
-            functools.partial(
-                train_local,
-                model,
-                local.x,
-                local.y,
-                params,
-                dp,
-                self._device,
-                _training_seed(self.member, spec.round),
-                self.progress,
-            ),
-        )
-        if result.steps != steps or abs(result.sample_rate - sample_rate) > 1e-12:
-            log.warning(
-                "privacy_plan_differs round=%d planned_steps=%d steps=%d planned_rate=%g rate=%g",
-                spec.round,
-                steps,
-                result.steps,
-                sample_rate,
-                result.sample_rate,
-            )
-        delta = (flatten_params(model) - before).astype(np.float32)
-        log.info(
-            "round_trained round=%d steps=%d loss=%.4f seconds=%.1f",
-            spec.round,
-            result.steps,
-            result.train_loss,
-            result.duration_s,
-        )
-        if self.slowdown > 1.0:
-            # simulations of slow members only: stretch training to slowdown x its time
-            await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
-        self._update = _TrainedUpdate(
-            key,
-            delta,
-            epsilon,
-            steps,
-            sample_rate,
-            base_version=spec.model_version,
-            trained_round=spec.round,
-        )
-        return self._update
+        return _Charge(key, epsilon, steps, sample_rate, trained_round=spec.round)
 
     async def _load_global_model(
         self, client: AggregatorClient, spec: RoundSpec, model: torch.nn.Module
@@ -942,23 +980,29 @@ class AgentRuntime:
             log.info("model_downloaded version=%d bytes=%d", spec.model_version, len(data))
         arrays_to_state(model, {k: v.copy() for k, v in self._model[2].items()})
 
-    async def _report(
-        self, client: AggregatorClient, spec: RoundSpec, local: LocalData, trained: _TrainedUpdate
-    ) -> None:
-        report = PrivacyReport(
+    def _privacy_report(
+        self, spec: RoundSpec, local: LocalData, charged: _Charge | _TrainedUpdate
+    ) -> PrivacyReport:
+        """The signed report of what this attempt's training was charged."""
+        return PrivacyReport(
             federation_id=spec.federation_id,
             round=spec.round,
             attempt=spec.attempt,
             member=self.member,
             dataset_id=self.dataset_id,
-            epsilon=trained.epsilon,
+            epsilon=charged.epsilon,
             delta=self.config.privacy.delta,
             noise_multiplier=spec.dp.noise_multiplier,
-            sample_rate=trained.sample_rate,
-            steps=trained.steps,
+            sample_rate=charged.sample_rate,
+            steps=charged.steps,
             samples=local.samples,
-            trained_round=trained.trained_round,
+            trained_round=charged.trained_round,
         ).sign(self.identity)
+
+    async def _report(
+        self, client: AggregatorClient, spec: RoundSpec, local: LocalData, trained: _TrainedUpdate
+    ) -> None:
+        report = self._privacy_report(spec, local, trained)
         with contextlib.suppress(DuplicateMessage):
             await client.report(spec.round, spec.attempt, report)
         log.info("privacy_reported round=%d epsilon=%.3f", spec.round, trained.epsilon)
@@ -1025,35 +1069,45 @@ class AgentRuntime:
         session: ClientSession,
         local: LocalData,
         model: torch.nn.Module,
-    ) -> tuple[_TrainedUpdate, RoundState, ShareRelayBody | None]:
-        """Train while advertising keys and sharing them; return the update, the state
-        and the share relay if it came with the shares' answer.
+        charge: _Charge | _TrainedUpdate,
+        report: PrivacyReport,
+    ) -> tuple[_TrainedUpdate, RoundState, ShareRelayBody | None, bool]:
+        """Train while advertising keys and sharing them (``report`` goes with the
+        shares); return the update, the state, the share relay if it came with the
+        shares' answer, and whether the aggregator took the report.
 
         If the key stages fail (the attempt is aborted, a stage is missed), training is
         still awaited, so the update is kept for a retried attempt and the privacy it
         cost is not spent twice; then the key-stage error is raised.  If training fails,
         the key stages are cancelled.
         """
-        setup = asyncio.ensure_future(self._secagg_key_stages(client, state, spec, session))
+        setup = asyncio.ensure_future(self._secagg_key_stages(client, state, spec, session, report))
         try:
-            trained = await self._train(client, spec, local, model)
+            trained = await self._train(client, spec, local, model, charge)
         except BaseException:
             setup.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await setup
             raise
-        current, relay = await setup
-        return trained, current, relay
+        current, relay, reported = await setup
+        return trained, current, relay, reported
 
     async def _secagg_key_stages(
-        self, client: AggregatorClient, state: RoundState, spec: RoundSpec, session: ClientSession
-    ) -> tuple[RoundState, ShareRelayBody | None]:
-        """SecAgg+ advertise and share-keys stages; they do not need the update.
+        self,
+        client: AggregatorClient,
+        state: RoundState,
+        spec: RoundSpec,
+        session: ClientSession,
+        report: PrivacyReport,
+    ) -> tuple[RoundState, ShareRelayBody | None, bool]:
+        """SecAgg+ advertise and share-keys stages; they do not need the update.  The
+        privacy report, charged before training, is sent with the shares.
 
         Each upload asks the aggregator to hold its answer until the next stage and
         carry that stage's data (key list, share relay): one request per stage instead
         of an upload, a long poll of the round state and a fetch.  Returns the newest
-        round state seen and the share relay when it came with the shares' answer.
+        round state seen, the share relay when it came with the shares' answer, and
+        whether the shares (and so the report) were taken by this request.
         """
         r, a = spec.round, spec.attempt
         current = await self._wait_for(client, state, ("advertise",))
@@ -1072,11 +1126,13 @@ class AgentRuntime:
         shares = session.share_keys(_key_list(keys))
         outgoing = [OutgoingShare(s.recipient, s.ciphertext.hex()) for s in shares.shares]
         answer = await self._upload(
-            client.post_shares(r, a, ShareKeysBody(outgoing), self.poll_timeout_s)
+            client.post_shares(r, a, ShareKeysBody(outgoing, report), self.poll_timeout_s)
         )
         log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(outgoing))
         crash_point(r, "share_keys")
-        return current, answer.relay if answer is not None else None
+        if answer is None:  # a 409: an earlier try landed, maybe without this report
+            return current, None, False
+        return current, answer.relay, True
 
     async def _upload(self, request: Awaitable[Accepted]) -> Accepted | None:
         """A SecAgg+ upload's answer, cut short by a stop; None for a 409 duplicate."""

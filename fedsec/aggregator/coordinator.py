@@ -449,6 +449,20 @@ class Coordinator:
 
     def report(self, member: str, round_: int, attempt: int, report: wire.PrivacyReport) -> None:
         """Record a member's signed privacy report for this round (any stage after open)."""
+        body = self._checked_report(member, round_, attempt, report)
+        if body is not None:
+            self._store_report(report, body)
+
+    def _checked_report(
+        self, member: str, round_: int, attempt: int, report: wire.PrivacyReport
+    ) -> bytes | None:
+        """Validate a privacy report without changing anything; return its encoding, or
+        None when the same report is already stored.
+
+        Raises:
+            WrongStage, UnknownMember, PayloadError, SignatureError: as for ``report``.
+            DuplicateMessage: a different report is stored for this attempt.
+        """
         live = self.live
         if (round_, attempt) != (live.round, live.attempt) or live.spec is None:
             raise WrongStage(f"{member}: privacy report for a round that is not in progress")
@@ -471,10 +485,15 @@ class Coordinator:
         stored = self.ws.state.report(round_, attempt, member)
         if stored is not None:
             if stored == body:
-                return
+                return None
             raise DuplicateMessage(f"{member} already reported a different epsilon this round")
+        return body
+
+    def _store_report(self, report: wire.PrivacyReport, body: bytes) -> None:
         with self.ws.state.transaction():
-            self.ws.state.add_report(round_, attempt, member, report.epsilon, body)
+            self.ws.state.add_report(
+                report.round, report.attempt, report.member, report.epsilon, body
+            )
             self.trail.append("privacy_report", msgspec.to_builtins(report))
 
     # -- SecAgg+ stages ------------------------------------------------------------------------
@@ -547,7 +566,32 @@ class Coordinator:
         return live.key_list
 
     def share_keys(self, member: str, round_: int, attempt: int, body: wire.ShareKeysBody) -> None:
-        self._accept(member, round_, attempt, "share_keys", wire.encode(body))
+        """Accept a member's shares and, when they carry one, its privacy report.
+
+        The report is checked first and stored only once the shares are accepted, so a
+        refusal of either changes nothing.  The shares are stored without the report.
+        """
+        raw = wire.encode(wire.ShareKeysBody(shares=body.shares))
+        report = body.report
+        if report is None or self._accepted_before(member, round_, attempt, "share_keys", raw):
+            # an identical retry (perhaps after the round moved on) took its report with it
+            self._accept(member, round_, attempt, "share_keys", raw)
+            return
+        try:
+            checked = self._checked_report(member, round_, attempt, report)
+        except DuplicateMessage:
+            # a different report came first (separately): it stands, as it would for a
+            # second POST /report; the shares are not refused for it
+            log.warning(
+                "event=report_kept round=%d attempt=%d member=%s reason=differs_from_stored",
+                round_,
+                attempt,
+                member,
+            )
+            checked = None
+        self._accept(member, round_, attempt, "share_keys", raw)
+        if checked is not None:
+            self._store_report(report, checked)
 
     def share_relay(self, member: str, round_: int, attempt: int) -> wire.ShareRelayBody:
         live = self._expect_at_least(member, round_, attempt, "masked_input")

@@ -162,8 +162,9 @@ def openapi_document() -> dict[str, Any]:
         },
         f"{r}/shares": {
             "post": _op(
-                "encrypted Shamir shares; with ?wait the answer is held until masked_input "
-                "and carries the caller's share relay (relay)",
+                "encrypted Shamir shares, optionally with the caller's privacy report for "
+                "the attempt (instead of POST report); with ?wait the answer is held until "
+                "masked_input and carries the caller's share relay (relay)",
                 _ok("Accepted"),
                 parameters=[*rp, _wait("the round reaches masked_input")],
                 requestBody=_json_body("ShareKeysBody"),
