@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -118,12 +117,6 @@ async def _serve(ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | 
     app = make_app(ws)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    # What is loaded by now (torch, the task, the workspace) lives as long as the server:
-    # keep it out of the collector's full passes.  On that ~250k-object heap each pass
-    # stopped the aggregator for 0.2-0.3 s, two or three times every 40 SecAgg+ rounds
-    # of 50 members (whose sessions push more objects into the old generation).
-    gc.collect()
-    gc.freeze()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
     await site.start()
     server = site._server
