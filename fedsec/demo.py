@@ -306,26 +306,31 @@ def simulate(
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
     from fedsec.simulation import SimulationSpec, run_simulation
 
-    result = asyncio.run(
-        run_simulation(
-            SimulationSpec(
-                task=task,
-                agents=agents,
-                rounds=rounds,
-                partition=partition,
-                secure_sum=secure_sum,
-                quant_bits=quant_bits,
-                clip=clip,
-                dp_epsilon=_parse_dp(dp_epsilon),
-                local_epochs=local_epochs,
-                lr=lr,
-                batch_size=batch_size,
-                server_optimizer=server_optimizer,
-                server_lr=server_lr,
-                seed=seed,
+    try:
+        result = asyncio.run(
+            run_simulation(
+                SimulationSpec(
+                    task=task,
+                    agents=agents,
+                    rounds=rounds,
+                    partition=partition,
+                    secure_sum=secure_sum,
+                    quant_bits=quant_bits,
+                    clip=clip,
+                    dp_epsilon=_parse_dp(dp_epsilon),
+                    local_epochs=local_epochs,
+                    lr=lr,
+                    batch_size=batch_size,
+                    server_optimizer=server_optimizer,
+                    server_lr=server_lr,
+                    seed=seed,
+                )
             )
         )
-    )
+    except asyncio.CancelledError:
+        raise click.ClickException(
+            "simulation stopped (SIGTERM); its aggregator was stopped too"
+        ) from None
     if as_json:
         click.echo(json.dumps(result))
     else:

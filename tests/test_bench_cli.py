@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -70,3 +76,57 @@ def test_simulate_uses_the_requested_local_settings() -> None:
     assert (record["batch_size"], record["local_epochs"], record["rounds"]) == (8, 1, 2)
     assert record["aborted_rounds"] == 0
     assert 0.5 < record["final_accuracy"] <= 1.0
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_simulate_stopped_with_sigterm_stops_its_aggregator_too() -> None:
+    command = [sys.executable, "-m", "fedsec", "simulate", "--task", "breast_cancer"]
+    command += ["--agents", "3", "--rounds", "500", "--json"]
+    sim = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        aggregator = None
+        while aggregator is None and time.monotonic() < deadline and sim.poll() is None:
+            for child in _children(sim.pid):
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                if b"serve" in cmdline:
+                    aggregator = child
+            time.sleep(0.2)
+        assert aggregator is not None, sim.communicate(timeout=30)
+        time.sleep(3)  # into the rounds
+        sim.send_signal(signal.SIGTERM)
+        _, err = sim.communicate(timeout=90)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+            sim.wait()
+    assert sim.returncode == 1
+    assert b"simulation stopped (SIGTERM)" in err and b"Traceback" not in err
+    assert not _alive(aggregator)
