@@ -186,10 +186,9 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
     # A simulation stopped with SIGTERM (kill, a CI or shell timeout) died at once and
     # left its aggregator serving: cancel the run instead, so the cleanup below stops it.
     loop = asyncio.get_running_loop()
-    run = asyncio.current_task()
-    on_sigterm = run is not None and threading.current_thread() is threading.main_thread()
-    if on_sigterm:
-        assert run is not None
+    main = threading.current_thread() is threading.main_thread()  # signals need it
+    run = asyncio.current_task() if main else None
+    if run is not None:
         loop.add_signal_handler(signal.SIGTERM, run.cancel)
     try:
         deadline = time.monotonic() + AGGREGATOR_START_S
@@ -202,7 +201,7 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
             await asyncio.sleep(0.1)
         yield url
     finally:
-        if on_sigterm:
+        if run is not None:
             loop.remove_signal_handler(signal.SIGTERM)  # a second SIGTERM ends us at once
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

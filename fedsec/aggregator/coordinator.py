@@ -573,12 +573,14 @@ class Coordinator:
         """
         raw = wire.encode(wire.ShareKeysBody(shares=body.shares))
         report = body.report
-        if report is None or self._accepted_before(member, round_, attempt, "share_keys", raw):
-            # an identical retry (perhaps after the round moved on) took its report with it
-            self._accept(member, round_, attempt, "share_keys", raw)
-            return
+        checked = None
         try:
-            checked = self._checked_report(member, round_, attempt, report)
+            if report is not None:
+                checked = self._checked_report(member, round_, attempt, report)
+        except WrongStage:
+            # the attempt is over: _accept answers an identical retry (its report came
+            # with the first try) and refuses anything else with the same error
+            pass
         except DuplicateMessage:
             # a different report came first (separately): it stands, as it would for a
             # second POST /report; the shares are not refused for it
@@ -588,9 +590,8 @@ class Coordinator:
                 attempt,
                 member,
             )
-            checked = None
         self._accept(member, round_, attempt, "share_keys", raw)
-        if checked is not None:
+        if report is not None and checked is not None:
             self._store_report(report, checked)
 
     def share_relay(self, member: str, round_: int, attempt: int) -> wire.ShareRelayBody:
