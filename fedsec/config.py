@@ -99,6 +99,25 @@ DOCS: dict[str, str] = {
     "bundles for cohorts in the hundreds.",
     "server.clock_skew_s": "Request signatures older or newer than this are refused; 300 s is "
     "the usual window for unsynchronised clocks (as Kerberos).",
+    "server.header_timeout_s": "A connection must deliver a request's complete headers within "
+    "this many seconds of opening or of its previous answer, else it is closed; 10 s is ample "
+    "for a few hundred bytes on any link and bounds connections held by dribbled headers.",
+    "server.body_timeout_s": "A request body must arrive within this many seconds of its "
+    "headers, else the request is refused (408) and the connection closed; 120 s carries a "
+    "64 MiB body over a 5 Mbit/s link.",
+    "server.max_connections": "Open connections at once; more are closed on accept. A member "
+    "holds one or two (a long-poll and a request), so 512 serves a few hundred members below "
+    "the common 1024 file-descriptor limit.",
+    "server.max_concurrent_uploads": "Authenticated binary bodies (larger than max_json_bytes) "
+    "read at once; others wait for a slot, so request bodies in memory stay under this times "
+    "max_body_bytes.",
+    "server.upload_queue_s": "How long an upload waits for a slot before it is answered 503 "
+    "with Retry-After; 30 s rides out a round's burst of masked inputs.",
+    "server.member_rate_per_s": "Signed requests per second one member key may send, sustained "
+    "(token bucket); an honest member sends about 10 per round, so 50/s is 5x a one-second "
+    "round and no member can starve another. Over it: 429 with Retry-After.",
+    "server.member_burst": "Token-bucket depth of member_rate_per_s: requests one member may "
+    "send at once after being idle; 300 covers catching up on many rounds' models.",
     "server.optimizer": "Server optimiser: fedavg applies the averaged update; fedadam applies "
     "it through Adam (Reddi et al. 2021).",
     "server.server_lr": "Server learning rate; 1.0 with fedavg is plain federated averaging.",
@@ -195,6 +214,13 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     max_body_bytes: int = 64 * MiB
     max_json_bytes: int = 1 * MiB
     clock_skew_s: float = 300.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 120.0
+    max_connections: int = 512
+    max_concurrent_uploads: int = 8
+    upload_queue_s: float = 30.0
+    member_rate_per_s: float = 50.0
+    member_burst: int = 300
     optimizer: Literal["fedavg", "fedadam"] = "fedavg"
     server_lr: float = 1.0
     adam_beta1: float = 0.9
@@ -371,6 +397,13 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.int_range("server.max_body_bytes", s.max_body_bytes, 1024)
     p.int_range("server.max_json_bytes", s.max_json_bytes, 1024, max(s.max_body_bytes, 1024))
     p.positive("server.clock_skew_s", s.clock_skew_s)
+    p.positive("server.header_timeout_s", s.header_timeout_s)
+    p.positive("server.body_timeout_s", s.body_timeout_s)
+    p.int_range("server.max_connections", s.max_connections, 1)
+    p.int_range("server.max_concurrent_uploads", s.max_concurrent_uploads, 1)
+    p.positive("server.upload_queue_s", s.upload_queue_s)
+    p.positive("server.member_rate_per_s", s.member_rate_per_s)
+    p.int_range("server.member_burst", s.member_burst, 1)
     p.positive("server.server_lr", s.server_lr)
     p.open_unit("server.adam_beta1", s.adam_beta1, zero_ok=True)
     p.open_unit("server.adam_beta2", s.adam_beta2, zero_ok=True)

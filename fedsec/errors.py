@@ -145,10 +145,57 @@ class ReplayError(AuthError):
     code = "replayed"
 
 
+class ClockSkewError(ReplayError):
+    """The signature's creation time is outside the clock-skew window (the signer's clock
+    is off, or the request is old).  The answer's ``Date`` header gives the server's time."""
+
+    code = "clock_skew"
+
+
+class RetryLater(FedsecError):
+    """A temporary refusal: the same request, signed anew, may succeed after
+    ``retry_after`` seconds (sent as the ``Retry-After`` header)."""
+
+    code = "retry_later"
+    http_status = 503
+
+    def __init__(self, detail: str, retry_after: float = 1.0) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class RateLimited(RetryLater):
+    """A member key sent more signed requests than its rate allows."""
+
+    code = "rate_limited"
+    http_status = 429
+
+
+class ServerBusy(RetryLater):
+    """The aggregator has no capacity for this request now (e.g. every upload slot is taken)."""
+
+    code = "busy"
+    http_status = 503
+
+
+class RequestTimeout(FedsecError):
+    """The client did not send the request body within the configured time."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
 class PayloadError(FedsecError):
     """A request body is malformed, has unknown fields, or exceeds a limit."""
 
     code = "bad_request"
+
+
+class UnsupportedEncoding(PayloadError):
+    """A request body carries a Content-Encoding (compression) the aggregator refuses."""
+
+    code = "unsupported_content_encoding"
+    http_status = 415
 
 
 class PayloadTooLarge(PayloadError):

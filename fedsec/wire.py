@@ -42,7 +42,9 @@ Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, TypeVar
+import json
+import re
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
 
@@ -60,6 +62,21 @@ from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
 
 API_PREFIX = "/v1"
+
+#: Largest round, attempt or model version on the wire: SQLite stores 64-bit integers
+#: and a path value becomes a file name, so every number from the network is bounded
+#: where it is decoded.  2^31 - 1 rounds is centuries of one-second rounds.
+MAX_ID: Final = 2**31 - 1
+#: Largest count or token (samples, steps, log indices, the long-poll token): 2^53 - 1
+#: is exact in a JSON double and in SQLite's 64-bit integers.
+MAX_COUNT: Final = 2**53 - 1
+#: A round, attempt or model version.
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+#: A count, index or token.
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+# Canonical ASCII decimal only: int() also takes "+1", " 1", "1_0" and non-ASCII digits,
+# which would give one resource many spellings.
+_UINT_RE: Final = re.compile(r"0|[1-9][0-9]{0,15}")
 
 ROUND_SPEC_DOMAIN = "round-spec"
 PRIVACY_REPORT_DOMAIN = "privacy-report"
@@ -79,8 +96,8 @@ SecureSum = Literal["secagg", "none"]
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    local_epochs: int
-    batch_size: int
+    local_epochs: Count
+    batch_size: Count
     lr: float
     optimizer: str
 
@@ -129,23 +146,23 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     DOMAIN: ClassVar[str] = ROUND_SPEC_DOMAIN
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     secure_sum: SecureSum
-    model_version: int
+    model_version: Id
     model_sha256: str
     task: str
     task_version: str
     schema_fingerprint: str
     cohort: list[str]
-    neighbors: int
-    threshold: int
-    quant_bits: int
-    ring_bits: int
+    neighbors: Count
+    threshold: Count
+    quant_bits: Count
+    ring_bits: Count
     clip_norm: float
-    dim: int
+    dim: Count
     seed: str  # hex, 32 bytes: the neighbour graph
-    max_weight_samples: int  # sample count at which a member's weight reaches 1
+    max_weight_samples: Count  # sample count at which a member's weight reaches 1
     weight_caps: dict[str, float]  # member -> cap on its weight w (roster max-weight)
     training: TrainingSpec
     dp: DPSpec
@@ -154,7 +171,7 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     mode: Literal["sync", "buffered"] = "sync"
     # buffered mode: member -> staleness τ (current version − the version it trained on);
     # the member scales its weight by (1 + τ)^-½ before masking
-    staleness: dict[str, int] = msgspec.field(default_factory=dict)
+    staleness: dict[str, Count] = msgspec.field(default_factory=dict)
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
@@ -185,13 +202,13 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an agent polls: the current round, its stage and, once fixed, its spec."""
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     stage: Stage
-    token: int  # changes whenever anything an agent waits for changes
-    model_version: int
-    rounds_completed: int
-    rounds_target: int  # 0 = run until stopped
+    token: Count  # changes whenever anything an agent waits for changes
+    model_version: Id
+    rounds_completed: Count
+    rounds_target: Count  # 0 = run until stopped
     finished: bool
     spec: RoundSpec | None = None
     detail: str = ""
@@ -199,14 +216,14 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # buffered mode: the signed plan members train by before joining (no cohort yet)
     plan: RoundSpec | None = None
     # changes whenever the roster does: members refetch the roster only then
-    roster_serial: int = 0
+    roster_serial: Count = 0
 
 
 class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dataset_schema: str  # schema fingerprint of the agent's local data
     task_version: str
-    samples: int
-    base_version: int | None = None  # buffered mode: the model version the update is from
+    samples: Count
+    base_version: Id | None = None  # buffered mode: the model version the update is from
 
 
 class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -220,20 +237,20 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     DOMAIN: ClassVar[str] = PRIVACY_REPORT_DOMAIN
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     dataset_id: str
     epsilon: float  # total spent on this dataset after this round, all rounds included
     delta: float
     noise_multiplier: float
     sample_rate: float
-    steps: int
-    samples: int
+    steps: Count
+    samples: Count
     signature: str = ""
     # the round whose training this reports (buffered members train before the round
     # they contribute to; a retried attempt reuses its training); -1 = ``round``
-    trained_round: int = -1
+    trained_round: Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)] = -1
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -282,7 +299,7 @@ class UnmaskRequestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     dropped: list[str]
     # the round-state token when this was answered: long-poll GET /round with it to
     # wait for the round to close without first fetching the unmask state again
-    state_token: int | None = None
+    state_token: Count | None = None
 
 
 class Accepted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -313,8 +330,8 @@ class ContributionStatement(_Signed, frozen=True, forbid_unknown_fields=True, om
     DOMAIN: ClassVar[str] = CONTRIBUTION_DOMAIN
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     vector_sha256: str
     commitment: str
@@ -332,11 +349,11 @@ class Receipt(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=Tr
     DOMAIN: ClassVar[str] = RECEIPT_DOMAIN
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     contribution_sha256: str
-    log_index: int
+    log_index: Count
     issued_at: float
     signature: str = ""
 
@@ -358,22 +375,22 @@ class ChallengeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``challenged``), so no member can know in advance.
     """
 
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
-    beacon_index: int
+    beacon_index: Count
     rate: float
 
 
 class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     auditor: str
-    beacon_index: int
+    beacon_index: Count
     beacon: str
     rate: float
-    log_index: int
+    log_index: Count
 
 
 class ChallengeList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -383,19 +400,19 @@ class ChallengeList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RevealBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A member's answer: its quantized update and salt, sealed to the auditor's key."""
 
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     auditor: str
     sealed: str  # hex
 
 
 class Reveal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     auditor: str
     sealed: str
-    log_index: int
+    log_index: Count
 
 
 class RevealList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -406,42 +423,42 @@ class RevealPayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a reveal holds once opened by the auditor."""
 
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     member: str
     update: str  # hex of the quantized vector, little-endian in the round's ring dtype
     salt: str  # hex, 32 bytes
 
 
 class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     stage: Stage
-    cohort: int
-    participants: int
-    survivors: int
+    cohort: Count
+    participants: Count
+    survivors: Count
     dropped: list[str]
-    model_version: int | None
+    model_version: Id | None
     accuracy: float | None
     loss: float | None
     aggregation_s: float | None
     duration_s: float | None
     epsilon_max: float | None
     detail: str
-    bytes_up: int = 0  # request bodies received from members during this attempt
-    bytes_down: int = 0  # response bodies sent to members during this attempt
+    bytes_up: Count = 0  # request bodies received from members during this attempt
+    bytes_down: Count = 0  # response bodies sent to members during this attempt
 
 
 class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     federation_id: str
-    round: int
-    attempt: int
+    round: Id
+    attempt: Id
     stage: Stage
-    model_version: int
-    rounds_completed: int
-    rounds_target: int
+    model_version: Id
+    rounds_completed: Count
+    rounds_target: Count
     finished: bool
-    agents_active: int
+    agents_active: Count
     history: list[RoundSummary]
     alerts: list[str]
 
@@ -505,21 +522,59 @@ def feed_accepted(session: ServerSession, stage: str, member: str, raw: bytes) -
         raise ValueError(f"unknown SecAgg+ stage {stage!r}")
 
 
+def parse_uint(raw: str, what: str, max_value: int = MAX_ID) -> int:
+    """A path or query integer: canonical ASCII decimal (``0|[1-9][0-9]*``), at most
+    ``max_value``.
+
+    Raises:
+        PayloadError: anything else (signs, spaces, ``_``, non-ASCII digits, leading
+            zeros, exponents, too large), quoted truncated.
+    """
+    if not _UINT_RE.fullmatch(raw) or int(raw) > max_value:
+        raise PayloadError(
+            f"{what} must be a decimal integer from 0 to {max_value} without sign, spaces or "
+            f"leading zeros, got {raw[:24]!r}{'...' if len(raw) > 24 else ''}"
+        )
+    return int(raw)
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise PayloadError(f"duplicate JSON key {dup[:64]!r}: each key may appear once")
+    return found
+
+
+# A signed body must mean one thing to every reader: the stdlib scanner (C) calls the
+# hook for each object, which refuses a key given twice (msgspec keeps the last one).
+_DUPLICATE_CHECK: Final = json.JSONDecoder(object_pairs_hook=_refuse_duplicate_keys)
+
+
 def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:
     """Decode a JSON body into ``kind``, checking its size first.
 
     Raises:
         PayloadTooLarge: more than ``max_bytes``.
-        PayloadError: malformed JSON, wrong types or unknown fields (named).
+        PayloadError: malformed JSON, a key given twice in one object, wrong types,
+            numbers out of range or unknown fields (named).
     """
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        value = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
-        raise PayloadError(f"{what} is invalid: {exc}") from None
+        raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
     except msgspec.DecodeError as exc:
-        raise PayloadError(f"{what} is not valid JSON: {exc}") from None
+        raise PayloadError(f"{what} is not valid JSON: {str(exc)[:300]}") from None
+    try:
+        _DUPLICATE_CHECK.decode(raw.decode("utf-8"))
+    except PayloadError as exc:
+        raise PayloadError(f"{what} is invalid: {exc.detail}") from None
+    except ValueError as exc:  # msgspec accepted what the stdlib does not (never seen)
+        raise PayloadError(f"{what} is not valid JSON: {str(exc)[:300]}") from None
+    return value
 
 
 def encode(value: Any) -> bytes:

@@ -33,7 +33,7 @@ from fedsec.crypto.httpsig import (
     sign_request,
 )
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import AuthError, FedsecError, PayloadError, ReplayError
+from fedsec.errors import AuthError, ClockSkewError, FedsecError, PayloadError, ReplayError
 
 NOW = 1_700_000_000
 SEED_A = bytes(range(32))
@@ -60,7 +60,7 @@ class Clock:
 def make_verifier(
     max_entries: int = 1000, clock: Clock | None = None
 ) -> tuple[RequestVerifier, NonceCache]:
-    cache = NonceCache(window_s=600.0, max_entries=max_entries)
+    cache = NonceCache(window_s=600.0, max_per_key=max_entries)
     return RequestVerifier(ROSTER.get, cache, max_skew_s=300.0, clock=clock or Clock()), cache
 
 
@@ -344,7 +344,7 @@ def test_replay_after_window_is_caught_by_timestamp() -> None:
     headers = signed()
     verifier.verify("POST", PATH, headers, BODY)
     clock.now = NOW + 301
-    with refused(cache, ReplayError, "stale timestamp"):
+    with refused(cache, ClockSkewError, "stale timestamp"):
         verifier.verify("POST", PATH, headers, BODY)
 
 
@@ -364,7 +364,7 @@ def test_created_must_be_within_the_skew_window(offset: int, accepted: bool, mat
     if accepted:
         assert verifier.verify("POST", PATH, headers, BODY) == ALICE.key_id
     else:
-        with refused(cache, ReplayError, match):
+        with refused(cache, ClockSkewError, match):
             verifier.verify("POST", PATH, headers, BODY)
 
 
@@ -515,7 +515,7 @@ def test_unexpected_signature_parameter_is_refused() -> None:
 
 # ----------------------------------------------------------------- nonce cache
 def test_nonce_cache_forgets_only_after_the_window() -> None:
-    cache = NonceCache(window_s=600.0, max_entries=10)
+    cache = NonceCache(window_s=600.0, max_per_key=10)
     cache.remember("k", NONCE, NOW, now=NOW)
     assert cache.seen("k", NONCE, NOW + 600)
     with pytest.raises(ReplayError, match="replayed nonce"):
@@ -527,14 +527,14 @@ def test_nonce_cache_forgets_only_after_the_window() -> None:
 
 
 def test_nonce_cache_refuses_stale_entries() -> None:
-    cache = NonceCache(window_s=600.0, max_entries=10)
+    cache = NonceCache(window_s=600.0, max_per_key=10)
     with pytest.raises(ReplayError, match="stale timestamp"):
         cache.remember("k", NONCE, NOW, now=NOW + 601)
     assert len(cache) == 0
 
 
 def test_full_nonce_cache_evicts_expired_entries_oldest_first() -> None:
-    cache = NonceCache(window_s=100.0, max_entries=3)
+    cache = NonceCache(window_s=100.0, max_per_key=3)
     for i, created in enumerate((NOW, NOW + 10, NOW + 20)):
         cache.remember("k", f"{i:022d}", created, now=created)
     cache.remember("k", "x" * 22, NOW + 105, now=NOW + 105)  # only the first has expired
@@ -544,10 +544,10 @@ def test_full_nonce_cache_evicts_expired_entries_oldest_first() -> None:
 
 
 def test_full_nonce_cache_refuses_rather_than_forgets() -> None:
-    cache = NonceCache(window_s=100.0, max_entries=2)
+    cache = NonceCache(window_s=100.0, max_per_key=2)
     cache.remember("k", NONCE, NOW, now=NOW)
     cache.remember("k", OTHER_NONCE, NOW, now=NOW)
-    with pytest.raises(ReplayError, match="nonce cache full"):
+    with pytest.raises(ReplayError, match="nonce quota full"):
         cache.remember("k", "C" * 22, NOW, now=NOW + 50)
     assert len(cache) == 2
     assert cache.seen("k", NONCE, NOW + 50) and cache.seen("k", OTHER_NONCE, NOW + 50)
@@ -556,8 +556,22 @@ def test_full_nonce_cache_refuses_rather_than_forgets() -> None:
 def test_verifier_refuses_when_nonce_cache_is_full() -> None:
     verifier, cache = make_verifier(max_entries=1)
     verifier.verify("POST", PATH, signed(nonce=OTHER_NONCE), BODY)
-    with refused(cache, ReplayError, "nonce cache full"):
+    with refused(cache, ReplayError, "nonce quota full"):
         verifier.verify("POST", PATH, signed(), BODY)
+
+
+def test_one_key_filling_its_nonce_quota_does_not_lock_out_another() -> None:
+    cache = NonceCache(window_s=100.0, max_per_key=2)
+    cache.remember("alice", NONCE, NOW, now=NOW)
+    cache.remember("alice", OTHER_NONCE, NOW, now=NOW)
+    with pytest.raises(ReplayError, match="nonce quota full"):
+        cache.remember("alice", "C" * 22, NOW, now=NOW)
+    cache.remember("bob", NONCE, NOW + 50, now=NOW)
+    cache.remember("bob", OTHER_NONCE, NOW + 50, now=NOW)
+    assert len(cache) == 4
+    # alice's share frees as her entries expire, without touching bob's
+    cache.remember("alice", "C" * 22, NOW + 101, now=NOW + 101)
+    assert cache.seen("bob", NONCE, NOW + 101) and len(cache) == 3
 
 
 def test_configuration_is_validated() -> None:

@@ -11,26 +11,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from fedsec import wire
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.openapi import openapi_document
+from fedsec.aggregator.ratelimit import MemberRateLimit
+from fedsec.aggregator.replay import NONCE_DB, PersistentNonceStore
 from fedsec.aggregator.workspace import Workspace
-from fedsec.crypto.httpsig import NonceCache, RequestVerifier
+from fedsec.crypto.httpsig import RequestVerifier, SignedHeaders
 from fedsec.errors import (
     AuthError,
     FedsecError,
     ForbiddenError,
     PayloadError,
     PayloadTooLarge,
+    RequestTimeout,
+    RetryLater,
+    ServerBusy,
+    UnsupportedEncoding,
 )
 
 log = logging.getLogger(__name__)
@@ -41,9 +50,12 @@ MAX_LONG_POLL_S = 25.0
 TICK_S = 0.05
 # Roster changes made by the CLI while serving are picked up within a second.
 ROSTER_RELOAD_S = 1.0
-# Nonces are kept for twice the skew window so a request is never accepted after its
-# nonce has been forgotten.
-NONCE_CACHE_ENTRIES = 200_000
+# An error detail quotes client input; past this many characters it is cut, so a
+# client cannot make the answer or the log echo a megabyte back.
+MAX_DETAIL_CHARS = 400
+# Refusals are logged at INFO, at most this many a second (the rest are counted), so a
+# client sending garbage at full speed cannot flood the operator's log.
+REFUSAL_LOG_PER_S = 20
 
 _WAIT_RE = re.compile(r"[0-9]{1,12}(\.[0-9]{1,6})?")
 
@@ -54,6 +66,16 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 CHALLENGES = web.AppKey("challenges", ChallengeDesk)
 WORKSPACE = web.AppKey("workspace", Workspace)
 VERIFIER = web.AppKey("verifier", RequestVerifier)
+NONCES = web.AppKey("nonces", PersistentNonceStore)
+RATE = web.AppKey("rate", MemberRateLimit)
+UPLOADS = web.AppKey("uploads", asyncio.Semaphore)
+# Set on a request once its signature, role and body are verified: only then are its
+# bytes counted in a round's summary.
+_MEMBER = web.RequestKey("member", tuple)
+# Set once the body has been read to its end: a refusal before that closes the
+# connection, so the server never reads (or lingers on) an unauthenticated body.
+_BODY_READ = web.RequestKey("body_read", bool)
+_SIGNED = web.RequestKey("signed", SignedHeaders)
 
 
 class _ChangeSignal:
@@ -80,42 +102,87 @@ def _json(value: Any, status: int = 200) -> web.Response:
 
 @web.middleware
 async def traffic_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count body bytes per round attempt (the demo's bytes up/down columns)."""
-    coord = request.app[COORDINATOR]
-    key = (coord.live.round, coord.live.attempt)
-    counted = request.path.startswith(f"{wire.API_PREFIX}/rounds/") or request.path.startswith(
-        f"{wire.API_PREFIX}/models/"
-    )
-    if counted:
-        # counted on arrival: a held answer (e.g. the unmask answer, held until the round
-        # is over) must not leave its upload out of the round's summary
-        coord.count_traffic(key, request.content_length or 0, 0)
+    """Count the response bytes of authenticated requests per round attempt (the
+    demo's bytes up/down columns); request bytes are counted on arrival, once
+    authenticated (:func:`_authenticate`)."""
     response = await handler(request)
+    key = request.get(_MEMBER)
     body = response.body if isinstance(response, web.Response) else None
-    if counted and isinstance(body, bytes | bytearray):
-        coord.count_traffic(key, 0, len(body))
+    if key is not None and isinstance(body, bytes | bytearray):
+        request.app[COORDINATOR].count_traffic(key, 0, len(body))
     return response
+
+
+class _RefusalLog:
+    """INFO lines for refused requests, at most ``per_s`` a second; the rest are counted
+    and the count is reported with the next line that gets through."""
+
+    def __init__(self, per_s: int) -> None:
+        self._per_s = per_s
+        self._second = 0
+        self._lines = 0
+        self._suppressed = 0
+
+    def refused(self, request: web.Request, code: str, status: int, detail: str) -> None:
+        second = int(time.monotonic())
+        if second != self._second:
+            self._second, self._lines = second, 0
+        if self._lines >= self._per_s:
+            self._suppressed += 1
+            return
+        self._lines += 1
+        suppressed, self._suppressed = self._suppressed, 0
+        log.info(
+            "event=refused method=%s path=%s code=%s status=%d detail=%r suppressed=%d",
+            request.method,
+            _quote(request.path, 120),
+            code,
+            status,
+            _quote(detail, 200),
+            suppressed,
+        )
+
+
+_REFUSALS = _RefusalLog(REFUSAL_LOG_PER_S)
+
+
+def _quote(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
+
+
+def _error(request: web.Request, code: str, status: int, detail: str) -> web.Response:
+    _REFUSALS.refused(request, code, status, detail)
+    response = _json(wire.ErrorBody(error=code, detail=_quote(detail)), status)
+    if not request.get(_BODY_READ) and (request.content_length or request.body_exists):
+        # the body was not read (refused before authentication, or too large): close
+        # rather than read and discard it to keep the connection
+        response.force_close()
+    return response
+
+
+# A client that goes away or breaks framing mid-body is its own mistake, not our bug.
+_CLIENT_GONE = (ConnectionError, EOFError, aiohttp.ClientPayloadError, HttpProcessingError)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except RetryLater as exc:
+        response = _error(request, exc.code, exc.http_status, exc.detail)
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
     except FedsecError as exc:
-        log.info(
-            "event=refused method=%s path=%s code=%s status=%d detail=%r",
-            request.method,
-            request.path,
-            exc.code,
-            exc.http_status,
-            exc.detail,
-        )
-        return _json(wire.ErrorBody(error=exc.code, detail=exc.detail), exc.http_status)
+        return _error(request, exc.code, exc.http_status, exc.detail)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        body = wire.ErrorBody(error=exc.reason.lower().replace(" ", "_"), detail=exc.reason)
-        return _json(body, exc.status)
+        return _error(request, exc.reason.lower().replace(" ", "_"), exc.status, exc.reason)
+    except _CLIENT_GONE as exc:
+        return _error(request, "incomplete_body", 400, f"the request body did not arrive: {exc}")
     except Exception:
         log.exception("event=internal_error method=%s path=%s", request.method, request.path)
         return _json(
@@ -124,57 +191,168 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         )
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refusing before reading it when the declared length is over ``limit``."""
+def _check_framing(request: web.Request, limit: int) -> None:
+    """What the request line and headers say about the body, before any of it is read.
+
+    Raises:
+        UnsupportedEncoding: a ``Content-Encoding`` other than identity (aiohttp would
+            inflate it, so a small body could expand hundreds of times).
+        PayloadTooLarge: a declared length over ``limit``.
+    """
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise UnsupportedEncoding(
+            f"Content-Encoding {_quote(encoding, 32)!r} is refused: fedsec bodies are sent "
+            "uncompressed (signed vectors and models do not compress)"
+        )
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes, within ``server.body_timeout_s``.
+
+    Raises:
+        PayloadTooLarge: more than ``limit`` bytes arrive.
+        RequestTimeout: the body did not arrive in time.
+    """
+    cfg = request.app[WORKSPACE].config.server
     # StreamReader.read(n) returns what has arrived so far (up to n), not n bytes: a body
     # that comes in several pieces (slow link, chunked encoding) must be read in a loop.
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(limit + 1 - size):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(cfg.body_timeout_s):
+            while chunk := await request.content.read(limit + 1 - size):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+            f"({size} bytes received)"
+        ) from None
+    request[_BODY_READ] = True
     return b"".join(chunks)
+
+
+@contextlib.asynccontextmanager
+async def _upload_slot(request: web.Request, limit: int) -> AsyncIterator[None]:
+    """Hold one of ``server.max_concurrent_uploads`` slots while a body that may be
+    larger than a JSON control message is read, bounding bodies in memory.
+
+    Raises:
+        ServerBusy: no slot freed within ``server.upload_queue_s``.
+    """
+    cfg = request.app[WORKSPACE].config.server
+    declared = request.content_length
+    if limit <= cfg.max_json_bytes or (declared is not None and declared <= cfg.max_json_bytes):
+        yield
+        return
+    slots = request.app[UPLOADS]
+    try:
+        async with asyncio.timeout(cfg.upload_queue_s):
+            await slots.acquire()
+    except TimeoutError:
+        raise ServerBusy(
+            f"all {cfg.max_concurrent_uploads} upload slots stayed busy for "
+            f"{cfg.upload_queue_s:g} s; retry shortly",
+            retry_after=cfg.upload_queue_s / 4,
+        ) from None
+    try:
+        yield
+    finally:
+        slots.release()
+
+
+def _authorised(request: web.Request, roles: tuple[str, ...]) -> tuple[str, str]:
+    """Framing, signature over the headers, roster role and rate: (agent id, key id).
+
+    Raises:
+        PayloadError, AuthError, ReplayError: see :meth:`RequestVerifier.verify_headers`.
+        ForbiddenError: the key's role is not one of ``roles``.
+        RateLimited: the key is over its request rate.
+    """
+    signed = request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
+    entry = request.app[WORKSPACE].roster.by_key_id(signed.keyid)
+    if entry is None or not entry.is_active:
+        raise AuthError(f"key {signed.keyid} is unknown or revoked")
+    if entry.role not in roles:
+        raise ForbiddenError(
+            f"{entry.agent_id} has role {entry.role}; this needs {' or '.join(roles)}"
+        )
+    request.app[RATE].charge(signed.keyid, time.monotonic())
+    request[_SIGNED] = signed
+    return entry.agent_id, signed.keyid
 
 
 async def _authenticate(
     request: web.Request, limit: int, roles: tuple[str, ...]
 ) -> tuple[str, bytes]:
-    """Verify the request signature; return (agent id, body)."""
-    body = await _read_body(request, limit)
-    ws = request.app[WORKSPACE]
-    key_id = request.app[VERIFIER].verify(request.method, request.raw_path, request.headers, body)
-    entry = ws.roster.by_key_id(key_id)
-    if entry is None or not entry.is_active:
-        raise AuthError(f"key {key_id} is unknown or revoked")
-    if entry.role not in roles:
-        raise ForbiddenError(
-            f"{entry.agent_id} has role {entry.role}; this needs {' or '.join(roles)}"
-        )
-    return entry.agent_id, body
+    """Authenticate the request; return (agent id, body).
+
+    Everything that needs no body is checked before a byte of it is read: framing,
+    signature headers, key, roster role, created time, nonce and the member's rate.
+    Only then is the body read (bounded in size, time and concurrency), checked
+    against the signed digest, and the nonce recorded.
+    """
+    _check_framing(request, limit)
+    member, _keyid = _authorised(request, roles)
+    async with _upload_slot(request, limit):
+        body = await _read_body(request, limit)
+    request.app[VERIFIER].verify_body(request[_SIGNED], body)
+    coord = request.app[COORDINATOR]
+    key = (coord.live.round, coord.live.attempt)
+    request[_MEMBER] = key
+    # counted on arrival: a held answer (e.g. the unmask answer, held until the round
+    # is over) must not leave its upload out of the round's summary
+    coord.count_traffic(key, len(body), 0)
+    return member, body
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: answer 100 only to a request that would be read; a
+    refusal (size, encoding, signature, role) goes out before the client sends the body."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return _error(request, "expectation_failed", 417, "only Expect: 100-continue is known")
+    cfg = request.app[WORKSPACE].config.server
+    binary = request.match_info.handler in _BINARY_BODIES
+    try:
+        _check_framing(request, cfg.max_body_bytes if binary else cfg.max_json_bytes)
+        request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
+    except FedsecError as exc:
+        return _error(request, exc.code, exc.http_status, exc.detail)
+    if request.version >= aiohttp.HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+    return None
 
 
 def _round_args(request: web.Request) -> tuple[int, int]:
-    try:
-        round_ = int(request.match_info["round"])
-        attempt = int(request.query.get("attempt", "0"))
-    except ValueError:
-        raise PayloadError("round and attempt must be integers") from None
+    round_ = wire.parse_uint(request.match_info["round"], "round")
+    attempt = wire.parse_uint(request.query.get("attempt", "0"), "attempt")
     return round_, attempt
 
 
 def _wait_seconds(request: web.Request) -> float:
     """The ``wait`` query parameter of a stage-data request: seconds to hold the answer
     until the round reaches that stage (0, the default, answers at once)."""
-    raw = request.query.get("wait", "0")
+    return _seconds(request.query.get("wait", "0"), "wait")
+
+
+def _seconds(raw: str, what: str) -> float:
+    """A query parameter in seconds, capped at :data:`MAX_LONG_POLL_S`.
+
+    Raises:
+        PayloadError: not a plain non-negative decimal.
+    """
     # plain decimal only: float() would also take "nan", "inf", "1e999", "1_0" and " 5"
     if not _WAIT_RE.fullmatch(raw):
         raise PayloadError(
-            f"wait must be a non-negative number of seconds like 5 or 2.5, got {raw[:32]!r}"
+            f"{what} must be a non-negative number of seconds like 5 or 2.5, "
+            f"got {_quote(raw, 32)!r}"
         )
     return min(float(raw), MAX_LONG_POLL_S)
 
@@ -223,6 +401,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
+    # alerts and round history are the consortium's, not the public's: any enrolled role
+    await _authenticate(request, _json_limit(request), _ANY)
     coord = request.app[COORDINATOR]
     ws = request.app[WORKSPACE]
     live = coord.live
@@ -261,11 +441,8 @@ def _json_limit(request: web.Request) -> int:
 async def get_round(request: web.Request) -> web.Response:
     await _authenticate(request, _json_limit(request), _ANY)
     coord = request.app[COORDINATOR]
-    try:
-        wait = int(request.query.get("wait", "0"))
-        timeout = min(float(request.query.get("timeout", "0")), MAX_LONG_POLL_S)
-    except ValueError:
-        raise PayloadError("wait must be an integer token and timeout a number") from None
+    wait = wire.parse_uint(request.query.get("wait", "0"), "wait token", wire.MAX_COUNT)
+    timeout = _seconds(request.query.get("timeout", "0"), "timeout")
     if wait and wait == coord.token and timeout > 0:
         await request.app[CHANGED].wait(timeout)
     return _json(coord.round_state())
@@ -438,10 +615,7 @@ async def get_reveals(request: web.Request) -> web.Response:
 
 
 def _version(request: web.Request) -> int:
-    try:
-        return int(request.match_info["version"])
-    except ValueError:
-        raise PayloadError("model version must be an integer") from None
+    return wire.parse_uint(request.match_info["version"], "model version")
 
 
 async def latest_manifest(request: web.Request) -> web.Response:
@@ -493,8 +667,17 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def _replay_store(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[NONCES].close()
+
+
 def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> web.Application:
-    """Build the aiohttp application for ``workspace``."""
+    """Build the aiohttp application for ``workspace``.
+
+    Raises:
+        sqlite3.Error: the workspace's replay store cannot be opened.
+    """
     cfg = workspace.config.server
     app = web.Application(
         middlewares=[traffic_middleware, error_middleware], client_max_size=cfg.max_body_bytes
@@ -503,39 +686,47 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     app[COORDINATOR] = coordinator or Coordinator(workspace)
     app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = _ChangeSignal()
+    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
+    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
 
     def resolve(key_id: str) -> bytes | None:
         entry = workspace.roster.by_key_id(key_id)
         return entry.public_key_bytes if entry is not None and entry.is_active else None
 
-    app[VERIFIER] = RequestVerifier(
-        resolve,
-        NonceCache(window_s=2 * cfg.clock_skew_s, max_entries=NONCE_CACHE_ENTRIES),
-        max_skew_s=cfg.clock_skew_s,
-    )
-    p = wire.API_PREFIX
-    app.router.add_get(f"{p}/health", health)
-    app.router.add_get(f"{p}/openapi.json", openapi)
-    app.router.add_get(f"{p}/status", status)
-    app.router.add_get(f"{p}/round", get_round)
-    app.router.add_get(f"{p}/roster", get_roster)
-    app.router.add_get(f"{p}/models/latest", latest_manifest)
-    app.router.add_get(f"{p}/models/{{version}}/manifest", manifest)
-    app.router.add_get(f"{p}/models/{{version}}", model)
-    r = f"{p}/rounds/{{round}}"
-    app.router.add_post(f"{r}/join", join)
-    app.router.add_post(f"{r}/report", report)
-    app.router.add_post(f"{r}/advertise", advertise)
-    app.router.add_get(f"{r}/keys", keys)
-    app.router.add_post(f"{r}/shares", post_shares)
-    app.router.add_get(f"{r}/shares", get_shares)
-    app.router.add_post(f"{r}/masked-input", masked_input)
-    app.router.add_get(f"{r}/unmask", get_unmask)
-    app.router.add_post(f"{r}/unmask", post_unmask)
-    app.router.add_get(f"{r}/receipt", receipt)
-    app.router.add_post(f"{p}/audit/challenges", post_challenge)
-    app.router.add_get(f"{p}/audit/challenges", get_challenges)
-    app.router.add_post(f"{p}/audit/reveals", post_reveal)
-    app.router.add_get(f"{p}/audit/reveals", get_reveals)
+    # nonces are kept for twice the skew window so a request is never accepted after its
+    # nonce has been forgotten, and on disk so a restart forgets none of them
+    app[NONCES] = PersistentNonceStore(workspace.root / NONCE_DB, 2 * cfg.clock_skew_s)
+    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+    for method, path, handler in _ROUTES:
+        app.router.add_route(method, f"{wire.API_PREFIX}{path}", handler, expect_handler=_expect)
+    app.cleanup_ctx.append(_replay_store)
     app.cleanup_ctx.append(_ticker)
     return app
+
+
+_ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/health", health),
+    ("GET", "/openapi.json", openapi),
+    ("GET", "/status", status),
+    ("GET", "/round", get_round),
+    ("GET", "/roster", get_roster),
+    ("GET", "/models/latest", latest_manifest),
+    ("GET", "/models/{version}/manifest", manifest),
+    ("GET", "/models/{version}", model),
+    ("POST", "/rounds/{round}/join", join),
+    ("POST", "/rounds/{round}/report", report),
+    ("POST", "/rounds/{round}/advertise", advertise),
+    ("GET", "/rounds/{round}/keys", keys),
+    ("POST", "/rounds/{round}/shares", post_shares),
+    ("GET", "/rounds/{round}/shares", get_shares),
+    ("POST", "/rounds/{round}/masked-input", masked_input),
+    ("GET", "/rounds/{round}/unmask", get_unmask),
+    ("POST", "/rounds/{round}/unmask", post_unmask),
+    ("GET", "/rounds/{round}/receipt", receipt),
+    ("POST", "/audit/challenges", post_challenge),
+    ("GET", "/audit/challenges", get_challenges),
+    ("POST", "/audit/reveals", post_reveal),
+    ("GET", "/audit/reveals", get_reveals),
+)
+# Handlers whose body may be up to server.max_body_bytes; every other takes JSON.
+_BINARY_BODIES: frozenset[Handler] = frozenset({masked_input, post_reveal})

@@ -19,6 +19,11 @@ checked *before* the library parses anything and in this order:
    constant-time comparison);
 8. only then is the nonce recorded, so a forged request can never burn a nonce.
 
+Steps 1-6 need only the request line and headers (:meth:`RequestVerifier.verify_headers`),
+so a server checks them before it reads a byte of the body and an unauthenticated
+client can never make it buffer one; steps 7-8 (:meth:`RequestVerifier.verify_body`)
+follow once the body is in.
+
 Covered components and why: ``@method`` and ``@path`` bind the action and the
 route (which carries federation, round and stage); ``@query`` is *always*
 covered (its value is ``?`` when the URL has none), so a query string can be
@@ -51,7 +56,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, NoReturn
+from typing import Final, NoReturn, Protocol
 
 import http_sf
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -65,16 +70,18 @@ from http_message_signatures import (
 )
 
 from fedsec.crypto.identity import SigningIdentity, key_id
-from fedsec.errors import AuthError, PayloadError, ReplayError
+from fedsec.errors import AuthError, ClockSkewError, PayloadError, ReplayError
 
 __all__ = [
     "COVERED_COMPONENTS",
     "DEFAULT_MAX_SKEW_S",
-    "DEFAULT_NONCE_CACHE_ENTRIES",
+    "DEFAULT_NONCES_PER_KEY",
     "MAX_AUTH_FIELD_BYTES",
     "MAX_TARGET_BYTES",
     "NonceCache",
+    "NonceStore",
     "RequestVerifier",
+    "SignedHeaders",
     "sign_request",
 ]
 
@@ -94,10 +101,12 @@ MAX_TARGET_BYTES: Final = 8190
 #: loose enough for NTP-less edge machines, tight enough to keep the nonce cache
 #: small.
 DEFAULT_MAX_SKEW_S: Final = 300.0
-#: Default bound on remembered nonces.  One entry costs ~300 bytes, so 100 000
-#: entries is ~30 MB: 100 requests/s sustained across all agents over a 10-minute
-#: (2 x skew) window, an order of magnitude above a round's control traffic.
-DEFAULT_NONCE_CACHE_ENTRIES: Final = 100_000
+#: Default bound on nonces remembered for one key.  The bound is per key so that one
+#: key, however fast it sends valid requests, fills only its own share and never
+#: locks another out.  One entry costs ~300 bytes; 50 000 entries (~15 MB) is 83
+#: requests/s from one key sustained over a 10-minute (2 x skew) window, above the
+#: aggregator's per-member rate limit, which is what normally binds.
+DEFAULT_NONCES_PER_KEY: Final = 50_000
 #: Random bytes per nonce: 128 bits make a collision between two honest requests
 #: negligible (birthday bound ~2^-64 after 2^32 requests by one key).
 NONCE_BYTES: Final = 16
@@ -134,15 +143,42 @@ _FIELD_NAMES: Final = {
 
 
 # ------------------------------------------------------------------- nonce cache
-class NonceCache:
-    """Remembers ``(keyid, nonce)`` pairs until ``created + window_s`` has passed.
+class NonceStore(Protocol):
+    """Where verified ``(keyid, nonce)`` pairs are remembered until their window passes.
 
-    Memory is bounded by ``max_entries``.  When full, entries whose time has
-    passed are evicted, oldest-expiring first; if every entry is still live the
-    *new* request is refused with :class:`ReplayError` rather than forgetting a
-    live nonce, because forgetting one would let that request be replayed.  The
-    refusal is temporary (entries expire within ``window_s``) and only signed
-    requests ever reach the cache.
+    :class:`NonceCache` keeps them in memory; a server that must refuse replays across
+    restarts, or across several processes, passes a persistent implementation.
+    """
+
+    @property
+    def window_s(self) -> float:
+        """Seconds after ``created`` that a nonce is remembered."""
+        ...
+
+    def seen(self, keyid: str, nonce: str, now: float) -> bool:
+        """Whether ``nonce`` from ``keyid`` is remembered and its window has not passed."""
+        ...
+
+    def remember(self, keyid: str, nonce: str, created: int, now: float) -> None:
+        """Record a verified request's nonce until ``created + window_s``.
+
+        Raises:
+            ReplayError: the nonce is already remembered, the request is outside
+                the window, or the store refuses to hold more for this key.
+        """
+        ...
+
+
+class NonceCache:
+    """Remembers ``(keyid, nonce)`` pairs in memory until ``created + window_s`` has passed.
+
+    Memory is bounded per key by ``max_per_key``.  When a key's share is full,
+    entries whose time has passed are evicted, oldest-expiring first; if every
+    entry of that key is still live its *new* request is refused with
+    :class:`ReplayError` rather than forgetting a live nonce, because forgetting
+    one would let that request be replayed.  The refusal is temporary (entries
+    expire within ``window_s``), touches only the key that sent too much, and only
+    signed requests ever reach the cache.
 
     Times are passed in (``now``) so the cache does no I/O and is testable.  Not
     thread-safe: give each worker its own verifier or hold a lock around
@@ -150,17 +186,22 @@ class NonceCache:
     amortised.
     """
 
-    __slots__ = ("_expiry", "_heap", "max_entries", "window_s")
+    __slots__ = ("_expiry", "_heap", "_per_key", "_window_s", "max_per_key")
 
-    def __init__(self, window_s: float, max_entries: int = DEFAULT_NONCE_CACHE_ENTRIES) -> None:
+    def __init__(self, window_s: float, max_per_key: int = DEFAULT_NONCES_PER_KEY) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError(f"nonce window must be a positive number of seconds, got {window_s}")
-        if max_entries < 1:
-            raise ValueError(f"nonce cache must hold at least one entry, got {max_entries}")
-        self.window_s = float(window_s)
-        self.max_entries = int(max_entries)
+        if max_per_key < 1:
+            raise ValueError(f"nonce cache must hold at least one entry a key, got {max_per_key}")
+        self._window_s = float(window_s)
+        self.max_per_key = int(max_per_key)
         self._expiry: dict[tuple[str, str], float] = {}
+        self._per_key: dict[str, int] = {}
         self._heap: list[tuple[float, str, str]] = []
+
+    @property
+    def window_s(self) -> float:
+        return self._window_s
 
     def __len__(self) -> int:
         return len(self._expiry)
@@ -175,28 +216,30 @@ class NonceCache:
 
         Raises:
             ReplayError: the nonce is already remembered ("replayed nonce"); the
-                request is already outside the window ("stale timestamp"); or the
-                cache is full of live entries.
+                request is already outside the window ("stale timestamp"); or this
+                key's share of the cache is full of live entries.
         """
-        expiry = created + self.window_s
+        expiry = created + self._window_s
         if expiry < now:
             raise ReplayError(
                 f"stale timestamp: a request created at {created} is older than the "
-                f"{self.window_s:g} s replay window"
+                f"{self._window_s:g} s replay window"
             )
         self._evict_expired(now)
         if self.seen(keyid, nonce, now):
             raise ReplayError(
                 f"replayed nonce: {keyid} already used nonce {nonce!r} within the last "
-                f"{self.window_s:g} s"
+                f"{self._window_s:g} s"
             )
-        if len(self._expiry) >= self.max_entries:
+        held = self._per_key.get(keyid, 0)
+        if held >= self.max_per_key:
             raise ReplayError(
-                f"nonce cache full: {len(self._expiry)} requests are still inside the "
-                f"{self.window_s:g} s replay window; refusing this one rather than "
+                f"nonce quota full: {keyid} has {held} requests still inside the "
+                f"{self._window_s:g} s replay window; refusing this one rather than "
                 "forgetting a nonce; retry shortly"
             )
         self._expiry[(keyid, nonce)] = expiry
+        self._per_key[keyid] = held + 1
         heapq.heappush(self._heap, (expiry, keyid, nonce))
 
     def _evict_expired(self, now: float) -> None:
@@ -204,6 +247,11 @@ class NonceCache:
             expiry, keyid, nonce = heapq.heappop(self._heap)
             if self._expiry.get((keyid, nonce)) == expiry:
                 del self._expiry[(keyid, nonce)]
+                left = self._per_key[keyid] - 1
+                if left:
+                    self._per_key[keyid] = left
+                else:
+                    del self._per_key[keyid]
 
 
 # ------------------------------------------------------- adapters to the library
@@ -336,6 +384,17 @@ class _SignatureClaims:
     signature: bytes
 
 
+@dataclass(frozen=True)
+class SignedHeaders:
+    """A request whose signature verified over its method, target and headers; the body
+    is still to be checked against ``digest`` by :meth:`RequestVerifier.verify_body`."""
+
+    keyid: str
+    nonce: str
+    created: int
+    digest: bytes
+
+
 class RequestVerifier:
     """Verifies signed agent requests for the aggregator (sans-I/O).
 
@@ -353,7 +412,7 @@ class RequestVerifier:
     def __init__(
         self,
         resolve_key: Callable[[str], bytes | None],
-        nonce_cache: NonceCache,
+        nonce_cache: NonceStore,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -386,13 +445,33 @@ class RequestVerifier:
             The verified key id (``"ed25519:<32 hex>"``).
 
         Raises:
+            PayloadError: see :meth:`verify_headers`.
+            AuthError: see :meth:`verify_headers` and :meth:`verify_body`.
+            ReplayError: see :meth:`verify_headers` and :meth:`verify_body`.
+        """
+        return self.verify_body(self.verify_headers(method, url_or_path, headers), body)
+
+    def verify_headers(
+        self, method: str, url_or_path: str, headers: Mapping[str, str]
+    ) -> SignedHeaders:
+        """Steps 1-6 of the module doc: everything that needs no body.  Records nothing.
+
+        Args:
+            method: the request method as received.
+            url_or_path: the raw (still percent-encoded) path and query as received.
+            headers: all request headers (repeated authentication fields are refused).
+
+        Returns:
+            The verified claims, to be completed by :meth:`verify_body`.
+
+        Raises:
             PayloadError: an authentication field is oversized, repeated or
                 malformed, or the method or target is malformed.
             AuthError: a field is missing, the signature does not cover what fedsec
                 requires, uses another algorithm or tag, names an unknown or revoked
-                key, does not verify, or the body does not match Content-Digest.
-            ReplayError: ``created`` is outside the skew window, the nonce is
-                missing or already used, or the nonce cache is full.
+                key, or does not verify.
+            ClockSkewError: ``created`` is outside the skew window.
+            ReplayError: the nonce is missing or already used.
         """
         fields = _authentication_fields(headers)
         if not method or method != method.upper() or not method.isascii():
@@ -410,17 +489,7 @@ class RequestVerifier:
 
         _check_policy(claims)
         now = self._clock()
-        age = now - claims.created
-        if age > self._max_skew_s:
-            raise ReplayError(
-                f"stale timestamp: the signature was created {age:.0f} s ago, more than the "
-                f"{self._max_skew_s:g} s allowed"
-            )
-        if -age > self._max_skew_s:
-            raise ReplayError(
-                f"stale timestamp: the signature was created {-age:.0f} s in the future, more "
-                f"than the {self._max_skew_s:g} s clock skew allowed"
-            )
+        self._check_created(claims.created, now)
         assert claims.nonce is not None  # _check_policy guarantees it
         if self._nonces.seen(claims.keyid, claims.nonce, now):
             raise ReplayError(
@@ -437,14 +506,45 @@ class RequestVerifier:
                 f"not the signed keyid {claims.keyid}"
             )
         self._check_signature(view, claims, Ed25519PublicKey.from_public_bytes(public_bytes))
+        return SignedHeaders(
+            keyid=claims.keyid, nonce=claims.nonce, created=claims.created, digest=claimed_digest
+        )
 
-        if not hmac.compare_digest(claimed_digest, hashlib.sha256(body).digest()):
+    def verify_body(self, signed: SignedHeaders, body: bytes) -> str:
+        """Steps 7-8 of the module doc: the body against the signed digest, then the nonce.
+
+        Args:
+            signed: what :meth:`verify_headers` returned for this request.
+            body: the exact body bytes received.
+
+        Returns:
+            The verified key id.
+
+        Raises:
+            AuthError: the body does not match the signed Content-Digest.
+            ReplayError: the nonce was recorded meanwhile (a concurrent replay), the
+                request has left the window, or the nonce store refuses it.
+        """
+        if not hmac.compare_digest(signed.digest, hashlib.sha256(body).digest()):
             raise AuthError(
                 "content digest mismatch: the body's sha-256 does not match the signed "
                 "Content-Digest (the body was altered or truncated)"
             )
-        self._nonces.remember(claims.keyid, claims.nonce, claims.created, now)
-        return claims.keyid
+        self._nonces.remember(signed.keyid, signed.nonce, signed.created, self._clock())
+        return signed.keyid
+
+    def _check_created(self, created: int, now: float) -> None:
+        age = now - created
+        if age > self._max_skew_s:
+            raise ClockSkewError(
+                f"stale timestamp: the signature was created {age:.0f} s ago, more than the "
+                f"{self._max_skew_s:g} s allowed"
+            )
+        if -age > self._max_skew_s:
+            raise ClockSkewError(
+                f"stale timestamp: the signature was created {-age:.0f} s in the future, more "
+                f"than the {self._max_skew_s:g} s clock skew allowed"
+            )
 
     @staticmethod
     def _check_signature(
