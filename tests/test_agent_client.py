@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -18,15 +20,22 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from fedsec.agent.client import AggregatorClient
+from fedsec.agent.client import AggregatorClient, error_from_response, parse_retry_after
 from fedsec.crypto.httpsig import NonceCache, RequestVerifier
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import (
     AggregatorRefused,
     AggregatorUnreachable,
     AuthError,
+    ClockSkewError,
+    ForbiddenError,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
+    ReplayError,
+    RequestTimeout,
+    RetryLater,
+    ServerBusy,
     SignatureError,
     WrongStage,
 )
@@ -74,6 +83,7 @@ class Recorder:
             "path": request.path,
             "query": dict(request.query),
             "content_type": request.headers.get("Content-Type"),
+            "signature_input": request.headers.get("Signature-Input", ""),
             "body": body,
         }
         try:
@@ -91,8 +101,22 @@ class Recorder:
         return await handler(request)
 
 
-def run(scenario: Callable[[Recorder, AggregatorClient], Awaitable[None]]) -> Recorder:
-    recorder = Recorder()
+def run(
+    scenario: Callable[[Recorder, AggregatorClient], Awaitable[None]],
+    recorder: Recorder | None = None,
+    **client_options: Any,
+) -> Recorder:
+    """Run ``scenario`` against a loopback server; ``client_options`` override the
+    client's arguments (identity, retry settings, sleep, clock)."""
+    recorder = recorder or Recorder()
+    options: dict[str, Any] = {
+        "identity": AGENT,
+        "timeout_s": 5.0,
+        "retry_max": 3,
+        "backoff_initial_s": 0.001,
+        "backoff_max_s": 0.004,
+    }
+    options.update(client_options)
 
     async def main() -> None:
         app = web.Application()
@@ -101,13 +125,7 @@ def run(scenario: Callable[[Recorder, AggregatorClient], Awaitable[None]]) -> Re
         await server.start_server()
         try:
             client = AggregatorClient(
-                str(server.make_url("/")),
-                AGENT,
-                AGGREGATOR.public_bytes,
-                timeout_s=5.0,
-                retry_max=3,
-                backoff_initial_s=0.001,
-                backoff_max_s=0.004,
+                str(server.make_url("/")), aggregator_public_key=AGGREGATOR.public_bytes, **options
             )
             async with client:
                 await scenario(recorder, client)
@@ -391,3 +409,304 @@ def test_held_masked_input_answer_carries_the_unmask_request() -> None:
 
     seen = run(scenario).seen
     assert [e["query"]["wait"] for e in seen] == ["2", "2", "2"]
+
+
+# ------------------------------------------------------- refusals the agent outlives
+
+
+class Pauses:
+    """The client's injected sleep: records every retry delay and returns at once."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+def signature_param(signature_input: str, name: str) -> str:
+    """One parameter (``created``, ``nonce``) of a Signature-Input header."""
+    match = re.search(rf';{name}=("?)([^";]+)\1', signature_input)
+    assert match is not None, signature_input
+    return match.group(2)
+
+
+def nonces(entries: list[dict[str, Any]]) -> list[str]:
+    return [signature_param(e["signature_input"], "nonce") for e in entries]
+
+
+def refuse(
+    status: int, code: str, detail: str = "not now", headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response({"error": code, "detail": detail}, status=status, headers=headers)
+
+
+def join_once_refused(
+    server: Recorder, status: int, code: str, headers: dict[str, str] | None = None
+) -> None:
+    """``POST /rounds/3/join`` answers the refusal first and success next."""
+    calls = 0
+
+    @server.route("POST", "/v1/rounds/3/join")
+    async def join(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return refuse(status, code, headers=headers)
+        return web.Response(body=encode(JoinResponse(True, "welcome")))
+
+
+JOIN = JoinRequest("ab" * 32, "1", 120)
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(429, "rate_limited"), (503, "busy"), (408, "request_timeout")]
+)
+def test_temporary_refusal_waits_retry_after_then_retries_signed_afresh(
+    status: int, code: str
+) -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        join_once_refused(server, status, code, {"Retry-After": "3"})
+        assert await client.join(3, 1, JOIN) == JoinResponse(True, "welcome")
+
+    seen = run(scenario, sleep=pauses, backoff_max_s=10.0).seen
+    assert pauses.delays == [3.0]
+    assert [e["path"] for e in seen] == ["/v1/rounds/3/join"] * 2
+    assert all(e.get("keyid") == AGENT.key_id for e in seen)  # both verified
+    assert len(set(nonces(seen))) == 2
+    assert seen[0]["body"] == seen[1]["body"]
+
+
+@pytest.mark.parametrize(
+    ("header", "low", "high"),
+    [
+        ("3600", 10.0, 10.0),  # capped at backoff_max_s
+        (None, 0.25, 0.5),  # absent: the first backoff, [initial/2, initial]
+        ("soon", 0.25, 0.5),
+        ("-1", 0.25, 0.5),
+        ("1.5", 0.25, 0.5),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.25, 0.5),  # an HTTP-date: not delta-seconds
+    ],
+)
+def test_retry_after_is_capped_and_a_missing_or_malformed_one_means_backoff(
+    header: str | None, low: float, high: float
+) -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        join_once_refused(
+            server, 429, "rate_limited", {} if header is None else {"Retry-After": header}
+        )
+        await client.join(3, 1, JOIN)
+
+    seen = run(scenario, sleep=pauses, backoff_initial_s=0.5, backoff_max_s=10.0).seen
+    (delay,) = pauses.delays
+    assert low <= delay <= high
+    assert len(seen) == 2
+
+
+def test_temporary_refusal_is_raised_as_its_class_once_the_retries_run_out() -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("GET", "/v1/round")
+        async def busy(request: web.Request) -> web.Response:
+            return refuse(503, "busy", "every upload slot is taken", {"Retry-After": "1"})
+
+        with pytest.raises(ServerBusy) as info:
+            await client.get_round()
+        assert info.value.detail == (
+            "aggregator still refused GET /v1/round after 4 attempts: every upload slot is taken"
+        )
+        assert info.value.retry_after == 1.0
+
+    seen = run(scenario, sleep=pauses, backoff_max_s=10.0).seen
+    assert pauses.delays == [1.0, 1.0, 1.0]
+    assert len(seen) == 4 and len(set(nonces(seen))) == 4
+
+
+def test_replayed_refusal_backs_off_and_retries_with_a_fresh_nonce() -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        join_once_refused(server, 401, "replayed")
+        assert await client.join(3, 1, JOIN) == JoinResponse(True, "welcome")
+
+    seen = run(scenario, sleep=pauses, backoff_initial_s=0.5, backoff_max_s=10.0).seen
+    (delay,) = pauses.delays
+    assert 0.25 <= delay <= 0.5  # the backoff: a replay refusal carries no Retry-After
+    assert len(seen) == 2 and len(set(nonces(seen))) == 2
+
+
+def test_replayed_refusal_is_bounded_by_the_retry_budget() -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("GET", "/v1/round")
+        async def full(request: web.Request) -> web.Response:
+            return refuse(401, "replayed", "the nonce store is full")
+
+        with pytest.raises(ReplayError, match="after 2 attempts: the nonce store is full"):
+            await client.get_round()
+
+    seen = run(scenario, sleep=pauses, retry_max=1).seen
+    assert len(seen) == 2 and len(pauses.delays) == 1
+
+
+class SkewCheckingRecorder(Recorder):
+    """Refuses signatures created more than 300 s from its clock as ``clock_skew`` before
+    verifying them, as the aggregator does; aiohttp adds the Date header to the answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skewed: list[dict[str, Any]] = []
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        signature_input = request.headers.get("Signature-Input", "")
+        created = int(signature_param(signature_input, "created"))
+        if abs(created - time.time()) > 300:
+            self.skewed.append({"signature_input": signature_input, "created": created})
+            return refuse(401, "clock_skew", f"signature created at {created} is out of window")
+        return await super().dispatch(request)
+
+
+def test_clock_skew_is_corrected_from_the_date_header_and_the_request_resent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    behind = 1000.0  # the agent's clock, against the aggregator's
+    pauses = Pauses()
+    recorder = SkewCheckingRecorder()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("GET", "/v1/round")
+        async def get_round(request: web.Request) -> web.Response:
+            return web.Response(body=encode(state(4)))
+
+        assert (await client.get_round()).token == 4
+        assert client.clock_offset_s == pytest.approx(behind, abs=2.0)
+        assert (await client.get_round()).token == 4  # later requests keep the offset
+
+    log = logging.getLogger("fedsec.agent.client")
+    log.addHandler(caplog.handler)
+    try:
+        run(scenario, recorder, sleep=pauses, clock=lambda: time.time() - behind)
+    finally:
+        log.removeHandler(caplog.handler)
+    (skewed,) = recorder.skewed
+    assert skewed["created"] == pytest.approx(time.time() - behind, abs=30)
+    assert len(recorder.seen) == 2  # the resend and the later request, both accepted
+    for entry in recorder.seen:
+        assert int(signature_param(entry["signature_input"], "created")) == pytest.approx(
+            time.time(), abs=30
+        )
+    assert len(set(nonces([skewed, *recorder.seen]))) == 3
+    assert pauses.delays == []  # resent at once: the wait would not fix the clock
+    warning = re.search(r"clock offset of (\d+) s against the aggregator; check NTP", caplog.text)
+    assert warning is not None and abs(int(warning.group(1)) - behind) <= 2
+
+
+def test_clock_skew_again_after_correcting_gives_up_clearly() -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("GET", "/v1/round")
+        async def skewed(request: web.Request) -> web.Response:
+            return refuse(401, "clock_skew", "created 400 s in the future")
+
+        with pytest.raises(ClockSkewError) as info:
+            await client.get_round()
+        assert "for clock skew again after this agent corrected its clock" in info.value.detail
+        assert "(NTP)" in info.value.detail and "\n" not in info.value.detail
+
+    seen = run(scenario, sleep=pauses).seen
+    assert len(seen) == 2 and pauses.delays == []
+
+
+def test_clock_skew_without_a_usable_date_header_is_not_retried() -> None:
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("GET", "/v1/round")
+        async def skewed(request: web.Request) -> web.Response:
+            return refuse(401, "clock_skew", "too old", {"Date": "yesterday"})
+
+        with pytest.raises(ClockSkewError, match="no usable Date header"):
+            await client.get_round()
+        assert client.clock_offset_s == 0.0
+
+    assert len(run(scenario).seen) == 1
+
+
+def test_key_not_on_the_roster_is_permanent_and_says_what_to_do() -> None:
+    pauses = Pauses()
+    recorder = Recorder()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        with pytest.raises(AuthError) as info:
+            await client.get_round()
+        assert type(info.value) is AuthError
+        assert info.value.detail.startswith("aggregator refused GET /v1/round as unauthenticated")
+        assert f"key {STRANGER.key_id} is not on the roster or was revoked" in info.value.detail
+        assert "ask the consortium admin to enrol it" in info.value.detail
+
+    run(scenario, recorder, identity=STRANGER, sleep=pauses)
+    assert len(recorder.seen) == 1 and pauses.delays == []
+
+
+def test_forbidden_is_permanent_and_says_what_to_do() -> None:
+    pauses = Pauses()
+
+    async def scenario(server: Recorder, client: AggregatorClient) -> None:
+        @server.route("POST", "/v1/rounds/3/join")
+        async def join(request: web.Request) -> web.Response:
+            return refuse(403, "forbidden", "alice has role auditor; this needs agent")
+
+        with pytest.raises(ForbiddenError) as info:
+            await client.join(3, 1, JOIN)
+        assert "as forbidden: alice has role auditor; this needs agent" in info.value.detail
+        assert "check its roster entry" in info.value.detail
+
+    seen = run(scenario, sleep=pauses).seen
+    assert len(seen) == 1 and pauses.delays == []
+
+
+@pytest.mark.parametrize(
+    ("status", "raw", "retry_after", "cls", "code"),
+    [
+        (429, b'{"error": "rate_limited", "detail": "slow"}', 7.0, RateLimited, "rate_limited"),
+        (503, b'{"error": "busy", "detail": "full"}', None, ServerBusy, "busy"),
+        (503, b"<html>proxy says no</html>", 2.0, ServerBusy, "busy"),
+        (429, b'{"error": "new_code", "detail": "slow"}', None, RateLimited, "rate_limited"),
+        (408, b'{"error": "request_timeout", "detail": "late"}', None, RequestTimeout, None),
+        (401, b'{"error": "clock_skew", "detail": "late"}', None, ClockSkewError, None),
+        (401, b'{"error": "replayed", "detail": "again"}', None, ReplayError, None),
+        (403, b'{"error": "forbidden", "detail": "no"}', None, ForbiddenError, None),
+    ],
+)
+def test_error_from_response_maps_temporary_refusals_and_carries_retry_after(
+    status: int, raw: bytes, retry_after: float | None, cls: type[Exception], code: str | None
+) -> None:
+    exc = error_from_response(status, raw, "GET /v1/round", retry_after)
+    assert type(exc) is cls
+    if code is not None:
+        assert exc.code == code
+    if isinstance(exc, RetryLater):
+        assert exc.retry_after == (1.0 if retry_after is None else retry_after)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("0", 0.0),
+        ("120", 120.0),
+        (" 5 ", 5.0),
+        (None, None),
+        ("", None),
+        ("-3", None),
+        ("2.5", None),
+        ("\u0663", None),  # ARABIC-INDIC DIGIT THREE: str.isdigit, not ASCII
+        ("Fri, 31 Dec 1999 23:59:59 GMT", None),
+    ],
+)
+def test_retry_after_is_delta_seconds_only(value: str | None, seconds: float | None) -> None:
+    assert parse_retry_after(value) == seconds

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import hashlib
 import stat
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,17 @@ from fedsec.crypto.secagg import (
     UnmaskResponse,
 )
 from fedsec.errors import (
+    AuthError,
     BudgetExhausted,
+    ClockSkewError,
     ConfigError,
     FedsecError,
+    ForbiddenError,
     PayloadError,
+    RateLimited,
+    ReplayError,
+    RequestTimeout,
+    ServerBusy,
     SignatureError,
     TaskMismatch,
     WrongStage,
@@ -724,3 +732,179 @@ def test_agent_back_too_late_for_its_cohort_does_not_train(tmp_path: Path) -> No
     serve(fake, finish_soon)
     assert _history(tmp_path / "alice") == 0
     assert ("alice", "GET", "/v1/models/1") not in fake.requests
+
+
+# ------------------------------------------------------ refusals the agent outlives
+
+
+def temporary_refusal(status: int, code: str) -> web.Response:
+    return web.json_response(
+        {"error": code, "detail": f"{code}, try later"}, status=status, headers={"Retry-After": "0"}
+    )
+
+
+class RefusingAggregator(FakeAggregator):
+    """Answers each route in ``refusals`` with its temporary refusals first, then serves it."""
+
+    def __init__(self, spec: RoundSpec, refusals: dict[tuple[str, str], list[tuple[int, str]]]):
+        super().__init__(spec)
+        self.refusals = {route: list(answers) for route, answers in refusals.items()}
+        self.refused: list[tuple[str, str]] = []
+
+    async def route(
+        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
+    ) -> web.StreamResponse:
+        pending = self.refusals.get(route)
+        if pending:
+            self.refused.append(route)
+            return temporary_refusal(*pending.pop(0))
+        return await super().route(route, member, request, body)
+
+
+def test_agent_survives_temporary_refusals_in_the_middle_of_a_round(tmp_path: Path) -> None:
+    refusals = {
+        ("GET", "/v1/round"): [(408, "request_timeout")],
+        ("GET", "/v1/models/1"): [(503, "busy")],
+        ("POST", "/v1/rounds/1/report"): [(429, "rate_limited")],
+        ("POST", "/v1/rounds/1/masked-input"): [(401, "replayed")],
+    }
+    fake = RefusingAggregator(make_spec(), refusals)
+    (outcome,) = run_agents(fake, tmp_path, ("alice",))["alice"]
+
+    assert outcome.status == "closed", outcome
+    assert sorted(fake.refused) == sorted(refusals)
+    asked = [(verb, path) for _, verb, path in fake.requests]
+    for route in refusals:
+        assert asked.count(route) >= 2, route  # refused, then asked again and served
+    assert _history(tmp_path / "alice") == 1  # charged once, for the one training
+    (receipt,) = Vault(tmp_path / "alice").receipts()
+    assert receipt == outcome.receipt
+
+
+class OutlastingAggregator(FakeAggregator):
+    """Refuses the first two round-state polls, and ``refused`` in attempt 1 every time:
+    once the agent's two tries are refused it aborts attempt 1 and runs attempt 2."""
+
+    def __init__(self, spec: RoundSpec, refused: tuple[str, str], refusal: tuple[int, str]):
+        super().__init__(spec)
+        self.refused, self.refusal = refused, refusal
+        self.poll_refusals = 2
+        self.refusals = 0
+
+    async def route(
+        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
+    ) -> web.StreamResponse:
+        if route == ("GET", "/v1/round") and self.poll_refusals:
+            self.poll_refusals -= 1
+            return temporary_refusal(503, "busy")
+        if route == self.refused and self.state.attempt == 1:
+            self.refusals += 1
+            if self.refusals == 2:
+                self.advance(stage="aborted", detail="too few members")
+                self.spec = make_spec(attempt=2)
+                self.advance(attempt=2, stage="advertise", spec=self.spec)
+            return temporary_refusal(*self.refusal)
+        return await super().route(route, member, request, body)
+
+
+@pytest.mark.parametrize(
+    ("refused", "refusal"),
+    [
+        (("GET", "/v1/models/1"), (503, "busy")),  # charged, not trained yet
+        (("POST", "/v1/rounds/1/report"), (429, "rate_limited")),  # trained
+    ],
+    ids=["model-download", "report"],
+)
+def test_refusals_past_the_clients_retries_drop_the_attempt_not_the_agent(
+    tmp_path: Path, refused: tuple[str, str], refusal: tuple[int, str]
+) -> None:
+    fake = OutlastingAggregator(make_spec(), refused, refusal)
+    outcomes = run_agents(fake, tmp_path, ("alice",))["alice"]
+
+    assert [(o.attempt, o.status) for o in outcomes] == [(1, "dropped"), (2, "closed")]
+    assert "still refused" in outcomes[0].detail
+    assert fake.poll_refusals == 0 and fake.refusals == 2  # retry_max = 1: two tries each
+    # one training, charged once, whether the refusal came before training or after
+    assert _history(tmp_path / "alice") == 1
+    (receipt,) = Vault(tmp_path / "alice").receipts()
+    assert (receipt.round, receipt.attempt) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("error", "temporary"),
+    [
+        (RateLimited("slow down"), True),
+        (ServerBusy("full"), True),
+        (RequestTimeout("late body"), True),
+        (ReplayError("nonce store full"), True),
+        (ClockSkewError("still skewed after correcting"), False),
+        (AuthError("not on the roster"), False),
+        (ForbiddenError("role auditor"), False),
+    ],
+)
+def test_only_temporary_refusals_are_outlived(error: FedsecError, temporary: bool) -> None:
+    assert runtime_mod._is_temporary(error) is temporary
+    assert runtime_mod._is_round_local(error) is temporary
+
+
+@contextlib.contextmanager
+def server_in_thread(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Iterator[str]:
+    """A loopback aiohttp server on an event loop of its own thread, for code that runs
+    its own loop (the CLI); yields its base URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> TestServer:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    try:
+        yield str(server.make_url("/"))
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "says"),
+    [
+        (401, "unauthenticated", "is not on the roster or was revoked: ask the consortium admin"),
+        (403, "forbidden", "ask the consortium admin to check its roster entry"),
+    ],
+)
+def test_cli_run_ends_on_a_permanent_refusal_with_one_line_and_no_retry(
+    tmp_path: Path, status: int, code: str, says: str
+) -> None:
+    from click.testing import CliRunner
+
+    from fedsec.agent.cli import agent
+    from fedsec.config import dump_agent_config
+
+    asked: list[str] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        asked.append(f"{request.method} {request.path}")
+        return web.json_response({"error": code, "detail": "the aggregator says no"}, status=status)
+
+    home = tmp_path / "alice"
+    home.mkdir()
+    IDENTITIES["alice"].save(home / "identity.key")
+    with server_in_thread(refuse) as url:
+        dump_agent_config(make_config(Path("."), url), home / "agent.toml")
+        result = CliRunner().invoke(agent, ["run", "--config", str(home / "agent.toml")])
+
+    assert result.exit_code == 1
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: aggregator refused GET /v1/round as {code}: ")
+    assert "the aggregator says no" in line and says in line
+    assert "Traceback" not in result.output
+    assert asked == ["GET /v1/round"]  # permanent: not retried

@@ -9,13 +9,24 @@ Retry policy: connection failures, timeouts and 5xx answers are retried with
 exponential backoff and jitter (``backoff_initial_s`` doubling up to
 ``backoff_max_s``, each delay drawn from [d/2, d] so agents that lost the
 aggregator together do not return together); every retry is signed afresh, with
-a new nonce, because the aggregator refuses a replayed one.  A 4xx is never
-retried: it is the aggregator's considered answer and is raised at once as the
+a new nonce, because the aggregator refuses a replayed one.  Refusals that a later
+try may pass are retried within the same budget of ``retry_max`` retries: 429
+``rate_limited``, 503 (``busy`` or any code) and 408 ``request_timeout`` after the
+answer's ``Retry-After`` seconds (capped at ``backoff_max_s``; the backoff when the
+header is absent or malformed), and 401 ``replayed`` (a nonce store full or a
+stale nonce) after the backoff.  When the budget runs out the last refusal is
+raised as its class (:class:`~fedsec.errors.RetryLater`,
+:class:`~fedsec.errors.ReplayError`, :class:`~fedsec.errors.RequestTimeout`), so
+the runtime can tell it from a permanent one.  A 401 ``clock_skew`` resets the
+client's clock offset from the answer's ``Date`` header and resends at once, once
+per request; a second one raises :class:`~fedsec.errors.ClockSkewError`.  Any
+other 4xx is the aggregator's considered answer and is raised at once as the
 :class:`~fedsec.errors.FedsecError` subclass named by its ``error`` code (or
 :class:`~fedsec.errors.AggregatorRefused` for a code this client does not know),
-carrying the server's ``detail`` sentence.  A retried POST that the aggregator
-did process before the connection broke comes back as a 409 ``duplicate``;
-callers decide whether that means success.
+carrying the server's ``detail`` sentence; 401 ``unauthenticated`` and 403
+``forbidden`` also say what the operator should do.  A retried POST that the
+aggregator did process before the connection broke comes back as a 409
+``duplicate``; callers decide whether that means success.
 
 The objects the aggregator signs are checked here against its pinned key as they
 arrive: receipts and model manifests (their signature; the manifest's file hash is
@@ -26,9 +37,13 @@ runtime, which words the refusal.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import logging
 import random
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
@@ -43,9 +58,17 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.errors import (
     AggregatorRefused,
     AggregatorUnreachable,
+    AuthError,
+    ClockSkewError,
     FedsecError,
+    ForbiddenError,
     PayloadError,
     PayloadTooLarge,
+    RateLimited,
+    ReplayError,
+    RequestTimeout,
+    RetryLater,
+    ServerBusy,
 )
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.wire import (
@@ -82,6 +105,8 @@ __all__ = [
     "MAX_RECEIPT_BYTES",
     "AggregatorClient",
     "RosterBody",
+    "error_from_response",
+    "parse_retry_after",
 ]
 
 log = logging.getLogger(__name__)
@@ -109,6 +134,14 @@ LONG_POLL_SLACK_S: Final = 15.0
 _READ_CHUNK: Final = 64 * 1024
 
 _RETRYABLE_EXCEPTIONS: Final = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+#: Statuses that are temporary whatever code their body names (RFC 9110: 408 and 503
+#: invite a retry, 429 is RFC 6585's "too many requests"), so a proxy's page or a code
+#: this client does not know is still retried.
+_TEMPORARY_STATUSES: Final[dict[int, type[FedsecError]]] = {
+    408: RequestTimeout,
+    429: RateLimited,
+    503: ServerBusy,
+}
 
 T = TypeVar("T")
 
@@ -139,27 +172,104 @@ def _error_classes() -> dict[str, type[FedsecError]]:
 _ERROR_CLASSES: Final = _error_classes()
 
 
-def error_from_response(status: int, raw: bytes, request: str) -> FedsecError:
-    """Turn a 4xx answer into the matching FedsecError, carrying the server's sentence.
+@dataclass(frozen=True)
+class _Call:
+    """One request as :meth:`AggregatorClient._request` sends it, on every try."""
+
+    method: str
+    target: str  # encoded path and query, exactly as signed
+    url: URL
+    body: bytes
+    content_type: str | None
+    max_bytes: int
+    what: str
+    timeout: aiohttp.ClientTimeout
+
+    @property
+    def request(self) -> str:
+        return f"{self.method} {self.target}"
+
+
+@dataclass(frozen=True)
+class _Setback:
+    """A try that failed in a way a later one, signed afresh, may not."""
+
+    reason: str
+    retry_after: float | None = None  # the server's Retry-After; None: our own backoff
+    refusal: FedsecError | None = None  # raised when tries run out; None: unreachable
+
+
+class _ClockSkew(Exception):
+    """A ``clock_skew`` refusal and the clock offset its ``Date`` header gives (None:
+    no usable header)."""
+
+    def __init__(self, refusal: ClockSkewError, offset_s: float | None) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
+        self.offset_s = offset_s
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` header in delta-seconds (RFC 9110 10.2.3), or None when absent
+    or not a plain non-negative integer (an HTTP-date included: the caller's own backoff
+    is as good a guess, and needs no trust in the server's clock)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit():
+        return None
+    return float(text)
+
+
+def _clock_offset(date: str | None, now: float) -> float | None:
+    """Server time (an HTTP ``Date`` header) minus ``now``, seconds; None if unusable."""
+    if not date:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(date)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)  # "-0000": UTC of unknown origin
+    return when.timestamp() - now
+
+
+def error_from_response(
+    status: int, raw: bytes, request: str, retry_after: float | None = None
+) -> FedsecError:
+    """Turn a 4xx (or 503) answer into the matching FedsecError, carrying the server's
+    sentence.
+
+    The ``error`` code names the class; a 408, 429 or 503 whose code this client does
+    not know, or whose body is not an ErrorBody, still becomes the status's temporary
+    class (RequestTimeout, RateLimited, ServerBusy).
 
     Args:
         status: the HTTP status.
         raw: the body (already size-limited).
         request: ``"METHOD /path"``, for the note and for bodies that are not ErrorBody.
+        retry_after: the ``Retry-After`` seconds, given to a RetryLater (its default
+            when None).
     """
     try:
         body = msgspec.json.decode(raw, type=ErrorBody)
     except (msgspec.ValidationError, msgspec.DecodeError):
         text = raw[:200].decode("utf-8", "replace").strip() or "(empty body)"
-        exc: FedsecError = AggregatorRefused(
-            f"aggregator answered HTTP {status} to {request}: {text}", f"http_{status}", status
-        )
+        code, detail = f"http_{status}", f"aggregator answered HTTP {status} to {request}: {text}"
+        cls = None
     else:
-        cls = _ERROR_CLASSES.get(body.error)
-        if cls is None or cls is FedsecError:
-            exc = AggregatorRefused(body.detail, body.error, status)
-        else:
-            exc = cls(body.detail)
+        code, detail = body.error, body.detail
+        cls = _ERROR_CLASSES.get(code)
+    temporary = _TEMPORARY_STATUSES.get(status)
+    if temporary is not None and (cls is None or not issubclass(cls, RetryLater | RequestTimeout)):
+        cls = temporary
+    exc: FedsecError
+    if cls is None or cls is FedsecError:
+        exc = AggregatorRefused(detail, code, status)
+    elif issubclass(cls, RetryLater):
+        exc = cls(detail) if retry_after is None else cls(detail, retry_after)
+    else:
+        exc = cls(detail)
     exc.add_note(f"aggregator answered {request} with HTTP {status}")
     return exc
 
@@ -178,6 +288,11 @@ class AggregatorClient:
         backoff_max_s: longest retry delay.
         session: an aiohttp session to use (not closed by :meth:`close`); default one
             of our own.
+        sleep: how retries wait (tests pass one that records the delays).
+        clock: Unix time source for signatures' ``created`` (tests pass a wrong one).
+
+    ``clock_offset_s`` is the aggregator's clock minus ours, learnt from the ``Date``
+    header of a ``clock_skew`` refusal and added to every later ``created``.
     """
 
     def __init__(
@@ -191,6 +306,8 @@ class AggregatorClient:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 10.0,
         session: aiohttp.ClientSession | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         url = URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
@@ -208,6 +325,9 @@ class AggregatorClient:
         self.backoff_max_s = float(backoff_max_s)
         self._session = session
         self._own_session = session is None
+        self._sleep = sleep
+        self._clock = clock
+        self.clock_offset_s = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -246,6 +366,17 @@ class AggregatorClient:
         delay = min(self.backoff_max_s, self.backoff_initial_s * (2.0**retry))
         return random.uniform(delay / 2.0, delay)
 
+    def _delay(self, retry: int, setback: _Setback) -> float:
+        """Seconds before retry number ``retry`` (0-based): the server's Retry-After,
+        capped so one answer cannot park the agent past its stage deadlines, else ours."""
+        if setback.retry_after is not None:
+            return min(setback.retry_after, self.backoff_max_s)
+        return self._backoff(retry)
+
+    def _created(self) -> int:
+        """Signature creation time: the local clock corrected by the aggregator's offset."""
+        return round(self._clock() + self.clock_offset_s)
+
     async def _request(
         self,
         method: str,
@@ -258,65 +389,178 @@ class AggregatorClient:
         what: str,
         timeout_s: float | None = None,
     ) -> bytes:
-        """Send one signed request, retrying transient failures; return the body.
+        """Send one signed request, retrying what may pass on a later try; return the body.
 
         Raises:
-            FedsecError subclass: a 4xx answer (never retried).
-            AggregatorRefused: an unexpected non-2xx, non-5xx status (e.g. a redirect).
+            AuthError: 401 ``unauthenticated`` (the key is not on the roster); not retried.
+            ForbiddenError: 403 ``forbidden``; not retried.
+            ClockSkewError: refused for clock skew again after correcting the clock, or
+                with no usable ``Date`` header to correct it by.
+            RetryLater, ReplayError, RequestTimeout: still refused after every attempt.
+            FedsecError subclass: any other 4xx (never retried).
+            AggregatorRefused: an unexpected non-2xx, non-4xx, non-5xx status (a redirect).
             AggregatorUnreachable: every attempt failed (connection, timeout or 5xx).
             PayloadTooLarge: the answer exceeds ``max_bytes``.
         """
         target = self._target(path, query)
-        url = URL(self._origin + target, encoded=True)
-        request = f"{method} {target}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        attempts = self.retry_max + 1
-        reason = ""
-        for attempt in range(attempts):
-            if attempt:
-                delay = self._backoff(attempt - 1)
-                log.warning(
-                    "aggregator_retry request=%r attempt=%d/%d delay_s=%.2f reason=%r",
-                    request,
-                    attempt + 1,
-                    attempts,
-                    delay,
-                    reason,
-                )
-                await asyncio.sleep(delay)
-            headers: dict[str, str] = {}
-            if content_type is not None:
-                headers["Content-Type"] = content_type
-            headers.update(sign_request(self.identity, method, target, headers, body))
-            try:
-                async with self._http().request(
-                    method,
-                    url,
-                    data=body if method != "GET" else None,
-                    headers=headers,
-                    timeout=timeout,
-                    allow_redirects=False,
-                ) as resp:
-                    status = resp.status
-                    if status >= 500:
-                        detail = await _read_limited(resp, MAX_ERROR_BYTES, what, lenient=True)
-                        reason = f"HTTP {status} {_short(detail)}".strip()
-                        continue
-                    if 400 <= status < 500:
-                        raw = await _read_limited(resp, MAX_ERROR_BYTES, what, lenient=True)
-                        raise error_from_response(status, raw, request)
-                    if not 200 <= status < 300:
-                        raise AggregatorRefused(
-                            f"aggregator answered {request} with unexpected HTTP {status}",
-                            f"http_{status}",
-                            status,
-                        )
-                    return await _read_limited(resp, max_bytes, what)
-            except _RETRYABLE_EXCEPTIONS as exc:
-                reason = _describe(exc)
-        raise AggregatorUnreachable(
-            f"aggregator at {self.base_url} unreachable after {attempts} attempts: {reason}"
+        call = _Call(
+            method=method,
+            target=target,
+            url=URL(self._origin + target, encoded=True),
+            body=body,
+            content_type=content_type,
+            max_bytes=max_bytes,
+            what=what,
+            timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout_s),
         )
+        attempts = self.retry_max + 1
+        tries = 0
+        corrected = False
+        while True:
+            try:
+                outcome = await self._send(call)
+            except _ClockSkew as skew:
+                if corrected:
+                    raise self._skew_persists(call, skew.refusal) from None
+                self._correct_clock(call, skew)
+                corrected = True
+                continue  # the correction is not a retry: once per request, at once
+            if not isinstance(outcome, _Setback):
+                return outcome
+            tries += 1
+            if tries >= attempts:
+                raise self._gave_up(call, attempts, outcome)
+            delay = self._delay(tries - 1, outcome)
+            log.warning(
+                "aggregator_retry request=%r attempt=%d/%d delay_s=%.2f reason=%r",
+                call.request,
+                tries + 1,
+                attempts,
+                delay,
+                outcome.reason,
+            )
+            await self._sleep(delay)
+
+    async def _send(self, call: _Call) -> bytes | _Setback:
+        """One try, signed afresh (new nonce, corrected ``created``).
+
+        Returns:
+            The body of a 2xx answer, or the setback a later try may not meet.
+
+        Raises:
+            _ClockSkew: refused for clock skew.
+            FedsecError subclass: a refusal no retry can change (see :meth:`_request`).
+        """
+        headers: dict[str, str] = {}
+        if call.content_type is not None:
+            headers["Content-Type"] = call.content_type
+        headers.update(
+            sign_request(
+                self.identity, call.method, call.target, headers, call.body, created=self._created()
+            )
+        )
+        try:
+            async with self._http().request(
+                call.method,
+                call.url,
+                data=call.body if call.method != "GET" else None,
+                headers=headers,
+                timeout=call.timeout,
+                allow_redirects=False,
+            ) as resp:
+                if 200 <= resp.status < 300:
+                    return await _read_limited(resp, call.max_bytes, call.what)
+                if resp.status < 400:
+                    raise AggregatorRefused(
+                        f"aggregator answered {call.request} with unexpected HTTP {resp.status}",
+                        f"http_{resp.status}",
+                        resp.status,
+                    )
+                raw = await _read_limited(resp, MAX_ERROR_BYTES, call.what, lenient=True)
+                return self._judge(call, resp.status, raw, resp.headers)
+        except _RETRYABLE_EXCEPTIONS as exc:
+            return _Setback(_describe(exc))
+
+    def _judge(self, call: _Call, status: int, raw: bytes, headers: Mapping[str, str]) -> _Setback:
+        """Sort an error answer: what a later try may pass is a setback, the rest raises.
+
+        Raises:
+            _ClockSkew: a ``clock_skew`` refusal, with the offset its ``Date`` header gives.
+            FedsecError subclass: a refusal no retry can change.
+        """
+        reason = f"HTTP {status} {_short(raw)}".strip()
+        retry_after = parse_retry_after(headers.get("Retry-After"))
+        if status >= 500 and status != 503:
+            return _Setback(reason)  # our aggregator's bug or a proxy's: as unreachable
+        refusal = error_from_response(status, raw, call.request, retry_after)
+        if isinstance(refusal, ClockSkewError):
+            raise _ClockSkew(refusal, _clock_offset(headers.get("Date"), self._clock()))
+        if isinstance(refusal, RetryLater | RequestTimeout):
+            return _Setback(reason, retry_after, refusal)
+        if isinstance(refusal, ReplayError):
+            return _Setback(reason, None, refusal)  # nonce store full: back off, sign anew
+        raise self._permanent(call, refusal)
+
+    def _permanent(self, call: _Call, refusal: FedsecError) -> FedsecError:
+        """``refusal``, worded for the operator when it is about this agent's key."""
+        key = self.identity.key_id
+        if isinstance(refusal, ForbiddenError):
+            exc: FedsecError = ForbiddenError(
+                f"aggregator refused {call.request} as forbidden: {refusal.detail}; key {key} "
+                "may not do this (its role, a revocation or another federation): ask the "
+                "consortium admin to check its roster entry, and check aggregator_url"
+            )
+        elif type(refusal) is AuthError:
+            exc = AuthError(
+                f"aggregator refused {call.request} as unauthenticated: {refusal.detail}; "
+                f"this agent's key {key} is not on the roster or was revoked: ask the "
+                "consortium admin to enrol it (identity.pub)"
+            )
+        else:
+            return refusal
+        for note in getattr(refusal, "__notes__", ()):
+            exc.add_note(note)
+        return exc
+
+    def _correct_clock(self, call: _Call, skew: _ClockSkew) -> None:
+        """Sign from now on with the aggregator's time.
+
+        Raises:
+            ClockSkewError: the answer carried no usable ``Date`` header.
+        """
+        if skew.offset_s is None:
+            raise ClockSkewError(
+                f"aggregator refused {call.request} for clock skew ({skew.refusal.detail}) "
+                "and sent no usable Date header to correct by; set this machine's clock "
+                "right (NTP)"
+            )
+        self.clock_offset_s = skew.offset_s
+        log.warning(
+            "aggregator_clock_offset offset_s=%.0f request=%r detail=%r",
+            skew.offset_s,
+            call.request,
+            f"clock offset of {skew.offset_s:.0f} s against the aggregator; check NTP",
+        )
+
+    def _skew_persists(self, call: _Call, refusal: ClockSkewError) -> ClockSkewError:
+        return ClockSkewError(
+            f"aggregator refused {call.request} for clock skew again after this agent "
+            f"corrected its clock by {self.clock_offset_s:+.0f} s from the aggregator's Date "
+            f"header ({refusal.detail}); set this machine's clock right (NTP) and restart"
+        )
+
+    def _gave_up(self, call: _Call, attempts: int, setback: _Setback) -> FedsecError:
+        refusal = setback.refusal
+        if refusal is None:
+            return AggregatorUnreachable(
+                f"aggregator at {self.base_url} unreachable after {attempts} attempts: "
+                f"{setback.reason}"
+            )
+        detail = f"aggregator still refused {call.request} after {attempts} attempts: "
+        detail += refusal.detail
+        if isinstance(refusal, RetryLater):
+            return type(refusal)(detail, refusal.retry_after)
+        return type(refusal)(detail)
 
     async def _json(
         self,

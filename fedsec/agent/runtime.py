@@ -28,12 +28,17 @@ with the same settings instead of training (and spending) again.  Rounds that as
 for training without DP are refused: this agent's promise to its data owner is
 DP-SGD on every round.
 
-Failures are split in two.  Round-local ones (a stage missed, a 409 from the
-aggregator, a relayed key list that does not verify) drop this agent from the
-attempt with a warning and it waits for the next.  Everything else (spec or
-manifest signatures that do not verify, a task mismatch, an exhausted budget,
-an unreachable aggregator, authentication refused) ends :meth:`AgentRuntime.run`
-with the error, whose sentence the CLI prints.
+Failures are split in three.  Temporary refusals (429 rate limited, 503 busy,
+408 body timeout, 401 replayed) are retried by the client; when its retries run
+out the agent still outlives them: a poll of the round state waits and asks
+again, anything else drops this agent from the attempt.  Round-local ones (a
+stage missed, a 409 from the aggregator, a relayed key list that does not verify)
+drop this agent from the attempt with a warning and it waits for the next.
+Everything else (spec or manifest signatures that do not verify, a task
+mismatch, an exhausted budget, an unreachable aggregator, a key that is not on
+the roster or may not do this, a clock the aggregator still refuses after the
+client corrected it) ends :meth:`AgentRuntime.run` with the error, whose sentence
+the CLI prints.
 
 Logs are ``event key=value``; they never carry keys, shares, seeds or vectors.
 """
@@ -79,6 +84,7 @@ from fedsec.crypto.secagg import (
 from fedsec.errors import (
     AggregatorRefused,
     BudgetExhausted,
+    ClockSkewError,
     ConfigError,
     DuplicateMessage,
     FedsecError,
@@ -86,6 +92,9 @@ from fedsec.errors import (
     NotFound,
     PayloadError,
     ProtocolError,
+    ReplayError,
+    RequestTimeout,
+    RetryLater,
     SignatureError,
     StaleUpdate,
     TaskMismatch,
@@ -370,8 +379,25 @@ def _share_relay(body: ShareRelayBody, member: str) -> ShareRelay:
     )
 
 
+def _is_temporary(exc: FedsecError) -> bool:
+    """A refusal the agent outlives once the client's retries ran out on it: the same
+    request, signed anew, may pass later (rate limit, busy, body timeout, nonce store
+    full).  Clock skew is not: the client already corrected by the server's clock."""
+    if isinstance(exc, ClockSkewError):
+        return False
+    return isinstance(exc, RetryLater | RequestTimeout | ReplayError)
+
+
+def _temporary_wait(exc: FedsecError, longest_s: float) -> float:
+    """Seconds to wait after a temporary refusal outlasted the client's retries: the
+    server's Retry-After or the client's longest backoff, never under MIN_REPOLL_S so
+    a ``Retry-After: 0`` cannot make the agent spin."""
+    wait = min(exc.retry_after, longest_s) if isinstance(exc, RetryLater) else longest_s
+    return max(wait, MIN_REPOLL_S)
+
+
 def _is_round_local(exc: FedsecError) -> bool:
-    if isinstance(exc, ProtocolError | NotFound):
+    if isinstance(exc, ProtocolError | NotFound) or _is_temporary(exc):
         return True
     return isinstance(exc, AggregatorRefused) and exc.http_status in _ROUND_LOCAL_STATUSES
 
@@ -427,6 +453,9 @@ class AgentRuntime:
         self._joined: set[tuple[int, int]] = set()
         self._handled: set[tuple[int, int]] = set()
         self._update: _TrainedUpdate | None = None
+        # charged, but its training has produced no update yet (the model download was
+        # refused, the attempt dropped): a retry trains on this charge, not a new one
+        self._unused_charge: _Charge | None = None
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
         self._last_cost: tuple[float, float, int] | None = None
         self._receipts: dict[tuple[int, int], Receipt] = {}
@@ -511,7 +540,10 @@ class AgentRuntime:
                 following: RoundState | None = None
                 if state.stage == "open" and key not in self._joined and state.spec is None:
                     if state.mode == "buffered":
-                        await self._train_for_buffer(client, state)
+                        if not await self._train_for_buffer_outliving_refusals(client, state):
+                            # not joined untrained: try again once the round state changes
+                            state = await self._poll(client, state.token)
+                            continue
                         state = await self._poll(client, None)  # training took a while
                         key = (state.round, state.attempt)
                     fresh = state.stage == "open" and key not in self._joined
@@ -592,7 +624,7 @@ class AgentRuntime:
         """The next round state (long-polled on ``token``), or _Stopped when asked to stop."""
         started = time.monotonic()
         wait = 0.0 if token is None else self.poll_timeout_s
-        state = await self._unless_stopped(client.get_round(token, wait))
+        state = await self._round_state(client, token, wait)
         if self._federation is None:
             self._federation = state.federation_id
         elif state.federation_id != self._federation:
@@ -604,6 +636,28 @@ class AgentRuntime:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), MIN_REPOLL_S)
         return state
+
+    async def _round_state(
+        self, client: AggregatorClient, token: int | None, wait: float
+    ) -> RoundState:
+        """``GET /round``, asked again after a temporary refusal until it is answered.
+
+        Raises:
+            _Stopped: asked to stop, also while waiting to ask again.
+            FedsecError: any other refusal.
+        """
+        while True:
+            try:
+                return await self._unless_stopped(client.get_round(token, wait))
+            except FedsecError as exc:
+                if not _is_temporary(exc):
+                    raise
+                pause = _temporary_wait(exc, client.backoff_max_s)
+                log.warning("round_poll_refused retry_in_s=%.2f reason=%r", pause, exc.detail)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), pause)
+            if self._stop.is_set():
+                raise _Stopped
 
     async def _unless_stopped(self, request: Awaitable[T]) -> T:
         """``request``'s result; raises _Stopped (cancelling it) once asked to stop."""
@@ -708,6 +762,20 @@ class AgentRuntime:
             log.info("round_joined round=%d attempt=%d samples=%d", *key, local.samples)
         else:
             log.warning("round_join_rejected round=%d attempt=%d reason=%r", *key, answer.detail)
+        return True
+
+    async def _train_for_buffer_outliving_refusals(
+        self, client: AggregatorClient, state: RoundState
+    ) -> bool:
+        """:meth:`_train_for_buffer`; False when a temporary refusal (of the model
+        download) left the agent without an update to join with."""
+        try:
+            await self._train_for_buffer(client, state)
+        except FedsecError as exc:
+            if not _is_temporary(exc):
+                raise
+            log.warning("buffer_training_deferred round=%d reason=%r", state.round, exc.detail)
+            return False
         return True
 
     async def _train_for_buffer(self, client: AggregatorClient, state: RoundState) -> None:
@@ -885,6 +953,7 @@ class AgentRuntime:
         if self.slowdown > 1.0:
             # simulations of slow members only: stretch training to slowdown x its time
             await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
+        self._unused_charge = None  # spent on this update; another training is charged anew
         self._update = _TrainedUpdate(
             charge.key,
             delta,
@@ -916,6 +985,9 @@ class AgentRuntime:
             base = spec.model_version - spec.staleness.get(self.member, 0)
             if self._update.base_version == base:
                 return self._update
+        if self._unused_charge is not None and self._unused_charge.key == key:
+            log.info("privacy_charge_reused round=%d attempt=%d", spec.round, spec.attempt)
+            return self._unused_charge
         if not spec.dp.enabled and self.config.privacy.require_dp:
             raise ConfigError(
                 f"round {spec.round} asks for training without differential privacy; this "
@@ -946,7 +1018,8 @@ class AgentRuntime:
             spec.dp.noise_multiplier,
             epsilon,
         )
-        return _Charge(key, epsilon, steps, sample_rate, trained_round=spec.round)
+        self._unused_charge = _Charge(key, epsilon, steps, sample_rate, trained_round=spec.round)
+        return self._unused_charge
 
     async def _load_global_model(
         self, client: AggregatorClient, spec: RoundSpec, model: torch.nn.Module
