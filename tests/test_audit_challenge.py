@@ -13,13 +13,13 @@ import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from fedsec import wire
 from fedsec.agent.client import AggregatorClient
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.roster import sign_roster_entry
+from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.challenge import closed_rounds, draw_challenges, open_reveal_checked
 from fedsec.audit.verify import verify_log
@@ -83,12 +83,8 @@ async def fed(tmp_path: Path) -> AsyncIterator[Federation]:
             admin=ws.admin(),
         )
     )
-    runner = web.AppRunner(make_app(ws), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}"
+    server = await start_server(make_app(ws), "127.0.0.1", 0, None, ws.config.server)
+    url = server.url
     runtimes = [
         AgentRuntime(
             agent_config(
@@ -110,7 +106,7 @@ async def fed(tmp_path: Path) -> AsyncIterator[Federation]:
     try:
         yield Federation(ws, url, agents, runtimes, auditor)
     finally:
-        await runner.cleanup()
+        await server.close()
         ws.close()
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from aiohttp import web
 
 from fedsec import wire
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.transport import start_server
 from fedsec.audit.verify import verify_log
 from fedsec.errors import PayloadError, StaleUpdate
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
@@ -40,18 +40,13 @@ async def test_buffered_rounds_take_the_first_k_and_weight_stale_updates(tmp_pat
     )
     ws = create_federation(tmp_path, "buf", "breast_cancer", text)
     agents = enrol_agents(ws, tmp_path, 5)
-    app = make_app(ws)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = await start_server(make_app(ws), "127.0.0.1", 0, None, ws.config.server)
     try:
         runtimes = [
             AgentRuntime(
                 agent_config(
                     a,
-                    url=f"http://127.0.0.1:{port}",
+                    url=server.url,
                     aggregator_public=ws.signer.public_bytes,
                     task="breast_cancer",
                     part_index=i,
@@ -67,7 +62,7 @@ async def test_buffered_rounds_take_the_first_k_and_weight_stale_updates(tmp_pat
         ]
         await asyncio.wait_for(asyncio.gather(*(rt.run() for rt in runtimes)), timeout=180)
     finally:
-        await runner.cleanup()
+        await server.close()
 
     specs = [
         msgspec.json.decode(r.spec, type=wire.RoundSpec)

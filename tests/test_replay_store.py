@@ -23,8 +23,8 @@ def _opened(path: Path, window_s: float = 600.0) -> PersistentNonceStore:
 
 
 def test_a_nonce_is_refused_again_after_a_clean_restart(tmp_path: Path) -> None:
-    now = time.time()
     store = _opened(tmp_path / "n.db")
+    now = time.time()
     store.remember("k", NONCE, int(now), now)
     store.close()
     again = _opened(tmp_path / "n.db")

@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from fedsec import wire
 from fedsec.aggregator.challenges import ChallengeDesk
@@ -28,6 +27,7 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.openapi import openapi_document
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.replay import NONCE_DB, PersistentNonceStore
+from fedsec.aggregator.transport import CLIENT_FAULTS
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier, SignedHeaders
 from fedsec.errors import (
@@ -164,7 +164,7 @@ def _error(request: web.Request, code: str, status: int, detail: str) -> web.Res
 
 
 # A client that goes away or breaks framing mid-body is its own mistake, not our bug.
-_CLIENT_GONE = (ConnectionError, EOFError, aiohttp.ClientPayloadError, HttpProcessingError)
+_CLIENT_GONE = (*CLIENT_FAULTS, ConnectionError, EOFError)
 
 
 @web.middleware

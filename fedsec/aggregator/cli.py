@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import ssl
 from pathlib import Path
@@ -110,29 +111,19 @@ def serve(
 
 
 async def _serve(ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
-    from aiohttp import web
-
     from fedsec.aggregator.app import make_app
+    from fedsec.aggregator.transport import start_server
 
-    app = make_app(ws)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    scheme = "https" if ssl_ctx else "http"
-    url = f"{scheme}://{host}:{bound}"
+    server = await start_server(make_app(ws), host, port, ssl_ctx, ws.config.server)
     info = ws.root / SERVE_INFO
-    info.write_text(json.dumps({"url": url, "pid": __import__("os").getpid()}))
-    click.echo(f"aggregator for {ws.federation_id} listening on {url}", err=True)
+    info.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
+    click.echo(f"aggregator for {ws.federation_id} listening on {server.url}", err=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
+    await server.close()
     info.unlink(missing_ok=True)
     ws.close()
 

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from fedsec import wire
+from fedsec.aggregator.transport import PARSER_REJECTIONS_NOTE
 
 _SCHEMAS: tuple[type, ...] = (
     wire.RoundState,
@@ -52,9 +53,19 @@ def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
             ("401", "missing, bad or replayed signature; unknown or revoked key"),
             ("403", "role not allowed, or member not in this round"),
             ("409", "wrong round, attempt or stage; duplicate message"),
+            ("408", "the body did not arrive within server.body_timeout_s"),
             ("413", "body over the configured limit"),
+            ("415", "a Content-Encoding was sent; bodies travel uncompressed"),
         )
     }
+    retry: dict[str, Any] = {
+        "headers": {
+            "Retry-After": {"description": "seconds", "schema": {"type": "integer", "minimum": 1}}
+        },
+        "content": {"application/json": {"schema": _ref("ErrorBody")}},
+    }
+    errors["429"] = {"description": "the member key is over its request rate", **retry}
+    errors["503"] = {"description": "no capacity now (every upload slot busy)", **retry}
     content = {"application/json": {"schema": _ref(name)}} if name else {}
     ok: dict[str, Any] = {"description": description}
     if content:
@@ -62,9 +73,19 @@ def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
     return {"200": ok, **errors}
 
 
-_ROUND = {"name": "round", "in": "path", "required": True, "schema": {"type": "integer"}}
-_ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": {"type": "integer"}}
-_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer"}}
+# Path and query integers: canonical ASCII decimal, bounded (wire.parse_uint).
+_ID = {"type": "integer", "minimum": 0, "maximum": wire.MAX_ID}
+_ROUND = {"name": "round", "in": "path", "required": True, "schema": _ID}
+_ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": _ID}
+_VERSION = {"name": "version", "in": "path", "required": True, "schema": _ID}
+_TOKEN = {"type": "integer", "minimum": 0, "maximum": wire.MAX_COUNT}
+_SECONDS = {"type": "number", "minimum": 0}
+
+_DESCRIPTION = (
+    "Every request but /health and /openapi.json is signed (RFC 9421, Ed25519) by an "
+    "active roster key; the signature, key, role, created time, nonce and the key's rate "
+    "are checked before the body is read. Errors are JSON {error, detail}. "
+)
 
 
 def _wait(until: str) -> dict[str, Any]:
@@ -76,7 +97,7 @@ def _wait(until: str) -> dict[str, Any]:
             f"seconds (at most 25) the aggregator may hold the answer until {until}; "
             "0 or absent answers at once"
         ),
-        "schema": {"type": "number", "minimum": 0},
+        "schema": _SECONDS,
     }
 
 
@@ -104,15 +125,15 @@ def openapi_document() -> dict[str, Any]:
             "get": _op("this document", {"200": {"description": "OpenAPI"}}, security=[])
         },
         f"{p}/status": {
-            "get": _op("federation status and round history", _ok("FederationStatus"), security=[])
+            "get": _op("federation status, alerts and round history", _ok("FederationStatus"))
         },
         f"{p}/round": {
             "get": _op(
                 "current round; long-polls while the token equals ?wait",
                 _ok("RoundState"),
                 parameters=[
-                    {"name": "wait", "in": "query", "schema": {"type": "integer"}},
-                    {"name": "timeout", "in": "query", "schema": {"type": "number"}},
+                    {"name": "wait", "in": "query", "schema": _TOKEN},
+                    {"name": "timeout", "in": "query", "schema": _SECONDS},
                 ],
             )
         },
@@ -248,7 +269,11 @@ def openapi_document() -> dict[str, Any]:
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "fedsec aggregator", "version": "1"},
+        "info": {
+            "title": "fedsec aggregator",
+            "version": "1",
+            "description": _DESCRIPTION + PARSER_REJECTIONS_NOTE,
+        },
         "paths": paths,
         "components": {
             "schemas": components,

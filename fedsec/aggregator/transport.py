@@ -1,0 +1,354 @@
+"""Serving the aggregator's aiohttp application: the listener and its connection rules.
+
+:func:`start_server` is the one way the aggregator is served (``fedsec aggregator serve``,
+in-process simulations, tests).  It runs the application's start-up and clean-up through an
+``aiohttp.web.AppRunner``, but opens the listener itself with ``loop.create_server`` and a
+protocol factory of its own: every connection is a :class:`_GuardedHandler`, aiohttp's
+``RequestHandler`` with the rules below.  aiohttp has no header timeout and no connection
+limit of its own, and the protocol is the one place that sees a connection before any
+request exists, so that is where they go.
+
+**Header deadline.**  A connection must deliver a complete request head (request line and
+headers) within ``server.header_timeout_s`` of opening, and on keep-alive within as long of
+its previous answer, or it is closed without an answer; bytes dribbled in do not extend the
+deadline.  After a response this is aiohttp's own keep-alive timer, given
+``header_timeout_s``: it closes a connection only while it waits for a complete request,
+never while a handler runs, so a long-poll held for 25 s after its headers arrived is not
+cut.  aiohttp arms that timer at connection open only in recent versions, so the handler
+arms its own deadline for the first request.  With TLS, the handshake has the same
+allowance (``ssl_handshake_timeout``) before the connection counts.  The body has its own
+deadline, ``server.body_timeout_s``, enforced by the application.
+
+**Connection limit.**  At most ``server.max_connections`` connections are open at once; one
+more is closed as soon as it is accepted, logged at INFO (throttled).
+
+**Logs.**  A request aiohttp's parser refuses, or a client that disconnects mid-request, is
+the client's doing: one INFO line, no traceback, at most :data:`LOG_LINES_PER_WINDOW` of
+each kind per :data:`LOG_WINDOW_S` (the next line says how many were suppressed).  Anything
+else reaching aiohttp's error path is our bug and stays an ERROR with its traceback.
+
+**Parser rejections.**  Malformed HTTP (a bad request line, method, header or
+Content-Length, a NUL in the path, a line over :data:`MAX_LINE_BYTES`) is refused by aiohttp
+before any route or middleware runs.  The handler answers those with the API's usual error
+body, ``{"error": "bad_http", "detail": <aiohttp's reason, at most DETAIL_CHARS
+characters>}``, as ``application/json`` with aiohttp's status (400), and closes the
+connection; :data:`PARSER_REJECTIONS_NOTE` says so in the OpenAPI description.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+from fedsec import wire
+from fedsec.config import ServerSection
+
+log = logging.getLogger(__name__)
+
+# Longest request line or header line, and most header lines, aiohttp's parser accepts
+# (aiohttp's defaults, as nginx's 8 KiB header buffers): our longest line is an RFC 9421
+# signature header of a few hundred bytes, and a signed request carries about a dozen.
+MAX_LINE_BYTES = 8190
+MAX_HEADERS = 128
+# Connections the OS queues before accept; aiohttp's TCPSite default.  A burst beyond it
+# is refused by the kernel, which clients retry like any refused connect.
+LISTEN_BACKLOG = 128
+# Log throttle for client-caused events: 5 lines per 10 s is enough to see a pattern (and
+# its peers) while a flood of garbage costs one line per 2 s, not one per request.
+LOG_LINES_PER_WINDOW = 5
+LOG_WINDOW_S = 10.0
+# aiohttp's reason for a parser rejection quotes the offending bytes; 200 characters keeps
+# the quote readable and bounds what a client can make us echo and log.
+DETAIL_CHARS = 200
+# ``error`` code of a parser rejection's body.
+BAD_HTTP = "bad_http"
+
+PARSER_REJECTIONS_NOTE = (
+    "Requests that are not well-formed HTTP/1.1 (a malformed request line, method or "
+    "header, an invalid or conflicting Content-Length or Transfer-Encoding, a NUL or "
+    f"other invalid byte in the path, a line over {MAX_LINE_BYTES} bytes, more than "
+    f"{MAX_HEADERS} headers) are refused by the HTTP layer before any route runs: status "
+    f'400, the usual JSON error body with error "{BAD_HTTP}" and the parser\'s reason as '
+    f"detail (at most {DETAIL_CHARS} characters), and the connection is closed. A "
+    "connection that has not sent a complete request head within server.header_timeout_s "
+    "of opening, or of its previous answer, is closed without an answer, as is every "
+    "connection beyond server.max_connections."
+)
+
+# What a client did wrong, as opposed to our bugs: refused by aiohttp's parser, or a body
+# that breaks its framing (bad chunk, short Content-Length) while a handler reads it.
+CLIENT_FAULTS = (HttpProcessingError, RequestPayloadError)
+
+
+class ThrottledLog:
+    """INFO lines for one kind of client-caused event, at most ``lines`` per ``window_s``.
+
+    Lines over the budget are counted, not logged; the next line logged carries
+    ``suppressed=<count>``.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        lines: int = LOG_LINES_PER_WINDOW,
+        window_s: float = LOG_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._lines = lines
+        self._window_s = window_s
+        self._clock = clock
+        self._window_start = -math.inf
+        self._logged = 0
+        self._suppressed = 0
+
+    def info(self, msg: str, *args: object) -> None:
+        """Log ``msg % args`` at INFO unless this window's budget is spent."""
+        now = self._clock()
+        if now - self._window_start >= self._window_s:
+            self._window_start, self._logged = now, 0
+        if self._logged >= self._lines:
+            self._suppressed += 1
+            return
+        self._logged += 1
+        if self._suppressed:
+            msg, args = msg + " suppressed=%d", (*args, self._suppressed)
+            self._suppressed = 0
+        self._logger.info(msg, *args)
+
+
+class _ConnectionGate:
+    """Counts open connections and refuses those over the limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._refusals = ThrottledLog(log)
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        if self.open >= self.limit:
+            self._refusals.info(
+                "event=connection_refused reason=max_connections limit=%d peer=%s",
+                self.limit,
+                _peer(transport),
+            )
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """What every connection of one listener shares."""
+
+    header_timeout_s: float
+    gate: _ConnectionGate
+    rejections: ThrottledLog
+    disconnects: ThrottledLog
+
+
+class _GuardedHandler(RequestHandler):
+    """aiohttp's HTTP/1.1 protocol with the connection limit, the first request's header
+    deadline, and client faults answered in JSON and logged without tracebacks."""
+
+    __slots__ = ("_admitted", "_first_head_timer", "_rules")
+
+    def __init__(self, manager: web.Server, *, rules: _Rules, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._rules = rules
+        self._admitted = False
+        self._first_head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._rules.gate.admit(transport):
+            transport.close()
+            return
+        self._admitted = True
+        super().connection_made(transport)
+        loop = asyncio.get_running_loop()
+        timeout = self._rules.header_timeout_s
+        self._first_head_timer = loop.call_later(timeout, self._first_head_overdue)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:  # refused (aiohttp never saw it), or already released
+            return
+        self._admitted = False
+        self._rules.gate.release()
+        if self._first_head_timer is not None:
+            self._first_head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _first_head_overdue(self) -> None:
+        # aiohttp counts the request heads its parser has completed on this connection;
+        # once there is one, its keep-alive timer keeps the deadline from then on.
+        if self._request_count == 0:
+            log.debug("event=header_timeout peer=%s", self.peername)
+            self.force_close()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """Answer a request aiohttp could not hand to, or get an answer from, the app.
+
+        Client faults get a JSON 4xx and one throttled INFO line; a client that went away
+        gets one throttled INFO line (there is no one to answer); the rest is our bug, left
+        to aiohttp (ERROR with traceback, 500).
+
+        Raises:
+            ConnectionError: the response had already started, so the connection can only
+                be closed (aiohttp's own rule; its caller closes it).
+        """
+        if isinstance(exc, CLIENT_FAULTS):
+            return self._refuse_bad_http(request, status, exc, message)
+        if isinstance(exc, ConnectionError) and self.transport is None:  # the client left
+            self._rules.disconnects.info(
+                "event=client_disconnected method=%s path=%r peer=%s",
+                request.method,
+                request.path[:DETAIL_CHARS],
+                request.remote,
+            )
+            return _closing(web.Response(status=status))
+        return super().handle_error(request, status, exc, message)
+
+    def _refuse_bad_http(
+        self, request: web.BaseRequest, status: int, exc: BaseException, message: str | None
+    ) -> web.StreamResponse:
+        detail = _one_line(message or getattr(exc, "message", "") or str(exc))
+        status = status if 400 <= status < 500 else 400  # a framing error mid-body: 400
+        self._rules.rejections.info(
+            "event=bad_http status=%d peer=%s detail=%r", status, request.remote, detail
+        )
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had started; closing the connection instead")
+        body = wire.encode(wire.ErrorBody(error=BAD_HTTP, detail=detail))
+        return _closing(web.Response(body=body, status=status, content_type="application/json"))
+
+
+def _one_line(reason: str) -> str:
+    """aiohttp's reason on one line, without the caret line that marks a column."""
+    kept = (line.strip() for line in reason.splitlines())
+    return " ".join(line for line in kept if line not in ("", "^"))[:DETAIL_CHARS]
+
+
+def _closing(response: web.Response) -> web.Response:
+    response.force_close()
+    return response
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+class RunningServer:
+    """An application being served on one listener; :meth:`close` stops both."""
+
+    def __init__(
+        self, runner: web.AppRunner, listener: asyncio.Server, gate: _ConnectionGate, url: str
+    ) -> None:
+        self._runner = runner
+        self._listener = listener
+        self._gate = gate
+        self.url = url
+        self.port: int = listener.sockets[0].getsockname()[1]
+
+    @property
+    def app(self) -> web.Application:
+        """The application being served."""
+        return self._runner.app
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (those refused over the limit never count)."""
+        return self._gate.open
+
+    async def close(self) -> None:
+        """Stop accepting, let in-flight requests finish (aiohttp's shutdown timeout),
+        close every connection and run the application's clean-up."""
+        self._listener.close()
+        await self._runner.cleanup()
+        await self._listener.wait_closed()
+
+
+async def start_server(
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+    server_cfg: ServerSection,
+) -> RunningServer:
+    """Run ``app``'s start-up and serve it on ``host``:``port`` (0 = any free port).
+
+    Args:
+        app: the application; its ``on_startup``/``cleanup_ctx`` run here and in
+            :meth:`RunningServer.close`.
+        host: address to listen on.
+        port: TCP port; 0 picks a free one (see :attr:`RunningServer.port`).
+        ssl_context: serve HTTPS with it; None serves plain HTTP.
+        server_cfg: ``[server]`` of ``federation.toml``; uses ``header_timeout_s`` and
+            ``max_connections``.
+
+    Returns:
+        The running server, with its URL and bound port.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, not permitted); the
+            application's clean-up has run.
+    """
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    server = runner.server
+    assert server is not None  # setup() made it
+    gate = _ConnectionGate(server_cfg.max_connections)
+    rules = _Rules(server_cfg.header_timeout_s, gate, ThrottledLog(log), ThrottledLog(log))
+    loop = asyncio.get_running_loop()
+
+    def protocol() -> _GuardedHandler:
+        return _GuardedHandler(
+            server,
+            rules=rules,
+            loop=loop,
+            keepalive_timeout=server_cfg.header_timeout_s,
+            access_log=None,
+            max_line_size=MAX_LINE_BYTES,
+            max_field_size=MAX_LINE_BYTES,
+            max_headers=MAX_HEADERS,
+        )
+
+    try:
+        listener = await loop.create_server(
+            protocol,
+            host,
+            port,
+            ssl=ssl_context,
+            backlog=LISTEN_BACKLOG,
+            ssl_handshake_timeout=server_cfg.header_timeout_s if ssl_context else None,
+        )
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = listener.sockets[0].getsockname()[1]
+    scheme = "https" if ssl_context else "http"
+    return RunningServer(runner, listener, gate, f"{scheme}://{_url_host(host)}:{bound}")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
