@@ -2,12 +2,14 @@
 
 Covers stage transitions, cohort fixing, drop-outs at each stage, aborts and
 retried attempts, idempotent intake, resuming after a restart at every stage,
-plain (``secure_sum = "none"``) rounds, privacy reports and join checks.
+plain (``secure_sum = "none"``) rounds, privacy reports, join checks and the
+bounds on logging refused contributions.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 from pathlib import Path
 
@@ -34,8 +36,10 @@ from aggregator_helpers import (
 )
 
 from fedsec import wire
-from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.coordinator import REFUSED_ENTRIES_PER_ATTEMPT, Coordinator
 from fedsec.aggregator.workspace import Workspace
+from fedsec.audit.report import read_entries, summarize
+from fedsec.audit.verify import verify_log
 from fedsec.crypto.quantize import QuantSpec, pack
 from fedsec.errors import (
     BadVector,
@@ -447,7 +451,7 @@ def test_masked_input_needs_the_members_own_signed_statement(
     fed: Federation, clock: FakeClock
 ) -> None:
     """A statement signed by another key, or not covering what was sent, is refused;
-    each refusal changes no state but is itself logged."""
+    each refusal changes no state, and a cohort member's is logged (within bounds)."""
     coord, cohort = _start(fed, clock)
     _advertise(coord, cohort, MEMBERS)
     _share(coord, cohort, MEMBERS)
@@ -794,3 +798,216 @@ def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
     clock.advance(FAST_ROUND["unmask_s"])
     coord.tick()  # and the clock keeps driving the federation
     assert (coord.live.round, coord.live.attempt) == (1, 1)
+
+
+# -- refusals in the transparency log --------------------------------------------------------------
+
+
+def _log_head(fed: Federation) -> tuple[int, str]:
+    """(entries, hash of the last one) of the transparency log, the same in the database
+    and in the file verifiers read."""
+    tail = fed.ws.state.log_tail()
+    lines = (fed.root / "audit" / "log.jsonl").read_bytes().splitlines()
+    assert tail is not None and len(lines) == tail[0] + 1 and lines[-1] == tail[1]
+    return len(lines), hashlib.sha256(tail[1]).hexdigest()
+
+
+def _refused_unlogged(
+    fed: Federation, coord: Coordinator, exc: type[FedsecError], *args: object
+) -> FedsecError:
+    """``masked_input(*args)`` raises ``exc``, changes nothing and writes no log entry."""
+    before = _log_head(fed)
+    err = _refused(fed, coord, exc, coord.masked_input, *args)
+    assert _log_head(fed) == before
+    return err
+
+
+def _refused_logged(
+    fed: Federation, coord: Coordinator, exc: type[FedsecError], *args: object
+) -> dict[str, object]:
+    """``masked_input(*args)`` raises ``exc``, changes nothing but one ``refused`` entry."""
+    logged = _log_head(fed)[0]
+    err = _refused(fed, coord, exc, coord.masked_input, *args)
+    (entry,) = log_entries(fed.ws, logged)
+    assert entry["kind"] == "refused" and entry["body"]["code"] == err.code
+    assert entry["body"]["detail"] == err.detail and "suppressed" not in entry["body"]
+    return dict(entry["body"])
+
+
+def _verifies(fed: Federation) -> None:
+    audit = fed.root / "audit"
+    result = verify_log(audit / "log.jsonl", audit / "archive", fed.root)
+    assert result.ok, result.problem
+
+
+def _refused_bodies(fed: Federation, member: str) -> list[dict[str, object]]:
+    return [
+        e["body"]
+        for e in log_entries(fed.ws)
+        if e["kind"] == "refused" and e["body"]["member"] == member
+    ]
+
+
+def _unlogged_reasons(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage().rsplit("reason=", 1)[1]
+        for r in caplog.records
+        if r.getMessage().startswith("event=refusal_not_logged")
+    ]
+
+
+def test_refusals_for_made_up_rounds_or_from_outside_the_cohort_are_not_logged(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    fed = make_federation(tmp_path / "ws", agents=(*MEMBERS, "a5"), round={"max_agents": 5})
+    caplog.set_level(logging.INFO, logger="fedsec.aggregator.coordinator")
+    coord = Coordinator(fed.ws, clock=clock)
+    junk = (b"\x00" * 16, "00" * 32, "00" * 64)
+    # attempt 1/0 exists but has no cohort yet
+    _refused_unlogged(fed, coord, WrongStage, "a1", 1, 0, *junk)
+    for m in MEMBERS:  # the fifth join fills the cohort: a5 is left out
+        coord.join(m, 1, 0, join_request())
+    assert coord.live.spec is not None and coord.live.spec.cohort == list(MEMBERS)
+    cohort = Cohort(coord.live.spec, fed.identities)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    upload = cohort.upload("a1")
+
+    # made-up rounds and attempts, out-of-range numbers included: the same answer, no entry
+    made_up = [(2, 0), (99, 0), (1, 1), (1, 7), (0, 0), (-1, 0), (1, -1), (wire.MAX_ID,) * 2]
+    for r, a in made_up:
+        err = _refused_unlogged(fed, coord, WrongStage, "a1", r, a, *upload)
+        assert f"round {r} attempt {a}" in err.detail
+    # a5 is enrolled but not in the cohort: refused as before, with or without its own bytes
+    err = _refused_unlogged(fed, coord, UnknownMember, "a5", 1, 0, *upload)
+    assert err.http_status == 403 and "a5 is not in the cohort" in err.detail
+    _refused_unlogged(fed, coord, UnknownMember, "a5", 1, 0, *junk)
+    assert _unlogged_reasons(caplog) == [
+        "no_cohort",
+        *["no_such_attempt"] * 8,
+        "not_in_cohort",
+        "not_in_cohort",
+    ]
+
+    # the round finishes with every input and no refused entry, aggregate or other
+    _masked(coord, cohort, MEMBERS)
+    _unmask(coord, cohort, MEMBERS)
+    _check_aggregate(fed, cohort, MEMBERS)
+    # a5 stays outside the closed attempt too
+    _refused_unlogged(fed, coord, WrongStage, "a5", 1, 0, *upload)
+    assert [e for e in log_entries(fed.ws) if e["kind"] == "refused"] == []
+    _verifies(fed)
+
+
+def test_a_members_repeated_refusals_are_capped_then_aggregated_at_close(
+    fed: Federation, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fedsec.aggregator.coordinator")
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS)
+    _share(coord, cohort, MEMBERS)
+    _fetch_shares(coord, cohort, MEMBERS)
+    raw, commitment, signature = cohort.upload("a1")
+
+    def tampered(i: int) -> tuple[bytes, str, str]:
+        """a1's genuine statement over bytes it did not sign: one distinct refusal each."""
+        changed = bytearray(raw)
+        changed[i] ^= 1
+        return bytes(changed), commitment, signature
+
+    assert REFUSED_ENTRIES_PER_ATTEMPT == 4
+    logged = [
+        _refused_logged(fed, coord, SignatureError, "a1", 1, 0, *tampered(i)) for i in range(4)
+    ]
+    assert [b["sha256"] for b in logged] == [
+        hashlib.sha256(tampered(i)[0]).hexdigest() for i in range(4)
+    ]
+    # an identical retry is not logged again, before or after the cap is reached
+    _refused_unlogged(fed, coord, SignatureError, "a1", 1, 0, *tampered(0))
+    for i in range(4, 7):  # over the cap: counted, not logged
+        _refused_unlogged(fed, coord, SignatureError, "a1", 1, 0, *tampered(i))
+    last = _refused_unlogged(fed, coord, PayloadError, "a1", 1, 0, raw, commitment, "zz")
+    assert _unlogged_reasons(caplog) == ["repeat", "over_cap", "over_cap", "over_cap", "over_cap"]
+    # another member's budget is its own
+    _refused_logged(fed, coord, SignatureError, "a2", 1, 0, *cohort.upload("a2", signer="a3"))
+    assert len(_refused_bodies(fed, "a1")) == 4
+
+    _masked(coord, cohort, MEMBERS)  # the refusals left a1 free to contribute
+    _unmask(coord, cohort, MEMBERS)
+    _check_aggregate(fed, cohort, MEMBERS)
+
+    # at the close, one entry aggregates a1's five unlogged refusals, signed by the close's head
+    entries = log_entries(fed.ws)
+    refused = [e for e in entries if e["kind"] == "refused" and e["body"]["member"] == "a1"]
+    assert [e["body"] for e in refused[:4]] == logged
+    aggregate = refused[4]
+    assert aggregate["body"] == {
+        "round": 1,
+        "attempt": 0,
+        "stage": "masked_input",
+        "member": "a1",
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "code": last.code,
+        "detail": last.detail,
+        "suppressed": 5,
+        "codes": {"bad_request": 1, "bad_signature": 4},
+    }
+    closing = next(e for e in entries if e["kind"] == "aggregate")
+    head = next(e for e in entries if e["kind"] == "head" and e["index"] > closing["index"])
+    assert aggregate["index"] < closing["index"] < head["index"]
+    assert len(_refused_bodies(fed, "a2")) == 1  # nothing suppressed: no aggregate entry
+
+    # after its aggregate entry, the member's refusals for that attempt are not logged
+    _refused_unlogged(fed, coord, WrongStage, "a1", 1, 0, *tampered(9))
+    assert _unlogged_reasons(caplog)[-1] == "aggregated"
+    _verifies(fed)
+    # the report counts every refusal the log records: a1's 4 + 5, a2's 1
+    (row,) = summarize(read_entries(fed.root / "audit" / "log.jsonl")[0]).rounds.values()
+    assert (row.round, row.attempt, row.refused, row.accepted) == (1, 0, 10, 5)
+
+
+def test_refusals_for_an_aborted_attempt_stay_bounded_across_a_restart(
+    fed: Federation, clock: FakeClock
+) -> None:
+    coord, cohort = _start(fed, clock)
+    _advertise(coord, cohort, MEMBERS[:3])
+    clock.advance(ADVERTISE_DEADLINE)
+    coord.tick()
+    assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
+
+    def upload(i: int) -> tuple[bytes, str, str]:
+        return bytes([i]) * 16, "00" * 32, "00" * 64
+
+    # a0 was in the cohort of the aborted attempt 1/0: its late inputs are logged, up to the cap
+    for i in range(4):
+        body = _refused_logged(fed, coord, WrongStage, "a0", 1, 0, *upload(i))
+        assert (body["round"], body["attempt"], body["member"]) == (1, 0, "a0")
+    _refused_unlogged(fed, coord, WrongStage, "a0", 1, 0, *upload(4))
+
+    # a restart rebuilds the budget from the log: no fresh entries for a0 in 1/0
+    fed.ws.close()
+    fed = Federation(Workspace.open(fed.root), fed.identities)
+    coord = Coordinator(fed.ws, clock=clock)
+    _refused_unlogged(fed, coord, WrongStage, "a0", 1, 0, *upload(0))
+    _refused_unlogged(fed, coord, WrongStage, "a0", 1, 0, *upload(5))
+    assert len(_refused_bodies(fed, "a0")) == 4
+
+    # the next abort (of attempt 1/1) aggregates what was counted since the restart
+    for m in MEMBERS:
+        coord.join(m, 1, 1, join_request())
+    assert coord.live.stage == "advertise"
+    clock.advance(ADVERTISE_DEADLINE)
+    coord.tick()
+    assert (coord.live.round, coord.live.attempt) == (1, 2)
+    entries = log_entries(fed.ws)
+    aggregate = next(e for e in entries if "suppressed" in e["body"])
+    assert aggregate["kind"] == "refused"
+    assert (aggregate["body"]["round"], aggregate["body"]["attempt"]) == (1, 0)
+    assert aggregate["body"]["suppressed"] == 2
+    assert aggregate["body"]["codes"] == {"wrong_stage": 2}
+    aborted = [e for e in entries if e["kind"] == "round_aborted"]
+    assert [e["body"]["attempt"] for e in aborted] == [0, 1]
+    assert aborted[0]["index"] < aggregate["index"] < aborted[1]["index"]
+    _refused_unlogged(fed, coord, WrongStage, "a0", 1, 0, *upload(6))
+    _verifies(fed)

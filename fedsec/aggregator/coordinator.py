@@ -20,6 +20,13 @@ Every accepted message is committed to SQLite before the method returns, and
 replaying those messages into a fresh :class:`ServerSession`.  A retried
 message identical to the one already accepted gets the same answer
 (idempotent); a different one is refused as a duplicate.
+
+Refused masked inputs are logged within bounds, so no member can grow the
+transparency log by sending requests: only refusals for an attempt that exists
+and from a member of its cohort get entries, at most
+:data:`REFUSED_ENTRIES_PER_ATTEMPT` of them per member and attempt, an identical
+retry none; the rest are counted and logged as one aggregate ``refused`` entry
+(with ``suppressed``) when an attempt closes or aborts (docs/audit-log.md).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -75,6 +82,14 @@ _KEY_STAGES = ("advertise", "share_keys")
 _ORDER = ("open", "advertise", "share_keys", "masked_input", "unmask")
 # Model files are read back from our own store; bound them anyway (1 GiB ≫ any bundled task).
 _MAX_MODEL_BYTES = 1 << 30
+# `refused` entries written one by one per (member, round, attempt).  An honest agent meets
+# few refusals in an attempt: its client never retries a 4xx answer and an identical resend
+# is not logged again, so 4 covers the distinct ones it can meet (too early or too late for
+# the stage, a different resend after a local crash, a bad vector from a bug).  A hostile
+# member then adds at most 4 + 1 (the aggregate entry) per attempt of which it is in the
+# cohort: about its honest footprint there (advertise, share_keys, privacy_report,
+# masked_input and unmask entries), not one entry per request.
+REFUSED_ENTRIES_PER_ATTEMPT = 4
 
 
 @dataclass
@@ -95,6 +110,87 @@ class _Live:
     plan: wire.RoundSpec | None = None  # buffered mode: what members train by before joining
     # SecAgg+: the key list every live member fetches, built once (fixed from share_keys on)
     key_list: wire.KeyListBody | None = None
+
+
+_RefusalKey = tuple[str, int, int]  # (member, round, attempt)
+
+
+@dataclass
+class _MemberRefusals:
+    """One member's refused masked inputs in one attempt: what the log holds of them."""
+
+    logged: set[tuple[str, str, str]] = field(default_factory=set)  # (sha256, code, detail)
+    unlogged: dict[str, int] = field(default_factory=dict)  # code -> refusals not yet logged
+    last: dict[str, Any] | None = None  # body of the latest of those
+    aggregated: bool = False  # its aggregate entry is in the log: nothing more goes there
+
+
+class _RefusalBudget:
+    """Which refused masked inputs get a ``refused`` entry of their own; counts the rest
+    for one aggregate entry per member and attempt.  Does no I/O: the coordinator writes
+    the entries and reports back which it wrote."""
+
+    def __init__(self) -> None:
+        self._books: dict[_RefusalKey, _MemberRefusals] = {}
+        self._pending: set[_RefusalKey] = set()  # keys with unlogged refusals
+
+    def load(self, body: dict[str, Any]) -> None:
+        """Count a ``refused`` entry already in the log (at start-up)."""
+        key = (str(body["member"]), int(body["round"]), int(body["attempt"]))
+        book = self._books.setdefault(key, _MemberRefusals())
+        if "suppressed" in body:
+            book.aggregated = True
+        else:
+            book.logged.add(_refusal_identity(body))
+
+    def admit(self, key: _RefusalKey, body: dict[str, Any]) -> str | None:
+        """Decide on one refusal of a cohort member for an attempt that exists.
+
+        Returns:
+            None when ``body`` is to be logged as an entry of its own (then call
+            :meth:`logged`); otherwise why not (``repeat``, ``over_cap``: counted for
+            the aggregate entry; ``aggregated``: that entry is written, not counted).
+        """
+        book = self._books.setdefault(key, _MemberRefusals())
+        if book.aggregated:
+            return "aggregated"
+        if _refusal_identity(body) in book.logged:
+            reason = "repeat"
+        elif len(book.logged) < REFUSED_ENTRIES_PER_ATTEMPT:
+            return None
+        else:
+            reason = "over_cap"
+        book.unlogged[body["code"]] = book.unlogged.get(body["code"], 0) + 1
+        book.last = body
+        self._pending.add(key)
+        return reason
+
+    def logged(self, key: _RefusalKey, body: dict[str, Any]) -> None:
+        self._books[key].logged.add(_refusal_identity(body))
+
+    def due(self) -> list[tuple[_RefusalKey, dict[str, Any]]]:
+        """The aggregate entry body of every member and attempt with unlogged refusals:
+        the latest of them, with ``suppressed`` (how many) and ``codes`` (how many each)."""
+        due = []
+        for key in sorted(self._pending):
+            book = self._books[key]
+            assert book.last is not None
+            counts = dict(sorted(book.unlogged.items()))
+            due.append((key, {**book.last, "suppressed": sum(counts.values()), "codes": counts}))
+        return due
+
+    def aggregated(self, keys: list[_RefusalKey]) -> None:
+        """Their aggregate entries are committed."""
+        for key in keys:
+            book = self._books[key]
+            book.aggregated, book.last = True, None
+            book.unlogged.clear()
+            self._pending.discard(key)
+
+
+def _refusal_identity(body: dict[str, Any]) -> tuple[str, str, str]:
+    """What makes two refusals the same entry: the bytes refused, and how."""
+    return str(body["sha256"]), str(body["code"]), str(body["detail"])
 
 
 class Coordinator:
@@ -158,6 +254,8 @@ class Coordinator:
         self._report_model_problems()
         # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
         self.traffic: dict[tuple[int, int], list[int]] = {}
+        self._refusals = _RefusalBudget()
+        self._load_refusals()
         self.live: _Live = self.resume()
 
     # -- helpers -----------------------------------------------------------------------------
@@ -622,24 +720,12 @@ class Coordinator:
         ``signature`` (the member's Ed25519 signature of the
         :class:`wire.ContributionStatement` binding round, vector hash and
         commitment) make the contribution attributable and auditable.  Refusals
-        are logged too.
+        are logged too, within bounds (:meth:`_log_refusal`).
         """
         try:
             return self._masked_input(member, round_, attempt, raw, commitment, signature)
         except FedsecError as exc:
-            # every refused contribution is logged, a different resend included
-            self.trail.append(
-                "refused",
-                {
-                    "round": round_,
-                    "attempt": attempt,
-                    "stage": "masked_input",
-                    "member": member,
-                    "sha256": hashlib.sha256(raw).hexdigest(),
-                    "code": exc.code,
-                    "detail": exc.detail,
-                },
-            )
+            self._log_refusal(member, round_, attempt, raw, exc)
             raise
 
     def _masked_input(
@@ -713,6 +799,78 @@ class Coordinator:
         live.plain_sum += update
         live.plain_weight += weight
         live.plain_members.append(member)
+
+    # -- refusals ------------------------------------------------------------------------------
+
+    def _load_refusals(self) -> None:
+        """Rebuild the refusal budget from the log, so a restart grants no new entries."""
+        for _, line in self.ws.state.log_lines():
+            # canonical JSON: the kind appears exactly so; decode only those lines
+            if b'"kind":"refused"' in line:
+                doc = msgspec.json.decode(line)
+                if doc["kind"] == "refused":
+                    self._refusals.load(doc["body"])
+
+    def _log_refusal(
+        self, member: str, round_: int, attempt: int, raw: bytes, exc: FedsecError
+    ) -> None:
+        """Write a ``refused`` entry for a refused masked input, unless it is for an
+        attempt that does not exist or has no cohort, from outside the cohort, an
+        identical repeat, over :data:`REFUSED_ENTRIES_PER_ATTEMPT`, or after the member's
+        aggregate entry for the attempt; those go to the process log only (repeats and
+        those over the cap are also counted for the aggregate entry)."""
+        key = (member, round_, attempt)
+        body = {
+            "round": round_,
+            "attempt": attempt,
+            "stage": "masked_input",
+            "member": member,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "code": exc.code,
+            "detail": exc.detail,
+        }
+        reason = self._unloggable(member, round_, attempt)
+        if reason is None:
+            reason = self._refusals.admit(key, body)
+        if reason is None:
+            self.trail.append("refused", body)
+            self._refusals.logged(key, body)
+            return
+        log.info(
+            "event=refusal_not_logged round=%d attempt=%d member=%s code=%s sha256=%s reason=%s",
+            round_,
+            attempt,
+            member,
+            exc.code,
+            body["sha256"],
+            reason,
+        )
+
+    def _unloggable(self, member: str, round_: int, attempt: int) -> str | None:
+        """Why a refusal for that attempt gets no entry whatever it is, or None."""
+        live = self.live
+        if (round_, attempt) == (live.round, live.attempt) and live.spec is not None:
+            cohort = live.spec.cohort
+        else:
+            row = None
+            # rounds exist from 1 to the live one; no stored attempt exceeds wire.MAX_ID
+            if 1 <= round_ <= live.round and 0 <= attempt <= wire.MAX_ID:
+                row = self.ws.state.get_round(round_, attempt)
+            if row is None:
+                return "no_such_attempt"
+            if row.spec is None:
+                return "no_cohort"
+            cohort = msgspec.json.decode(row.spec, type=wire.RoundSpec).cohort
+        return None if member in cohort else "not_in_cohort"
+
+    def _log_unlogged_refusals(self) -> list[_RefusalKey]:
+        """Inside a round close's transaction, before its head: one aggregate entry per
+        member and attempt with refusals not logged one by one.  Returns their keys, for
+        :meth:`_RefusalBudget.aggregated` once the transaction is committed."""
+        due = self._refusals.due()
+        for _, body in due:
+            self.trail.append("refused", body)
+        return [key for key, _ in due]
 
     def unmask_request(self, member: str, round_: int, attempt: int) -> wire.UnmaskRequestBody:
         live = self._expect_at_least(member, round_, attempt, "unmask")
@@ -905,10 +1063,12 @@ class Coordinator:
                 summary=wire.encode(summary),
                 detail=detail,
             )
+            aggregated = self._log_unlogged_refusals()
             self.trail.append(
                 "round_aborted", {"round": live.round, "attempt": live.attempt, "detail": detail}
             )
             self.trail.sign_head()
+        self._refusals.aggregated(aggregated)
         self.alert(f"round {live.round} attempt {live.attempt} aborted: {detail}")
         self.live = self._open(live.round, live.attempt + 1, now)
         self._changed()
@@ -1009,6 +1169,7 @@ class Coordinator:
                 summary=wire.encode(summary),
                 detail="",
             )
+            aggregated = self._log_unlogged_refusals()
             self.trail.append(
                 "aggregate",
                 {
@@ -1026,6 +1187,7 @@ class Coordinator:
             self.trail.sync_models(self.ws.models)
             self.trail.prune_archive(self.cfg.audit.archive_retention_rounds)
             self.trail.sign_head()
+        self._refusals.aggregated(aggregated)
         self._closed_rounds = None  # one more closed round: recount on next use
         log.info(
             "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "

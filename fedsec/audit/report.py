@@ -201,7 +201,8 @@ def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
         if body.get("stage") == "masked_input":
             row.accepted += 1
     elif kind == "refused":
-        _row(s, body).refused += 1
+        # an aggregate entry stands for the `suppressed` refusals not logged one by one
+        _row(s, body).refused += _int(body["suppressed"]) if "suppressed" in body else 1
     elif kind == "privacy_report":
         row = _row(s, body)
         eps = _num(body["epsilon"])
