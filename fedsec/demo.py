@@ -22,34 +22,25 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import click
 
 from fedsec import faults, wire
+from fedsec.bench.common import federation_status
 from fedsec.errors import ConfigError
 from fedsec.federation import (
     agent_config,
     create_federation,
     enrol_agents,
     federation_toml,
+    load_observer,
     write_agent_config,
 )
 
 # The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
 DEMO_TIMEOUT_S = 240.0
-
-
-def _status(url: str) -> wire.FederationStatus | None:
-    try:
-        with urllib.request.urlopen(f"{url}{wire.API_PREFIX}/status", timeout=5) as resp:
-            import msgspec
-
-            return msgspec.json.decode(resp.read(), type=wire.FederationStatus)
-    except OSError:
-        return None
 
 
 def _wait_for_serve(info: Path, proc: subprocess.Popen[bytes], deadline: float) -> str:
@@ -153,6 +144,7 @@ def demo(
     local = enrol_agents(ws, root, agents)
     aggregator_public = ws.signer.public_bytes
     ws.close()
+    observer = load_observer(root)
     logs = root / "logs"
     logs.mkdir()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -198,7 +190,7 @@ def demo(
         restarted = not crash
         status = None
         while time.monotonic() < deadline:
-            status = _status(url)
+            status = federation_status(url, observer)
             if status is not None:
                 for s in status.history:
                     if (s.round, s.attempt) not in shown:
@@ -247,6 +239,7 @@ def demo(
         f"(signed manifests in {root / 'aggregator' / 'manifests'})"
     )
     click.echo(f"agents: {root}/agent-*/ (identity, privacy ledger, receipts, vault)")
+    click.echo(f"status: {root / 'operator'} (the observer key that signs GET /v1/status)")
     click.echo(f"logs:   {logs}")
     click.echo(f"audit:  fedsec audit verify --workspace {root}   (and: fedsec audit report)")
 

@@ -2,6 +2,10 @@
 
 Shared by ``fedsec demo`` (separate processes), ``fedsec simulate`` (one process)
 and the end-to-end tests, so all three run the same set-up code.
+
+Every federation made here also enrols the operator (:data:`OBSERVER_ID`, role
+``observer``) with a key of its own: ``GET /v1/status`` carries alerts and round
+history, so the tools that watch a run sign it like any other request.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsec.aggregator.roster import sign_roster_entry
+from fedsec.aggregator.roster import Role, sign_roster_entry
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import (
     AgentConfig,
@@ -28,6 +32,10 @@ from fedsec.config import (
     render_toml,
 )
 from fedsec.crypto.identity import SigningIdentity, save_public_key
+from fedsec.errors import ConfigError
+
+#: The roster id of the local operator that watches a federation's status.
+OBSERVER_ID = "operator"
 
 
 @dataclass
@@ -62,8 +70,27 @@ def federation_toml(
 
 
 def create_federation(root: Path, federation_id: str, task: str, config_text: str) -> Workspace:
-    """Initialise the aggregator workspace under ``root/aggregator``."""
-    return init_workspace(root / "aggregator", federation_id, task, config_text=config_text)
+    """Initialise the aggregator workspace under ``root/aggregator`` and enrol the
+    operator's observer identity (``root/operator/identity.key``, 0600)."""
+    ws = init_workspace(root / "aggregator", federation_id, task, config_text=config_text)
+    _enrol(ws, root / OBSERVER_ID, OBSERVER_ID, "observer", ws.admin())
+    return ws
+
+
+def load_observer(root: Path) -> SigningIdentity:
+    """The operator's observer identity of the federation created in ``root``.
+
+    Raises:
+        ConfigError: ``root`` was created before status requests were signed (it has
+            no observer key), or the key file is unreadable.
+    """
+    path = root / OBSERVER_ID / "identity.key"
+    if not path.exists():
+        raise ConfigError(
+            f"{root} has no observer key ({path}): it was created by an older fedsec, "
+            "before GET /v1/status needed a signed request; create a new federation"
+        )
+    return SigningIdentity.load(path)
 
 
 def enrol_agents(ws: Workspace, root: Path, count: int, prefix: str = "agent") -> list[LocalAgent]:
@@ -73,20 +100,27 @@ def enrol_agents(ws: Workspace, root: Path, count: int, prefix: str = "agent") -
     for i in range(count):
         agent_id = f"{prefix}-{i + 1}"
         home = root / agent_id
-        identity = SigningIdentity.generate()
-        identity.save(home / "identity.key")
-        save_public_key(home / "identity.pub", identity.public_bytes)
-        ws.roster.add(
-            sign_roster_entry(
-                federation_id=ws.federation_id,
-                agent_id=agent_id,
-                public_key=identity.public_bytes,
-                role="agent",
-                admin=admin,
-            )
-        )
-        agents.append(LocalAgent(agent_id, home, identity))
+        agents.append(LocalAgent(agent_id, home, _enrol(ws, home, agent_id, "agent", admin)))
     return agents
+
+
+def _enrol(
+    ws: Workspace, home: Path, member_id: str, role: Role, admin: SigningIdentity
+) -> SigningIdentity:
+    """A new identity saved in ``home`` (key 0600, public key beside it), on the roster."""
+    identity = SigningIdentity.generate()
+    identity.save(home / "identity.key")
+    save_public_key(home / "identity.pub", identity.public_bytes)
+    ws.roster.add(
+        sign_roster_entry(
+            federation_id=ws.federation_id,
+            agent_id=member_id,
+            public_key=identity.public_bytes,
+            role=role,
+            admin=admin,
+        )
+    )
+    return identity
 
 
 def agent_config(

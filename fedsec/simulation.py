@@ -45,15 +45,15 @@ from typing import Any
 
 import msgspec
 import torch
-from aiohttp import web
 
 from fedsec import wire
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.training import plan_round, train_centralized
 from fedsec.aggregator.app import make_app
+from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
-from fedsec.bench.common import federation_status, free_port, with_environment
+from fedsec.bench.common import aggregator_alive, free_port, with_environment
 from fedsec.errors import ConfigError
 from fedsec.federation import (
     LocalAgent,
@@ -165,15 +165,11 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
     in this process's event loop.
     """
     if not separate:
-        runner = web.AppRunner(make_app(ws), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server = await start_server(make_app(ws), "127.0.0.1", 0, None, ws.config.server)
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield server.url
         finally:
-            await runner.cleanup()
+            await server.close()
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -192,7 +188,7 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
         loop.add_signal_handler(signal.SIGTERM, run.cancel)
     try:
         deadline = time.monotonic() + AGGREGATOR_START_S
-        while await asyncio.to_thread(federation_status, url) is None:
+        while not await asyncio.to_thread(aggregator_alive, url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ConfigError(
                     f"the simulation's aggregator did not start serving {url} "

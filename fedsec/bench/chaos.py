@@ -18,9 +18,9 @@ Faults (see :mod:`fedsec.faults`):
 - ``agent_crashes``: agent number (1-based) -> ``"ROUND:STAGE"``; that agent kills
   itself after completing the stage and is not restarted.
 
-Everything waits on conditions with deadlines (``GET /v1/status`` polled, process
-exit codes); nothing sleeps to synchronise.  Every process is terminated (then
-killed) on the way out, whatever happens.
+Everything waits on conditions with deadlines (``GET /v1/status`` polled, signed by
+the federation's observer, and process exit codes); nothing sleeps to synchronise.
+Every process is terminated (then killed) on the way out, whatever happens.
 
 ``fedsec bench chaos`` (:func:`bench_chaos`) runs the aggregator-kill scenario and a
 reference run and prints one JSON object (:func:`run_chaos`).
@@ -191,6 +191,7 @@ class _Federation:
             agent_config,
             create_federation,
             enrol_agents,
+            load_observer,
             write_agent_config,
         )
 
@@ -218,6 +219,7 @@ class _Federation:
             )
             write_agent_config(a, msgspec.structs.replace(cfg, network=AGENT_NETWORK))
         self.local = local
+        self.observer = load_observer(self.root)
 
     def _spawn(self, name: str, args: list[str], extra: dict[str, str]) -> subprocess.Popen[bytes]:
         with (self.logs / f"{name}.log").open("ab") as log:
@@ -250,10 +252,18 @@ class _Federation:
         path = self.logs / f"aggregator-{incarnation}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def status(self) -> wire.FederationStatus | None:
+        """Signed ``GET /v1/status``; None while the aggregator does not answer.
+
+        Raises:
+            AuthError: it answered but refused the observer (it serves another roster).
+        """
+        return federation_status(self.url, self.observer)
+
     def wait_serving(self, deadline: float) -> wire.FederationStatus:
         assert self.aggregator is not None
         while time.monotonic() < deadline:
-            status = federation_status(self.url)
+            status = self.status()
             if status is not None:
                 return status
             if self.aggregator.poll() is not None:
@@ -331,7 +341,7 @@ def run_federation(plan: ChaosPlan, root: Path) -> ChaosRun:
                 fed.start_aggregator(schedule.pop(0) if schedule else None)
                 restarted_at = time.monotonic()
                 continue
-            status = federation_status(fed.url)
+            status = fed.status()
             if status is not None:
                 last = status
                 if restarted_at is not None and _progress_key(status) != resumed_from:
