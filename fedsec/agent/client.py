@@ -132,6 +132,10 @@ DEFAULT_MAX_MODEL_BYTES: Final = 1024 * 1024 * 1024
 LONG_POLL_SLACK_S: Final = 15.0
 #: Chunk size for streamed reads; 64 KiB is aiohttp's own default read buffer size.
 _READ_CHUNK: Final = 64 * 1024
+#: Seconds an idle pooled connection is kept for reuse.  Under the aggregator's default
+#: server.header_timeout_s (10 s), so the client gives a connection up before the server
+#: closes it and never sends a request onto a connection that is being closed.
+IDLE_CONNECTION_S: Final = 5.0
 
 _RETRYABLE_EXCEPTIONS: Final = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 #: Statuses that are temporary whatever code their body names (RFC 9110: 408 and 503
@@ -350,7 +354,9 @@ class AggregatorClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S)
+            )
         return self._session
 
     # -- transport --------------------------------------------------------------------
