@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from fedsec import faults, wire
+from fedsec import faults
 from fedsec.bench.common import federation_status
 from fedsec.errors import ConfigError
 from fedsec.federation import (
@@ -38,6 +38,7 @@ from fedsec.federation import (
     load_observer,
     write_agent_config,
 )
+from fedsec.protocol import wire
 
 # The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
 DEMO_TIMEOUT_S = 240.0

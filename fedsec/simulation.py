@@ -46,7 +46,6 @@ from typing import Any
 import msgspec
 import torch
 
-from fedsec import wire
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.training import plan_round, train_centralized
@@ -62,6 +61,7 @@ from fedsec.federation import (
     enrol_agents,
     federation_toml,
 )
+from fedsec.protocol import wire
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 
 # Per-task settings for federated runs where local data is small: a clip norm that

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from fedsec import wire
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.roster import ROSTER_FILE, sign_roster_entry
 from fedsec.aggregator.workspace import Workspace, init_workspace
@@ -37,6 +36,7 @@ from fedsec.crypto.secagg import (
     UnmaskRequest,
 )
 from fedsec.modelfile import decode_model
+from fedsec.protocol import wire
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 

@@ -39,7 +39,7 @@ from fedsec.errors import (
     SignatureError,
     WrongStage,
 )
-from fedsec.wire import (
+from fedsec.protocol.wire import (
     ContributionStatement,
     JoinRequest,
     JoinResponse,
@@ -261,7 +261,7 @@ def test_4xx_becomes_the_matching_error_with_the_servers_sentence_and_is_not_ret
                 {"error": "cohort_full", "detail": "the cohort of round 3 is full"}, status=403
             )
 
-        from fedsec.wire import AdvertiseKeysBody
+        from fedsec.protocol.wire import AdvertiseKeysBody
 
         with pytest.raises(WrongStage) as wrong:
             await client.advertise(3, 1, AdvertiseKeysBody("aa", "bb", "cc"))

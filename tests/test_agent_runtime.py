@@ -65,9 +65,8 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
-from fedsec.tasks import get_task
-from fedsec.tasks.params import param_count, state_to_arrays
-from fedsec.wire import (
+from fedsec.protocol.stages import stage_index
+from fedsec.protocol.wire import (
     AdvertiseKeysBody,
     ContributionStatement,
     DPSpec,
@@ -87,6 +86,8 @@ from fedsec.wire import (
     UnmaskResponseBody,
     encode,
 )
+from fedsec.tasks import get_task
+from fedsec.tasks.params import param_count, state_to_arrays
 
 AGGREGATOR = SigningIdentity(bytes(range(32, 64)))
 ADMIN = SigningIdentity(bytes(range(96, 128)))
@@ -210,8 +211,7 @@ class FakeAggregator:
     def reached(self, stage: str) -> None:
         """Stage data before its stage: 409, as the real aggregator answers once a
         ``wait`` is over."""
-        order = ("open", "advertise", "share_keys", "masked_input", "unmask", "closed")
-        if order.index(self.state.stage) < order.index(stage):
+        if stage_index(self.state.stage) < stage_index(stage):
             raise WrongStage(f"round has not reached stage {stage} yet")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

@@ -32,12 +32,12 @@ from aggregator_helpers import (
 )
 from aiohttp.test_utils import TestClient
 
-from fedsec import wire
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.modelfile import ModelManifest, verify_manifest
+from fedsec.protocol import wire
 
 pytestmark = pytest.mark.asyncio
 

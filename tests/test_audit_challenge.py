@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from fedsec import wire
 from fedsec.agent.client import AggregatorClient
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.app import make_app
@@ -33,6 +32,7 @@ from fedsec.federation import (
     enrol_agents,
     federation_toml,
 )
+from fedsec.protocol import wire
 
 pytestmark = pytest.mark.asyncio
 

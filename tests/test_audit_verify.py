@@ -38,11 +38,11 @@ from audit_fixtures import (
 )
 from click.testing import CliRunner
 
-from fedsec import wire
 from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.audit.archive import Archive
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.protocol import wire
 
 __all__ = ["audit_workspace", "workspace_copy"]  # fixtures, used by name
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fedsec import wire
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
@@ -18,6 +17,7 @@ from fedsec.aggregator.transport import start_server
 from fedsec.audit.verify import verify_log
 from fedsec.errors import PayloadError, StaleUpdate
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
+from fedsec.protocol import wire
 
 
 @pytest.mark.asyncio

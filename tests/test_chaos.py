@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from aggregator_helpers import Cohort, FakeClock, join_request, make_federation
 
-from fedsec import wire
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.workspace import Workspace
 from fedsec.bench.chaos import (
@@ -33,6 +32,7 @@ from fedsec.bench.chaos import (
     run_concurrently,
     run_federation,
 )
+from fedsec.protocol import wire
 
 AGENTS = 6
 ROUNDS = 5

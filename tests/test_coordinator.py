@@ -35,7 +35,6 @@ from aggregator_helpers import (
     table_rows,
 )
 
-from fedsec import wire
 from fedsec.aggregator.coordinator import REFUSED_ENTRIES_PER_ATTEMPT, Coordinator
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.report import read_entries, summarize
@@ -52,6 +51,8 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.modelfile import verify_manifest
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_ID
 
 MEMBERS = ("a0", "a1", "a2", "a3", "a4")
 # Deadline of the advertise stage: members advertise while they train, so only the upload
@@ -875,7 +876,7 @@ def test_refusals_for_made_up_rounds_or_from_outside_the_cohort_are_not_logged(
     upload = cohort.upload("a1")
 
     # made-up rounds and attempts, out-of-range numbers included: the same answer, no entry
-    made_up = [(2, 0), (99, 0), (1, 1), (1, 7), (0, 0), (-1, 0), (1, -1), (wire.MAX_ID,) * 2]
+    made_up = [(2, 0), (99, 0), (1, 1), (1, 7), (0, 0), (-1, 0), (1, -1), (MAX_ID,) * 2]
     for r, a in made_up:
         err = _refused_unlogged(fed, coord, WrongStage, "a1", r, a, *upload)
         assert f"round {r} attempt {a}" in err.detail

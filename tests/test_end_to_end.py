@@ -17,11 +17,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from fedsec import wire
 from fedsec.agent.vault import Vault
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.quantize import dequantize_sum
 from fedsec.modelfile import decode_model
+from fedsec.protocol import wire
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 

@@ -50,9 +50,9 @@ from hostile_support import (
     signed_request,
 )
 
-from fedsec import wire
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.workspace import Workspace
+from fedsec.protocol import wire
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 

@@ -35,9 +35,9 @@ from aggregator_helpers import (
 from aiohttp.test_utils import TestClient
 from test_aggregator_api import AGENTS, Api, _fix_cohort, _to_masked_input, _upload
 
-from fedsec import wire
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.protocol import wire
 
 # a hung held request fails its test within seconds, not at the suite-wide timeout
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]

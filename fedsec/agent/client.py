@@ -1,9 +1,9 @@
-"""The agent's HTTP client for the aggregator API (one method per endpoint of fedsec.wire).
+"""The agent's HTTP client for the aggregator API (one method per endpoint of fedsec.protocol.wire).
 
 Transport only: it builds URLs, signs every request (RFC 9421, also GETs, whose
 body is empty), retries what may succeed on a second try, checks response sizes
 before reading them and decodes answers into the typed messages of
-:mod:`fedsec.wire`.  Protocol decisions belong to :mod:`fedsec.agent.runtime`.
+:mod:`fedsec.protocol.wire`.  Protocol decisions belong to :mod:`fedsec.agent.runtime`.
 
 Retry policy: connection failures, timeouts and 5xx answers are retried with
 exponential backoff and jitter (``backoff_initial_s`` doubling up to
@@ -71,7 +71,8 @@ from fedsec.errors import (
     ServerBusy,
 )
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
-from fedsec.wire import (
+from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.wire import (
     API_PREFIX,
     Accepted,
     AdvertiseKeysBody,
@@ -123,10 +124,9 @@ MAX_JSON_BYTES: Final = 16 * 1024 * 1024
 MAX_ERROR_BYTES: Final = 64 * 1024
 #: A receipt is a dozen short fields (~500 bytes); 64 KiB as for errors.
 MAX_RECEIPT_BYTES: Final = 64 * 1024
-#: Default cap on a model download when the caller gives none: 1 GiB is a float32
-#: model of 256M parameters, far above the bundled tasks; the runtime passes a cap
+#: Default cap on a model download when the caller gives none; the runtime passes a cap
 #: derived from its own model's size instead.
-DEFAULT_MAX_MODEL_BYTES: Final = 1024 * 1024 * 1024
+DEFAULT_MAX_MODEL_BYTES: Final = MAX_MODEL_BYTES
 #: Extra seconds a long-poll request may take beyond the wait the server was asked
 #: for: the server answers at the end of the wait, and the answer still has to travel.
 LONG_POLL_SLACK_S: Final = 15.0

@@ -1,6 +1,6 @@
 """The agent's main loop: follow the aggregator's rounds, train under DP, contribute securely.
 
-One round attempt, as the agent sees it (stages of :data:`fedsec.wire.Stage`)::
+One round attempt, as the agent sees it (stages of :data:`fedsec.protocol.stages.Stage`)::
 
     open ──► join (schema fingerprint, task version, sample count)
     spec with us in the cohort ──► verify spec signature and task ──► charge the
@@ -74,11 +74,7 @@ from fedsec.crypto.commitment import CommitmentContext, commit, seal_reveal
 from fedsec.crypto.identity import SigningIdentity, load_public_key, save_public_key
 from fedsec.crypto.quantize import RingVector, pack, quantize
 from fedsec.crypto.secagg import (
-    AdvertiseKeys,
     ClientSession,
-    EncryptedShare,
-    KeyList,
-    ShareRelay,
     UnmaskRequest,
 )
 from fedsec.errors import (
@@ -102,28 +98,25 @@ from fedsec.errors import (
 )
 from fedsec.faults import crash_point, deterministic_bytes
 from fedsec.modelfile import decode_model, verify_manifest
-from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_partition
-from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
-from fedsec.wire import (
+from fedsec.protocol import codec
+from fedsec.protocol.limits import LONG_POLL_S
+from fedsec.protocol.stages import Stage, stage_index
+from fedsec.protocol.wire import (
     Accepted,
-    AdvertiseKeysBody,
     ContributionStatement,
     JoinRequest,
-    KeyListBody,
-    OutgoingShare,
     PrivacyReport,
     Receipt,
     RevealBody,
     RevealPayload,
     RoundSpec,
     RoundState,
-    ShareKeysBody,
     ShareRelayBody,
-    Stage,
     UnmaskRequestBody,
-    UnmaskResponseBody,
     unhex,
 )
+from fedsec.tasks import Task, TrainingParams, check_schema, get_task, parse_partition
+from fedsec.tasks.params import arrays_to_state, flatten_params, param_count
 
 __all__ = [
     "ADMIN_KEY_FILE",
@@ -145,10 +138,8 @@ T = TypeVar("T")
 IDENTITY_FILE: Final = "identity.key"
 #: The roster admin key, pinned on first use (see :meth:`AgentRuntime._roster`).
 ADMIN_KEY_FILE: Final = "roster_admin.pub"
-#: Long-poll wait asked of the aggregator.  30 s is well under common proxy idle
-#: timeouts (nginx's proxy_read_timeout defaults to 60 s) and keeps an idle agent at
-#: two requests a minute.
-POLL_TIMEOUT_S: Final = 30.0
+#: Long-poll wait asked of the aggregator: the longest it holds one.
+POLL_TIMEOUT_S: Final = LONG_POLL_S
 #: A server that answers a long poll at once with an unchanged token would make the
 #: agent spin; it waits this long before polling again.
 MIN_REPOLL_S: Final = 0.25
@@ -157,15 +148,6 @@ MIN_REPOLL_S: Final = 0.25
 MODEL_HEADER_SLACK_BYTES: Final = 1024 * 1024
 #: Statuses whose 4xx answers mean "not in this attempt any more", not "stop the agent".
 _ROUND_LOCAL_STATUSES: Final = frozenset({404, 409, 410, 425})
-#: Stage order, to tell "not yet" from "already past".
-_STAGE_ORDER: Final[dict[str, int]] = {
-    "open": 0,
-    "advertise": 1,
-    "share_keys": 2,
-    "masked_input": 3,
-    "unmask": 4,
-    "closed": 5,
-}
 
 OutcomeStatus = Literal["closed", "aborted", "missed", "dropped"]
 
@@ -352,31 +334,6 @@ def load_local_data(data: DataSection) -> LocalData:
 # computed on the event loop: a worker thread costs two GIL hand-offs and a wake-up,
 # measured 0.05 s a round slower with 50 agents sharing one process.
 INLINE_MASKING_MAX_DIM = 100_000
-
-
-def _key_list(body: KeyListBody) -> KeyList:
-    return KeyList(
-        tuple(
-            AdvertiseKeys(
-                e.member,
-                unhex(e.enc_public, f"encryption key of {e.member!r}", 32),
-                unhex(e.mask_public, f"mask key of {e.member!r}", 32),
-                unhex(e.signature, f"key signature of {e.member!r}", 64),
-            )
-            for e in body.entries
-        )
-    )
-
-
-def _share_relay(body: ShareRelayBody, member: str) -> ShareRelay:
-    return ShareRelay(
-        member,
-        tuple(body.participants),
-        tuple(
-            EncryptedShare(s.sender, member, unhex(s.ciphertext, f"share from {s.sender!r}"))
-            for s in body.shares
-        ),
-    )
 
 
 def _is_temporary(exc: FedsecError) -> bool:
@@ -713,14 +670,14 @@ class AgentRuntime:
         """
         wanted = tuple(stages)
         key = attempt or (state.round, state.attempt)
-        latest = max(_STAGE_ORDER[s] for s in wanted)
+        latest = max(stage_index(s) for s in wanted)
         current = state
         while True:
             if (current.round, current.attempt) != key or current.stage == "aborted":
                 raise _AttemptOver(current)
             if current.stage in wanted:
                 return current
-            if _STAGE_ORDER[current.stage] > latest:
+            if stage_index(current.stage) > latest:
                 raise _StageMissed(current, "/".join(wanted))
             current = await self._poll(client, current.token)
 
@@ -806,7 +763,7 @@ class AgentRuntime:
             )
             return self._outcome(spec, "dropped", detail="spec names another round"), None
         first_stage = "advertise" if spec.secure_sum == "secagg" else "masked_input"
-        if _STAGE_ORDER[state.stage] > _STAGE_ORDER[first_stage]:
+        if stage_index(state.stage) > stage_index(first_stage):
             # Joined before a restart, back too late: training now would spend privacy
             # on an update that can no longer be sent.
             detail = f"stage {first_stage} already passed (now {state.stage})"
@@ -1185,7 +1142,7 @@ class AgentRuntime:
         r, a = spec.round, spec.attempt
         current = await self._wait_for(client, state, ("advertise",))
         adv = session.advertise()
-        body = AdvertiseKeysBody(adv.enc_public.hex(), adv.mask_public.hex(), adv.signature.hex())
+        body = codec.advertise_body(adv)
         answer = await self._upload(client.advertise(r, a, body, self.poll_timeout_s))
         log.info("secagg_advertised round=%d attempt=%d", r, a)
         crash_point(r, "advertise")
@@ -1196,12 +1153,11 @@ class AgentRuntime:
             keys, current = await self._stage_data(
                 client, current, "share_keys", lambda wait: client.keys(r, a, wait)
             )
-        shares = session.share_keys(_key_list(keys))
-        outgoing = [OutgoingShare(s.recipient, s.ciphertext.hex()) for s in shares.shares]
+        shares = session.share_keys(codec.key_list(keys))
         answer = await self._upload(
-            client.post_shares(r, a, ShareKeysBody(outgoing, report), self.poll_timeout_s)
+            client.post_shares(r, a, codec.share_keys_body(shares, report), self.poll_timeout_s)
         )
-        log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(outgoing))
+        log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(shares.shares))
         crash_point(r, "share_keys")
         if answer is None:  # a 409: an earlier try landed, maybe without this report
             return current, None, False
@@ -1229,7 +1185,7 @@ class AgentRuntime:
             )
         else:
             fetched = relay
-        session.receive_shares(_share_relay(fetched, self.member))
+        session.receive_shares(codec.share_relay(fetched, self.member))
         if spec.dim <= INLINE_MASKING_MAX_DIM:
             masked = session.masked_input(c.quantized)
         else:  # keep the event loop responsive while a large vector is masked
@@ -1247,10 +1203,7 @@ class AgentRuntime:
                 client, current, "unmask", lambda wait: client.get_unmask(r, a, wait)
             )
         answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
-        body = UnmaskResponseBody(
-            {m: s.hex() for m, s in answer.seed_shares},
-            {m: s.hex() for m, s in answer.key_shares},
-        )
+        body = codec.unmask_body(answer)
         # held until the attempt is over; the answer carries the round state then
         accepted = await self._upload(client.unmask(r, a, body, self.poll_timeout_s))
         log.info(

@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from fedsec import fsio
 from fedsec.errors import IntegrityError
-from fedsec.wire import Receipt
+from fedsec.protocol.wire import Receipt
 
 __all__ = ["SALT_BYTES", "RoundRecord", "Vault", "VaultEntry"]
 

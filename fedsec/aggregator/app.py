@@ -21,7 +21,6 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from fedsec import wire
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.openapi import openapi_document
@@ -41,11 +40,11 @@ from fedsec.errors import (
     ServerBusy,
     UnsupportedEncoding,
 )
+from fedsec.protocol import wire
+from fedsec.protocol.limits import LONG_POLL_S, MAX_COUNT
 
 log = logging.getLogger(__name__)
 
-# Agents long-poll GET /round; 25 s stays under common proxy idle timeouts (30-60 s).
-MAX_LONG_POLL_S = 25.0
 # Deadlines are seconds long; checking 20 times a second closes a stage within 50 ms.
 TICK_S = 0.05
 # Roster changes made by the CLI while serving are picked up within a second.
@@ -343,7 +342,7 @@ def _wait_seconds(request: web.Request) -> float:
 
 
 def _seconds(raw: str, what: str) -> float:
-    """A query parameter in seconds, capped at :data:`MAX_LONG_POLL_S`.
+    """A query parameter in seconds, capped at :data:`LONG_POLL_S`.
 
     Raises:
         PayloadError: not a plain non-negative decimal.
@@ -354,7 +353,7 @@ def _seconds(raw: str, what: str) -> float:
             f"{what} must be a non-negative number of seconds like 5 or 2.5, "
             f"got {_quote(raw, 32)!r}"
         )
-    return min(float(raw), MAX_LONG_POLL_S)
+    return min(float(raw), LONG_POLL_S)
 
 
 async def _hold_while(request: web.Request, pending: Callable[[], bool], wait: float) -> None:
@@ -441,7 +440,7 @@ def _json_limit(request: web.Request) -> int:
 async def get_round(request: web.Request) -> web.Response:
     await _authenticate(request, _json_limit(request), _ANY)
     coord = request.app[COORDINATOR]
-    wait = wire.parse_uint(request.query.get("wait", "0"), "wait token", wire.MAX_COUNT)
+    wait = wire.parse_uint(request.query.get("wait", "0"), "wait token", MAX_COUNT)
     timeout = _seconds(request.query.get("timeout", "0"), "timeout")
     if wait and wait == coord.token and timeout > 0:
         await request.app[CHANGED].wait(timeout)

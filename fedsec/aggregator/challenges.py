@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
-from fedsec import wire
 from fedsec.aggregator.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.commitment import challenged
 from fedsec.errors import DuplicateMessage, NotFound, PayloadError, PayloadTooLarge
+from fedsec.protocol import wire
 
 # A reveal holds one quantized update (≤ 8 bytes per parameter) plus framing, hex-encoded;
 # 256 MiB bounds it for models up to ~16M parameters.

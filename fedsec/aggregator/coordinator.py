@@ -44,7 +44,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fedsec import wire
 from fedsec.aggregator.audit_trail import AuditTrail
 from fedsec.aggregator.optimizers import ServerOptimizer, make_optimizer
 from fedsec.aggregator.workspace import Workspace
@@ -72,16 +71,16 @@ from fedsec.errors import (
 )
 from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.modelfile import ModelManifest, decode_model, encode_model
+from fedsec.protocol import codec, wire
+from fedsec.protocol.limits import MAX_ID, MAX_MODEL_BYTES
+from fedsec.protocol.replay import feed_accepted
+from fedsec.protocol.stages import ACTIVE_STAGES, SECAGG_STAGES, stage_index
 from fedsec.tasks import get_task
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
 
 log = logging.getLogger(__name__)
 
-_KEY_STAGES = ("advertise", "share_keys")
-_ORDER = ("open", "advertise", "share_keys", "masked_input", "unmask")
-# Model files are read back from our own store; bound them anyway (1 GiB ≫ any bundled task).
-_MAX_MODEL_BYTES = 1 << 30
 # `refused` entries written one by one per (member, round, attempt).  An honest agent meets
 # few refusals in an attempt: its client never retries a 4xx answer and an identical resend
 # is not logged again, so 4 covers the distinct ones it can meet (too early or too late for
@@ -612,7 +611,7 @@ class Coordinator:
         if self._idempotent(live, stage, member, raw):
             return
         assert live.session is not None
-        wire.feed_accepted(live.session, stage, member, raw)
+        feed_accepted(live.session, stage, member, raw)
         self._record(live, stage, member, raw)
         if self._stage_complete(live):
             self._close_stage(self.clock())
@@ -649,17 +648,8 @@ class Coordinator:
         if member not in live.session.live:
             raise UnknownMember(f"{member} is not a live member of round {live.round}")
         if live.key_list is None:
-            live.key_list = wire.KeyListBody(
-                entries=[
-                    wire.KeyEntry(
-                        member=m,
-                        enc_public=a.enc_public.hex(),
-                        mask_public=a.mask_public.hex(),
-                        signature=a.signature.hex(),
-                    )
-                    for m, a in sorted(live.session.advertised.items())
-                    if m in live.session.live
-                ]
+            live.key_list = codec.key_list_body(
+                a for m, a in sorted(live.session.advertised.items()) if m in live.session.live
             )
         return live.key_list
 
@@ -696,14 +686,7 @@ class Coordinator:
         live = self._expect_at_least(member, round_, attempt, "masked_input")
         if live.relays is None or member not in live.relays:
             raise UnknownMember(f"{member} is not a participant of round {live.round}")
-        relay = live.relays[member]
-        return wire.ShareRelayBody(
-            participants=list(relay.participants),
-            shares=[
-                wire.IncomingShare(sender=s.sender, ciphertext=s.ciphertext.hex())
-                for s in relay.shares
-            ],
-        )
+        return codec.share_relay_body(live.relays[member])
 
     def masked_input(
         self,
@@ -853,8 +836,8 @@ class Coordinator:
             cohort = live.spec.cohort
         else:
             row = None
-            # rounds exist from 1 to the live one; no stored attempt exceeds wire.MAX_ID
-            if 1 <= round_ <= live.round and 0 <= attempt <= wire.MAX_ID:
+            # rounds exist from 1 to the live one; no stored attempt exceeds MAX_ID
+            if 1 <= round_ <= live.round and 0 <= attempt <= MAX_ID:
                 row = self.ws.state.get_round(round_, attempt)
             if row is None:
                 return "no_such_attempt"
@@ -921,9 +904,9 @@ class Coordinator:
         ``stage``: what a request long-polling for that stage's data waits on.  False
         once it has, or once the attempt is over (aborted, closed, superseded)."""
         live = self.live
-        if (round_, attempt) != (live.round, live.attempt) or live.stage not in _ORDER:
+        if (round_, attempt) != (live.round, live.attempt) or live.stage not in ACTIVE_STAGES:
             return False
-        return _ORDER.index(live.stage) < _ORDER.index(stage)
+        return stage_index(live.stage) < stage_index(stage)
 
     def _expect_at_least(self, member: str, round_: int, attempt: int, stage: str) -> _Live:
         live = self.live
@@ -932,7 +915,7 @@ class Coordinator:
                 f"{member}: request for round {round_} attempt {attempt}, but the current round "
                 f"is {live.round} attempt {live.attempt}"
             )
-        if live.stage not in _ORDER or _ORDER.index(live.stage) < _ORDER.index(stage):
+        if live.stage not in ACTIVE_STAGES or stage_index(live.stage) < stage_index(stage):
             raise WrongStage(f"{member}: round {live.round} has not reached stage {stage} yet")
         return live
 
@@ -1127,7 +1110,7 @@ class Coordinator:
             raise RoundAborted(f"round {live.round}: the survivors' total weight is zero")
         mean = (weighted_sum / weight_sum).astype(np.float32)
         parent = self._parent_model(live.round)
-        arrays = decode_model(self.ws.models.read(parent.version), max_bytes=_MAX_MODEL_BYTES)
+        arrays = decode_model(self.ws.models.read(parent.version), max_bytes=MAX_MODEL_BYTES)
         arrays_to_state(self.model, arrays)
         current = flatten_params(self.model)
         load_flat_params(self.model, self.optimizer.step(current, mean))
@@ -1299,17 +1282,13 @@ class Coordinator:
             return live
         spec = msgspec.json.decode(row.spec, type=wire.RoundSpec)
         self._install_spec(live, spec)
-        reached = _ORDER.index(row.stage)
-        replay = (
-            ("advertise", "share_keys", "masked_input", "unmask")
-            if spec.secure_sum == "secagg"
-            else ("masked_input",)
-        )
+        reached = stage_index(row.stage)
+        replay = SECAGG_STAGES if spec.secure_sum == "secagg" else ("masked_input",)
         for stage in replay:
             live.stage = stage
             for member, body in self.ws.state.messages(row.round, row.attempt, stage):
                 self._replay(live, spec, stage, member, body)
-            if _ORDER.index(stage) >= reached:
+            if stage_index(stage) >= reached:
                 break
             if live.session is not None:
                 if stage == "advertise":
@@ -1327,7 +1306,7 @@ class Coordinator:
     ) -> None:
         try:
             if live.session is not None:
-                wire.feed_accepted(live.session, stage, member, body)
+                feed_accepted(live.session, stage, member, body)
             elif stage == "masked_input":
                 self._add_plain(live, spec, member, body)
         except FedsecError as exc:  # pragma: no cover - stored messages were accepted once

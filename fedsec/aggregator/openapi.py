@@ -7,8 +7,9 @@ from typing import Any
 
 import msgspec
 
-from fedsec import wire
 from fedsec.aggregator.transport import PARSER_REJECTIONS_NOTE
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_COUNT, MAX_ID
 
 _SCHEMAS: tuple[type, ...] = (
     wire.RoundState,
@@ -74,11 +75,11 @@ def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
 
 
 # Path and query integers: canonical ASCII decimal, bounded (wire.parse_uint).
-_ID = {"type": "integer", "minimum": 0, "maximum": wire.MAX_ID}
+_ID = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
 _ROUND = {"name": "round", "in": "path", "required": True, "schema": _ID}
 _ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": _ID}
 _VERSION = {"name": "version", "in": "path", "required": True, "schema": _ID}
-_TOKEN = {"type": "integer", "minimum": 0, "maximum": wire.MAX_COUNT}
+_TOKEN = {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}
 _SECONDS = {"type": "number", "minimum": 0}
 
 _DESCRIPTION = (

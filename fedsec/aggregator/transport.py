@@ -50,8 +50,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from fedsec import wire
 from fedsec.config import ServerSection
+from fedsec.protocol import wire
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from fedsec import wire
 from fedsec.audit.log import read_log
 from fedsec.crypto.commitment import (
     CommitmentContext,
@@ -32,6 +31,7 @@ from fedsec.crypto.commitment import (
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import ring_dtype
 from fedsec.errors import IntegrityError
+from fedsec.protocol import wire
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from fedsec import wire
 from fedsec.agent.training import DPParams
 from fedsec.audit.challenge import ClosedRound, closed_rounds, open_reveal_checked
 from fedsec.audit.control import (
@@ -35,10 +34,10 @@ from fedsec.audit.log import read_log
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import FedsecError, IntegrityError
 from fedsec.modelfile import decode_model
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks import TrainingParams, get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
-
-_MAX_MODEL_BYTES = 1 << 30
 
 
 @dataclass
@@ -63,7 +62,7 @@ def _global_params(models_root: Path, closed: ClosedRound) -> npt.NDArray[np.flo
     if hashlib.sha256(data).hexdigest() != spec.model_sha256:
         raise IntegrityError(f"model file of version {spec.model_version} does not match its hash")
     model = get_task(spec.task).build_model(0)
-    arrays_to_state(model, decode_model(data, max_bytes=_MAX_MODEL_BYTES))
+    arrays_to_state(model, decode_model(data, max_bytes=MAX_MODEL_BYTES))
     return flatten_params(model)
 
 

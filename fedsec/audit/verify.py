@@ -51,7 +51,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fedsec import wire
 from fedsec.aggregator.roster import RosterEntry, verify_roster_entry
 from fedsec.audit import accountant
 from fedsec.audit.archive import Archive, ArchiveIndex, Pruning
@@ -62,9 +61,12 @@ from fedsec.crypto.secagg import (
 )
 from fedsec.errors import FedsecError, IntegrityError, NotFound
 from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.replay import feed_accepted
+from fedsec.protocol.stages import SECAGG_STAGES
 
 EPSILON_TOLERANCE = 0.01  # the bar: independent recomputation within 1%
-_MAX_MODEL_BYTES = 1 << 30
 
 
 class VerificationFailed(IntegrityError):
@@ -394,7 +396,7 @@ class Verifier:
             return members, plain.astype("<f8").tobytes(), (plain, weights)
         keys = {m: self._member_key(entry, m) for m in spec.cohort}
         session = ServerSession(spec.secagg_params(), keys)
-        order = ("advertise", "share_keys", "masked_input", "unmask")
+        order = SECAGG_STAGES
         current = 0
         for stage, member, digest in attempt.messages:
             target = order.index(stage)
@@ -402,7 +404,7 @@ class Verifier:
                 _close(session, order[current])
                 current += 1
             raw = self.archive.get(digest)
-            wire.feed_accepted(session, stage, member, raw)
+            feed_accepted(session, stage, member, raw)
         while current < len(order) - 1:
             _close(session, order[current])
             current += 1
@@ -432,7 +434,7 @@ class Verifier:
         weighted, weights = sums
         mean = (np.asarray(weighted) / weights).astype(np.float32)
         model = get_task(spec.task).build_model(0)
-        arrays_to_state(model, decode_model(data, max_bytes=_MAX_MODEL_BYTES))
+        arrays_to_state(model, decode_model(data, max_bytes=MAX_MODEL_BYTES))
         current = flatten_params(model)
         lr = float(body["server_lr"])
         if body["optimizer"] == "fedadam":

@@ -48,10 +48,11 @@ from typing import Any
 import click
 import msgspec
 
-from fedsec import faults, wire
+from fedsec import faults
 from fedsec.bench.common import federation_status, free_port
 from fedsec.config import NetworkSection
 from fedsec.errors import ConfigError
+from fedsec.protocol import wire
 
 TASK = "breast_cancer"
 PARTITION = "iid"

@@ -15,10 +15,10 @@ from typing import Any
 
 import msgspec
 
-from fedsec import wire
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import AuthError, ForbiddenError
+from fedsec.protocol import wire
 
 
 def versions() -> dict[str, str]:

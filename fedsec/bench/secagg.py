@@ -34,6 +34,7 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
 from fedsec.crypto.secagg.server import SHARE_CIPHERTEXT_BYTES
+from fedsec.protocol.stages import SECAGG_STAGES
 
 STAGES = ("advertise", "share", "masked", "unmask")
 
@@ -140,7 +141,7 @@ def run_secagg(
     client_totals = [ct[m].total for m in survivors]
     client_stage = {
         stage: round(statistics.median(ct[m].stages.get(stage, 0.0) for m in survivors), 6)
-        for stage in ("advertise", "share_keys", "masked_input", "unmask")
+        for stage in SECAGG_STAGES
     }
     return with_environment(
         {

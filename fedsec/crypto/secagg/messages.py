@@ -1,6 +1,6 @@
 """Round parameters and the typed messages of one SecAgg+ round.
 
-Messages are plain immutable values; the transport (fedsec.wire) turns them
+Messages are plain immutable values; the transport (fedsec.protocol.wire) turns them
 into JSON and binary bodies.  Only :class:`AdvertiseKeys` carries a signature
 of its own: it is relayed to other members, who must be able to check that the
 aggregator did not substitute keys.  Every other message is authenticated by

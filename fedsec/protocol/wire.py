@@ -50,26 +50,13 @@ import msgspec
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
 from fedsec.crypto.quantize import QuantSpec
-from fedsec.crypto.secagg import (
-    AdvertiseKeys,
-    EncryptedShare,
-    MaskedInput,
-    ServerSession,
-    ShareKeys,
-    UnmaskResponse,
-)
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
+from fedsec.protocol.limits import MAX_COUNT, MAX_ID
+from fedsec.protocol.stages import Stage
 
 API_PREFIX = "/v1"
 
-#: Largest round, attempt or model version on the wire: SQLite stores 64-bit integers
-#: and a path value becomes a file name, so every number from the network is bounded
-#: where it is decoded.  2^31 - 1 rounds is centuries of one-second rounds.
-MAX_ID: Final = 2**31 - 1
-#: Largest count or token (samples, steps, log indices, the long-poll token): 2^53 - 1
-#: is exact in a JSON double and in SQLite's 64-bit integers.
-MAX_COUNT: Final = 2**53 - 1
 #: A round, attempt or model version.
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 #: A count, index or token.
@@ -83,15 +70,6 @@ PRIVACY_REPORT_DOMAIN = "privacy-report"
 RECEIPT_DOMAIN = "contribution-receipt"
 CONTRIBUTION_DOMAIN = "contribution-statement"
 
-Stage = Literal[
-    "open",  # cohort forming: agents join
-    "advertise",  # cohort fixed, spec signed: agents train, then advertise keys
-    "share_keys",
-    "masked_input",
-    "unmask",
-    "closed",  # aggregated: new model version written
-    "aborted",  # too few members; a new attempt follows
-]
 SecureSum = Literal["secagg", "none"]
 
 
@@ -469,57 +447,6 @@ class ErrorBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 T = TypeVar("T")
-
-
-# -- wire bodies -> SecAgg+ messages ------------------------------------------------------------
-
-
-def advertise_message(member: str, body: AdvertiseKeysBody) -> AdvertiseKeys:
-    return AdvertiseKeys(
-        member,
-        unhex(body.enc_public, "enc_public", 32),
-        unhex(body.mask_public, "mask_public", 32),
-        unhex(body.signature, "signature", 64),
-    )
-
-
-def share_keys_message(member: str, body: ShareKeysBody) -> ShareKeys:
-    return ShareKeys(
-        member,
-        tuple(
-            EncryptedShare(member, s.recipient, unhex(s.ciphertext, "share ciphertext"))
-            for s in body.shares
-        ),
-    )
-
-
-def unmask_message(member: str, body: UnmaskResponseBody) -> UnmaskResponse:
-    return UnmaskResponse(
-        member,
-        tuple((m, unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
-        tuple((m, unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
-    )
-
-
-def feed_accepted(session: ServerSession, stage: str, member: str, raw: bytes) -> None:
-    """Feed a message accepted earlier (as stored or archived: JSON body, or the raw
-    vector for ``masked_input``) back into ``session``: resume and re-aggregation."""
-    if stage == "advertise":
-        session.receive_advertise(
-            advertise_message(member, msgspec.json.decode(raw, type=AdvertiseKeysBody))
-        )
-    elif stage == "share_keys":
-        session.receive_share_keys(
-            share_keys_message(member, msgspec.json.decode(raw, type=ShareKeysBody))
-        )
-    elif stage == "masked_input":
-        session.receive_masked_input(MaskedInput(member, raw))
-    elif stage == "unmask":
-        session.receive_unmask(
-            unmask_message(member, msgspec.json.decode(raw, type=UnmaskResponseBody))
-        )
-    else:
-        raise ValueError(f"unknown SecAgg+ stage {stage!r}")
 
 
 def parse_uint(raw: str, what: str, max_value: int = MAX_ID) -> int:

@@ -1,0 +1,135 @@
+"""The one codec between wire bodies (:mod:`fedsec.protocol.wire`) and SecAgg+ messages
+(:mod:`fedsec.crypto.secagg`), in both directions.
+
+The agent encodes its messages with the ``*_body`` functions and decodes the
+aggregator's with the ``*_message`` ones; the aggregator does the opposite; resume
+and ``audit verify`` decode stored bodies with the same functions
+(:mod:`fedsec.protocol.replay`).  Decoding checks every hex field's length and names
+the field in the error, so a malformed body is refused before any protocol state sees
+it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fedsec.crypto.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    KeyList,
+    ShareKeys,
+    ShareRelay,
+    UnmaskResponse,
+)
+from fedsec.protocol.wire import (
+    AdvertiseKeysBody,
+    IncomingShare,
+    KeyEntry,
+    KeyListBody,
+    OutgoingShare,
+    PrivacyReport,
+    ShareKeysBody,
+    ShareRelayBody,
+    UnmaskResponseBody,
+    unhex,
+)
+
+_KEY_BYTES = 32
+_SIGNATURE_BYTES = 64
+
+
+def advertise_body(msg: AdvertiseKeys) -> AdvertiseKeysBody:
+    return AdvertiseKeysBody(msg.enc_public.hex(), msg.mask_public.hex(), msg.signature.hex())
+
+
+def advertise_message(member: str, body: AdvertiseKeysBody) -> AdvertiseKeys:
+    """Raises PayloadError: a field is not hex of the right length."""
+    return AdvertiseKeys(
+        member,
+        unhex(body.enc_public, "enc_public", _KEY_BYTES),
+        unhex(body.mask_public, "mask_public", _KEY_BYTES),
+        unhex(body.signature, "signature", _SIGNATURE_BYTES),
+    )
+
+
+def key_list_body(entries: Iterable[AdvertiseKeys]) -> KeyListBody:
+    return KeyListBody(
+        entries=[
+            KeyEntry(
+                member=a.member,
+                enc_public=a.enc_public.hex(),
+                mask_public=a.mask_public.hex(),
+                signature=a.signature.hex(),
+            )
+            for a in entries
+        ]
+    )
+
+
+def key_list(body: KeyListBody) -> KeyList:
+    """Raises PayloadError: a field is not hex of the right length."""
+    return KeyList(
+        tuple(
+            AdvertiseKeys(
+                e.member,
+                unhex(e.enc_public, f"encryption key of {e.member!r}", _KEY_BYTES),
+                unhex(e.mask_public, f"mask key of {e.member!r}", _KEY_BYTES),
+                unhex(e.signature, f"key signature of {e.member!r}", _SIGNATURE_BYTES),
+            )
+            for e in body.entries
+        )
+    )
+
+
+def share_keys_body(msg: ShareKeys, report: PrivacyReport | None = None) -> ShareKeysBody:
+    return ShareKeysBody(
+        [OutgoingShare(s.recipient, s.ciphertext.hex()) for s in msg.shares], report
+    )
+
+
+def share_keys_message(member: str, body: ShareKeysBody) -> ShareKeys:
+    """Raises PayloadError: a ciphertext is not hex."""
+    return ShareKeys(
+        member,
+        tuple(
+            EncryptedShare(member, s.recipient, unhex(s.ciphertext, "share ciphertext"))
+            for s in body.shares
+        ),
+    )
+
+
+def share_relay_body(relay: ShareRelay) -> ShareRelayBody:
+    return ShareRelayBody(
+        participants=list(relay.participants),
+        shares=[
+            IncomingShare(sender=s.sender, ciphertext=s.ciphertext.hex()) for s in relay.shares
+        ],
+    )
+
+
+def share_relay(body: ShareRelayBody, member: str) -> ShareRelay:
+    """Raises PayloadError: a ciphertext is not hex."""
+    return ShareRelay(
+        member,
+        tuple(body.participants),
+        tuple(
+            EncryptedShare(s.sender, member, unhex(s.ciphertext, f"share from {s.sender!r}"))
+            for s in body.shares
+        ),
+    )
+
+
+def unmask_body(msg: UnmaskResponse) -> UnmaskResponseBody:
+    return UnmaskResponseBody(
+        {m: s.hex() for m, s in msg.seed_shares},
+        {m: s.hex() for m, s in msg.key_shares},
+    )
+
+
+def unmask_message(member: str, body: UnmaskResponseBody) -> UnmaskResponse:
+    """Raises PayloadError: a share is not hex."""
+    return UnmaskResponse(
+        member,
+        tuple((m, unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
+        tuple((m, unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
+    )

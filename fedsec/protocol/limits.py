@@ -1,0 +1,21 @@
+"""Limits every layer agrees on, each declared once with the reason for its value."""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Largest round, attempt or model version on the wire: SQLite stores 64-bit integers
+#: and a path value becomes a file name, so every number from the network is bounded
+#: where it is decoded.  2^31 - 1 rounds is centuries of one-second rounds.
+MAX_ID: Final = 2**31 - 1
+#: Largest count or token (samples, steps, log indices, the long-poll token): 2^53 - 1
+#: is exact in a JSON double and in SQLite's 64-bit integers.
+MAX_COUNT: Final = 2**53 - 1
+#: Largest model file anyone reads (agent download, aggregator store, auditor):
+#: 1 GiB is a float32 model of 268M parameters, far above any bundled task, and
+#: bounds what a hostile or broken peer can make a reader allocate.
+MAX_MODEL_BYTES: Final = 1 << 30
+#: Longest the aggregator holds a long-poll or a held stage answer.  25 s stays under
+#: common proxy idle timeouts (nginx's proxy_read_timeout defaults to 60 s, many load
+#: balancers 30 s) and keeps an idle agent at about two requests a minute.
+LONG_POLL_S: Final = 25.0

@@ -1,0 +1,47 @@
+"""The stages of a round attempt, in order: the one definition every layer uses.
+
+The SecAgg+ message stages are the crypto server's own (:class:`ServerStage`); a round
+adds ``open`` before them (the cohort forms) and ends ``closed`` (aggregated, a new
+model version written) or ``aborted`` (too few members remain; another attempt of the
+same round follows).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, get_args
+
+from fedsec.crypto.secagg.server import ServerStage
+
+Stage = Literal[
+    "open",  # cohort forming: agents join
+    "advertise",  # cohort fixed, spec signed: agents train, then advertise keys
+    "share_keys",
+    "masked_input",
+    "unmask",
+    "closed",  # aggregated: new model version written
+    "aborted",  # too few members; a new attempt follows
+]
+#: Every stage, in the order an attempt passes through them (``aborted`` ends it early).
+STAGES: Final[tuple[Stage, ...]] = get_args(Stage)
+#: The stages in which members send SecAgg+ messages, in order.
+SECAGG_STAGES: Final[tuple[Stage, ...]] = tuple(
+    s for s in STAGES if s in {m.value for m in ServerStage}
+)
+#: The SecAgg+ key-agreement stages, which a round without secure summation skips.
+KEY_STAGES: Final[tuple[Stage, ...]] = SECAGG_STAGES[:2]
+#: The stages an attempt may be in while it still accepts messages.
+ACTIVE_STAGES: Final[tuple[Stage, ...]] = ("open", *SECAGG_STAGES)
+#: The stages that end an attempt.
+FINAL_STAGES: Final[tuple[Stage, ...]] = ("closed", "aborted")
+
+
+def stage_index(stage: str) -> int:
+    """Position of ``stage`` in :data:`STAGES`, to tell "not yet" from "already past".
+
+    Raises:
+        ValueError: not a stage.
+    """
+    try:
+        return STAGES.index(stage)  # type: ignore[arg-type,unused-ignore]
+    except ValueError:
+        raise ValueError(f"unknown stage {stage!r}") from None
