@@ -15,7 +15,7 @@ from dataclasses import asdict
 import torch
 
 from fedsec.agent.device import resolve_device
-from fedsec.agent.training import train_centralized
+from fedsec.learning.training import train_centralized
 from fedsec.tasks import TASKS, get_task
 
 DEFAULT_EPOCHS = {"breast_cancer": 10, "digits": 30, "mnist1d": 100}

@@ -26,9 +26,8 @@ import msgspec
 
 from fedsec.errors import ConfigError
 from fedsec.fsio import atomic_write
+from fedsec.protocol.roster import ID_PATTERN
 
-# Identifiers appear in URLs, file names and log lines: keep them to a safe alphabet.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 _PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")

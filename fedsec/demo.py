@@ -78,7 +78,7 @@ def _noise_for_demo(
     Members with more records sample a smaller fraction per step and so spend less.
     """
     from fedsec.agent.ledger import noise_for_budget
-    from fedsec.agent.training import plan_round
+    from fedsec.learning.training import plan_round
     from fedsec.tasks import TrainingParams, get_task, parse_partition
 
     data = get_task(task).load()

@@ -5,20 +5,76 @@ Every error a user can cause is a :class:`FedsecError` with a stable machine cod
 human sentence (the exception message).  HTTP handlers turn it into
 ``{"error": code, "detail": message}``; CLI commands print the sentence and exit
 non-zero.  Anything else escaping is a bug of ours (HTTP 500).
+
+The root and the errors the crypto layer raises are defined in
+:mod:`fedsec.crypto.errors` (``fedsec.crypto`` imports nothing of fedsec outside
+itself) and re-exported here, so every class has one definition and one public name:
+import errors from this module.
 """
 
 from __future__ import annotations
 
+from fedsec.crypto.errors import (
+    AuthError,
+    BadVector,
+    ClockSkewError,
+    CryptoError,
+    DecryptionError,
+    DuplicateMessage,
+    FedsecError,
+    IntegrityError,
+    InvalidKeyList,
+    KeyFileError,
+    MisaddressedShare,
+    PayloadError,
+    ProtocolError,
+    QuantizationError,
+    RecoveryImpossible,
+    ReplayError,
+    RoundAborted,
+    ShamirError,
+    SignatureError,
+    UnknownMember,
+    WrongStage,
+)
 
-class FedsecError(Exception):
-    """Base of every error fedsec raises on purpose."""
-
-    code = "fedsec_error"
-    http_status = 400
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+__all__ = [
+    "AggregatorRefused",
+    "AggregatorUnreachable",
+    "AuthError",
+    "BadVector",
+    "BudgetExhausted",
+    "ClockSkewError",
+    "ConfigError",
+    "CryptoError",
+    "DecryptionError",
+    "DuplicateMessage",
+    "FedsecError",
+    "ForbiddenError",
+    "IntegrityError",
+    "InvalidKeyList",
+    "KeyFileError",
+    "MisaddressedShare",
+    "NotFound",
+    "PayloadError",
+    "PayloadTooLarge",
+    "ProtocolError",
+    "QuantizationError",
+    "RateLimited",
+    "RecoveryImpossible",
+    "ReplayError",
+    "RequestTimeout",
+    "RetryLater",
+    "RoundAborted",
+    "ServerBusy",
+    "ShamirError",
+    "SignatureError",
+    "StaleUpdate",
+    "TaskMismatch",
+    "UnknownMember",
+    "UnsupportedEncoding",
+    "WrongStage",
+]
 
 
 class ConfigError(FedsecError):
@@ -27,129 +83,11 @@ class ConfigError(FedsecError):
     code = "invalid_config"
 
 
-class CryptoError(FedsecError):
-    """A cryptographic check failed."""
-
-    code = "crypto_error"
-
-
-class SignatureError(CryptoError):
-    """A signature does not verify, or was made by a key we do not accept."""
-
-    code = "bad_signature"
-    http_status = 401
-
-
-class DecryptionError(CryptoError):
-    """A ciphertext failed authentication: tampered, misaddressed or replayed."""
-
-    code = "decryption_failed"
-
-
-class KeyFileError(CryptoError):
-    """A key file is missing, malformed or has unsafe permissions."""
-
-    code = "bad_key_file"
-
-
-class ShamirError(CryptoError):
-    """Shares are malformed, duplicated, inconsistent or too few."""
-
-    code = "bad_shares"
-
-
-class QuantizationError(FedsecError):
-    """A vector cannot be quantized or dequantized with the given parameters."""
-
-    code = "bad_quantization"
-
-
-class ProtocolError(FedsecError):
-    """A SecAgg+ message broke a rule of the protocol."""
-
-    code = "protocol_error"
-    http_status = 409
-
-
-class WrongStage(ProtocolError):
-    """The message belongs to a stage other than the current one."""
-
-    code = "wrong_stage"
-
-
-class DuplicateMessage(ProtocolError):
-    """The member already sent this message for this stage."""
-
-    code = "duplicate"
-
-
-class UnknownMember(ProtocolError):
-    """The sender or a referenced member is not part of this round."""
-
-    code = "unknown_member"
-    http_status = 403
-
-
-class InvalidKeyList(ProtocolError):
-    """A relayed key list does not verify against the roster."""
-
-    code = "invalid_key_list"
-
-
-class MisaddressedShare(ProtocolError):
-    """An encrypted share was addressed to a different member."""
-
-    code = "misaddressed_share"
-
-
-class BadVector(ProtocolError):
-    """A masked vector has the wrong length or values outside the ring."""
-
-    code = "bad_vector"
-    http_status = 400
-
-
-class RecoveryImpossible(ProtocolError):
-    """Too few members remain to reconstruct the secrets needed to unmask."""
-
-    code = "recovery_impossible"
-
-    def __init__(self, detail: str, missing: tuple[str, ...] = ()) -> None:
-        super().__init__(detail)
-        self.missing = missing
-
-
-class RoundAborted(ProtocolError):
-    """Fewer than the threshold of members remain; the round cannot finish."""
-
-    code = "round_aborted"
-
-
-class AuthError(FedsecError):
-    """A request is not authenticated or not authorised."""
-
-    code = "unauthenticated"
-    http_status = 401
-
-
 class ForbiddenError(AuthError):
     """The authenticated party may not do this (role, revoked, wrong federation)."""
 
     code = "forbidden"
     http_status = 403
-
-
-class ReplayError(AuthError):
-    """A nonce was seen before, or the signature's creation time is outside the window."""
-
-    code = "replayed"
-
-
-class ClockSkewError(ReplayError):
-    """The signature's creation time is outside the clock-skew window (the signer's clock
-    is off, or the request is old).  The answer's ``Date`` header gives the server's time."""
-
-    code = "clock_skew"
 
 
 class RetryLater(FedsecError):
@@ -185,12 +123,6 @@ class RequestTimeout(FedsecError):
     http_status = 408
 
 
-class PayloadError(FedsecError):
-    """A request body is malformed, has unknown fields, or exceeds a limit."""
-
-    code = "bad_request"
-
-
 class UnsupportedEncoding(PayloadError):
     """A request body carries a Content-Encoding (compression) the aggregator refuses."""
 
@@ -223,12 +155,6 @@ class TaskMismatch(FedsecError):
 
     code = "task_mismatch"
     http_status = 409
-
-
-class IntegrityError(FedsecError):
-    """Stored or received content does not match its hash, manifest or signature."""
-
-    code = "integrity_error"
 
 
 class AggregatorUnreachable(FedsecError):

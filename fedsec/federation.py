@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsec.aggregator.roster import Role, sign_roster_entry
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import (
     AgentConfig,
@@ -31,8 +30,10 @@ from fedsec.config import (
     dump_agent_config,
     render_toml,
 )
-from fedsec.crypto.identity import SigningIdentity, save_public_key
+from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError
+from fedsec.keys import load_identity, save_identity, save_public_key
+from fedsec.protocol.roster import Role, sign_roster_entry
 
 #: The roster id of the local operator that watches a federation's status.
 OBSERVER_ID = "operator"
@@ -90,7 +91,7 @@ def load_observer(root: Path) -> SigningIdentity:
             f"{root} has no observer key ({path}): it was created by an older fedsec, "
             "before GET /v1/status needed a signed request; create a new federation"
         )
-    return SigningIdentity.load(path)
+    return load_identity(path)
 
 
 def enrol_agents(ws: Workspace, root: Path, count: int, prefix: str = "agent") -> list[LocalAgent]:
@@ -109,7 +110,7 @@ def _enrol(
 ) -> SigningIdentity:
     """A new identity saved in ``home`` (key 0600, public key beside it), on the roster."""
     identity = SigningIdentity.generate()
-    identity.save(home / "identity.key")
+    save_identity(identity, home / "identity.key")
     save_public_key(home / "identity.pub", identity.public_bytes)
     ws.roster.add(
         sign_roster_entry(

@@ -48,7 +48,6 @@ import torch
 
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
-from fedsec.agent.training import plan_round, train_centralized
 from fedsec.aggregator.app import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
@@ -61,6 +60,7 @@ from fedsec.federation import (
     enrol_agents,
     federation_toml,
 )
+from fedsec.learning.training import plan_round, train_centralized
 from fedsec.protocol import wire
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.roster import ROSTER_FILE, sign_roster_entry
+from fedsec.aggregator.roster import ROSTER_FILE
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import default_federation_toml
 from fedsec.crypto.commitment import CommitmentContext, commit
@@ -37,6 +37,7 @@ from fedsec.crypto.secagg import (
 )
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
+from fedsec.protocol.roster import sign_roster_entry
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from fedsec.crypto.identity import SigningIdentity, canonical_json
+from fedsec.keys import load_identity
 
 ROUNDS = 3
 AGENTS = 3
@@ -49,6 +50,7 @@ _DRIVER = textwrap.dedent(
     spec = SimulationSpec(
         task="breast_cancer", agents=int(sys.argv[2]), rounds=int(sys.argv[3]),
         partition="iid", secure_sum="secagg", dp_epsilon=8.0, seed=0,
+        server_optimizer=sys.argv[4],
     )
     result = asyncio.run(run_simulation(spec, Path(sys.argv[1])))
     assert result["rounds"] == int(sys.argv[3]), result
@@ -56,10 +58,12 @@ _DRIVER = textwrap.dedent(
 )
 
 
-def build_workspace(root: Path, agents: int = AGENTS, rounds: int = ROUNDS) -> Path:
+def build_workspace(
+    root: Path, agents: int = AGENTS, rounds: int = ROUNDS, server_optimizer: str = "fedavg"
+) -> Path:
     """Run a federation into ``root`` (which must not exist yet); return ``root``."""
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(root), str(agents), str(rounds)],
+        [sys.executable, "-c", _DRIVER, str(root), str(agents), str(rounds), server_optimizer],
         capture_output=True,
         text=True,
         timeout=240,
@@ -154,11 +158,11 @@ def edit_entry(
 
 
 def agent_key(root: Path, member: str) -> SigningIdentity:
-    return SigningIdentity.load(root / member / "identity.key")
+    return load_identity(root / member / "identity.key")
 
 
 def aggregator_key(root: Path) -> SigningIdentity:
-    return SigningIdentity.load(root / "aggregator" / "aggregator.key")
+    return load_identity(root / "aggregator" / "aggregator.key")
 
 
 def archive_path(root: Path, digest: str) -> Path:

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from fedsec.agent.client import AggregatorClient, error_from_response, parse_retry_after
+from fedsec.aggregator_client import AggregatorClient, error_from_response, parse_retry_after
 from fedsec.crypto.httpsig import NonceCache, RequestVerifier
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import (
@@ -588,7 +588,7 @@ def test_clock_skew_is_corrected_from_the_date_header_and_the_request_resent(
         assert client.clock_offset_s == pytest.approx(behind, abs=2.0)
         assert (await client.get_round()).token == 4  # later requests keep the offset
 
-    log = logging.getLogger("fedsec.agent.client")
+    log = logging.getLogger("fedsec.aggregator_client")
     log.addHandler(caplog.handler)
     try:
         run(scenario, recorder, sleep=pauses, clock=lambda: time.time() - behind)

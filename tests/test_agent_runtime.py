@@ -34,11 +34,10 @@ from fedsec.agent.runtime import (
     verify_round_spec,
 )
 from fedsec.agent.vault import Vault
-from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.config import AgentConfig, AgentSection, DataSection, NetworkSection, PrivacySection
 from fedsec.crypto.commitment import CommitmentContext, verify_commitment
 from fedsec.crypto.httpsig import NonceCache, RequestVerifier
-from fedsec.crypto.identity import SigningIdentity, save_public_key
+from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import dequantize_one, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
@@ -64,7 +63,9 @@ from fedsec.errors import (
     TaskMismatch,
     WrongStage,
 )
+from fedsec.keys import load_identity, save_identity, save_public_key
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
+from fedsec.protocol.roster import sign_roster_entry
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.wire import (
     AdvertiseKeysBody,
@@ -635,7 +636,7 @@ def test_cli_init_writes_key_config_and_prints_public_key(tmp_path: Path) -> Non
 
     from fedsec.agent.cli import agent
     from fedsec.config import load_agent_config
-    from fedsec.crypto.identity import load_public_key
+    from fedsec.keys import load_public_key
 
     home = tmp_path / "alice"
     args = [
@@ -659,7 +660,7 @@ def test_cli_init_writes_key_config_and_prints_public_key(tmp_path: Path) -> Non
     ]
     result = CliRunner().invoke(agent, args)
     assert result.exit_code == 0, result.output
-    identity = SigningIdentity.load(home / "identity.key")
+    identity = load_identity(home / "identity.key")
     assert stat.S_IMODE((home / "identity.key").stat().st_mode) == 0o600
     assert identity.public_bytes.hex() in result.output
     assert str(home / "identity.pub") in result.output
@@ -671,7 +672,7 @@ def test_cli_init_writes_key_config_and_prints_public_key(tmp_path: Path) -> Non
     again = CliRunner().invoke(agent, args)
     assert again.exit_code == 1
     assert "already exists" in again.output and "Traceback" not in again.output
-    assert SigningIdentity.load(home / "identity.key").public_bytes == identity.public_bytes
+    assert load_identity(home / "identity.key").public_bytes == identity.public_bytes
 
     bad = CliRunner().invoke(agent, [*args[:2], str(tmp_path / "b"), *args[3:6], "ftp://x"])
     assert bad.exit_code != 0
@@ -693,7 +694,7 @@ def test_cli_run_unreachable_aggregator_is_one_sentence_and_status_reports(
         port = sock.getsockname()[1]
     home = tmp_path / "alice"
     home.mkdir()
-    IDENTITIES["alice"].save(home / "identity.key")
+    save_identity(IDENTITIES["alice"], home / "identity.key")
     cfg = make_config(Path("."), f"http://127.0.0.1:{port}")
     cfg = msgspec.structs.replace(
         cfg, network=msgspec.structs.replace(cfg.network, retry_max=1, backoff_initial_s=0.01)
@@ -897,7 +898,7 @@ def test_cli_run_ends_on_a_permanent_refusal_with_one_line_and_no_retry(
 
     home = tmp_path / "alice"
     home.mkdir()
-    IDENTITIES["alice"].save(home / "identity.key")
+    save_identity(IDENTITIES["alice"], home / "identity.key")
     with server_in_thread(refuse) as url:
         dump_agent_config(make_config(Path("."), url), home / "agent.toml")
         result = CliRunner().invoke(agent, ["run", "--config", str(home / "agent.toml")])

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from fedsec.agent.client import AggregatorClient
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.app import make_app
-from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
+from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.challenge import closed_rounds, draw_challenges, open_reveal_checked
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.commitment import seal_reveal
@@ -33,6 +32,7 @@ from fedsec.federation import (
     federation_toml,
 )
 from fedsec.protocol import wire
+from fedsec.protocol.roster import sign_roster_entry
 
 pytestmark = pytest.mark.asyncio
 

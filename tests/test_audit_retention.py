@@ -45,12 +45,12 @@ from test_resilience import MEMBERS, _round
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.workspace import CONFIG_FILE, Workspace, init_workspace
-from fedsec.audit.log import head_body, parse_line
 from fedsec.audit.report import summarize
 from fedsec.cli import main
 from fedsec.config import AuditSection, dump_federation_config, parse_federation_config
 from fedsec.errors import ConfigError
 from fedsec.faults import AGGREGATOR_ENV
+from fedsec.protocol.log import head_body, parse_line
 
 ROUNDS = 3
 

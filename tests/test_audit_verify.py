@@ -26,6 +26,7 @@ from audit_fixtures import (
     aggregator_key,
     archive_path,
     audit_workspace,
+    build_workspace,
     edit_entry,
     encode,
     entries,
@@ -38,11 +39,11 @@ from audit_fixtures import (
 )
 from click.testing import CliRunner
 
-from fedsec.aggregator.roster import sign_roster_entry
-from fedsec.audit.archive import Archive
+from fedsec.archive import Archive
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.protocol import wire
+from fedsec.protocol.roster import sign_roster_entry
 
 __all__ = ["audit_workspace", "workspace_copy"]  # fixtures, used by name
 
@@ -424,6 +425,32 @@ def test_an_aggregate_with_a_different_sum_fails(workspace_copy: Path) -> None:
     edit_entry(workspace_copy, index, lambda doc: doc["body"].update(sum_sha256="ab" * 32))
     problem = fails(workspace_copy)
     assert f"log entry {index} (aggregate)" in problem and "sum" in problem, problem
+
+
+@pytest.fixture(scope="module")
+def fedadam_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A federation whose server optimiser is FedAdam (moments carried across rounds)."""
+    root = tmp_path_factory.mktemp("fedadam") / "federation"
+    return build_workspace(root, server_optimizer="fedadam")
+
+
+def test_fedadam_model_versions_are_re_derived_bit_for_bit(
+    fedadam_records: Path, tmp_path: Path
+) -> None:
+    """Each version depends on the moments of every earlier round: the auditor's FedAdam
+    (the aggregator's own, from fedsec.learning) must reproduce every file hash."""
+    root = tmp_path / "federation"
+    shutil.copytree(fedadam_records, root, ignore=shutil.ignore_patterns("*.lock"))
+    aggregates = [e["body"] for e in entries(root) if e["kind"] == "aggregate"]
+    assert [a["optimizer"] for a in aggregates] == ["fedadam"] * ROUNDS
+    code, doc = verify(root, *receipts_of(root))
+    assert code == 0, doc
+    assert doc["rounds_verified"] == ROUNDS and doc["models_verified"] == ROUNDS
+    # the same sums under FedAvg give other models: the re-derivation really ran FedAdam
+    index = find(root, "aggregate", round=ROUNDS)
+    edit_entry(root, index, lambda d: d["body"].update(optimizer="fedavg"))
+    problem = fails(root)
+    assert "model_version" in problem and "re-deriving" in problem, problem
 
 
 # -- receipts -------------------------------------------------------------------------------------

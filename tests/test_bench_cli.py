@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -93,6 +95,21 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _rounds_closed(aggregator: int) -> int:
+    """Rounds the aggregator process ``aggregator`` has closed, read from its state
+    database (named by its ``--workspace`` argument); 0 while there is none yet."""
+    args = Path(f"/proc/{aggregator}/cmdline").read_bytes().split(b"\0")
+    state = Path(os.fsdecode(args[args.index(b"--workspace") + 1])) / "state.db"
+    if not state.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"file:{state}?mode=ro", uri=True)) as db:
+        try:
+            row = db.execute("SELECT count(*) FROM rounds WHERE stage = 'closed'").fetchone()
+        except sqlite3.OperationalError:  # schema not written yet
+            return 0
+    return int(row[0])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -120,7 +137,9 @@ def test_simulate_stopped_with_sigterm_stops_its_aggregator_too() -> None:
                     aggregator = child
             time.sleep(0.2)
         assert aggregator is not None, sim.communicate(timeout=30)
-        time.sleep(3)  # into the rounds
+        while _rounds_closed(aggregator) < 1:  # into the rounds
+            assert time.monotonic() < deadline and sim.poll() is None, "no round closed"
+            time.sleep(0.2)
         sim.send_signal(signal.SIGTERM)
         _, err = sim.communicate(timeout=90)
     finally:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from fedsec.agent.training import DPParams, plan_round, train_local
 from fedsec.audit.control import (
     MemberClaim,
     Reference,
@@ -25,6 +24,7 @@ from fedsec.audit.control import (
 )
 from fedsec.crypto.quantize import QuantSpec, quantize
 from fedsec.errors import TaskMismatch
+from fedsec.learning.training import DPParams, plan_round, train_local
 from fedsec.tasks import get_task
 from fedsec.tasks.base import Task, TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params

@@ -1,11 +1,9 @@
-"""Long-lived Ed25519 identities: the primitive against RFC 8032, our domain rules, key files."""
+"""Long-lived Ed25519 identities: the primitive against RFC 8032, our domain rules, the secret
+key document (the files themselves: tests/test_keys.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import stat
-from pathlib import Path
 
 import nacl.exceptions
 import nacl.signing
@@ -15,9 +13,8 @@ from fedsec.crypto.identity import (
     DOMAIN_PREFIX,
     PublicIdentity,
     SigningIdentity,
+    canonical_json,
     key_id,
-    load_public_key,
-    save_public_key,
 )
 from fedsec.errors import KeyFileError, SignatureError
 
@@ -27,6 +24,30 @@ RFC8032_PUBLIC = bytes.fromhex("d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325
 RFC8032_SIGNATURE = bytes.fromhex(
     "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
 )
+
+
+def _good_doc() -> dict[str, str]:
+    return {
+        "kind": "fedsec-ed25519-secret",
+        "seed": RFC8032_SECRET.hex(),
+        "public_key": RFC8032_PUBLIC.hex(),
+    }
+
+
+MALFORMED_SECRET_DOCUMENTS = [
+    b"",
+    b"not json",
+    b"\xff\xfe garbage",
+    b"[]",
+    b"42",
+    b'"a string"',
+    json.dumps({**_good_doc(), "kind": "something-else"}).encode(),
+    json.dumps({k: v for k, v in _good_doc().items() if k != "seed"}).encode(),
+    json.dumps({**_good_doc(), "seed": "zz" * 32}).encode(),
+    json.dumps({**_good_doc(), "seed": "00" * 31}).encode(),
+    json.dumps({**_good_doc(), "seed": 12}).encode(),
+    json.dumps({**_good_doc(), "public_key": "00" * 32}).encode(),
+]
 
 
 def test_ed25519_rfc8032_test1_primitive() -> None:
@@ -114,106 +135,28 @@ def test_seed_length_checked() -> None:
         SigningIdentity(bytes(31))
 
 
-# -- key files ---------------------------------------------------------------------------------
+# -- the secret key document (written to files by fedsec.keys) -----------------------------------
 
 
-def test_save_writes_0600_and_load_round_trips(tmp_path: Path) -> None:
-    identity = SigningIdentity.generate()
-    path = tmp_path / "keys" / "agent.key"
-    identity.save(path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    loaded = SigningIdentity.load(path)
-    assert loaded.public_bytes == identity.public_bytes
-    loaded.public.verify("d", b"m", identity.sign("d", b"m"))
-    assert not [p for p in path.parent.iterdir() if p.name != "agent.key"]  # no temp left
-
-
-def test_save_is_0600_even_with_permissive_umask(tmp_path: Path) -> None:
-    old = os.umask(0)
-    try:
-        path = tmp_path / "agent.key"
-        SigningIdentity.generate().save(path)
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-
-
-@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620, 0o660, 0o644])
-def test_load_refuses_group_or_other_accessible(tmp_path: Path, mode: int) -> None:
-    path = tmp_path / "agent.key"
-    SigningIdentity.generate().save(path)
-    before = path.read_bytes()
-    path.chmod(mode)
-    with pytest.raises(KeyFileError, match="chmod 600"):
-        SigningIdentity.load(path)
-    assert path.read_bytes() == before
-    assert stat.S_IMODE(path.stat().st_mode) == mode  # we refuse; we do not "fix" it silently
-
-
-def test_save_refuses_overwrite(tmp_path: Path) -> None:
-    path = tmp_path / "agent.key"
-    first = SigningIdentity.generate()
-    first.save(path)
-    before = path.read_bytes()
-    with pytest.raises(KeyFileError, match="refusing to overwrite"):
-        SigningIdentity.generate().save(path)
-    assert path.read_bytes() == before
-    assert SigningIdentity.load(path).public_bytes == first.public_bytes
-
-
-def test_load_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(KeyFileError):
-        SigningIdentity.load(tmp_path / "absent.key")
-
-
-def _good_doc() -> dict[str, str]:
+def test_secret_document_round_trips_and_is_the_key_file_format() -> None:
     identity = SigningIdentity(RFC8032_SECRET)
-    return {
+    document = identity.to_secret_bytes()
+    # the on-disk format of every key file written so far: it must not change
+    assert json.loads(document) == {
         "kind": "fedsec-ed25519-secret",
         "seed": RFC8032_SECRET.hex(),
-        "public_key": identity.public_bytes.hex(),
+        "public_key": RFC8032_PUBLIC.hex(),
     }
+    assert document == canonical_json(json.loads(document))
+    loaded = SigningIdentity.from_secret_bytes(document)
+    assert loaded.public_bytes == RFC8032_PUBLIC
+    loaded.public.verify("d", b"m", identity.sign("d", b"m"))
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"",
-        b"not json",
-        b"\xff\xfe garbage",
-        b"[]",
-        b"42",
-        b'"a string"',
-        json.dumps({**_good_doc(), "kind": "something-else"}).encode(),
-        json.dumps({k: v for k, v in _good_doc().items() if k != "seed"}).encode(),
-        json.dumps({**_good_doc(), "seed": "zz" * 32}).encode(),
-        json.dumps({**_good_doc(), "seed": "00" * 31}).encode(),
-        json.dumps({**_good_doc(), "seed": 12}).encode(),
-        json.dumps({**_good_doc(), "public_key": "00" * 32}).encode(),
-    ],
-)
-def test_load_malformed_file_is_key_file_error(tmp_path: Path, body: bytes) -> None:
-    path = tmp_path / "agent.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(body)
+@pytest.mark.parametrize("body", MALFORMED_SECRET_DOCUMENTS)
+def test_malformed_secret_document_is_key_file_error(body: bytes) -> None:
     with pytest.raises(KeyFileError):
-        SigningIdentity.load(path)
-    assert path.read_bytes() == body
-
-
-def test_public_key_file_round_trip_and_errors(tmp_path: Path) -> None:
-    path = tmp_path / "agent.pub"
-    save_public_key(path, RFC8032_PUBLIC)
-    assert load_public_key(path) == RFC8032_PUBLIC
-    (tmp_path / "short.pub").write_text("00" * 31)
-    with pytest.raises(KeyFileError):
-        load_public_key(tmp_path / "short.pub")
-    (tmp_path / "bad.pub").write_text("xyz")
-    with pytest.raises(KeyFileError):
-        load_public_key(tmp_path / "bad.pub")
-    with pytest.raises(KeyFileError):
-        load_public_key(tmp_path / "absent.pub")
+        SigningIdentity.from_secret_bytes(body)
 
 
 def test_repr_never_shows_secret() -> None:

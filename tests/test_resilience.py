@@ -20,9 +20,9 @@ from aggregator_helpers import (
 from click.testing import CliRunner
 
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.audit.verify import verify_log
 from fedsec.cli import main
+from fedsec.protocol.roster import sign_roster_entry
 
 MEMBERS = ("a0", "a1", "a2")
 

@@ -10,15 +10,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fedsec.aggregator.roster import (
-    Roster,
+from fedsec import config
+from fedsec.aggregator.roster import Roster
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import ConfigError, IntegrityError, NotFound, SignatureError
+from fedsec.protocol import roster as protocol_roster
+from fedsec.protocol.roster import (
     RosterEntry,
     entry_from_event,
+    revoke_roster_entry,
     sign_roster_entry,
     verify_roster_entry,
 )
-from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import ConfigError, IntegrityError, NotFound, SignatureError
 
 FED = "fed-1"
 
@@ -123,6 +126,31 @@ def test_invalid_fields_refused(admin: SigningIdentity) -> None:
         _entry(admin, "bad id/")
     with pytest.raises(IntegrityError, match="32 bytes"):
         _entry(admin, "a", key=b"\x01" * 31)
+
+
+def test_entry_id_alphabet_is_the_config_one() -> None:
+    assert config.ID_PATTERN is protocol_roster.ID_PATTERN
+
+
+def test_entry_verification_needs_no_store(admin: SigningIdentity) -> None:
+    entry = _entry(admin, "lab-1", max_weight=0.25, added_at=100.0)
+    verify_roster_entry(entry, admin.public_bytes, FED)
+    revoked = revoke_roster_entry(entry, admin, FED, at=200.0)
+    assert revoked.status == "revoked" and revoked.revoked_at == 200.0
+    verify_roster_entry(revoked, admin.public_bytes, FED)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_roster_entry(entry, admin.public_bytes, "fed-2")
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_roster_entry(entry, SigningIdentity.generate().public_bytes, FED)
+    widened = msgspec.structs.replace(entry, max_weight=1.0)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_roster_entry(widened, admin.public_bytes, FED)
+    unrevoked = msgspec.structs.replace(revoked, status="active", revoked_at=None)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_roster_entry(unrevoked, admin.public_bytes, FED)
+    assert entry.status == "active" and entry.max_weight == 0.25  # entries are immutable
+    with pytest.raises(IntegrityError, match="malformed"):
+        entry_from_event({"type": "roster_add", "entry": {"agent_id": "x"}})
 
 
 def test_revoke(roster: Roster, tmp_path: Path, admin: SigningIdentity) -> None:

@@ -35,7 +35,7 @@ from aggregator_helpers import (
 from aiohttp.test_utils import TestClient
 from test_aggregator_api import AGENTS, Api, _fix_cohort, _to_masked_input, _upload
 
-from fedsec.aggregator.app import make_app
+from fedsec.aggregator.app import CHANGED, make_app
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.protocol import wire
 
@@ -44,7 +44,6 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 ROUND = "/v1/rounds/1"
 BAD_WAITS = ("-1", "nan", "inf", "-inf", "1e999", "1e3", "1_0", "%205", "abc", "")
-HELD = 0.3  # how long a request must stay unanswered to count as held
 BOUND = 8.0  # no single step of these tests may take longer than this
 
 T = TypeVar("T")
@@ -63,13 +62,23 @@ async def _bounded(aw: Awaitable[T], timeout: float = BOUND) -> T:
     return await asyncio.wait_for(aw, timeout)
 
 
+async def _held(api: Api, count: int) -> None:
+    """Wait until the aggregator holds ``count`` requests (they reached it and wait for
+    a change of the round), within :data:`BOUND` seconds."""
+    changed = api.client.server.app[CHANGED]  # type: ignore[union-attr]
+    deadline = _now() + BOUND
+    while changed.waiting < count:
+        assert _now() < deadline, f"{changed.waiting} requests held, expected {count}"
+        await asyncio.sleep(0.01)
+
+
 async def _held_until_last(
-    send: Callable[[str], Coroutine[Any, Any, Any]], members: tuple[str, ...] = AGENTS
+    api: Api, send: Callable[[str], Coroutine[Any, Any, Any]], members: tuple[str, ...] = AGENTS
 ) -> dict[str, Any]:
     """Send for every member but the last concurrently, check those answers are held,
     then send the last member's (which completes the stage) and collect all answers."""
     early = {m: asyncio.create_task(send(m)) for m in members[:-1]}
-    await asyncio.sleep(HELD)
+    await _held(api, len(early))
     assert not any(t.done() for t in early.values()), "answered before the stage was reached"
     last = await _bounded(send(members[-1]))
     # released by the stage change, not by their own (5 s) waits running out
@@ -97,7 +106,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
         path = f"{ROUND}/advertise?attempt=0&wait=5"
         return await api.ok(m, "POST", path, cohort.advertise(m))
 
-    adverts = {m: _accepted(raw) for m, raw in (await _held_until_last(advertise)).items()}
+    adverts = {m: _accepted(raw) for m, raw in (await _held_until_last(api, advertise)).items()}
     for m, answer in adverts.items():
         assert answer.keys is not None and answer.relay is None and answer.state is None
         assert [e.member for e in answer.keys.entries] == list(AGENTS)
@@ -111,7 +120,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
             m, "POST", f"{ROUND}/shares?attempt=0&wait=5", cohort.share_keys(m, keys)
         )
 
-    relays = {m: _accepted(raw) for m, raw in (await _held_until_last(shares)).items()}
+    relays = {m: _accepted(raw) for m, raw in (await _held_until_last(api, shares)).items()}
     for m, answer in relays.items():
         assert answer.relay is not None and answer.keys is None and answer.state is None
         fetched = await api.ok(m, "GET", f"{ROUND}/shares?attempt=0")
@@ -124,7 +133,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
 
     inputs = {
         m: msgspec.convert(raw, wire.MaskedInputAnswer)
-        for m, raw in (await _held_until_last(masked)).items()
+        for m, raw in (await _held_until_last(api, masked)).items()
     }
     for m, held in inputs.items():
         held.receipt.verify(public)
@@ -145,7 +154,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
             m, "POST", f"{ROUND}/unmask?attempt=0&wait=5", cohort.unmask(m, request)
         )
 
-    closed = {m: _accepted(raw) for m, raw in (await _held_until_last(unmask)).items()}
+    closed = {m: _accepted(raw) for m, raw in (await _held_until_last(api, unmask)).items()}
     for answer in closed.values():
         assert answer.keys is None and answer.relay is None
         state = answer.state
@@ -247,9 +256,9 @@ async def test_abort_releases_held_requests_at_once_without_data(
     post = asyncio.create_task(
         api.ok("a0", "POST", f"{ROUND}/advertise?attempt=0&wait=20", cohort.advertise("a0"))
     )
-    await asyncio.sleep(HELD)  # the advertisement is accepted before the GET waits
+    await _held(api, 1)  # the advertisement is accepted before the GET waits
     get = asyncio.create_task(api.call("a0", "GET", f"{ROUND}/keys?attempt=0&wait=20"))
-    await asyncio.sleep(HELD)
+    await _held(api, 2)
     assert not post.done() and not get.done()
 
     start = _now()
@@ -277,7 +286,7 @@ async def test_abort_at_share_keys_releases_a_held_shares_upload(
     held = asyncio.create_task(
         api.ok("a0", "POST", f"{ROUND}/shares?attempt=0&wait=20", cohort.share_keys("a0", keys))
     )
-    await asyncio.sleep(HELD)
+    await _held(api, 1)
     assert not held.done()
     start = _now()
     clock.advance(FAST_ROUND["share_s"])
@@ -358,7 +367,7 @@ async def test_wait_is_capped_not_refused(api: Api) -> None:
         path = f"{ROUND}/advertise?attempt=0&wait=999999999"
         return await api.ok(m, "POST", path, cohort.advertise(m))
 
-    answers = await _held_until_last(advertise)
+    answers = await _held_until_last(api, advertise)
     assert all(_accepted(a).keys is not None for a in answers.values())
 
 
@@ -373,7 +382,7 @@ async def test_keys_long_poll_is_answered_when_the_last_member_advertises(api: A
         await api.ok(m, "POST", f"{ROUND}/advertise?attempt=0", cohort.advertise(m))
     start = _now()
     poll = asyncio.create_task(api.call("a0", "GET", f"{ROUND}/keys?attempt=0&wait=2"))
-    await asyncio.sleep(HELD)
+    await _held(api, 1)
     assert not poll.done()
     await api.ok(AGENTS[-1], "POST", f"{ROUND}/advertise?attempt=0", cohort.advertise(AGENTS[-1]))
     status, raw, _ = await _bounded(poll, 3.0)
@@ -395,7 +404,7 @@ async def test_unmask_long_poll_is_answered_when_the_last_input_arrives(api: Api
         await api.ok(m, "POST", path, raw)
     start = _now()
     poll = asyncio.create_task(api.call("a1", "GET", f"{ROUND}/unmask?attempt=0&wait=2"))
-    await asyncio.sleep(HELD)
+    await _held(api, 1)
     assert not poll.done()
     path, raw = _upload(cohort, AGENTS[-1])
     await api.ok(AGENTS[-1], "POST", path, raw)

@@ -11,14 +11,14 @@ import torch
 from opacus.accountants import RDPAccountant
 
 from fedsec.agent.device import resolve_device
-from fedsec.agent.training import (
+from fedsec.errors import ConfigError
+from fedsec.learning.training import (
     DPParams,
     TrainingParams,
     plan_round,
     train_centralized,
     train_local,
 )
-from fedsec.errors import ConfigError
 from fedsec.tasks import evaluate, get_task
 from fedsec.tasks.params import flatten_params
 

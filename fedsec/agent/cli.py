@@ -27,8 +27,9 @@ from fedsec.config import (
     parse_agent_config,
     render_toml,
 )
-from fedsec.crypto.identity import SigningIdentity, save_public_key
+from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError, FedsecError
+from fedsec.keys import load_identity, save_identity, save_public_key
 
 __all__ = ["agent"]
 
@@ -144,7 +145,7 @@ def init_command(
     parse_agent_config(render_toml(cfg, f"fedsec agent {agent_id}"), str(config_path))
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     identity = SigningIdentity.generate()
-    identity.save(key_path)
+    save_identity(identity, key_path)
     save_public_key(public_path, identity.public_bytes)
     dump_agent_config(cfg, config_path)
     click.echo(f"agent {agent_id} initialised in {directory}")
@@ -172,7 +173,7 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
 
     _configure_logging(verbose)
     cfg = load_agent_config(config_path)
-    identity = SigningIdentity.load(Path(cfg.agent.state_dir) / IDENTITY_FILE)
+    identity = load_identity(Path(cfg.agent.state_dir) / IDENTITY_FILE)
     runtime = AgentRuntime(cfg, identity, progress=sys.stderr.isatty())
 
     async def main() -> list[Any]:
@@ -246,7 +247,7 @@ def answer_challenges_command(config_path: Path) -> None:
 
     _configure_logging(False)
     cfg = load_agent_config(config_path)
-    identity = SigningIdentity.load(Path(cfg.agent.state_dir) / IDENTITY_FILE)
+    identity = load_identity(Path(cfg.agent.state_dir) / IDENTITY_FILE)
     runtime = AgentRuntime(cfg, identity)
 
     async def main() -> int:

@@ -41,6 +41,7 @@ from fedsec.errors import (
     UnsupportedEncoding,
 )
 from fedsec.protocol import wire
+from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint
 from fedsec.protocol.limits import LONG_POLL_S, MAX_COUNT
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,21 @@ class _ChangeSignal:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        #: Requests held right now, waiting for a change (tests wait on it instead of
+        #: sleeping to know that a request is held).
+        self.waiting = 0
 
     def fire(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout)
+        self.waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout)
+        finally:
+            self.waiting -= 1
 
 
 CHANGED = web.AppKey("changed", _ChangeSignal)
@@ -287,23 +295,36 @@ def _authorised(request: web.Request, roles: tuple[str, ...]) -> tuple[str, str]
     return entry.agent_id, signed.keyid
 
 
-async def _authenticate(
-    request: web.Request, limit: int, roles: tuple[str, ...]
-) -> tuple[str, bytes]:
+def _endpoint(request: web.Request) -> Endpoint:
+    """The endpoint-table entry of the route ``request`` matched."""
+    return _ENDPOINT_OF[request.match_info.handler]
+
+
+def _body_limit(request: web.Request, endpoint: Endpoint) -> int:
+    """The configured limit the endpoint's ``body_limit`` names, in bytes."""
+    cfg = request.app[WORKSPACE].config.server
+    return cfg.max_body_bytes if endpoint.body_limit == "binary" else cfg.max_json_bytes
+
+
+async def _authenticate(request: web.Request) -> tuple[str, bytes]:
     """Authenticate the request; return (agent id, body).
 
-    Everything that needs no body is checked before a byte of it is read: framing,
-    signature headers, key, roster role, created time, nonce and the member's rate.
-    Only then is the body read (bounded in size, time and concurrency), checked
-    against the signed digest, and the nonce recorded.
+    The roles allowed and the body limit are the matched endpoint's (the table in
+    :mod:`fedsec.protocol.endpoints`).  Everything that needs no body is checked
+    before a byte of it is read: framing, signature headers, key, roster role,
+    created time, nonce and the member's rate.  Only then is the body read (bounded
+    in size, time and concurrency), checked against the signed digest, and the nonce
+    recorded.
     """
+    endpoint = _endpoint(request)
+    limit = _body_limit(request, endpoint)
     _check_framing(request, limit)
-    member, _keyid = _authorised(request, roles)
+    member, _keyid = _authorised(request, endpoint.roles)
     async with _upload_slot(request, limit):
         body = await _read_body(request, limit)
     request.app[VERIFIER].verify_body(request[_SIGNED], body)
     coord = request.app[COORDINATOR]
-    key = (coord.live.round, coord.live.attempt)
+    key = coord.current_attempt()
     request[_MEMBER] = key
     # counted on arrival: a held answer (e.g. the unmask answer, held until the round
     # is over) must not leave its upload out of the round's summary
@@ -316,10 +337,8 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     refusal (size, encoding, signature, role) goes out before the client sends the body."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         return _error(request, "expectation_failed", 417, "only Expect: 100-continue is known")
-    cfg = request.app[WORKSPACE].config.server
-    binary = request.match_info.handler in _BINARY_BODIES
     try:
-        _check_framing(request, cfg.max_body_bytes if binary else cfg.max_json_bytes)
+        _check_framing(request, _body_limit(request, _endpoint(request)))
         request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
     except FedsecError as exc:
         return _error(request, exc.code, exc.http_status, exc.detail)
@@ -375,12 +394,7 @@ async def _hold_until(
     progress before ``stage``; True when it has reached (or passed) ``stage``."""
     coord = request.app[COORDINATOR]
     await _hold_while(request, lambda: coord.before_stage(round_, attempt, stage), wait)
-    live = coord.live
-    return (
-        (live.round, live.attempt) == (round_, attempt)
-        and live.stage != "aborted"
-        and not coord.before_stage(round_, attempt, stage)
-    )
+    return coord.has_reached(round_, attempt, stage)
 
 
 def _decode(raw: bytes, kind: type[T], request: web.Request, what: str) -> T:
@@ -401,10 +415,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     # alerts and round history are the consortium's, not the public's: any enrolled role
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     coord = request.app[COORDINATOR]
     ws = request.app[WORKSPACE]
-    live = coord.live
+    now = coord.round_state()
     history = [
         msgspec.json.decode(r.summary, type=wire.RoundSummary)
         for r in ws.state.rounds(200)
@@ -413,13 +427,13 @@ async def status(request: web.Request) -> web.Response:
     return _json(
         wire.FederationStatus(
             federation_id=ws.federation_id,
-            round=live.round,
-            attempt=live.attempt,
-            stage=live.stage,  # type: ignore[arg-type]
-            model_version=ws.models.latest().version,
-            rounds_completed=coord.rounds_completed,
-            rounds_target=ws.config.round.rounds,
-            finished=coord.finished,
+            round=now.round,
+            attempt=now.attempt,
+            stage=now.stage,
+            model_version=now.model_version,
+            rounds_completed=now.rounds_completed,
+            rounds_target=now.rounds_target,
+            finished=now.finished,
             agents_active=len(ws.roster.active_agents()),
             history=history,
             alerts=coord.alerts[-50:],
@@ -429,16 +443,9 @@ async def status(request: web.Request) -> web.Response:
 
 # -- agent endpoints ---------------------------------------------------------------------------
 
-_AGENT = ("agent",)
-_ANY = ("agent", "observer", "auditor")
-
-
-def _json_limit(request: web.Request) -> int:
-    return request.app[WORKSPACE].config.server.max_json_bytes
-
 
 async def get_round(request: web.Request) -> web.Response:
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     coord = request.app[COORDINATOR]
     wait = wire.parse_uint(request.query.get("wait", "0"), "wait token", MAX_COUNT)
     timeout = _seconds(request.query.get("timeout", "0"), "timeout")
@@ -448,7 +455,7 @@ async def get_round(request: web.Request) -> web.Response:
 
 
 async def get_roster(request: web.Request) -> web.Response:
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     ws = request.app[WORKSPACE]
     return _json(
         {
@@ -460,14 +467,14 @@ async def get_roster(request: web.Request) -> web.Response:
 
 
 async def join(request: web.Request) -> web.Response:
-    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     req = _decode(body, wire.JoinRequest, request, "join request")
     return _json(request.app[COORDINATOR].join(member, r, a, req))
 
 
 async def report(request: web.Request) -> web.Response:
-    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     rep = _decode(body, wire.PrivacyReport, request, "privacy report")
     request.app[COORDINATOR].report(member, r, a, rep)
@@ -489,7 +496,7 @@ async def _next_stage_data(
 
 
 async def advertise(request: web.Request) -> web.Response:
-    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     msg = _decode(body, wire.AdvertiseKeysBody, request, "key advertisement")
     wait = _wait_seconds(request)  # checked before anything is accepted
@@ -502,14 +509,14 @@ async def advertise(request: web.Request) -> web.Response:
 
 
 async def keys(request: web.Request) -> web.Response:
-    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    member, _ = await _authenticate(request)
     r, a = _round_args(request)
     await _hold_until(request, r, a, "share_keys", _wait_seconds(request))
     return _json(request.app[COORDINATOR].key_list(member, r, a))
 
 
 async def post_shares(request: web.Request) -> web.Response:
-    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     msg = _decode(body, wire.ShareKeysBody, request, "encrypted shares")
     wait = _wait_seconds(request)  # checked before anything is accepted
@@ -522,15 +529,14 @@ async def post_shares(request: web.Request) -> web.Response:
 
 
 async def get_shares(request: web.Request) -> web.Response:
-    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    member, _ = await _authenticate(request)
     r, a = _round_args(request)
     await _hold_until(request, r, a, "masked_input", _wait_seconds(request))
     return _json(request.app[COORDINATOR].share_relay(member, r, a))
 
 
 async def masked_input(request: web.Request) -> web.Response:
-    ws = request.app[WORKSPACE]
-    member, body = await _authenticate(request, ws.config.server.max_body_bytes, _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     commitment = request.query.get("commitment", "")
     signature = request.query.get("signature", "")
@@ -545,7 +551,7 @@ async def masked_input(request: web.Request) -> web.Response:
     if "wait" not in request.query:
         return _json(receipt)
     # a plain round has no unmask stage to hold for (another attempt is never held)
-    held = wait if coord.live.session is not None else 0.0
+    held = wait if coord.has_stage("unmask") else 0.0
     unmask = await _next_stage_data(
         request, r, a, "unmask", held, lambda: coord.unmask_request(member, r, a)
     )
@@ -553,14 +559,14 @@ async def masked_input(request: web.Request) -> web.Response:
 
 
 async def get_unmask(request: web.Request) -> web.Response:
-    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    member, _ = await _authenticate(request)
     r, a = _round_args(request)
     await _hold_until(request, r, a, "unmask", _wait_seconds(request))
     return _json(request.app[COORDINATOR].unmask_request(member, r, a))
 
 
 async def post_unmask(request: web.Request) -> web.Response:
-    member, body = await _authenticate(request, _json_limit(request), _AGENT)
+    member, body = await _authenticate(request)
     r, a = _round_args(request)
     msg = _decode(body, wire.UnmaskResponseBody, request, "unmask answer")
     wait = _wait_seconds(request)  # checked before anything is accepted
@@ -570,8 +576,7 @@ async def post_unmask(request: web.Request) -> web.Response:
         return _json(wire.Accepted(accepted=True))
 
     def unmasking() -> bool:
-        live = coord.live
-        return (live.round, live.attempt, live.stage) == (r, a, "unmask")
+        return coord.in_stage(r, a, "unmask")
 
     # held until the attempt is over: the answer then carries the state the agent
     # would otherwise long-poll for next (closed, usually the next round already open)
@@ -580,7 +585,7 @@ async def post_unmask(request: web.Request) -> web.Response:
 
 
 async def receipt(request: web.Request) -> web.Response:
-    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    member, _ = await _authenticate(request)
     r, _a = _round_args(request)
     return _json(request.app[COORDINATOR].receipt(member, r))
 
@@ -589,19 +594,19 @@ async def receipt(request: web.Request) -> web.Response:
 
 
 async def post_challenge(request: web.Request) -> web.Response:
-    auditor, body = await _authenticate(request, _json_limit(request), ("auditor",))
+    auditor, body = await _authenticate(request)
     req = _decode(body, wire.ChallengeRequest, request, "challenge")
     return _json(request.app[CHALLENGES].challenge(auditor, req))
 
 
 async def get_challenges(request: web.Request) -> web.Response:
-    member, _ = await _authenticate(request, _json_limit(request), _AGENT)
+    member, _ = await _authenticate(request)
     return _json(request.app[CHALLENGES].open_for(member))
 
 
 async def post_reveal(request: web.Request) -> web.Response:
     ws = request.app[WORKSPACE]
-    member, body = await _authenticate(request, ws.config.server.max_body_bytes, _AGENT)
+    member, body = await _authenticate(request)
     reveal = wire.decode(
         body, wire.RevealBody, max_bytes=ws.config.server.max_body_bytes, what="reveal"
     )
@@ -609,7 +614,7 @@ async def post_reveal(request: web.Request) -> web.Response:
 
 
 async def get_reveals(request: web.Request) -> web.Response:
-    auditor, _ = await _authenticate(request, _json_limit(request), ("auditor",))
+    auditor, _ = await _authenticate(request)
     return _json(request.app[CHALLENGES].reveals_for(auditor))
 
 
@@ -618,20 +623,20 @@ def _version(request: web.Request) -> int:
 
 
 async def latest_manifest(request: web.Request) -> web.Response:
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     return web.Response(
         body=request.app[WORKSPACE].models.latest().to_json(), content_type="application/json"
     )
 
 
 async def manifest(request: web.Request) -> web.Response:
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     m = request.app[WORKSPACE].models.get(_version(request))
     return web.Response(body=m.to_json(), content_type="application/json")
 
 
 async def model(request: web.Request) -> web.Response:
-    await _authenticate(request, _json_limit(request), _ANY)
+    await _authenticate(request)
     data = request.app[WORKSPACE].models.read(_version(request))
     return web.Response(body=data, content_type="application/octet-stream")
 
@@ -696,36 +701,41 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     # nonce has been forgotten, and on disk so a restart forgets none of them
     app[NONCES] = PersistentNonceStore(workspace.root / NONCE_DB, 2 * cfg.clock_skew_s)
     app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
-    for method, path, handler in _ROUTES:
-        app.router.add_route(method, f"{wire.API_PREFIX}{path}", handler, expect_handler=_expect)
+    for endpoint in ENDPOINTS:
+        app.router.add_route(
+            endpoint.method, endpoint.template, _HANDLERS[endpoint.name], expect_handler=_expect
+        )
     app.cleanup_ctx.append(_replay_store)
     app.cleanup_ctx.append(_ticker)
     return app
 
 
-_ROUTES: tuple[tuple[str, str, Handler], ...] = (
-    ("GET", "/health", health),
-    ("GET", "/openapi.json", openapi),
-    ("GET", "/status", status),
-    ("GET", "/round", get_round),
-    ("GET", "/roster", get_roster),
-    ("GET", "/models/latest", latest_manifest),
-    ("GET", "/models/{version}/manifest", manifest),
-    ("GET", "/models/{version}", model),
-    ("POST", "/rounds/{round}/join", join),
-    ("POST", "/rounds/{round}/report", report),
-    ("POST", "/rounds/{round}/advertise", advertise),
-    ("GET", "/rounds/{round}/keys", keys),
-    ("POST", "/rounds/{round}/shares", post_shares),
-    ("GET", "/rounds/{round}/shares", get_shares),
-    ("POST", "/rounds/{round}/masked-input", masked_input),
-    ("GET", "/rounds/{round}/unmask", get_unmask),
-    ("POST", "/rounds/{round}/unmask", post_unmask),
-    ("GET", "/rounds/{round}/receipt", receipt),
-    ("POST", "/audit/challenges", post_challenge),
-    ("GET", "/audit/challenges", get_challenges),
-    ("POST", "/audit/reveals", post_reveal),
-    ("GET", "/audit/reveals", get_reveals),
-)
-# Handlers whose body may be up to server.max_body_bytes; every other takes JSON.
-_BINARY_BODIES: frozenset[Handler] = frozenset({masked_input, post_reveal})
+# The handler of each endpoint in fedsec.protocol.endpoints.ENDPOINTS, by its name; the
+# routes, their roles and body limits come from that table.
+_HANDLERS: dict[str, Handler] = {
+    "health": health,
+    "openapi": openapi,
+    "status": status,
+    "get_round": get_round,
+    "get_roster": get_roster,
+    "latest_manifest": latest_manifest,
+    "manifest": manifest,
+    "model": model,
+    "join": join,
+    "report": report,
+    "advertise": advertise,
+    "keys": keys,
+    "post_shares": post_shares,
+    "get_shares": get_shares,
+    "masked_input": masked_input,
+    "get_unmask": get_unmask,
+    "post_unmask": post_unmask,
+    "receipt": receipt,
+    "post_challenge": post_challenge,
+    "get_challenges": get_challenges,
+    "post_reveal": post_reveal,
+    "get_reveals": get_reveals,
+}
+_ENDPOINT_OF: dict[Handler, Endpoint] = {
+    handler: BY_NAME[name] for name, handler in _HANDLERS.items()
+}

@@ -3,7 +3,7 @@
 Entries are written to the ``log`` table of the state database in the same
 transaction as the state change they record, so the log and the state can never
 disagree; after each commit the new lines are appended to ``audit/log.jsonl``,
-the file third parties verify (:mod:`fedsec.audit.log` documents the format).  A
+the file third parties verify (:mod:`fedsec.protocol.log` documents the format).  A
 file that is behind the database (a crash between commit and append) is
 completed at start-up; one that disagrees with it is rewritten from it.
 
@@ -29,11 +29,11 @@ from typing import Any
 from fedsec.aggregator.modelstore import ModelStore
 from fedsec.aggregator.roster import Roster
 from fedsec.aggregator.state import StateStore
-from fedsec.audit.archive import Archive, ArchiveIndex
-from fedsec.audit.log import GENESIS_PREV, LogEntry, head_body, make_entry
+from fedsec.archive import Archive, ArchiveIndex
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.fsio import atomic_write
+from fedsec.protocol.log import GENESIS_PREV, LogEntry, head_body, make_entry
 
 log = logging.getLogger(__name__)
 

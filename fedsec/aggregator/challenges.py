@@ -41,22 +41,40 @@ class ChallengeDesk:
             NotFound: the round attempt did not close, or the member did not contribute.
             PayloadError: the beacon is not a head after the round, or does not select
                 this member at this rate.
+            DuplicateMessage: this auditor already challenged this member and round.
         """
         entries = self._log()
-        aggregate = next(
-            (
-                e
-                for e in entries
-                if e["kind"] == "aggregate"
-                and (e["body"]["round"], e["body"]["attempt"]) == (req.round, req.attempt)
-            ),
-            None,
-        )
-        if aggregate is None:
-            raise NotFound(f"round {req.round} attempt {req.attempt} has not closed")
-        survivors = list(aggregate["body"]["survivors"])
-        if req.member not in survivors:
-            raise NotFound(f"{req.member} contributed nothing to round {req.round}")
+        aggregate = _closed_aggregate(entries, req)
+        beacon = self._beacon(entries, req, aggregate)
+        if self.ws.state.challenge(req.round, req.attempt, req.member, auditor) is not None:
+            raise DuplicateMessage(f"{auditor} already challenged {req.member} for this round")
+        with self.ws.state.transaction():
+            fields: dict[str, Any] = {
+                "round": req.round,
+                "attempt": req.attempt,
+                "member": req.member,
+                "auditor": auditor,
+                "beacon_index": req.beacon_index,
+                "beacon": beacon.hex(),
+                "rate": req.rate,
+            }
+            entry = self.trail.append("challenge", fields)
+            result = wire.Challenge(**fields, log_index=entry.index)
+            self.ws.state.add_challenge(
+                req.round, req.attempt, req.member, auditor, wire.encode(result)
+            )
+        return result
+
+    def _beacon(
+        self, entries: list[dict[str, Any]], req: wire.ChallengeRequest, aggregate: dict[str, Any]
+    ) -> bytes:
+        """The hash of the signed head the challenge draws from, checked to select the
+        member.
+
+        Raises:
+            PayloadError: no such entry, not a head written after the round, or the draw
+                does not select this member at this rate.
+        """
         if not 0 <= req.beacon_index < len(entries):
             raise PayloadError(f"no log entry {req.beacon_index} to use as beacon")
         head = entries[req.beacon_index]
@@ -68,40 +86,14 @@ class ChallengeDesk:
         beacon = hashlib.sha256(
             dict(self.ws.state.log_lines(req.beacon_index))[req.beacon_index]
         ).digest()
-        if req.member not in challenged(survivors, req.round, beacon, req.rate):
+        if req.member not in challenged(
+            aggregate["body"]["survivors"], req.round, beacon, req.rate
+        ):
             raise PayloadError(
                 f"the beacon of entry {req.beacon_index} does not select {req.member} for "
                 f"round {req.round} at rate {req.rate}"
             )
-        if self.ws.state.challenge(req.round, req.attempt, req.member, auditor) is not None:
-            raise DuplicateMessage(f"{auditor} already challenged {req.member} for this round")
-        with self.ws.state.transaction():
-            entry = self.trail.append(
-                "challenge",
-                {
-                    "round": req.round,
-                    "attempt": req.attempt,
-                    "member": req.member,
-                    "auditor": auditor,
-                    "beacon_index": req.beacon_index,
-                    "beacon": beacon.hex(),
-                    "rate": req.rate,
-                },
-            )
-            result = wire.Challenge(
-                round=req.round,
-                attempt=req.attempt,
-                member=req.member,
-                auditor=auditor,
-                beacon_index=req.beacon_index,
-                beacon=beacon.hex(),
-                rate=req.rate,
-                log_index=entry.index,
-            )
-            self.ws.state.add_challenge(
-                req.round, req.attempt, req.member, auditor, wire.encode(result)
-            )
-        return result
+        return beacon
 
     def open_for(self, member: str) -> wire.ChallengeList:
         return wire.ChallengeList(
@@ -163,3 +155,26 @@ class ChallengeDesk:
                 msgspec.json.decode(b, type=wire.Reveal) for b in self.ws.state.reveals_for(auditor)
             ]
         )
+
+
+def _closed_aggregate(entries: list[dict[str, Any]], req: wire.ChallengeRequest) -> dict[str, Any]:
+    """The ``aggregate`` entry of the challenged attempt, with the member among its
+    survivors.
+
+    Raises:
+        NotFound: the attempt did not close, or the member contributed nothing to it.
+    """
+    aggregate = next(
+        (
+            e
+            for e in entries
+            if e["kind"] == "aggregate"
+            and (e["body"]["round"], e["body"]["attempt"]) == (req.round, req.attempt)
+        ),
+        None,
+    )
+    if aggregate is None:
+        raise NotFound(f"round {req.round} attempt {req.attempt} has not closed")
+    if req.member not in aggregate["body"]["survivors"]:
+        raise NotFound(f"{req.member} contributed nothing to round {req.round}")
+    return aggregate

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import click
 
-from fedsec.aggregator.roster import sign_roster_entry
 from fedsec.aggregator.workspace import Workspace, init_workspace
-from fedsec.crypto.identity import load_public_key
 from fedsec.errors import ConfigError
+from fedsec.keys import load_public_key
+from fedsec.protocol.roster import sign_roster_entry
 
 SERVE_INFO = "serve.json"
 

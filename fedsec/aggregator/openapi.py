@@ -1,4 +1,5 @@
-"""The OpenAPI 3.1 document of the aggregator API, built from the wire schemas."""
+"""The OpenAPI 3.1 document of the aggregator API, generated from the endpoint table
+(:data:`fedsec.protocol.endpoints.ENDPOINTS`) and the wire schemas."""
 
 from __future__ import annotations
 
@@ -9,45 +10,27 @@ import msgspec
 
 from fedsec.aggregator.transport import PARSER_REJECTIONS_NOTE
 from fedsec.protocol import wire
-from fedsec.protocol.limits import MAX_COUNT, MAX_ID
-
-_SCHEMAS: tuple[type, ...] = (
-    wire.RoundState,
-    wire.JoinRequest,
-    wire.JoinResponse,
-    wire.PrivacyReport,
-    wire.AdvertiseKeysBody,
-    wire.KeyListBody,
-    wire.ShareKeysBody,
-    wire.ShareRelayBody,
-    wire.UnmaskRequestBody,
-    wire.UnmaskResponseBody,
-    wire.Accepted,
-    wire.Receipt,
-    wire.MaskedInputAnswer,
-    wire.FederationStatus,
-    wire.ErrorBody,
-    wire.ChallengeRequest,
-    wire.Challenge,
-    wire.ChallengeList,
-    wire.RevealBody,
-    wire.Reveal,
-    wire.RevealList,
-)
+from fedsec.protocol.endpoints import ENDPOINTS, Endpoint, Opaque, Param, Payload, structs
 
 _SIGNED = "RFC 9421 HTTP Message Signature (Ed25519) of a roster member"
+
+_PUBLIC = " and ".join(ep.path for ep in ENDPOINTS if not ep.roles)
+_DESCRIPTION = (
+    f"Every request but {_PUBLIC} is signed (RFC 9421, Ed25519) by an "
+    "active roster key; the signature, key, role, created time, nonce and the key's rate "
+    "are checked before the body is read. Errors are JSON {error, detail}. "
+)
+
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 
 
 def _ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json_body(name: str) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
-
-
-def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
-    errors = {
+def _errors() -> dict[str, Any]:
+    """The refusals any signed endpoint may answer."""
+    errors: dict[str, Any] = {
         code: {"description": text, "content": {"application/json": {"schema": _ref("ErrorBody")}}}
         for code, text in (
             ("400", "malformed or invalid request"),
@@ -67,207 +50,65 @@ def _ok(name: str | None, description: str = "OK") -> dict[str, Any]:
     }
     errors["429"] = {"description": "the member key is over its request rate", **retry}
     errors["503"] = {"description": "no capacity now (every upload slot busy)", **retry}
-    content = {"application/json": {"schema": _ref(name)}} if name else {}
-    ok: dict[str, Any] = {"description": description}
-    if content:
+    return errors
+
+
+def _content(payload: Payload | None, alternatives: tuple[type, ...] = ()) -> dict[str, Any]:
+    """The ``content`` of a body or answer; empty for none or opaque JSON."""
+    if isinstance(payload, Opaque):
+        return _BINARY if payload.binary else {}
+    if payload is None:
+        return {}
+    if alternatives:
+        schema = {"oneOf": [_ref(kind.__name__) for kind in (payload, *alternatives)]}
+    else:
+        schema = _ref(payload.__name__)
+    return {"application/json": {"schema": schema}}
+
+
+def _binary(payload: Payload | None) -> bool:
+    return isinstance(payload, Opaque) and payload.binary
+
+
+def _responses(ep: Endpoint) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": ep.answer_note}
+    if content := _content(ep.response, ep.alternatives):
         ok["content"] = content
-    return {"200": ok, **errors}
+    # public routes refuse nothing of note; the model download has never listed its
+    # refusals (kept so the document stays what clients were generated from)
+    if not ep.roles or _binary(ep.response):
+        return {"200": ok}
+    return {"200": ok, **_errors()}
 
 
-# Path and query integers: canonical ASCII decimal, bounded (wire.parse_uint).
-_ID = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
-_ROUND = {"name": "round", "in": "path", "required": True, "schema": _ID}
-_ATTEMPT = {"name": "attempt", "in": "query", "required": False, "schema": _ID}
-_VERSION = {"name": "version", "in": "path", "required": True, "schema": _ID}
-_TOKEN = {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}
-_SECONDS = {"type": "number", "minimum": 0}
-
-_DESCRIPTION = (
-    "Every request but /health and /openapi.json is signed (RFC 9421, Ed25519) by an "
-    "active roster key; the signature, key, role, created time, nonce and the key's rate "
-    "are checked before the body is read. Errors are JSON {error, detail}. "
-)
+def _parameter(param: Param) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": param.name, "in": param.where, "required": param.required}
+    if param.description:
+        doc["description"] = param.description
+    doc["schema"] = dict(param.schema)
+    return doc
 
 
-def _wait(until: str) -> dict[str, Any]:
-    return {
-        "name": "wait",
-        "in": "query",
-        "required": False,
-        "description": (
-            f"seconds (at most 25) the aggregator may hold the answer until {until}; "
-            "0 or absent answers at once"
-        ),
-        "schema": _SECONDS,
-    }
-
-
-def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": responses}
-    op.update(extra)
+def _operation(ep: Endpoint) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": ep.summary, "responses": _responses(ep)}
+    if ep.params:
+        op["parameters"] = [_parameter(p) for p in ep.params]
+    if ep.request is not None:
+        op["requestBody"] = {"required": True, "content": _content(ep.request)}
+    if not ep.roles:
+        op["security"] = []
     return op
 
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    """The document served at /v1/openapi.json."""
+    """The document served at /v1/openapi.json: one operation per endpoint."""
     _, components = msgspec.json.schema_components(
-        _SCHEMAS, ref_template="#/components/schemas/{name}"
+        (*structs(), wire.ErrorBody), ref_template="#/components/schemas/{name}"
     )
-    p = wire.API_PREFIX
-    r = f"{p}/rounds/{{round}}"
-    rp = [_ROUND, _ATTEMPT]
-    binary = {
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
-    }
-    paths: dict[str, Any] = {
-        f"{p}/health": {"get": _op("liveness", {"200": {"description": "alive"}}, security=[])},
-        f"{p}/openapi.json": {
-            "get": _op("this document", {"200": {"description": "OpenAPI"}}, security=[])
-        },
-        f"{p}/status": {
-            "get": _op("federation status, alerts and round history", _ok("FederationStatus"))
-        },
-        f"{p}/round": {
-            "get": _op(
-                "current round; long-polls while the token equals ?wait",
-                _ok("RoundState"),
-                parameters=[
-                    {"name": "wait", "in": "query", "schema": _TOKEN},
-                    {"name": "timeout", "in": "query", "schema": _SECONDS},
-                ],
-            )
-        },
-        f"{p}/roster": {"get": _op("admin-signed roster entries", _ok(None))},
-        f"{p}/models/latest": {"get": _op("manifest of the newest good model", _ok(None))},
-        f"{p}/models/{{version}}/manifest": {
-            "get": _op("signed manifest", _ok(None), parameters=[_VERSION])
-        },
-        f"{p}/models/{{version}}": {
-            "get": _op(
-                "safetensors model file",
-                {"200": {"description": "model", **binary}},
-                parameters=[_VERSION],
-            )
-        },
-        f"{r}/join": {
-            "post": _op(
-                "join the cohort",
-                _ok("JoinResponse"),
-                parameters=rp,
-                requestBody=_json_body("JoinRequest"),
-            )
-        },
-        f"{r}/report": {
-            "post": _op(
-                "signed privacy report",
-                _ok(None),
-                parameters=rp,
-                requestBody=_json_body("PrivacyReport"),
-            )
-        },
-        f"{r}/advertise": {
-            "post": _op(
-                "advertise ephemeral keys; with ?wait the answer is held until share_keys "
-                "and carries the caller's key list (keys)",
-                _ok("Accepted"),
-                parameters=[*rp, _wait("the round reaches share_keys")],
-                requestBody=_json_body("AdvertiseKeysBody"),
-            )
-        },
-        f"{r}/keys": {
-            "get": _op(
-                "relayed key list",
-                _ok("KeyListBody"),
-                parameters=[*rp, _wait("the round reaches share_keys")],
-            )
-        },
-        f"{r}/shares": {
-            "post": _op(
-                "encrypted Shamir shares, optionally with the caller's privacy report for "
-                "the attempt (instead of POST report); with ?wait the answer is held until "
-                "masked_input and carries the caller's share relay (relay)",
-                _ok("Accepted"),
-                parameters=[*rp, _wait("the round reaches masked_input")],
-                requestBody=_json_body("ShareKeysBody"),
-            ),
-            "get": _op(
-                "shares addressed to the caller",
-                _ok("ShareRelayBody"),
-                parameters=[*rp, _wait("the round reaches masked_input")],
-            ),
-        },
-        f"{r}/masked-input": {
-            "post": _op(
-                "masked, packed input vector; answered with the signed Receipt, or, when "
-                "?wait is given, with MaskedInputAnswer (the receipt, held until the unmask "
-                "stage, and the caller's unmask request)",
-                {
-                    **_ok(None),
-                    "200": {
-                        "description": "Receipt; MaskedInputAnswer when ?wait is given",
-                        "content": {
-                            "application/json": {
-                                "schema": {"oneOf": [_ref("Receipt"), _ref("MaskedInputAnswer")]}
-                            }
-                        },
-                    },
-                },
-                parameters=[
-                    *rp,
-                    _wait("the round reaches unmask"),
-                    {
-                        "name": "commitment",
-                        "in": "query",
-                        "required": True,
-                        "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-                    },
-                    {
-                        "name": "signature",
-                        "in": "query",
-                        "required": True,
-                        "schema": {"type": "string", "pattern": "^[0-9a-f]{128}$"},
-                    },
-                ],
-                requestBody={"required": True, **binary},
-            )
-        },
-        f"{r}/unmask": {
-            "get": _op(
-                "survivors and dropped members",
-                _ok("UnmaskRequestBody"),
-                parameters=[*rp, _wait("the round reaches unmask")],
-            ),
-            "post": _op(
-                "shares for unmasking; with ?wait the answer is held until the attempt is "
-                "over and carries the round state then (state). The stage closes once the "
-                "answers decide the sum; a survivor's answer after that close is accepted "
-                "as not needed and stores nothing",
-                _ok("Accepted"),
-                parameters=[*rp, _wait("the attempt is over")],
-                requestBody=_json_body("UnmaskResponseBody"),
-            ),
-        },
-        f"{p}/audit/challenges": {
-            "post": _op(
-                "auditor challenges a member's round",
-                _ok("Challenge"),
-                requestBody=_json_body("ChallengeRequest"),
-            ),
-            "get": _op("open challenges addressed to the caller", _ok("ChallengeList")),
-        },
-        f"{p}/audit/reveals": {
-            "post": _op(
-                "sealed reveal answering a challenge",
-                _ok("Reveal"),
-                requestBody=_json_body("RevealBody"),
-            ),
-            "get": _op("reveals sealed to the calling auditor", _ok("RevealList")),
-        },
-        f"{r}/receipt": {
-            "get": _op("signed receipt of the caller's contribution", _ok("Receipt"), parameters=rp)
-        },
-    }
+    paths: dict[str, Any] = {}
+    for ep in ENDPOINTS:
+        paths.setdefault(ep.template, {})[ep.method.lower()] = _operation(ep)
     return {
         "openapi": "3.1.0",
         "info": {

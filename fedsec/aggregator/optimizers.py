@@ -1,71 +1,62 @@
-"""Server optimisers: how the mean update Σw·Δ/Σw moves the global model.
+"""The aggregator's server optimiser: :mod:`fedsec.learning.optimizers` plus durable state.
 
-FedAvg applies the mean update scaled by ``server_lr`` (1.0 = plain federated
-averaging).  FedAdam (Reddi et al., "Adaptive Federated Optimization", 2021)
-treats the mean update as a pseudo-gradient and keeps Adam moments on the
-server; the moments are persisted in the state store after every round so a
-restarted aggregator continues with the same optimiser state.
+The arithmetic is :func:`fedsec.learning.optimizers.server_step`, the function the
+auditor re-derives model versions with.  What is the aggregator's own is keeping
+FedAdam's moments in the state store after every round (``save``, inside the round
+close's transaction), so a restarted aggregator continues with the same optimiser
+state; stored moments of another dimension (a different model) are ignored and the
+moments start from zero.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import numpy as np
 
 from fedsec.aggregator.state import StateStore
 from fedsec.config import ServerSection
+from fedsec.learning.optimizers import AdamMoments, FedAdam, ServerRule, server_rule, server_step
+
+__all__ = ["ServerOptimizer", "make_optimizer"]
+
+# State-store keys of FedAdam's moments (raw little-endian float32): written by every
+# release so far, so a restarted aggregator of a newer release resumes them.
+_M, _V = "fedadam.m", "fedadam.v"
 
 
-class ServerOptimizer(Protocol):
-    def step(self, current: np.ndarray, mean_update: np.ndarray) -> np.ndarray: ...
+class ServerOptimizer:
+    """A server rule and its state, persisted in the aggregator's state store."""
 
-    def save(self) -> None: ...
-
-
-class FedAvg:
-    def __init__(self, server_lr: float) -> None:
-        self.server_lr = server_lr
-
-    def step(self, current: np.ndarray, mean_update: np.ndarray) -> np.ndarray:
-        return (current + np.float32(self.server_lr) * mean_update).astype(np.float32)
-
-    def save(self) -> None:
-        pass
-
-
-class FedAdam:
-    _M, _V = "fedadam.m", "fedadam.v"
-
-    def __init__(self, cfg: ServerSection, dim: int, store: StateStore) -> None:
-        self.lr, self.b1, self.b2, self.tau = (
-            cfg.server_lr,
-            cfg.adam_beta1,
-            cfg.adam_beta2,
-            cfg.adam_tau,
-        )
+    def __init__(self, rule: ServerRule, dim: int, store: StateStore) -> None:
+        self.rule = rule
         self._store = store
-        m, v = store.get_value(self._M), store.get_value(self._V)
-        ok = m is not None and v is not None and len(m) == len(v) == 4 * dim
-        self.m = (
-            np.frombuffer(m, dtype=np.float32).copy() if ok and m else np.zeros(dim, np.float32)
-        )
-        self.v = (
-            np.frombuffer(v, dtype=np.float32).copy() if ok and v else np.zeros(dim, np.float32)
-        )
+        self.state: AdamMoments | None = None
+        if isinstance(rule, FedAdam):
+            self.state = _stored_moments(store, dim) or AdamMoments.zeros(dim)
 
     def step(self, current: np.ndarray, mean_update: np.ndarray) -> np.ndarray:
-        self.m = (self.b1 * self.m + (1 - self.b1) * mean_update).astype(np.float32)
-        self.v = (self.b2 * self.v + (1 - self.b2) * mean_update**2).astype(np.float32)
-        return (current + self.lr * self.m / (np.sqrt(self.v) + self.tau)).astype(np.float32)
+        """The new global parameters; the new state is kept for :meth:`save`."""
+        new, self.state = server_step(self.rule, current, mean_update, self.state)
+        return new
 
     def save(self) -> None:
+        """Persist the state (FedAdam's moments; FedAvg has none)."""
+        if self.state is None:
+            return
         with self._store.transaction():
-            self._store.put_value(self._M, self.m.tobytes())
-            self._store.put_value(self._V, self.v.tobytes())
+            self._store.put_value(_M, self.state.m.tobytes())
+            self._store.put_value(_V, self.state.v.tobytes())
+
+
+def _stored_moments(store: StateStore, dim: int) -> AdamMoments | None:
+    m, v = store.get_value(_M), store.get_value(_V)
+    if not m or not v or not len(m) == len(v) == 4 * dim:
+        return None
+    return AdamMoments(
+        np.frombuffer(m, dtype=np.float32).copy(), np.frombuffer(v, dtype=np.float32).copy()
+    )
 
 
 def make_optimizer(cfg: ServerSection, dim: int, store: StateStore) -> ServerOptimizer:
-    if cfg.optimizer == "fedadam":
-        return FedAdam(cfg, dim, store)
-    return FedAvg(cfg.server_lr)
+    """The configured server optimiser, resuming any state stored by an earlier run."""
+    rule = server_rule(cfg.optimizer, cfg.server_lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_tau)
+    return ServerOptimizer(rule, dim, store)

@@ -1,19 +1,17 @@
-"""The admin-signed roster: who may take part in a federation, with which key and role.
+"""The roster store: the admin-signed entries of one federation, kept on disk.
 
-Each :class:`RosterEntry` is signed by the federation admin's Ed25519 key (domain
-``"roster-entry"``, over the canonical JSON of the entry's fields and the federation
-id), so the aggregator cannot enrol members of its own or swap a member's key: anyone
-holding the admin public key can check every entry, and the transparency log carries
-each change as an event (:meth:`Roster.add` and :meth:`Roster.revoke` return it).
+The entries themselves, their signature and their log events are the shared kernel's
+(:mod:`fedsec.protocol.roster`); this module keeps them in ``root/roster.json`` and
+lets only entries signed by the federation admin in.  :meth:`Roster.add` and
+:meth:`Roster.revoke` return each change as a transparency-log event.
 
-A revocation is the same entry re-signed with ``status = "revoked"`` and the time of
-revocation.  Ids and keys are never reused, even after revocation, so an old signed
-entry can never be mistaken for a new enrolment.
+Ids and keys are never reused, even after revocation, so an old signed entry can
+never be mistaken for a new enrolment.
 
-The roster lives in ``root/roster.json``, written atomically (temp file, fsync,
-rename).  Writers (the CLI) serialise on a lock file and re-read before changing it;
-a running aggregator picks up their changes with :meth:`Roster.reload_if_changed`.
-A monotonic ``serial`` numbers every change; a reload never goes back to a lower one.
+The file is written atomically (temp file, fsync, rename).  Writers (the CLI)
+serialise on a lock file and re-read before changing it; a running aggregator picks
+up their changes with :meth:`Roster.reload_if_changed`.  A monotonic ``serial``
+numbers every change; a reload never goes back to a lower one.
 """
 
 from __future__ import annotations
@@ -22,196 +20,31 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
-import re
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from fedsec.config import ID_PATTERN
-from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json, key_id
+from fedsec.crypto.identity import PublicIdentity, SigningIdentity, key_id
 from fedsec.errors import ConfigError, FedsecError, IntegrityError, NotFound, SignatureError
 from fedsec.fsio import atomic_write
+from fedsec.protocol.roster import (
+    RosterEntry,
+    revoke_roster_entry,
+    roster_event,
+    verify_roster_entry,
+)
 
 log = logging.getLogger(__name__)
 
-ROSTER_ENTRY_DOMAIN = "roster-entry"
 ROSTER_FORMAT = "fedsec-roster/1"
 ROSTER_FILE = "roster.json"
 
 # A roster of 100k members is ~30 MB of JSON; refusing larger files bounds what a
 # corrupted or hostile file can cost to parse.
 MAX_ROSTER_BYTES = 64 * 1024 * 1024
-
-Role = Literal["agent", "observer", "auditor"]
-Status = Literal["active", "revoked"]
-
-_KEY_HEX = re.compile(r"^[0-9a-f]{64}$")
-_SIG_HEX = re.compile(r"^[0-9a-f]{128}$")
-
-
-class RosterEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One member: id, Ed25519 public key (hex), role, weight cap and status, admin-signed."""
-
-    agent_id: str
-    public_key: str
-    role: Role
-    max_weight: float | None
-    status: Status
-    added_at: float
-    revoked_at: float | None = None
-    admin_signature: str = ""
-
-    @property
-    def public_key_bytes(self) -> bytes:
-        return bytes.fromhex(self.public_key)
-
-    @property
-    def key_id(self) -> str:
-        return key_id(self.public_key_bytes)
-
-    @property
-    def is_active(self) -> bool:
-        return self.status == "active"
-
-    def signed_bytes(self, federation_id: str) -> bytes:
-        """The bytes the admin signs: every field but the signature, plus the federation."""
-        return canonical_json(
-            {
-                "federation_id": federation_id,
-                "agent_id": self.agent_id,
-                "public_key": self.public_key,
-                "role": self.role,
-                "max_weight": None if self.max_weight is None else float(self.max_weight),
-                "status": self.status,
-                "added_at": float(self.added_at),
-                "revoked_at": None if self.revoked_at is None else float(self.revoked_at),
-            }
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (as stored in roster.json and in log events)."""
-        result: dict[str, Any] = msgspec.to_builtins(self)
-        return result
-
-
-def _check_entry_fields(entry: RosterEntry) -> None:
-    if not ID_PATTERN.fullmatch(entry.agent_id):
-        raise IntegrityError(f"roster entry id {entry.agent_id!r} is not a valid identifier")
-    if not _KEY_HEX.fullmatch(entry.public_key):
-        raise IntegrityError(
-            f"roster entry {entry.agent_id!r}: public key must be 64 lowercase hex digits"
-        )
-    if entry.max_weight is not None and not 0 < entry.max_weight <= 1:
-        raise IntegrityError(
-            f"roster entry {entry.agent_id!r}: max_weight must be in (0, 1], got {entry.max_weight}"
-        )
-    if not math.isfinite(entry.added_at):
-        raise IntegrityError(f"roster entry {entry.agent_id!r}: added_at is not finite")
-    if (entry.status == "revoked") != (entry.revoked_at is not None):
-        raise IntegrityError(
-            f"roster entry {entry.agent_id!r}: revoked_at must be set exactly when revoked"
-        )
-
-
-def sign_roster_entry(
-    *,
-    federation_id: str,
-    agent_id: str,
-    public_key: bytes,
-    role: Role,
-    admin: SigningIdentity,
-    max_weight: float | None = None,
-    added_at: float | None = None,
-) -> RosterEntry:
-    """Create an active entry signed by the admin key.
-
-    Raises:
-        IntegrityError: invalid id, key length or max_weight.
-    """
-    if len(public_key) != 32:
-        raise IntegrityError(f"an Ed25519 public key is 32 bytes, got {len(public_key)}")
-    unsigned = RosterEntry(
-        agent_id=agent_id,
-        public_key=public_key.hex(),
-        role=role,
-        max_weight=None if max_weight is None else float(max_weight),
-        status="active",
-        added_at=time.time() if added_at is None else float(added_at),
-    )
-    _check_entry_fields(unsigned)
-    return _signed(unsigned, admin, federation_id)
-
-
-def revoke_roster_entry(
-    entry: RosterEntry, admin: SigningIdentity, federation_id: str, *, at: float | None = None
-) -> RosterEntry:
-    """The admin-signed revocation of ``entry`` (same fields, status "revoked")."""
-    revoked = msgspec.structs.replace(
-        entry,
-        status="revoked",
-        revoked_at=time.time() if at is None else float(at),
-        admin_signature="",
-    )
-    return _signed(revoked, admin, federation_id)
-
-
-def _signed(entry: RosterEntry, admin: SigningIdentity, federation_id: str) -> RosterEntry:
-    signature = admin.sign(ROSTER_ENTRY_DOMAIN, entry.signed_bytes(federation_id))
-    return msgspec.structs.replace(entry, admin_signature=signature.hex())
-
-
-def verify_roster_entry(entry: RosterEntry, admin_public: bytes, federation_id: str) -> None:
-    """Check an entry's fields and admin signature.
-
-    Raises:
-        IntegrityError: a field is invalid.
-        SignatureError: the admin signature is missing or does not verify.
-    """
-    _check_entry_fields(entry)
-    if not _SIG_HEX.fullmatch(entry.admin_signature):
-        raise SignatureError(f"roster entry {entry.agent_id!r} has no valid admin signature")
-    try:
-        PublicIdentity(admin_public).verify(
-            ROSTER_ENTRY_DOMAIN,
-            entry.signed_bytes(federation_id),
-            bytes.fromhex(entry.admin_signature),
-        )
-    except SignatureError:
-        raise SignatureError(
-            f"roster entry {entry.agent_id!r}: admin signature does not verify"
-        ) from None
-
-
-def roster_event(
-    kind: Literal["roster_add", "roster_revoke"],
-    serial: int,
-    federation_id: str,
-    entry: RosterEntry,
-) -> dict[str, Any]:
-    """A roster change as a transparency-log event (JSON-ready dict)."""
-    return {
-        "type": kind,
-        "federation_id": federation_id,
-        "serial": serial,
-        "entry": entry.to_dict(),
-    }
-
-
-def entry_from_event(event: dict[str, Any]) -> RosterEntry:
-    """The entry carried by a roster event (its signature is not checked here).
-
-    Raises:
-        IntegrityError: the event is malformed.
-    """
-    try:
-        return msgspec.convert(event["entry"], type=RosterEntry, strict=True)
-    except (KeyError, TypeError, msgspec.ValidationError) as exc:
-        raise IntegrityError(f"roster event is malformed: {exc}") from None
 
 
 class _RosterDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -24,12 +24,9 @@ from fedsec.config import (
     load_federation_config,
     parse_federation_config,
 )
-from fedsec.crypto.identity import (
-    SigningIdentity,
-    load_public_key,
-    save_public_key,
-)
+from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError
+from fedsec.keys import load_identity, load_public_key, save_identity, save_public_key
 from fedsec.tasks import get_task
 from fedsec.tasks.params import state_to_arrays
 
@@ -67,7 +64,7 @@ class Workspace:
                 "run: fedsec aggregator init"
             )
         config = load_federation_config(root / CONFIG_FILE)
-        signer = SigningIdentity.load(root / AGGREGATOR_KEY)
+        signer = load_identity(root / AGGREGATOR_KEY)
         admin_public = load_public_key(root / "admin.pub")
         fid = config.federation.id
         return cls(
@@ -82,7 +79,7 @@ class Workspace:
 
     def admin(self) -> SigningIdentity:
         """The admin signing key (only where it is kept beside the workspace)."""
-        return SigningIdentity.load(self.root / ADMIN_KEY)
+        return load_identity(self.root / ADMIN_KEY)
 
     def close(self) -> None:
         self.state.close()
@@ -108,8 +105,8 @@ def init_workspace(
     root.mkdir(parents=True, exist_ok=True)
     signer = SigningIdentity.generate()
     admin = SigningIdentity.generate()
-    signer.save(root / AGGREGATOR_KEY)
-    admin.save(root / ADMIN_KEY)
+    save_identity(signer, root / AGGREGATOR_KEY)
+    save_identity(admin, root / ADMIN_KEY)
     save_public_key(root / "aggregator.pub", signer.public_bytes)
     save_public_key(root / "admin.pub", admin.public_bytes)
     the_task = get_task(config.federation.task, **config.federation.task_options)

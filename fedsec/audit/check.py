@@ -19,7 +19,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from fedsec.agent.training import DPParams
 from fedsec.audit.challenge import ClosedRound, closed_rounds, open_reveal_checked
 from fedsec.audit.control import (
     MemberClaim,
@@ -33,6 +32,7 @@ from fedsec.audit.control import (
 from fedsec.audit.log import read_log
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import FedsecError, IntegrityError
+from fedsec.learning.training import DPParams
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES

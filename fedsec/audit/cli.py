@@ -147,10 +147,10 @@ def _auditor_options(fn: F) -> F:
 
 
 def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]:
-    from fedsec.agent.client import AggregatorClient
-    from fedsec.crypto.identity import SigningIdentity
+    from fedsec.aggregator_client import AggregatorClient
+    from fedsec.keys import load_identity
 
-    identity = SigningIdentity.load(key)
+    identity = load_identity(key)
     try:
         aggregator_public = bytes.fromhex(aggregator_key)
     except ValueError:

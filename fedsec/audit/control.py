@@ -57,9 +57,9 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from fedsec.agent.training import DPParams, plan_round, train_local
 from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_one
 from fedsec.errors import ConfigError, TaskMismatch
+from fedsec.learning.training import DPParams, plan_round, train_local
 from fedsec.tasks.base import Task, TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params
 

@@ -1,164 +1,15 @@
-"""The transparency log: an append-only, hash-chained, periodically signed JSON-lines file.
+"""Reading a transparency-log file: every line parsed and chained to the one before.
 
-Format (documented for third-party verifiers in docs/audit-log.md): one entry per
-line, each line the canonical JSON (sorted keys, no spaces, UTF-8) of::
-
-    {"index": n, "prev": "<sha256 hex of line n-1, or 64 zeros for n = 0>",
-     "time": <unix seconds>, "kind": "<entry kind>", "body": {...}}
-
-An entry's hash is SHA-256 over its line bytes (without the newline).  Changing,
-removing, reordering or inserting any line breaks the chain at that point.  At
-every round close (and on demand) the aggregator appends a ``head`` entry whose
-body signs ``{"federation_id", "index", "hash"}`` of the entry before it with the
-aggregator's Ed25519 key (domain ``log-head``), so the chain up to there cannot be
-rewritten without the key, and the head hash serves as a public beacon.
-
-This module is pure: it builds and checks entries; storage is the caller's.
+The format itself (entries, heads, canonical lines) is :mod:`fedsec.protocol.log`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
-from fedsec.errors import IntegrityError, SignatureError
-
-GENESIS_PREV = "0" * 64
-HEAD_DOMAIN = "log-head"
-# A log line holds metadata and hashes, never vectors; 1 MiB bounds a hostile file.
-MAX_LINE_BYTES = 1 << 20
-
-KINDS = frozenset(
-    {
-        "genesis",  # federation id, aggregator and admin public keys, task, config hash
-        "roster",  # an admin-signed roster entry (add or revoke)
-        "round_open",
-        "round_spec",  # the signed RoundSpec
-        "accepted",  # a protocol message accepted: member, stage, sha256, archive ref
-        "refused",  # a contribution refused: member, stage, code, detail, sha256
-        "privacy_report",  # the member-signed privacy report
-        "aggregate",  # survivors, dropped, ring-sum sha256, weights
-        "model_version",  # a signed model manifest
-        "round_aborted",
-        "rollback",
-        "alert",
-        "archive_pruned",  # archive objects of rounds past retention deleted: which, and why
-        "challenge",  # an auditor's challenge of (member, round)
-        "reveal",  # a sealed reveal relayed to the auditor
-        "head",  # aggregator signature over the chain so far
-    }
-)
-
-
-@dataclass(frozen=True, slots=True)
-class LogEntry:
-    index: int
-    prev: str
-    time: float
-    kind: str
-    body: dict[str, Any]
-    line: bytes  # canonical encoding, without newline
-
-    @property
-    def hash(self) -> str:
-        return hashlib.sha256(self.line).hexdigest()
-
-
-def make_entry(index: int, prev: str, time: float, kind: str, body: dict[str, Any]) -> LogEntry:
-    """Build the entry that follows ``prev``; ``body`` must be JSON-ready."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown log entry kind {kind!r}")
-    line = canonical_json({"index": index, "prev": prev, "time": time, "kind": kind, "body": body})
-    if len(line) > MAX_LINE_BYTES:
-        raise ValueError(f"log entry of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
-    return LogEntry(index, prev, time, kind, body, line)
-
-
-def head_statement(federation_id: str, index: int, entry_hash: str) -> bytes:
-    return canonical_json({"federation_id": federation_id, "index": index, "hash": entry_hash})
-
-
-def head_body(signer: SigningIdentity, federation_id: str, last: LogEntry) -> dict[str, Any]:
-    """Body of a ``head`` entry signing everything up to and including ``last``."""
-    statement = head_statement(federation_id, last.index, last.hash)
-    return {
-        "federation_id": federation_id,
-        "signed_index": last.index,
-        "signed_hash": last.hash,
-        "signature": signer.sign(HEAD_DOMAIN, statement).hex(),
-    }
-
-
-def verify_head(entry: LogEntry, aggregator_public: bytes, signed: LogEntry) -> None:
-    """Check a ``head`` entry's signature over ``signed`` (the entry before it).
-
-    The messages say what is wrong with the head but not which entry the head is:
-    callers name it (``log entry 24 (head): ...``), so it is named once.
-
-    Raises:
-        IntegrityError: it names another entry, or the signature does not verify.
-    """
-    body = entry.body
-    claimed_index, claimed_hash = body.get("signed_index"), body.get("signed_hash")
-    if claimed_index != signed.index:
-        raise IntegrityError(
-            f"head claims to sign entry {claimed_index}, but the entry before it is entry "
-            f"{signed.index} (entries were deleted or inserted before the head)"
-        )
-    if claimed_hash != signed.hash:
-        raise IntegrityError(
-            f"head signs entry {signed.index} with hash {str(claimed_hash)[:16]}…, but that "
-            f"entry hashes to {signed.hash[:16]}… (entries up to {signed.index} were changed "
-            "after the head was written)"
-        )
-    try:
-        signature = bytes.fromhex(str(body.get("signature")))
-    except ValueError:
-        raise IntegrityError("head signature is not hex") from None
-    aggregator = PublicIdentity(aggregator_public)
-    try:
-        aggregator.verify(
-            HEAD_DOMAIN,
-            head_statement(str(body.get("federation_id")), signed.index, signed.hash),
-            signature,
-        )
-    except SignatureError:
-        raise IntegrityError(
-            f"head signature does not verify under the aggregator key {aggregator.key_id} "
-            f"(entries up to {signed.index} were rewritten after signing, or another key "
-            "signed the head)"
-        ) from None
-
-
-def parse_line(raw: bytes, lineno: int, source: str) -> LogEntry:
-    """Decode one log line, refusing anything not in canonical form.
-
-    Raises:
-        IntegrityError: naming ``source`` and the line number.
-    """
-    where = f"{source} line {lineno}"
-    if len(raw) > MAX_LINE_BYTES:
-        raise IntegrityError(f"{where}: line of {len(raw)} bytes exceeds {MAX_LINE_BYTES}")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"{where}: not JSON (truncated or corrupted): {exc}") from None
-    if not isinstance(doc, dict) or set(doc) != {"index", "prev", "time", "kind", "body"}:
-        raise IntegrityError(f"{where}: not a log entry (fields index, prev, time, kind, body)")
-    if doc["kind"] not in KINDS:
-        raise IntegrityError(f"{where}: unknown entry kind {doc['kind']!r}")
-    if not isinstance(doc["index"], int) or not isinstance(doc["body"], dict):
-        raise IntegrityError(f"{where}: index must be an integer and body an object")
-    if not isinstance(doc["time"], int | float) or not isinstance(doc["prev"], str):
-        raise IntegrityError(f"{where}: time must be a number and prev a string")
-    if canonical_json(doc) != raw:
-        raise IntegrityError(f"{where}: not in canonical form (the line was altered)")
-    return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], raw)
+from fedsec.errors import IntegrityError
+from fedsec.protocol.log import GENESIS_PREV, LogEntry, parse_line
 
 
 def read_log(path: Path) -> Iterator[LogEntry]:
@@ -185,7 +36,3 @@ def read_log(path: Path) -> Iterator[LogEntry]:
                 )
             prev = entry.hash
             yield entry
-
-
-def lines(entries: Iterable[LogEntry]) -> bytes:
-    return b"".join(e.line + b"\n" for e in entries)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedsec.audit.log import MAX_LINE_BYTES
 from fedsec.audit.verify import VerifyResult, verify_log
 from fedsec.errors import ConfigError, FedsecError
+from fedsec.protocol.log import MAX_LINE_BYTES
 
 # A verdicts file lists one verdict per challenged (member, round); 64 MiB is far more
 # than any real audit produces and bounds what a wrong file can cost to parse.

@@ -21,7 +21,7 @@ then entry by entry:
   contribution statement.  An object may be missing only if a later, head-signed
   ``archive_pruned`` entry lists it for a round it prunes;
 - every ``archive_pruned`` entry: signed by a later head, and keeping to the
-  retention rules (:meth:`fedsec.audit.archive.ArchiveIndex.problem_with`): it spares
+  retention rules (:meth:`fedsec.archive.ArchiveIndex.problem_with`): it spares
   the newest ``retention_rounds`` closed rounds and every object they refer to;
 - every aggregate recomputed from the archive: the SecAgg+ round replayed through
   the same server state machine from the archived advertisements, shares, masked
@@ -51,19 +51,21 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fedsec.aggregator.roster import RosterEntry, verify_roster_entry
+from fedsec.archive import Archive, ArchiveIndex, Pruning
 from fedsec.audit import accountant
-from fedsec.audit.archive import Archive, ArchiveIndex, Pruning
-from fedsec.audit.log import LogEntry, read_log, verify_head
+from fedsec.audit.log import read_log
 from fedsec.crypto.quantize import dequantize_one
 from fedsec.crypto.secagg import (
     ServerSession,
 )
 from fedsec.errors import FedsecError, IntegrityError, NotFound
+from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule, server_step
 from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.log import LogEntry, verify_head
 from fedsec.protocol.replay import feed_accepted
+from fedsec.protocol.roster import RosterEntry, verify_roster_entry
 from fedsec.protocol.stages import SECAGG_STAGES
 
 EPSILON_TOLERANCE = 0.01  # the issue's bar: independent recomputation within 1%
@@ -131,7 +133,7 @@ class Verifier:
         self.manifests: dict[int, ModelManifest] = {}
         self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
         self.genesis: dict[str, Any] = {}
-        self.adam: tuple[np.ndarray, np.ndarray] | None = None
+        self.adam: AdamMoments | None = None  # FedAdam's moments, carried along the log
         self.adam_unknown = False  # a FedAdam round was pruned: later moments cannot be known
         self._prev: LogEntry | None = None
         self.archived = ArchiveIndex()  # the log so far: what refers to which object
@@ -436,17 +438,8 @@ class Verifier:
         model = get_task(spec.task).build_model(0)
         arrays_to_state(model, decode_model(data, max_bytes=MAX_MODEL_BYTES))
         current = flatten_params(model)
-        lr = float(body["server_lr"])
-        if body["optimizer"] == "fedadam":
-            server = self.genesis["server"]
-            b1, b2, tau = server["adam_beta1"], server["adam_beta2"], server["adam_tau"]
-            m, v = self.adam or (np.zeros_like(current), np.zeros_like(current))
-            m = (b1 * m + (1 - b1) * mean).astype(np.float32)
-            v = (b2 * v + (1 - b2) * mean**2).astype(np.float32)
-            self.adam = (m, v)
-            new = (current + lr * m / (np.sqrt(v) + tau)).astype(np.float32)
-        else:
-            new = (current + np.float32(lr) * mean).astype(np.float32)
+        rule = _logged_rule(body, self.genesis["server"])
+        new, self.adam = server_step(rule, current, mean, self.adam)
         load_flat_params(model, new)
         digest = hashlib.sha256(encode_model(state_to_arrays(model))).hexdigest()
         self.pending_model[spec.round] = digest
@@ -516,6 +509,15 @@ class Verifier:
                 f"receipt {path}: log entry {receipt.log_index} records a different contribution"
             )
         self.result.receipts_checked += 1
+
+
+def _logged_rule(body: dict[str, Any], server: dict[str, Any]) -> ServerRule:
+    """The server optimiser an aggregate entry names; FedAdam's settings are the genesis ones."""
+    lr = float(body["server_lr"])
+    if body["optimizer"] == "fedadam":
+        beta1, beta2, tau = server["adam_beta1"], server["adam_beta2"], server["adam_tau"]
+        return FedAdam(lr, float(beta1), float(beta2), float(tau))
+    return FedAvg(lr)
 
 
 def _trained_round(report: wire.PrivacyReport) -> int:

@@ -34,7 +34,6 @@ import numpy.typing as npt
 import torch
 
 from fedsec.agent.ledger import noise_for_budget
-from fedsec.agent.training import DPParams, plan_round, train_local
 from fedsec.audit.control import (
     DIRECTION_MIN_Z,
     LOSS_MAX_INCREASE,
@@ -51,6 +50,7 @@ from fedsec.audit.control import (
 from fedsec.bench.common import with_environment
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
 from fedsec.errors import ConfigError
+from fedsec.learning.training import DPParams, plan_round, train_local
 from fedsec.tasks import get_task
 from fedsec.tasks.base import TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params

@@ -35,9 +35,9 @@ import nacl.exceptions
 import nacl.public
 import numpy as np
 
+from fedsec.crypto.errors import DecryptionError, IntegrityError, QuantizationError
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import RingVector, ring_dtype
-from fedsec.errors import DecryptionError, IntegrityError, QuantizationError
 
 __all__ = [
     "BEACON_BYTES",

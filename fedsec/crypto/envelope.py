@@ -17,8 +17,8 @@ import nacl.bindings as sodium
 import nacl.exceptions
 import nacl.public
 
+from fedsec.crypto.errors import DecryptionError
 from fedsec.crypto.identity import canonical_json
-from fedsec.errors import DecryptionError
 
 NONCE_BYTES = sodium.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES  # 24: random nonces are safe
 TAG_BYTES = sodium.crypto_aead_xchacha20poly1305_ietf_ABYTES

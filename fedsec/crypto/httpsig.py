@@ -69,8 +69,8 @@ from http_message_signatures import (
     algorithms,
 )
 
+from fedsec.crypto.errors import AuthError, ClockSkewError, PayloadError, ReplayError
 from fedsec.crypto.identity import SigningIdentity, key_id
-from fedsec.errors import AuthError, ClockSkewError, PayloadError, ReplayError
 
 __all__ = [
     "COVERED_COMPONENTS",

@@ -4,6 +4,10 @@ Every signature fedsec makes is over ``DOMAIN_PREFIX || domain || 0x00 || messag
 so a signature made for one message type can never be replayed as another
 (a signed key advertisement is not a signed receipt, even if the bytes match).
 Key ids are fingerprints of the public key, so they are self-certifying.
+
+No I/O here: a secret key travels as bytes (:meth:`SigningIdentity.to_secret_bytes`,
+:meth:`SigningIdentity.from_secret_bytes`); :mod:`fedsec.keys` writes and reads the
+files, with their permissions.
 """
 
 from __future__ import annotations
@@ -11,15 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
-from pathlib import Path
 from typing import Any
 
 import nacl.exceptions
 import nacl.signing
 
-from fedsec.errors import KeyFileError, SignatureError
-from fedsec.fsio import atomic_write
+from fedsec.crypto.errors import KeyFileError, SignatureError
 
 DOMAIN_PREFIX = b"fedsec/v1/"
 PUBLIC_KEY_BYTES = 32
@@ -138,75 +139,38 @@ class SigningIdentity:
         """
         return bytes(self._signing_key.to_curve25519_private_key())
 
-    def save(self, path: Path) -> None:
-        """Write the secret key to ``path`` with mode 0600, atomically; refuses to overwrite."""
-        path = Path(path)
-        if path.exists():
-            raise KeyFileError(f"{path} already exists; refusing to overwrite a key")
-        body = canonical_json(
+    def to_secret_bytes(self) -> bytes:
+        """The secret key document (kind, seed, public key) that a key file holds.
+
+        Secret: only :func:`fedsec.keys.save_identity` should see it, to write it to a
+        0600 file.
+        """
+        return canonical_json(
             {
                 "kind": _KEY_FILE_KIND,
                 "seed": bytes(self._signing_key).hex(),
                 "public_key": self.public_bytes.hex(),
             }
         )
-        write_secret_file(path, body)
 
     @classmethod
-    def load(cls, path: Path) -> SigningIdentity:
-        """Read a key written by :meth:`save`.
+    def from_secret_bytes(cls, document: bytes) -> SigningIdentity:
+        """Read a document written by :meth:`to_secret_bytes`.
 
         Raises:
-            KeyFileError: missing, readable by group/others, or malformed.
+            KeyFileError: not a fedsec Ed25519 secret key, or its public key does not
+                match its seed; the detail says which.
         """
-        path = Path(path)
         try:
-            mode = path.stat().st_mode
-        except FileNotFoundError:
-            raise KeyFileError(f"key file {path} does not exist") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise KeyFileError(
-                f"key file {path} is accessible by group or others "
-                f"(mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}"
-            )
-        try:
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(document)
             if not isinstance(doc, dict) or doc.get("kind") != _KEY_FILE_KIND:
                 raise ValueError("not a fedsec Ed25519 key file")
             identity = cls(bytes.fromhex(doc["seed"]))
             if identity.public_bytes.hex() != doc["public_key"]:
                 raise ValueError("public key does not match the secret key")
         except (ValueError, KeyError, TypeError) as exc:
-            raise KeyFileError(f"key file {path} is malformed: {exc}") from None
+            raise KeyFileError(str(exc)) from None
         return identity
 
     def __repr__(self) -> str:
         return f"SigningIdentity({self.key_id})"
-
-
-def write_secret_file(path: Path, body: bytes) -> None:
-    """Create ``path`` with mode 0600 holding ``body``: temp file, fsync, rename."""
-    atomic_write(Path(path), body, mode=0o600, parents_mode=0o777)
-
-
-def save_public_key(path: Path, public_bytes: bytes) -> None:
-    """Write a public key as hex text (the form handed to the consortium)."""
-    Path(path).write_text(public_bytes.hex() + "\n")
-
-
-def load_public_key(path: Path) -> bytes:
-    """Read a public key written by :func:`save_public_key`.
-
-    Raises:
-        KeyFileError: missing or not 32 bytes of hex.
-    """
-    try:
-        text = Path(path).read_text().strip()
-        raw = bytes.fromhex(text)
-    except FileNotFoundError:
-        raise KeyFileError(f"public key file {path} does not exist") from None
-    except ValueError:
-        raise KeyFileError(f"public key file {path} is not hex") from None
-    if len(raw) != PUBLIC_KEY_BYTES:
-        raise KeyFileError(f"public key file {path} holds {len(raw)} bytes, expected 32")
-    return raw

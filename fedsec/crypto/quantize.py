@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fedsec.crypto import prg
-from fedsec.errors import BadVector, QuantizationError
+from fedsec.crypto.errors import BadVector, QuantizationError
 
 MIN_BITS, MAX_BITS = 2, 16
 # b ≤ 16 plus ⌈log₂ n⌉ + 1 for a million members is 37; 56 keeps every element of a

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fedsec.errors import ShamirError
+from fedsec.crypto.errors import ShamirError
 
 PRIME = (1 << 256) + 297
 SECRET_BYTES = 32

@@ -2,7 +2,10 @@
 
 ``stages`` (the round's stages and their order), ``limits`` (each bound once, with its
 reason), ``wire`` (the signed message structs and their strict decoding), ``codec``
-(wire bodies <-> SecAgg+ messages, both directions) and ``replay`` (stored messages
--> a server session, for crash resume and ``audit verify`` alike).  Imports only
+(wire bodies <-> SecAgg+ messages, both directions), ``replay`` (stored messages
+-> a server session, for crash resume and ``audit verify`` alike), ``roster``
+(admin-signed roster entries and their verification), ``log`` (the transparency-log
+entry format, chain and signed heads) and ``endpoints`` (the one endpoint table from
+which the aggregator's routes, its OpenAPI document and docs/api.md are generated).  Imports only
 :mod:`fedsec.crypto` and :mod:`fedsec.errors`.
 """

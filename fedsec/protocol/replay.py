@@ -1,5 +1,5 @@
 """Stored messages -> a server session: the one replay routine of crash resume
-(:meth:`fedsec.aggregator.coordinator.Coordinator.resume`) and re-aggregation
+(:mod:`fedsec.aggregator.rounds.resume`) and re-aggregation
 (``fedsec audit verify``), so both rebuild a round exactly as it was accepted."""
 
 from __future__ import annotations

@@ -8,34 +8,9 @@ request; objects that must stay verifiable after the request (round specs,
 privacy reports, receipts, key advertisements) carry their own Ed25519
 signature with a domain of their own.
 
-Endpoints (all under /v1; ``{r}`` = round number, ``?attempt=N`` = its attempt):
-
-=======  ==================================  ===============================  ==========
-method   path                                body / answer                    who
-=======  ==================================  ===============================  ==========
-GET      /health                             {"status": "ok"}                 anyone
-GET      /openapi.json                       OpenAPI 3.1 document             anyone
-GET      /status                             FederationStatus                 anyone
-GET      /round?wait=TOKEN&timeout=S         RoundState (long-poll on token)  agent
-POST     /rounds/{r}/join?attempt=N          JoinRequest -> JoinResponse      agent
-GET      /models/latest                      ModelManifest JSON               agent
-GET      /models/{v}/manifest                ModelManifest JSON               agent
-GET      /models/{v}                         safetensors bytes                agent
-POST     /rounds/{r}/report?attempt=N        PrivacyReport                    agent
-POST     /rounds/{r}/advertise?attempt=N     AdvertiseKeysBody                agent
-GET      /rounds/{r}/keys?attempt=N          KeyListBody                      agent
-POST     /rounds/{r}/shares?attempt=N        ShareKeysBody (+ PrivacyReport)  agent
-GET      /rounds/{r}/shares?attempt=N        ShareRelayBody                   agent
-POST     /rounds/{r}/masked-input?attempt=N  raw vector bytes -> Receipt      agent
-         &commitment=HEX&signature=HEX       (ContributionStatement)
-GET      /rounds/{r}/unmask?attempt=N        UnmaskRequestBody                agent
-POST     /rounds/{r}/unmask?attempt=N        UnmaskResponseBody               agent
-GET      /rounds/{r}/receipt                 Receipt                          agent
-POST     /audit/challenges                   ChallengeRequest -> Challenge    auditor
-GET      /audit/challenges                   ChallengeList (open, for caller) agent
-POST     /audit/reveals                      RevealBody -> Reveal             agent
-GET      /audit/reveals                      RevealList (for caller)          auditor
-=======  ==================================  ===============================  ==========
+The endpoints that carry these messages (method, path, body and answer, roles,
+body limit) are declared once, in :mod:`fedsec.protocol.endpoints`; ``docs/api.md``
+holds the table generated from it.
 
 Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 """

@@ -16,6 +16,17 @@ import numpy as np
 
 from fedsec.crypto import shamir
 from fedsec.crypto.envelope import EnvelopeContext, KeyAgreementKey, open_sealed, seal
+from fedsec.crypto.errors import (
+    BadVector,
+    CryptoError,
+    DuplicateMessage,
+    InvalidKeyList,
+    MisaddressedShare,
+    ProtocolError,
+    SignatureError,
+    UnknownMember,
+    WrongStage,
+)
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.crypto.quantize import RingVector, pack
 from fedsec.crypto.secagg import masks
@@ -31,17 +42,6 @@ from fedsec.crypto.secagg.messages import (
     ShareRelay,
     UnmaskRequest,
     UnmaskResponse,
-)
-from fedsec.errors import (
-    BadVector,
-    CryptoError,
-    DuplicateMessage,
-    InvalidKeyList,
-    MisaddressedShare,
-    ProtocolError,
-    SignatureError,
-    UnknownMember,
-    WrongStage,
 )
 
 _PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES

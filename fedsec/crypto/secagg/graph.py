@@ -31,7 +31,7 @@ import hashlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from fedsec.errors import ProtocolError
+from fedsec.crypto.errors import ProtocolError
 
 DEFAULT_DROPOUT = 0.10
 DEFAULT_FAILURE_TARGET = 1e-4

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from fedsec.crypto.errors import ProtocolError
 from fedsec.crypto.identity import canonical_json
 from fedsec.crypto.quantize import QuantSpec, packed_size
-from fedsec.errors import ProtocolError
 
 ADVERTISE_DOMAIN = "secagg-advertise-keys"
 SEED_BYTES = 32

@@ -35,6 +35,17 @@ import numpy as np
 
 from fedsec.crypto import shamir
 from fedsec.crypto.envelope import NONCE_BYTES, TAG_BYTES, KeyAgreementKey
+from fedsec.crypto.errors import (
+    DuplicateMessage,
+    InvalidKeyList,
+    MisaddressedShare,
+    ProtocolError,
+    RecoveryImpossible,
+    RoundAborted,
+    ShamirError,
+    UnknownMember,
+    WrongStage,
+)
 from fedsec.crypto.quantize import RingVector, dequantize_sum, unpack
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
@@ -49,17 +60,6 @@ from fedsec.crypto.secagg.messages import (
     ShareRelay,
     UnmaskRequest,
     UnmaskResponse,
-)
-from fedsec.errors import (
-    DuplicateMessage,
-    InvalidKeyList,
-    MisaddressedShare,
-    ProtocolError,
-    RecoveryImpossible,
-    RoundAborted,
-    ShamirError,
-    UnknownMember,
-    WrongStage,
 )
 
 SHARE_CIPHERTEXT_BYTES = NONCE_BYTES + 2 * shamir.SHARE_BYTES + TAG_BYTES

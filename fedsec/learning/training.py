@@ -18,9 +18,10 @@ import math
 import secrets
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ def _seeds(seed: int) -> tuple[int, int]:
 
 
 @contextmanager
-def _progress(enabled: bool, total: int, label: str) -> Iterator[object]:
+def _progress(enabled: bool, total: int, label: str) -> Iterator[Callable[[], None]]:
     """Yield a callable advancing a rich progress bar, or a no-op when disabled."""
     if not enabled:
         yield lambda: None
@@ -169,79 +170,10 @@ def train_local(
     if n < 1 or len(x) != n:
         raise ConfigError(f"training needs matching non-empty x and y, got {len(x)} and {n}")
     target = torch.device(device)
-    sampling_seed, noise_seed = _seeds(seed)
-    sample_rate, planned_steps = plan_round(n, params)
-
     work = copy.deepcopy(model).to(target)
-    work.train()
-    optimizer = _make_optimizer(work.parameters(), params)
-    data = TensorDataset(
-        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)),
+    steps, loss_sum, seen, sample_rate, epsilon = _train_copy(
+        work, x, y, params, dp, target, seed, progress
     )
-    loader: DataLoader[tuple[torch.Tensor, ...]] = DataLoader(
-        data,
-        batch_size=params.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(sampling_seed),
-    )
-    engine: PrivacyEngine | None = None
-    trained: torch.nn.Module = work
-    if dp is not None:
-        with warnings.catch_warnings():
-            # Opacus warns that secure_mode is off; the noise seed policy is ours (see
-            # the module docstring) and the warning would repeat every round.
-            warnings.filterwarnings("ignore", message="Secure RNG turned off")
-            engine = PrivacyEngine(accountant="rdp")
-        try:
-            trained, optimizer, loader = engine.make_private(
-                module=work,
-                optimizer=optimizer,
-                data_loader=loader,
-                noise_multiplier=dp.noise_multiplier,
-                max_grad_norm=dp.max_grad_norm,
-                poisson_sampling=True,
-                noise_generator=torch.Generator(device=target).manual_seed(noise_seed),
-            )
-        except UnsupportedModuleError as exc:
-            raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc
-        sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
-
-    steps = 0
-    loss_sum = 0.0
-    seen = 0
-    try:
-        with (
-            warnings.catch_warnings(),
-            _progress(progress, planned_steps, "local training") as advance,
-        ):
-            # Opacus' per-sample hooks fire on module outputs when inputs need no grad,
-            # which is exactly how they are meant to work here.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for _ in range(params.local_epochs):
-                for xb, yb in loader:
-                    xb, yb = xb.to(target), yb.to(target)
-                    optimizer.zero_grad(set_to_none=True)
-                    if len(yb) > 0:
-                        loss = F.cross_entropy(trained(xb), yb)
-                        torch.autograd.backward(loss)
-                        loss_sum += float(loss.detach()) * len(yb)
-                        seen += len(yb)
-                    else:
-                        # A Poisson batch can be empty; the step must still happen (noise is
-                        # added and the accountant counts it) or skipping would leak that.
-                        empty_out: torch.Tensor = trained(xb)
-                        torch.autograd.backward(empty_out.sum())
-                    optimizer.step()
-                    steps += 1
-                    advance()  # type: ignore[operator]
-        epsilon = None if engine is None or dp is None else engine.get_epsilon(dp.delta)
-    finally:
-        if isinstance(trained, AbstractGradSampleModule):
-            # The private copy is discarded, but dropping its hooks and per-sample
-            # gradients now frees memory at once instead of at garbage collection.
-            trained.remove_hooks()
-            trained._close()
     with torch.no_grad():
         model.load_state_dict(work.state_dict())
     return LocalTrainResult(
@@ -252,6 +184,125 @@ def train_local(
         train_loss=loss_sum / seen if seen else float("nan"),
         duration_s=time.perf_counter() - started,
     )
+
+
+def _train_copy(
+    work: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    params: TrainingParams,
+    dp: DPParams | None,
+    target: torch.device,
+    seed: int,
+    progress: bool,
+) -> tuple[int, float, int, float, float | None]:
+    """Train ``work`` (a copy already on ``target``): (steps, loss sum, samples seen,
+    sample rate, this round's epsilon or None without DP)."""
+    sampling_seed, noise_seed = _seeds(seed)
+    sample_rate, planned_steps = plan_round(len(y), params)
+    work.train()
+    optimizer = _make_optimizer(work.parameters(), params)
+    loader = _loader(x, y, params.batch_size, sampling_seed)
+    engine: PrivacyEngine | None = None
+    trained: torch.nn.Module = work
+    if dp is not None:
+        engine, trained, optimizer, loader = _make_private(
+            work, optimizer, loader, dp, target, noise_seed
+        )
+        sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
+    try:
+        with _progress(progress, planned_steps, "local training") as advance:
+            steps, loss_sum, seen = _run_epochs(
+                trained, optimizer, loader, params.local_epochs, target, advance
+            )
+        epsilon = None if engine is None or dp is None else engine.get_epsilon(dp.delta)
+    finally:
+        if isinstance(trained, AbstractGradSampleModule):
+            # The private copy is discarded, but dropping its hooks and per-sample
+            # gradients now frees memory at once instead of at garbage collection.
+            trained.remove_hooks()
+            trained._close()
+    return steps, loss_sum, seen, sample_rate, epsilon
+
+
+def _loader(
+    x: np.ndarray, y: np.ndarray, batch_size: int, sampling_seed: int
+) -> DataLoader[tuple[torch.Tensor, ...]]:
+    data = TensorDataset(
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)),
+    )
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(sampling_seed),
+    )
+
+
+def _make_private(
+    work: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader[tuple[torch.Tensor, ...]],
+    dp: DPParams,
+    target: torch.device,
+    noise_seed: int,
+) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
+    """Opacus' private model, optimiser and Poisson-sampling loader for ``work``."""
+    with warnings.catch_warnings():
+        # Opacus warns that secure_mode is off; the noise seed policy is ours (see
+        # the module docstring) and the warning would repeat every round.
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        engine = PrivacyEngine(accountant="rdp")
+    try:
+        trained, private_optimizer, private_loader = engine.make_private(
+            module=work,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.max_grad_norm,
+            poisson_sampling=True,
+            noise_generator=torch.Generator(device=target).manual_seed(noise_seed),
+        )
+    except UnsupportedModuleError as exc:
+        raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc
+    return engine, trained, private_optimizer, private_loader
+
+
+def _run_epochs(
+    trained: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader[Any],
+    epochs: int,
+    target: torch.device,
+    advance: Callable[[], None],
+) -> tuple[int, float, int]:
+    """Run ``epochs`` passes over ``loader``; returns (steps, summed loss, records seen)."""
+    steps = 0
+    loss_sum = 0.0
+    seen = 0
+    with warnings.catch_warnings():
+        # Opacus' per-sample hooks fire on module outputs when inputs need no grad,
+        # which is exactly how they are meant to work here.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for _ in range(epochs):
+            for xb, yb in loader:
+                xb, yb = xb.to(target), yb.to(target)
+                optimizer.zero_grad(set_to_none=True)
+                if len(yb) > 0:
+                    loss = F.cross_entropy(trained(xb), yb)
+                    torch.autograd.backward(loss)
+                    loss_sum += float(loss.detach()) * len(yb)
+                    seen += len(yb)
+                else:
+                    # A Poisson batch can be empty; the step must still happen (noise is
+                    # added and the accountant counts it) or skipping would leak that.
+                    empty_out: torch.Tensor = trained(xb)
+                    torch.autograd.backward(empty_out.sum())
+                optimizer.step()
+                steps += 1
+                advance()
+    return steps, loss_sum, seen
 
 
 def train_centralized(

@@ -1,4 +1,5 @@
-"""The agent's HTTP client for the aggregator API (one method per endpoint of fedsec.protocol.wire).
+"""The HTTP client for the aggregator API, shared by agents and auditors (one method per
+endpoint of :mod:`fedsec.protocol.endpoints`).
 
 Transport only: it builds URLs, signs every request (RFC 9421, also GETs, whose
 body is empty), retries what may succeed on a second try, checks response sizes
@@ -52,7 +53,6 @@ import msgspec
 from yarl import URL
 
 from fedsec import errors
-from fedsec.aggregator.roster import RosterEntry
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.errors import (
@@ -72,6 +72,7 @@ from fedsec.errors import (
 )
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.roster import RosterEntry
 from fedsec.protocol.wire import (
     API_PREFIX,
     Accepted,
@@ -167,7 +168,7 @@ def _error_classes() -> dict[str, type[FedsecError]]:
     pending: list[type[FedsecError]] = [FedsecError]
     while pending:
         cls = pending.pop()
-        if cls.__module__ == errors.__name__ and cls is not AggregatorRefused:
+        if getattr(errors, cls.__name__, None) is cls and cls is not AggregatorRefused:
             found.setdefault(cls.code, cls)
         pending.extend(cls.__subclasses__())
     return found

@@ -1,0 +1,406 @@
+"""The typed actions the agent's round machines ask for, and the events that answer them.
+
+:class:`fedsec.agent.round.AgentRound` and :class:`fedsec.agent.follow.Follower` never
+do I/O: each says what to do next (an action below) and takes the answer (an event).
+Every action names the one event type that answers it (``answer``); any action may
+instead be answered with :class:`Refused`, carrying the typed error (a 4xx answer,
+a ledger refusal) for the machine to judge.  The runtime
+(:mod:`fedsec.agent.runtime`) performs the actions through the aggregator client,
+the privacy ledger, the vault and the training executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from fedsec.agent.vault import RoundRecord
+from fedsec.crypto.quantize import RingVector
+from fedsec.crypto.secagg import MaskedInput
+from fedsec.errors import FedsecError, WrongStage
+from fedsec.protocol.wire import (
+    Accepted,
+    AdvertiseKeysBody,
+    ContributionStatement,
+    JoinRequest,
+    JoinResponse,
+    KeyListBody,
+    PrivacyReport,
+    Receipt,
+    RoundSpec,
+    RoundState,
+    ShareKeysBody,
+    ShareRelayBody,
+    UnmaskRequestBody,
+    UnmaskResponseBody,
+)
+
+if TYPE_CHECKING:
+    from fedsec.agent.charging import ChargeRequest, PrivacyCharge
+    from fedsec.agent.round import AgentRound
+
+T = TypeVar("T")
+
+OutcomeStatus = Literal["closed", "aborted", "missed", "dropped"]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one round attempt in which this agent was in the cohort ended for it.
+
+    ``status``: ``closed`` (contributed; the round aggregated), ``aborted``
+    (the attempt was abandoned; another may follow), ``missed`` (a stage passed
+    before the agent was ready), ``dropped`` (a round-local error, in ``detail``).
+    """
+
+    round: int
+    attempt: int
+    status: OutcomeStatus
+    model_version: int
+    epsilon: float | None = None
+    samples: int = 0
+    weight: float | None = None
+    receipt: Receipt | None = None
+    detail: str = ""
+
+
+# ------------------------------------------------------------------------------ events
+
+
+class Event:
+    """An answer to an action."""
+
+
+@dataclass(frozen=True)
+class Refused(Event):
+    """The action failed with ``error``: a refusal of the aggregator, the ledger or the
+    vault.  The machine decides whether it ends the attempt or the agent."""
+
+    error: FedsecError
+
+
+@dataclass(frozen=True)
+class TrainingFailed(Refused):
+    """Local training (or the model download before it) failed with ``error``."""
+
+
+@dataclass(frozen=True)
+class RoundObserved(Event):
+    state: RoundState
+
+
+@dataclass(frozen=True)
+class Done(Event):
+    """No answer expected: there is nothing left to do (the last action is Finish)."""
+
+
+@dataclass(frozen=True)
+class RosterFetched(Event):
+    keys: Mapping[str, bytes]  # active agent id -> Ed25519 public key, verified
+
+
+@dataclass(frozen=True)
+class Charged(Event):
+    charge: PrivacyCharge
+
+
+@dataclass(frozen=True)
+class BudgetChecked(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainingStarted(Event):
+    pass
+
+
+@dataclass(frozen=True, eq=False)
+class Trained(Event):
+    delta: npt.NDArray[np.float32]  # local model - global model
+
+
+@dataclass(frozen=True)
+class JoinAnswered(Event):
+    answer: JoinResponse
+
+
+@dataclass(frozen=True)
+class UploadAnswered(Event):
+    answer: Accepted
+
+
+@dataclass(frozen=True)
+class KeysFetched(Event):
+    body: KeyListBody
+
+
+@dataclass(frozen=True)
+class SharesFetched(Event):
+    body: ShareRelayBody
+
+
+@dataclass(frozen=True)
+class UnmaskFetched(Event):
+    body: UnmaskRequestBody
+
+
+@dataclass(frozen=True)
+class Masked(Event):
+    masked: MaskedInput
+
+
+@dataclass(frozen=True)
+class UpdateKept(Event):
+    salt: bytes  # the commitment salt the vault keeps with the update
+
+
+@dataclass(frozen=True)
+class MaskedInputAnswered(Event):
+    receipt: Receipt
+    unmask: UnmaskRequestBody | None = None  # held until unmask (SecAgg+, ``wait`` > 0)
+
+
+@dataclass(frozen=True)
+class ReceiptFetched(Event):
+    receipt: Receipt
+
+
+@dataclass(frozen=True)
+class Passed(Event):
+    """A plain acknowledgement: reported, recorded, a fault point passed."""
+
+
+@dataclass(frozen=True)
+class Participated(Event):
+    outcome: RoundOutcome
+    following: RoundState | None  # the newest state the round saw, None to poll afresh
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+class Action:
+    """Something for the runtime to do; ``answer`` is the event it expects back."""
+
+    answer: ClassVar[type[Event]] = Passed
+
+
+@dataclass(frozen=True)
+class Poll(Action):
+    """The next round state: at once (``token`` None) or long-polled on ``token``.
+    Temporary refusals are outlived by the runtime, which asks again."""
+
+    answer: ClassVar[type[Event]] = RoundObserved
+    token: int | None
+
+
+@dataclass(frozen=True)
+class FetchRoster(Action):
+    """The admin-signed roster's active agents, verified against the pinned admin key."""
+
+    answer: ClassVar[type[Event]] = RosterFetched
+    federation_id: str
+    serial: int
+
+
+@dataclass(frozen=True)
+class Charge(Action):
+    """Charge the privacy ledger (checked and recorded in one locked step)."""
+
+    answer: ClassVar[type[Event]] = Charged
+    request: ChargeRequest
+
+
+@dataclass(frozen=True)
+class CheckBudget(Action):
+    """Refuse (BudgetExhausted) unless the budget could pay ``cost`` for ``round``."""
+
+    answer: ClassVar[type[Event]] = BudgetChecked
+    round: int
+    cost: tuple[float, float, int]  # noise multiplier, sample rate, steps
+
+
+@dataclass(frozen=True)
+class Train(Action):
+    """Start training on ``spec``'s model (downloaded and verified) in the background.
+    Answered TrainingStarted at once; Trained or TrainingFailed follows when done."""
+
+    answer: ClassVar[type[Event]] = TrainingStarted
+    spec: RoundSpec
+    charge: PrivacyCharge
+
+
+@dataclass(frozen=True)
+class AwaitTraining(Action):
+    answer: ClassVar[type[Event]] = Trained
+
+
+@dataclass(frozen=True)
+class Join(Action):
+    answer: ClassVar[type[Event]] = JoinAnswered
+    round: int
+    attempt: int
+    request: JoinRequest
+
+
+@dataclass(frozen=True)
+class Report(Action):
+    """Send the signed privacy report on its own (``POST /report``)."""
+
+    round: int
+    attempt: int
+    report: PrivacyReport
+
+
+@dataclass(frozen=True)
+class Advertise(Action):
+    answer: ClassVar[type[Event]] = UploadAnswered
+    round: int
+    attempt: int
+    body: AdvertiseKeysBody
+    wait: float  # the aggregator may hold the answer this long for the key list
+
+
+@dataclass(frozen=True)
+class FetchKeys(Action):
+    answer: ClassVar[type[Event]] = KeysFetched
+    round: int
+    attempt: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class SendShares(Action):
+    answer: ClassVar[type[Event]] = UploadAnswered
+    round: int
+    attempt: int
+    body: ShareKeysBody
+    wait: float  # ... for our share relay
+
+
+@dataclass(frozen=True)
+class FetchShares(Action):
+    answer: ClassVar[type[Event]] = SharesFetched
+    round: int
+    attempt: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class Mask(Action):
+    """Add the SecAgg+ masks: ``compute`` is pure CPU work, which the runtime runs on
+    the event loop or in a worker thread depending on ``dim``."""
+
+    answer: ClassVar[type[Event]] = Masked
+    dim: int
+    compute: Callable[[], MaskedInput] = field(compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class KeepUpdate(Action):
+    """Keep the quantized update in the vault for audits (once per attempt)."""
+
+    answer: ClassVar[type[Event]] = UpdateKept
+    round: int
+    attempt: int
+    quantized: RingVector
+
+
+@dataclass(frozen=True)
+class SendMaskedInput(Action):
+    answer: ClassVar[type[Event]] = MaskedInputAnswered
+    round: int
+    attempt: int
+    vector: bytes
+    statement: ContributionStatement
+    wait: float  # SecAgg+: the aggregator may hold the answer for our unmask request
+
+
+@dataclass(frozen=True)
+class FetchReceipt(Action):
+    answer: ClassVar[type[Event]] = ReceiptFetched
+    round: int
+
+
+@dataclass(frozen=True)
+class Record(Action):
+    """Store the checked receipt and the agent's own record of the contribution."""
+
+    receipt: Receipt
+    record: RoundRecord
+
+
+@dataclass(frozen=True)
+class FetchUnmask(Action):
+    answer: ClassVar[type[Event]] = UnmaskFetched
+    round: int
+    attempt: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class Unmask(Action):
+    answer: ClassVar[type[Event]] = UploadAnswered
+    round: int
+    attempt: int
+    body: UnmaskResponseBody
+    wait: float  # ... until the attempt is over (the answer carries the round state)
+
+
+@dataclass(frozen=True)
+class FaultPoint(Action):
+    """A stage is complete: where a chaos test may crash the agent (fedsec.faults)."""
+
+    round: int
+    point: str
+
+
+@dataclass(frozen=True)
+class Participate(Action):
+    """Run ``round`` to its end."""
+
+    answer: ClassVar[type[Event]] = Participated
+    round: AgentRound = field(compare=False)
+
+
+@dataclass(frozen=True)
+class AnswerChallenges(Action):
+    """Answer pending audit challenges; a failure is logged, not fatal."""
+
+    federation_id: str
+
+
+@dataclass(frozen=True)
+class Finish(Action):
+    """Nothing left to do: for a round, its outcome and the newest state it saw; for
+    the follower, the federation finished or enough rounds closed."""
+
+    answer: ClassVar[type[Event]] = Done
+    outcome: RoundOutcome | None = None
+    following: RoundState | None = None
+
+
+E = TypeVar("E", bound=Event)
+
+#: A round machine's step: yields actions, is sent their answers, returns ``T``.
+Step = Generator[Action, Event, T]
+
+
+def ask(action: Action, answer: type[E]) -> Step[E]:
+    """Yield ``action`` and return its answer; a Refused answer raises its error here,
+    inside the step, so the step decides what that refusal means.
+
+    Raises:
+        FedsecError: the refusal's error.
+        WrongStage: the answer is not the ``answer`` expected (a runtime bug).
+    """
+    event = yield action
+    if isinstance(event, Refused):
+        raise event.error
+    if not isinstance(event, answer):
+        raise WrongStage(f"{type(action).__name__} answered with {type(event).__name__}")
+    return event

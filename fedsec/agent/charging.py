@@ -1,0 +1,158 @@
+"""What one training costs in privacy, and when a retried attempt costs nothing.
+
+The ledger is charged *before* training, so a crash can never spend privacy off the
+books.  A retried attempt of the same round reuses the update already trained on the
+same model with the same settings; a charge whose training produced no update yet (the
+model download refused, the attempt dropped) is reused rather than charged again.
+:class:`Carryover` holds what crosses attempts; :func:`charge_step` is the decision,
+for both round machines, written as a step that yields the Charge action when the
+ledger must be asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from fedsec.agent.actions import Charge, Charged, Step, ask
+from fedsec.agent.member import Member
+from fedsec.agent.spec import training_params, update_key
+from fedsec.errors import ConfigError
+from fedsec.learning.training import plan_round
+from fedsec.protocol.wire import RoundSpec
+from fedsec.tasks import Task
+
+# one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
+log = logging.getLogger("fedsec.agent.runtime")
+
+#: noise multiplier, sample rate, steps: what the ledger accounts for one training
+Cost = tuple[float, float, int]
+
+
+@dataclass(frozen=True)
+class ChargeRequest:
+    """A training the ledger is asked to pay for, before it starts."""
+
+    key: tuple[object, ...]
+    round: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    dp_enabled: bool  # False only with privacy.require_dp = false: nothing is charged
+
+    @property
+    def cost(self) -> Cost:
+        return (self.noise_multiplier, self.sample_rate, self.steps)
+
+
+@dataclass(frozen=True)
+class PrivacyCharge:
+    """What one training cost, charged to the privacy ledger before it starts."""
+
+    key: tuple[object, ...]
+    epsilon: float  # total spent on the dataset once this round was charged
+    steps: int
+    sample_rate: float
+    trained_round: int
+
+
+@dataclass(frozen=True, eq=False)
+class TrainedUpdate:
+    """An update trained for one round, reusable by a retried attempt of that round."""
+
+    key: tuple[object, ...]
+    delta: npt.NDArray[np.float32]
+    epsilon: float  # total spent on the dataset once this round was charged
+    steps: int
+    sample_rate: float
+    base_version: int = 0  # the model version it was trained from
+    trained_round: int = -1  # the round the ledger charged for this training
+
+
+class Carryover:
+    """What one attempt leaves to the next: the last update (until it is sent in
+    buffered mode or refused as stale), a charge not yet trained on, the last cost,
+    and the attempts already joined and handled (round, attempt)."""
+
+    def __init__(self) -> None:
+        self.update: TrainedUpdate | None = None
+        self.unused_charge: PrivacyCharge | None = None
+        self.last_cost: Cost | None = None
+        self.joined: set[tuple[int, int]] = set()
+        self.handled: set[tuple[int, int]] = set()
+
+    def reusable(self, spec: RoundSpec, member: str) -> TrainedUpdate | PrivacyCharge | None:
+        """The update or charge a retried attempt (or a buffered member) reuses."""
+        key = update_key(spec)
+        if self.update is not None and self.update.key == key:
+            log.info("round_update_reused round=%d attempt=%d", spec.round, spec.attempt)
+            return self.update
+        if spec.mode == "buffered" and spec.cohort and self.update is not None:
+            # buffered: the update was trained before joining, on the version we named
+            base = spec.model_version - spec.staleness.get(member, 0)
+            if self.update.base_version == base:
+                return self.update
+        if self.unused_charge is not None and self.unused_charge.key == key:
+            log.info("privacy_charge_reused round=%d attempt=%d", spec.round, spec.attempt)
+            return self.unused_charge
+        return None
+
+    def trained(
+        self, spec: RoundSpec, charge: PrivacyCharge, delta: npt.NDArray[np.float32]
+    ) -> TrainedUpdate:
+        """Keep the update trained on ``charge``; the charge is spent on it."""
+        self.unused_charge = None
+        self.update = TrainedUpdate(
+            charge.key,
+            delta,
+            charge.epsilon,
+            charge.steps,
+            charge.sample_rate,
+            base_version=spec.model_version,
+            trained_round=charge.trained_round,
+        )
+        return self.update
+
+
+def plan_charge(spec: RoundSpec, task: Task, samples: int, require_dp: bool) -> ChargeRequest:
+    """What training on ``spec`` will cost.
+
+    Raises:
+        ConfigError: the round trains without DP and this agent requires it, or it
+            asks for an unknown optimiser.
+    """
+    params = training_params(spec, task)
+    if not spec.dp.enabled and require_dp:
+        raise ConfigError(
+            f"round {spec.round} asks for training without differential privacy; this "
+            "agent trains only with DP-SGD, so it refuses (ask the operator to set "
+            "dp.enabled = true)"
+        )
+    sample_rate, steps = plan_round(samples, params)
+    return ChargeRequest(
+        update_key(spec), spec.round, spec.dp.noise_multiplier, sample_rate, steps, spec.dp.enabled
+    )
+
+
+def charge_step(
+    spec: RoundSpec, carry: Carryover, member: Member
+) -> Step[TrainedUpdate | PrivacyCharge]:
+    """The update or charge to train on for ``spec``: reused when a retried attempt
+    allows it, else charged to the ledger (the Charge action) before training.
+
+    Raises:
+        ConfigError: see :func:`plan_charge`.
+        BudgetExhausted: the ledger refused the charge.
+    """
+    training_params(spec, member.task)  # an unknown optimiser is refused before any reuse
+    reused = carry.reusable(spec, member.id)
+    if reused is not None:
+        return reused
+    request = plan_charge(spec, member.task, member.samples, member.require_dp)
+    carry.last_cost = request.cost
+    answer = yield from ask(Charge(request), Charged)
+    carry.unused_charge = answer.charge
+    return answer.charge

@@ -1,0 +1,23 @@
+"""Who this agent is and what it holds: the plain values its round machines decide with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.tasks import Task
+
+
+@dataclass(frozen=True)
+class Member:
+    """Who this agent is and what it holds: what the round machines decide with."""
+
+    id: str
+    identity: SigningIdentity
+    aggregator_public: bytes  # pinned in agent.toml: round specs must verify against it
+    dataset_id: str
+    task: Task
+    samples: int
+    dim: int  # parameters of the local model
+    privacy_delta: float
+    require_dp: bool

@@ -1,0 +1,428 @@
+"""One round attempt as this agent takes part in it: a sans-I/O state machine.
+
+:class:`AgentRound` says what to do next (:meth:`AgentRound.next`, an action of
+:mod:`fedsec.agent.actions`) and takes the answer (:meth:`AgentRound.receive`); it
+never awaits.  From a round state whose signed spec has us in the cohort::
+
+    verify spec and task ──► secagg: fetch roster ──► charge the ledger (or reuse a
+        retried round's update) ──► Train (in the background)
+    secagg:  advertise keys ─► share_keys + privacy report   (while training)
+             ─► masked_input (+ receipt) ─► unmask ─► wait for closed
+    none:    report ─► masked_input (plain quantized vector, + receipt) ─► wait for closed
+
+SecAgg+'s key stages run while local training does: they do not need the update.
+If the key stages end the attempt, training is still awaited so the update is kept
+for a retried attempt and the privacy it cost is not spent twice; if training fails,
+the attempt ends at once with training's error.
+
+The steps are generators: each ``yield`` is an action, the value sent back its
+answer; a refusal is raised inside the step that asked, and the step decides what it
+means (a 409 duplicate: an earlier try landed; a 409 wrong stage on a long-polled
+fetch: poll the round state, then fetch).  Attempt-ending answers become the outcome
+(``aborted``, ``missed``, ``dropped``); any other error is raised from
+:meth:`AgentRound.receive` and ends the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from fedsec.agent.actions import (
+    Action,
+    AwaitTraining,
+    Event,
+    FetchReceipt,
+    FetchRoster,
+    Finish,
+    KeepUpdate,
+    MaskedInputAnswered,
+    OutcomeStatus,
+    Passed,
+    ReceiptFetched,
+    Record,
+    Refused,
+    Report,
+    RosterFetched,
+    RoundOutcome,
+    SendMaskedInput,
+    Step,
+    Train,
+    Trained,
+    TrainingFailed,
+    TrainingStarted,
+    UpdateKept,
+    ask,
+)
+from fedsec.agent.attempt import AttemptOver, AttemptTracker, StageMissed
+from fedsec.agent.charging import Carryover, PrivacyCharge, TrainedUpdate, charge_step
+from fedsec.agent.contribution import (
+    Contribution,
+    check_receipt,
+    contribution_statement,
+    privacy_report,
+    round_record,
+)
+from fedsec.agent.member import Member
+from fedsec.agent.refusals import is_round_local
+from fedsec.agent.secagg_steps import SecAggSteps
+from fedsec.agent.spec import check_spec_task, member_weight, staleness_discount, verify_round_spec
+from fedsec.crypto.quantize import pack, quantize
+from fedsec.crypto.secagg import ClientSession
+from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
+from fedsec.faults import deterministic_bytes
+from fedsec.protocol.stages import stage_index
+from fedsec.protocol.wire import (
+    PrivacyReport,
+    Receipt,
+    RoundSpec,
+    RoundState,
+    ShareRelayBody,
+    UnmaskRequestBody,
+)
+
+# one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
+log = logging.getLogger("fedsec.agent.runtime")
+
+#: How a step ends the attempt: the outcome and the newest state seen (None: poll anew).
+Ending = tuple[RoundOutcome, RoundState | None]
+T = TypeVar("T")
+
+
+class AgentRound:
+    """This agent's part in one round attempt.
+
+    Args:
+        state: the round state that named us in the cohort (its ``spec``).
+        member: who we are and what we hold.
+        carry: what earlier attempts left (an update, an unused charge); updated here.
+        long_poll_s: how long the aggregator may hold an answer for the next stage.
+        clock: wall clock for the agent's own records.
+
+    Raises:
+        SignatureError: the spec is not signed by the pinned aggregator key.
+        TaskMismatch: the spec's task, version, schema or model size is not ours.
+    """
+
+    def __init__(
+        self,
+        state: RoundState,
+        member: Member,
+        carry: Carryover,
+        *,
+        long_poll_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        spec = state.spec
+        if spec is None:
+            raise WrongStage(f"round {state.round} attempt {state.attempt} has no spec yet")
+        self.spec = spec
+        self.member = member
+        self._carry = carry
+        self._clock = clock
+        self._attempt = AttemptTracker(state, long_poll_s)
+        self._key = self._attempt.key
+        self._base = RoundOutcome(*self._key, "dropped", spec.model_version, samples=member.samples)
+        self._receipt: Receipt | None = None
+        self._training: PrivacyCharge | None = None  # running on this charge
+        self._trained: TrainedUpdate | None = None
+        self._failed = False
+        self._steps = self._participate()
+        self._pending: Action = AwaitTraining()  # replaced below
+        first = self._refuse_early(state, spec)
+        if first is not None:
+            self._pending = first
+        else:
+            self._advance(None)
+
+    # -- the machine ---------------------------------------------------------------
+
+    def next(self) -> Action:
+        """What to do now; the same action until :meth:`receive` answers it.  Train
+        runs in the background: while it runs, other actions follow."""
+        if self._failed:
+            raise WrongStage(f"round {self.spec.round} ended with an error")
+        return self._pending
+
+    @property
+    def training(self) -> bool:
+        """Training is running: Trained or TrainingFailed is still to come."""
+        return self._training is not None
+
+    @property
+    def finished(self) -> Finish | None:
+        return self._pending if isinstance(self._pending, Finish) else None
+
+    def receive(self, event: Event) -> None:
+        """Take the answer to :meth:`next`'s action, or training's result at any time.
+
+        An event that answers nothing pending is refused and changes nothing.
+
+        Raises:
+            WrongStage: ``event`` answers no pending action.
+            FedsecError: an error that ends the agent, not only this attempt (the
+                round is then over).
+        """
+        pending = self.next()
+        if isinstance(event, Trained | TrainingFailed):
+            if self._training is None:
+                raise WrongStage(f"{type(event).__name__} while no training is running")
+            if isinstance(event, TrainingFailed):
+                self._training = None
+                self._steps.close()  # training's error ends the attempt at once
+                self._pending = Finish(*self._failing(self._dropped, event.error))
+                return
+            self._trained = self._carry.trained(self.spec, self._training, event.delta)
+            self._training = None
+            if not isinstance(pending, AwaitTraining):
+                return  # kept until the steps need it
+        elif isinstance(pending, Finish) or not isinstance(event, pending.answer | Refused):
+            raise WrongStage(
+                f"round {self.spec.round}: {type(event).__name__} does not answer "
+                f"{type(pending).__name__}"
+            )
+        self._advance(event)
+
+    def _advance(self, event: Event | None) -> None:
+        try:
+            self._pending = self._failing(self._steps.send, event)
+        except StopIteration as stop:
+            self._pending = Finish(*stop.value)
+
+    def _failing(self, step: Callable[[Any], T], arg: Any) -> T:
+        """``step(arg)``; an error other than the steps' end ends the round for good."""
+        try:
+            return step(arg)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._failed = True
+            raise
+
+    # -- checks before anything is spent ---------------------------------------------
+
+    def _refuse_early(self, state: RoundState, spec: RoundSpec) -> Finish | None:
+        """Check the spec; a Finish when this attempt is not ours to take part in."""
+        verify_round_spec(spec, self.member.aggregator_public)
+        r, a = self._key
+        if (spec.federation_id, spec.round, spec.attempt) != (state.federation_id, r, a):
+            log.warning(
+                "round_spec_mismatch round=%d attempt=%d spec_round=%d spec_attempt=%d",
+                r,
+                a,
+                spec.round,
+                spec.attempt,
+            )
+            return self._early_end("dropped", "spec names another round")
+        first_stage = "advertise" if spec.secure_sum == "secagg" else "masked_input"
+        if stage_index(state.stage) > stage_index(first_stage):
+            # Joined before a restart, back too late: training now would spend privacy
+            # on an update that can no longer be sent.
+            detail = f"stage {first_stage} already passed (now {state.stage})"
+            log.warning("round_missed round=%d attempt=%d reason=%r", r, a, detail)
+            return self._early_end("missed", detail)
+        check_spec_task(spec, self.member.task, self.member.dim)
+        return None
+
+    def _early_end(self, status: OutcomeStatus, detail: str) -> Finish:
+        spec = self.spec
+        self._steps.close()
+        return Finish(
+            RoundOutcome(spec.round, spec.attempt, status, spec.model_version, detail=detail)
+        )
+
+    # -- the attempt -----------------------------------------------------------------
+
+    def _participate(self) -> Step[Ending]:
+        """Take part in the attempt; return its outcome and the newest state seen."""
+        spec, member = self.spec, self.member
+        weight = member_weight(member.samples, spec, member.id)
+        try:
+            if spec.secure_sum == "secagg":
+                # Before training: a roster or parameters that do not check out must not
+                # cost any privacy.
+                serial = self._attempt.state.roster_serial
+                roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
+                session = ClientSession(
+                    spec.secagg_params(), member.id, member.identity, roster.keys
+                )
+                secagg = SecAggSteps(session, self._attempt, spec.dim)
+                charge = yield from charge_step(spec, self._carry, member)
+                # the report rides with the shares: one request fewer than POST /report
+                report = privacy_report(spec, member, charge)
+                trained, relay, reported = yield from self._train_during_key_setup(
+                    secagg, charge, report
+                )
+            else:
+                secagg, relay, reported = None, None, False
+                charge = yield from charge_step(spec, self._carry, member)
+                yield from self._start_training(charge)
+                trained = yield from self._await_training()
+            self._base = _with(self._base, "dropped", None, trained.epsilon, weight)
+            if not reported:
+                yield from self._report(trained)
+            contribution = self._contribution(trained, weight)
+            if secagg is not None:
+                receipt = yield from secagg.finish(contribution, relay, self._send_vector)
+            else:
+                receipt = yield from self._plain_finish(contribution)
+            return (yield from self._closed(receipt))
+        except AttemptOver as over:
+            return self._attempt_over(over.state)
+        except StageMissed as missed:
+            log.warning("round_missed round=%d attempt=%d reason=%r", *self._key, str(missed))
+            return _with(self._base, "missed", self._receipt, detail=str(missed)), missed.state
+        except FedsecError as exc:
+            return self._dropped(exc)
+
+    def _closed(self, receipt: Receipt) -> Step[Ending]:
+        if self.spec.mode == "buffered":
+            self._carry.update = None  # consumed: the next buffer gets a freshly trained update
+        if self._attempt.state.round > self.spec.round:
+            final = self._attempt.state  # the held unmask answer came once our round had closed
+        else:
+            final = yield from self._attempt.wait_for(("closed",))
+        log.info("round_closed round=%d attempt=%d", *self._key)
+        return _with(self._base, "closed", receipt), final
+
+    def _attempt_over(self, now: RoundState) -> Ending:
+        status: OutcomeStatus = "aborted"
+        if self._receipt is not None and now.round > self.spec.round:
+            status = "closed"  # the round moved on after taking our contribution
+        log.info(
+            "round_attempt_over round=%d attempt=%d status=%s now_round=%d now_attempt=%d stage=%s",
+            *self._key,
+            status,
+            now.round,
+            now.attempt,
+            now.stage,
+        )
+        return _with(self._base, status, self._receipt), now
+
+    def _dropped(self, exc: FedsecError) -> Ending:
+        """A round-local error drops us from the attempt; any other is raised."""
+        if not is_round_local(exc):
+            raise exc
+        log.warning("round_dropped round=%d attempt=%d reason=%r", *self._key, exc.detail)
+        return _with(self._base, "dropped", self._receipt, detail=exc.detail), None
+
+    def _contribution(self, trained: TrainedUpdate, weight: float) -> Contribution:
+        spec = self.spec
+        discount = staleness_discount(spec, self.member.id)
+        rounding = deterministic_bytes(self.member.id, spec.round, "rounding") or os.urandom(32)
+        q = quantize(trained.delta * np.float32(discount), weight, spec.quant_spec(), rounding)
+        return Contribution(trained, self.member.samples, weight, q)
+
+    # -- privacy and training ------------------------------------------------------
+
+    def _start_training(self, charge: TrainedUpdate | PrivacyCharge) -> Step[None]:
+        if isinstance(charge, TrainedUpdate):
+            self._trained = charge  # a retried attempt's update: nothing to train
+            return
+        self._training = charge
+        yield from ask(Train(self.spec, charge), TrainingStarted)
+
+    def _await_training(self) -> Step[TrainedUpdate]:
+        while self._trained is None:
+            yield AwaitTraining()  # receive() keeps the update, or ends the attempt
+        return self._trained
+
+    def _train_during_key_setup(
+        self, secagg: SecAggSteps, charge: TrainedUpdate | PrivacyCharge, report: PrivacyReport
+    ) -> Step[tuple[TrainedUpdate, ShareRelayBody | None, bool]]:
+        """Train while advertising keys and sharing them (``report`` goes with the
+        shares); return the update, the share relay if it came with the shares'
+        answer, and whether the aggregator took the report.
+
+        If the key stages end the attempt, training is still awaited (the update is
+        kept for a retried attempt), then the key stages' ending applies.
+        """
+        yield from self._start_training(charge)
+        try:
+            relay, reported = yield from secagg.key_stages(report)
+        except (AttemptOver, StageMissed, FedsecError):
+            yield from self._await_training()
+            raise
+        return (yield from self._await_training()), relay, reported
+
+    def _report(self, trained: TrainedUpdate) -> Step[None]:
+        spec = self.spec
+        report = privacy_report(spec, self.member, trained)
+        with contextlib.suppress(DuplicateMessage):
+            yield from ask(Report(spec.round, spec.attempt, report), Passed)
+        log.info("privacy_reported round=%d epsilon=%.3f", spec.round, trained.epsilon)
+
+    # -- the contribution ----------------------------------------------------------
+
+    def _plain_finish(self, c: Contribution) -> Step[Receipt]:
+        yield from self._attempt.wait_for(("masked_input",))
+        receipt, _ = yield from self._send_vector(c, pack(c.quantized, self.spec.ring_bits))
+        return receipt
+
+    def _send_vector(
+        self, c: Contribution, vector: bytes, wait: float = 0.0
+    ) -> Step[tuple[Receipt, UnmaskRequestBody | None]]:
+        """Keep the update for audits, send ``vector``, check and store the receipt.
+
+        Returns:
+            The receipt, and the unmask request when the answer was held for it
+            (``wait`` > 0, SecAgg+).
+
+        Raises:
+            IntegrityError: the receipt names another member, round or contribution.
+        """
+        spec, (r, a) = self.spec, self._key
+        salt = (yield from ask(KeepUpdate(r, a, c.quantized), UpdateKept)).salt
+        digest = hashlib.sha256(vector).hexdigest()
+        statement = contribution_statement(spec, self.member, c.quantized, salt, vector)
+        request: UnmaskRequestBody | None = None
+        try:
+            answer = yield from ask(
+                SendMaskedInput(r, a, vector, statement, wait), MaskedInputAnswered
+            )
+            receipt, request = answer.receipt, answer.unmask
+        except DuplicateMessage:
+            # A retry after a lost answer: the first try was taken; fetch its receipt.
+            receipt = (yield from ask(FetchReceipt(r), ReceiptFetched)).receipt
+        check_receipt(receipt, spec, self.member.id, digest)
+        self._receipt = receipt
+        record = round_record(spec, self.member, c, receipt, self._clock())
+        yield from ask(Record(receipt, record), Passed)
+        log.info(
+            "contribution_accepted round=%d attempt=%d bytes=%d sha256=%s log_index=%d",
+            r,
+            a,
+            len(vector),
+            digest,
+            receipt.log_index,
+        )
+        return receipt, request
+
+
+def _with(
+    base: RoundOutcome,
+    status: OutcomeStatus,
+    receipt: Receipt | None,
+    epsilon: float | None = None,
+    weight: float | None = None,
+    *,
+    detail: str = "",
+) -> RoundOutcome:
+    return RoundOutcome(
+        base.round,
+        base.attempt,
+        status,
+        base.model_version,
+        epsilon if epsilon is not None else base.epsilon,
+        base.samples,
+        weight if weight is not None else base.weight,
+        receipt,
+        detail,
+    )

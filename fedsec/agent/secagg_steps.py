@@ -1,0 +1,148 @@
+"""This member's SecAgg+ stages of one attempt, as sans-I/O steps around the crypto
+:class:`~fedsec.crypto.secagg.ClientSession` (which checks every message it takes).
+
+Bodies go through :mod:`fedsec.protocol.codec`.  Each upload asks the aggregator to
+hold its answer until the next stage and carry that stage's data (key list, share
+relay, unmask request, the round state once the attempt is over): one request per
+stage instead of an upload, a long poll of the round state and a fetch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from fedsec.agent.actions import (
+    Advertise,
+    FaultPoint,
+    FetchKeys,
+    FetchShares,
+    FetchUnmask,
+    KeysFetched,
+    Mask,
+    Masked,
+    Passed,
+    SendShares,
+    SharesFetched,
+    Step,
+    Unmask,
+    UnmaskFetched,
+    ask,
+)
+from fedsec.agent.attempt import AttemptTracker, upload
+from fedsec.agent.contribution import Contribution
+from fedsec.crypto.secagg import ClientSession, UnmaskRequest
+from fedsec.protocol import codec
+from fedsec.protocol.wire import (
+    Accepted,
+    PrivacyReport,
+    Receipt,
+    ShareRelayBody,
+    UnmaskRequestBody,
+)
+
+# one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
+log = logging.getLogger("fedsec.agent.runtime")
+
+#: Sends a packed vector (``wait`` > 0: held for the unmask request); returns the
+#: checked receipt and the unmask request if it came with it.
+SendVector = Callable[[Contribution, bytes, float], Step[tuple[Receipt, UnmaskRequestBody | None]]]
+
+
+class SecAggSteps:
+    """The SecAgg+ stages for ``member`` in the attempt ``attempt`` follows.
+
+    Args:
+        session: the crypto session (its params from the signed spec).
+        attempt: the attempt's newest state; updated from held answers.
+        dim: the model's parameter count (how the runtime schedules masking).
+    """
+
+    def __init__(self, session: ClientSession, attempt: AttemptTracker, dim: int) -> None:
+        self.session = session
+        self.attempt = attempt
+        self.dim = dim
+
+    def key_stages(self, report: PrivacyReport) -> Step[tuple[ShareRelayBody | None, bool]]:
+        """Advertise and share-keys stages; they do not need the update.  The privacy
+        report, charged before training, is sent with the shares.
+
+        Returns:
+            The share relay when it came with the shares' answer, and whether the
+            shares (and so the report) were taken by this request.
+        """
+        session, attempt = self.session, self.attempt
+        (r, a), wait = attempt.key, attempt.long_poll_s
+        yield from attempt.wait_for(("advertise",))
+        body = codec.advertise_body(session.advertise())
+        answer = yield from upload(Advertise(r, a, body, wait))
+        log.info("secagg_advertised round=%d attempt=%d", r, a)
+        yield from ask(FaultPoint(r, "advertise"), Passed)
+
+        if answer is not None and answer.keys is not None:
+            keys = answer.keys
+        else:
+            fetched = yield from attempt.stage_data(
+                "share_keys", lambda w: FetchKeys(r, a, w), KeysFetched
+            )
+            keys = fetched.body
+        shares = session.share_keys(codec.key_list(keys))
+        answer = yield from upload(SendShares(r, a, codec.share_keys_body(shares, report), wait))
+        log.info("secagg_shared round=%d attempt=%d neighbours=%d", r, a, len(shares.shares))
+        yield from ask(FaultPoint(r, "share_keys"), Passed)
+        if answer is None:  # a 409: an earlier try landed, maybe without this report
+            return None, False
+        return answer.relay, True
+
+    def finish(
+        self, c: Contribution, relay: ShareRelayBody | None, send_vector: SendVector
+    ) -> Step[Receipt]:
+        """Masked input and unmask stages, after the key stages."""
+        session, attempt = self.session, self.attempt
+        (r, a), wait = attempt.key, attempt.long_poll_s
+        if relay is None:
+            fetched = yield from attempt.stage_data(
+                "masked_input", lambda w: FetchShares(r, a, w), SharesFetched
+            )
+            relay = fetched.body
+        session.receive_shares(codec.share_relay(relay, session.member))
+        compute = functools.partial(session.masked_input, c.quantized)
+        masked = (yield from ask(Mask(self.dim, compute), Masked)).masked
+        # the receipt is held until the unmask stage and comes with our unmask request
+        receipt, held = yield from send_vector(c, masked.vector, wait)
+        yield from ask(FaultPoint(r, "masked_input"), Passed)
+
+        if held is not None:
+            request = held
+        else:
+            asked = yield from attempt.stage_data(
+                "unmask", lambda w: FetchUnmask(r, a, w), UnmaskFetched
+            )
+            request = asked.body
+        answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
+        # held until the attempt is over; the answer carries the round state then
+        accepted = yield from upload(Unmask(r, a, codec.unmask_body(answer), wait))
+        log.info(
+            "secagg_unmasked round=%d attempt=%d survivors=%d dropped=%d",
+            r,
+            a,
+            len(request.survivors),
+            len(request.dropped),
+        )
+        self._after_unmask(accepted, request)
+        return receipt
+
+    def _after_unmask(self, accepted: Accepted | None, request: UnmaskRequestBody) -> None:
+        current = self.attempt.state
+        if accepted is not None and accepted.state is not None:
+            self.attempt.state = accepted.state
+        elif request.state_token is not None and (current.round, current.attempt) == (
+            self.attempt.key
+        ):
+            # the state as of the unmask request: the wait for the close starts there
+            self.attempt.state = msgspec.structs.replace(
+                current, stage="unmask", token=request.state_token
+            )

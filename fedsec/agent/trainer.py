@@ -1,0 +1,160 @@
+"""Local training for one round: fetch and verify the spec's model, train under DP-SGD
+in the training executor, return the update (local - global)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fedsec.agent.charging import PrivacyCharge
+from fedsec.agent.local_data import LocalData
+from fedsec.agent.spec import training_params
+from fedsec.aggregator_client import AggregatorClient
+from fedsec.errors import IntegrityError
+from fedsec.faults import deterministic_bytes
+from fedsec.learning.training import DPParams, fresh_seed, train_local
+from fedsec.modelfile import decode_model, verify_manifest
+from fedsec.protocol.wire import RoundSpec
+from fedsec.tasks.params import arrays_to_state, flatten_params
+
+# one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
+log = logging.getLogger("fedsec.agent.runtime")
+
+#: Allowance over the raw float32 size of the local model when downloading a model
+#: file: the safetensors header is ~100 bytes per tensor, so 1 MiB covers ~10k tensors.
+MODEL_HEADER_SLACK_BYTES: Final = 1024 * 1024
+
+
+class LocalTrainer:
+    """Trains this member's model on its local data.
+
+    Args:
+        member: this agent's id (it seeds the unsafe deterministic test switch).
+        aggregator_public: the pinned key model manifests must be signed with.
+        local: the task and the local training data.
+        device: where training runs.
+        executor: where the training call runs (None: asyncio's default executor).
+        progress: show a progress bar while training.
+        slowdown: simulations only: this member trains slowdown x slower.
+    """
+
+    def __init__(
+        self,
+        member: str,
+        aggregator_public: bytes,
+        local: LocalData,
+        device: torch.device,
+        executor: concurrent.futures.Executor | None,
+        *,
+        progress: bool = False,
+        slowdown: float = 1.0,
+    ) -> None:
+        self.member = member
+        self.aggregator_public = aggregator_public
+        self.local = local
+        self.device = device
+        self.executor = executor
+        self.progress = progress
+        self.slowdown = slowdown
+        self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
+
+    async def train(
+        self, client: AggregatorClient, spec: RoundSpec, charge: PrivacyCharge
+    ) -> npt.NDArray[np.float32]:
+        """Fetch the spec's model and train on it; return local - global.
+
+        Raises:
+            ConfigError: an unknown optimiser.
+            IntegrityError / SignatureError: the model does not verify.
+        """
+        local = self.local
+        model = local.task.build_model(0)
+        params = training_params(spec, local.task)
+        await self._load_global_model(client, spec, model)
+        before = flatten_params(model)
+        dp = (
+            DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
+            if spec.dp.enabled
+            else None
+        )
+        result = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(
+                train_local,
+                model,
+                local.x,
+                local.y,
+                params,
+                dp,
+                self.device,
+                _training_seed(self.member, spec.round),
+                self.progress,
+            ),
+        )
+        if result.steps != charge.steps or abs(result.sample_rate - charge.sample_rate) > 1e-12:
+            log.warning(
+                "privacy_plan_differs round=%d planned_steps=%d steps=%d planned_rate=%g rate=%g",
+                spec.round,
+                charge.steps,
+                result.steps,
+                charge.sample_rate,
+                result.sample_rate,
+            )
+        delta: npt.NDArray[np.float32] = (flatten_params(model) - before).astype(np.float32)
+        log.info(
+            "round_trained round=%d steps=%d loss=%.4f seconds=%.1f",
+            spec.round,
+            result.steps,
+            result.train_loss,
+            result.duration_s,
+        )
+        if self.slowdown > 1.0:
+            # simulations of slow members only: stretch training to slowdown x its time
+            await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
+        return delta
+
+    async def _load_global_model(
+        self, client: AggregatorClient, spec: RoundSpec, model: torch.nn.Module
+    ) -> None:
+        """Download the spec's model version, verify manifest and hash, load it into ``model``.
+
+        Raises:
+            IntegrityError / SignatureError: the manifest or file does not verify, or it
+                is not the model the spec names.
+        """
+        state = model.state_dict()
+        if self._model is None or self._model[:2] != (spec.model_version, spec.model_sha256):
+            manifest = await client.manifest(spec.model_version)
+            if manifest.sha256 != spec.model_sha256:
+                raise IntegrityError(
+                    f"round {spec.round} names model v{spec.model_version} with sha256 "
+                    f"{spec.model_sha256[:16]}..., but its manifest says {manifest.sha256[:16]}..."
+                )
+            limit = sum(t.numel() for t in state.values()) * 4 + MODEL_HEADER_SLACK_BYTES
+            data = await client.model_bytes(spec.model_version, limit)
+            verify_manifest(
+                manifest, self.aggregator_public, data, federation_id=spec.federation_id
+            )
+            arrays = decode_model(
+                data,
+                max_bytes=limit,
+                expected_names=list(state),
+                expected_shapes={k: tuple(v.shape) for k, v in state.items()},
+            )
+            self._model = (spec.model_version, spec.model_sha256, arrays)
+            log.info("model_downloaded version=%d bytes=%d", spec.model_version, len(data))
+        arrays_to_state(model, {k: v.copy() for k, v in self._model[2].items()})
+
+
+def _training_seed(member: str, round_: int) -> int:
+    """A fresh secret seed for DP noise and sampling (deterministic only under the unsafe
+    test switch, see fedsec.faults)."""
+    fixed = deterministic_bytes(member, round_, "training")
+    return int.from_bytes(fixed[:8], "big") >> 1 if fixed else fresh_seed()

@@ -1,0 +1,120 @@
+"""Model application: an attempt's sum → the server optimiser's step → a new model
+version, written once even across a crash between writing it and closing the round."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.errors import FedsecError, RoundAborted
+from fedsec.faults import AGGREGATOR_ENV, crash_point
+from fedsec.modelfile import ModelManifest, decode_model, encode_model
+from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
+
+
+class ServerStep(Protocol):
+    """The server optimiser (FedAvg, FedAdam) as model application uses it."""
+
+    def step(self, current: np.ndarray, mean_update: np.ndarray) -> np.ndarray: ...
+
+    def save(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NewVersion:
+    """What applying one attempt's sum produced."""
+
+    manifest: ModelManifest  # the version written (or found written by a predecessor)
+    parent: ModelManifest  # the version the sum was applied to
+    metrics: dict[str, float]  # validation accuracy and loss, when validation is on
+
+
+class ModelApplier:
+    """Applies mean updates to the served model.
+
+    Args:
+        ctx: the round engine's shared context.
+        model: the task's model, reused as scratch space for each application.
+        optimizer: the server optimiser; its state is saved in the round close's
+            transaction (:meth:`save`).
+        validation: (x, y) held-out data to score each new version, or None.
+    """
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        model: torch.nn.Module,
+        optimizer: ServerStep,
+        validation: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        self._ctx = ctx
+        self._model = model
+        self.optimizer = optimizer
+        self._validation = validation
+
+    def apply(self, round_: int, weighted_sum: np.ndarray, weight_sum: float) -> NewVersion:
+        """Apply the mean ``weighted_sum / weight_sum`` of round ``round_``.
+
+        Raises:
+            RoundAborted: the total weight is zero.
+        """
+        if weight_sum <= 0:
+            raise RoundAborted(f"round {round_}: the survivors' total weight is zero")
+        mean = (weighted_sum / weight_sum).astype(np.float32)
+        models = self._ctx.ws.models
+        parent = self._parent_model(round_)
+        arrays = decode_model(models.read(parent.version), max_bytes=MAX_MODEL_BYTES)
+        arrays_to_state(self._model, arrays)
+        current = flatten_params(self._model)
+        load_flat_params(self._model, self.optimizer.step(current, mean))
+        metrics: dict[str, float] = {}
+        if self._validation is not None:
+            acc, loss = evaluate(self._model, *self._validation)
+            metrics = {"accuracy": acc, "loss": loss}
+        arrays_out = state_to_arrays(self._model)
+        manifest = self._written_before(arrays_out, parent.version, round_) or models.put(
+            arrays_out, parent=parent.version, round=round_, kind="aggregate", metrics=metrics
+        )
+        crash_point(round_, "model_write", AGGREGATOR_ENV)
+        return NewVersion(manifest, parent, metrics)
+
+    def save(self) -> None:
+        """Persist the optimiser's state (inside the round close's transaction)."""
+        self.optimizer.save()
+
+    def _parent_model(self, round_: int) -> ModelManifest:
+        """The version this round's aggregate applies to: the newest one, unless that is
+        this round's own aggregate, written by an incarnation that died before recording
+        the round as closed (applying the mean to it again would count the round twice)."""
+        models = self._ctx.ws.models
+        latest = models.latest()
+        if latest.kind == "aggregate" and latest.round == round_ and latest.parent is not None:
+            return models.get(latest.parent)
+        return latest
+
+    def _written_before(
+        self, arrays: dict[str, np.ndarray], parent: int, round_: int
+    ) -> ModelManifest | None:
+        """The version a previous incarnation already wrote for this round, if it crashed
+        after writing the model but before recording the round as closed."""
+        models = self._ctx.ws.models
+        versions = models.versions_on_disk()
+        if not versions:
+            return None
+        try:
+            newest = models.get(versions[-1])
+        except FedsecError:
+            return None
+        if newest.kind != "aggregate" or newest.parent != parent or newest.round != round_:
+            return None
+        if newest.sha256 != hashlib.sha256(encode_model(arrays)).hexdigest():
+            return None
+        log.info("event=model_reused version=%d round=%d", newest.version, round_)
+        return newest

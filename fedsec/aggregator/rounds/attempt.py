@@ -1,0 +1,101 @@
+"""The round attempt in progress, in memory (rebuilt from the state store on resume),
+and the checks a member's message for it must pass before any state changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsec.aggregator.summation import PlainSession, SecAggPlusSession, SummationSession
+from fedsec.crypto.secagg import ServerSession
+from fedsec.errors import UnknownMember, WrongStage
+from fedsec.protocol import wire
+from fedsec.protocol.stages import ACTIVE_STAGES, stage_index
+
+
+@dataclass
+class Attempt:
+    """One attempt of one round: where it stands and its summation session."""
+
+    round: int
+    attempt: int
+    stage: str
+    opened_at: float
+    stage_started_at: float
+    spec: wire.RoundSpec | None = None
+    summation: SummationSession | None = None  # from the cohort's fixing on
+    plan: wire.RoundSpec | None = None  # buffered mode: what members train by before joining
+
+    def is_current(self, round_: int, attempt: int) -> bool:
+        return (round_, attempt) == (self.round, self.attempt)
+
+    def reached(self, stage: str) -> bool:
+        """True while the attempt accepts messages and is at or past ``stage``."""
+        return self.stage in ACTIVE_STAGES and stage_index(self.stage) >= stage_index(stage)
+
+    def expect(self, member: str, round_: int, attempt: int, stage: str) -> None:
+        """Raises WrongStage: the message is not for this attempt, or not for its stage."""
+        if not self.is_current(round_, attempt):
+            raise WrongStage(
+                f"{member}: message for round {round_} attempt {attempt}, but the current "
+                f"round is {self.round} attempt {self.attempt} (stage {self.stage})"
+            )
+        if self.stage != stage:
+            raise WrongStage(
+                f"{member}: {stage} message refused: round {self.round} is in stage {self.stage}"
+            )
+
+    def expect_at_least(self, member: str, round_: int, attempt: int, stage: str) -> None:
+        """Raises WrongStage: the request is not for this attempt, or it has not reached
+        ``stage`` (or is over)."""
+        if not self.is_current(round_, attempt):
+            raise WrongStage(
+                f"{member}: request for round {round_} attempt {attempt}, but the current round "
+                f"is {self.round} attempt {self.attempt}"
+            )
+        if not self.reached(stage):
+            raise WrongStage(f"{member}: round {self.round} has not reached stage {stage} yet")
+
+    def in_cohort(self, member: str) -> wire.RoundSpec:
+        """The spec, once ``member`` is checked to be in its cohort.
+
+        Raises:
+            UnknownMember: it is not.
+        """
+        assert self.spec is not None
+        if member not in self.spec.cohort:
+            raise UnknownMember(f"{member} is not in the cohort of round {self.round}")
+        return self.spec
+
+    def summing(self) -> SummationSession:
+        """The summation session (the cohort is fixed whenever a stage message is taken)."""
+        assert self.summation is not None
+        return self.summation
+
+    # Read-only views of the mode's own state, for tests and debugging; the round engine
+    # itself goes through the SummationSession interface only.
+
+    @property
+    def session(self) -> ServerSession | None:
+        """The SecAgg+ server state machine, in a secure attempt."""
+        s = self.summation
+        return s.server if isinstance(s, SecAggPlusSession) else None
+
+    @property
+    def plain(self) -> PlainSession | None:
+        """The running plain sum, in an attempt without secure summation."""
+        s = self.summation
+        return s if isinstance(s, PlainSession) else None
+
+    @property
+    def plain_members(self) -> list[str] | None:
+        return self.plain.members if self.plain is not None else None
+
+    @property
+    def plain_sum(self) -> np.ndarray | None:
+        return self.plain.total if self.plain is not None else None
+
+    @property
+    def plain_weight(self) -> float:
+        return self.plain.weight if self.plain is not None else 0.0

@@ -1,0 +1,191 @@
+"""Forming an attempt's cohort: joins, staleness (buffered mode), when the cohort is
+fixed, and the signed :class:`~fedsec.protocol.wire.RoundSpec` that fixes it."""
+
+from __future__ import annotations
+
+import os
+
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.context import RoundContext
+from fedsec.crypto.quantize import default_ring_bits
+from fedsec.crypto.secagg import default_neighbors
+from fedsec.crypto.secagg.graph import default_threshold
+from fedsec.errors import PayloadError, StaleUpdate, TaskMismatch
+from fedsec.protocol import wire
+
+
+class CohortDesk:
+    """Who is in an attempt's cohort, and what the cohort trains and sums by."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self._ctx = ctx
+
+    @property
+    def cap(self) -> int:
+        """Members per cohort: max_agents, or the buffer size K in buffered mode."""
+        r = self._ctx.cfg.round
+        return min(r.max_agents, r.buffer_size) if self._ctx.buffered else r.max_agents
+
+    def join(
+        self, live: Attempt, member: str, req: wire.JoinRequest
+    ) -> tuple[wire.JoinResponse, bool]:
+        """Record ``member``'s join of ``live`` (in stage open).
+
+        Returns:
+            The answer, and whether the join was recorded just now.
+
+        Raises:
+            TaskMismatch: another task version or data schema.
+            PayloadError, StaleUpdate: see :meth:`_check_staleness`; no samples.
+        """
+        task = self._ctx.task
+        if req.task_version != task.version:
+            raise TaskMismatch(
+                f"{member} runs task {task.name} version {req.task_version}, the federation "
+                f"requires version {task.version}"
+            )
+        if req.dataset_schema != task.schema.fingerprint():
+            raise TaskMismatch(
+                f"{member}'s data schema {req.dataset_schema[:16]}… differs from the federation's "
+                f"{task.schema.fingerprint()[:16]}… (features or classes differ)"
+            )
+        if req.samples < 1:
+            raise PayloadError(f"{member} reports {req.samples} samples; need at least 1")
+        if self._ctx.buffered:
+            self._check_staleness(member, req.base_version)
+        state = self._ctx.ws.state
+        joins = state.joins(live.round, live.attempt)
+        if member in joins:
+            return wire.JoinResponse(accepted=True, detail="already joined"), False
+        if len(joins) >= self.cap:
+            full = "cohort is full; try the next round"
+            return wire.JoinResponse(accepted=False, detail=full), False
+        state.add_join(
+            live.round, live.attempt, member, req.samples, self._ctx.clock(), req.base_version
+        )
+        return wire.JoinResponse(accepted=True, detail="joined"), True
+
+    def _check_staleness(self, member: str, base: int | None) -> None:
+        """Buffered mode: τ = current version − base version must be within max_staleness.
+
+        Raises:
+            PayloadError: no base version, or one from the future.
+            StaleUpdate: τ > max_staleness (409).
+        """
+        current = self._ctx.ws.models.latest().version
+        limit = self._ctx.cfg.round.max_staleness
+        if base is None or base > current or base < 1:
+            raise PayloadError(
+                f"{member}: buffered rounds need the model version the update was trained on "
+                f"(1..{current}), got {base}"
+            )
+        tau = current - base
+        if tau > limit:
+            raise StaleUpdate(
+                f"{member}'s update was trained on version {base}, {tau} versions behind the "
+                f"current {current}; the federation accepts at most {limit}: train on the "
+                "newest model"
+            )
+
+    def ready(self, live: Attempt, now: float) -> bool:
+        """True when the cohort is to be fixed: every active member joined, the cohort is
+        full, or the join window (``advertise_s``, counted from the ``min_agents``-th
+        join) passed."""
+        cfg, ws = self._ctx.cfg.round, self._ctx.ws
+        joins = ws.state.joins(live.round, live.attempt)
+        if len(joins) < cfg.min_agents:
+            return False
+        active = {e.agent_id for e in ws.roster.active_agents()}
+        quorum_at = ws.state.join_time(live.round, live.attempt, cfg.min_agents)
+        return (
+            len(joins) >= self.cap or active <= joins.keys() or now >= quorum_at + cfg.advertise_s
+        )
+
+    def fixed_spec(self, live: Attempt) -> wire.RoundSpec:
+        """The signed spec fixing the cohort: the first to join, by arrival."""
+        state = self._ctx.ws.state
+        cohort = sorted(list(state.joins(live.round, live.attempt))[: self.cap])
+        staleness: dict[str, int] = {}
+        if self._ctx.buffered:
+            current = self._ctx.ws.models.latest().version
+            bases = state.join_bases(live.round, live.attempt)
+            staleness = {m: current - (bases.get(m) or current) for m in cohort}
+        return self.build_spec(live, cohort, staleness)
+
+    def roster_keys(self, cohort: list[str]) -> dict[str, bytes]:
+        """Member id -> Ed25519 public key, for the members of ``cohort`` on the roster."""
+        keys = {}
+        for member in cohort:
+            entry = self._ctx.ws.roster.get(member)
+            if entry is not None:
+                keys[member] = entry.public_key_bytes
+        return keys
+
+    def _weight_caps(self, cohort: list[str]) -> dict[str, float]:
+        caps = {}
+        for m in cohort:
+            entry = self._ctx.ws.roster.get(m)
+            if entry is not None and entry.max_weight is not None:
+                caps[m] = float(entry.max_weight)
+        return caps
+
+    def _graph(self, n: int) -> tuple[int, int]:
+        """(neighbours k, threshold t) of a cohort of ``n``; (0, 0) without SecAgg+."""
+        cfg = self._ctx.cfg.round
+        if not (cfg.secure_sum == "secagg" and n >= 3):
+            return 0, 0
+        auto_k, auto_t = default_neighbors(n)
+        k = min(cfg.neighbors, n - 1) if cfg.neighbors else auto_k
+        if cfg.threshold:
+            return k, min(cfg.threshold, k)
+        return k, auto_t if not cfg.neighbors else default_threshold(k)
+
+    def build_spec(
+        self, live: Attempt, cohort: list[str], staleness: dict[str, int]
+    ) -> wire.RoundSpec:
+        """The signed spec of this attempt (with an empty cohort: the buffered-mode plan)."""
+        ctx, cfg = self._ctx, self._ctx.cfg
+        k, t = self._graph(len(cohort))
+        manifest = ctx.ws.models.latest()
+        return wire.RoundSpec(
+            federation_id=ctx.ws.federation_id,
+            round=live.round,
+            attempt=live.attempt,
+            secure_sum=cfg.round.secure_sum,
+            model_version=manifest.version,
+            model_sha256=manifest.sha256,
+            task=ctx.task.name,
+            task_version=ctx.task.version,
+            schema_fingerprint=ctx.task.schema.fingerprint(),
+            cohort=cohort,
+            neighbors=k,
+            threshold=t,
+            quant_bits=cfg.round.quant_bits,
+            ring_bits=default_ring_bits(cfg.round.quant_bits, max(len(cohort), 1)),
+            clip_norm=cfg.round.clip_norm,
+            dim=ctx.dim,
+            seed=os.urandom(32).hex(),
+            max_weight_samples=cfg.round.max_weight_samples,
+            weight_caps=self._weight_caps(cohort),
+            training=wire.TrainingSpec(
+                local_epochs=cfg.training.local_epochs,
+                batch_size=cfg.training.batch_size,
+                lr=cfg.training.lr,
+                optimizer=cfg.training.optimizer,
+            ),
+            dp=wire.DPSpec(
+                enabled=cfg.dp.enabled,
+                noise_multiplier=cfg.dp.noise_multiplier,
+                max_grad_norm=cfg.dp.max_grad_norm,
+                delta=cfg.dp.delta,
+            ),
+            deadlines={
+                "train_s": cfg.round.open_s,
+                "advertise_s": cfg.round.advertise_s,
+                "share_keys_s": cfg.round.share_s,
+                "masked_input_s": cfg.round.masked_s,
+                "unmask_s": cfg.round.unmask_s,
+            },
+            mode=cfg.round.mode,
+            staleness=staleness,
+        ).sign(ctx.ws.signer)

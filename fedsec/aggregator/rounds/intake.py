@@ -1,0 +1,252 @@
+"""Intake: accepting members' stage messages into the attempt in progress.
+
+Each message is checked against the attempt (round, stage, cohort), decoded once into
+the summation session's message, taken in by the session, then stored, archived and
+logged in one transaction before the method returns.  A retried message identical to
+the one already accepted gets the same answer (idempotent), even after a restart moved
+the round on; a different one is refused as a duplicate.  A masked input also gets a
+signed receipt; refused masked inputs are logged within bounds
+(:mod:`fedsec.aggregator.rounds.refusals`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.lifecycle import Lifecycle
+from fedsec.aggregator.rounds.refusals import RefusalLog
+from fedsec.aggregator.rounds.reports import PrivacyReports
+from fedsec.aggregator.summation import StageMessage
+from fedsec.crypto.secagg import MaskedInput
+from fedsec.errors import DuplicateMessage, FedsecError, NotFound, WrongStage
+from fedsec.faults import AGGREGATOR_ENV, crash_point
+from fedsec.protocol import codec, wire
+
+
+class Intake:
+    """Takes members' messages for the attempt that :class:`Lifecycle` has in progress.
+
+    Args:
+        ctx: the round engine's shared context.
+        lifecycle: owns the attempt; closes a stage once complete.
+        refusals: the bounded log of refused masked inputs.
+        reports: privacy reports (carried by share messages).
+    """
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        lifecycle: Lifecycle,
+        refusals: RefusalLog,
+        reports: PrivacyReports,
+    ) -> None:
+        self._ctx = ctx
+        self._lifecycle = lifecycle
+        self._refusals = refusals
+        self._reports = reports
+
+    @property
+    def _live(self) -> Attempt:
+        return self._lifecycle.live
+
+    # -- SecAgg+ control messages --------------------------------------------------------------
+
+    def advertise(self, member: str, r: int, a: int, body: wire.AdvertiseKeysBody) -> None:
+        self._accept(member, r, a, "advertise", wire.encode(body), body, codec.advertise_message)
+
+    def share_keys(self, member: str, r: int, a: int, body: wire.ShareKeysBody) -> None:
+        """Accept a member's shares and, when they carry one, its privacy report.
+
+        The report is checked first and stored only once the shares are accepted, so a
+        refusal of either changes nothing.  The shares are stored without the report.
+        """
+        raw = wire.encode(wire.ShareKeysBody(shares=body.shares))
+        report = body.report
+        checked = None
+        try:
+            if report is not None:
+                checked = self._reports.check(self._live, member, r, a, report)
+        except WrongStage:
+            # the attempt is over: _accept answers an identical retry (its report came
+            # with the first try) and refuses anything else with the same error
+            pass
+        except DuplicateMessage:
+            # a different report came first (separately): it stands, as it would for a
+            # second POST /report; the shares are not refused for it
+            log.warning(
+                "event=report_kept round=%d attempt=%d member=%s reason=differs_from_stored",
+                r,
+                a,
+                member,
+            )
+        self._accept(member, r, a, "share_keys", raw, body, codec.share_keys_message)
+        if report is not None and checked is not None:
+            self._reports.store(report, checked)
+
+    def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> bool:
+        """Take a survivor's unmask answer; False when it came after the attempt closed
+        without needing it (the other answers already decided the sum, see
+        ``ServerSession.ready_to_finalize``): nothing is stored or logged then."""
+        if self._closed_without(member, r, a):
+            log.info("event=unmask_not_needed round=%d attempt=%d member=%s", r, a, member)
+            return False
+        self._accept(member, r, a, "unmask", wire.encode(body), body, codec.unmask_message)
+        return True
+
+    def _accept(
+        self,
+        member: str,
+        r: int,
+        a: int,
+        stage: str,
+        raw: bytes,
+        body: Any,
+        decode: Callable[[str, Any], StageMessage],
+    ) -> None:
+        """Accept one control message (``raw``: its canonical JSON, as stored): an
+        identical retry gets the same answer; anything else is decoded once from
+        ``body``, validated by the session, stored, archived and logged; the stage
+        closes once complete."""
+        if self._accepted_before(member, r, a, stage, raw):
+            return
+        live = self._live
+        live.expect(member, r, a, stage)
+        live.in_cohort(member)
+        if self._idempotent(live, stage, member, raw):
+            return
+        live.summing().receive(stage, decode(member, body))
+        self._record(live, stage, member, raw)
+        self._lifecycle.close_if_complete()
+
+    # -- masked input --------------------------------------------------------------------------
+
+    def masked_input(
+        self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
+    ) -> wire.Receipt:
+        """Accept a masked (or, without secure summation, plain quantized) input; see
+        :meth:`fedsec.aggregator.coordinator.Coordinator.masked_input`."""
+        try:
+            return self._masked_input(member, r, a, raw, commitment, signature)
+        except FedsecError as exc:
+            self._refusals.refused(member, r, a, raw, exc)
+            raise
+
+    def _masked_input(
+        self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
+    ) -> wire.Receipt:
+        if self._accepted_before(member, r, a, "masked_input", raw):
+            return self.receipt(member, r)
+        live = self._live
+        live.expect(member, r, a, "masked_input")
+        live.in_cohort(member)
+        if self._idempotent(live, "masked_input", member, raw):
+            return self.receipt(member, r)
+        digest = hashlib.sha256(raw).hexdigest()
+        statement = wire.ContributionStatement(
+            federation_id=self._ctx.ws.federation_id,
+            round=r,
+            attempt=a,
+            member=member,
+            vector_sha256=digest,
+            commitment=commitment,
+            signature=signature,
+        )
+        entry = self._ctx.ws.roster.get(member)
+        assert entry is not None
+        statement.verify(entry.public_key_bytes)
+        live.summing().receive("masked_input", MaskedInput(member, raw))
+        extra = {"commitment": commitment, "signature": signature}
+        receipt = self._record(live, "masked_input", member, raw, receipt_for=digest, **extra)
+        assert receipt is not None
+        self._lifecycle.close_if_complete()
+        return receipt
+
+    # -- storage -------------------------------------------------------------------------------
+
+    def _record(
+        self,
+        live: Attempt,
+        stage: str,
+        member: str,
+        raw: bytes,
+        receipt_for: str | None = None,
+        **extra: Any,
+    ) -> wire.Receipt | None:
+        """Store an accepted message, archive it and log it, in one transaction; with
+        ``receipt_for`` (the contribution's sha256), also sign and store its receipt."""
+        ctx = self._ctx
+        archived = ctx.trail.keep(raw)
+        receipt = None
+        with ctx.ws.state.transaction():
+            ctx.ws.state.add_message(live.round, live.attempt, stage, member, raw)
+            entry = ctx.trail.append(
+                "accepted",
+                {
+                    "round": live.round,
+                    "attempt": live.attempt,
+                    "stage": stage,
+                    "member": member,
+                    "sha256": archived,
+                    "bytes": len(raw),
+                    **extra,
+                },
+            )
+            if receipt_for is not None:
+                receipt = wire.Receipt(
+                    federation_id=ctx.ws.federation_id,
+                    round=live.round,
+                    attempt=live.attempt,
+                    member=member,
+                    contribution_sha256=receipt_for,
+                    log_index=entry.index,
+                    issued_at=ctx.clock(),
+                ).sign(ctx.ws.signer)
+                ctx.ws.state.add_receipt(live.round, live.attempt, member, wire.encode(receipt))
+        if os.environ.get(AGGREGATOR_ENV):  # chaos tests only: off the hot path otherwise
+            count = ctx.ws.state.count_messages(live.round, live.attempt, stage)
+            crash_point(live.round, f"{stage}:{count}", AGGREGATOR_ENV)
+        return receipt
+
+    def _accepted_before(self, member: str, r: int, a: int, stage: str, body: bytes) -> bool:
+        """True when this exact message was already durably accepted for that attempt,
+        whatever the stage is now: the member's retry after an answer lost to a crash
+        (the message that moved the round on, e.g. the last advertise, was stored, then
+        the aggregator died before answering) gets the same answer, not wrong_stage."""
+        return self._ctx.ws.state.message(r, a, stage, member) == body
+
+    def _idempotent(self, live: Attempt, stage: str, member: str, body: bytes) -> bool:
+        """True when this exact message was already accepted; refuse a different one."""
+        stored = self._ctx.ws.state.message(live.round, live.attempt, stage, member)
+        if stored is None:
+            return False
+        if stored == body:
+            return True
+        raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
+
+    def _closed_without(self, member: str, r: int, a: int) -> bool:
+        """True for the late unmask answer of a member whose masked input the attempt,
+        now closed, summed without waiting for that answer."""
+        if self._live.is_current(r, a):
+            return False
+        state = self._ctx.ws.state
+        row = state.get_round(r, a)
+        return (
+            row is not None
+            and row.stage == "closed"
+            and state.message(r, a, "masked_input", member) is not None
+            and state.message(r, a, "unmask", member) is None
+        )
+
+    def receipt(self, member: str, round_: int) -> wire.Receipt:
+        """Raises NotFound: no accepted contribution from ``member`` in that round."""
+        stored = self._ctx.ws.state.receipt(round_, member)
+        if stored is None:
+            raise NotFound(f"no accepted contribution from {member} in round {round_}")
+        return msgspec.json.decode(stored, type=wire.Receipt)

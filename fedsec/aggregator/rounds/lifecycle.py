@@ -1,0 +1,349 @@
+"""The life of a round attempt, as a stage table::
+
+    open ──(cohort fixed, spec signed)──> <the summation's stages> ──(finalize, apply)──>
+         closed ──> next round opens
+    any stage ──(fewer than needed remain / secrets unrecoverable)──> aborted
+         ──> same round, next attempt, opens without the lost members
+
+======================  ==========================  ==========================================
+stage                   complete when               on close
+======================  ==========================  ==========================================
+open                    :meth:`CohortDesk.ready`    spec signed, the summation's first stage
+each summation stage    ``session.complete(stage)`` ``session.close(stage)``, its next stage
+                        or its deadline             (the last: ``finalize``, apply, closed)
+======================  ==========================  ==========================================
+
+SecAgg+ passes through advertise, share_keys, masked_input and unmask; a round without
+secure summation through masked_input only (:mod:`fedsec.aggregator.summation`).  The
+deadline of each stage is :data:`STAGE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.cohort import CohortDesk
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.refusals import RefusalLog
+from fedsec.aggregator.rounds.resume import rebuild
+from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
+from fedsec.config import RoundSection
+from fedsec.errors import ProtocolError, RecoveryImpossible, RoundAborted
+from fedsec.faults import AGGREGATOR_ENV, crash_point
+from fedsec.protocol import wire
+
+#: Seconds each message stage may last from its start, given the round config and
+#: whether the mode is buffered.  Buffered members trained before joining; sync members
+#: train now, while (SecAgg+) they advertise and share keys, so training time is part of
+#: the masked-input stage in both modes.
+STAGE_SECONDS: dict[str, Callable[[RoundSection, bool], float]] = {
+    "advertise": lambda r, buffered: r.advertise_s,
+    "share_keys": lambda r, buffered: r.share_s,
+    "masked_input": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
+    "unmask": lambda r, buffered: r.unmask_s,
+}
+
+
+class Lifecycle:
+    """Moves the attempt in progress through its stages; owns it (:attr:`live`).
+
+    Args:
+        ctx: the round engine's shared context.
+        cohort: joins and specs.
+        applier: model application.
+        refusals: the refusal log, whose aggregate entries go with each close.
+    """
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        cohort: CohortDesk,
+        applier: ModelApplier,
+        refusals: RefusalLog,
+    ) -> None:
+        self._ctx = ctx
+        self._cohort = cohort
+        self._applier = applier
+        self._refusals = refusals
+        self._closed_rounds: int | None = None
+        self.live: Attempt = Attempt(0, 0, "open", 0.0, 0.0)  # until resume()
+
+    # -- progress ------------------------------------------------------------------------------
+
+    @property
+    def rounds_completed(self) -> int:
+        if self._closed_rounds is None:  # counted once, then kept up to date at each close
+            self._closed_rounds = self._ctx.ws.state.count_closed_rounds()
+        return self._closed_rounds
+
+    @property
+    def finished(self) -> bool:
+        target = self._ctx.cfg.round.rounds
+        return target > 0 and self.rounds_completed >= target
+
+    def deadline(self, live: Attempt) -> float:
+        seconds = STAGE_SECONDS.get(live.stage)
+        if seconds is None:
+            return math.inf
+        return live.stage_started_at + seconds(self._ctx.cfg.round, self._ctx.buffered)
+
+    def tick(self) -> None:
+        """Close the current stage if its deadline passed (or, for open, the cohort is ready)."""
+        now = self._ctx.clock()
+        live = self.live
+        if live.stage == "open":
+            self.fix_cohort_if_ready(now)
+            return
+        if now >= self.deadline(live) or self.stage_complete(live):
+            self.close_stage(now)
+
+    def stage_complete(self, live: Attempt) -> bool:
+        """Everyone expected in this stage has answered (e.g. just before a restart), or,
+        at the last stage, enough of them to decide the sum."""
+        session = live.summation
+        return session is not None and session.complete(live.stage)
+
+    def close_if_complete(self) -> None:
+        """After an accepted message: close its stage once complete."""
+        if self.stage_complete(self.live):
+            self.close_stage(self._ctx.clock())
+
+    # -- open: the cohort ----------------------------------------------------------------------
+
+    def fix_cohort_if_ready(self, now: float) -> None:
+        live = self.live
+        if live.stage == "open" and self._cohort.ready(live, now):
+            self._commit_spec(live, self._cohort.fixed_spec(live), now)
+
+    def _commit_spec(self, live: Attempt, spec: wire.RoundSpec, now: float) -> None:
+        ctx = self._ctx
+        session = self._open_summation(spec)
+        first = session.stages[0]
+        ctx.trail.sync_roster(ctx.ws.roster)
+        ctx.trail.sync_models(ctx.ws.models)
+        with ctx.ws.state.transaction():
+            ctx.ws.state.set_stage(live.round, live.attempt, first, now, spec=wire.encode(spec))
+            ctx.trail.append("round_spec", msgspec.to_builtins(spec))
+        live.spec, live.summation = spec, session
+        live.stage, live.stage_started_at = first, now
+        crash_point(live.round, first, AGGREGATOR_ENV)
+        log.info(
+            "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s mode=%s",
+            live.round,
+            live.attempt,
+            len(spec.cohort),
+            spec.neighbors,
+            spec.threshold,
+            spec.secure_sum,
+            spec.mode,
+        )
+        ctx.changed()
+
+    def _open_summation(self, spec: wire.RoundSpec) -> SummationSession:
+        return open_session(
+            spec, self._cohort.roster_keys(spec.cohort), self._ctx.cfg.round.min_agents
+        )
+
+    # -- stage transitions ---------------------------------------------------------------------
+
+    def close_stage(self, now: float) -> None:
+        live = self.live
+        session = live.summation
+        assert session is not None
+        following = session.next_stage(live.stage)
+        try:
+            if following is not None:
+                session.close(live.stage)
+                self._enter(live, following, now)
+                return
+            start = time.perf_counter()
+            result = self._finalize(live, session)
+            self._close(live, result, start, now)
+        except (RoundAborted, RecoveryImpossible) as exc:
+            self._abort(live, now, exc.detail)
+
+    @staticmethod
+    def _finalize(live: Attempt, session: SummationSession) -> SummationResult:
+        try:
+            return session.finalize()
+        except (RoundAborted, RecoveryImpossible):
+            raise
+        except ProtocolError as exc:
+            # E.g. a survivor's shares are off the polynomial or rebuild another mask key
+            # than it advertised: the sum cannot be computed.  Abort (and retry) rather
+            # than leave the round stuck for every later tick: one lying member must not
+            # wedge it.
+            raise RoundAborted(
+                f"round {live.round} aborted at {live.stage}: {exc.detail}"
+            ) from None
+
+    def _enter(self, live: Attempt, stage: str, now: float) -> None:
+        self._ctx.ws.state.set_stage(live.round, live.attempt, stage, now)
+        live.stage, live.stage_started_at = stage, now
+        log.info("event=stage round=%d attempt=%d stage=%s", live.round, live.attempt, stage)
+        crash_point(live.round, stage, AGGREGATOR_ENV)
+        self._ctx.changed()
+
+    def _abort(self, live: Attempt, now: float, detail: str) -> None:
+        ctx = self._ctx
+        log.warning(
+            "event=round_aborted round=%d attempt=%d reason=%r", live.round, live.attempt, detail
+        )
+        summary = self._summary(live, "aborted", now, detail)
+        refusals = self._refusals
+        with ctx.ws.state.transaction():
+            ctx.ws.state.close_round(
+                live.round,
+                live.attempt,
+                "aborted",
+                now,
+                model_version=None,
+                summary=wire.encode(summary),
+                detail=detail,
+            )
+            aggregated = refusals.write_aggregates()
+            ctx.trail.append(
+                "round_aborted", {"round": live.round, "attempt": live.attempt, "detail": detail}
+            )
+            ctx.trail.sign_head()
+        refusals.committed(aggregated)
+        ctx.alert(f"round {live.round} attempt {live.attempt} aborted: {detail}")
+        self.live = self.open(live.round, live.attempt + 1, now)
+        ctx.changed()
+
+    # -- close: a new model version ------------------------------------------------------------
+
+    def _close(self, live: Attempt, result: SummationResult, start: float, now: float) -> None:
+        ctx = self._ctx
+        new = self._applier.apply(live.round, result.weighted_sum, result.weight_sum)
+        aggregation_s = time.perf_counter() - start
+        summary = self._summary(
+            live,
+            "closed",
+            now,
+            "",
+            version=new.manifest.version,
+            metrics=new.metrics,
+            aggregation_s=aggregation_s,
+            result=result,
+        )
+        refusals = self._refusals
+        with ctx.ws.state.transaction():
+            self._applier.save()
+            ctx.ws.state.close_round(
+                live.round,
+                live.attempt,
+                "closed",
+                now,
+                model_version=new.manifest.version,
+                summary=wire.encode(summary),
+                detail="",
+            )
+            aggregated = refusals.write_aggregates()
+            ctx.trail.append("aggregate", self._aggregate_entry(live, result, new))
+            ctx.trail.sync_models(ctx.ws.models)
+            ctx.trail.prune_archive(ctx.cfg.audit.archive_retention_rounds)
+            ctx.trail.sign_head()
+        refusals.committed(aggregated)
+        self._closed_rounds = None  # one more closed round: recount on next use
+        log.info(
+            "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
+            "accuracy=%s aggregation_s=%.4f",
+            live.round,
+            live.attempt,
+            len(result.survivors),
+            result.dropped,
+            new.manifest.version,
+            new.metrics.get("accuracy"),
+            aggregation_s,
+        )
+        self.live = self.open(live.round + 1, 0, now)
+        ctx.changed()
+
+    def _aggregate_entry(
+        self, live: Attempt, result: SummationResult, new: NewVersion
+    ) -> dict[str, Any]:
+        """The log's ``aggregate`` entry: what was summed, from whom, applied to what."""
+        server = self._ctx.cfg.server
+        return {
+            "round": live.round,
+            "attempt": live.attempt,
+            "survivors": result.survivors,
+            "dropped": result.dropped,
+            "sum_sha256": result.sum_sha256,
+            "weight_sum": result.weight_sum,
+            "parent_version": new.parent.version,
+            "optimizer": server.optimizer,
+            "server_lr": server.server_lr,
+        }
+
+    def _summary(
+        self,
+        live: Attempt,
+        stage: str,
+        now: float,
+        detail: str,
+        version: int | None = None,
+        metrics: dict[str, float] | None = None,
+        aggregation_s: float | None = None,
+        result: SummationResult | None = None,
+    ) -> wire.RoundSummary:
+        session = live.summation
+        up, down = self._ctx.traffic_of(live.round, live.attempt)
+        return wire.RoundSummary(
+            round=live.round,
+            attempt=live.attempt,
+            stage=stage,  # type: ignore[arg-type]
+            cohort=len(live.spec.cohort) if live.spec is not None else 0,
+            participants=session.participant_count() if session is not None else 0,
+            survivors=len(result.survivors) if result is not None else 0,
+            dropped=result.dropped if result is not None else [],
+            model_version=version,
+            accuracy=(metrics or {}).get("accuracy"),
+            loss=(metrics or {}).get("loss"),
+            aggregation_s=aggregation_s,
+            duration_s=now - live.opened_at,
+            epsilon_max=self._ctx.ws.state.epsilon_max(live.round, live.attempt),
+            detail=detail,
+            bytes_up=up,
+            bytes_down=down,
+        )
+
+    # -- opening and resuming --------------------------------------------------------------------
+
+    def open(self, round_: int, attempt: int, now: float) -> Attempt:
+        ctx = self._ctx
+        finished = self.finished
+        if not finished:
+            with ctx.ws.state.transaction():
+                ctx.ws.state.open_round(round_, attempt, now)
+                ctx.trail.append("round_open", {"round": round_, "attempt": attempt})
+            log.info("event=round_open round=%d attempt=%d", round_, attempt)
+        live = Attempt(round_, attempt, "open" if not finished else "closed", now, now)
+        if ctx.buffered:
+            live.plan = self._cohort.build_spec(live, [], {})
+        return live
+
+    def resume(self) -> None:
+        """Rebuild the round in progress from the state store (or open the first one)."""
+        now = self._ctx.clock()
+        row = self._ctx.ws.state.latest_round()
+        if row is None:
+            self.live = self.open(1, 0, now)
+        elif row.stage == "closed":
+            self.live = (
+                self.open(row.round + 1, 0, now)
+                if not self.finished
+                else Attempt(row.round, row.attempt, "closed", row.opened_at, row.stage_started_at)
+            )
+        elif row.stage == "aborted":
+            self.live = self.open(row.round, row.attempt + 1, now)
+        else:
+            self.live = rebuild(row, self._ctx.ws.state, self._open_summation)

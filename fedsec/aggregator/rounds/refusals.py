@@ -1,0 +1,200 @@
+"""The bounded log of refused masked inputs.
+
+Refused masked inputs are logged within bounds, so no member can grow the
+transparency log by sending requests: only refusals for an attempt that exists
+and from a member of its cohort get entries, at most
+:data:`REFUSED_ENTRIES_PER_ATTEMPT` of them per member and attempt, an identical
+retry none; the rest are counted and logged as one aggregate ``refused`` entry
+(with ``suppressed``) when an attempt closes or aborts (docs/audit-log.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.errors import FedsecError
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_ID
+
+# `refused` entries written one by one per (member, round, attempt).  An honest agent meets
+# few refusals in an attempt: its client never retries a 4xx answer and an identical resend
+# is not logged again, so 4 covers the distinct ones it can meet (too early or too late for
+# the stage, a different resend after a local crash, a bad vector from a bug).  A hostile
+# member then adds at most 4 + 1 (the aggregate entry) per attempt of which it is in the
+# cohort: about its honest footprint there (advertise, share_keys, privacy_report,
+# masked_input and unmask entries), not one entry per request.
+REFUSED_ENTRIES_PER_ATTEMPT = 4
+
+RefusalKey = tuple[str, int, int]  # (member, round, attempt)
+
+
+@dataclass
+class _MemberRefusals:
+    """One member's refused masked inputs in one attempt: what the log holds of them."""
+
+    logged: set[tuple[str, str, str]] = field(default_factory=set)  # (sha256, code, detail)
+    unlogged: dict[str, int] = field(default_factory=dict)  # code -> refusals not yet logged
+    last: dict[str, Any] | None = None  # body of the latest of those
+    aggregated: bool = False  # its aggregate entry is in the log: nothing more goes there
+
+
+class RefusalBudget:
+    """Which refused masked inputs get a ``refused`` entry of their own; counts the rest
+    for one aggregate entry per member and attempt.  Does no I/O: :class:`RefusalLog`
+    writes the entries and reports back which it wrote."""
+
+    def __init__(self) -> None:
+        self._books: dict[RefusalKey, _MemberRefusals] = {}
+        self._pending: set[RefusalKey] = set()  # keys with unlogged refusals
+
+    def load(self, body: dict[str, Any]) -> None:
+        """Count a ``refused`` entry already in the log (at start-up)."""
+        key = (str(body["member"]), int(body["round"]), int(body["attempt"]))
+        book = self._books.setdefault(key, _MemberRefusals())
+        if "suppressed" in body:
+            book.aggregated = True
+        else:
+            book.logged.add(_refusal_identity(body))
+
+    def admit(self, key: RefusalKey, body: dict[str, Any]) -> str | None:
+        """Decide on one refusal of a cohort member for an attempt that exists.
+
+        Returns:
+            None when ``body`` is to be logged as an entry of its own (then call
+            :meth:`logged`); otherwise why not (``repeat``, ``over_cap``: counted for
+            the aggregate entry; ``aggregated``: that entry is written, not counted).
+        """
+        book = self._books.setdefault(key, _MemberRefusals())
+        if book.aggregated:
+            return "aggregated"
+        if _refusal_identity(body) in book.logged:
+            reason = "repeat"
+        elif len(book.logged) < REFUSED_ENTRIES_PER_ATTEMPT:
+            return None
+        else:
+            reason = "over_cap"
+        book.unlogged[body["code"]] = book.unlogged.get(body["code"], 0) + 1
+        book.last = body
+        self._pending.add(key)
+        return reason
+
+    def logged(self, key: RefusalKey, body: dict[str, Any]) -> None:
+        self._books[key].logged.add(_refusal_identity(body))
+
+    def due(self) -> list[tuple[RefusalKey, dict[str, Any]]]:
+        """The aggregate entry body of every member and attempt with unlogged refusals:
+        the latest of them, with ``suppressed`` (how many) and ``codes`` (how many each)."""
+        due = []
+        for key in sorted(self._pending):
+            book = self._books[key]
+            assert book.last is not None
+            counts = dict(sorted(book.unlogged.items()))
+            due.append((key, {**book.last, "suppressed": sum(counts.values()), "codes": counts}))
+        return due
+
+    def aggregated(self, keys: list[RefusalKey]) -> None:
+        """Their aggregate entries are committed."""
+        for key in keys:
+            book = self._books[key]
+            book.aggregated, book.last = True, None
+            book.unlogged.clear()
+            self._pending.discard(key)
+
+
+def _refusal_identity(body: dict[str, Any]) -> tuple[str, str, str]:
+    """What makes two refusals the same entry: the bytes refused, and how."""
+    return str(body["sha256"]), str(body["code"]), str(body["detail"])
+
+
+class RefusalLog:
+    """Writes ``refused`` entries within the budget.
+
+    Args:
+        ctx: the round engine's shared context.
+        current: the attempt in progress.
+    """
+
+    def __init__(self, ctx: RoundContext, current: Callable[[], Attempt]) -> None:
+        self._ctx = ctx
+        self._current = current
+        self._budget = RefusalBudget()
+        self._load()
+
+    def _load(self) -> None:
+        """Rebuild the budget from the log, so a restart grants no new entries."""
+        for _, line in self._ctx.ws.state.log_lines():
+            # canonical JSON: the kind appears exactly so; decode only those lines
+            if b'"kind":"refused"' in line:
+                doc = msgspec.json.decode(line)
+                if doc["kind"] == "refused":
+                    self._budget.load(doc["body"])
+
+    def refused(self, member: str, round_: int, attempt: int, raw: bytes, exc: FedsecError) -> None:
+        """Write a ``refused`` entry for a refused masked input, unless it is for an
+        attempt that does not exist or has no cohort, from outside the cohort, an
+        identical repeat, over :data:`REFUSED_ENTRIES_PER_ATTEMPT`, or after the member's
+        aggregate entry for the attempt; those go to the process log only (repeats and
+        those over the cap are also counted for the aggregate entry)."""
+        key = (member, round_, attempt)
+        body = {
+            "round": round_,
+            "attempt": attempt,
+            "stage": "masked_input",
+            "member": member,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "code": exc.code,
+            "detail": exc.detail,
+        }
+        reason = self._unloggable(member, round_, attempt)
+        if reason is None:
+            reason = self._budget.admit(key, body)
+        if reason is None:
+            self._ctx.trail.append("refused", body)
+            self._budget.logged(key, body)
+            return
+        log.info(
+            "event=refusal_not_logged round=%d attempt=%d member=%s code=%s sha256=%s reason=%s",
+            round_,
+            attempt,
+            member,
+            exc.code,
+            body["sha256"],
+            reason,
+        )
+
+    def _unloggable(self, member: str, round_: int, attempt: int) -> str | None:
+        """Why a refusal for that attempt gets no entry whatever it is, or None."""
+        live = self._current()
+        if live.is_current(round_, attempt) and live.spec is not None:
+            cohort = live.spec.cohort
+        else:
+            row = None
+            # rounds exist from 1 to the live one; no stored attempt exceeds MAX_ID
+            if 1 <= round_ <= live.round and 0 <= attempt <= MAX_ID:
+                row = self._ctx.ws.state.get_round(round_, attempt)
+            if row is None:
+                return "no_such_attempt"
+            if row.spec is None:
+                return "no_cohort"
+            cohort = msgspec.json.decode(row.spec, type=wire.RoundSpec).cohort
+        return None if member in cohort else "not_in_cohort"
+
+    def write_aggregates(self) -> list[RefusalKey]:
+        """Inside a round close's transaction, before its head: one aggregate entry per
+        member and attempt with refusals not logged one by one.  Returns their keys, for
+        :meth:`committed` once the transaction is committed."""
+        due = self._budget.due()
+        for _, body in due:
+            self._ctx.trail.append("refused", body)
+        return [key for key, _ in due]
+
+    def committed(self, keys: list[RefusalKey]) -> None:
+        """The aggregate entries of ``keys`` are committed."""
+        self._budget.aggregated(keys)

@@ -1,0 +1,69 @@
+"""Members' signed privacy reports (ε spent), one per member and attempt, taken in any
+stage after open, alone or with the member's shares."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.context import RoundContext
+from fedsec.errors import DuplicateMessage, PayloadError, WrongStage
+from fedsec.protocol import wire
+
+
+class PrivacyReports:
+    """Checks and stores privacy reports."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self._ctx = ctx
+
+    def check(
+        self, live: Attempt, member: str, round_: int, attempt: int, report: wire.PrivacyReport
+    ) -> bytes | None:
+        """Validate a privacy report without changing anything; return its encoding, or
+        None when the same report is already stored.
+
+        Raises:
+            WrongStage: the attempt is not in progress (or has no cohort yet).
+            UnknownMember: ``member`` is not in the cohort.
+            PayloadError: the report names another member, round or federation, or an
+                ε that is not a finite number >= 0.
+            SignatureError: the report's signature is not the member's.
+            DuplicateMessage: a different report is stored for this attempt.
+        """
+        ws = self._ctx.ws
+        if not live.is_current(round_, attempt) or live.spec is None:
+            raise WrongStage(f"{member}: privacy report for a round that is not in progress")
+        live.in_cohort(member)
+        if (report.member, report.round, report.attempt, report.federation_id) != (
+            member,
+            round_,
+            attempt,
+            ws.federation_id,
+        ):
+            raise PayloadError(
+                f"{member}: privacy report names another member, round or federation"
+            )
+        if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
+            raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
+        entry = ws.roster.get(member)
+        assert entry is not None
+        report.verify(entry.public_key_bytes)
+        body = wire.encode(report)
+        stored = ws.state.report(round_, attempt, member)
+        if stored is not None:
+            if stored == body:
+                return None
+            raise DuplicateMessage(f"{member} already reported a different epsilon this round")
+        return body
+
+    def store(self, report: wire.PrivacyReport, body: bytes) -> None:
+        """Store a checked report and log it, in one transaction."""
+        ctx = self._ctx
+        with ctx.ws.state.transaction():
+            ctx.ws.state.add_report(
+                report.round, report.attempt, report.member, report.epsilon, body
+            )
+            ctx.trail.append("privacy_report", msgspec.to_builtins(report))

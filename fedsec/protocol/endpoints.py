@@ -1,0 +1,395 @@
+"""The aggregator's HTTP endpoints, declared once.
+
+:data:`ENDPOINTS` is the one list of routes: the aggregator's aiohttp router, its
+OpenAPI document (:mod:`fedsec.aggregator.openapi`) and the table in ``docs/api.md``
+(:func:`markdown_table`) are all generated from it, so none of them can drift from
+the others.  Each entry says who may call the route (roster roles), what its body and
+answer are (a :mod:`fedsec.protocol.wire` struct, opaque JSON or raw bytes) and which
+configured limit bounds its body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+
+from fedsec.protocol import wire
+from fedsec.protocol.limits import LONG_POLL_S, MAX_COUNT, MAX_ID
+
+Role = Literal["agent", "observer", "auditor"]
+#: Which configured limit bounds a request body: ``server.max_json_bytes`` for control
+#: messages, ``server.max_body_bytes`` for the two that carry vectors or reveals.
+BodyLimit = Literal["json", "binary"]
+
+PUBLIC: Final[tuple[Role, ...]] = ()
+AGENT: Final[tuple[Role, ...]] = ("agent",)
+AUDITOR: Final[tuple[Role, ...]] = ("auditor",)
+# read-only federation data: every enrolled role, never the public
+ANY_ROLE: Final[tuple[Role, ...]] = ("agent", "observer", "auditor")
+
+#: The server setting each body-limit kind stands for.
+LIMIT_SETTINGS: Final[Mapping[BodyLimit, str]] = {
+    "json": "server.max_json_bytes",
+    "binary": "server.max_body_bytes",
+}
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A body or answer without a wire struct: raw bytes (``binary``), or JSON that is
+    documented by name only."""
+
+    label: str
+    binary: bool = False
+
+
+#: A request body or an answer: a wire struct, or something :class:`Opaque`.
+Payload = type[msgspec.Struct] | Opaque
+
+
+@dataclass(frozen=True)
+class Param:
+    """A path or query parameter and the JSON schema of its value."""
+
+    name: str
+    where: Literal["path", "query"]
+    schema: Mapping[str, Any]
+    required: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route of the aggregator's API.
+
+    ``roles`` empty means public (no signature); ``alternatives`` are further answer
+    structs (the answer is one of ``response`` or these); ``answer_note`` describes the
+    success answer.
+    """
+
+    name: str
+    method: Literal["GET", "POST"]
+    path: str
+    summary: str
+    roles: tuple[Role, ...]
+    request: Payload | None = None
+    response: Payload | None = None
+    alternatives: tuple[type[msgspec.Struct], ...] = ()
+    answer_note: str = "OK"
+    params: tuple[Param, ...] = ()
+    body_limit: BodyLimit = "json"
+
+    @property
+    def template(self) -> str:
+        """The full path template, with the API prefix (``/v1/rounds/{round}/join``)."""
+        return f"{wire.API_PREFIX}{self.path}"
+
+
+# Path and query integers: canonical ASCII decimal, bounded (wire.parse_uint).
+_ID: Final = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
+_TOKEN: Final = {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}
+_SECONDS: Final = {"type": "number", "minimum": 0}
+
+ROUND: Final = Param("round", "path", _ID, required=True)
+ATTEMPT: Final = Param("attempt", "query", _ID)
+VERSION: Final = Param("version", "path", _ID, required=True)
+_ROUND_ATTEMPT: Final = (ROUND, ATTEMPT)
+
+
+def _wait(until: str) -> Param:
+    """The ``wait`` seconds of a stage request: how long its answer may be held."""
+    return Param(
+        "wait",
+        "query",
+        _SECONDS,
+        description=(
+            f"seconds (at most {LONG_POLL_S:g}) the aggregator may hold the answer until "
+            f"{until}; 0 or absent answers at once"
+        ),
+    )
+
+
+def _hex(name: str, digits: int) -> Param:
+    return Param(name, "query", {"type": "string", "pattern": f"^[0-9a-f]{{{digits}}}$"}, True)
+
+
+_MODEL_BYTES: Final = Opaque("safetensors bytes", binary=True)
+_VECTOR_BYTES: Final = Opaque("masked vector bytes", binary=True)
+_MANIFEST: Final = Opaque("ModelManifest JSON")
+_R: Final = "/rounds/{round}"
+
+ENDPOINTS: Final[tuple[Endpoint, ...]] = (
+    Endpoint(
+        "health",
+        "GET",
+        "/health",
+        "liveness",
+        PUBLIC,
+        response=Opaque('{"status": "ok"}'),
+        answer_note="alive",
+    ),
+    Endpoint(
+        "openapi",
+        "GET",
+        "/openapi.json",
+        "this document",
+        PUBLIC,
+        response=Opaque("OpenAPI 3.1 document"),
+        answer_note="OpenAPI",
+    ),
+    Endpoint(
+        "status",
+        "GET",
+        "/status",
+        "federation status, alerts and round history",
+        ANY_ROLE,
+        response=wire.FederationStatus,
+    ),
+    Endpoint(
+        "get_round",
+        "GET",
+        "/round",
+        "current round; long-polls while the token equals ?wait",
+        ANY_ROLE,
+        response=wire.RoundState,
+        params=(Param("wait", "query", _TOKEN), Param("timeout", "query", _SECONDS)),
+    ),
+    Endpoint(
+        "get_roster",
+        "GET",
+        "/roster",
+        "admin-signed roster entries",
+        ANY_ROLE,
+        response=Opaque("roster entries JSON"),
+    ),
+    Endpoint(
+        "latest_manifest",
+        "GET",
+        "/models/latest",
+        "manifest of the newest good model",
+        ANY_ROLE,
+        response=_MANIFEST,
+    ),
+    Endpoint(
+        "manifest",
+        "GET",
+        "/models/{version}/manifest",
+        "signed manifest",
+        ANY_ROLE,
+        response=_MANIFEST,
+        params=(VERSION,),
+    ),
+    Endpoint(
+        "model",
+        "GET",
+        "/models/{version}",
+        "safetensors model file",
+        ANY_ROLE,
+        response=_MODEL_BYTES,
+        answer_note="model",
+        params=(VERSION,),
+    ),
+    Endpoint(
+        "join",
+        "POST",
+        f"{_R}/join",
+        "join the cohort",
+        AGENT,
+        request=wire.JoinRequest,
+        response=wire.JoinResponse,
+        params=_ROUND_ATTEMPT,
+    ),
+    Endpoint(
+        "report",
+        "POST",
+        f"{_R}/report",
+        "signed privacy report",
+        AGENT,
+        request=wire.PrivacyReport,
+        response=Opaque('{"accepted": true}'),
+        params=_ROUND_ATTEMPT,
+    ),
+    Endpoint(
+        "advertise",
+        "POST",
+        f"{_R}/advertise",
+        "advertise ephemeral keys; with ?wait the answer is held until share_keys "
+        "and carries the caller's key list (keys)",
+        AGENT,
+        request=wire.AdvertiseKeysBody,
+        response=wire.Accepted,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches share_keys")),
+    ),
+    Endpoint(
+        "keys",
+        "GET",
+        f"{_R}/keys",
+        "relayed key list",
+        AGENT,
+        response=wire.KeyListBody,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches share_keys")),
+    ),
+    Endpoint(
+        "post_shares",
+        "POST",
+        f"{_R}/shares",
+        "encrypted Shamir shares, optionally with the caller's privacy report for "
+        "the attempt (instead of POST report); with ?wait the answer is held until "
+        "masked_input and carries the caller's share relay (relay)",
+        AGENT,
+        request=wire.ShareKeysBody,
+        response=wire.Accepted,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches masked_input")),
+    ),
+    Endpoint(
+        "get_shares",
+        "GET",
+        f"{_R}/shares",
+        "shares addressed to the caller",
+        AGENT,
+        response=wire.ShareRelayBody,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches masked_input")),
+    ),
+    Endpoint(
+        "masked_input",
+        "POST",
+        f"{_R}/masked-input",
+        "masked, packed input vector; answered with the signed Receipt, or, when "
+        "?wait is given, with MaskedInputAnswer (the receipt, held until the unmask "
+        "stage, and the caller's unmask request)",
+        AGENT,
+        request=_VECTOR_BYTES,
+        response=wire.Receipt,
+        alternatives=(wire.MaskedInputAnswer,),
+        answer_note="Receipt; MaskedInputAnswer when ?wait is given",
+        params=(
+            *_ROUND_ATTEMPT,
+            _wait("the round reaches unmask"),
+            # the member's signed ContributionStatement over the vector
+            _hex("commitment", 64),
+            _hex("signature", 128),
+        ),
+        body_limit="binary",
+    ),
+    Endpoint(
+        "get_unmask",
+        "GET",
+        f"{_R}/unmask",
+        "survivors and dropped members",
+        AGENT,
+        response=wire.UnmaskRequestBody,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches unmask")),
+    ),
+    Endpoint(
+        "post_unmask",
+        "POST",
+        f"{_R}/unmask",
+        "shares for unmasking; with ?wait the answer is held until the attempt is "
+        "over and carries the round state then (state). The stage closes once the "
+        "answers decide the sum; a survivor's answer after that close is accepted "
+        "as not needed and stores nothing",
+        AGENT,
+        request=wire.UnmaskResponseBody,
+        response=wire.Accepted,
+        params=(*_ROUND_ATTEMPT, _wait("the attempt is over")),
+    ),
+    Endpoint(
+        "receipt",
+        "GET",
+        f"{_R}/receipt",
+        "signed receipt of the caller's contribution",
+        AGENT,
+        response=wire.Receipt,
+        params=_ROUND_ATTEMPT,
+    ),
+    Endpoint(
+        "post_challenge",
+        "POST",
+        "/audit/challenges",
+        "auditor challenges a member's round",
+        AUDITOR,
+        request=wire.ChallengeRequest,
+        response=wire.Challenge,
+    ),
+    Endpoint(
+        "get_challenges",
+        "GET",
+        "/audit/challenges",
+        "open challenges addressed to the caller",
+        AGENT,
+        response=wire.ChallengeList,
+    ),
+    Endpoint(
+        "post_reveal",
+        "POST",
+        "/audit/reveals",
+        "sealed reveal answering a challenge",
+        AGENT,
+        request=wire.RevealBody,
+        response=wire.Reveal,
+        # a reveal carries the opened update: as large as a masked input
+        body_limit="binary",
+    ),
+    Endpoint(
+        "get_reveals",
+        "GET",
+        "/audit/reveals",
+        "reveals sealed to the calling auditor",
+        AUDITOR,
+        response=wire.RevealList,
+    ),
+)
+
+#: Each endpoint by its name.
+BY_NAME: Final[Mapping[str, Endpoint]] = {ep.name: ep for ep in ENDPOINTS}
+
+
+def structs() -> tuple[type[msgspec.Struct], ...]:
+    """Every wire struct an endpoint takes or answers, in table order, each once."""
+    found: dict[type[msgspec.Struct], None] = {}
+    for ep in ENDPOINTS:
+        for payload in (ep.request, ep.response, *ep.alternatives):
+            if isinstance(payload, type):
+                found[payload] = None
+    return tuple(found)
+
+
+def _label(payload: Payload | None, alternatives: tuple[type[msgspec.Struct], ...] = ()) -> str:
+    if payload is None:
+        return "—"
+    first = payload.label if isinstance(payload, Opaque) else payload.__name__
+    return " \\| ".join([f"`{first}`", *(f"`{alt.__name__}`" for alt in alternatives)])
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    """The endpoint table of ``docs/api.md``: one row per endpoint, in table order.
+
+    Returns:
+        A GitHub-flavoured Markdown table, ending in a newline.
+    """
+    rows = [
+        "| method | path | query | request → answer | roles | body limit | what |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ep in ENDPOINTS:
+        query = ", ".join(f"`{p.name}`" for p in ep.params if p.where == "query") or "—"
+        roles = " or ".join(ep.roles) if ep.roles else "anyone (unsigned)"
+        exchange = f"{_label(ep.request)} → {_label(ep.response, ep.alternatives)}"
+        cells = (
+            ep.method,
+            f"`{ep.template}`",
+            query,
+            exchange,
+            roles,
+            f"`{LIMIT_SETTINGS[ep.body_limit]}`",
+            _cell(ep.summary),
+        )
+        rows.append(f"| {' | '.join(cells)} |")
+    return "\n".join(rows) + "\n"
