@@ -7,25 +7,32 @@ entitled to learn.  Writes are atomic (temp file, fsync, rename).
 
 Retention (``audit.archive_retention_rounds``) may delete the objects of old rounds.
 A deletion is never silent: it is announced first by an ``archive_pruned`` log entry
-(:class:`Pruning`) naming the rounds and the objects, signed by the round close's
-head.  :class:`ArchiveIndex` reads the log to say which objects a pruning may
-delete (the aggregator) and whether a logged one kept to the rules (verifiers).
+(:class:`~fedsec.protocol.log_entries.ArchivePrunedEntry`) naming the rounds and the
+objects, signed by the round close's head.  :class:`ArchiveIndex` reads the log to say
+which objects a pruning may delete (the aggregator) and whether a logged one kept to the
+rules (verifiers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from fedsec.errors import IntegrityError, NotFound
 from fedsec.fsio import atomic_write
+from fedsec.protocol.log_entries import (
+    AcceptedEntry,
+    AggregateEntry,
+    ArchivePrunedEntry,
+    LogBody,
+    RevealEntry,
+    RoundOpenEntry,
+)
 
-# Log entry kinds whose body names an archive object (``sha256``) of a round (``round``).
-REFERRING_KINDS = frozenset({"accepted", "reveal"})
+# Log entry bodies that name an archive object (``sha256``) of a round (``round``).
+REFERRING_ENTRIES = (AcceptedEntry, RevealEntry)
 
 
 def _is_digest(value: object) -> bool:
@@ -82,55 +89,25 @@ class Archive:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class Pruning:
-    """The body of an ``archive_pruned`` log entry (docs/audit-log.md, §3).
+def check_pruning(pruning: ArchivePrunedEntry) -> None:
+    """Refuse an ``archive_pruned`` body whose values break the format (docs/audit-log.md,
+    §3); whether it keeps to the retention rules is :meth:`ArchiveIndex.problem_with`.
 
-    ``before_round``: every round below it is pruned (its aggregate is no longer
-    re-run); ``rounds``: the rounds this entry newly prunes; ``objects``: the archive
-    objects it deletes, sorted; ``retention_rounds``: the setting that chose them.
+    Raises:
+        IntegrityError: a value is out of range or out of order.
     """
-
-    retention_rounds: int
-    before_round: int
-    rounds: tuple[int, ...]
-    objects: tuple[str, ...]
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "retention_rounds": self.retention_rounds,
-            "before_round": self.before_round,
-            "rounds": list(self.rounds),
-            "objects": list(self.objects),
-        }
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Pruning:
-        """Read a logged body.
-
-        Raises:
-            IntegrityError: a field is missing, of the wrong type, or out of order.
-        """
-        fields = {"retention_rounds", "before_round", "rounds", "objects"}
-        if set(body) != fields:
-            raise IntegrityError(f"an archive_pruned body has exactly the fields {sorted(fields)}")
-        retention, before = body["retention_rounds"], body["before_round"]
-        rounds, objects = body["rounds"], body["objects"]
-        if not (_is_int(retention) and retention >= 1 and _is_int(before) and before >= 1):
-            raise IntegrityError("retention_rounds and before_round must be integers >= 1")
-        if not (isinstance(rounds, list) and all(_is_int(r) and r < before for r in rounds)):
-            raise IntegrityError(f"rounds must be a list of round numbers below {before}")
-        if rounds != sorted(set(rounds)):
-            raise IntegrityError("rounds must be sorted, without repeats")
-        if not (isinstance(objects, list) and objects and all(_is_digest(d) for d in objects)):
-            raise IntegrityError("objects must be a non-empty list of sha256 hex digests")
-        if objects != sorted(set(objects)):
-            raise IntegrityError("objects must be sorted, without repeats")
-        return cls(retention, before, tuple(rounds), tuple(objects))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    retention, before = pruning.retention_rounds, pruning.before_round
+    rounds, objects = pruning.rounds, pruning.objects
+    if not (retention >= 1 and before >= 1):
+        raise IntegrityError("retention_rounds and before_round must be integers >= 1")
+    if not all(r < before for r in rounds):
+        raise IntegrityError(f"rounds must be a list of round numbers below {before}")
+    if rounds != sorted(set(rounds)):
+        raise IntegrityError("rounds must be sorted, without repeats")
+    if not (objects and all(_is_digest(d) for d in objects)):
+        raise IntegrityError("objects must be a non-empty list of sha256 hex digests")
+    if objects != sorted(set(objects)):
+        raise IntegrityError("objects must be sorted, without repeats")
 
 
 class ArchiveIndex:
@@ -146,30 +123,29 @@ class ArchiveIndex:
         self.rounds: set[int] = set()  # rounds opened or closed
         self.closed: set[int] = set()  # rounds with an aggregate entry
         self.refs: dict[str, list[tuple[int, int]]] = {}  # digest -> [(log index, round)]
-        self.prunings: dict[int, Pruning] = {}  # log index -> what that entry pruned
+        self.prunings: dict[int, ArchivePrunedEntry] = {}  # log index -> what that entry pruned
         self.listed: dict[str, list[int]] = {}  # digest -> archive_pruned entries listing it
         # digests referred to since the last entry that listed them: the only candidates
         # of the next pruning, so planning costs the retention window, not the history
         self._unlisted: set[str] = set()
 
-    def observe(self, index: int, kind: str, body: Mapping[str, Any]) -> None:
-        """Take note of log entry ``index``.
+    def observe(self, index: int, body: LogBody) -> None:
+        """Take note of log entry ``index``, whose body is ``body``.
 
         Raises:
-            IntegrityError, KeyError, ValueError, TypeError: a malformed body.
+            IntegrityError: an ``archive_pruned`` body with values out of range or order.
         """
-        if kind in ("round_open", "aggregate"):
-            self.rounds.add(int(body["round"]))
-            if kind == "aggregate":
-                self.closed.add(int(body["round"]))
-        elif kind in REFERRING_KINDS:
-            digest, round_ = str(body["sha256"]), int(body["round"])
-            self.refs.setdefault(digest, []).append((index, round_))
-            self._unlisted.add(digest)
-        elif kind == "archive_pruned":
-            pruning = Pruning.from_body(body)
-            self.prunings[index] = pruning
-            for digest in pruning.objects:
+        if isinstance(body, RoundOpenEntry | AggregateEntry):
+            self.rounds.add(body.round)
+            if isinstance(body, AggregateEntry):
+                self.closed.add(body.round)
+        elif isinstance(body, REFERRING_ENTRIES):
+            self.refs.setdefault(body.sha256, []).append((index, body.round))
+            self._unlisted.add(body.sha256)
+        elif isinstance(body, ArchivePrunedEntry):
+            check_pruning(body)
+            self.prunings[index] = body
+            for digest in body.objects:
                 self.listed.setdefault(digest, []).append(index)
                 self._unlisted.discard(digest)
 
@@ -185,7 +161,9 @@ class ArchiveIndex:
             return None
         return sorted(self.closed)[-retention_rounds]
 
-    def plan(self, retention_rounds: int, present: Callable[[str], bool]) -> Pruning | None:
+    def plan(
+        self, retention_rounds: int, present: Callable[[str], bool]
+    ) -> ArchivePrunedEntry | None:
         """The pruning due under ``retention_rounds``, or None when nothing is to be deleted.
 
         An object is deleted when every entry referring to it belongs to a round before
@@ -203,10 +181,12 @@ class ArchiveIndex:
         if not objects:
             return None
         already = self.pruned_before
-        rounds = tuple(sorted(r for r in self.rounds if already <= r < start))
-        return Pruning(retention_rounds, start, rounds, tuple(objects))
+        rounds = sorted(r for r in self.rounds if already <= r < start)
+        return ArchivePrunedEntry(
+            retention_rounds=retention_rounds, before_round=start, rounds=rounds, objects=objects
+        )
 
-    def problem_with(self, pruning: Pruning) -> str | None:
+    def problem_with(self, pruning: ArchivePrunedEntry) -> str | None:
         """Why ``pruning``, as the next log entry, breaks the retention rules (or None)."""
         n = pruning.retention_rounds
         start = self.window_start(n)

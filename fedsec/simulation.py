@@ -48,7 +48,7 @@ import torch
 
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
-from fedsec.aggregator.app import make_app
+from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.bench.common import aggregator_alive, free_port, with_environment
@@ -276,7 +276,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
         wall = await _run_agents(spec, ws, local, aggregator_public, trainers)
     if spec.aggregator_process:
         ws = Workspace.open(ws.root)
-    rows = ws.state.rounds(100000)
+    rows = ws.state.rounds.history(100000)
     summaries = [msgspec.json.decode(r.summary, type=wire.RoundSummary) for r in rows if r.summary]
     reached = [
         r.closed_at

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.roster import ROSTER_FILE
+from fedsec.aggregator.storage.roster_file import ROSTER_FILE
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import default_federation_toml
 from fedsec.crypto.commitment import CommitmentContext, commit

@@ -34,6 +34,8 @@ import pytest
 
 from fedsec.crypto.identity import SigningIdentity, canonical_json
 from fedsec.keys import load_identity
+from fedsec.protocol.log import head_body, parse_line
+from fedsec.protocol.log_entries import encode_body
 
 ROUNDS = 3
 AGENTS = 3
@@ -155,6 +157,24 @@ def edit_entry(
     change(doc)
     lines[index] = encode(doc)
     write_lines(root, rechain(lines, index + 1) if consistent else lines)
+
+
+def rewrite_signed(root: Path, index: int, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change entry ``index`` as the operator could: re-chain and re-sign every later head."""
+    signer = aggregator_key(root)
+    lines = read_lines(root)
+    doc = json.loads(lines[index])
+    change(doc)
+    lines[index] = encode(doc)
+    lines = rechain(lines, index + 1)
+    for i in range(index + 1, len(lines)):
+        doc = json.loads(lines[i])
+        if doc["kind"] == "head":
+            last = parse_line(lines[i - 1], i, "log")
+            doc["body"] = encode_body(head_body(signer, doc["body"]["federation_id"], last))
+            lines[i] = encode(doc)
+            lines = rechain(lines, i + 1)
+    write_lines(root, lines)
 
 
 def agent_key(root: Path, member: str) -> SigningIdentity:

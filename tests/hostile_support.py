@@ -23,9 +23,9 @@ from aggregator_helpers import Federation
 from aiohttp import web
 from multidict import CIMultiDict
 
-from fedsec.aggregator.app import make_app
-from fedsec.aggregator.audit_trail import LOG_FILE
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import make_app
+from fedsec.aggregator.storage.audit_trail import LOG_FILE
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import sign_request

@@ -32,8 +32,8 @@ from aggregator_helpers import (
 )
 from aiohttp.test_utils import TestClient
 
-from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import make_app
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.modelfile import ModelManifest, verify_manifest
@@ -239,7 +239,7 @@ async def test_tampered_body_or_target_fails_the_signature(api: Api) -> None:
         401, "unauthenticated", lambda: api.send("POST", other_attempt, signed, headers)
     )
     assert "bad signature" in detail
-    assert api.fed.ws.state.joins(1, 0) == {}
+    assert api.fed.ws.state.joins.samples(1, 0) == {}
 
 
 async def test_replayed_nonce_is_refused(api: Api) -> None:
@@ -249,7 +249,7 @@ async def test_replayed_nonce_is_refused(api: Api) -> None:
     assert status == 200 and json.loads(raw)["accepted"] is True
     detail = await api.refused(401, "replayed", lambda: api.send("POST", JOIN, body, headers))
     assert "nonce" in detail
-    assert api.fed.ws.state.joins(1, 0) == {"a0": 50}
+    assert api.fed.ws.state.joins.samples(1, 0) == {"a0": 50}
 
 
 async def test_stale_and_future_timestamps_are_refused(api: Api) -> None:
@@ -284,7 +284,7 @@ async def test_roles_limit_what_a_key_may_do(api: Api) -> None:
         assert "role" in detail
     state = await api.ok("obs", "GET", "/v1/round")
     assert state["stage"] == "open"
-    assert api.fed.ws.state.joins(1, 0) == {}
+    assert api.fed.ws.state.joins.samples(1, 0) == {}
 
 
 # -- protocol position -----------------------------------------------------------------------------

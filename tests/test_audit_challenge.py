@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from fedsec.agent.runtime import AgentRuntime
-from fedsec.aggregator.app import make_app
+from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient

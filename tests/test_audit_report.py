@@ -181,46 +181,91 @@ def test_a_malformed_verdicts_file_is_refused(workspace_copy: Path, tmp_path: Pa
 
 def test_everything_from_the_log_is_escaped() -> None:
     hostile = '<script>alert("x")</script><img src=https://evil.example/x.png>'
+    key = "ab" * 32
+    # well-formed bodies (the report decodes each with its kind's struct) carrying the
+    # hostile string in every free-text field the page shows
+    spec = {
+        "federation_id": hostile,
+        "round": 1,
+        "attempt": 0,
+        "secure_sum": "secagg",
+        "model_version": 0,
+        "model_sha256": key,
+        "task": hostile,
+        "task_version": hostile,
+        "schema_fingerprint": hostile,
+        "cohort": [hostile],
+        "neighbors": 1,
+        "threshold": 1,
+        "quant_bits": 16,
+        "ring_bits": 32,
+        "clip_norm": 1.0,
+        "dim": 3,
+        "seed": key,
+        "max_weight_samples": 10,
+        "weight_caps": {},
+        "training": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "optimizer": hostile},
+        "dp": {"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-5},
+        "deadlines": {},
+        "signature": hostile,
+    }
+    report = {
+        "federation_id": hostile,
+        "round": 1,
+        "attempt": 0,
+        "member": hostile,
+        "dataset_id": hostile,
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "noise_multiplier": 1.0,
+        "sample_rate": 0.1,
+        "steps": 1,
+        "samples": 10,
+        "signature": hostile,
+    }
+    genesis = {
+        "federation_id": hostile,
+        "aggregator_public_key": hostile,
+        "admin_public_key": hostile,
+        "task": hostile,
+        "task_version": hostile,
+        "schema_fingerprint": hostile,
+        "server": {"optimizer": hostile, "server_lr": hostile},
+        "round": {"rounds": hostile, "min_agents": hostile, "secure_sum": hostile},
+    }
+    roster = {
+        "agent_id": hostile,
+        "public_key": hostile,
+        "role": "agent",
+        "max_weight": None,
+        "status": "active",
+        "added_at": 2.0,
+        "revoked_at": None,
+        "admin_signature": hostile,
+    }
+    challenge = {
+        "round": 1,
+        "attempt": 0,
+        "member": hostile,
+        "auditor": hostile,
+        "beacon_index": 1,
+        "beacon": hostile,
+        "rate": 0.5,
+    }
+    bodies = [
+        ("genesis", genesis),
+        ("roster", roster),
+        ("round_spec", spec),
+        ("privacy_report", report),
+        ("round_aborted", {"round": 1, "attempt": 0, "detail": hostile}),
+        ("alert", {"detail": hostile, "time": 6.0}),
+        ("rollback", {"version": 2, "weights_of": 1, "note": hostile}),
+        ("challenge", challenge),
+        ("aggregate", {"round": "x"}),  # malformed
+    ]
     docs = [
-        {
-            "index": 0,
-            "time": 1.0,
-            "kind": "genesis",
-            "body": {"federation_id": hostile, "task": hostile, "aggregator_public_key": hostile},
-        },
-        {
-            "index": 1,
-            "time": 2.0,
-            "kind": "roster",
-            "body": {"agent_id": hostile, "role": hostile, "status": hostile, "public_key": "00"},
-        },
-        {
-            "index": 2,
-            "time": 3.0,
-            "kind": "round_spec",
-            "body": {"round": 1, "attempt": 0, "cohort": [hostile]},
-        },
-        {
-            "index": 3,
-            "time": 4.0,
-            "kind": "privacy_report",
-            "body": {
-                "round": 1,
-                "attempt": 0,
-                "member": hostile,
-                "epsilon": 1.0,
-                "dataset_id": hostile,
-                "delta": 1e-5,
-            },
-        },
-        {
-            "index": 4,
-            "time": 5.0,
-            "kind": "round_aborted",
-            "body": {"round": 1, "attempt": 0, "detail": hostile},
-        },
-        {"index": 5, "time": 6.0, "kind": "alert", "body": {"detail": hostile}},
-        {"index": 6, "time": 7.0, "kind": "aggregate", "body": {"round": "x"}},  # malformed
+        {"index": i, "time": float(i + 1), "kind": kind, "body": body}
+        for i, (kind, body) in enumerate(bodies)
     ]
     summary = summarize(docs)
     page = render_report(
@@ -234,6 +279,12 @@ def test_everything_from_the_log_is_escaped() -> None:
     assert parser.urls == [] and not parser.tags & {"script", "img"}
     assert "&lt;script&gt;" in page
     assert "aborted" in page and "not understood" in page
+    # every well-formed entry was understood, and so reached the page escaped
+    assert [e for e in summary.events if e[1] == "unreadable"] == [
+        (8, "unreadable", "aggregate entry not understood")
+    ]
+    assert summary.genesis is not None and hostile in summary.roster
+    assert page.count("&lt;script&gt;") >= 10
 
 
 def test_empty_summary_renders() -> None:

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,13 @@ from aggregator_helpers import (
     plain_upload,
 )
 from audit_fixtures import (
-    aggregator_key,
     archive_path,
     encode,
     entries,
     find,
     read_lines,
     rechain,
+    rewrite_signed,
     write_lines,
 )
 from click.testing import CliRunner
@@ -49,8 +48,7 @@ from fedsec.audit.report import summarize
 from fedsec.cli import main
 from fedsec.config import AuditSection, dump_federation_config, parse_federation_config
 from fedsec.errors import ConfigError
-from fedsec.faults import AGGREGATOR_ENV
-from fedsec.protocol.log import head_body, parse_line
+from fedsec.faults import AGGREGATOR_ENV, NO_FAULTS, Faults
 
 ROUNDS = 3
 
@@ -68,9 +66,11 @@ def federation(
     return Federation(Workspace.open(fed.root), fed.identities)
 
 
-def run_rounds(root: Path, retention: int, rounds: int = ROUNDS) -> Federation:
+def run_rounds(
+    root: Path, retention: int, rounds: int = ROUNDS, faults: Faults = NO_FAULTS
+) -> Federation:
     fed = federation(root, retention)
-    coord = Coordinator(fed.ws, clock=FakeClock())
+    coord = Coordinator(fed.ws, clock=FakeClock(), faults=faults)
     for _ in range(rounds):
         _round(coord, fed, MEMBERS)
     return fed
@@ -216,8 +216,10 @@ _CRASHING_DRIVER = textwrap.dedent(
     import sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
+    from fedsec.faults import Faults
     from test_audit_retention import run_rounds
-    run_rounds(Path(sys.argv[1]), retention=1, rounds=2)
+    faults = Faults.from_environment("aggregator")  # this child's entry point
+    run_rounds(Path(sys.argv[1]), retention=1, rounds=2, faults=faults)
     """
 )
 
@@ -307,24 +309,6 @@ def test_an_unsigned_archive_pruned_entry_explains_nothing(tmp_path: Path) -> No
     assert "no archive_pruned entry records its deletion" in problem, problem
 
 
-def _rewrite_signed(root: Path, index: int, change: Callable[[dict[str, Any]], None]) -> None:
-    """Change entry ``index`` as the operator could: re-chain and re-sign every later head."""
-    signer = aggregator_key(root)
-    lines = read_lines(root)
-    doc = json.loads(lines[index])
-    change(doc)
-    lines[index] = encode(doc)
-    lines = rechain(lines, index + 1)
-    for i in range(index + 1, len(lines)):
-        doc = json.loads(lines[i])
-        if doc["kind"] == "head":
-            last = parse_line(lines[i - 1], i, "log")
-            doc["body"] = head_body(signer, doc["body"]["federation_id"], last)
-            lines[i] = encode(doc)
-            lines = rechain(lines, i + 1)
-    write_lines(root, lines)
-
-
 @pytest.mark.parametrize(
     ("forgery", "expected"),
     [
@@ -349,7 +333,7 @@ def test_a_signed_pruning_that_breaks_the_retention_rules_fails(
         def change(doc: dict[str, Any]) -> None:
             doc["body"].update(before_round=3, rounds=[1, 2])
 
-    _rewrite_signed(root, index, change)
+    rewrite_signed(root, index, change)
     problem = fails(root)
     assert f"log entry {index} (archive_pruned): " in problem and expected in problem, problem
 

@@ -34,6 +34,7 @@ from audit_fixtures import (
     model_path,
     read_lines,
     rechain,
+    rewrite_signed,
     workspace_copy,
     write_lines,
 )
@@ -206,7 +207,9 @@ def test_inserting_a_forged_entry_and_rehashing_fails_at_the_head(workspace_copy
     index = find(workspace_copy, "round_open", nth=1)
     lines = read_lines(workspace_copy)
     forged = json.loads(lines[index])
-    forged["kind"], forged["body"] = "alert", {"detail": "nothing happened here"}
+    # a well-formed alert: only the head can tell it was never written by the aggregator
+    forged["kind"] = "alert"
+    forged["body"] = {"detail": "nothing happened here", "time": forged["time"]}
     lines.insert(index + 1, encode(forged))
     write_lines(workspace_copy, rechain(lines, index + 1))
     head = next(e["index"] for e in entries(workspace_copy)[index:] if e["kind"] == "head")
@@ -284,6 +287,39 @@ def test_a_rehashed_chain_with_stale_head_hashes_fails_at_the_head(workspace_cop
     head = next(e["index"] for e in entries(workspace_copy)[index:] if e["kind"] == "head")
     problem = fails(workspace_copy)
     assert f"log entry {head}" in problem and "head" in problem, problem
+
+
+# -- a body outside its kind's schema: refused even when the operator re-signs ------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "match", "change", "expected"),
+    [
+        ("accepted", {}, lambda b: b.update(bonus=1), "unknown field `bonus`"),
+        ("round_open", {}, lambda b: b.update(note="x"), "unknown field `note`"),
+        ("roster", {}, lambda b: b.update(extra=True), "unknown field `extra`"),
+        ("aggregate", {}, lambda b: b.pop("weight_sum"), "missing required field `weight_sum`"),
+        ("model_version", {}, lambda b: b.pop("note"), "missing required field `note`"),
+        ("accepted", {}, lambda b: b.pop("bytes"), "missing required field `bytes`"),
+        (
+            "accepted",
+            {"stage": "advertise"},
+            lambda b: b.update(commitment=None),
+            "not in the form the aggregator writes",
+        ),
+        ("aggregate", {}, lambda b: b.update(survivors="all"), "Expected `array`"),
+    ],
+)
+def test_a_body_outside_its_schema_fails_even_when_every_head_is_re_signed(
+    workspace_copy: Path, kind: str, match: dict[str, Any], change: Any, expected: str
+) -> None:
+    """The operator holds the aggregator key: the chain and the heads all check out, so
+    only the entry's schema (fedsec.protocol.log_entries) can refuse it."""
+    index = find(workspace_copy, kind, **match)
+    rewrite_signed(workspace_copy, index, lambda doc: change(doc["body"]))
+    problem = fails(workspace_copy)
+    assert f"log entry {index} ({kind}): {kind} body" in problem, problem
+    assert expected in problem, problem
 
 
 # -- signatures against the roster ---------------------------------------------------------------

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from fedsec.agent.runtime import AgentRuntime
-from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.audit.verify import verify_log
 from fedsec.errors import PayloadError, StaleUpdate
@@ -66,7 +66,7 @@ async def test_buffered_rounds_take_the_first_k_and_weight_stale_updates(tmp_pat
 
     specs = [
         msgspec.json.decode(r.spec, type=wire.RoundSpec)
-        for r in ws.state.rounds()
+        for r in ws.state.rounds.history()
         if r.stage == "closed" and r.spec is not None
     ]
     assert len(specs) == 5
@@ -109,6 +109,6 @@ def test_stale_or_missing_base_versions_are_refused(tmp_path: Path) -> None:
     ws.models.rollback(1)
     with pytest.raises(StaleUpdate, match="2 versions behind"):
         join(1)
-    assert ws.state.joins(1, 0) == {}
+    assert ws.state.joins.samples(1, 0) == {}
     assert join(2).accepted
     ws.close()

@@ -184,5 +184,8 @@ def test_retry_of_the_message_that_moved_the_round_on_gets_its_answer(tmp_path: 
     # the round closed; its last unmask answer, retried, is still taken
     request = wire.UnmaskRequestBody(survivors=list(members), dropped=[])
     coord.unmask("a4", 1, 0, cohort.unmask("a4", request))
-    assert [(r.round, r.stage) for r in fed.ws.state.rounds()][-2:] == [(1, "closed"), (2, "open")]
+    assert [(r.round, r.stage) for r in fed.ws.state.rounds.history()][-2:] == [
+        (1, "closed"),
+        (2, "open"),
+    ]
     fed.ws.close()

@@ -118,11 +118,11 @@ def _unmask(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> Non
 
 
 def _rounds(fed: Federation) -> list[tuple[int, int, str, int | None]]:
-    return [(r.round, r.attempt, r.stage, r.model_version) for r in fed.ws.state.rounds()]
+    return [(r.round, r.attempt, r.stage, r.model_version) for r in fed.ws.state.rounds.history()]
 
 
 def _summary(fed: Federation, round_: int, attempt: int) -> wire.RoundSummary:
-    row = fed.ws.state.get_round(round_, attempt)
+    row = fed.ws.state.rounds.get(round_, attempt)
     assert row is not None and row.summary is not None
     return msgspec.json.decode(row.summary, type=wire.RoundSummary)
 
@@ -171,7 +171,7 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
     coord.join("a4", 1, 0, join_request())
     coord.tick()  # every active agent joined: no need to wait for the deadline
     assert coord.live.stage == "advertise"
-    assert fed.ws.state.get_round(1, 0).stage == "advertise"  # type: ignore[union-attr]
+    assert fed.ws.state.rounds.get(1, 0).stage == "advertise"  # type: ignore[union-attr]
 
     spec = coord.live.spec
     assert spec is not None
@@ -187,7 +187,7 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
     _fetch_shares(coord, cohort, MEMBERS)
     receipts = _masked(coord, cohort, MEMBERS)
     assert coord.live.stage == "unmask"
-    assert fed.ws.state.get_round(1, 0).stage == "unmask"  # type: ignore[union-attr]
+    assert fed.ws.state.rounds.get(1, 0).stage == "unmask"  # type: ignore[union-attr]
     _unmask(coord, cohort, MEMBERS)
 
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (2, 0, "open")
@@ -316,13 +316,13 @@ def test_too_few_members_abort_the_attempt_and_the_next_attempt_completes(
     clock.advance(ADVERTISE_DEADLINE)
     coord.tick()
 
-    row = fed.ws.state.get_round(1, 0)
+    row = fed.ws.state.rounds.get(1, 0)
     assert row is not None
     assert (row.stage, row.model_version) == ("aborted", None)
     assert "'a3'" in row.detail and "'a4'" in row.detail
     assert _summary(fed, 1, 0).stage == "aborted"
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
-    assert fed.ws.state.get_round(1, 1).stage == "open"  # type: ignore[union-attr]
+    assert fed.ws.state.rounds.get(1, 1).stage == "open"  # type: ignore[union-attr]
     assert any("aborted" in alert for alert in coord.alerts)
     assert fed.ws.models.latest().version == 1
     # messages for the aborted attempt are refused
@@ -358,7 +358,7 @@ def test_silent_survivors_at_unmask_abort_naming_them(fed: Federation, clock: Fa
     _unmask(coord, cohort, MEMBERS[:2])  # threshold is 3: seeds cannot be recovered
     clock.advance(FAST_ROUND["unmask_s"])
     coord.tick()
-    row = fed.ws.state.get_round(1, 0)
+    row = fed.ws.state.rounds.get(1, 0)
     assert row is not None and row.stage == "aborted"
     assert "silent holders" in row.detail and "a4" in row.detail
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
@@ -588,7 +588,7 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
     assert restarted == [stage]
     fed_b = Federation(spaces["b"], fed.identities)
     for w in spaces.values():
-        assert [(r.round, r.attempt, r.stage) for r in w.state.rounds()] == [
+        assert [(r.round, r.attempt, r.stage) for r in w.state.rounds.history()] == [
             (1, 0, "closed"),
             (2, 0, "open"),
         ]
@@ -682,7 +682,7 @@ def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: Fake
 
     good = _report("a0").sign(ids["a0"])
     coord.report("a0", 1, 0, good)
-    stored = fed.ws.state.report(1, 0, "a0")
+    stored = fed.ws.state.reports.get(1, 0, "a0")
     assert stored is not None
     decoded = msgspec.json.decode(stored, type=wire.PrivacyReport)
     decoded.verify(ids["a0"].public_bytes)
@@ -704,7 +704,7 @@ def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: Fake
     _refused(fed, coord, DuplicateMessage, coord.report, "a0", 1, 0, changed)
     wrong_round = _report("a1", round=2).sign(ids["a1"])
     _refused(fed, coord, WrongStage, coord.report, "a1", 2, 0, wrong_round)
-    assert fed.ws.state.epsilons() == {"a0": 1.5}
+    assert fed.ws.state.reports.epsilons() == {"a0": 1.5}
 
 
 def test_shares_carry_the_privacy_report_checked_first_and_stored_apart(
@@ -729,24 +729,24 @@ def test_shares_carry_the_privacy_report_checked_first_and_stored_apart(
     coord.share_keys("a0", 1, 0, good)
     coord.share_keys("a0", 1, 0, good)  # an identical retry changes nothing
     # the shares are stored as they would be without the report (archive, resume, audit)
-    stored = fed.ws.state.message(1, 0, "share_keys", "a0")
+    stored = fed.ws.state.messages.get(1, 0, "share_keys", "a0")
     assert stored == wire.encode(body["a0"]) and b"report" not in stored
-    report = fed.ws.state.report(1, 0, "a0")
+    report = fed.ws.state.reports.get(1, 0, "a0")
     assert report is not None
     assert msgspec.json.decode(report, type=wire.PrivacyReport).epsilon == 1.5
-    kinds = [msgspec.json.decode(line).get("kind") for _, line in fed.ws.state.log_lines()]
+    kinds = [msgspec.json.decode(line).get("kind") for _, line in fed.ws.state.log.log_lines()]
     assert kinds.count("privacy_report") == 1
 
     # a report sent on its own first stands; the shares are not refused for a different one
     coord.report("a1", 1, 0, _report("a1").sign(ids["a1"]))
     coord.share_keys("a1", 1, 0, with_report("a1", _report("a1", epsilon=9.0).sign(ids["a1"])))
-    assert fed.ws.state.message(1, 0, "share_keys", "a1") is not None
-    assert fed.ws.state.epsilons() == {"a0": 1.5, "a1": 1.5}
+    assert fed.ws.state.messages.get(1, 0, "share_keys", "a1") is not None
+    assert fed.ws.state.reports.epsilons() == {"a0": 1.5, "a1": 1.5}
 
     for m in MEMBERS[2:]:
         coord.share_keys(m, 1, 0, with_report(m, _report(m).sign(ids[m])))
     assert coord.live.stage == "masked_input"
-    assert set(fed.ws.state.epsilons()) == set(MEMBERS)
+    assert set(fed.ws.state.reports.epsilons()) == set(MEMBERS)
     # after the stage closed, the same message is still answered as before
     coord.share_keys("a4", 1, 0, with_report("a4", _report("a4").sign(ids["a4"])))
 
@@ -770,7 +770,7 @@ def test_join_refuses_another_task_version_or_schema(fed: Federation, clock: Fak
 
     assert coord.join("a0", 1, 0, good) == wire.JoinResponse(accepted=True, detail="joined")
     assert coord.join("a0", 1, 0, good).detail == "already joined"
-    assert fed.ws.state.joins(1, 0) == {"a0": 50}
+    assert fed.ws.state.joins.samples(1, 0) == {"a0": 50}
 
 
 def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
@@ -791,7 +791,7 @@ def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
     )
     coord.unmask("a4", 1, 0, forged)  # accepted (it is well formed); the sum cannot be formed
 
-    row = fed.ws.state.get_round(1, 0)
+    row = fed.ws.state.rounds.get(1, 0)
     assert row is not None and row.stage == "aborted"
     assert "inconsistent" in row.detail
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
@@ -807,7 +807,7 @@ def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
 def _log_head(fed: Federation) -> tuple[int, str]:
     """(entries, hash of the last one) of the transparency log, the same in the database
     and in the file verifiers read."""
-    tail = fed.ws.state.log_tail()
+    tail = fed.ws.state.log.log_tail()
     lines = (fed.root / "audit" / "log.jsonl").read_bytes().splitlines()
     assert tail is not None and len(lines) == tail[0] + 1 and lines[-1] == tail[1]
     return len(lines), hashlib.sha256(tail[1]).hexdigest()

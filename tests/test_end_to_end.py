@@ -51,7 +51,7 @@ def test_demo_round_survives_an_agent_killed_after_share_keys(tmp_path: Path) ->
 
     ws = Workspace.open(root / "aggregator")
     try:
-        rows = {r.round: r for r in ws.state.rounds() if r.stage == "closed"}
+        rows = {r.round: r for r in ws.state.rounds.history() if r.stage == "closed"}
         assert sorted(rows) == [1, 2, 3, 4, 5]
         row = rows[4]
         assert row.summary is not None and row.spec is not None

@@ -14,9 +14,9 @@ import pytest_asyncio
 from aggregator_helpers import Federation, make_federation, snapshot
 from aiohttp.test_utils import TestClient
 
-from fedsec.aggregator import app as aggregator_app
-from fedsec.aggregator.app import make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import app as aggregator_app
+from fedsec.aggregator.http import make_app
 from fedsec.aggregator.openapi import openapi_document
 from fedsec.crypto.httpsig import sign_request
 from fedsec.protocol import wire

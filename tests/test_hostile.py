@@ -271,7 +271,7 @@ async def test_json_integers_outside_storage_range_are_bad_requests(
     for field in ("round", "attempt", "steps", "samples", "trained_round"):
         request = hostile.signed("a0", "POST", report, _report_doc(**{field: value}))
         await hostile.refused(400, "bad_request", request, nonces=1)
-    assert hostile.ws.state.joins(1, 0) == {}
+    assert hostile.ws.state.joins.samples(1, 0) == {}
 
 
 # -- 2. replays -----------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ async def test_replay_within_the_skew_window_is_refused(hostile: Hostile) -> Non
     join = hostile.signed("a1", "POST", "/v1/rounds/1/join?attempt=0", _join_body())
     assert (await hostile.send(join)).status == 200
     await hostile.refused(401, "replayed", join)
-    assert hostile.ws.state.joins(1, 0) == {"a1": 50}
+    assert hostile.ws.state.joins.samples(1, 0) == {"a1": 50}
 
 
 async def test_replay_after_a_restart_is_refused(tmp_path: Path) -> None:
@@ -396,7 +396,7 @@ async def test_compressed_bodies_are_refused(hostile: Hostile) -> None:
     packed = gzip.compress(b"\x00" * 10_000)
     request = hostile.signed("a0", "POST", target, packed, [("Content-Encoding", "gzip")])
     await hostile.refused(415, "unsupported_content_encoding", request, nonces=1)
-    assert hostile.ws.state.joins(1, 0) == {}
+    assert hostile.ws.state.joins.samples(1, 0) == {}
 
 
 async def test_expect_continue_over_the_limit_or_unsigned_gets_no_continue(
@@ -585,7 +585,7 @@ async def test_refused_uploads_are_not_counted_as_round_traffic(tmp_path: Path) 
             )
             await call(m, "POST", target, raw)
             uploaded += len(raw)
-        row = fed.ws.state.get_round(1, 0)
+        row = fed.ws.state.rounds.get(1, 0)
         assert row is not None and row.stage == "closed" and row.summary is not None
         summary = msgspec.json.decode(row.summary, type=wire.RoundSummary)
         assert summary.bytes_up == uploaded, (summary.bytes_up, uploaded)
@@ -685,7 +685,7 @@ async def test_duplicate_json_keys_are_bad_requests(hostile: Hostile) -> None:
     await hostile.refused(
         400, "bad_request", hostile.signed("a0", "POST", report, nested), nonces=1
     )
-    assert hostile.ws.state.joins(1, 0) == {}
+    assert hostile.ws.state.joins.samples(1, 0) == {}
 
 
 # -- 10. status is for members only ---------------------------------------------------------------
@@ -734,7 +734,7 @@ async def test_clients_closing_mid_body_get_no_server_error(hostile: Hostile) ->
                 assert 400 <= answer.status < 500, answer
                 answer.error()
     assert_unchanged(before, durable_state(hostile.ws))
-    assert hostile.ws.state.joins(1, 0) == {}
+    assert hostile.ws.state.joins.samples(1, 0) == {}
     # and the server keeps serving
     assert (await hostile.send(request_head("GET", "/v1/health"))).status == 200
     assert (await hostile.call("a1", "GET", "/v1/round")).status == 200

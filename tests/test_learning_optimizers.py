@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedsec.aggregator.optimizers import make_optimizer
-from fedsec.aggregator.state import StateStore
+from fedsec.aggregator.storage.sqlite import SqliteStateStore
 from fedsec.config import ServerSection
 from fedsec.learning.optimizers import (
     AdamMoments,
@@ -84,13 +84,13 @@ def _config(optimizer: str) -> ServerSection:
 
 def test_aggregator_fedadam_resumes_its_moments_after_a_restart(tmp_path: Path) -> None:
     current, *means = _vectors(3, 3)
-    store = StateStore(tmp_path / "state.db")
+    store = SqliteStateStore(tmp_path / "state.db")
     optimizer = make_optimizer(_config("fedadam"), DIM, store)
     after_one = optimizer.step(current, means[0])
     optimizer.save()
     store.close()
 
-    reopened = StateStore(tmp_path / "state.db")
+    reopened = SqliteStateStore(tmp_path / "state.db")
     resumed = make_optimizer(_config("fedadam"), DIM, reopened)
     after_two = resumed.step(after_one, means[1])
     reopened.close()
@@ -103,7 +103,7 @@ def test_aggregator_fedadam_resumes_its_moments_after_a_restart(tmp_path: Path) 
 
 def test_aggregator_ignores_stored_moments_of_another_model(tmp_path: Path) -> None:
     current, mean = _vectors(4, 2)
-    store = StateStore(tmp_path / "state.db")
+    store = SqliteStateStore(tmp_path / "state.db")
     small = make_optimizer(_config("fedadam"), DIM - 1, store)
     small.step(current[:-1], mean[:-1])
     small.save()
@@ -114,10 +114,10 @@ def test_aggregator_ignores_stored_moments_of_another_model(tmp_path: Path) -> N
 
 def test_aggregator_fedavg_keeps_no_state(tmp_path: Path) -> None:
     current, mean = _vectors(5, 2)
-    store = StateStore(tmp_path / "state.db")
+    store = SqliteStateStore(tmp_path / "state.db")
     optimizer = make_optimizer(_config("fedavg"), DIM, store)
     expected, _ = server_step(FedAvg(0.01), current, mean, None)
     assert np.array_equal(optimizer.step(current, mean), expected)
     optimizer.save()
-    assert store.get_value("fedadam.m") is None and store.get_value("fedadam.v") is None
+    assert store.values.get("fedadam.m") is None and store.values.get("fedadam.v") is None
     store.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsec.aggregator.modelstore import ModelStore
+from fedsec.aggregator.storage.models import ModelStore
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import IntegrityError, NotFound, SignatureError
 from fedsec.modelfile import decode_model, encode_model, sha256_hex
@@ -219,7 +219,7 @@ _CRASH_SCRIPT = """
 import os, sys
 from pathlib import Path
 import numpy as np
-from fedsec.aggregator import modelstore
+from fedsec.aggregator.storage import models as modelstore
 from fedsec.crypto.identity import SigningIdentity
 
 root, seed, target = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3]

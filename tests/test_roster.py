@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from fedsec import config
-from fedsec.aggregator.roster import Roster
+from fedsec.aggregator.storage.roster_file import Roster
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError, IntegrityError, NotFound, SignatureError
 from fedsec.protocol import roster as protocol_roster

@@ -35,8 +35,9 @@ from aggregator_helpers import (
 from aiohttp.test_utils import TestClient
 from test_aggregator_api import AGENTS, Api, _fix_cohort, _to_masked_input, _upload
 
-from fedsec.aggregator.app import CHANGED, make_app
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import make_app
+from fedsec.aggregator.http.longpoll import CHANGED
 from fedsec.protocol import wire
 
 # a hung held request fails its test within seconds, not at the suite-wide timeout
@@ -517,7 +518,7 @@ async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api6: A
     for m in SIX[4:]:
         late = await unmask(m)
         assert late.state is not None and (late.state.round, late.state.stage) == (2, "open")
-        assert api.fed.ws.state.message(1, 0, "unmask", m) is None
+        assert api.fed.ws.state.messages.get(1, 0, "unmask", m) is None
     assert len(log_entries(api.fed.ws)) == logged
     old, new = model_params(api.fed.ws, 1), model_params(api.fed.ws, 2)
     exact = expected_params(old, [cohort.quantized[m] for m in SIX], cohort.spec)

@@ -29,6 +29,7 @@ from fedsec.config import (
 )
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError, FedsecError
+from fedsec.faults import Faults
 from fedsec.keys import load_identity, save_identity, save_public_key
 
 __all__ = ["agent"]
@@ -174,7 +175,9 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
     _configure_logging(verbose)
     cfg = load_agent_config(config_path)
     identity = load_identity(Path(cfg.agent.state_dir) / IDENTITY_FILE)
-    runtime = AgentRuntime(cfg, identity, progress=sys.stderr.isatty())
+    # chaos tests and the demo hand a child agent its faults through the environment
+    faults = Faults.from_environment("agent")
+    runtime = AgentRuntime(cfg, identity, progress=sys.stderr.isatty(), faults=faults)
 
     async def main() -> list[Any]:
         stop = asyncio.Event()

@@ -48,6 +48,7 @@ from fedsec.agent.refusals import is_round_local, is_temporary
 from fedsec.agent.round import AgentRound
 from fedsec.agent.spec import check_spec_task, verify_round_spec
 from fedsec.errors import DuplicateMessage, FedsecError, StaleUpdate, WrongStage
+from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.wire import JoinRequest, RoundState
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
@@ -62,6 +63,7 @@ class Follower:
         carry: what attempts leave to the next (shared with every AgentRound).
         long_poll_s: passed to each AgentRound.
         max_rounds: finish once this many rounds closed with our contribution.
+        seeded_bytes: passed to each AgentRound (:mod:`fedsec.faults`).
     """
 
     def __init__(
@@ -71,12 +73,14 @@ class Follower:
         *,
         long_poll_s: float,
         max_rounds: int | None = None,
+        seeded_bytes: SeededBytes = NO_FAULTS.seeded_bytes,
     ) -> None:
         self.member = member
         self.carry = carry
         self.outcomes: list[RoundOutcome] = []
         self._long_poll_s = long_poll_s
         self._max_rounds = max_rounds
+        self._seeded_bytes = seeded_bytes
         self._joined = carry.joined
         self._handled = carry.handled
         self._steps = self._follow()
@@ -151,7 +155,13 @@ class Follower:
     def _participate(self, state: RoundState) -> Step[RoundState | None]:
         """Take part in the attempt; return the newest state it saw."""
         assert state.spec is not None
-        round_ = AgentRound(state, self.member, self.carry, long_poll_s=self._long_poll_s)
+        round_ = AgentRound(
+            state,
+            self.member,
+            self.carry,
+            long_poll_s=self._long_poll_s,
+            seeded_bytes=self._seeded_bytes,
+        )
         done = yield from ask(Participate(round_), Participated)
         self.outcomes.append(done.outcome)
         yield from ask(AnswerChallenges(state.spec.federation_id), Passed)

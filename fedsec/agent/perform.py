@@ -20,7 +20,7 @@ from fedsec.agent.refusals import is_temporary
 from fedsec.agent.vault import Vault
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.errors import BudgetExhausted, FedsecError, IntegrityError, RetryLater
-from fedsec.faults import crash_point
+from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol.wire import RoundState
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
@@ -72,6 +72,7 @@ class ActionPerformer:
         dataset_id: the dataset the ledger charges.
         pin: the federation followed (kept across runs).
         poll_timeout_s: long-poll wait asked of the aggregator.
+        faults: where a chaos test crashes this agent (:mod:`fedsec.faults`).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class ActionPerformer:
         dataset_id: str,
         pin: FederationPin,
         poll_timeout_s: float,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.client = client
         self.stop = stop
@@ -94,6 +96,7 @@ class ActionPerformer:
         self.dataset_id = dataset_id
         self.pin = pin
         self.poll_timeout_s = poll_timeout_s
+        self._faults = faults
         self._table = self._performers()
 
     async def perform(self, action: act.Action) -> act.Event:
@@ -251,7 +254,7 @@ class ActionPerformer:
         return act.Passed()
 
     async def _fault_point(self, action: act.FaultPoint) -> act.Passed:
-        crash_point(action.round, action.point)
+        self._faults.crash(action.round, action.point)
         return act.Passed()
 
 

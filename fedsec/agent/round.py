@@ -77,7 +77,7 @@ from fedsec.agent.spec import check_spec_task, member_weight, staleness_discount
 from fedsec.crypto.quantize import pack, quantize
 from fedsec.crypto.secagg import ClientSession
 from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
-from fedsec.faults import deterministic_bytes
+from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.wire import (
     PrivacyReport,
@@ -105,6 +105,8 @@ class AgentRound:
         carry: what earlier attempts left (an update, an unused charge); updated here.
         long_poll_s: how long the aggregator may hold an answer for the next stage.
         clock: wall clock for the agent's own records.
+        seeded_bytes: the unsafe deterministic test seed's bytes (:mod:`fedsec.faults`);
+            in production always None, so rounding randomness comes from the OS.
 
     Raises:
         SignatureError: the spec is not signed by the pinned aggregator key.
@@ -119,6 +121,7 @@ class AgentRound:
         *,
         long_poll_s: float,
         clock: Callable[[], float] = time.time,
+        seeded_bytes: SeededBytes = NO_FAULTS.seeded_bytes,
     ) -> None:
         spec = state.spec
         if spec is None:
@@ -127,6 +130,7 @@ class AgentRound:
         self.member = member
         self._carry = carry
         self._clock = clock
+        self._seeded_bytes = seeded_bytes
         self._attempt = AttemptTracker(state, long_poll_s)
         self._key = self._attempt.key
         self._base = RoundOutcome(*self._key, "dropped", spec.model_version, samples=member.samples)
@@ -316,7 +320,7 @@ class AgentRound:
     def _contribution(self, trained: TrainedUpdate, weight: float) -> Contribution:
         spec = self.spec
         discount = staleness_discount(spec, self.member.id)
-        rounding = deterministic_bytes(self.member.id, spec.round, "rounding") or os.urandom(32)
+        rounding = self._seeded_bytes(self.member.id, spec.round, "rounding") or os.urandom(32)
         q = quantize(trained.delta * np.float32(discount), weight, spec.quant_spec(), rounding)
         return Contribution(trained, self.member.samples, weight, q)
 

@@ -81,6 +81,7 @@ from fedsec.config import AgentConfig
 from fedsec.crypto.commitment import seal_reveal
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import BudgetExhausted, DuplicateMessage, FedsecError
+from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol.limits import LONG_POLL_S
 from fedsec.protocol.wire import RevealBody, RevealPayload
 from fedsec.tasks.params import param_count
@@ -131,6 +132,8 @@ class AgentRuntime:
             executor).  Simulations that host many agents in one process pass one
             pool with a thread per core: more training threads than cores only
             contend for the GIL with the event loop that runs every agent's protocol.
+        faults: crash points and the unsafe deterministic seed for chaos tests
+            (:mod:`fedsec.faults`); none in production.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class AgentRuntime:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         slowdown: float = 1.0,
         training_executor: concurrent.futures.Executor | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.config = config
         self.identity = identity
@@ -156,6 +160,7 @@ class AgentRuntime:
         self.ledger = PrivacyLedger(self.state_dir)
         self.vault = Vault(self.state_dir)
         self._training_executor = training_executor
+        self._faults = faults
         self._client = client
         self._stop = asyncio.Event()
         self._local: LocalData | None = None
@@ -249,7 +254,11 @@ class AgentRuntime:
         await asyncio.to_thread(self.prepare)
         client = self._client or self.make_client()
         follower = Follower(
-            self._member(), self._carry, long_poll_s=self.poll_timeout_s, max_rounds=max_rounds
+            self._member(),
+            self._carry,
+            long_poll_s=self.poll_timeout_s,
+            max_rounds=max_rounds,
+            seeded_bytes=self._faults.seeded_bytes,
         )
         perform = ActionPerformer(
             client,
@@ -260,6 +269,7 @@ class AgentRuntime:
             dataset_id=self.dataset_id,
             pin=self._pin,
             poll_timeout_s=self.poll_timeout_s,
+            faults=self._faults,
         )
         try:
             await self._follow(perform, follower)
@@ -355,6 +365,7 @@ class AgentRuntime:
                 self._training_executor,
                 progress=self.progress,
                 slowdown=self.slowdown,
+                faults=self._faults,
             )
         try:
             return act.Trained(await self._trainer.train(client, action.spec, action.charge))

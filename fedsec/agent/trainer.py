@@ -18,7 +18,7 @@ from fedsec.agent.local_data import LocalData
 from fedsec.agent.spec import training_params
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.errors import IntegrityError
-from fedsec.faults import deterministic_bytes
+from fedsec.faults import NO_FAULTS, Faults
 from fedsec.learning.training import DPParams, fresh_seed, train_local
 from fedsec.modelfile import decode_model, verify_manifest
 from fedsec.protocol.wire import RoundSpec
@@ -43,6 +43,7 @@ class LocalTrainer:
         executor: where the training call runs (None: asyncio's default executor).
         progress: show a progress bar while training.
         slowdown: simulations only: this member trains slowdown x slower.
+        faults: the unsafe deterministic test seed, if any (:mod:`fedsec.faults`).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class LocalTrainer:
         *,
         progress: bool = False,
         slowdown: float = 1.0,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.member = member
         self.aggregator_public = aggregator_public
@@ -63,6 +65,7 @@ class LocalTrainer:
         self.executor = executor
         self.progress = progress
         self.slowdown = slowdown
+        self._faults = faults
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
 
     async def train(
@@ -94,7 +97,7 @@ class LocalTrainer:
                 params,
                 dp,
                 self.device,
-                _training_seed(self.member, spec.round),
+                _training_seed(self._faults, self.member, spec.round),
                 self.progress,
             ),
         )
@@ -153,8 +156,8 @@ class LocalTrainer:
         arrays_to_state(model, {k: v.copy() for k, v in self._model[2].items()})
 
 
-def _training_seed(member: str, round_: int) -> int:
+def _training_seed(faults: Faults, member: str, round_: int) -> int:
     """A fresh secret seed for DP noise and sampling (deterministic only under the unsafe
     test switch, see fedsec.faults)."""
-    fixed = deterministic_bytes(member, round_, "training")
+    fixed = faults.seeded_bytes(member, round_, "training")
     return int.from_bytes(fixed[:8], "big") >> 1 if fixed else fresh_seed()

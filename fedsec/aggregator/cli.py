@@ -14,6 +14,7 @@ import click
 
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.errors import ConfigError
+from fedsec.faults import Faults
 from fedsec.keys import load_public_key
 from fedsec.protocol.roster import sign_roster_entry
 
@@ -107,14 +108,20 @@ def serve(
     if cert and key:
         ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_ctx.load_cert_chain(cert, key)
-    asyncio.run(_serve(ws, host or cfg.host, cfg.port if port is None else port, ssl_ctx))
+    # chaos tests and the demo hand a child aggregator its faults through the environment
+    faults = Faults.from_environment("aggregator")
+    asyncio.run(_serve(ws, host or cfg.host, cfg.port if port is None else port, ssl_ctx, faults))
 
 
-async def _serve(ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
-    from fedsec.aggregator.app import make_app
+async def _serve(
+    ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | None, faults: Faults
+) -> None:
+    from fedsec.aggregator.coordinator import Coordinator
+    from fedsec.aggregator.http import make_app
     from fedsec.aggregator.transport import start_server
 
-    server = await start_server(make_app(ws), host, port, ssl_ctx, ws.config.server)
+    app = make_app(ws, Coordinator(ws, faults=faults))
+    server = await start_server(app, host, port, ssl_ctx, ws.config.server)
     info = ws.root / SERVE_INFO
     info.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
     click.echo(f"aggregator for {ws.federation_id} listening on {server.url}", err=True)
@@ -158,7 +165,7 @@ def rollback(workspace: Path, version: int, note: str) -> None:
 def status_cmd(workspace: Path) -> None:
     """Print rounds and model versions from the workspace's state."""
     ws = Workspace.open(workspace)
-    for row in ws.state.rounds():
+    for row in ws.state.rounds.history():
         click.echo(
             f"round {row.round}.{row.attempt}: {row.stage} model={row.model_version} {row.detail}"
         )

@@ -1,7 +1,7 @@
 """The round coordinator: the one entry point of the round engine.
 
 Everything here is synchronous and free of sockets: the HTTP layer
-(:mod:`fedsec.aggregator.app`) authenticates a request, then calls one method
+(:mod:`fedsec.aggregator.http`) authenticates a request, then calls one method
 with the member's id and the decoded body, and :meth:`Coordinator.tick` is
 called periodically to close stages on deadlines.  Tests drive it directly.
 
@@ -25,7 +25,6 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from fedsec.aggregator.audit_trail import AuditTrail
 from fedsec.aggregator.optimizers import make_optimizer
 from fedsec.aggregator.rounds.apply import ModelApplier
 from fedsec.aggregator.rounds.attempt import Attempt
@@ -35,9 +34,12 @@ from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
+from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.errors import WrongStage
+from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol import wire
+from fedsec.protocol.log_entries import GenesisEntry
 from fedsec.protocol.stages import ACTIVE_STAGES, stage_index
 from fedsec.tasks import get_task
 from fedsec.tasks.base import Task
@@ -52,6 +54,7 @@ class Coordinator:
         workspace: the opened workspace.
         clock: time source (tests pass a fake one).
         on_change: called whenever something an agent may be waiting for changed.
+        faults: crash points for chaos tests (:mod:`fedsec.faults`); none in production.
 
     Attributes:
         token: changes whenever something an agent may be waiting for changed.
@@ -63,6 +66,8 @@ class Coordinator:
         workspace: Workspace,
         clock: Callable[[], float] = time.time,
         on_change: Callable[[], None] | None = None,
+        *,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.ws = workspace
         self.on_change = on_change
@@ -76,9 +81,14 @@ class Coordinator:
         model = self.task.build_model(seed=0)
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.trail = AuditTrail(
-            workspace.root, workspace.state, workspace.signer, fed.id, clock=clock
+            workspace.root,
+            workspace.state.log,
+            workspace.signer,
+            fed.id,
+            clock=clock,
+            faults=faults,
         )
-        ctx = RoundContext(workspace, clock, self.trail, self.task, dim, self._changed)
+        ctx = RoundContext(workspace, clock, self.trail, self.task, dim, self._changed, faults)
         self._ctx, self.alerts = ctx, ctx.alerts
         _start_log(self.trail, workspace, self.task)
         self._roster_serial = workspace.roster.serial
@@ -259,19 +269,19 @@ def _start_log(trail: AuditTrail, ws: Workspace, task: Task) -> None:
     """The log's genesis (once), then the roster and model entries it lacks."""
     cfg = ws.config
     trail.genesis(
-        {
-            "federation_id": cfg.federation.id,
-            "aggregator_public_key": ws.signer.public_bytes.hex(),
-            "admin_public_key": ws.admin_public.hex(),
-            "task": task.name,
-            "task_version": task.version,
-            "schema_fingerprint": task.schema.fingerprint(),
-            "server": msgspec.to_builtins(cfg.server),
-            "round": msgspec.to_builtins(cfg.round),
-        }
+        GenesisEntry(
+            federation_id=cfg.federation.id,
+            aggregator_public_key=ws.signer.public_bytes.hex(),
+            admin_public_key=ws.admin_public.hex(),
+            task=task.name,
+            task_version=task.version,
+            schema_fingerprint=task.schema.fingerprint(),
+            server=msgspec.to_builtins(cfg.server),
+            round=msgspec.to_builtins(cfg.round),
+        )
     )
     trail.sync_roster(ws.roster)
-    in_progress = ws.state.latest_round()
+    in_progress = ws.state.rounds.latest()
     trail.sync_models(
         ws.models,
         defer_round=(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsec.aggregator.state import StateStore
+from fedsec.aggregator.storage import StateStore
 from fedsec.config import ServerSection
 from fedsec.learning.optimizers import AdamMoments, FedAdam, ServerRule, server_rule, server_step
 
@@ -43,12 +43,12 @@ class ServerOptimizer:
         if self.state is None:
             return
         with self._store.transaction():
-            self._store.put_value(_M, self.state.m.tobytes())
-            self._store.put_value(_V, self.state.v.tobytes())
+            self._store.values.put(_M, self.state.m.tobytes())
+            self._store.values.put(_V, self.state.v.tobytes())
 
 
 def _stored_moments(store: StateStore, dim: int) -> AdamMoments | None:
-    m, v = store.get_value(_M), store.get_value(_V)
+    m, v = store.values.get(_M), store.values.get(_V)
     if not m or not v or not len(m) == len(v) == 4 * dim:
         return None
     return AdamMoments(

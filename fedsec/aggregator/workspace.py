@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedsec.aggregator.modelstore import ModelStore
-from fedsec.aggregator.roster import Roster
-from fedsec.aggregator.state import StateStore
+from fedsec.aggregator.storage import StateStore
+from fedsec.aggregator.storage.models import ModelStore
+from fedsec.aggregator.storage.roster_file import Roster
+from fedsec.aggregator.storage.sqlite import SqliteStateStore
 from fedsec.config import (
     FederationConfig,
     default_federation_toml,
@@ -38,6 +39,9 @@ STATE_DB = "state.db"
 
 @dataclass
 class Workspace:
+    """An opened workspace: where the concrete stores are chosen and opened; everything
+    above uses ``state`` through the :mod:`fedsec.aggregator.storage` interfaces."""
+
     root: Path
     config: FederationConfig
     signer: SigningIdentity
@@ -74,7 +78,7 @@ class Workspace:
             admin_public=admin_public,
             roster=Roster(root, fid, admin_public),
             models=ModelStore(root, signer, fid),
-            state=StateStore(root / STATE_DB),
+            state=SqliteStateStore(root / STATE_DB),
         )
 
     def admin(self) -> SigningIdentity:

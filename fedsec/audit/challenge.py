@@ -32,6 +32,7 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import ring_dtype
 from fedsec.errors import IntegrityError
 from fedsec.protocol import wire
+from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry, HeadEntry
 
 
 @dataclass(frozen=True)
@@ -51,32 +52,31 @@ def closed_rounds(log_path: Path) -> dict[tuple[int, int], ClosedRound]:
     out: dict[tuple[int, int], ClosedRound] = {}
     waiting: list[tuple[int, int]] = []
     for entry in read_log(log_path):
-        body = entry.body
-        if entry.kind == "round_spec":
-            spec = msgspec.convert(body, wire.RoundSpec)
-            specs[(spec.round, spec.attempt)] = spec
-        elif entry.kind == "accepted" and body.get("stage") == "masked_input":
-            key = (int(body["round"]), int(body["attempt"]))
-            commitments.setdefault(key, {})[str(body["member"])] = str(body["commitment"])
-        elif entry.kind == "aggregate":
-            key = (int(body["round"]), int(body["attempt"]))
-            out[key] = ClosedRound(
-                specs[key],
-                list(body["survivors"]),
-                None,
-                None,
-                int(body["parent_version"]),
-                commitments.get(key, {}),
-            )
-            waiting.append(key)
-        elif entry.kind == "head":
-            beacon = hashlib.sha256(entry.line).digest()
-            for key in waiting:
-                r = out[key]
+        match entry.decode():
+            case wire.RoundSpec() as spec:
+                specs[(spec.round, spec.attempt)] = spec
+            case AcceptedEntry(stage="masked_input", commitment=str(commitment)) as accepted:
+                key = (accepted.round, accepted.attempt)
+                commitments.setdefault(key, {})[accepted.member] = commitment
+            case AggregateEntry() as aggregate:
+                key = (aggregate.round, aggregate.attempt)
                 out[key] = ClosedRound(
-                    r.spec, r.survivors, entry.index, beacon, r.parent_version, r.commitments
+                    specs[key],
+                    list(aggregate.survivors),
+                    None,
+                    None,
+                    aggregate.parent_version,
+                    commitments.get(key, {}),
                 )
-            waiting = []
+                waiting.append(key)
+            case HeadEntry():
+                beacon = hashlib.sha256(entry.line).digest()
+                for key in waiting:
+                    r = out[key]
+                    out[key] = ClosedRound(
+                        r.spec, r.survivors, entry.index, beacon, r.parent_version, r.commitments
+                    )
+                waiting = []
     return out
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -36,6 +35,7 @@ from fedsec.learning.training import DPParams
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.log_entries import kind_of
 from fedsec.tasks import TrainingParams, get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 
@@ -49,9 +49,9 @@ class _RoundContext:
 
 def _reports(log_path: Path) -> dict[tuple[str, int, int], wire.PrivacyReport]:
     out = {}
+    kind = kind_of(wire.PrivacyReport)
     for entry in read_log(log_path):
-        if entry.kind == "privacy_report":
-            report = msgspec.convert(entry.body, wire.PrivacyReport)
+        if entry.kind == kind and isinstance(report := entry.decode(), wire.PrivacyReport):
             out[(report.member, report.round, report.attempt)] = report
     return out
 

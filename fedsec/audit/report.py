@@ -30,9 +30,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from fedsec.audit.verify import VerifyResult, verify_log
 from fedsec.errors import ConfigError, FedsecError
+from fedsec.protocol import wire
 from fedsec.protocol.log import MAX_LINE_BYTES
+from fedsec.protocol.log_entries import (
+    AcceptedEntry,
+    AggregateEntry,
+    AlertEntry,
+    ArchivePrunedEntry,
+    ChallengeEntry,
+    GenesisEntry,
+    HeadEntry,
+    ModelVersionEntry,
+    RefusedEntry,
+    RevealEntry,
+    RollbackEntry,
+    RoundAbortedEntry,
+    decode_body,
+    encode_body,
+)
+from fedsec.protocol.roster import RosterEntry
 
 # A verdicts file lists one verdict per challenged (member, round); 64 MiB is far more
 # than any real audit produces and bounds what a wrong file can cost to parse.
@@ -49,6 +69,17 @@ PALETTE = (
     "#56B4E9",
     "#999933",
     "#000000",
+)
+
+
+#: The entries that belong to one round attempt (``round``, ``attempt``).
+RoundKeyed = (
+    wire.RoundSpec
+    | AcceptedEntry
+    | RefusedEntry
+    | wire.PrivacyReport
+    | AggregateEntry
+    | RoundAbortedEntry
 )
 
 
@@ -103,13 +134,13 @@ class LogSummary:
     unreadable: int = 0  # lines that are not a JSON log entry
     first_time: float | None = None
     last_time: float | None = None
-    genesis: dict[str, Any] = field(default_factory=dict)
-    roster: dict[str, dict[str, Any]] = field(default_factory=dict)
+    genesis: GenesisEntry | None = None
+    roster: dict[str, RosterEntry] = field(default_factory=dict)
     rounds: dict[tuple[int, int], RoundRow] = field(default_factory=dict)
     # member -> round -> (epsilon, dataset, delta), the last report of each round
     epsilon: dict[str, dict[int, tuple[float, str, float]]] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)  # from the latest round spec
-    challenges: list[dict[str, Any]] = field(default_factory=list)
+    challenges: list[ChallengeEntry] = field(default_factory=list)
     reveals: set[tuple[int, int, str, str]] = field(default_factory=set)
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (index, kind, text)
     last_head: tuple[int, str] | None = None  # (index, signed hash)
@@ -160,7 +191,7 @@ def summarize(docs: Iterable[dict[str, Any]]) -> LogSummary:
             s.last_time = t if s.last_time is None else max(s.last_time, t)
         try:
             _add(s, doc, t)
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (FedsecError, KeyError, TypeError, ValueError, AttributeError):
             s.events.append((_index(doc), "unreadable", f"{doc.get('kind')} entry not understood"))
     return s
 
@@ -170,100 +201,100 @@ def _index(doc: dict[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
-def _row(s: LogSummary, body: dict[str, Any]) -> RoundRow:
-    key = (_int(body["round"]), _int(body["attempt"]))
+def _row(s: LogSummary, body: RoundKeyed) -> RoundRow:
+    key = (body.round, body.attempt)
     if key not in s.rounds:
         s.rounds[key] = RoundRow(*key)
     return s.rounds[key]
 
 
 def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
-    kind, body = doc["kind"], doc["body"]
-    if kind == "genesis":
-        s.genesis = body
-    elif kind == "roster":
-        s.roster[str(body["agent_id"])] = body
-    elif kind == "round_spec":
-        row = _row(s, body)
-        row.cohort = len(body["cohort"])
-        row.spec_time = t
-        dp, training = body.get("dp"), body.get("training")
-        s.dp = {
-            **(dp if isinstance(dp, dict) else {}),
-            **({"training": training} if isinstance(training, dict) else {}),
-            "secure_sum": body.get("secure_sum"),
-            "quant_bits": body.get("quant_bits"),
-            "clip_norm": body.get("clip_norm"),
-        }
-    elif kind == "accepted":
-        row = _row(s, body)
-        row.last_message_time = t
-        if body.get("stage") == "masked_input":
-            row.accepted += 1
-    elif kind == "refused":
-        # an aggregate entry stands for the `suppressed` refusals not logged one by one
-        _row(s, body).refused += _int(body["suppressed"]) if "suppressed" in body else 1
-    elif kind == "privacy_report":
-        row = _row(s, body)
-        eps = _num(body["epsilon"])
-        if eps is not None:
-            row.epsilon_max = eps if row.epsilon_max is None else max(row.epsilon_max, eps)
-            member = str(body["member"])
-            delta = _num(body.get("delta")) or 0.0
-            s.epsilon.setdefault(member, {})[row.round] = (eps, str(body["dataset_id"]), delta)
-    elif kind == "aggregate":
-        row = _row(s, body)
-        row.status, row.close_time = "closed", t
-        row.survivors = len(body["survivors"])
-        row.dropped = [str(m) for m in body["dropped"]]
-    elif kind == "round_aborted":
-        row = _row(s, body)
-        row.status, row.close_time, row.detail = "aborted", t, str(body.get("detail", ""))
-        s.events.append((_index(doc), kind, f"round {row.round} attempt {row.attempt} aborted"))
-    elif kind == "model_version":
-        version = _int(body["version"])
-        s.latest_version = version if s.latest_version is None else max(s.latest_version, version)
-        if body.get("kind") == "aggregate" and body.get("round") is not None:
-            rnd = _int(body["round"])
-            closed = [r for r in s.rounds.values() if r.round == rnd and r.status == "closed"]
-            if closed:
-                row = max(closed, key=lambda r: r.attempt)
-                row.model_version = version
-                metrics = body.get("metrics")
-                if isinstance(metrics, dict):
-                    row.accuracy = _num(metrics.get("accuracy"))
-    elif kind == "rollback":
-        s.events.append(
-            (
-                _index(doc),
-                kind,
-                f"version {body.get('version')} rolls back to the weights of "
-                f"version {body.get('weights_of')}: {body.get('note', '')}",
+    """Take one entry into the summary.
+
+    Raises:
+        IntegrityError: its body does not match its kind (or the kind is unknown).
+    """
+    kind = str(doc["kind"])
+    match decode_body(kind, doc["body"]):
+        case GenesisEntry() as genesis:
+            s.genesis = genesis
+        case RosterEntry() as member:
+            s.roster[member.agent_id] = member
+        case wire.RoundSpec() as spec:
+            row = _row(s, spec)
+            row.cohort = len(spec.cohort)
+            row.spec_time = t
+            s.dp = {
+                **msgspec.to_builtins(spec.dp),
+                "training": msgspec.to_builtins(spec.training),
+                "secure_sum": spec.secure_sum,
+                "quant_bits": spec.quant_bits,
+                "clip_norm": spec.clip_norm,
+            }
+        case AcceptedEntry() as accepted:
+            row = _row(s, accepted)
+            row.last_message_time = t
+            if accepted.stage == "masked_input":
+                row.accepted += 1
+        case RefusedEntry() as refused:
+            # an aggregate entry stands for the `suppressed` refusals not logged one by one
+            _row(s, refused).refused += 1 if refused.suppressed is None else refused.suppressed
+        case wire.PrivacyReport() as report:
+            _add_privacy_report(s, report)
+        case AggregateEntry() as aggregate:
+            row = _row(s, aggregate)
+            row.status, row.close_time = "closed", t
+            row.survivors = len(aggregate.survivors)
+            row.dropped = list(aggregate.dropped)
+        case RoundAbortedEntry() as aborted:
+            row = _row(s, aborted)
+            row.status, row.close_time, row.detail = "aborted", t, aborted.detail
+            s.events.append((_index(doc), kind, f"round {row.round} attempt {row.attempt} aborted"))
+        case ModelVersionEntry() as manifest:
+            _add_model_version(s, manifest)
+        case RollbackEntry() as rollback:
+            text = (
+                f"version {rollback.version} rolls back to the weights of "
+                f"version {rollback.weights_of}: {rollback.note}"
             )
-        )
-    elif kind == "alert":
-        s.events.append((_index(doc), kind, json.dumps(body, sort_keys=True)))
-    elif kind == "archive_pruned":
-        rounds = body.get("rounds")
-        objects = body.get("objects")
-        s.events.append(
-            (
-                _index(doc),
-                kind,
-                f"archive of round(s) {rounds} deleted under retention "
-                f"({body.get('retention_rounds')} rounds kept; "
-                f"{len(objects) if isinstance(objects, list) else '?'} objects); "
-                "these rounds can no longer be re-aggregated",
+            s.events.append((_index(doc), kind, text))
+        case AlertEntry() as alert:
+            s.events.append((_index(doc), kind, json.dumps(encode_body(alert), sort_keys=True)))
+        case ArchivePrunedEntry() as pruning:
+            text = (
+                f"archive of round(s) {pruning.rounds} deleted under retention "
+                f"({pruning.retention_rounds} rounds kept; {len(pruning.objects)} objects); "
+                "these rounds can no longer be re-aggregated"
             )
-        )
-    elif kind == "challenge":
-        s.challenges.append(body)
-    elif kind == "reveal":
-        s.reveals.add(
-            (_int(body["round"]), _int(body["attempt"]), str(body["member"]), str(body["auditor"]))
-        )
-    elif kind == "head":
-        s.last_head = (_index(doc), str(body.get("signed_hash", "")))
+            s.events.append((_index(doc), kind, text))
+        case ChallengeEntry() as challenge:
+            s.challenges.append(challenge)
+        case RevealEntry() as reveal:
+            s.reveals.add((reveal.round, reveal.attempt, reveal.member, reveal.auditor))
+        case HeadEntry() as head:
+            s.last_head = (_index(doc), head.signed_hash)
+
+
+def _add_privacy_report(s: LogSummary, report: wire.PrivacyReport) -> None:
+    row = _row(s, report)
+    eps = _num(report.epsilon)
+    if eps is not None:
+        row.epsilon_max = eps if row.epsilon_max is None else max(row.epsilon_max, eps)
+        delta = _num(report.delta) or 0.0
+        s.epsilon.setdefault(report.member, {})[row.round] = (eps, report.dataset_id, delta)
+
+
+def _add_model_version(s: LogSummary, manifest: ModelVersionEntry) -> None:
+    version = manifest.version
+    s.latest_version = version if s.latest_version is None else max(s.latest_version, version)
+    if manifest.kind == "aggregate" and manifest.round is not None:
+        closed = [
+            r for r in s.rounds.values() if r.round == manifest.round and r.status == "closed"
+        ]
+        if closed:
+            row = max(closed, key=lambda r: r.attempt)
+            row.model_version = version
+            row.accuracy = _num(manifest.metrics.get("accuracy"))
 
 
 # -- verdicts -------------------------------------------------------------------------------------
@@ -571,17 +602,22 @@ def _verification(result: VerifyResult, inputs: dict[str, str]) -> str:
 
 def _federation(s: LogSummary) -> str:
     g = s.genesis
-    server = g.get("server") if isinstance(g.get("server"), dict) else {}
-    round_cfg = g.get("round") if isinstance(g.get("round"), dict) else {}
-    assert isinstance(server, dict) and isinstance(round_cfg, dict)
+    server = g.server if g is not None else {}
+    round_cfg = g.round if g is not None else {}
     dp = s.dp
     training = dp.get("training") if isinstance(dp.get("training"), dict) else None
     rows = [
-        ("federation", _e(g.get("federation_id", "–"))),
-        ("task", f"{_e(g.get('task', '–'))} (version {_e(g.get('task_version', '–'))})"),
-        ("data schema fingerprint", f'<span class="mono">{_e(g.get("schema_fingerprint"))}</span>'),
-        ("aggregator key", _key_cell(g.get("aggregator_public_key"))),
-        ("roster admin key", _key_cell(g.get("admin_public_key"))),
+        ("federation", _e(g.federation_id if g is not None else "–")),
+        (
+            "task",
+            f"{_e(g.task)} (version {_e(g.task_version)})" if g is not None else "– (version –)",
+        ),
+        (
+            "data schema fingerprint",
+            f'<span class="mono">{_e(g.schema_fingerprint if g is not None else None)}</span>',
+        ),
+        ("aggregator key", _key_cell(g.aggregator_public_key if g is not None else None)),
+        ("roster admin key", _key_cell(g.admin_public_key if g is not None else None)),
         (
             "server optimiser",
             f"{_e(server.get('optimizer', '–'))}, server learning rate "
@@ -621,10 +657,10 @@ def _federation(s: LogSummary) -> str:
             )
         )
     roster_rows = "".join(
-        f"<tr><td>{_e(m)}</td><td>{_e(b.get('role'))}</td>"
-        f'<td><span class="pill p-{_e(b.get("status"))}">{_e(b.get("status"))}</span></td>'
-        f"<td>{_key_cell(b.get('public_key'))}</td>"
-        f"<td>{_when(_num(b.get('added_at')))}</td></tr>"
+        f"<tr><td>{_e(m)}</td><td>{_e(b.role)}</td>"
+        f'<td><span class="pill p-{_e(b.status)}">{_e(b.status)}</span></td>'
+        f"<td>{_key_cell(b.public_key)}</td>"
+        f"<td>{_when(_num(b.added_at))}</td></tr>"
         for m, b in sorted(s.roster.items())
     )
     roster = (
@@ -752,12 +788,11 @@ def _challenges(s: LogSummary, verdicts: list[dict[str, Any]] | None) -> str:
     if s.challenges:
         items = []
         for c in s.challenges:
-            key = (c.get("round"), c.get("attempt"), str(c.get("member")), str(c.get("auditor")))
-            revealed = key in s.reveals
+            revealed = (c.round, c.attempt, c.member, c.auditor) in s.reveals
             items.append(
-                f"<tr><td class='n'>{_e(c.get('round'))}</td><td class='n'>{_e(c.get('attempt'))}"
-                f"</td><td>{_e(c.get('member'))}</td><td>{_e(c.get('auditor'))}</td>"
-                f"<td class='n'>{_e(c.get('rate'))}</td><td class='n'>{_e(c.get('beacon_index'))}"
+                f"<tr><td class='n'>{_e(c.round)}</td><td class='n'>{_e(c.attempt)}"
+                f"</td><td>{_e(c.member)}</td><td>{_e(c.auditor)}</td>"
+                f"<td class='n'>{_e(c.rate)}</td><td class='n'>{_e(c.beacon_index)}"
                 f"</td><td><span class='pill p-{'passed' if revealed else 'pending'}'>"
                 f"{'revealed' if revealed else 'awaiting reveal'}</span></td></tr>"
             )
@@ -822,7 +857,7 @@ def render_report(
 ) -> str:
     """The HTML page for ``summary`` and its verification ``result``."""
     rows = [summary.rounds[k] for k in sorted(summary.rounds)]
-    fid = summary.genesis.get("federation_id", "unknown federation")
+    fid = summary.genesis.federation_id if summary.genesis else "unknown federation"
     status = "VERIFIED" if result.ok else "FAILED"
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

@@ -43,15 +43,15 @@ import contextlib
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import msgspec
 import numpy as np
 
-from fedsec.archive import Archive, ArchiveIndex, Pruning
+from fedsec.archive import Archive, ArchiveIndex, check_pruning
 from fedsec.audit import accountant
 from fedsec.audit.log import read_log
 from fedsec.crypto.quantize import dequantize_one
@@ -64,6 +64,24 @@ from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_m
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.protocol.log import LogEntry, verify_head
+from fedsec.protocol.log_entries import (
+    AcceptedEntry,
+    AggregateEntry,
+    AlertEntry,
+    ArchivePrunedEntry,
+    ChallengeEntry,
+    GenesisEntry,
+    HeadEntry,
+    LogBody,
+    ModelVersionEntry,
+    RefusedEntry,
+    RevealEntry,
+    RollbackEntry,
+    RoundAbortedEntry,
+    RoundOpenEntry,
+    encode_body,
+    kind_of,
+)
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.roster import RosterEntry, verify_roster_entry
 from fedsec.protocol.stages import SECAGG_STAGES
@@ -128,11 +146,11 @@ class Verifier:
         self.admin_key = b""
         self.roster: dict[str, RosterEntry] = {}
         self.attempts: dict[tuple[int, int], _Attempt] = {}
-        self.contributions: dict[int, dict[str, Any]] = {}  # log index -> accepted entry body
+        self.contributions: dict[int, AcceptedEntry] = {}  # log index -> accepted masked input
         self.reports: dict[tuple[str, str], list[wire.PrivacyReport]] = defaultdict(list)
         self.manifests: dict[int, ModelManifest] = {}
         self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
-        self.genesis: dict[str, Any] = {}
+        self.genesis: GenesisEntry | None = None
         self.adam: AdamMoments | None = None  # FedAdam's moments, carried along the log
         self.adam_unknown = False  # a FedAdam round was pruned: later moments cannot be known
         self._prev: LogEntry | None = None
@@ -166,20 +184,20 @@ class Verifier:
 
     def _read_ahead(self, log_path: Path) -> None:
         """First pass: the chain, the last head, and the head-signed prunings."""
-        malformed = (FedsecError, KeyError, ValueError, TypeError)  # named in the second pass
+        head, pruned = kind_of(HeadEntry), kind_of(ArchivePrunedEntry)
         prunings: list[LogEntry] = []
         for entry in read_log(log_path):
-            if entry.kind == "head":
+            if entry.kind == head:
                 self.last_head = entry.index
-            if entry.kind == "archive_pruned":
+            if entry.kind == pruned:
                 prunings.append(entry)
             else:
-                with contextlib.suppress(*malformed):
-                    self.ahead.observe(entry.index, entry.kind, entry.body)
+                with contextlib.suppress(FedsecError):  # named in the second pass
+                    self.ahead.observe(entry.index, entry.decode())
         for entry in prunings:
             if entry.index < self.last_head:  # an unsigned one explains nothing
-                with contextlib.suppress(*malformed):
-                    self.ahead.observe(entry.index, entry.kind, entry.body)
+                with contextlib.suppress(FedsecError):
+                    self.ahead.observe(entry.index, entry.decode())
 
     # -- per entry --------------------------------------------------------------------------------
 
@@ -187,30 +205,61 @@ class Verifier:
         return VerificationFailed(f"log entry {entry.index} ({entry.kind}): {why}")
 
     def _check(self, entry: LogEntry) -> None:
-        body = entry.body
-        handler: Callable[[LogEntry, dict[str, Any]], None] | None
-        if entry.index == 0:
-            if entry.kind != "genesis":
-                raise self._fail(entry, "the first entry must be the genesis entry")
-            handler = self._genesis
-        else:
-            handler = getattr(self, f"_on_{entry.kind}", None)
-        if handler is None:
-            raise self._fail(entry, f"kind {entry.kind} may not appear after genesis")
         try:
-            handler(entry, body)
-            self.archived.observe(entry.index, entry.kind, body)
+            body = entry.decode()
+            if (entry.index == 0) != isinstance(body, GenesisEntry):
+                raise self._fail(
+                    entry,
+                    "the first entry must be the genesis entry"
+                    if entry.index == 0
+                    else f"kind {entry.kind} may not appear after genesis",
+                )
+            self._dispatch(entry, body)
+            self.archived.observe(entry.index, body)
         except VerificationFailed:
             raise
         except (FedsecError, KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
             detail = exc.detail if isinstance(exc, FedsecError) else repr(exc)
             raise self._fail(entry, detail) from None
 
-    def _genesis(self, entry: LogEntry, body: dict[str, Any]) -> None:
+    def _dispatch(self, entry: LogEntry, body: LogBody) -> None:
+        match body:
+            case GenesisEntry():
+                self._genesis(entry, body)
+            case HeadEntry():
+                self._on_head(body)
+            case RosterEntry():
+                self._on_roster(body)
+            case wire.RoundSpec():
+                self._on_round_spec(entry, body)
+            case AcceptedEntry():
+                self._on_accepted(entry, body)
+            case ArchivePrunedEntry():
+                self._on_archive_pruned(entry, body)
+            case wire.PrivacyReport():
+                self._on_privacy_report(entry, body)
+            case AggregateEntry():
+                self._on_aggregate(entry, body)
+            case ModelVersionEntry():
+                self._on_model_version(entry, body)
+            case (
+                RoundOpenEntry()
+                | RefusedEntry()
+                | RoundAbortedEntry()
+                | RollbackEntry()
+                | AlertEntry()
+                | ChallengeEntry()
+                | RevealEntry()
+            ):
+                pass  # informational: nothing to check beyond the chain and the schema
+            case _:
+                assert_never(body)
+
+    def _genesis(self, entry: LogEntry, body: GenesisEntry) -> None:
         self.genesis = body
-        self.federation_id = str(body["federation_id"])
-        self.aggregator_key = bytes.fromhex(str(body["aggregator_public_key"]))
-        self.admin_key = bytes.fromhex(str(body["admin_public_key"]))
+        self.federation_id = body.federation_id
+        self.aggregator_key = bytes.fromhex(body.aggregator_public_key)
+        self.admin_key = bytes.fromhex(body.admin_public_key)
         if self.pinned_key is not None and self.pinned_key != self.aggregator_key:
             raise self._fail(entry, "genesis names an aggregator key other than the pinned one")
 
@@ -225,13 +274,12 @@ class Verifier:
         except OSError as exc:
             raise self._fail(entry, f"model file {path} cannot be read ({exc.strerror})") from None
 
-    def _on_head(self, entry: LogEntry, body: dict[str, Any]) -> None:
+    def _on_head(self, head: HeadEntry) -> None:
         assert self._prev is not None
-        verify_head(entry, self.aggregator_key, self._prev)
+        verify_head(head, self.aggregator_key, self._prev)
         self.result.heads += 1
 
-    def _on_roster(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        roster_entry = msgspec.convert(body, RosterEntry)
+    def _on_roster(self, roster_entry: RosterEntry) -> None:
         verify_roster_entry(roster_entry, self.admin_key, self.federation_id)
         self.roster[roster_entry.agent_id] = roster_entry
 
@@ -241,11 +289,7 @@ class Verifier:
             raise self._fail(entry, f"{member} is not an active roster member at this point")
         return known.public_key_bytes
 
-    def _on_round_open(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_round_spec(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        spec = msgspec.convert(body, wire.RoundSpec)
+    def _on_round_spec(self, entry: LogEntry, spec: wire.RoundSpec) -> None:
         spec.verify(self.aggregator_key)
         if spec.federation_id != self.federation_id:
             raise self._fail(entry, f"spec of federation {spec.federation_id}")
@@ -253,29 +297,31 @@ class Verifier:
             self._member_key(entry, member)
         self.attempts[(spec.round, spec.attempt)] = _Attempt(spec)
 
-    def _attempt(self, entry: LogEntry, body: dict[str, Any]) -> _Attempt:
-        key = (int(body["round"]), int(body["attempt"]))
+    def _attempt(self, entry: LogEntry, body: AcceptedEntry | AggregateEntry) -> _Attempt:
+        key = (body.round, body.attempt)
         if key not in self.attempts:
             raise self._fail(entry, f"round {key[0]} attempt {key[1]} has no signed spec before it")
         return self.attempts[key]
 
-    def _on_accepted(self, entry: LogEntry, body: dict[str, Any]) -> None:
+    def _on_accepted(self, entry: LogEntry, body: AcceptedEntry) -> None:
         attempt = self._attempt(entry, body)
-        member, stage, digest = str(body["member"]), str(body["stage"]), str(body["sha256"])
+        member, stage, digest = body.member, body.stage, body.sha256
         if member not in attempt.spec.cohort:
             raise self._fail(entry, f"{member} is not in the cohort of this round")
         public = self._member_key(entry, member)
         if self.archive is not None:
             self._check_archived(entry, attempt.spec.round, f"{stage} from {member}", digest)
         if stage == "masked_input":
+            if body.commitment is None or body.signature is None:
+                raise self._fail(entry, "a masked input without its contribution statement")
             wire.ContributionStatement(
                 federation_id=self.federation_id,
                 round=attempt.spec.round,
                 attempt=attempt.spec.attempt,
                 member=member,
                 vector_sha256=digest,
-                commitment=str(body["commitment"]),
-                signature=str(body["signature"]),
+                commitment=body.commitment,
+                signature=body.signature,
             ).verify(public)
             self.contributions[entry.index] = body
         attempt.messages.append((stage, member, digest))
@@ -298,8 +344,8 @@ class Verifier:
                 entry, f"round {round_}: archive object {digest} ({what}) is missing; {why}"
             ) from None
 
-    def _on_archive_pruned(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pruning = Pruning.from_body(body)
+    def _on_archive_pruned(self, entry: LogEntry, pruning: ArchivePrunedEntry) -> None:
+        check_pruning(pruning)
         if entry.index > self.last_head:
             raise self._fail(
                 entry,
@@ -318,11 +364,7 @@ class Verifier:
                 }
             )
 
-    def _on_refused(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_privacy_report(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        report = msgspec.convert(body, wire.PrivacyReport)
+    def _on_privacy_report(self, entry: LogEntry, report: wire.PrivacyReport) -> None:
         report.verify(self._member_key(entry, report.member))
         history = self.reports[(report.member, report.dataset_id)]
         if history and report.epsilon < history[-1].epsilon - 1e-9:
@@ -350,26 +392,26 @@ class Verifier:
         self.result.privacy_reports += 1
         self.result.epsilon[report.member] = report.epsilon
 
-    def _on_aggregate(self, entry: LogEntry, body: dict[str, Any]) -> None:
+    def _on_aggregate(self, entry: LogEntry, body: AggregateEntry) -> None:
         attempt = self._attempt(entry, body)
-        if int(body["parent_version"]) != attempt.spec.model_version:
+        if body.parent_version != attempt.spec.model_version:
             raise self._fail(
                 entry,
-                f"round {attempt.spec.round} was applied to version {body['parent_version']}, "
+                f"round {attempt.spec.round} was applied to version {body.parent_version}, "
                 f"but its signed spec names version {attempt.spec.model_version}",
             )
         if self.archive is None:
             return
         spec = attempt.spec
-        fedadam = body["optimizer"] == "fedadam"
+        fedadam = body.optimizer == "fedadam"
         if self.ahead.pruned_by(spec.round) is not None:
             self.adam_unknown = self.adam_unknown or fedadam
             return  # listed in pruned_rounds when its archive_pruned entry is checked
         survivors, total, weight = self._replay(entry, attempt)
-        if sorted(survivors) != sorted(body["survivors"]):
+        if sorted(survivors) != sorted(body.survivors):
             raise self._fail(entry, f"the archive gives survivors {sorted(survivors)}")
         digest = hashlib.sha256(total).hexdigest()
-        if digest != body["sum_sha256"]:
+        if digest != body.sum_sha256:
             raise self._fail(
                 entry, "the sum recomputed from the archived inputs and reveals differs"
             )
@@ -418,7 +460,7 @@ class Verifier:
         )
 
     def _recompute_model(
-        self, entry: LogEntry, body: dict[str, Any], spec: wire.RoundSpec, sums: Any
+        self, entry: LogEntry, body: AggregateEntry, spec: wire.RoundSpec, sums: Any
     ) -> None:
         from fedsec.tasks import get_task
         from fedsec.tasks.params import (
@@ -429,23 +471,24 @@ class Verifier:
         )
 
         assert self.models_root is not None
-        parent = self.manifests.get(int(body["parent_version"]))
+        parent = self.manifests.get(body.parent_version)
         if parent is None:
-            raise self._fail(entry, f"parent version {body['parent_version']} was never logged")
+            raise self._fail(entry, f"parent version {body.parent_version} was never logged")
         data = self._model_bytes(entry, parent.sha256)
         weighted, weights = sums
         mean = (np.asarray(weighted) / weights).astype(np.float32)
         model = get_task(spec.task).build_model(0)
         arrays_to_state(model, decode_model(data, max_bytes=MAX_MODEL_BYTES))
         current = flatten_params(model)
-        rule = _logged_rule(body, self.genesis["server"])
+        assert self.genesis is not None  # entry 0, checked first
+        rule = _logged_rule(body, self.genesis.server)
         new, self.adam = server_step(rule, current, mean, self.adam)
         load_flat_params(model, new)
         digest = hashlib.sha256(encode_model(state_to_arrays(model))).hexdigest()
         self.pending_model[spec.round] = digest
 
-    def _on_model_version(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        manifest = ModelManifest.from_json(json.dumps(body).encode())
+    def _on_model_version(self, entry: LogEntry, body: ModelVersionEntry) -> None:
+        manifest = ModelManifest.from_json(json.dumps(encode_body(body)).encode())
         data = None
         if self.models_root is not None:
             data = self._model_bytes(entry, manifest.sha256)
@@ -466,21 +509,6 @@ class Verifier:
                 raise self._fail(entry, "a rollback must carry exactly the weights of its target")
         self.manifests[manifest.version] = manifest
 
-    def _on_round_aborted(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_rollback(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_alert(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_challenge(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
-    def _on_reveal(self, entry: LogEntry, body: dict[str, Any]) -> None:
-        pass
-
     # -- receipts ----------------------------------------------------------------------------------
 
     def _check_receipt(self, path: Path) -> None:
@@ -500,21 +528,21 @@ class Verifier:
                 f"receipt {path}: log entry {receipt.log_index} is not an accepted contribution "
                 "(the contribution was dropped from the log)"
             )
-        if (logged["member"], int(logged["round"]), int(logged["attempt"])) != (
+        if (logged.member, logged.round, logged.attempt) != (
             receipt.member,
             receipt.round,
             receipt.attempt,
-        ) or logged["sha256"] != receipt.contribution_sha256:
+        ) or logged.sha256 != receipt.contribution_sha256:
             raise VerificationFailed(
                 f"receipt {path}: log entry {receipt.log_index} records a different contribution"
             )
         self.result.receipts_checked += 1
 
 
-def _logged_rule(body: dict[str, Any], server: dict[str, Any]) -> ServerRule:
+def _logged_rule(body: AggregateEntry, server: dict[str, Any]) -> ServerRule:
     """The server optimiser an aggregate entry names; FedAdam's settings are the genesis ones."""
-    lr = float(body["server_lr"])
-    if body["optimizer"] == "fedadam":
+    lr = float(body.server_lr)
+    if body.optimizer == "fedadam":
         beta1, beta2, tau = server["adam_beta1"], server["adam_beta2"], server["adam_tau"]
         return FedAdam(lr, float(beta1), float(beta2), float(tau))
     return FedAvg(lr)

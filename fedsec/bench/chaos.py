@@ -398,9 +398,9 @@ def _stored_position(workspace: Path) -> tuple[int, int, str, int] | None:
 
     ws = Workspace.open(workspace)
     try:
-        rows = ws.state.rounds(100000)
+        rows = ws.state.rounds.history(100000)
         closed = sum(1 for r in rows if r.stage == "closed")
-        row = ws.state.latest_round()
+        row = ws.state.rounds.latest()
         if row is None:
             return None
         if row.stage in ("closed", "aborted"):

@@ -11,7 +11,8 @@ removing, reordering or inserting any line breaks the chain at that point.  At
 every round close (and on demand) the aggregator appends a ``head`` entry whose
 body signs ``{"federation_id", "index", "hash"}`` of the entry before it with the
 aggregator's Ed25519 key (domain ``log-head``), so the chain up to there cannot be
-rewritten without the key, and the head hash serves as a public beacon.
+rewritten without the key, and the head hash serves as a public beacon.  Each
+kind's body is a struct of :mod:`fedsec.protocol.log_entries`, which names the kinds.
 
 This module is pure: it builds and checks entries; storage is the caller's (the
 aggregator's audit trail writes the file, :func:`fedsec.audit.log.read_log` reads it).
@@ -27,32 +28,22 @@ from typing import Any
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
 from fedsec.errors import IntegrityError, SignatureError
+from fedsec.protocol.log_entries import (
+    ENTRY_TYPES,
+    HeadEntry,
+    LogBody,
+    decode_body,
+    encode_body,
+    kind_of,
+)
 
 GENESIS_PREV = "0" * 64
 HEAD_DOMAIN = "log-head"
 # A log line holds metadata and hashes, never vectors; 1 MiB bounds a hostile file.
 MAX_LINE_BYTES = 1 << 20
 
-KINDS = frozenset(
-    {
-        "genesis",  # federation id, aggregator and admin public keys, task, config hash
-        "roster",  # an admin-signed roster entry (add or revoke)
-        "round_open",
-        "round_spec",  # the signed RoundSpec
-        "accepted",  # a protocol message accepted: member, stage, sha256, archive ref
-        "refused",  # a contribution refused: member, stage, code, detail, sha256
-        "privacy_report",  # the member-signed privacy report
-        "aggregate",  # survivors, dropped, ring-sum sha256, weights
-        "model_version",  # a signed model manifest
-        "round_aborted",
-        "rollback",
-        "alert",
-        "archive_pruned",  # archive objects of rounds past retention deleted: which, and why
-        "challenge",  # an auditor's challenge of (member, round)
-        "reveal",  # a sealed reveal relayed to the auditor
-        "head",  # aggregator signature over the chain so far
-    }
-)
+#: Every entry kind, from the registry of body structs (docs/audit-log.md §3).
+KINDS: frozenset[str] = frozenset(ENTRY_TYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,33 +59,49 @@ class LogEntry:
     def hash(self) -> str:
         return hashlib.sha256(self.line).hexdigest()
 
+    def decode(self) -> LogBody:
+        """The body as the struct of its kind (:mod:`fedsec.protocol.log_entries`).
 
-def make_entry(index: int, prev: str, time: float, kind: str, body: dict[str, Any]) -> LogEntry:
-    """Build the entry that follows ``prev``; ``body`` must be JSON-ready."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown log entry kind {kind!r}")
-    line = canonical_json({"index": index, "prev": prev, "time": time, "kind": kind, "body": body})
+        Raises:
+            IntegrityError: the body does not match its kind's schema exactly.
+        """
+        return decode_body(self.kind, self.body)
+
+
+def make_entry(index: int, prev: str, time: float, body: LogBody) -> LogEntry:
+    """Build the entry carrying ``body`` that follows ``prev``."""
+    kind, fields = kind_of(body), encode_body(body)
+    line = canonical_json(
+        {"index": index, "prev": prev, "time": time, "kind": kind, "body": fields}
+    )
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(f"log entry of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
-    return LogEntry(index, prev, time, kind, body, line)
+    return LogEntry(index, prev, time, kind, fields, line)
+
+
+def entry_from_line(line: bytes) -> LogEntry:
+    """An entry from a line this process wrote itself (not checked: use
+    :func:`parse_line` for lines from elsewhere)."""
+    doc = json.loads(line)
+    return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], line)
 
 
 def head_statement(federation_id: str, index: int, entry_hash: str) -> bytes:
     return canonical_json({"federation_id": federation_id, "index": index, "hash": entry_hash})
 
 
-def head_body(signer: SigningIdentity, federation_id: str, last: LogEntry) -> dict[str, Any]:
+def head_body(signer: SigningIdentity, federation_id: str, last: LogEntry) -> HeadEntry:
     """Body of a ``head`` entry signing everything up to and including ``last``."""
     statement = head_statement(federation_id, last.index, last.hash)
-    return {
-        "federation_id": federation_id,
-        "signed_index": last.index,
-        "signed_hash": last.hash,
-        "signature": signer.sign(HEAD_DOMAIN, statement).hex(),
-    }
+    return HeadEntry(
+        federation_id=federation_id,
+        signed_index=last.index,
+        signed_hash=last.hash,
+        signature=signer.sign(HEAD_DOMAIN, statement).hex(),
+    )
 
 
-def verify_head(entry: LogEntry, aggregator_public: bytes, signed: LogEntry) -> None:
+def verify_head(head: HeadEntry, aggregator_public: bytes, signed: LogEntry) -> None:
     """Check a ``head`` entry's signature over ``signed`` (the entry before it).
 
     The messages say what is wrong with the head but not which entry the head is:
@@ -103,28 +110,26 @@ def verify_head(entry: LogEntry, aggregator_public: bytes, signed: LogEntry) -> 
     Raises:
         IntegrityError: it names another entry, or the signature does not verify.
     """
-    body = entry.body
-    claimed_index, claimed_hash = body.get("signed_index"), body.get("signed_hash")
-    if claimed_index != signed.index:
+    if head.signed_index != signed.index:
         raise IntegrityError(
-            f"head claims to sign entry {claimed_index}, but the entry before it is entry "
+            f"head claims to sign entry {head.signed_index}, but the entry before it is entry "
             f"{signed.index} (entries were deleted or inserted before the head)"
         )
-    if claimed_hash != signed.hash:
+    if head.signed_hash != signed.hash:
         raise IntegrityError(
-            f"head signs entry {signed.index} with hash {str(claimed_hash)[:16]}…, but that "
+            f"head signs entry {signed.index} with hash {head.signed_hash[:16]}…, but that "
             f"entry hashes to {signed.hash[:16]}… (entries up to {signed.index} were changed "
             "after the head was written)"
         )
     try:
-        signature = bytes.fromhex(str(body.get("signature")))
+        signature = bytes.fromhex(head.signature)
     except ValueError:
         raise IntegrityError("head signature is not hex") from None
     aggregator = PublicIdentity(aggregator_public)
     try:
         aggregator.verify(
             HEAD_DOMAIN,
-            head_statement(str(body.get("federation_id")), signed.index, signed.hash),
+            head_statement(head.federation_id, signed.index, signed.hash),
             signature,
         )
     except SignatureError:

@@ -10,7 +10,7 @@ revocation.  Each change travels in the transparency log as an event
 (:func:`roster_event`, read back with :func:`entry_from_event`).
 
 This is the part agent, aggregator and auditor share, with no I/O; the on-disk store
-(``roster.json``, its lock and live reload) is :mod:`fedsec.aggregator.roster`.
+(``roster.json``, its lock and live reload) is :mod:`fedsec.aggregator.storage.roster_file`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import torch
 
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.errors import FedsecError, RoundAborted
-from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.modelfile import ModelManifest, decode_model, encode_model
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks.evaluation import evaluate
@@ -82,7 +81,7 @@ class ModelApplier:
         manifest = self._written_before(arrays_out, parent.version, round_) or models.put(
             arrays_out, parent=parent.version, round=round_, kind="aggregate", metrics=metrics
         )
-        crash_point(round_, "model_write", AGGREGATOR_ENV)
+        self._ctx.faults.crash(round_, "model_write")
         return NewVersion(manifest, parent, metrics)
 
     def save(self) -> None:

@@ -54,13 +54,13 @@ class CohortDesk:
         if self._ctx.buffered:
             self._check_staleness(member, req.base_version)
         state = self._ctx.ws.state
-        joins = state.joins(live.round, live.attempt)
+        joins = state.joins.samples(live.round, live.attempt)
         if member in joins:
             return wire.JoinResponse(accepted=True, detail="already joined"), False
         if len(joins) >= self.cap:
             full = "cohort is full; try the next round"
             return wire.JoinResponse(accepted=False, detail=full), False
-        state.add_join(
+        state.joins.add(
             live.round, live.attempt, member, req.samples, self._ctx.clock(), req.base_version
         )
         return wire.JoinResponse(accepted=True, detail="joined"), True
@@ -92,11 +92,11 @@ class CohortDesk:
         full, or the join window (``advertise_s``, counted from the ``min_agents``-th
         join) passed."""
         cfg, ws = self._ctx.cfg.round, self._ctx.ws
-        joins = ws.state.joins(live.round, live.attempt)
+        joins = ws.state.joins.samples(live.round, live.attempt)
         if len(joins) < cfg.min_agents:
             return False
         active = {e.agent_id for e in ws.roster.active_agents()}
-        quorum_at = ws.state.join_time(live.round, live.attempt, cfg.min_agents)
+        quorum_at = ws.state.joins.nth_time(live.round, live.attempt, cfg.min_agents)
         return (
             len(joins) >= self.cap or active <= joins.keys() or now >= quorum_at + cfg.advertise_s
         )
@@ -104,11 +104,11 @@ class CohortDesk:
     def fixed_spec(self, live: Attempt) -> wire.RoundSpec:
         """The signed spec fixing the cohort: the first to join, by arrival."""
         state = self._ctx.ws.state
-        cohort = sorted(list(state.joins(live.round, live.attempt))[: self.cap])
+        cohort = sorted(list(state.joins.samples(live.round, live.attempt))[: self.cap])
         staleness: dict[str, int] = {}
         if self._ctx.buffered:
             current = self._ctx.ws.models.latest().version
-            bases = state.join_bases(live.round, live.attempt)
+            bases = state.joins.bases(live.round, live.attempt)
             staleness = {m: current - (bases.get(m) or current) for m in cohort}
         return self.build_spec(live, cohort, staleness)
 

@@ -7,9 +7,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fedsec.aggregator.audit_trail import AuditTrail
+from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.config import FederationConfig
+from fedsec.faults import NO_FAULTS, Faults
+from fedsec.protocol.log_entries import AlertEntry
 from fedsec.tasks.base import Task
 
 # The whole round engine logs under the coordinator's name: operators (and `fedsec
@@ -28,6 +30,7 @@ class RoundContext:
         task: the federation's task.
         dim: trainable parameters of the task's model.
         changed: to call whenever something an agent may be waiting for changed.
+        faults: crash points for chaos tests (:mod:`fedsec.faults`); none in production.
     """
 
     ws: Workspace
@@ -36,6 +39,7 @@ class RoundContext:
     task: Task
     dim: int
     changed: Callable[[], None]
+    faults: Faults = NO_FAULTS
     alerts: list[str] = field(default_factory=list)
     # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
     traffic: dict[tuple[int, int], list[int]] = field(default_factory=dict)
@@ -52,7 +56,7 @@ class RoundContext:
         """Raise an operator alert: kept for the dashboard and written to the log."""
         log.warning("event=alert detail=%r", detail)
         self.alerts.append(detail)
-        self.trail.append("alert", {"detail": detail, "time": self.clock()})
+        self.trail.append(AlertEntry(detail=detail, time=self.clock()))
 
     def count_traffic(self, key: tuple[int, int], received: int, sent: int) -> None:
         """Add one request's body sizes to the attempt that was current when it arrived."""

@@ -12,7 +12,6 @@ signed receipt; refused masked inputs are logged within bounds
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +25,9 @@ from fedsec.aggregator.rounds.reports import PrivacyReports
 from fedsec.aggregator.summation import StageMessage
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import DuplicateMessage, FedsecError, NotFound, WrongStage
-from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.protocol import codec, wire
+from fedsec.protocol.log_entries import AcceptedEntry
+from fedsec.protocol.stages import Stage
 
 
 class Intake:
@@ -105,7 +105,7 @@ class Intake:
         member: str,
         r: int,
         a: int,
-        stage: str,
+        stage: Stage,
         raw: bytes,
         body: Any,
         decode: Callable[[str, Any], StageMessage],
@@ -162,8 +162,15 @@ class Intake:
         assert entry is not None
         statement.verify(entry.public_key_bytes)
         live.summing().receive("masked_input", MaskedInput(member, raw))
-        extra = {"commitment": commitment, "signature": signature}
-        receipt = self._record(live, "masked_input", member, raw, receipt_for=digest, **extra)
+        receipt = self._record(
+            live,
+            "masked_input",
+            member,
+            raw,
+            receipt_for=digest,
+            commitment=commitment,
+            signature=signature,
+        )
         assert receipt is not None
         self._lifecycle.close_if_complete()
         return receipt
@@ -173,30 +180,32 @@ class Intake:
     def _record(
         self,
         live: Attempt,
-        stage: str,
+        stage: Stage,
         member: str,
         raw: bytes,
         receipt_for: str | None = None,
-        **extra: Any,
+        commitment: str | None = None,
+        signature: str | None = None,
     ) -> wire.Receipt | None:
         """Store an accepted message, archive it and log it, in one transaction; with
-        ``receipt_for`` (the contribution's sha256), also sign and store its receipt."""
+        ``receipt_for`` (the contribution's sha256), also sign and store its receipt.
+        ``commitment`` and ``signature``: a masked input's contribution statement."""
         ctx = self._ctx
         archived = ctx.trail.keep(raw)
         receipt = None
         with ctx.ws.state.transaction():
-            ctx.ws.state.add_message(live.round, live.attempt, stage, member, raw)
+            ctx.ws.state.messages.add(live.round, live.attempt, stage, member, raw)
             entry = ctx.trail.append(
-                "accepted",
-                {
-                    "round": live.round,
-                    "attempt": live.attempt,
-                    "stage": stage,
-                    "member": member,
-                    "sha256": archived,
-                    "bytes": len(raw),
-                    **extra,
-                },
+                AcceptedEntry(
+                    round=live.round,
+                    attempt=live.attempt,
+                    stage=stage,
+                    member=member,
+                    sha256=archived,
+                    bytes=len(raw),
+                    commitment=commitment,
+                    signature=signature,
+                )
             )
             if receipt_for is not None:
                 receipt = wire.Receipt(
@@ -208,10 +217,10 @@ class Intake:
                     log_index=entry.index,
                     issued_at=ctx.clock(),
                 ).sign(ctx.ws.signer)
-                ctx.ws.state.add_receipt(live.round, live.attempt, member, wire.encode(receipt))
-        if os.environ.get(AGGREGATOR_ENV):  # chaos tests only: off the hot path otherwise
-            count = ctx.ws.state.count_messages(live.round, live.attempt, stage)
-            crash_point(live.round, f"{stage}:{count}", AGGREGATOR_ENV)
+                ctx.ws.state.receipts.add(live.round, live.attempt, member, wire.encode(receipt))
+        if ctx.faults.crash_at:  # chaos tests only: off the hot path otherwise
+            count = ctx.ws.state.messages.count(live.round, live.attempt, stage)
+            ctx.faults.crash(live.round, f"{stage}:{count}")
         return receipt
 
     def _accepted_before(self, member: str, r: int, a: int, stage: str, body: bytes) -> bool:
@@ -219,11 +228,11 @@ class Intake:
         whatever the stage is now: the member's retry after an answer lost to a crash
         (the message that moved the round on, e.g. the last advertise, was stored, then
         the aggregator died before answering) gets the same answer, not wrong_stage."""
-        return self._ctx.ws.state.message(r, a, stage, member) == body
+        return self._ctx.ws.state.messages.get(r, a, stage, member) == body
 
     def _idempotent(self, live: Attempt, stage: str, member: str, body: bytes) -> bool:
         """True when this exact message was already accepted; refuse a different one."""
-        stored = self._ctx.ws.state.message(live.round, live.attempt, stage, member)
+        stored = self._ctx.ws.state.messages.get(live.round, live.attempt, stage, member)
         if stored is None:
             return False
         if stored == body:
@@ -236,17 +245,17 @@ class Intake:
         if self._live.is_current(r, a):
             return False
         state = self._ctx.ws.state
-        row = state.get_round(r, a)
+        row = state.rounds.get(r, a)
         return (
             row is not None
             and row.stage == "closed"
-            and state.message(r, a, "masked_input", member) is not None
-            and state.message(r, a, "unmask", member) is None
+            and state.messages.get(r, a, "masked_input", member) is not None
+            and state.messages.get(r, a, "unmask", member) is None
         )
 
     def receipt(self, member: str, round_: int) -> wire.Receipt:
         """Raises NotFound: no accepted contribution from ``member`` in that round."""
-        stored = self._ctx.ws.state.receipt(round_, member)
+        stored = self._ctx.ws.state.receipts.latest(round_, member)
         if stored is None:
             raise NotFound(f"no accepted contribution from {member} in round {round_}")
         return msgspec.json.decode(stored, type=wire.Receipt)

@@ -23,9 +23,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
-
-import msgspec
 
 from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
@@ -36,8 +33,8 @@ from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
 from fedsec.config import RoundSection
 from fedsec.errors import ProtocolError, RecoveryImpossible, RoundAborted
-from fedsec.faults import AGGREGATOR_ENV, crash_point
 from fedsec.protocol import wire
+from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
 
 #: Seconds each message stage may last from its start, given the round config and
 #: whether the mode is buffered.  Buffered members trained before joining; sync members
@@ -80,7 +77,7 @@ class Lifecycle:
     @property
     def rounds_completed(self) -> int:
         if self._closed_rounds is None:  # counted once, then kept up to date at each close
-            self._closed_rounds = self._ctx.ws.state.count_closed_rounds()
+            self._closed_rounds = self._ctx.ws.state.rounds.count_closed()
         return self._closed_rounds
 
     @property
@@ -129,11 +126,13 @@ class Lifecycle:
         ctx.trail.sync_roster(ctx.ws.roster)
         ctx.trail.sync_models(ctx.ws.models)
         with ctx.ws.state.transaction():
-            ctx.ws.state.set_stage(live.round, live.attempt, first, now, spec=wire.encode(spec))
-            ctx.trail.append("round_spec", msgspec.to_builtins(spec))
+            ctx.ws.state.rounds.set_stage(
+                live.round, live.attempt, first, now, spec=wire.encode(spec)
+            )
+            ctx.trail.append(spec)
         live.spec, live.summation = spec, session
         live.stage, live.stage_started_at = first, now
-        crash_point(live.round, first, AGGREGATOR_ENV)
+        ctx.faults.crash(live.round, first)
         log.info(
             "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s mode=%s",
             live.round,
@@ -185,10 +184,10 @@ class Lifecycle:
             ) from None
 
     def _enter(self, live: Attempt, stage: str, now: float) -> None:
-        self._ctx.ws.state.set_stage(live.round, live.attempt, stage, now)
+        self._ctx.ws.state.rounds.set_stage(live.round, live.attempt, stage, now)
         live.stage, live.stage_started_at = stage, now
         log.info("event=stage round=%d attempt=%d stage=%s", live.round, live.attempt, stage)
-        crash_point(live.round, stage, AGGREGATOR_ENV)
+        self._ctx.faults.crash(live.round, stage)
         self._ctx.changed()
 
     def _abort(self, live: Attempt, now: float, detail: str) -> None:
@@ -199,7 +198,7 @@ class Lifecycle:
         summary = self._summary(live, "aborted", now, detail)
         refusals = self._refusals
         with ctx.ws.state.transaction():
-            ctx.ws.state.close_round(
+            ctx.ws.state.rounds.close(
                 live.round,
                 live.attempt,
                 "aborted",
@@ -210,7 +209,7 @@ class Lifecycle:
             )
             aggregated = refusals.write_aggregates()
             ctx.trail.append(
-                "round_aborted", {"round": live.round, "attempt": live.attempt, "detail": detail}
+                RoundAbortedEntry(round=live.round, attempt=live.attempt, detail=detail)
             )
             ctx.trail.sign_head()
         refusals.committed(aggregated)
@@ -237,7 +236,7 @@ class Lifecycle:
         refusals = self._refusals
         with ctx.ws.state.transaction():
             self._applier.save()
-            ctx.ws.state.close_round(
+            ctx.ws.state.rounds.close(
                 live.round,
                 live.attempt,
                 "closed",
@@ -247,7 +246,7 @@ class Lifecycle:
                 detail="",
             )
             aggregated = refusals.write_aggregates()
-            ctx.trail.append("aggregate", self._aggregate_entry(live, result, new))
+            ctx.trail.append(self._aggregate_entry(live, result, new))
             ctx.trail.sync_models(ctx.ws.models)
             ctx.trail.prune_archive(ctx.cfg.audit.archive_retention_rounds)
             ctx.trail.sign_head()
@@ -269,20 +268,20 @@ class Lifecycle:
 
     def _aggregate_entry(
         self, live: Attempt, result: SummationResult, new: NewVersion
-    ) -> dict[str, Any]:
+    ) -> AggregateEntry:
         """The log's ``aggregate`` entry: what was summed, from whom, applied to what."""
         server = self._ctx.cfg.server
-        return {
-            "round": live.round,
-            "attempt": live.attempt,
-            "survivors": result.survivors,
-            "dropped": result.dropped,
-            "sum_sha256": result.sum_sha256,
-            "weight_sum": result.weight_sum,
-            "parent_version": new.parent.version,
-            "optimizer": server.optimizer,
-            "server_lr": server.server_lr,
-        }
+        return AggregateEntry(
+            round=live.round,
+            attempt=live.attempt,
+            survivors=result.survivors,
+            dropped=result.dropped,
+            sum_sha256=result.sum_sha256,
+            weight_sum=result.weight_sum,
+            parent_version=new.parent.version,
+            optimizer=server.optimizer,
+            server_lr=server.server_lr,
+        )
 
     def _summary(
         self,
@@ -310,7 +309,7 @@ class Lifecycle:
             loss=(metrics or {}).get("loss"),
             aggregation_s=aggregation_s,
             duration_s=now - live.opened_at,
-            epsilon_max=self._ctx.ws.state.epsilon_max(live.round, live.attempt),
+            epsilon_max=self._ctx.ws.state.reports.epsilon_max(live.round, live.attempt),
             detail=detail,
             bytes_up=up,
             bytes_down=down,
@@ -323,8 +322,8 @@ class Lifecycle:
         finished = self.finished
         if not finished:
             with ctx.ws.state.transaction():
-                ctx.ws.state.open_round(round_, attempt, now)
-                ctx.trail.append("round_open", {"round": round_, "attempt": attempt})
+                ctx.ws.state.rounds.open(round_, attempt, now)
+                ctx.trail.append(RoundOpenEntry(round=round_, attempt=attempt))
             log.info("event=round_open round=%d attempt=%d", round_, attempt)
         live = Attempt(round_, attempt, "open" if not finished else "closed", now, now)
         if ctx.buffered:
@@ -334,7 +333,7 @@ class Lifecycle:
     def resume(self) -> None:
         """Rebuild the round in progress from the state store (or open the first one)."""
         now = self._ctx.clock()
-        row = self._ctx.ws.state.latest_round()
+        row = self._ctx.ws.state.rounds.latest()
         if row is None:
             self.live = self.open(1, 0, now)
         elif row.stage == "closed":
@@ -346,4 +345,4 @@ class Lifecycle:
         elif row.stage == "aborted":
             self.live = self.open(row.round, row.attempt + 1, now)
         else:
-            self.live = rebuild(row, self._ctx.ws.state, self._open_summation)
+            self.live = rebuild(row, self._ctx.ws.state.messages, self._open_summation)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -22,6 +21,8 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.errors import FedsecError
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_ID
+from fedsec.protocol.log import entry_from_line
+from fedsec.protocol.log_entries import RefusedEntry, kind_of
 
 # `refused` entries written one by one per (member, round, attempt).  An honest agent meets
 # few refusals in an attempt: its client never retries a 4xx answer and an identical resend
@@ -33,6 +34,8 @@ from fedsec.protocol.limits import MAX_ID
 REFUSED_ENTRIES_PER_ATTEMPT = 4
 
 RefusalKey = tuple[str, int, int]  # (member, round, attempt)
+# how a refused entry's kind reads in a canonical log line (no spaces, keys sorted)
+_REFUSED_KIND = b'"kind":"' + kind_of(RefusedEntry).encode() + b'"'
 
 
 @dataclass
@@ -41,7 +44,7 @@ class _MemberRefusals:
 
     logged: set[tuple[str, str, str]] = field(default_factory=set)  # (sha256, code, detail)
     unlogged: dict[str, int] = field(default_factory=dict)  # code -> refusals not yet logged
-    last: dict[str, Any] | None = None  # body of the latest of those
+    last: RefusedEntry | None = None  # the latest of those
     aggregated: bool = False  # its aggregate entry is in the log: nothing more goes there
 
 
@@ -54,16 +57,16 @@ class RefusalBudget:
         self._books: dict[RefusalKey, _MemberRefusals] = {}
         self._pending: set[RefusalKey] = set()  # keys with unlogged refusals
 
-    def load(self, body: dict[str, Any]) -> None:
+    def load(self, body: RefusedEntry) -> None:
         """Count a ``refused`` entry already in the log (at start-up)."""
-        key = (str(body["member"]), int(body["round"]), int(body["attempt"]))
+        key = (body.member, body.round, body.attempt)
         book = self._books.setdefault(key, _MemberRefusals())
-        if "suppressed" in body:
+        if body.suppressed is not None:
             book.aggregated = True
         else:
             book.logged.add(_refusal_identity(body))
 
-    def admit(self, key: RefusalKey, body: dict[str, Any]) -> str | None:
+    def admit(self, key: RefusalKey, body: RefusedEntry) -> str | None:
         """Decide on one refusal of a cohort member for an attempt that exists.
 
         Returns:
@@ -80,23 +83,26 @@ class RefusalBudget:
             return None
         else:
             reason = "over_cap"
-        book.unlogged[body["code"]] = book.unlogged.get(body["code"], 0) + 1
+        book.unlogged[body.code] = book.unlogged.get(body.code, 0) + 1
         book.last = body
         self._pending.add(key)
         return reason
 
-    def logged(self, key: RefusalKey, body: dict[str, Any]) -> None:
+    def logged(self, key: RefusalKey, body: RefusedEntry) -> None:
         self._books[key].logged.add(_refusal_identity(body))
 
-    def due(self) -> list[tuple[RefusalKey, dict[str, Any]]]:
-        """The aggregate entry body of every member and attempt with unlogged refusals:
-        the latest of them, with ``suppressed`` (how many) and ``codes`` (how many each)."""
+    def due(self) -> list[tuple[RefusalKey, RefusedEntry]]:
+        """The aggregate entry of every member and attempt with unlogged refusals: the
+        latest of them, with ``suppressed`` (how many) and ``codes`` (how many each)."""
         due = []
         for key in sorted(self._pending):
             book = self._books[key]
             assert book.last is not None
             counts = dict(sorted(book.unlogged.items()))
-            due.append((key, {**book.last, "suppressed": sum(counts.values()), "codes": counts}))
+            entry = msgspec.structs.replace(
+                book.last, suppressed=sum(counts.values()), codes=counts
+            )
+            due.append((key, entry))
         return due
 
     def aggregated(self, keys: list[RefusalKey]) -> None:
@@ -108,9 +114,9 @@ class RefusalBudget:
             self._pending.discard(key)
 
 
-def _refusal_identity(body: dict[str, Any]) -> tuple[str, str, str]:
+def _refusal_identity(body: RefusedEntry) -> tuple[str, str, str]:
     """What makes two refusals the same entry: the bytes refused, and how."""
-    return str(body["sha256"]), str(body["code"]), str(body["detail"])
+    return body.sha256, body.code, body.detail
 
 
 class RefusalLog:
@@ -129,12 +135,12 @@ class RefusalLog:
 
     def _load(self) -> None:
         """Rebuild the budget from the log, so a restart grants no new entries."""
-        for _, line in self._ctx.ws.state.log_lines():
+        for _, line in self._ctx.ws.state.log.log_lines():
             # canonical JSON: the kind appears exactly so; decode only those lines
-            if b'"kind":"refused"' in line:
-                doc = msgspec.json.decode(line)
-                if doc["kind"] == "refused":
-                    self._budget.load(doc["body"])
+            if _REFUSED_KIND in line:
+                body = entry_from_line(line).decode()
+                if isinstance(body, RefusedEntry):
+                    self._budget.load(body)
 
     def refused(self, member: str, round_: int, attempt: int, raw: bytes, exc: FedsecError) -> None:
         """Write a ``refused`` entry for a refused masked input, unless it is for an
@@ -143,20 +149,20 @@ class RefusalLog:
         aggregate entry for the attempt; those go to the process log only (repeats and
         those over the cap are also counted for the aggregate entry)."""
         key = (member, round_, attempt)
-        body = {
-            "round": round_,
-            "attempt": attempt,
-            "stage": "masked_input",
-            "member": member,
-            "sha256": hashlib.sha256(raw).hexdigest(),
-            "code": exc.code,
-            "detail": exc.detail,
-        }
+        body = RefusedEntry(
+            round=round_,
+            attempt=attempt,
+            stage="masked_input",
+            member=member,
+            sha256=hashlib.sha256(raw).hexdigest(),
+            code=exc.code,
+            detail=exc.detail,
+        )
         reason = self._unloggable(member, round_, attempt)
         if reason is None:
             reason = self._budget.admit(key, body)
         if reason is None:
-            self._ctx.trail.append("refused", body)
+            self._ctx.trail.append(body)
             self._budget.logged(key, body)
             return
         log.info(
@@ -165,7 +171,7 @@ class RefusalLog:
             attempt,
             member,
             exc.code,
-            body["sha256"],
+            body.sha256,
             reason,
         )
 
@@ -178,7 +184,7 @@ class RefusalLog:
             row = None
             # rounds exist from 1 to the live one; no stored attempt exceeds MAX_ID
             if 1 <= round_ <= live.round and 0 <= attempt <= MAX_ID:
-                row = self._ctx.ws.state.get_round(round_, attempt)
+                row = self._ctx.ws.state.rounds.get(round_, attempt)
             if row is None:
                 return "no_such_attempt"
             if row.spec is None:
@@ -192,7 +198,7 @@ class RefusalLog:
         :meth:`committed` once the transaction is committed."""
         due = self._budget.due()
         for _, body in due:
-            self._ctx.trail.append("refused", body)
+            self._ctx.trail.append(body)
         return [key for key, _ in due]
 
     def committed(self, keys: list[RefusalKey]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import msgspec
-
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext
 from fedsec.errors import DuplicateMessage, PayloadError, WrongStage
@@ -52,7 +50,7 @@ class PrivacyReports:
         assert entry is not None
         report.verify(entry.public_key_bytes)
         body = wire.encode(report)
-        stored = ws.state.report(round_, attempt, member)
+        stored = ws.state.reports.get(round_, attempt, member)
         if stored is not None:
             if stored == body:
                 return None
@@ -63,7 +61,7 @@ class PrivacyReports:
         """Store a checked report and log it, in one transaction."""
         ctx = self._ctx
         with ctx.ws.state.transaction():
-            ctx.ws.state.add_report(
+            ctx.ws.state.reports.add(
                 report.round, report.attempt, report.member, report.epsilon, body
             )
-            ctx.trail.append("privacy_report", msgspec.to_builtins(report))
+            ctx.trail.append(report)

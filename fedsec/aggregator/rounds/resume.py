@@ -11,7 +11,7 @@ import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import log
-from fedsec.aggregator.state import RoundRow, StateStore
+from fedsec.aggregator.storage import MessageStore, RoundRow
 from fedsec.aggregator.summation import SummationSession
 from fedsec.errors import FedsecError, ProtocolError
 from fedsec.protocol import wire
@@ -20,14 +20,14 @@ from fedsec.protocol.stages import stage_index
 
 def rebuild(
     row: RoundRow,
-    state: StateStore,
+    messages: MessageStore,
     open_summation: Callable[[wire.RoundSpec], SummationSession],
 ) -> Attempt:
     """The attempt of ``row`` (in progress: neither closed nor aborted) as it stood.
 
     Args:
         row: the attempt's stored row.
-        state: the state store holding its accepted messages.
+        messages: the store holding its accepted messages.
         open_summation: a fresh summation session for a spec.
 
     Raises:
@@ -41,7 +41,7 @@ def rebuild(
     reached = stage_index(row.stage)
     for stage in live.summation.stages:
         live.stage = stage
-        for member, body in state.messages(row.round, row.attempt, stage):
+        for member, body in messages.of_stage(row.round, row.attempt, stage):
             _replay(live.summation, stage, member, body)
         if stage_index(stage) >= reached:
             break

@@ -18,22 +18,24 @@ deleted, and the next start deletes them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from fedsec.aggregator.modelstore import ModelStore
-from fedsec.aggregator.roster import Roster
-from fedsec.aggregator.state import StateStore
+import msgspec
+
+from fedsec.aggregator.storage.interfaces import LogStore
+from fedsec.aggregator.storage.models import ModelStore
+from fedsec.aggregator.storage.roster_file import Roster
 from fedsec.archive import Archive, ArchiveIndex
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.faults import AGGREGATOR_ENV, crash_point
+from fedsec.faults import NO_FAULTS, Faults
 from fedsec.fsio import atomic_write
-from fedsec.protocol.log import GENESIS_PREV, LogEntry, head_body, make_entry
+from fedsec.protocol.log import GENESIS_PREV, LogEntry, entry_from_line, head_body, make_entry
+from fedsec.protocol.log_entries import GenesisEntry, LogBody, ModelVersionEntry, RollbackEntry
+from fedsec.protocol.roster import RosterEntry
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,14 @@ class AuditTrail:
     def __init__(
         self,
         root: Path,
-        state: StateStore,
+        state: LogStore,
         signer: SigningIdentity,
         federation_id: str,
         clock: Callable[[], float] = time.time,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.state = state
+        self._faults = faults
         self.signer = signer
         self.federation_id = federation_id
         self.clock = clock
@@ -62,11 +66,11 @@ class AuditTrail:
         self._roster_logged: set[tuple[str, str]] = set()
         self._versions_logged: set[int] = set()
         for _, line in state.log_lines():
-            doc = json.loads(line)
-            if doc["kind"] == "roster":
-                self._roster_logged.add((doc["body"]["agent_id"], doc["body"]["status"]))
-            elif doc["kind"] == "model_version":
-                self._versions_logged.add(int(doc["body"]["version"]))
+            body = entry_from_line(line).decode()
+            if isinstance(body, RosterEntry):
+                self._roster_logged.add((body.agent_id, body.status))
+            elif isinstance(body, ModelVersionEntry):
+                self._versions_logged.add(body.version)
         # which archive objects the log refers to, kept up to date by _index_log
         self._index = ArchiveIndex()
         self._index_count = 0  # entries indexed
@@ -78,11 +82,12 @@ class AuditTrail:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def append(self, kind: str, body: dict[str, Any]) -> LogEntry:
-        """Add an entry (inside the caller's transaction, if any)."""
+    def append(self, body: LogBody) -> LogEntry:
+        """Add an entry carrying ``body`` (inside the caller's transaction, if any); its
+        kind is the body's (:mod:`fedsec.protocol.log_entries`)."""
         tail = self.state.log_tail()
         index, prev = (0, GENESIS_PREV) if tail is None else (tail[0] + 1, _hash(tail[1]))
-        entry = make_entry(index, prev, self.clock(), kind, body)
+        entry = make_entry(index, prev, self.clock(), body)
         self.state.add_log_line(entry.index, entry.line)
         if not self.state.in_transaction():
             self.sync_file()
@@ -92,18 +97,18 @@ class AuditTrail:
         """Sign the chain so far (called at every round close)."""
         tail = self.state.log_tail()
         assert tail is not None
-        last = _entry_from_line(tail[1])
-        return self.append("head", head_body(self.signer, self.federation_id, last))
+        last = entry_from_line(tail[1])
+        return self.append(head_body(self.signer, self.federation_id, last))
 
-    def genesis(self, body: dict[str, Any]) -> None:
+    def genesis(self, body: GenesisEntry) -> None:
         if self.state.log_tail() is None:
-            self.append("genesis", body)
+            self.append(body)
 
     def sync_roster(self, roster: Roster) -> None:
         for entry in roster.entries():
             key = (entry.agent_id, entry.status)
             if key not in self._roster_logged:
-                self.append("roster", entry.to_dict())
+                self.append(entry)
                 self._roster_logged.add(key)
 
     def sync_models(self, models: ModelStore, defer_round: int | None = None) -> None:
@@ -115,15 +120,12 @@ class AuditTrail:
                 continue
             if manifest.kind == "aggregate" and manifest.round == defer_round:
                 continue
-            self.append("model_version", json.loads(manifest.to_json()))
+            self.append(ModelVersionEntry(**msgspec.structs.asdict(manifest)))
             if manifest.kind == "rollback":
                 self.append(
-                    "rollback",
-                    {
-                        "version": manifest.version,
-                        "weights_of": manifest.parent,
-                        "note": manifest.note,
-                    },
+                    RollbackEntry(
+                        version=manifest.version, weights_of=manifest.parent, note=manifest.note
+                    )
                 )
             self._versions_logged.add(manifest.version)
 
@@ -149,7 +151,7 @@ class AuditTrail:
         pruning = self._index.plan(retention_rounds, self.archive.contains)
         if pruning is None:
             return None
-        entry = self.append("archive_pruned", pruning.to_body())
+        entry = self.append(pruning)
         self._pending_deletion = entry
         if not self.state.in_transaction():  # committed (and in the file) already
             self._delete_pruned()
@@ -165,8 +167,7 @@ class AuditTrail:
             if tail is None or tail[1] != self._index_tail:
                 self._index, self._index_count = ArchiveIndex(), 0
         for index, line in self.state.log_lines(self._index_count):
-            doc = json.loads(line)
-            self._index.observe(index, doc["kind"], doc["body"])
+            self._index.observe(index, entry_from_line(line).decode())
             self._index_tail, self._index_count = line, index + 1
 
     def _delete_pruned(self) -> None:
@@ -179,7 +180,7 @@ class AuditTrail:
             return  # the transaction that wrote it was rolled back
         self._index_log()
         # chaos tests: die with the entry committed and in the file, nothing deleted yet
-        crash_point(max(self._index.closed, default=0), "archive_prune", AGGREGATOR_ENV)
+        self._faults.crash(max(self._index.closed, default=0), "archive_prune")
         self._delete_listed(entry.index)
 
     def _finish_last_pruning(self) -> None:
@@ -240,8 +241,3 @@ def _hash(line: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(line).hexdigest()
-
-
-def _entry_from_line(line: bytes) -> LogEntry:
-    doc = json.loads(line)
-    return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], line)

@@ -1,0 +1,148 @@
+"""The aggregator's aiohttp application: its routes, its long-lived objects, its ticker.
+
+:func:`make_app` joins the endpoint table (:mod:`fedsec.protocol.endpoints`) to the
+handlers (:mod:`.handlers`), puts the workspace, coordinator, verifier, nonce store,
+rate limit and upload slots on the application (:mod:`.keys`), and starts the ticker
+that closes stages on their deadlines and reloads the roster.  Serving it is
+:func:`fedsec.aggregator.transport.start_server`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from fedsec.aggregator.challenges import ChallengeDesk
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import handlers
+from fedsec.aggregator.http.auth import expect_continue, traffic_middleware
+from fedsec.aggregator.http.errors import error_middleware, log
+from fedsec.aggregator.http.keys import (
+    CHALLENGES,
+    COORDINATOR,
+    ENDPOINT_OF,
+    NONCES,
+    RATE,
+    UPLOADS,
+    VERIFIER,
+    WORKSPACE,
+    Handler,
+)
+from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
+from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
+from fedsec.aggregator.ratelimit import MemberRateLimit
+from fedsec.aggregator.replay import NONCE_DB, PersistentNonceStore
+from fedsec.aggregator.workspace import Workspace
+from fedsec.crypto.httpsig import RequestVerifier
+from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint
+
+# The handler of each endpoint in fedsec.protocol.endpoints.ENDPOINTS, by its name; the
+# routes, their roles and body limits come from that table.
+_HANDLERS: dict[str, Handler] = {
+    "health": handlers.health,
+    "openapi": handlers.openapi,
+    "status": handlers.status,
+    "get_round": handlers.get_round,
+    "get_roster": handlers.get_roster,
+    "latest_manifest": handlers.latest_manifest,
+    "manifest": handlers.manifest,
+    "model": handlers.model,
+    "join": handlers.join,
+    "report": handlers.report,
+    "advertise": handlers.advertise,
+    "keys": handlers.keys,
+    "post_shares": handlers.post_shares,
+    "get_shares": handlers.get_shares,
+    "masked_input": handlers.masked_input,
+    "get_unmask": handlers.get_unmask,
+    "post_unmask": handlers.post_unmask,
+    "receipt": handlers.receipt,
+    "post_challenge": handlers.post_challenge,
+    "get_challenges": handlers.get_challenges,
+    "post_reveal": handlers.post_reveal,
+    "get_reveals": handlers.get_reveals,
+}
+_ENDPOINT_OF: dict[Handler, Endpoint] = {
+    handler: BY_NAME[name] for name, handler in _HANDLERS.items()
+}
+
+
+def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> web.Application:
+    """Build the aiohttp application for ``workspace``.
+
+    Args:
+        workspace: the aggregator's workspace (configuration, roster, state, models).
+        coordinator: the round engine to serve; a new one for ``workspace`` if None.
+
+    Returns:
+        The application, its routes those of the endpoint table.
+
+    Raises:
+        sqlite3.Error: the workspace's replay store cannot be opened.
+    """
+    cfg = workspace.config.server
+    app = web.Application(
+        middlewares=[traffic_middleware, error_middleware], client_max_size=cfg.max_body_bytes
+    )
+    app[WORKSPACE] = workspace
+    app[COORDINATOR] = coordinator or Coordinator(workspace)
+    app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
+    app[CHANGED] = ChangeSignal()
+    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
+    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
+
+    def resolve(key_id: str) -> bytes | None:
+        entry = workspace.roster.by_key_id(key_id)
+        return entry.public_key_bytes if entry is not None and entry.is_active else None
+
+    # nonces are kept for twice the skew window so a request is never accepted after its
+    # nonce has been forgotten, and on disk so a restart forgets none of them
+    app[NONCES] = PersistentNonceStore(workspace.root / NONCE_DB, 2 * cfg.clock_skew_s)
+    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+    app[ENDPOINT_OF] = _ENDPOINT_OF
+    for endpoint in ENDPOINTS:
+        app.router.add_route(
+            endpoint.method,
+            endpoint.template,
+            _HANDLERS[endpoint.name],
+            expect_handler=expect_continue,
+        )
+    app.cleanup_ctx.append(_replay_store)
+    app.cleanup_ctx.append(_ticker)
+    return app
+
+
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
+    coord = app[COORDINATOR]
+    ws = app[WORKSPACE]
+    signal = app[CHANGED]
+    coord.on_change = signal.fire
+
+    async def run() -> None:
+        last_reload = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if now - last_reload >= ROSTER_RELOAD_S:
+                    if ws.roster.reload_if_changed():
+                        signal.fire()
+                    last_reload = now
+                coord.tick()
+            except Exception:
+                log.exception("event=tick_failed")
+            await asyncio.sleep(TICK_S)
+
+    task = asyncio.create_task(run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _replay_store(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[NONCES].close()

@@ -1,0 +1,207 @@
+"""Authenticating a signed request, in the order of ``docs/security.md``.
+
+Everything that needs no body is checked before a byte of it is read: framing,
+signature headers, key, roster role, created time, nonce and the member's rate.  Only
+then is the body read (bounded in size, time and concurrency), checked against the
+signed digest, and the nonce recorded.  ``Expect: 100-continue`` is answered only to a
+request that passed the checks that need no body.  The bytes of an authenticated
+request are counted in its round's summary, both ways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from fedsec.aggregator.http.errors import quote, refusal
+from fedsec.aggregator.http.keys import (
+    BODY_READ,
+    COORDINATOR,
+    ENDPOINT_OF,
+    MEMBER,
+    RATE,
+    SIGNED,
+    UPLOADS,
+    VERIFIER,
+    WORKSPACE,
+    Handler,
+)
+from fedsec.errors import (
+    AuthError,
+    FedsecError,
+    ForbiddenError,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServerBusy,
+    UnsupportedEncoding,
+)
+from fedsec.protocol.endpoints import Endpoint
+
+
+async def authenticate(request: web.Request) -> tuple[str, bytes]:
+    """Authenticate the request; return (agent id, body).
+
+    The roles allowed and the body limit are the matched endpoint's (the table in
+    :mod:`fedsec.protocol.endpoints`).
+
+    Raises:
+        FedsecError: the first check the request fails (see :func:`_check_framing`,
+            :func:`_authorised`, :func:`_upload_slot`, :func:`_read_body` and
+            :meth:`RequestVerifier.verify_body`).
+    """
+    endpoint = _endpoint(request)
+    limit = _body_limit(request, endpoint)
+    _check_framing(request, limit)
+    member, _keyid = _authorised(request, endpoint.roles)
+    async with _upload_slot(request, limit):
+        body = await _read_body(request, limit)
+    request.app[VERIFIER].verify_body(request[SIGNED], body)
+    coord = request.app[COORDINATOR]
+    key = coord.current_attempt()
+    request[MEMBER] = key
+    # counted on arrival: a held answer (e.g. the unmask answer, held until the round
+    # is over) must not leave its upload out of the round's summary
+    coord.count_traffic(key, len(body), 0)
+    return member, body
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: answer 100 only to a request that would be read; a
+    refusal (size, encoding, signature, role) goes out before the client sends the body."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return refusal(request, "expectation_failed", 417, "only Expect: 100-continue is known")
+    try:
+        _check_framing(request, _body_limit(request, _endpoint(request)))
+        request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
+    except FedsecError as exc:
+        return refusal(request, exc.code, exc.http_status, exc.detail)
+    if request.version >= aiohttp.HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+    return None
+
+
+@web.middleware
+async def traffic_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count the response bytes of authenticated requests per round attempt (the
+    demo's bytes up/down columns); request bytes are counted on arrival, once
+    authenticated (:func:`authenticate`)."""
+    response = await handler(request)
+    key = request.get(MEMBER)
+    body = response.body if isinstance(response, web.Response) else None
+    if key is not None and isinstance(body, bytes | bytearray):
+        request.app[COORDINATOR].count_traffic(key, 0, len(body))
+    return response
+
+
+def _endpoint(request: web.Request) -> Endpoint:
+    """The endpoint-table entry of the route ``request`` matched."""
+    return request.app[ENDPOINT_OF][request.match_info.handler]
+
+
+def _body_limit(request: web.Request, endpoint: Endpoint) -> int:
+    """The configured limit the endpoint's ``body_limit`` names, in bytes."""
+    cfg = request.app[WORKSPACE].config.server
+    return cfg.max_body_bytes if endpoint.body_limit == "binary" else cfg.max_json_bytes
+
+
+def _check_framing(request: web.Request, limit: int) -> None:
+    """What the request line and headers say about the body, before any of it is read.
+
+    Raises:
+        UnsupportedEncoding: a ``Content-Encoding`` other than identity (aiohttp would
+            inflate it, so a small body could expand hundreds of times).
+        PayloadTooLarge: a declared length over ``limit``.
+    """
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise UnsupportedEncoding(
+            f"Content-Encoding {quote(encoding, 32)!r} is refused: fedsec bodies are sent "
+            "uncompressed (signed vectors and models do not compress)"
+        )
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+
+
+def _authorised(request: web.Request, roles: tuple[str, ...]) -> tuple[str, str]:
+    """Signature over the headers, roster role and rate: (agent id, key id).
+
+    Raises:
+        PayloadError, AuthError, ReplayError: see :meth:`RequestVerifier.verify_headers`.
+        ForbiddenError: the key's role is not one of ``roles``.
+        RateLimited: the key is over its request rate.
+    """
+    signed = request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
+    entry = request.app[WORKSPACE].roster.by_key_id(signed.keyid)
+    if entry is None or not entry.is_active:
+        raise AuthError(f"key {signed.keyid} is unknown or revoked")
+    if entry.role not in roles:
+        raise ForbiddenError(
+            f"{entry.agent_id} has role {entry.role}; this needs {' or '.join(roles)}"
+        )
+    request.app[RATE].charge(signed.keyid, time.monotonic())
+    request[SIGNED] = signed
+    return entry.agent_id, signed.keyid
+
+
+@contextlib.asynccontextmanager
+async def _upload_slot(request: web.Request, limit: int) -> AsyncIterator[None]:
+    """Hold one of ``server.max_concurrent_uploads`` slots while a body that may be
+    larger than a JSON control message is read, bounding bodies in memory.
+
+    Raises:
+        ServerBusy: no slot freed within ``server.upload_queue_s``.
+    """
+    cfg = request.app[WORKSPACE].config.server
+    declared = request.content_length
+    if limit <= cfg.max_json_bytes or (declared is not None and declared <= cfg.max_json_bytes):
+        yield
+        return
+    slots = request.app[UPLOADS]
+    try:
+        async with asyncio.timeout(cfg.upload_queue_s):
+            await slots.acquire()
+    except TimeoutError:
+        raise ServerBusy(
+            f"all {cfg.max_concurrent_uploads} upload slots stayed busy for "
+            f"{cfg.upload_queue_s:g} s; retry shortly",
+            retry_after=cfg.upload_queue_s / 4,
+        ) from None
+    try:
+        yield
+    finally:
+        slots.release()
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes, within ``server.body_timeout_s``.
+
+    Raises:
+        PayloadTooLarge: more than ``limit`` bytes arrive.
+        RequestTimeout: the body did not arrive in time.
+    """
+    cfg = request.app[WORKSPACE].config.server
+    # StreamReader.read(n) returns what has arrived so far (up to n), not n bytes: a body
+    # that comes in several pieces (slow link, chunked encoding) must be read in a loop.
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(cfg.body_timeout_s):
+            while chunk := await request.content.read(limit + 1 - size):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+            f"({size} bytes received)"
+        ) from None
+    request[BODY_READ] = True
+    return b"".join(chunks)

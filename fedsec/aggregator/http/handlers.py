@@ -1,0 +1,250 @@
+"""The endpoint handlers: each authenticates, decodes, calls the coordinator (or the
+challenge desk, or the model store) and encodes the answer.
+
+Handlers only move bytes; the protocol's rules are the coordinator's.  Which handler
+serves which route, and so its roles and body limit, is the table in
+:mod:`fedsec.aggregator.http.app`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from fedsec.aggregator.http.auth import authenticate
+from fedsec.aggregator.http.errors import json_response
+from fedsec.aggregator.http.keys import CHALLENGES, COORDINATOR, WORKSPACE
+from fedsec.aggregator.http.longpoll import CHANGED, hold_until, hold_while, next_stage_data
+from fedsec.aggregator.http.params import (
+    decode_json,
+    model_version,
+    round_args,
+    seconds,
+    wait_seconds,
+)
+from fedsec.aggregator.openapi import openapi_document
+from fedsec.errors import PayloadError
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_COUNT
+
+# -- public endpoints --------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
+async def status(request: web.Request) -> web.Response:
+    # alerts and round history are the consortium's, not the public's: any enrolled role
+    await authenticate(request)
+    coord = request.app[COORDINATOR]
+    ws = request.app[WORKSPACE]
+    now = coord.round_state()
+    history = [
+        msgspec.json.decode(r.summary, type=wire.RoundSummary)
+        for r in ws.state.rounds.history(200)
+        if r.summary is not None
+    ]
+    return json_response(
+        wire.FederationStatus(
+            federation_id=ws.federation_id,
+            round=now.round,
+            attempt=now.attempt,
+            stage=now.stage,
+            model_version=now.model_version,
+            rounds_completed=now.rounds_completed,
+            rounds_target=now.rounds_target,
+            finished=now.finished,
+            agents_active=len(ws.roster.active_agents()),
+            history=history,
+            alerts=coord.alerts[-50:],
+        )
+    )
+
+
+# -- agent endpoints ---------------------------------------------------------------------------
+
+
+async def get_round(request: web.Request) -> web.Response:
+    await authenticate(request)
+    coord = request.app[COORDINATOR]
+    wait = wire.parse_uint(request.query.get("wait", "0"), "wait token", MAX_COUNT)
+    timeout = seconds(request.query.get("timeout", "0"), "timeout")
+    if wait and wait == coord.token and timeout > 0:
+        await request.app[CHANGED].wait(timeout)
+    return json_response(coord.round_state())
+
+
+async def get_roster(request: web.Request) -> web.Response:
+    await authenticate(request)
+    ws = request.app[WORKSPACE]
+    return json_response(
+        {
+            "federation_id": ws.federation_id,
+            "admin_public_key": ws.admin_public.hex(),
+            "entries": [e.to_dict() for e in ws.roster.entries()],
+        }
+    )
+
+
+async def join(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    req = decode_json(body, wire.JoinRequest, request, "join request")
+    return json_response(request.app[COORDINATOR].join(member, r, a, req))
+
+
+async def report(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    rep = decode_json(body, wire.PrivacyReport, request, "privacy report")
+    request.app[COORDINATOR].report(member, r, a, rep)
+    return json_response({"accepted": True})
+
+
+async def advertise(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.AdvertiseKeysBody, request, "key advertisement")
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.advertise(member, r, a, msg)
+    keys = await next_stage_data(
+        request, r, a, "share_keys", wait, lambda: coord.key_list(member, r, a)
+    )
+    return json_response(wire.Accepted(accepted=True, keys=keys))
+
+
+async def keys(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "share_keys", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].key_list(member, r, a))
+
+
+async def post_shares(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.ShareKeysBody, request, "encrypted shares")
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.share_keys(member, r, a, msg)
+    relay = await next_stage_data(
+        request, r, a, "masked_input", wait, lambda: coord.share_relay(member, r, a)
+    )
+    return json_response(wire.Accepted(accepted=True, relay=relay))
+
+
+async def get_shares(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "masked_input", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].share_relay(member, r, a))
+
+
+async def masked_input(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    commitment = request.query.get("commitment", "")
+    signature = request.query.get("signature", "")
+    if not commitment or not signature:
+        raise PayloadError(
+            "masked input needs the commitment and signature query parameters "
+            "(the member's signed contribution statement)"
+        )
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    receipt = coord.masked_input(member, r, a, body, commitment, signature)
+    if "wait" not in request.query:
+        return json_response(receipt)
+    # a plain round has no unmask stage to hold for (another attempt is never held)
+    held = wait if coord.has_stage("unmask") else 0.0
+    unmask = await next_stage_data(
+        request, r, a, "unmask", held, lambda: coord.unmask_request(member, r, a)
+    )
+    return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
+
+
+async def get_unmask(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "unmask", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].unmask_request(member, r, a))
+
+
+async def post_unmask(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.UnmaskResponseBody, request, "unmask answer")
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.unmask(member, r, a, msg)
+    if wait <= 0:
+        return json_response(wire.Accepted(accepted=True))
+
+    def unmasking() -> bool:
+        return coord.in_stage(r, a, "unmask")
+
+    # held until the attempt is over: the answer then carries the state the agent
+    # would otherwise long-poll for next (closed, usually the next round already open)
+    await hold_while(request, unmasking, wait)
+    return json_response(
+        wire.Accepted(accepted=True, state=None if unmasking() else coord.round_state())
+    )
+
+
+async def receipt(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, _a = round_args(request)
+    return json_response(request.app[COORDINATOR].receipt(member, r))
+
+
+# -- audit challenges and reveals ----------------------------------------------------------------
+
+
+async def post_challenge(request: web.Request) -> web.Response:
+    auditor, body = await authenticate(request)
+    req = decode_json(body, wire.ChallengeRequest, request, "challenge")
+    return json_response(request.app[CHALLENGES].challenge(auditor, req))
+
+
+async def get_challenges(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    return json_response(request.app[CHALLENGES].open_for(member))
+
+
+async def post_reveal(request: web.Request) -> web.Response:
+    ws = request.app[WORKSPACE]
+    member, body = await authenticate(request)
+    reveal = wire.decode(
+        body, wire.RevealBody, max_bytes=ws.config.server.max_body_bytes, what="reveal"
+    )
+    return json_response(request.app[CHALLENGES].reveal(member, reveal))
+
+
+async def get_reveals(request: web.Request) -> web.Response:
+    auditor, _ = await authenticate(request)
+    return json_response(request.app[CHALLENGES].reveals_for(auditor))
+
+
+async def latest_manifest(request: web.Request) -> web.Response:
+    await authenticate(request)
+    return web.Response(
+        body=request.app[WORKSPACE].models.latest().to_json(), content_type="application/json"
+    )
+
+
+async def manifest(request: web.Request) -> web.Response:
+    await authenticate(request)
+    m = request.app[WORKSPACE].models.get(model_version(request))
+    return web.Response(body=m.to_json(), content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    await authenticate(request)
+    data = request.app[WORKSPACE].models.read(model_version(request))
+    return web.Response(body=data, content_type="application/octet-stream")

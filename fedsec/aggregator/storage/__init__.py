@@ -1,0 +1,40 @@
+"""The aggregator's durable storage: state, model versions and the roster file.
+
+- :mod:`.interfaces`: what the round engine needs of durable state, one protocol per
+  concern (rounds, joins, messages, reports, receipts, challenges, log, named values),
+  joined by :class:`StateStore` with its transaction. The round logic depends on these
+  only, so a PostgreSQL implementation can be added without touching it.
+- :mod:`.sqlite`: the embedded implementation (``state.db``, SQLite in WAL mode).
+- :mod:`.models`: content-addressed model files and their signed manifests.
+- :mod:`.roster_file`: the admin-signed roster in ``roster.json``.
+- :mod:`.audit_trail`: the transparency log and the archive, written in the same
+  transaction as the state change they record.
+
+:class:`fedsec.aggregator.workspace.Workspace` is where the concrete stores are opened.
+"""
+
+from fedsec.aggregator.storage.interfaces import (
+    ChallengeStore,
+    JoinStore,
+    KeyValueStore,
+    LogStore,
+    MessageStore,
+    ReceiptStore,
+    ReportStore,
+    RoundRow,
+    RoundStore,
+    StateStore,
+)
+
+__all__ = [
+    "ChallengeStore",
+    "JoinStore",
+    "KeyValueStore",
+    "LogStore",
+    "MessageStore",
+    "ReceiptStore",
+    "ReportStore",
+    "RoundRow",
+    "RoundStore",
+    "StateStore",
+]

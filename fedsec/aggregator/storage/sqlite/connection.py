@@ -1,0 +1,148 @@
+"""The SQLite database file: its schema, its pragmas and its transactions.
+
+One connection, used from the aggregator's event-loop thread only, in autocommit mode
+(``isolation_level=None``): a write outside :meth:`SqliteConnection.transaction` is
+committed by itself, and a transaction is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``.
+The schema is the one every release so far has written; ``CREATE TABLE IF NOT EXISTS``
+lets an aggregator open an older workspace's ``state.db`` as it is.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rounds (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    stage TEXT NOT NULL,
+    spec BLOB,
+    opened_at REAL NOT NULL,
+    stage_started_at REAL NOT NULL,
+    closed_at REAL,
+    model_version INTEGER,
+    summary BLOB,
+    detail TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (round, attempt)
+);
+CREATE TABLE IF NOT EXISTS joins (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    samples INTEGER NOT NULL,
+    joined_at REAL NOT NULL,
+    base_version INTEGER,
+    PRIMARY KEY (round, attempt, member)
+);
+CREATE TABLE IF NOT EXISTS messages (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    stage TEXT NOT NULL,
+    member TEXT NOT NULL,
+    body BLOB NOT NULL,
+    received_at REAL NOT NULL,
+    UNIQUE (round, attempt, stage, member)
+);
+CREATE TABLE IF NOT EXISTS reports (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    epsilon REAL NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member)
+);
+CREATE TABLE IF NOT EXISTS receipts (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member)
+);
+CREATE TABLE IF NOT EXISTS log (
+    idx INTEGER PRIMARY KEY,
+    line BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS challenges (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    auditor TEXT NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member, auditor)
+);
+CREATE TABLE IF NOT EXISTS reveals (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    auditor TEXT NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (round, attempt, member, auditor)
+);
+CREATE TABLE IF NOT EXISTS server_state (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+);
+"""
+
+
+class SqliteConnection:
+    """The open database: what every table's store shares.
+
+    Args:
+        path: the database file (created with the schema if absent).
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or is not a database.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk before we acknowledge; NORMAL could lose the last
+        # transactions on power loss, which would break "durable before acknowledged".
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+        self._after_commit: list[Callable[[], None]] = []
+
+    def close(self) -> None:
+        self.db.close()
+
+    def in_transaction(self) -> bool:
+        return self.db.in_transaction
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after every commit of an explicit transaction."""
+        self._after_commit.append(callback)
+
+    def transaction(self) -> Transaction:
+        """``with connection.transaction(): ...`` groups writes into one atomic commit."""
+        return Transaction(self.db, self._after_commit)
+
+
+class Transaction:
+    """An explicit transaction; entered inside another, it joins that one."""
+
+    def __init__(self, db: sqlite3.Connection, after: list[Callable[[], None]]) -> None:
+        self._db = db
+        self._after = after
+        self._outer = False
+
+    def __enter__(self) -> None:
+        self._outer = not self._db.in_transaction
+        if self._outer:
+            self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self._outer:
+            return
+        if exc_type is None:
+            self._db.execute("COMMIT")
+            for callback in self._after:
+                callback()
+        else:
+            self._db.execute("ROLLBACK")

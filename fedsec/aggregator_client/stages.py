@@ -1,0 +1,176 @@
+"""The SecAgg+ stage calls: uploads whose answer the aggregator may hold ``wait``
+seconds until the round reaches the next stage, and the fetches that fall back on
+them (docs/agent.md, "One round, as the agent runs it")."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fedsec.aggregator_client.calls import Calls, route, seconds
+from fedsec.aggregator_client.limits import LONG_POLL_SLACK_S, MAX_JSON_BYTES, MAX_RECEIPT_BYTES
+from fedsec.aggregator_client.transport import Route
+from fedsec.errors import PayloadError
+from fedsec.protocol.wire import (
+    Accepted,
+    AdvertiseKeysBody,
+    ContributionStatement,
+    KeyListBody,
+    MaskedInputAnswer,
+    Receipt,
+    ShareKeysBody,
+    ShareRelayBody,
+    UnmaskRequestBody,
+    UnmaskResponseBody,
+    decode,
+)
+
+T = TypeVar("T")
+
+
+class StageCalls(Calls):
+    """``advertise`` … ``unmask``: one method per SecAgg+ stage endpoint."""
+
+    def _stage_query(self, attempt: int, wait: float) -> dict[str, int | str]:
+        query: dict[str, int | str] = {"attempt": attempt}
+        if wait > 0:
+            query["wait"] = seconds(wait)
+        return query
+
+    def _wait_timeout(self, wait: float) -> float | None:
+        """Client timeout for an answer the aggregator may hold ``wait`` seconds."""
+        return self.timeout_s + wait + LONG_POLL_SLACK_S if wait > 0 else None
+
+    async def _stage_json(
+        self,
+        stage: Route,
+        kind: type[T],
+        attempt: int,
+        wait: float,
+        what: str,
+        payload: Any = None,
+    ) -> T:
+        """A SecAgg+ stage request whose answer the aggregator may hold ``wait`` seconds."""
+        return await self._transport.json(
+            stage,
+            kind,
+            query=self._stage_query(attempt, wait),
+            payload=payload,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
+
+    async def advertise(
+        self, round: int, attempt: int, body: AdvertiseKeysBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/advertise``: our signed ephemeral public keys.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                share_keys; the answer then carries the key list (``keys``).
+        """
+        return await self._stage_json(
+            route("advertise", round=round),
+            Accepted,
+            attempt,
+            wait,
+            "advertise answer",
+            payload=body,
+        )
+
+    async def keys(self, round: int, attempt: int, wait: float = 0.0) -> KeyListBody:
+        """``GET /rounds/{r}/keys``: the relayed key list (long-polled up to ``wait`` s)."""
+        return await self._stage_json(
+            route("keys", round=round), KeyListBody, attempt, wait, "key list"
+        )
+
+    async def post_shares(
+        self, round: int, attempt: int, body: ShareKeysBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/shares``: our encrypted shares for relay.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                masked_input; the answer then carries our share relay (``relay``).
+        """
+        return await self._stage_json(
+            route("post_shares", round=round),
+            Accepted,
+            attempt,
+            wait,
+            "shares answer",
+            payload=body,
+        )
+
+    async def get_shares(self, round: int, attempt: int, wait: float = 0.0) -> ShareRelayBody:
+        """``GET /rounds/{r}/shares``: shares addressed to us and the participants
+        (long-polled up to ``wait`` s)."""
+        return await self._stage_json(
+            route("get_shares", round=round), ShareRelayBody, attempt, wait, "share relay"
+        )
+
+    async def masked_input(
+        self,
+        round: int,
+        attempt: int,
+        vector: bytes,
+        statement: ContributionStatement,
+        wait: float = 0.0,
+    ) -> tuple[Receipt, UnmaskRequestBody | None]:
+        """``POST /rounds/{r}/masked-input``: the packed vector with the signed contribution
+        statement (commitment and signature as query parameters).
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                the unmask stage (SecAgg+); the answer then carries our unmask request.
+
+        Returns:
+            The verified receipt, and the unmask request when one came with it.
+
+        Raises:
+            SignatureError: the receipt is not signed by the pinned aggregator key.
+        """
+        query = self._stage_query(attempt, wait)
+        query.update(commitment=statement.commitment, signature=statement.signature)
+        raw = await self._transport.request(
+            route("masked_input", round=round),
+            query=query,
+            body=vector,
+            content_type="application/octet-stream",
+            max_bytes=MAX_JSON_BYTES if wait > 0 else MAX_RECEIPT_BYTES,
+            what="receipt",
+            timeout_s=self._wait_timeout(wait),
+        )
+        if wait > 0:
+            try:
+                answer = decode(raw, MaskedInputAnswer, max_bytes=MAX_JSON_BYTES, what="receipt")
+            except PayloadError:
+                pass  # an aggregator that does not hold answers sends the bare receipt
+            else:
+                answer.receipt.verify(self.aggregator.public_bytes)
+                return answer.receipt, answer.unmask
+        return self._verified_receipt(raw), None
+
+    async def get_unmask(self, round: int, attempt: int, wait: float = 0.0) -> UnmaskRequestBody:
+        """``GET /rounds/{r}/unmask``: survivors and dropped members (long-polled up to
+        ``wait`` s)."""
+        return await self._stage_json(
+            route("get_unmask", round=round), UnmaskRequestBody, attempt, wait, "unmask request"
+        )
+
+    async def unmask(
+        self, round: int, attempt: int, body: UnmaskResponseBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/unmask``: our shares for unmasking.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the attempt is over;
+                the answer then carries the round state (``state``).
+        """
+        return await self._stage_json(
+            route("post_unmask", round=round),
+            Accepted,
+            attempt,
+            wait,
+            "unmask answer",
+            payload=body,
+        )

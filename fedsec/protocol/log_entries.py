@@ -1,0 +1,268 @@
+"""The body of every kind of transparency-log entry: one struct per kind, one registry.
+
+docs/audit-log.md §3 specifies each body for third-party verifiers; this module is the
+one place the code defines them.  The aggregator builds these structs and appends
+them, ``fedsec audit verify``, ``report`` and the auditor's tools decode bodies back
+into them.  A body is encoded as the JSON object of its fields (:func:`encode_body`),
+which the log line embeds in canonical form (:mod:`fedsec.protocol.log`); an optional
+field is omitted when absent (``omit_defaults``), exactly as the aggregator always
+wrote it, so the bytes of every line stay as they were.
+
+Decoding (:func:`decode_body`) is strict: an unknown or missing field, a value of the
+wrong type, or an optional field spelled out at its default is refused, so a body
+altered outside the schema is caught even before its chain and head are checked.
+
+Four kinds carry a signed object defined with the message it is: ``roster``
+(:class:`~fedsec.protocol.roster.RosterEntry`), ``round_spec``
+(:class:`~fedsec.protocol.wire.RoundSpec`) and ``privacy_report``
+(:class:`~fedsec.protocol.wire.PrivacyReport`) are registered as they are;
+``model_version`` is :class:`ModelVersionEntry`, the fields of a signed model manifest
+(``fedsec.modelfile.ModelManifest``, which this layer may not import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, Literal, TypeAlias, cast
+
+import msgspec
+
+from fedsec.errors import IntegrityError
+from fedsec.protocol.roster import RosterEntry
+from fedsec.protocol.stages import Stage
+from fedsec.protocol.wire import PrivacyReport, RoundSpec
+
+
+class _Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A log entry body: refuses unknown fields on decoding, keyword-only to build."""
+
+
+class GenesisEntry(_Body, frozen=True):
+    """Index 0: who the federation is and how it is configured."""
+
+    federation_id: str
+    aggregator_public_key: str  # hex Ed25519: heads, specs, manifests, receipts
+    admin_public_key: str  # hex Ed25519: roster entries
+    task: str
+    task_version: str
+    schema_fingerprint: str
+    server: dict[str, Any]  # the configuration's server section
+    round: dict[str, Any]  # the configuration's round section
+
+
+class RoundOpenEntry(_Body, frozen=True):
+    """An attempt opened for joining."""
+
+    round: int
+    attempt: int
+
+
+class AcceptedEntry(_Body, frozen=True, omit_defaults=True):
+    """A protocol message accepted (and archived before this entry was written)."""
+
+    round: int
+    attempt: int
+    stage: Stage
+    member: str
+    sha256: str  # of the message bytes: the archive object's name
+    bytes: int
+    # masked_input only: the member's signed contribution statement (docs §4)
+    commitment: str | None = None
+    signature: str | None = None
+
+
+class RefusedEntry(_Body, frozen=True, omit_defaults=True):
+    """A masked input refused; an aggregate entry (``suppressed`` set) stands for
+    refusals counted rather than logged one by one, described by the latest of them."""
+
+    round: int
+    attempt: int
+    stage: Stage
+    member: str
+    sha256: str  # of the refused bytes
+    code: str  # the error code the member was answered with
+    detail: str
+    suppressed: int | None = None  # aggregate entries: how many refusals this stands for
+    codes: dict[str, int] | None = None  # aggregate entries: code -> how many of those
+
+
+class AggregateEntry(_Body, frozen=True):
+    """A round attempt closed: what was summed, from whom, applied to what."""
+
+    round: int
+    attempt: int
+    survivors: list[str]
+    dropped: list[str]
+    sum_sha256: str
+    weight_sum: float
+    parent_version: int
+    optimizer: str
+    server_lr: float
+
+
+class ModelVersionEntry(_Body, frozen=True):
+    """A signed model manifest, field for field (``fedsec.modelfile.ModelManifest``)."""
+
+    federation_id: str
+    version: int
+    parent: int | None
+    round: int | None
+    sha256: str
+    created: float
+    metrics: dict[str, float]
+    kind: Literal["initial", "aggregate", "rollback"]
+    note: str
+    signature: str
+
+
+class RoundAbortedEntry(_Body, frozen=True):
+    """Too few members, or recovery impossible: a new attempt follows."""
+
+    round: int
+    attempt: int
+    detail: str
+
+
+class RollbackEntry(_Body, frozen=True):
+    """Follows a rollback model version: which version carries whose weights."""
+
+    version: int
+    weights_of: int | None
+    note: str
+
+
+class AlertEntry(_Body, frozen=True):
+    """An operator-visible warning."""
+
+    detail: str
+    time: float
+
+
+class ArchivePrunedEntry(_Body, frozen=True):
+    """Archive objects of rounds past retention, deleted after this entry is committed.
+
+    ``before_round``: every round below it is pruned; ``rounds``: those this entry
+    newly prunes, sorted; ``objects``: the sha256 names it deletes, sorted, no repeats;
+    ``retention_rounds``: the setting that chose them.  The retention rules are
+    :mod:`fedsec.archive`'s.
+    """
+
+    retention_rounds: int
+    before_round: int
+    rounds: list[int]
+    objects: list[str]
+
+
+class ChallengeEntry(_Body, frozen=True):
+    """An auditor's challenge of one member's contribution, drawn from a head's beacon."""
+
+    round: int
+    attempt: int
+    member: str
+    auditor: str
+    beacon_index: int
+    beacon: str  # sha256 hex of the head line at beacon_index
+    rate: float
+
+
+class RevealEntry(_Body, frozen=True):
+    """A member's sealed answer to a challenge, relayed (and archived)."""
+
+    round: int
+    attempt: int
+    member: str
+    auditor: str
+    sha256: str  # of the sealed ciphertext: the archive object's name
+    bytes: int
+
+
+class HeadEntry(_Body, frozen=True):
+    """The aggregator's signature over the chain up to the entry before this one."""
+
+    federation_id: str
+    signed_index: int
+    signed_hash: str
+    signature: str  # hex Ed25519, domain log-head
+
+
+LogBody: TypeAlias = (
+    GenesisEntry
+    | RosterEntry
+    | RoundOpenEntry
+    | RoundSpec
+    | AcceptedEntry
+    | RefusedEntry
+    | PrivacyReport
+    | AggregateEntry
+    | ModelVersionEntry
+    | RoundAbortedEntry
+    | RollbackEntry
+    | AlertEntry
+    | ArchivePrunedEntry
+    | ChallengeEntry
+    | RevealEntry
+    | HeadEntry
+)
+
+#: Every entry kind and the struct of its body: the one definition of the kinds.
+ENTRY_TYPES: Final[Mapping[str, type[msgspec.Struct]]] = {
+    "genesis": GenesisEntry,
+    "roster": RosterEntry,
+    "round_open": RoundOpenEntry,
+    "round_spec": RoundSpec,
+    "accepted": AcceptedEntry,
+    "refused": RefusedEntry,
+    "privacy_report": PrivacyReport,
+    "aggregate": AggregateEntry,
+    "model_version": ModelVersionEntry,
+    "round_aborted": RoundAbortedEntry,
+    "rollback": RollbackEntry,
+    "alert": AlertEntry,
+    "archive_pruned": ArchivePrunedEntry,
+    "challenge": ChallengeEntry,
+    "reveal": RevealEntry,
+    "head": HeadEntry,
+}
+_KIND_OF: Final[Mapping[type[msgspec.Struct], str]] = {t: k for k, t in ENTRY_TYPES.items()}
+
+
+def kind_of(body: LogBody | type[LogBody]) -> str:
+    """The entry kind of a body (or of a body struct).
+
+    Raises:
+        TypeError: not a log entry body.
+    """
+    cls = body if isinstance(body, type) else type(body)
+    try:
+        return _KIND_OF[cls]
+    except KeyError:
+        raise TypeError(f"{cls.__name__} is not a log entry body") from None
+
+
+def encode_body(body: LogBody) -> dict[str, Any]:
+    """The JSON-ready object a log line carries as ``body``."""
+    encoded: dict[str, Any] = msgspec.to_builtins(body)
+    return encoded
+
+
+def decode_body(kind: str, body: Mapping[str, Any]) -> LogBody:
+    """The struct of a logged ``body`` of ``kind``.
+
+    Raises:
+        IntegrityError: an unknown kind, or a body that is not exactly what the
+            aggregator writes for it (unknown, missing or mistyped fields, an optional
+            field given at its default).
+    """
+    cls = ENTRY_TYPES.get(kind)
+    if cls is None:
+        raise IntegrityError(f"unknown entry kind {kind!r}")
+    try:
+        decoded = cast(LogBody, msgspec.convert(body, cls))
+    except msgspec.ValidationError as exc:
+        raise IntegrityError(f"{kind} body does not match its schema: {exc}") from None
+    if encode_body(decoded) != body:
+        raise IntegrityError(
+            f"{kind} body is not in the form the aggregator writes (an optional field is "
+            "given at its default)"
+        )
+    return decoded
