@@ -8,17 +8,11 @@ is also trained centrally on the union of the agents' data for the same number o
 epochs, and the gap between the two is reported.
 
 Why a separate aggregator process: with everything in one event loop, the
-aggregator's request handling and 50 members' SecAgg+ client work serialise on one
-core.  On a 2-core machine (MNIST-1D, 50 members, 150 rounds) SecAgg+ rounds took
-2.15 s against 1.34 s plain in one process, and 1.66 s against 1.13 s with the
-aggregator in its own process.  Training on one thread per core, a frozen start-up
-heap and held stage answers (10 requests per member and round instead of 17) then
-brought them to 1.18 s against 0.89 s; cheaper request signing and the privacy
-report riding with the shares (9 requests) to 1.09-1.31 s against 1.01-1.13 s over
-150 rounds (4 interleaved pairs, wall ratio 1.10).  What remains is the members' own
-SecAgg+ work (per member and round ~42 X25519 agreements, 21 Ed25519 checks, Shamir
-shares, masks), which here runs 50 times over on one interpreter lock (a deployed agent
-does it once, on its own machine), and the unmask stage (~60 ms a round).
+aggregator's request handling and the members' SecAgg+ client work serialise on one
+core, so the timing would measure this harness rather than the protocol.  What remains
+in this process is the members' own SecAgg+ work, which a deployed agent does once, on
+its own machine; here it runs N times over on one interpreter lock.  Measurements of
+these choices: bench/results/simulation-notes.md.
 """
 
 from __future__ import annotations
@@ -66,11 +60,8 @@ from fedsec.tasks import TrainingParams, get_task, parse_partition
 
 # Per-task settings for federated runs where local data is small: a clip norm that
 # leaves typical update norms unclipped, and for MNIST-1D two local epochs of Adam with
-# plain FedAvg (server lr 1.0).  Measured with an in-process FedAvg sweep (50 members,
-# IID, 8-bit quantization): 5 local epochs with server lr 1.5 plateaued at 0.89-0.92 and
-# oscillated by ±1.5 pt from round to round; server lr 2.0 diverged; server momentum
-# 0.7-0.9 and FedAdam (0.01-0.03) learned slower; 2 epochs at server lr 1.0 rose
-# steadily to 0.919 (100 rounds) and 0.941 (150 rounds).
+# plain FedAvg (server lr 1.0), the setting that rose steadily in a FedAvg sweep
+# (bench/results/simulation-notes.md).
 SIM_DEFAULTS: dict[str, dict[str, Any]] = {
     "mnist1d": {
         "local_epochs": 2,

@@ -9,11 +9,11 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_crypto_identity import MALFORMED_SECRET_DOCUMENTS, RFC8032_PUBLIC
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import KeyFileError
 from fedsec.keys import load_identity, load_public_key, save_identity, save_public_key
+from tests.crypto.test_crypto_identity import MALFORMED_SECRET_DOCUMENTS, RFC8032_PUBLIC
 
 
 def test_save_writes_0600_and_load_round_trips(tmp_path: Path) -> None:

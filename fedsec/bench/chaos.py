@@ -53,13 +53,17 @@ from fedsec.bench.common import federation_status, free_port
 from fedsec.config import NetworkSection
 from fedsec.errors import ConfigError
 from fedsec.protocol import wire
+from fedsec.protocol.stages import SECAGG_STAGES
 
 TASK = "breast_cancer"
 PARTITION = "iid"
 DATA_SEED = 7
-#: One crash per stage, in the order a round goes through them.
-STAGE_POINTS = ("advertise", "share_keys", "masked_input:2", "unmask", "model_write")
-AGENT_STAGES = ("advertise", "share_keys", "masked_input")
+#: One aggregator crash per stage, in the order a round goes through them (masked_input
+#: after its second accepted message, and after the model file is written).
+_POINTS = [f"{s}:2" if s == "masked_input" else s for s in SECAGG_STAGES]
+STAGE_POINTS = (*_POINTS, "model_write")
+#: Agent crash points: right after each stage in which it sends before the unmask.
+AGENT_STAGES = SECAGG_STAGES[:-1]
 #: Stage deadlines.  "restart" deadlines outlast an aggregator restart (the clock keeps
 #: running while it is down; a stage whose deadline passed would close without the
 #: members that could not reach it); since stages close as soon as everyone answered,

@@ -1,0 +1,215 @@
+"""The endpoint table is the one list of routes: the router, the OpenAPI document and
+docs/api.md are generated from it, and the roles and body limits it declares are the
+ones the aggregator enforces."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
+
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http import app as aggregator_app
+from fedsec.aggregator.http import make_app
+from fedsec.aggregator.openapi import openapi_document
+from fedsec.crypto.httpsig import sign_request
+from fedsec.protocol import wire
+from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint, markdown_table
+from fedsec.protocol.limits import MAX_COUNT, MAX_ID
+from tests.support.aggregator import Federation, make_federation, snapshot
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+MAX_BODY = 4096
+MAX_JSON = 2048
+# one enrolled member per role
+CALLER = {"agent": "a0", "observer": "obs", "auditor": "aud"}
+SIGNED = [ep for ep in ENDPOINTS if ep.roles]
+
+
+def _id(ep: Endpoint) -> str:
+    return ep.name
+
+
+def _example_path(ep: Endpoint) -> str:
+    """The endpoint's path with every placeholder filled in."""
+    return re.sub(r"\{[a-z]+\}", "1", ep.template)
+
+
+def _placeholders(ep: Endpoint) -> set[str]:
+    return set(re.findall(r"\{([a-z]+)\}", ep.path))
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Federation:
+    return make_federation(
+        tmp_path / "ws",
+        agents=("a0", "a1", "a2"),
+        observers=("obs",),
+        auditors=("aud",),
+        server={"max_body_bytes": MAX_BODY, "max_json_bytes": MAX_JSON},
+        validation=False,
+    )
+
+
+Served = tuple[TestClient, Federation, Coordinator]
+
+
+@pytest_asyncio.fixture
+async def served(fed: Federation, aiohttp_client: Callable[..., Awaitable[TestClient]]) -> Served:
+    coord = Coordinator(fed.ws)
+    return await aiohttp_client(make_app(fed.ws, coord)), fed, coord
+
+
+async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[int, dict[str, str]]:
+    client, fed, _ = served
+    path = _example_path(ep)
+    headers = sign_request(fed.identities[who], ep.method, path, {}, body)
+    async with client.request(ep.method, path, data=body, headers=headers) as resp:
+        raw = await resp.read()
+        # a refusal is always JSON; an answer may be bytes (the model download)
+        return resp.status, json.loads(raw) if resp.content_type == "application/json" else {}
+
+
+# -- the table itself --------------------------------------------------------------------------
+
+
+def test_the_table_lists_22_distinct_routes() -> None:
+    assert len(ENDPOINTS) == 22  # 18 protocol routes + the 4 audit challenge/reveal routes
+    assert len(BY_NAME) == len(ENDPOINTS)
+    assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
+    assert all(ep.template.startswith(f"{wire.API_PREFIX}/") for ep in ENDPOINTS)
+
+
+def test_every_endpoint_has_a_handler_and_every_handler_an_endpoint() -> None:
+    assert set(aggregator_app._HANDLERS) == set(BY_NAME)
+    # one handler per endpoint: the handler is how a request finds its endpoint
+    assert len(set(aggregator_app._HANDLERS.values())) == len(ENDPOINTS)
+    for name, handler in aggregator_app._HANDLERS.items():
+        assert aggregator_app._ENDPOINT_OF[handler] is BY_NAME[name]
+
+
+@pytest.mark.parametrize("ep", ENDPOINTS, ids=_id)
+def test_path_parameters_are_the_templates_placeholders(ep: Endpoint) -> None:
+    path_params = {p.name for p in ep.params if p.where == "path"}
+    assert path_params == _placeholders(ep)
+    assert all(p.required for p in ep.params if p.where == "path")
+    assert len({(p.name, p.where) for p in ep.params}) == len(ep.params)
+
+
+def test_only_health_and_openapi_are_public() -> None:
+    assert [ep.name for ep in ENDPOINTS if not ep.roles] == ["health", "openapi"]
+
+
+def test_ids_in_paths_and_queries_are_bounded_like_the_wire() -> None:
+    ids = {"round", "attempt", "version"}
+    for ep in ENDPOINTS:
+        for p in ep.params:
+            if p.name in ids:
+                assert p.schema == {"type": "integer", "minimum": 0, "maximum": MAX_ID}, ep.name
+    token = BY_NAME["get_round"].params[0]
+    assert (token.name, token.schema["maximum"]) == ("wait", MAX_COUNT)
+
+
+def test_only_masked_input_and_reveals_take_large_bodies() -> None:
+    large = {ep.name for ep in ENDPOINTS if ep.body_limit == "binary"}
+    assert large == {"masked_input", "post_reveal"}
+
+
+# -- what is generated from it -----------------------------------------------------------------
+
+
+def test_the_router_serves_exactly_the_table(fed: Federation) -> None:
+    app = make_app(fed.ws, Coordinator(fed.ws))
+    routes = {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    }
+    assert routes == {(ep.method, ep.template) for ep in ENDPOINTS}
+    app[aggregator_app.NONCES].close()
+
+
+@pytest.mark.parametrize("ep", ENDPOINTS, ids=_id)
+def test_each_openapi_operation_is_its_endpoint(ep: Endpoint) -> None:
+    op = openapi_document()["paths"][ep.template][ep.method.lower()]
+    assert op["summary"] == ep.summary
+    assert ("security" in op and op["security"] == []) == (not ep.roles)
+    assert ("requestBody" in op) == (ep.request is not None)
+    params = [(p["name"], p["in"], p["required"], p["schema"]) for p in op.get("parameters", [])]
+    assert params == [(p.name, p.where, p.required, dict(p.schema)) for p in ep.params]
+    assert op["responses"]["200"]["description"] == ep.answer_note
+    # every signed operation but the model download documents its refusals
+    documents_refusals = bool(ep.roles) and ep.name != "model"
+    assert ("401" in op["responses"]) == documents_refusals
+
+
+def test_the_openapi_document_has_no_operation_outside_the_table() -> None:
+    paths = openapi_document()["paths"]
+    documented = {(path, method) for path, ops in paths.items() for method in ops}
+    assert documented == {(ep.template, ep.method.lower()) for ep in ENDPOINTS}
+
+
+def test_masked_input_answers_a_receipt_or_the_held_answer() -> None:
+    op = openapi_document()["paths"]["/v1/rounds/{round}/masked-input"]["post"]
+    schema = op["responses"]["200"]["content"]["application/json"]["schema"]
+    assert schema == {
+        "oneOf": [
+            {"$ref": "#/components/schemas/Receipt"},
+            {"$ref": "#/components/schemas/MaskedInputAnswer"},
+        ]
+    }
+    assert set(op["requestBody"]["content"]) == {"application/octet-stream"}
+
+
+def test_docs_api_md_holds_exactly_the_generated_table() -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    found = re.search(r"<!-- endpoints:begin[^>]*-->\n(.*?)<!-- endpoints:end -->", text, re.S)
+    assert found, "docs/api.md lost its endpoints:begin/end markers"
+    assert found.group(1) == markdown_table(), (
+        "docs/api.md is stale: regenerate its table with fedsec.protocol.endpoints.markdown_table()"
+    )
+    assert len(markdown_table().splitlines()) == 2 + len(ENDPOINTS)
+
+
+def test_the_wire_docstring_points_at_the_table_instead_of_copying_it() -> None:
+    assert wire.__doc__ is not None and "docs/api.md" in wire.__doc__
+    assert "/rounds/" not in wire.__doc__
+
+
+# -- what the aggregator enforces from it ------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ep", SIGNED, ids=_id)
+async def test_roles_outside_the_table_are_refused(served: Served, ep: Endpoint) -> None:
+    _, fed, coord = served
+    for role, who in CALLER.items():
+        before = snapshot(fed.ws, coord)
+        status, body = await _call(served, who, ep, b"")
+        if role in ep.roles:
+            assert not (status == 403 and "has role" in body.get("detail", "")), (role, body)
+        else:
+            assert (status, body["error"]) == (403, "forbidden"), (role, body)
+            assert f"has role {role}" in body["detail"]
+            assert snapshot(fed.ws, coord) == before
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ep", SIGNED, ids=_id)
+async def test_the_tables_body_limit_is_the_one_enforced(served: Served, ep: Endpoint) -> None:
+    _, fed, coord = served
+    who = CALLER[ep.roles[0]]
+    limit = MAX_BODY if ep.body_limit == "binary" else MAX_JSON
+    before = snapshot(fed.ws, coord)
+    status, body = await _call(served, who, ep, b"x" * (limit + 1))
+    assert (status, body["error"]) == (413, "payload_too_large"), body
+    assert snapshot(fed.ws, coord) == before
+    if ep.body_limit == "binary":
+        # over the JSON limit but within the binary one: read, then judged on content
+        status, body = await _call(served, who, ep, b"x" * (MAX_JSON + 1))
+        assert status == 400 and body["error"] != "payload_too_large", body
