@@ -5,7 +5,7 @@ desk, the HTTP layer) is written against these protocols only; :class:`StateStor
 joins them, with the transaction that makes a group of writes one atomic commit.
 :mod:`fedsec.aggregator.storage.sqlite` is the embedded implementation (SQLite in WAL
 mode); a replicated one (PostgreSQL) implements the same protocols and passes the
-same contract tests (``tests/test_storage.py``).
+same contract tests (``tests/aggregator/test_storage.py``).
 
 Rules every implementation keeps, because the round logic relies on them:
 
