@@ -54,11 +54,11 @@ from fedsec.protocol.wire import (
     Receipt,
     RoundSpec,
     RoundState,
-    TrainingSpec,
     UnmaskRequestBody,
 )
 from fedsec.tasks import get_task
 from fedsec.tasks.params import param_count
+from tests.support.agent import signed_spec
 
 AGGREGATOR = SigningIdentity(bytes(range(32, 64)))
 STRANGER = SigningIdentity(bytes(range(64, 96)))
@@ -87,32 +87,15 @@ def member(require_dp: bool = True) -> Member:
 
 
 def make_spec(cohort: tuple[str, ...] = ("alice",), **changes: Any) -> RoundSpec:
-    fields: dict[str, Any] = {
-        "federation_id": "fed",
-        "round": 1,
-        "attempt": 1,
-        "secure_sum": "none",
-        "model_version": 1,
-        "model_sha256": "ab" * 32,
-        "task": TASK.name,
-        "task_version": TASK.version,
-        "schema_fingerprint": TASK.schema.fingerprint(),
-        "cohort": sorted(cohort),
-        "neighbors": max(len(cohort) - 1, 0),
-        "threshold": 2,
-        "quant_bits": 8,
-        "ring_bits": 16,
-        "clip_norm": 1.0,
-        "dim": DIM,
-        "seed": "11" * 32,
-        "max_weight_samples": 1000,
-        "weight_caps": {},
-        "training": TrainingSpec(local_epochs=1, batch_size=32, lr=0.05, optimizer="sgd"),
-        "dp": DPSpec(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5),
-        "deadlines": {},
-    }
-    fields.update(changes)
-    return RoundSpec(**fields).sign(AGGREGATOR)
+    return signed_spec(
+        AGGREGATOR,
+        TASK,
+        federation_id="fed",
+        model_sha256="ab" * 32,
+        dim=DIM,
+        cohort=cohort,
+        **changes,
+    )
 
 
 def state(stage: str, spec: RoundSpec | None = None, token: int = 1, **changes: Any) -> RoundState:

@@ -82,13 +82,13 @@ from fedsec.protocol.wire import (
     RoundState,
     ShareKeysBody,
     ShareRelayBody,
-    TrainingSpec,
     UnmaskRequestBody,
     UnmaskResponseBody,
     encode,
 )
 from fedsec.tasks import get_task
 from fedsec.tasks.params import param_count, state_to_arrays
+from tests.support.agent import signed_spec
 
 AGGREGATOR = SigningIdentity(bytes(range(32, 64)))
 ADMIN = SigningIdentity(bytes(range(96, 128)))
@@ -113,32 +113,15 @@ MANIFEST = sign_manifest(
 
 
 def make_spec(cohort: tuple[str, ...] = ("alice",), **changes: Any) -> RoundSpec:
-    fields: dict[str, Any] = {
-        "federation_id": FED,
-        "round": 1,
-        "attempt": 1,
-        "secure_sum": "none",
-        "model_version": 1,
-        "model_sha256": MANIFEST.sha256,
-        "task": TASK.name,
-        "task_version": TASK.version,
-        "schema_fingerprint": TASK.schema.fingerprint(),
-        "cohort": sorted(cohort),
-        "neighbors": max(len(cohort) - 1, 0),
-        "threshold": 2,
-        "quant_bits": 8,
-        "ring_bits": 16,
-        "clip_norm": 1.0,
-        "dim": DIM,
-        "seed": "11" * 32,
-        "max_weight_samples": 1000,
-        "weight_caps": {},
-        "training": TrainingSpec(local_epochs=1, batch_size=32, lr=0.05, optimizer="sgd"),
-        "dp": DPSpec(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5),
-        "deadlines": {},
-    }
-    fields.update(changes)
-    return RoundSpec(**fields).sign(AGGREGATOR)
+    return signed_spec(
+        AGGREGATOR,
+        TASK,
+        federation_id=FED,
+        model_sha256=MANIFEST.sha256,
+        dim=DIM,
+        cohort=cohort,
+        **changes,
+    )
 
 
 def make_config(
