@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 from aiohttp import web
 
 from fedsec.aggregator.http.keys import BODY_READ, Handler
 from fedsec.aggregator.http.limits import MAX_DETAIL_CHARS, REFUSAL_LOG_PER_S
-from fedsec.aggregator.transport import CLIENT_FAULTS
+from fedsec.aggregator.transport import CLIENT_FAULTS, ThrottledLog
 from fedsec.errors import FedsecError, RetryLater
 from fedsec.protocol import wire
 
@@ -40,37 +39,9 @@ def quote(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
 
 
-class RefusalLog:
-    """INFO lines for refused requests, at most ``per_s`` a second; the rest are counted
-    and the count is reported with the next line that gets through."""
-
-    def __init__(self, per_s: int) -> None:
-        self._per_s = per_s
-        self._second = 0
-        self._lines = 0
-        self._suppressed = 0
-
-    def refused(self, request: web.Request, code: str, status: int, detail: str) -> None:
-        second = int(time.monotonic())
-        if second != self._second:
-            self._second, self._lines = second, 0
-        if self._lines >= self._per_s:
-            self._suppressed += 1
-            return
-        self._lines += 1
-        suppressed, self._suppressed = self._suppressed, 0
-        log.info(
-            "event=refused method=%s path=%s code=%s status=%d detail=%r suppressed=%d",
-            request.method,
-            quote(request.path, 120),
-            code,
-            status,
-            quote(detail, 200),
-            suppressed,
-        )
-
-
-_REFUSALS = RefusalLog(REFUSAL_LOG_PER_S)
+# Refusals share the transport's throttle: at most REFUSAL_LOG_PER_S lines a second,
+# the rest counted and reported with the next line that gets through.
+_REFUSALS = ThrottledLog(log, lines=REFUSAL_LOG_PER_S, window_s=1.0)
 
 
 def refusal(request: web.Request, code: str, status: int, detail: str) -> web.Response:
@@ -78,7 +49,14 @@ def refusal(request: web.Request, code: str, status: int, detail: str) -> web.Re
 
     A request whose body was not read is answered on a closing connection.
     """
-    _REFUSALS.refused(request, code, status, detail)
+    _REFUSALS.info(
+        "event=refused method=%s path=%s code=%s status=%d detail=%r",
+        request.method,
+        quote(request.path, 120),
+        code,
+        status,
+        quote(detail, 200),
+    )
     response = json_response(wire.ErrorBody(error=code, detail=quote(detail)), status)
     if not request.get(BODY_READ) and (request.content_length or request.body_exists):
         # the body was not read (refused before authentication, or too large): close
