@@ -43,6 +43,8 @@ class Calls:
             PayloadError: not a receipt.
             SignatureError: not signed by the pinned key.
         """
-        receipt = decode(raw, Receipt, max_bytes=MAX_RECEIPT_BYTES, what="receipt")
+        receipt = decode(
+            raw, Receipt, max_bytes=MAX_RECEIPT_BYTES, what="receipt", unique_keys=False
+        )
         receipt.verify(self.aggregator.public_bytes)
         return receipt

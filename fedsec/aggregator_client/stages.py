@@ -142,7 +142,13 @@ class StageCalls(Calls):
         )
         if wait > 0:
             try:
-                answer = decode(raw, MaskedInputAnswer, max_bytes=MAX_JSON_BYTES, what="receipt")
+                answer = decode(
+                    raw,
+                    MaskedInputAnswer,
+                    max_bytes=MAX_JSON_BYTES,
+                    what="receipt",
+                    unique_keys=False,
+                )
             except PayloadError:
                 pass  # an aggregator that does not hold answers sends the bare receipt
             else:

@@ -336,7 +336,7 @@ class Transport:
             what=what,
             timeout_s=timeout_s,
         )
-        return decode(raw, kind, max_bytes=max_bytes, what=what)
+        return decode(raw, kind, max_bytes=max_bytes, what=what, unique_keys=False)
 
 
 async def read_limited(

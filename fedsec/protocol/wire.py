@@ -441,11 +441,11 @@ def parse_uint(raw: str, what: str, max_value: int = MAX_ID) -> int:
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    found = dict(pairs)
-    if len(found) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise PayloadError(f"duplicate JSON key {dup[:64]!r}: each key may appear once")
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise PayloadError(f"duplicate JSON key {key[:64]!r}: each key may appear once")
+        found[key] = value
     return found
 
 
@@ -454,8 +454,13 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _DUPLICATE_CHECK: Final = json.JSONDecoder(object_pairs_hook=_refuse_duplicate_keys)
 
 
-def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:
+def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str, unique_keys: bool = True) -> T:
     """Decode a JSON body into ``kind``, checking its size first.
+
+    ``unique_keys`` parses the body a second time (stdlib scanner) to refuse a key
+    given twice; a request body must mean one thing to every reader.  The agent's
+    client turns it off for the aggregator's answers, whose signed parts it verifies
+    over their canonical re-encoding, so a repeated key there changes nothing signed.
 
     Raises:
         PayloadTooLarge: more than ``max_bytes``.
@@ -470,6 +475,8 @@ def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:
         raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
     except msgspec.DecodeError as exc:
         raise PayloadError(f"{what} is not valid JSON: {str(exc)[:300]}") from None
+    if not unique_keys:
+        return value
     try:
         _DUPLICATE_CHECK.decode(raw.decode("utf-8"))
     except PayloadError as exc:
