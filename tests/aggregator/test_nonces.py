@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fedsec.aggregator.nonces import PURGE_EVERY, PersistentNonceStore
 from fedsec.aggregator.ratelimit import MemberRateLimit
-from fedsec.aggregator.replay import PURGE_EVERY, PersistentNonceStore
 from fedsec.crypto.httpsig import RequestVerifier, sign_request
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import RateLimited, ReplayError

@@ -338,9 +338,9 @@ def test_sqlite_file_is_wal_synchronous_full_with_the_released_schema(tmp_path: 
 # -- the round logic depends on the interfaces only ----------------------------------------
 
 _AGGREGATOR = Path(__file__).resolve().parents[2] / "fedsec" / "aggregator"
-# Only the workspace opens concrete stores; the nonce replay cache (replay.py) is the
+# Only the workspace opens concrete stores; the nonce replay cache (nonces.py) is the
 # HTTP layer's own SQLite file, not aggregator state.
-_OPENS_STORES = {"workspace.py", "replay.py"}
+_OPENS_STORES = {"workspace.py", "nonces.py"}
 _ROUND_LOGIC = sorted(
     path
     for path in _AGGREGATOR.rglob("*.py")

@@ -34,8 +34,8 @@ from fedsec.aggregator.http.keys import (
 )
 from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
 from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
+from fedsec.aggregator.nonces import NONCE_DB, PersistentNonceStore
 from fedsec.aggregator.ratelimit import MemberRateLimit
-from fedsec.aggregator.replay import NONCE_DB, PersistentNonceStore
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier
 from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint

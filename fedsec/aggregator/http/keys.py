@@ -15,8 +15,8 @@ from aiohttp import web
 
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.nonces import PersistentNonceStore
 from fedsec.aggregator.ratelimit import MemberRateLimit
-from fedsec.aggregator.replay import PersistentNonceStore
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier, SignedHeaders
 from fedsec.protocol.endpoints import Endpoint
