@@ -126,8 +126,44 @@ DOCS: dict[str, str] = {
     "server.tls_cert": "PEM certificate for HTTPS; empty = plain HTTP (requests are still "
     "signed; use only behind a TLS-terminating proxy or on loopback).",
     "server.tls_key": "PEM private key matching tls_cert; set both or neither.",
-    "validation.enabled": "Score each new global model on the aggregator's validation split "
-    "and alert on degradation.",
+    "validation.enabled": "Score each new global model on the aggregator's validation split; "
+    "the scores feed the dashboard, /metrics and the degradation alert ([alerts]).",
+    "alerts.stall_s": "Raise round_stalled when the attempt in progress has not changed "
+    "stage for this many seconds; 900 s is past every default stage deadline (the longest, "
+    "masked input, is open_s + masked_s = 660 s), so only a stuck round trips it.",
+    "alerts.degradation_window": "Validation degradation compares the newest model version "
+    "with the best of the previous W scored versions; 5 rides out one noisy DP round.",
+    "alerts.accuracy_drop": "Raise validation_degraded when accuracy falls more than this "
+    "(absolute, 0.05 = 5 points) below the best of the window; DP noise moves it 1-2 points.",
+    "alerts.loss_rise": "Also raise it when the loss rises more than this fraction above the "
+    "lowest of the window (0.5 = 50 %); 0 turns the loss check off.",
+    "alerts.participation_min": "Raise participation_dropped when an attempt ends with fewer "
+    "accepted contributions than this share of its cohort; 0.5 = half the cohort fell away.",
+    "alerts.refusals_per_member": "Raise member_refused when one member's contributions are "
+    "refused this many times within refusals_window_s; an honest member meets one or two.",
+    "alerts.refusals_window_s": "The window of refusals_per_member, in seconds.",
+    "alerts.budget_fraction": "Raise member_near_budget when a member's reported epsilon "
+    "reaches this share of its budget (declared in its signed report, else epsilon_budget).",
+    "alerts.epsilon_budget": "Budget assumed for members whose reports declare none; 0 = only "
+    "members that declare a budget are checked.",
+    "alerts.webhooks": "URLs each alert is POSTed to as JSON, signed with the aggregator's key "
+    "(RFC 9421, like members' requests); empty = none. Delivery never blocks a round.",
+    "alerts.webhook_timeout_s": "Seconds one webhook delivery may take; 5 s.",
+    "alerts.webhook_attempts": "Deliveries tried per alert and URL before giving up (logged); "
+    "8 with the backoff below spans about 4 minutes of receiver outage.",
+    "alerts.webhook_backoff_s": "Delay before the first retry; doubles per retry up to 60 s.",
+    "dashboard.enabled": "Serve the read-only operator dashboard at /dashboard.",
+    "dashboard.loopback_open": "Let requests from loopback (127.0.0.1, ::1, with a loopback "
+    "Host) see the dashboard without a token, for the operator on the aggregator's machine; "
+    "turn off when a reverse proxy on the same machine forwards outside requests.",
+    "dashboard.token_ttl_s": "Default lifetime of a dashboard or scrape token issued by "
+    "`fedsec aggregator dashboard-token`; 8 h, one working day.",
+    "dashboard.push_interval_s": "Shortest interval between two live updates pushed to an open "
+    "dashboard; 1 s is live to the eye and bounds the aggregator's cost per viewer.",
+    "metrics.access": "Who may scrape /metrics: loopback (no token from 127.0.0.1/::1, a "
+    "token otherwise), token (always a metrics-scope token) or open (anyone).",
+    "metrics.member_labels": "Export per-member series (epsilon reported); turn off when member "
+    "ids must not reach the monitoring system.",
     "audit.archive_retention_rounds": "Closed rounds whose archived protocol messages are kept; "
     "0 = keep forever, so anyone holding the archive can re-run every aggregate. N keeps the "
     "newest N; older rounds are pruned under a signed archive_pruned log entry.",
@@ -237,6 +273,34 @@ class AuditSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     archive_retention_rounds: int = 0
 
 
+class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    stall_s: float = 900.0
+    degradation_window: int = 5
+    accuracy_drop: float = 0.05
+    loss_rise: float = 0.5
+    participation_min: float = 0.5
+    refusals_per_member: int = 10
+    refusals_window_s: float = 600.0
+    budget_fraction: float = 0.9
+    epsilon_budget: float = 0.0
+    webhooks: list[str] = []
+    webhook_timeout_s: float = 5.0
+    webhook_attempts: int = 8
+    webhook_backoff_s: float = 1.0
+
+
+class DashboardSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    loopback_open: bool = True
+    token_ttl_s: float = 8 * 3600.0
+    push_interval_s: float = 1.0
+
+
+class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    access: Literal["loopback", "token", "open"] = "loopback"
+    member_labels: bool = True
+
+
 class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything the aggregator needs to run a federation (``federation.toml``)."""
 
@@ -247,6 +311,9 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     validation: ValidationSection = msgspec.field(default_factory=ValidationSection)
     audit: AuditSection = msgspec.field(default_factory=AuditSection)
+    alerts: AlertsSection = msgspec.field(default_factory=AlertsSection)
+    dashboard: DashboardSection = msgspec.field(default_factory=DashboardSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
 
 # -- agent.toml ------------------------------------------------------------------------
@@ -411,6 +478,50 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         missing = "server.tls_key" if s.tls_cert else "server.tls_cert"
         p.fail(missing, "must be set when the other of tls_cert/tls_key is set")
     p.int_range("audit.archive_retention_rounds", cfg.audit.archive_retention_rounds, 0)
+    al = cfg.alerts
+    p.positive("alerts.stall_s", al.stall_s)
+    p.int_range("alerts.degradation_window", al.degradation_window, 1, 1000)
+    p.require(
+        0 < al.accuracy_drop <= 1, "alerts.accuracy_drop", "a number in (0, 1]", al.accuracy_drop
+    )
+    p.require(
+        math.isfinite(al.loss_rise) and al.loss_rise >= 0,
+        "alerts.loss_rise",
+        "a number >= 0",
+        al.loss_rise,
+    )
+    p.require(
+        0 <= al.participation_min <= 1,
+        "alerts.participation_min",
+        "a number in [0, 1]",
+        al.participation_min,
+    )
+    p.int_range("alerts.refusals_per_member", al.refusals_per_member, 1)
+    p.positive("alerts.refusals_window_s", al.refusals_window_s)
+    p.require(
+        0 < al.budget_fraction <= 1,
+        "alerts.budget_fraction",
+        "a number in (0, 1]",
+        al.budget_fraction,
+    )
+    p.require(
+        math.isfinite(al.epsilon_budget) and al.epsilon_budget >= 0,
+        "alerts.epsilon_budget",
+        "a number >= 0",
+        al.epsilon_budget,
+    )
+    for i, url in enumerate(al.webhooks):
+        p.require(
+            url.startswith(("http://", "https://")) and len(url) > 8,
+            f"alerts.webhooks[{i}]",
+            "an http:// or https:// URL",
+            url,
+        )
+    p.positive("alerts.webhook_timeout_s", al.webhook_timeout_s)
+    p.int_range("alerts.webhook_attempts", al.webhook_attempts, 1, 100)
+    p.positive("alerts.webhook_backoff_s", al.webhook_backoff_s)
+    p.positive("dashboard.token_ttl_s", cfg.dashboard.token_ttl_s)
+    p.positive("dashboard.push_interval_s", cfg.dashboard.push_interval_s)
     return p.items
 
 

@@ -14,6 +14,7 @@ model trained centrally for comparison.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -52,6 +53,21 @@ def _wait_for_serve(info: Path, proc: subprocess.Popen[bytes], deadline: float) 
             return str(json.loads(info.read_text())["url"])
         time.sleep(0.1)
     raise ConfigError("the aggregator did not start within its deadline")
+
+
+def _linger(url: str, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """On a terminal, keep the aggregator serving its dashboard after the last round
+    until Enter or Ctrl-C, so a newcomer can look; without one (CI, a pipe), go on."""
+    if not sys.stdin.isatty():
+        return
+    for name, proc in procs.items():
+        if name != "aggregator" and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    click.echo("")
+    click.echo(f"the federation finished; the aggregator keeps serving {url}/dashboard")
+    click.echo("press Enter (or Ctrl-C) to stop it")
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.stdin.readline()
 
 
 def _row(s: wire.RoundSummary, agents: int) -> str:
@@ -166,6 +182,8 @@ def demo(
         )
         url = _wait_for_serve(root / "aggregator" / "serve.json", procs["aggregator"], deadline)
         click.echo(f"aggregator: {url} (log: {logs / 'aggregator.log'})")
+        click.echo(f"dashboard: {url}/dashboard")
+        click.echo(f"metrics: {url}/metrics")
         for i, a in enumerate(local):
             cfg = agent_config(
                 a,
@@ -216,6 +234,7 @@ def demo(
             raise ConfigError(
                 f"the demo did not finish within {DEMO_TIMEOUT_S:.0f} s; logs in {logs}"
             )
+        _linger(url, procs)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -18,10 +18,13 @@ from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import (
     AgentConfig,
     AgentSection,
+    AlertsSection,
+    DashboardSection,
     DataSection,
     DPSection,
     FederationConfig,
     FederationSection,
+    MetricsSection,
     NetworkSection,
     PrivacySection,
     RoundSection,
@@ -58,6 +61,9 @@ def federation_toml(
     training: dict[str, Any] | None = None,
     dp: dict[str, Any] | None = None,
     server: dict[str, Any] | None = None,
+    alerts: dict[str, Any] | None = None,
+    dashboard: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> str:
     """A federation.toml with the given overrides of each section's defaults."""
     cfg = FederationConfig(
@@ -66,6 +72,9 @@ def federation_toml(
         training=TrainingSection(**(training or {})),
         dp=DPSection(**(dp or {})),
         server=ServerSection(**(server or {})),
+        alerts=AlertsSection(**(alerts or {})),
+        dashboard=DashboardSection(**(dashboard or {})),
+        metrics=MetricsSection(**(metrics or {})),
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
 

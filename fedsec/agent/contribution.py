@@ -43,6 +43,7 @@ def privacy_report(
         steps=charged.steps,
         samples=member.samples,
         trained_round=charged.trained_round,
+        epsilon_budget=member.privacy_epsilon,
     ).sign(member.identity)
 
 

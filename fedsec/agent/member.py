@@ -21,3 +21,4 @@ class Member:
     dim: int  # parameters of the local model
     privacy_delta: float
     require_dp: bool
+    privacy_epsilon: float = 0.0  # the budget for this dataset (privacy.epsilon); 0 = unsaid

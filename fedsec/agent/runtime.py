@@ -232,6 +232,7 @@ class AgentRuntime:
             dim=param_count(local.task.build_model(0)),
             privacy_delta=self.config.privacy.delta,
             require_dp=self.config.privacy.require_dp,
+            privacy_epsilon=self.config.privacy.epsilon,
         )
 
     # -- main loop ------------------------------------------------------------------

@@ -171,3 +171,144 @@ def status_cmd(workspace: Path) -> None:
         )
     click.echo(f"latest model version: {ws.models.latest().version}")
     ws.close()
+
+
+@aggregator.command("dashboard-token")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--observer", required=True, help="an active observer of the roster")
+@click.option(
+    "--scope",
+    type=click.Choice(["dashboard", "metrics"]),
+    default="dashboard",
+    show_default=True,
+    help="dashboard: the dashboard in a browser; metrics: the /metrics scrape",
+)
+@click.option(
+    "--ttl-s",
+    type=float,
+    default=None,
+    help="lifetime in seconds (default: dashboard.token_ttl_s; at most 30 days)",
+)
+def dashboard_token(workspace: Path, observer: str, scope: str, ttl_s: float | None) -> None:
+    """Issue a token for an observer (printed once; only its hash is stored)."""
+    import time
+
+    from fedsec.aggregator.ops import tokens
+
+    ws = Workspace.open(workspace)
+    try:
+        ttl = ttl_s if ttl_s is not None else ws.config.dashboard.token_ttl_s
+        token, row = tokens.issue(
+            ws.state.tokens,
+            ws.roster,
+            observer,
+            scope,  # type: ignore[arg-type]
+            ttl,
+            time.time(),
+        )
+        cfg = ws.config.server
+        click.echo(token)
+        click.echo(
+            f"{scope} token for {observer}, id {row.sha256[:12]}, expires "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(row.expires_at))}",
+            err=True,
+        )
+        if scope == "dashboard":
+            click.echo(f"open: http://{cfg.host}:{cfg.port}/dashboard?token={token}", err=True)
+        else:
+            click.echo("scrape with the header  Authorization: Bearer <token>", err=True)
+    finally:
+        ws.close()
+
+
+@aggregator.group()
+def tokens() -> None:
+    """List or revoke observers' dashboard and scrape tokens."""
+
+
+@tokens.command("list")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+def tokens_list(workspace: Path) -> None:
+    """Every token issued: id (hash prefix), observer, scope, expiry, state."""
+    import time
+
+    ws = Workspace.open(workspace)
+    try:
+        now = time.time()
+        for row in ws.state.tokens.all():
+            state = "revoked" if row.revoked else "expired" if now >= row.expires_at else "valid"
+            expires = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.expires_at))
+            click.echo(f"{row.sha256[:12]}  {row.observer}  {row.scope}  {expires} UTC  {state}")
+    finally:
+        ws.close()
+
+
+@tokens.command("revoke")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--id", "token_id", required=True, help="the id `tokens list` shows")
+def tokens_revoke(workspace: Path, token_id: str) -> None:
+    """Revoke a token at once (a serving aggregator refuses it from its next request)."""
+    ws = Workspace.open(workspace)
+    try:
+        found = [r for r in ws.state.tokens.all() if r.sha256.startswith(token_id.lower())]
+        if len(token_id) < 8 or len(found) != 1:
+            raise ConfigError(f"--id {token_id!r} names {len(found)} tokens; give 8+ hex digits")
+        ws.state.tokens.revoke(found[0].sha256)
+        click.echo(f"revoked {found[0].sha256[:12]} ({found[0].observer}, {found[0].scope})")
+    finally:
+        ws.close()
+
+
+@aggregator.group()
+def alerts() -> None:
+    """Operator alerts: list them, acknowledge them."""
+
+
+@alerts.command("list")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--all", "show_all", is_flag=True, help="acknowledged ones too")
+@click.option("--json", "as_json", is_flag=True)
+def alerts_list(workspace: Path, show_all: bool, as_json: bool) -> None:
+    """Open alerts (newest first); with --all, the history."""
+    import time
+
+    from fedsec.aggregator.ops.dashboard import alert_view
+    from fedsec.protocol import wire
+
+    ws = Workspace.open(workspace)
+    try:
+        rows = [r for r in ws.state.alerts.recent(10_000) if show_all or r.acked_at is None]
+        if as_json:
+            click.echo(wire.encode([alert_view(r) for r in rows]).decode())
+            return
+        for r in rows:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.raised_at))
+            state = f"acknowledged by {r.acked_by}" if r.acked_at is not None else "OPEN"
+            click.echo(f"#{r.id}  {when} UTC  {r.kind}  {state}\n    {r.detail}")
+        if not rows:
+            click.echo("no open alerts" if not show_all else "no alerts")
+    finally:
+        ws.close()
+
+
+@alerts.command("ack")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--id", "alert_id", type=int, required=True)
+@click.option("--by", default="operator", show_default=True, help="who acknowledges")
+def alerts_ack(workspace: Path, alert_id: int, by: str) -> None:
+    """Acknowledge an alert: it leaves the open list; the same alert may be raised again."""
+    import time
+
+    from fedsec.errors import NotFound
+
+    ws = Workspace.open(workspace)
+    try:
+        row = ws.state.alerts.get(alert_id)
+        if row is None:
+            raise NotFound(f"no alert #{alert_id}")
+        if not ws.state.alerts.ack(alert_id, by, time.time()):
+            click.echo(f"alert #{alert_id} was already acknowledged by {row.acked_by}")
+            return
+        click.echo(f"acknowledged #{alert_id} ({row.kind}: {row.detail})")
+    finally:
+        ws.close()

@@ -26,10 +26,12 @@ import msgspec
 import numpy as np
 
 from fedsec.aggregator.optimizers import make_optimizer
+from fedsec.aggregator.rounds.alerts import AlertDesk
 from fedsec.aggregator.rounds.apply import ModelApplier
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext
+from fedsec.aggregator.rounds.events import EventBus, ModelProblem
 from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
@@ -55,10 +57,11 @@ class Coordinator:
         clock: time source (tests pass a fake one).
         on_change: called whenever something an agent may be waiting for changed.
         faults: crash points for chaos tests (:mod:`fedsec.faults`); none in production.
+        events: the event bus to announce on; listeners subscribed before construction
+            also hear what start-up finds (e.g. an unusable stored model).
 
     Attributes:
         token: changes whenever something an agent may be waiting for changed.
-        alerts: operator alerts raised since start-up, oldest first.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Coordinator:
         on_change: Callable[[], None] | None = None,
         *,
         faults: Faults = NO_FAULTS,
+        events: EventBus | None = None,
     ) -> None:
         self.ws = workspace
         self.on_change = on_change
@@ -88,8 +92,17 @@ class Coordinator:
             clock=clock,
             faults=faults,
         )
-        ctx = RoundContext(workspace, clock, self.trail, self.task, dim, self._changed, faults)
-        self._ctx, self.alerts = ctx, ctx.alerts
+        ctx = RoundContext(
+            workspace,
+            clock,
+            self.trail,
+            self.task,
+            dim,
+            self._changed,
+            faults,
+            events or EventBus(),
+        )
+        self._ctx = ctx
         _start_log(self.trail, workspace, self.task)
         self._roster_serial = workspace.roster.serial
         _report_model_problems(ctx)
@@ -108,6 +121,34 @@ class Coordinator:
             self.on_change()
 
     # -- what the HTTP layer and operators ask ----------------------------------------------------
+
+    @property
+    def events(self) -> EventBus:
+        """Where the engine announces rounds, stages, contributions and alerts."""
+        return self._ctx.events
+
+    @property
+    def alert_desk(self) -> AlertDesk:
+        """Raising and acknowledging operator alerts."""
+        return self._ctx.alerts
+
+    @property
+    def alerts(self) -> list[str]:
+        """The details of the newest 50 alerts, oldest first (``GET /v1/status``)."""
+        return [row.detail for row in reversed(self._ctx.alerts.recent(50))]
+
+    @property
+    def context(self) -> RoundContext:
+        """The engine's shared context (operations read the clock, config and state)."""
+        return self._ctx
+
+    def deadline(self) -> float:
+        """When the stage in progress closes at the latest (inf: no deadline, e.g. open)."""
+        return self._lifecycle.deadline(self.live)
+
+    @property
+    def rounds_completed(self) -> int:
+        return self._lifecycle.rounds_completed
 
     @property
     def live(self) -> Attempt:
@@ -295,9 +336,12 @@ def _start_log(trail: AuditTrail, ws: Workspace, task: Task) -> None:
 def _report_model_problems(ctx: RoundContext) -> None:
     latest = ctx.ws.models.latest()
     for problem in ctx.ws.models.problems():
+        ctx.emit(ModelProblem(problem.version, problem.reason, latest.version))
         ctx.alert(
+            "model_unusable",
+            f"model {problem.version}",
             f"model version {problem.version} is unusable ({problem.reason}); "
-            f"serving the last good version {latest.version}"
+            f"serving the last good version {latest.version}",
         )
 
 

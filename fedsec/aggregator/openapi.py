@@ -14,12 +14,16 @@ from fedsec.protocol.endpoints import ENDPOINTS, Endpoint, Opaque, Param, Payloa
 
 _SIGNED = "RFC 9421 HTTP Message Signature (Ed25519) of a roster member"
 
-_PUBLIC = " and ".join(ep.path for ep in ENDPOINTS if not ep.roles)
+_PUBLIC = " and ".join(ep.template for ep in ENDPOINTS if ep.auth == "none")
+_TOKEN = " and ".join(ep.template for ep in ENDPOINTS if ep.auth == "token")
 _DESCRIPTION = (
-    f"Every request but {_PUBLIC} is signed (RFC 9421, Ed25519) by an "
-    "active roster key; the signature, key, role, created time, nonce and the key's rate "
-    "are checked before the body is read. Errors are JSON {error, detail}. "
+    f"Every request but {_PUBLIC} (public), {_TOKEN} (an observer's bearer token, or "
+    "loopback where configured) and the alert acknowledgement (the alert's capability) "
+    "is signed (RFC 9421, Ed25519) by an active roster key; the signature, key, role, "
+    "created time, nonce and the key's rate are checked before the body is read. Errors "
+    "are JSON {error, detail}. "
 )
+_BEARER = "a dashboard- or metrics-scope token from `fedsec aggregator dashboard-token`"
 
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 
@@ -76,8 +80,14 @@ def _responses(ep: Endpoint) -> dict[str, Any]:
         ok["content"] = content
     # public routes refuse nothing of note; the model download has never listed its
     # refusals (kept so the document stays what clients were generated from)
-    if not ep.roles or _binary(ep.response):
+    if ep.auth == "none" or _binary(ep.response):
         return {"200": ok}
+    if ep.auth != "signature":
+        kept = ("400", "401", "403", "404") if ep.capability else ("400", "401", "403")
+        errors = _errors()
+        if ep.capability:
+            errors["404"] = {**errors["400"], "description": "no such alert"}
+        return {"200": ok, **{code: errors[code] for code in kept}}
     return {"200": ok, **_errors()}
 
 
@@ -95,7 +105,9 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         op["parameters"] = [_parameter(p) for p in ep.params]
     if ep.request is not None:
         op["requestBody"] = {"required": True, "content": _content(ep.request)}
-    if not ep.roles:
+    if ep.auth == "token":
+        op["security"] = [{"bearer": []}, {}]
+    elif ep.auth != "signature":
         op["security"] = []
     return op
 
@@ -120,7 +132,8 @@ def openapi_document() -> dict[str, Any]:
         "components": {
             "schemas": components,
             "securitySchemes": {
-                "httpsig": {"type": "http", "scheme": "signature", "description": _SIGNED}
+                "httpsig": {"type": "http", "scheme": "signature", "description": _SIGNED},
+                "bearer": {"type": "http", "scheme": "bearer", "description": _BEARER},
             },
         },
         "security": [{"httpsig": []}],

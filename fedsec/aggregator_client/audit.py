@@ -11,6 +11,8 @@ from fedsec.protocol.wire import (
     Reveal,
     RevealBody,
     RevealList,
+    VerdictReceipt,
+    VerdictSubmission,
 )
 
 
@@ -41,4 +43,10 @@ class AuditCalls(Calls):
         """``GET /audit/reveals`` (auditor role): reveals sealed to us."""
         return await self._transport.json(
             route("get_reveals"), RevealList, what="reveals", max_bytes=DEFAULT_MAX_MODEL_BYTES
+        )
+
+    async def submit_verdicts(self, submission: VerdictSubmission) -> VerdictReceipt:
+        """``POST /audit/verdicts`` (auditor role): our control-sample verdicts."""
+        return await self._transport.json(
+            route("post_verdicts"), VerdictReceipt, payload=submission, what="verdict receipt"
         )

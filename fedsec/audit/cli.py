@@ -270,6 +270,12 @@ def report_cmd(
     default=None,
     help="write the verdicts as JSON (for `fedsec audit report --verdicts`)",
 )
+@click.option(
+    "--submit/--no-submit",
+    default=False,
+    help="also send the verdicts to the aggregator (signed): the dashboard shows them and "
+    "a failed one raises an audit_failed alert",
+)
 def check_cmd(
     url: str,
     key: Path,
@@ -277,11 +283,13 @@ def check_cmd(
     workspace: Path,
     control_sample: Path,
     out: Path | None,
+    submit: bool,
 ) -> None:
     """Open the reveals sealed to this auditor and judge each against the control sample."""
     import asyncio
 
     from fedsec.audit.check import check_reveals
+    from fedsec.protocol import wire
 
     ws = find_workspace(workspace)
     identity, client = _auditor_client(url, key, aggregator_key)
@@ -298,4 +306,31 @@ def check_cmd(
         click.echo(f"round {v['round']}.{v['attempt']} {v['member']}: {status}")
     if out is not None:
         out.write_text(json.dumps({"verdicts": verdicts}, indent=1))
+    if submit and verdicts:
+        submission = wire.VerdictSubmission(
+            verdicts=[
+                wire.AuditVerdict(
+                    round=v["round"],
+                    attempt=v["attempt"],
+                    member=v["member"],
+                    passed=v["passed"],
+                    failed=list(v["failed"]),
+                )
+                for v in verdicts
+            ]
+        )
+        _, sender = _auditor_client(url, key, aggregator_key)
+
+        async def send() -> wire.VerdictReceipt:
+            try:
+                answer: wire.VerdictReceipt = await sender.submit_verdicts(submission)
+                return answer
+            finally:
+                await sender.close()
+
+        receipt = asyncio.run(send())
+        click.echo(
+            f"submitted: {receipt.stored} new, {receipt.already} already held, "
+            f"{receipt.alerts} audit_failed alerts raised"
+        )
     sys.exit(0 if all(v["passed"] for v in verdicts) else 1)

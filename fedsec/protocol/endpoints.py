@@ -20,6 +20,15 @@ from fedsec.protocol import wire
 from fedsec.protocol.limits import LONG_POLL_S, MAX_COUNT, MAX_ID
 
 Role = Literal["agent", "observer", "auditor"]
+#: What a bearer token issued to an observer (``fedsec aggregator dashboard-token``)
+#: opens: the dashboard's pages and data, or the metrics scrape.  Browsers and
+#: Prometheus cannot sign requests, so these endpoints take a token instead.
+TokenScope = Literal["dashboard", "metrics"]
+#: How a caller proves it may call an endpoint: an RFC 9421 signature by an active
+#: roster key of one of the endpoint's roles; a bearer token of the endpoint's scope
+#: (or, where the configuration allows, a loopback request); the alert's acknowledgement
+#: capability (the secret its webhook deliveries carried); or nothing (public).
+Auth = Literal["signature", "token", "capability", "none"]
 #: Which configured limit bounds a request body: ``server.max_json_bytes`` for control
 #: messages, ``server.max_body_bytes`` for the two that carry vectors or reveals.
 BodyLimit = Literal["json", "binary"]
@@ -65,9 +74,11 @@ class Param:
 class Endpoint:
     """One route of the aggregator's API.
 
-    ``roles`` empty means public (no signature); ``alternatives`` are further answer
-    structs (the answer is one of ``response`` or these); ``answer_note`` describes the
-    success answer.
+    ``roles`` empty means no signature: the endpoint is public unless it names a token
+    ``scope`` or takes a ``capability``; ``alternatives`` are further answer structs (the
+    answer is one of ``response`` or these); ``answer_note`` describes the success
+    answer; ``prefixed`` False serves the path outside the API prefix (the dashboard and
+    ``/metrics``, where browsers and scrapers look for them).
     """
 
     name: str
@@ -81,11 +92,23 @@ class Endpoint:
     answer_note: str = "OK"
     params: tuple[Param, ...] = ()
     body_limit: BodyLimit = "json"
+    scope: TokenScope | None = None
+    capability: bool = False
+    prefixed: bool = True
 
     @property
     def template(self) -> str:
         """The full path template, with the API prefix (``/v1/rounds/{round}/join``)."""
-        return f"{wire.API_PREFIX}{self.path}"
+        return f"{wire.API_PREFIX}{self.path}" if self.prefixed else self.path
+
+    @property
+    def auth(self) -> Auth:
+        """How a caller of this endpoint is authenticated."""
+        if self.roles:
+            return "signature"
+        if self.scope is not None:
+            return "token"
+        return "capability" if self.capability else "none"
 
 
 # Path and query integers: canonical ASCII decimal, bounded (wire.parse_uint).
@@ -116,6 +139,7 @@ def _hex(name: str, digits: int) -> Param:
     return Param(name, "query", {"type": "string", "pattern": f"^[0-9a-f]{{{digits}}}$"}, True)
 
 
+_ALERT: Final = Param("alert", "path", _ID, required=True)
 _MODEL_BYTES: Final = Opaque("safetensors bytes", binary=True)
 _VECTOR_BYTES: Final = Opaque("masked vector bytes", binary=True)
 _MANIFEST: Final = Opaque("ModelManifest JSON")
@@ -341,6 +365,84 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         AUDITOR,
         response=wire.RevealList,
     ),
+    Endpoint(
+        "post_verdicts",
+        "POST",
+        "/audit/verdicts",
+        "the calling auditor's control-sample verdicts; a failed one raises an audit_failed alert",
+        AUDITOR,
+        request=wire.VerdictSubmission,
+        response=wire.VerdictReceipt,
+    ),
+    Endpoint(
+        "ack_alert",
+        "POST",
+        "/alerts/{alert}/ack",
+        "a webhook receiver acknowledges an alert with the capability its delivery carried",
+        PUBLIC,
+        request=wire.AlertAck,
+        response=wire.AlertView,
+        params=(_ALERT,),
+        capability=True,
+    ),
+    Endpoint(
+        "dashboard",
+        "GET",
+        "/dashboard",
+        "the operator dashboard (HTML); ?token= exchanges a dashboard token for a "
+        "session cookie and redirects",
+        PUBLIC,
+        response=Opaque("HTML page"),
+        answer_note="the page, or 303 to it",
+        params=(Param("token", "query", {"type": "string", "maxLength": 128}),),
+        scope="dashboard",
+        prefixed=False,
+    ),
+    Endpoint(
+        "dashboard_asset",
+        "GET",
+        "/dashboard/assets/{name}",
+        "the dashboard's script and style sheet (code only, no federation data)",
+        PUBLIC,
+        response=Opaque("JavaScript or CSS"),
+        answer_note="the file",
+        params=(Param("name", "path", {"type": "string", "maxLength": 64}, required=True),),
+        prefixed=False,
+    ),
+    Endpoint(
+        "dashboard_snapshot",
+        "GET",
+        "/dashboard/api/snapshot",
+        "what the dashboard shows: the attempt in progress, rounds, members, alerts, "
+        "model versions (aggregates only)",
+        PUBLIC,
+        response=wire.DashboardSnapshot,
+        scope="dashboard",
+        prefixed=False,
+    ),
+    Endpoint(
+        "dashboard_events",
+        "GET",
+        "/dashboard/api/events",
+        "server-sent events: a DashboardSnapshot whenever the federation changes, at most "
+        "one per dashboard.push_interval_s",
+        PUBLIC,
+        response=Opaque("text/event-stream of DashboardSnapshot"),
+        answer_note="event stream",
+        scope="dashboard",
+        prefixed=False,
+    ),
+    Endpoint(
+        "metrics",
+        "GET",
+        "/metrics",
+        "Prometheus metrics (text exposition format)",
+        PUBLIC,
+        response=Opaque("Prometheus text format"),
+        answer_note="metrics",
+        scope="metrics",
+        prefixed=False,
+    ),
 )
 
 #: Each endpoint by its name.
@@ -364,6 +466,19 @@ def _label(payload: Payload | None, alternatives: tuple[type[msgspec.Struct], ..
     return " \\| ".join([f"`{first}`", *(f"`{alt.__name__}`" for alt in alternatives)])
 
 
+def _who(ep: Endpoint) -> str:
+    """Who may call ``ep``, in words."""
+    match ep.auth:
+        case "signature":
+            return " or ".join(ep.roles)
+        case "token":
+            return f"observer's {ep.scope} token (or loopback)"
+        case "capability":
+            return "holder of the alert's capability"
+        case _:
+            return "anyone (unsigned)"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -380,7 +495,7 @@ def markdown_table() -> str:
     ]
     for ep in ENDPOINTS:
         query = ", ".join(f"`{p.name}`" for p in ep.params if p.where == "query") or "—"
-        roles = " or ".join(ep.roles) if ep.roles else "anyone (unsigned)"
+        roles = _who(ep)
         exchange = f"{_label(ep.request)} → {_label(ep.response, ep.alternatives)}"
         cells = (
             ep.method,

@@ -131,11 +131,13 @@ class RollbackEntry(_Body, frozen=True):
     note: str
 
 
-class AlertEntry(_Body, frozen=True):
-    """An operator-visible warning."""
+class AlertEntry(_Body, frozen=True, omit_defaults=True):
+    """An operator-visible warning; ``kind`` is one of the aggregator's alert kinds
+    (absent in entries written before alerts had kinds)."""
 
     detail: str
     time: float
+    kind: str = ""
 
 
 class ArchivePrunedEntry(_Body, frozen=True):

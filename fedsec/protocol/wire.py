@@ -204,6 +204,9 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     # the round whose training this reports (buffered members train before the round
     # they contribute to; a retried attempt reuses its training); -1 = ``round``
     trained_round: Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)] = -1
+    # the member's total budget for this dataset (privacy.epsilon); 0 = not said.  Lets
+    # the operator see a member nearing its budget before it stops contributing.
+    epsilon_budget: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -414,6 +417,112 @@ class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     agents_active: Count
     history: list[RoundSummary]
     alerts: list[str]
+
+
+# -- operations: alerts, audit verdicts, the dashboard ------------------------------------------
+
+# An audit check's name (``weights``, ``loss``, ...): short, so a list of them is bounded.
+CheckName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class AlertAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A webhook receiver acknowledges an alert with the capability its delivery carried."""
+
+    token: Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+
+
+class AlertView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: Count
+    kind: str
+    subject: str
+    detail: str
+    raised_at: float
+    acked_at: float | None
+    acked_by: str | None
+
+
+class AuditVerdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An auditor's control-sample verdict on one member's contribution to one attempt
+    (what ``fedsec audit check`` decides); ``failed`` names the failed checks."""
+
+    round: Id
+    attempt: Id
+    member: MemberId
+    passed: bool
+    failed: Annotated[list[CheckName], msgspec.Meta(max_length=32)] = []
+
+
+class VerdictSubmission(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    verdicts: Annotated[list[AuditVerdict], msgspec.Meta(max_length=10_000)]
+
+
+class VerdictReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    stored: Count  # verdicts new to the aggregator
+    already: Count  # verdicts it held already (same auditor, member and attempt)
+    alerts: Count  # audit_failed alerts raised
+
+
+class LiveAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The attempt in progress, as the dashboard shows it."""
+
+    round: Id
+    attempt: Id
+    stage: Stage
+    opened_at: float
+    stage_started_at: float
+    deadline_at: float | None  # when the stage closes at the latest; None: no deadline
+    cohort: Count  # members in the fixed cohort (0 while open)
+    joined: Count  # members that joined this attempt
+    accepted: Count  # contributions accepted so far
+    refused: Count  # contributions refused so far
+    dropped: Count  # cohort members that missed a stage already closed
+    rounds_completed: Count
+    rounds_target: Count
+    finished: bool
+    secure_sum: str
+    mode: str
+    model_version: Id
+
+
+class MemberView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    role: str
+    active: bool
+    last_seen: float | None  # its last authenticated request since the aggregator started
+    rounds_contributed: Count
+    epsilon: float | None  # the largest epsilon it reported
+    epsilon_budget: float | None  # the budget its reports declare (or [alerts] assumes)
+    audits_passed: Count
+    audits_failed: Count
+    last_failure: str  # "round R.A: check,check" of its latest failed verdict, or ""
+
+
+class ModelView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: Id
+    parent: Id | None
+    round: Id | None
+    kind: str
+    sha256: str
+    created: float
+    accuracy: float | None
+    loss: float | None
+    note: str
+    rollback: bool  # a rollback version (it holds an earlier version's weights)
+    latest: bool  # the version served now
+
+
+class DashboardSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything the dashboard shows, at ``generated_at``.  Aggregates only: no update,
+    key or share of any member."""
+
+    federation_id: str
+    generated_at: float
+    now: LiveAttempt
+    rounds: list[RoundSummary]
+    members: list[MemberView]
+    alerts: list[AlertView]
+    models: list[ModelView]
 
 
 class ErrorBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -78,11 +78,21 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_22_distinct_routes() -> None:
-    assert len(ENDPOINTS) == 22  # 18 protocol routes + the 4 audit challenge/reveal routes
+def test_the_table_lists_29_distinct_routes() -> None:
+    # 18 protocol routes, 5 audit (challenges, reveals, verdicts), 6 operations
+    assert len(ENDPOINTS) == 29
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
-    assert all(ep.template.startswith(f"{wire.API_PREFIX}/") for ep in ENDPOINTS)
+    # only the browser's and the scraper's routes live outside the API prefix
+    outside = {ep.template for ep in ENDPOINTS if not ep.template.startswith(f"{wire.API_PREFIX}/")}
+    assert outside == {
+        "/dashboard",
+        "/dashboard/assets/{name}",
+        "/dashboard/api/snapshot",
+        "/dashboard/api/events",
+        "/metrics",
+    }
+    assert all(ep.prefixed == (ep.template not in outside) for ep in ENDPOINTS)
 
 
 def test_every_endpoint_has_a_handler_and_every_handler_an_endpoint() -> None:
@@ -101,8 +111,18 @@ def test_path_parameters_are_the_templates_placeholders(ep: Endpoint) -> None:
     assert len({(p.name, p.where) for p in ep.params}) == len(ep.params)
 
 
-def test_only_health_and_openapi_are_public() -> None:
-    assert [ep.name for ep in ENDPOINTS if not ep.roles] == ["health", "openapi"]
+def test_only_health_openapi_and_the_dashboard_code_are_public() -> None:
+    public = [ep.name for ep in ENDPOINTS if ep.auth == "none"]
+    assert public == ["health", "openapi", "dashboard_asset"]
+    # the rest without a signature take an observer's token, or the alert's capability
+    tokens = {ep.name: ep.scope for ep in ENDPOINTS if ep.auth == "token"}
+    assert tokens == {
+        "dashboard": "dashboard",
+        "dashboard_snapshot": "dashboard",
+        "dashboard_events": "dashboard",
+        "metrics": "metrics",
+    }
+    assert [ep.name for ep in ENDPOINTS if ep.auth == "capability"] == ["ack_alert"]
 
 
 def test_ids_in_paths_and_queries_are_bounded_like_the_wire() -> None:
@@ -138,13 +158,14 @@ def test_the_router_serves_exactly_the_table(fed: Federation) -> None:
 def test_each_openapi_operation_is_its_endpoint(ep: Endpoint) -> None:
     op = openapi_document()["paths"][ep.template][ep.method.lower()]
     assert op["summary"] == ep.summary
-    assert ("security" in op and op["security"] == []) == (not ep.roles)
+    expected_security = {"none": [], "capability": [], "token": [{"bearer": []}, {}]}
+    assert op.get("security") == expected_security.get(ep.auth)
     assert ("requestBody" in op) == (ep.request is not None)
     params = [(p["name"], p["in"], p["required"], p["schema"]) for p in op.get("parameters", [])]
     assert params == [(p.name, p.where, p.required, dict(p.schema)) for p in ep.params]
     assert op["responses"]["200"]["description"] == ep.answer_note
-    # every signed operation but the model download documents its refusals
-    documents_refusals = bool(ep.roles) and ep.name != "model"
+    # every authenticated operation but the model download documents its refusals
+    documents_refusals = ep.auth != "none" and ep.name != "model"
     assert ("401" in op["responses"]) == documents_refusals
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.storage.roster_file import ROSTER_FILE
 from fedsec.aggregator.workspace import Workspace, init_workspace
-from fedsec.config import default_federation_toml
+from fedsec.config import default_federation_toml, toml_value
 from fedsec.crypto.commitment import CommitmentContext, commit
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_sum, pack, quantize
@@ -68,18 +68,6 @@ class FakeClock:
         self.now += seconds
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, dict) and not value:
-        return "{}"
-    raise TypeError(f"cannot write {value!r} as TOML here")
-
-
 def config_text(federation_id: str = FED, **sections: Mapping[str, Any]) -> str:
     """The default federation.toml with ``section={key: value}`` overrides applied."""
     doc = tomllib.loads(default_federation_toml(federation_id, TASK))
@@ -88,7 +76,7 @@ def config_text(federation_id: str = FED, **sections: Mapping[str, Any]) -> str:
     lines = []
     for name, values in doc.items():
         lines.append(f"[{name}]")
-        lines.extend(f"{key} = {_toml_value(v)}" for key, v in values.items())
+        lines.extend(f"{key} = {toml_value(v)}" for key, v in values.items())
         lines.append("")
     return "\n".join(lines)
 

@@ -2,8 +2,9 @@
 
 :func:`make_app` joins the endpoint table (:mod:`fedsec.protocol.endpoints`) to the
 handlers (:mod:`.handlers`), puts the workspace, coordinator, verifier, nonce store,
-rate limit and upload slots on the application (:mod:`.keys`), and starts the ticker
-that closes stages on their deadlines and reloads the roster.  Serving it is
+rate limit, upload slots and operations (metrics, alerts, dashboard) on the application
+(:mod:`.keys`), and starts the ticker that closes stages on their deadlines and reloads
+the roster, and the webhook sender.  Serving it is
 :func:`fedsec.aggregator.transport.start_server`'s.
 """
 
@@ -18,14 +19,15 @@ from aiohttp import web
 
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.http import handlers
-from fedsec.aggregator.http.auth import expect_continue, traffic_middleware
+from fedsec.aggregator.http import handlers, ops
+from fedsec.aggregator.http.auth import expect_continue, metrics_middleware, traffic_middleware
 from fedsec.aggregator.http.errors import error_middleware, log
 from fedsec.aggregator.http.keys import (
     CHALLENGES,
     COORDINATOR,
     ENDPOINT_OF,
     NONCES,
+    OPS,
     RATE,
     UPLOADS,
     VERIFIER,
@@ -35,6 +37,7 @@ from fedsec.aggregator.http.keys import (
 from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
 from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
 from fedsec.aggregator.nonces import NONCE_DB, PersistentNonceStore
+from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier
@@ -65,6 +68,13 @@ _HANDLERS: dict[str, Handler] = {
     "get_challenges": handlers.get_challenges,
     "post_reveal": handlers.post_reveal,
     "get_reveals": handlers.get_reveals,
+    "post_verdicts": ops.post_verdicts,
+    "ack_alert": ops.ack_alert,
+    "dashboard": ops.dashboard,
+    "dashboard_asset": ops.dashboard_asset,
+    "dashboard_snapshot": ops.dashboard_snapshot,
+    "dashboard_events": ops.dashboard_events,
+    "metrics": ops.metrics,
 }
 _ENDPOINT_OF: dict[Handler, Endpoint] = {
     handler: BY_NAME[name] for name, handler in _HANDLERS.items()
@@ -86,10 +96,12 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     """
     cfg = workspace.config.server
     app = web.Application(
-        middlewares=[traffic_middleware, error_middleware], client_max_size=cfg.max_body_bytes
+        middlewares=[metrics_middleware, traffic_middleware, error_middleware],
+        client_max_size=cfg.max_body_bytes,
     )
     app[WORKSPACE] = workspace
     app[COORDINATOR] = coordinator or Coordinator(workspace)
+    app[OPS] = Operations(app[COORDINATOR])
     app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = ChangeSignal()
     app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
@@ -112,6 +124,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
             expect_handler=expect_continue,
         )
     app.cleanup_ctx.append(_replay_store)
+    app.cleanup_ctx.append(_webhooks)
     app.cleanup_ctx.append(_ticker)
     return app
 
@@ -120,6 +133,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     coord = app[COORDINATOR]
     ws = app[WORKSPACE]
     signal = app[CHANGED]
+    operations = app[OPS]
     coord.on_change = signal.fire
 
     async def run() -> None:
@@ -132,6 +146,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                         signal.fire()
                     last_reload = now
                 coord.tick()
+                operations.tick()
             except Exception:
                 log.exception("event=tick_failed")
             await asyncio.sleep(TICK_S)
@@ -141,6 +156,12 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _webhooks(app: web.Application) -> AsyncIterator[None]:
+    await app[OPS].webhooks.start()
+    yield
+    await app[OPS].webhooks.stop()
 
 
 async def _replay_store(app: web.Application) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ from fedsec.aggregator.http.keys import (
     COORDINATOR,
     ENDPOINT_OF,
     MEMBER,
+    OPS,
     RATE,
     SIGNED,
     UPLOADS,
@@ -64,6 +65,7 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
     coord = request.app[COORDINATOR]
     key = coord.current_attempt()
     request[MEMBER] = key
+    request.app[OPS].live.seen(member, time.time())
     # counted on arrival: a held answer (e.g. the unmask answer, held until the round
     # is over) must not leave its upload out of the round's summary
     coord.count_traffic(key, len(body), 0)
@@ -84,6 +86,26 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
     return None
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count every answered request by endpoint and status, with its body bytes both
+    ways, for ``/metrics`` (refusals included; requests matching no route are counted
+    under ``unmatched``)."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # redirects (the dashboard's token exchange)
+        _observe(request, exc.status, exc.body_length if exc.prepared else 0)
+        raise
+    _observe(request, response.status, response.body_length)
+    return response
+
+
+def _observe(request: web.Request, status: int, sent: int) -> None:
+    endpoint = request.app[ENDPOINT_OF].get(request.match_info.handler)
+    name = endpoint.name if endpoint is not None else "unmatched"
+    request.app[OPS].metrics.observe_request(name, status, request.content_length or 0, sent)
 
 
 @web.middleware
@@ -177,6 +199,18 @@ async def _upload_slot(request: web.Request, limit: int) -> AsyncIterator[None]:
         yield
     finally:
         slots.release()
+
+
+async def read_unsigned_body(request: web.Request, limit: int) -> bytes:
+    """The body of a request that carries no signature (an alert acknowledgement), read
+    with the same framing checks and bounds as a signed one's.
+
+    Raises:
+        UnsupportedEncoding, PayloadTooLarge, RequestTimeout: see :func:`_check_framing`
+            and :func:`_read_body`.
+    """
+    _check_framing(request, limit)
+    return await _read_body(request, limit)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

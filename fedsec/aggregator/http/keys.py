@@ -16,6 +16,7 @@ from aiohttp import web
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.nonces import PersistentNonceStore
+from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier, SignedHeaders
@@ -30,6 +31,7 @@ VERIFIER = web.AppKey("verifier", RequestVerifier)
 NONCES = web.AppKey("nonces", PersistentNonceStore)
 RATE = web.AppKey("rate", MemberRateLimit)
 UPLOADS = web.AppKey("uploads", asyncio.Semaphore)
+OPS = web.AppKey("ops", Operations)
 # The endpoint-table entry of each route's handler: the handler is how a request finds
 # its endpoint (its roles and body limit).
 ENDPOINT_OF = web.AppKey("endpoint_of", dict[Handler, Endpoint])

@@ -1,5 +1,6 @@
 """What every part of the round engine shares: the workspace, the clock, the
-transparency log, the task, operator alerts and the change signal agents long-poll on."""
+transparency log, the task, the event bus, operator alerts and the change signal agents
+long-poll on."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fedsec.aggregator.rounds.alerts import AlertDesk, AlertKind
+from fedsec.aggregator.rounds.events import Event, EventBus
 from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.config import FederationConfig
 from fedsec.faults import NO_FAULTS, Faults
-from fedsec.protocol.log_entries import AlertEntry
 from fedsec.tasks.base import Task
 
 # The whole round engine logs under the coordinator's name: operators (and `fedsec
@@ -31,6 +33,7 @@ class RoundContext:
         dim: trainable parameters of the task's model.
         changed: to call whenever something an agent may be waiting for changed.
         faults: crash points for chaos tests (:mod:`fedsec.faults`); none in production.
+        events: where the engine announces what it did (operations listen there).
     """
 
     ws: Workspace
@@ -40,7 +43,7 @@ class RoundContext:
     dim: int
     changed: Callable[[], None]
     faults: Faults = NO_FAULTS
-    alerts: list[str] = field(default_factory=list)
+    events: EventBus = field(default_factory=EventBus)
     # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
     traffic: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
@@ -52,11 +55,16 @@ class RoundContext:
     def buffered(self) -> bool:
         return self.cfg.round.mode == "buffered"
 
-    def alert(self, detail: str) -> None:
-        """Raise an operator alert: kept for the dashboard and written to the log."""
-        log.warning("event=alert detail=%r", detail)
-        self.alerts.append(detail)
-        self.trail.append(AlertEntry(detail=detail, time=self.clock()))
+    def __post_init__(self) -> None:
+        self.alerts = AlertDesk(self.ws.state.alerts, self.trail, self.clock, self.events)
+
+    def alert(self, kind: AlertKind, subject: str, detail: str) -> None:
+        """Raise an operator alert (:class:`AlertDesk`): stored, logged, announced."""
+        self.alerts.raise_alert(kind, subject, detail)
+
+    def emit(self, event: Event) -> None:
+        """Announce ``event`` on the bus (after the change it describes is committed)."""
+        self.events.emit(event)
 
     def count_traffic(self, key: tuple[int, int], received: int, sent: int) -> None:
         """Add one request's body sizes to the attempt that was current when it arrived."""

@@ -19,6 +19,7 @@ import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRefused
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
@@ -135,7 +136,9 @@ class Intake:
         try:
             return self._masked_input(member, r, a, raw, commitment, signature)
         except FedsecError as exc:
-            self._refusals.refused(member, r, a, raw, exc)
+            in_cohort = self._refusals.refused(member, r, a, raw, exc)
+            now = self._ctx.clock()
+            self._ctx.emit(ContributionRefused(r, a, member, exc.code, now, in_cohort))
             raise
 
     def _masked_input(
@@ -172,6 +175,7 @@ class Intake:
             signature=signature,
         )
         assert receipt is not None
+        self._ctx.emit(ContributionAccepted(r, a, member, len(raw)))
         self._lifecycle.close_if_complete()
         return receipt
 

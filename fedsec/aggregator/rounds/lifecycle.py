@@ -28,6 +28,7 @@ from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.events import CohortFixed, RoundEnded, RoundOpened, StageEntered
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
@@ -131,7 +132,10 @@ class Lifecycle:
             )
             ctx.trail.append(spec)
         live.spec, live.summation = spec, session
+        opened_for = now - live.stage_started_at
         live.stage, live.stage_started_at = first, now
+        ctx.emit(CohortFixed(live.round, live.attempt, tuple(spec.cohort), now))
+        ctx.emit(StageEntered(live.round, live.attempt, first, "open", opened_for, now))
         ctx.faults.crash(live.round, first)
         log.info(
             "event=cohort_fixed round=%d attempt=%d members=%d k=%d t=%d secure_sum=%s mode=%s",
@@ -166,7 +170,7 @@ class Lifecycle:
             result = self._finalize(live, session)
             self._close(live, result, start, now)
         except (RoundAborted, RecoveryImpossible) as exc:
-            self._abort(live, now, exc.detail)
+            self._abort(live, now, exc.detail, exc.code)
 
     @staticmethod
     def _finalize(live: Attempt, session: SummationSession) -> SummationResult:
@@ -185,12 +189,14 @@ class Lifecycle:
 
     def _enter(self, live: Attempt, stage: str, now: float) -> None:
         self._ctx.ws.state.rounds.set_stage(live.round, live.attempt, stage, now)
+        previous, lasted = live.stage, now - live.stage_started_at
         live.stage, live.stage_started_at = stage, now
+        self._ctx.emit(StageEntered(live.round, live.attempt, stage, previous, lasted, now))
         log.info("event=stage round=%d attempt=%d stage=%s", live.round, live.attempt, stage)
         self._ctx.faults.crash(live.round, stage)
         self._ctx.changed()
 
-    def _abort(self, live: Attempt, now: float, detail: str) -> None:
+    def _abort(self, live: Attempt, now: float, detail: str, reason: str) -> None:
         ctx = self._ctx
         log.warning(
             "event=round_aborted round=%d attempt=%d reason=%r", live.round, live.attempt, detail
@@ -213,7 +219,12 @@ class Lifecycle:
             )
             ctx.trail.sign_head()
         refusals.committed(aggregated)
-        ctx.alert(f"round {live.round} attempt {live.attempt} aborted: {detail}")
+        ctx.emit(RoundEnded(summary, live.stage, now - live.stage_started_at, reason, (), now))
+        ctx.alert(
+            "round_aborted",
+            f"round {live.round}.{live.attempt}",
+            f"round {live.round} attempt {live.attempt} aborted: {detail}",
+        )
         self.live = self.open(live.round, live.attempt + 1, now)
         ctx.changed()
 
@@ -252,6 +263,8 @@ class Lifecycle:
             ctx.trail.sign_head()
         refusals.committed(aggregated)
         self._closed_rounds = None  # one more closed round: recount on next use
+        lasted = now - live.stage_started_at
+        ctx.emit(RoundEnded(summary, live.stage, lasted, "", tuple(result.survivors), now))
         log.info(
             "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
             "accuracy=%s aggregation_s=%.4f",
@@ -325,6 +338,7 @@ class Lifecycle:
                 ctx.ws.state.rounds.open(round_, attempt, now)
                 ctx.trail.append(RoundOpenEntry(round=round_, attempt=attempt))
             log.info("event=round_open round=%d attempt=%d", round_, attempt)
+            ctx.emit(RoundOpened(round_, attempt, now))
         live = Attempt(round_, attempt, "open" if not finished else "closed", now, now)
         if ctx.buffered:
             live.plan = self._cohort.build_spec(live, [], {})

@@ -142,12 +142,17 @@ class RefusalLog:
                 if isinstance(body, RefusedEntry):
                     self._budget.load(body)
 
-    def refused(self, member: str, round_: int, attempt: int, raw: bytes, exc: FedsecError) -> None:
+    def refused(self, member: str, round_: int, attempt: int, raw: bytes, exc: FedsecError) -> bool:
         """Write a ``refused`` entry for a refused masked input, unless it is for an
         attempt that does not exist or has no cohort, from outside the cohort, an
         identical repeat, over :data:`REFUSED_ENTRIES_PER_ATTEMPT`, or after the member's
         aggregate entry for the attempt; those go to the process log only (repeats and
-        those over the cap are also counted for the aggregate entry)."""
+        those over the cap are also counted for the aggregate entry).
+
+        Returns:
+            True when the refusal is about an attempt of which ``member`` is in the
+            cohort (logged or counted); False for a made-up attempt or an outsider.
+        """
         key = (member, round_, attempt)
         body = RefusedEntry(
             round=round_,
@@ -159,12 +164,13 @@ class RefusalLog:
             detail=exc.detail,
         )
         reason = self._unloggable(member, round_, attempt)
+        in_cohort = reason is None
         if reason is None:
             reason = self._budget.admit(key, body)
         if reason is None:
             self._ctx.trail.append(body)
             self._budget.logged(key, body)
-            return
+            return True
         log.info(
             "event=refusal_not_logged round=%d attempt=%d member=%s code=%s sha256=%s reason=%s",
             round_,
@@ -174,6 +180,7 @@ class RefusalLog:
             body.sha256,
             reason,
         )
+        return in_cohort
 
     def _unloggable(self, member: str, round_: int, attempt: int) -> str | None:
         """Why a refusal for that attempt gets no entry whatever it is, or None."""

@@ -7,6 +7,7 @@ import math
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext
+from fedsec.aggregator.rounds.events import PrivacyReported
 from fedsec.errors import DuplicateMessage, PayloadError, WrongStage
 from fedsec.protocol import wire
 
@@ -65,3 +66,7 @@ class PrivacyReports:
                 report.round, report.attempt, report.member, report.epsilon, body
             )
             ctx.trail.append(report)
+        budget = report.epsilon_budget if report.epsilon_budget > 0 else None
+        ctx.emit(
+            PrivacyReported(report.round, report.attempt, report.member, report.epsilon, budget)
+        )

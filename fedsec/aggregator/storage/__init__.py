@@ -1,7 +1,8 @@
 """The aggregator's durable storage: state, model versions and the roster file.
 
 - :mod:`.interfaces`: what the round engine needs of durable state, one protocol per
-  concern (rounds, joins, messages, reports, receipts, challenges, log, named values),
+  concern (rounds, joins, messages, reports, receipts, challenges, log, named values,
+  alerts, access tokens, audit verdicts),
   joined by :class:`StateStore` with its transaction. The round logic depends on these
   only, so a PostgreSQL implementation can be added without touching it.
 - :mod:`.sqlite`: the embedded implementation (``state.db``, SQLite in WAL mode).
@@ -14,6 +15,8 @@
 """
 
 from fedsec.aggregator.storage.interfaces import (
+    AlertRow,
+    AlertStore,
     ChallengeStore,
     JoinStore,
     KeyValueStore,
@@ -24,9 +27,15 @@ from fedsec.aggregator.storage.interfaces import (
     RoundRow,
     RoundStore,
     StateStore,
+    TokenRow,
+    TokenStore,
+    VerdictRow,
+    VerdictStore,
 )
 
 __all__ = [
+    "AlertRow",
+    "AlertStore",
     "ChallengeStore",
     "JoinStore",
     "KeyValueStore",
@@ -37,4 +46,8 @@ __all__ = [
     "RoundRow",
     "RoundStore",
     "StateStore",
+    "TokenRow",
+    "TokenStore",
+    "VerdictRow",
+    "VerdictStore",
 ]

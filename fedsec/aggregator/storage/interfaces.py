@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
+    "AlertRow",
+    "AlertStore",
     "ChallengeStore",
     "JoinStore",
     "KeyValueStore",
@@ -43,6 +45,10 @@ __all__ = [
     "RoundRow",
     "RoundStore",
     "StateStore",
+    "TokenRow",
+    "TokenStore",
+    "VerdictRow",
+    "VerdictStore",
 ]
 
 
@@ -192,6 +198,11 @@ class ReceiptStore(Protocol):
         """The member's receipt from the newest attempt of the round, or None."""
         ...
 
+    def contributions(self) -> dict[str, int]:
+        """Member -> how many closed attempts it holds a receipt for: the rounds whose
+        sum holds its input."""
+        ...
+
 
 class ChallengeStore(Protocol):
     """Audit challenges and the sealed reveals that answer them."""
@@ -256,6 +267,113 @@ class KeyValueStore(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class AlertRow:
+    """One operator alert as stored.  ``subject`` names what it is about (``round 4.0``,
+    ``member hospital-3``): an open alert of the same kind and subject is not raised
+    twice.  ``ack_sha256``: SHA-256 of the capability its webhook carries for
+    acknowledging it (the token itself is never stored)."""
+
+    id: int
+    kind: str
+    subject: str
+    detail: str
+    raised_at: float
+    acked_at: float | None
+    acked_by: str | None
+    ack_sha256: str
+
+
+class AlertStore(Protocol):
+    """Operator alerts: open, acknowledged, history."""
+
+    def add(self, kind: str, subject: str, detail: str, now: float, ack_sha256: str) -> int:
+        """Store a new alert; return its id (increasing)."""
+        ...
+
+    def get(self, alert_id: int) -> AlertRow | None:
+        """That alert, or None."""
+        ...
+
+    def open_of(self, kind: str, subject: str) -> AlertRow | None:
+        """The unacknowledged alert of that kind and subject, or None."""
+        ...
+
+    def recent(self, limit: int = 200) -> list[AlertRow]:
+        """The newest ``limit`` alerts, newest first."""
+        ...
+
+    def count_open(self) -> dict[str, int]:
+        """Kind -> how many alerts of it are unacknowledged."""
+        ...
+
+    def ack(self, alert_id: int, by: str, now: float) -> bool:
+        """Acknowledge the alert; False when it was already (nothing changes then)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """A bearer token issued to an observer: only its SHA-256 is stored."""
+
+    sha256: str
+    observer: str
+    scope: str
+    issued_at: float
+    expires_at: float
+    revoked: bool
+
+
+class TokenStore(Protocol):
+    """Bearer tokens for what a browser or a scraper cannot sign (dashboard, metrics)."""
+
+    def add(self, row: TokenRow) -> None:
+        """Store a newly issued token."""
+        ...
+
+    def get(self, sha256: str) -> TokenRow | None:
+        """The token with that hash, or None."""
+        ...
+
+    def all(self) -> list[TokenRow]:
+        """Every token, newest first."""
+        ...
+
+    def revoke(self, sha256: str) -> bool:
+        """Revoke the token; False when no such token exists."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRow:
+    """An auditor's control-sample verdict on one member's contribution to one attempt."""
+
+    round: int
+    attempt: int
+    member: str
+    auditor: str
+    passed: bool
+    failed: str  # the names of the failed checks, comma-separated
+    received_at: float
+
+
+class VerdictStore(Protocol):
+    """Audit verdicts submitted by auditors."""
+
+    def add(self, row: VerdictRow) -> bool:
+        """Store the verdict; False (and nothing changes) when the same auditor already
+        judged that member's attempt."""
+        ...
+
+    def by_member(self) -> dict[str, list[VerdictRow]]:
+        """Member -> its verdicts, oldest round first."""
+        ...
+
+    def count(self) -> int:
+        """How many verdicts are stored."""
+        ...
+
+
 class StateStore(Protocol):
     """The aggregator's durable state: every concern, sharing one transaction."""
 
@@ -282,6 +400,15 @@ class StateStore(Protocol):
 
     @property
     def values(self) -> KeyValueStore: ...
+
+    @property
+    def alerts(self) -> AlertStore: ...
+
+    @property
+    def tokens(self) -> TokenStore: ...
+
+    @property
+    def verdicts(self) -> VerdictStore: ...
 
     def transaction(self) -> AbstractContextManager[None]:
         """``with state.transaction(): ...`` makes the writes inside one atomic commit."""

@@ -85,6 +85,35 @@ CREATE TABLE IF NOT EXISTS server_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS alerts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    raised_at REAL NOT NULL,
+    acked_at REAL,
+    acked_by TEXT,
+    ack_sha256 TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS alerts_open ON alerts (kind, subject) WHERE acked_at IS NULL;
+CREATE TABLE IF NOT EXISTS access_tokens (
+    sha256 TEXT PRIMARY KEY,
+    observer TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    issued_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS audit_verdicts (
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    member TEXT NOT NULL,
+    auditor TEXT NOT NULL,
+    passed INTEGER NOT NULL,
+    failed TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (round, attempt, member, auditor)
+);
 """
 
 

@@ -96,3 +96,12 @@ class SqliteReceipts:
             (round_, member),
         ).fetchone()
         return bytes(row[0]) if row else None
+
+    def contributions(self) -> dict[str, int]:
+        # a receipt of an attempt that closed: that input is in the round's sum
+        rows = self._db.execute(
+            "SELECT c.member, COUNT(*) FROM receipts c JOIN rounds r "
+            "ON c.round = r.round AND c.attempt = r.attempt WHERE r.stage = 'closed' "
+            "GROUP BY c.member"
+        ).fetchall()
+        return {str(m): int(n) for m, n in rows}

@@ -7,6 +7,7 @@ from pathlib import Path
 from fedsec.aggregator.storage.sqlite.audit import SqliteChallenges, SqliteLog, SqliteValues
 from fedsec.aggregator.storage.sqlite.connection import SqliteConnection, Transaction
 from fedsec.aggregator.storage.sqlite.messages import SqliteMessages, SqliteReceipts, SqliteReports
+from fedsec.aggregator.storage.sqlite.ops import SqliteAlerts, SqliteTokens, SqliteVerdicts
 from fedsec.aggregator.storage.sqlite.rounds import SqliteJoins, SqliteRounds
 
 
@@ -30,6 +31,9 @@ class SqliteStateStore:
         self.challenges = SqliteChallenges(self._conn)
         self.log = SqliteLog(self._conn)
         self.values = SqliteValues(self._conn)
+        self.alerts = SqliteAlerts(self._conn)
+        self.tokens = SqliteTokens(self._conn)
+        self.verdicts = SqliteVerdicts(self._conn)
 
     @property
     def path(self) -> Path:

@@ -1,0 +1,261 @@
+"""The operations endpoints: the dashboard (page, assets, snapshot, live events),
+``/metrics``, alert acknowledgements and auditors' verdicts.
+
+Browsers and Prometheus cannot sign requests, so the dashboard and the scrape take an
+observer's bearer token (:mod:`fedsec.aggregator.ops.tokens`) in ``Authorization:
+Bearer``, or, for the dashboard, in the session cookie that ``GET /dashboard?token=``
+sets (HttpOnly, SameSite=Strict, scoped to ``/dashboard``; the redirect drops the token
+from the address bar and history).  Where the configuration allows, a loopback request
+needs no token: both the peer address and the ``Host`` header must be loopback, so a web
+page elsewhere cannot reach it through DNS rebinding.
+
+Every answer of these endpoints is read-only, and every page is served with a strict
+Content-Security-Policy: the dashboard runs only its own script and talks only to its
+own origin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import time
+from importlib import resources
+from typing import Final
+
+from aiohttp import web
+
+from fedsec.aggregator.http.auth import authenticate, read_unsigned_body
+from fedsec.aggregator.http.errors import json_response, quote
+from fedsec.aggregator.http.keys import COORDINATOR, OPS, WORKSPACE
+from fedsec.aggregator.http.longpoll import CHANGED
+from fedsec.aggregator.http.params import decode_json
+from fedsec.aggregator.ops import tokens
+from fedsec.aggregator.ops.dashboard import alert_view
+from fedsec.aggregator.ops.metrics import CONTENT_TYPE
+from fedsec.errors import AuthError, NotFound, PayloadError, ServerBusy
+from fedsec.protocol import wire
+from fedsec.protocol.endpoints import TokenScope
+
+#: The session cookie holding a dashboard token.
+COOKIE: Final = "fedsec_dashboard"
+#: Security headers of every dashboard answer.
+_HEADERS: Final = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+}
+#: The dashboard's files, by the name in its URL, and their content types.
+ASSETS: Final = {
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+#: Live-event streams open at once; more are answered 503.  A few operators with a tab
+#: or two each; the bound keeps a forgotten script from holding hundreds of streams.
+MAX_STREAMS: Final = 32
+#: A stream is ended after this many seconds; the browser's EventSource reconnects (and
+#: is authenticated again, so a revoked or expired token stops working within this).
+STREAM_S: Final = 300.0
+#: With no change, a snapshot is still pushed this often (the countdown and "last
+#: seen" stay current; proxies see traffic and keep the stream open).
+HEARTBEAT_S: Final = 15.0
+#: An acknowledgement is {"token": 64 hex digits}: 80 bytes; 1 KiB leaves room for spaces.
+ACK_BODY_BYTES: Final = 1024
+_LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+# -- access ----------------------------------------------------------------------------------------
+
+
+def _only_params(request: web.Request, allowed: tuple[str, ...] = ()) -> None:
+    """Refuse query parameters the endpoint does not take.
+
+    Raises:
+        PayloadError: an unknown or repeated parameter.
+    """
+    for name in request.query:
+        if name not in allowed:
+            raise PayloadError(f"unknown query parameter {quote(name, 32)!r}")
+        if len(request.query.getall(name)) > 1:
+            raise PayloadError(f"query parameter {name!r} is given more than once")
+
+
+def is_loopback(request: web.Request) -> bool:
+    """True when the peer is on this machine and the ``Host`` header names it so."""
+    try:
+        peer = ipaddress.ip_address((request.remote or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    if not peer.is_loopback:
+        return False
+    host = request.host.lower()
+    if host.startswith("["):
+        host = host.split("]", 1)[0] + "]"
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host in _LOOPBACK_HOSTS
+
+
+def _bearer(request: web.Request, scope: TokenScope) -> str | None:
+    header = request.headers.get("Authorization")
+    if header is not None:
+        kind, _, value = header.partition(" ")
+        if kind.lower() != "bearer" or not value.strip():
+            raise AuthError("Authorization must be 'Bearer <token>'")
+        return value.strip()
+    if scope == "dashboard":
+        return request.cookies.get(COOKIE)
+    return None
+
+
+def require_access(request: web.Request, scope: TokenScope) -> str:
+    """Who is looking: an observer (by its token), ``loopback`` or ``anyone``.
+
+    Raises:
+        NotFound: the dashboard is turned off (``dashboard.enabled = false``).
+        AuthError: no token where one is needed, or a bad one (unknown, revoked,
+            expired, of a revoked observer).
+        ForbiddenError: a valid token of another scope.
+    """
+    cfg = request.app[WORKSPACE].config
+    if scope == "dashboard" and not cfg.dashboard.enabled:
+        raise NotFound("the dashboard is turned off (dashboard.enabled = false)")
+    token = _bearer(request, scope)
+    if token is not None:
+        ws = request.app[WORKSPACE]
+        return tokens.check(ws.state.tokens, ws.roster, token, scope, time.time())
+    if scope == "metrics" and cfg.metrics.access == "open":
+        return "anyone"
+    open_on_loopback = (
+        cfg.dashboard.loopback_open if scope == "dashboard" else cfg.metrics.access == "loopback"
+    )
+    if open_on_loopback and is_loopback(request):
+        return "loopback"
+    raise AuthError(
+        f"the {scope} needs a token: `fedsec aggregator dashboard-token --scope {scope}`"
+    )
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("fedsec.aggregator.ops").joinpath("static", name).read_bytes()
+
+
+async def dashboard(request: web.Request) -> web.StreamResponse:
+    _only_params(request, ("token",))
+    token = request.query.get("token")
+    if token is not None:
+        ws = request.app[WORKSPACE]
+        tokens.check(ws.state.tokens, ws.roster, token, "dashboard", time.time())
+        answer = web.HTTPSeeOther("/dashboard", headers=_HEADERS)
+        answer.set_cookie(
+            COOKIE,
+            token,
+            path="/dashboard",
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+            max_age=int(ws.config.dashboard.token_ttl_s),
+        )
+        return answer
+    require_access(request, "dashboard")
+    return web.Response(
+        body=_asset("dashboard.html"), content_type="text/html", charset="utf-8", headers=_HEADERS
+    )
+
+
+async def dashboard_asset(request: web.Request) -> web.Response:
+    _only_params(request)
+    name = request.match_info["name"]
+    content_type = ASSETS.get(name)
+    if content_type is None:
+        raise NotFound(f"no dashboard file {quote(name, 64)!r}")
+    return web.Response(body=_asset(name), headers={**_HEADERS, "Content-Type": content_type})
+
+
+def _change(request: web.Request) -> object:
+    """What changes whenever the snapshot may: the coordinator's token and the alerts."""
+    coord = request.app[COORDINATOR]
+    return coord.token, request.app[OPS].live.last_alert
+
+
+async def dashboard_snapshot(request: web.Request) -> web.Response:
+    _only_params(request)
+    require_access(request, "dashboard")
+    body = request.app[OPS].dashboard.snapshot(_change(request))
+    return web.Response(body=body, content_type="application/json", headers=_HEADERS)
+
+
+async def dashboard_events(request: web.Request) -> web.StreamResponse:
+    _only_params(request)
+    require_access(request, "dashboard")
+    ops = request.app[OPS]
+    if ops.streams >= MAX_STREAMS:
+        raise ServerBusy(f"{MAX_STREAMS} live dashboards are open; retry shortly", retry_after=5)
+    ops.streams += 1
+    try:
+        return await _stream(request)
+    finally:
+        ops.streams -= 1
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    ops = request.app[OPS]
+    signal = request.app[CHANGED]
+    interval = request.app[WORKSPACE].config.dashboard.push_interval_s
+    response = web.StreamResponse(
+        headers={**_HEADERS, "Content-Type": "text/event-stream", "X-Accel-Buffering": "no"}
+    )
+    await response.prepare(request)
+    end = time.monotonic() + STREAM_S
+    sent: object = None
+    last = 0.0
+    with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+        while (now := time.monotonic()) < end:
+            change = _change(request)
+            if change != sent or now - last >= HEARTBEAT_S:
+                await asyncio.sleep(max(0.0, last + interval - now))
+                change = _change(request)
+                start = time.perf_counter()
+                body = ops.dashboard.snapshot(change)
+                await response.write(b"event: snapshot\ndata: " + body + b"\n\n")
+                ops.push_seconds += time.perf_counter() - start
+                sent, last = change, time.monotonic()
+            await signal.wait(min(HEARTBEAT_S, max(end - time.monotonic(), 0.0)))
+        await response.write_eof()
+    return response
+
+
+# -- metrics, alerts, verdicts ---------------------------------------------------------------------
+
+
+async def metrics(request: web.Request) -> web.Response:
+    _only_params(request)
+    require_access(request, "metrics")
+    body = request.app[OPS].metrics.exposition()
+    return web.Response(
+        body=body, headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"}
+    )
+
+
+async def ack_alert(request: web.Request) -> web.Response:
+    _only_params(request)
+    alert_id = wire.parse_uint(request.match_info["alert"], "alert id")
+    # unauthenticated until the token is checked: a small bound, not max_json_bytes
+    body = await read_unsigned_body(request, ACK_BODY_BYTES)
+    ack = decode_json(body, wire.AlertAck, request, "alert acknowledgement")
+    row = request.app[COORDINATOR].alert_desk.ack_with_token(alert_id, ack.token)
+    return json_response(alert_view(row))
+
+
+async def post_verdicts(request: web.Request) -> web.Response:
+    auditor, body = await authenticate(request)
+    sub = decode_json(body, wire.VerdictSubmission, request, "audit verdicts")
+    return json_response(request.app[OPS].submit_verdicts(auditor, sub.verdicts))

@@ -1,0 +1,75 @@
+"""The federation as operations see it between two looks at the state store: small
+values kept current by the round engine's events, shared by the metrics collector and
+the dashboard so that neither scans the state on every scrape or push."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedsec.aggregator.rounds.events import (
+    AlertRaised,
+    CohortFixed,
+    ContributionRefused,
+    Event,
+    PrivacyReported,
+    RoundEnded,
+)
+
+
+class LiveView:
+    """What the collector and the dashboard read, kept current by :meth:`on_event`.
+
+    Args:
+        attempt: () -> (round, attempt, stage, rounds completed, model version,
+            seconds to the stage's deadline or None); read from the coordinator.
+        active_members: () -> active agents in the roster.
+        open_alerts: () -> kind -> unacknowledged alerts.
+        epsilons: member -> the largest ε it reported, as stored (the starting point).
+    """
+
+    def __init__(
+        self,
+        attempt: Callable[[], tuple[int, int, str, int, int, float | None]],
+        active_members: Callable[[], int],
+        open_alerts: Callable[[], dict[str, int]],
+        epsilons: dict[str, float] | None = None,
+    ) -> None:
+        self.attempt = attempt
+        self.active_members = active_members
+        self.open_alerts = open_alerts
+        self.accuracy: float | None = None
+        self.loss: float | None = None
+        self.epsilon: dict[str, float] = dict(epsilons or {})
+        self.budgets: dict[str, float] = {}  # member -> ε budget its reports declare
+        self.last_seen: dict[str, float] = {}  # member -> its last authenticated request
+        self.refused: dict[tuple[int, int], int] = {}  # attempt -> refused contributions
+        self.joined = 0  # members in the latest fixed cohort
+        self.dropped = 0  # members of the latest ended attempt whose input is not in it
+        self.last_alert = 0  # id of the newest alert raised since start-up
+
+    def seen(self, member: str, now: float) -> None:
+        """``member`` made an authenticated request at ``now``."""
+        self.last_seen[member] = now
+
+    def on_event(self, event: Event) -> None:
+        """The event-bus listener."""
+        match event:
+            case CohortFixed(members=members):
+                self.joined = len(members)
+            case ContributionRefused(round=r, attempt=a):
+                self.refused[(r, a)] = self.refused.get((r, a), 0) + 1
+            case PrivacyReported(member=member, epsilon=epsilon, epsilon_budget=budget):
+                if epsilon > self.epsilon.get(member, -1.0):
+                    self.epsilon[member] = epsilon
+                if budget is not None:
+                    self.budgets[member] = budget
+            case RoundEnded(summary=s):
+                self.dropped = max(s.cohort - s.survivors, 0) if s.stage == "closed" else s.cohort
+                if s.stage == "closed" and s.accuracy is not None:
+                    self.accuracy, self.loss = s.accuracy, s.loss
+                # only the attempt in progress is shown live; keep the map small
+                self.refused = {k: v for k, v in self.refused.items() if k > (s.round, s.attempt)}
+            case AlertRaised(alert=alert):
+                self.last_alert = alert.id
+            case _:
+                pass

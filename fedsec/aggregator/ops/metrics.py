@@ -1,0 +1,251 @@
+"""The aggregator's Prometheus metrics, through ``prometheus_client``.
+
+Counters and histograms are fed by the round engine's events
+(:mod:`fedsec.aggregator.rounds.events`) and by the HTTP layer (requests, bytes); like
+every Prometheus counter they start at zero with the process.  What describes the
+federation now (round, stage, members, the latest model's scores, ε, open alerts) is
+read at scrape time by a collector from values kept current by the same events, so a
+scrape costs the same whether the state holds ten rounds or ten thousand.
+
+Each application has its own registry (:attr:`FederationMetrics.registry`), so two
+aggregators in one process (the tests, ``fedsec simulate``) never mix their numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fedsec.aggregator.ops.live import LiveView
+from fedsec.aggregator.rounds.events import (
+    AlertRaised,
+    CohortFixed,
+    ContributionAccepted,
+    ContributionRefused,
+    Event,
+    RoundEnded,
+    RoundOpened,
+    StageEntered,
+)
+from fedsec.protocol.stages import STAGES
+
+# The *_created series (each counter's creation time) double the exposition and say only
+# when this process started, which process_start_time_seconds-style tooling knows anyway.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+#: The content type of :meth:`FederationMetrics.exposition`.
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+# Stage and round durations range from sub-second loopback rounds to the default
+# ten-minute training window; aggregation from milliseconds to a minute at 1M parameters.
+_DURATION_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_AGGREGATION_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class FederationMetrics:
+    """Every metric of one aggregator.
+
+    Args:
+        live: the scrape-time view (kept current by its own listener).
+        member_labels: export per-member ε series (``metrics.member_labels``).
+    """
+
+    def __init__(self, live: LiveView, *, member_labels: bool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.live = live
+        r = self.registry
+        self.rounds_opened = Counter("fedsec_rounds_opened", "Round attempts opened", registry=r)
+        self.rounds_closed = Counter(
+            "fedsec_rounds_closed", "Round attempts closed with a new model version", registry=r
+        )
+        self.rounds_aborted = Counter(
+            "fedsec_rounds_aborted",
+            "Round attempts aborted, by error code and the stage they ended in",
+            ["reason", "stage"],
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "fedsec_stage_duration_seconds",
+            "How long each stage of an attempt lasted",
+            ["stage"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "fedsec_round_duration_seconds",
+            "From an attempt's opening to its close (closed attempts)",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.aggregation_seconds = Histogram(
+            "fedsec_aggregation_seconds",
+            "Unmasking, summing and applying one attempt's updates",
+            buckets=_AGGREGATION_BUCKETS,
+            registry=r,
+        )
+        self.accepted = Counter(
+            "fedsec_contributions_accepted", "Contributions (masked inputs) accepted", registry=r
+        )
+        self.refused = Counter(
+            "fedsec_contributions_refused",
+            "Contributions (masked inputs) refused, by error code",
+            ["code"],
+            registry=r,
+        )
+        self.joined = Counter(
+            "fedsec_members_joined", "Members in fixed cohorts, summed over attempts", registry=r
+        )
+        self.dropped = Counter(
+            "fedsec_members_dropped",
+            "Cohort members whose input is not in their attempt's sum, summed over attempts",
+            registry=r,
+        )
+        self.requests = Counter(
+            "fedsec_http_requests",
+            "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.bytes_in = Counter(
+            "fedsec_http_request_bytes", "Request body bytes, by endpoint", ["endpoint"], registry=r
+        )
+        self.bytes_out = Counter(
+            "fedsec_http_response_bytes",
+            "Response body bytes, by endpoint",
+            ["endpoint"],
+            registry=r,
+        )
+        self.alerts = Counter(
+            "fedsec_alerts_raised", "Operator alerts raised, by kind", ["kind"], registry=r
+        )
+        r.register(_StateCollector(live, member_labels))
+
+    def on_event(self, event: Event) -> None:
+        """The event-bus listener."""
+        match event:
+            case RoundOpened():
+                self.rounds_opened.inc()
+            case StageEntered(previous=previous, previous_s=lasted):
+                self.stage_seconds.labels(previous).observe(max(lasted, 0.0))
+            case CohortFixed(members=members):
+                self.joined.inc(len(members))
+            case ContributionAccepted():
+                self.accepted.inc()
+            case ContributionRefused(code=code):
+                self.refused.labels(code).inc()
+            case RoundEnded(summary=s, last_stage=stage, last_stage_s=lasted, reason=reason):
+                self.stage_seconds.labels(stage).observe(max(lasted, 0.0))
+                self.dropped.inc(
+                    max(s.cohort - s.survivors, 0) if s.stage == "closed" else s.cohort
+                )
+                if s.stage == "closed":
+                    self.rounds_closed.inc()
+                    if s.duration_s is not None:
+                        self.round_seconds.observe(max(s.duration_s, 0.0))
+                    if s.aggregation_s is not None:
+                        self.aggregation_seconds.observe(s.aggregation_s)
+                else:
+                    self.rounds_aborted.labels(reason or "aborted", stage).inc()
+            case AlertRaised(alert=alert):
+                self.alerts.labels(alert.kind).inc()
+            case _:
+                pass
+
+    def observe_request(self, endpoint: str, status: int, received: int, sent: int) -> None:
+        """Count one answered request (every one, refused ones included)."""
+        self.requests.labels(endpoint, str(status)).inc()
+        if received:
+            self.bytes_in.labels(endpoint).inc(received)
+        if sent:
+            self.bytes_out.labels(endpoint).inc(sent)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of every metric (:data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """The federation now, read at scrape time."""
+
+    def __init__(self, live: LiveView, member_labels: bool) -> None:
+        self._live = live
+        self._member_labels = member_labels
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # gauges appear and disappear with the state: never pre-declared
+
+    def collect(self) -> Iterator[Metric]:
+        live = self._live
+        round_, attempt, stage, completed, version, left = live.attempt()
+        yield _gauge("fedsec_round", "The round in progress", round_)
+        yield _gauge("fedsec_round_attempt", "The attempt of the round in progress", attempt)
+        stages = GaugeMetricFamily(
+            "fedsec_round_stage", "1 for the stage the attempt in progress is in", labels=["stage"]
+        )
+        for name in STAGES:
+            stages.add_metric([name], 1.0 if name == stage else 0.0)
+        yield stages
+        if left is not None:
+            yield _gauge(
+                "fedsec_stage_deadline_seconds",
+                "Seconds until the stage closes at the latest",
+                left,
+            )
+        yield _gauge("fedsec_rounds_completed", "Rounds closed with a new model", completed)
+        yield _gauge("fedsec_model_version", "The model version served", version)
+        yield _gauge("fedsec_members_active", "Active agents in the roster", live.active_members())
+        yield _gauge(
+            "fedsec_round_members_joined", "Members in the latest fixed cohort", live.joined
+        )
+        yield _gauge(
+            "fedsec_round_members_dropped",
+            "Cohort members left out of the latest ended attempt",
+            live.dropped,
+        )
+        if live.accuracy is not None:
+            yield _gauge(
+                "fedsec_model_validation_accuracy",
+                "Validation accuracy of the newest scored model",
+                live.accuracy,
+            )
+        if live.loss is not None:
+            yield _gauge(
+                "fedsec_model_validation_loss",
+                "Validation loss of the newest scored model",
+                live.loss,
+            )
+        if live.epsilon:
+            yield _gauge(
+                "fedsec_epsilon_max",
+                "The largest privacy spend (epsilon) any member reported",
+                max(live.epsilon.values()),
+            )
+            if self._member_labels:
+                per = GaugeMetricFamily(
+                    "fedsec_member_epsilon",
+                    "The largest epsilon each member reported",
+                    labels=["member"],
+                )
+                for member, eps in sorted(live.epsilon.items()):
+                    per.add_metric([member], eps)
+                yield per
+        open_alerts = GaugeMetricFamily(
+            "fedsec_alerts_open", "Unacknowledged alerts, by kind", labels=["kind"]
+        )
+        for kind, count in sorted(live.open_alerts().items()):
+            open_alerts.add_metric([kind], float(count))
+        yield open_alerts
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))

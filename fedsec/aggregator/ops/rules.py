@@ -1,0 +1,167 @@
+"""The alert rules: what turns round events into operator alerts.
+
+Every threshold is the federation's ``[alerts]`` section (``docs/config.md``).  The
+rules hold only small windows in memory, rebuilt from the state store at start-up where
+the state has them (validation scores of recent rounds); a refusal burst or a stall in
+progress when the aggregator restarts starts counting again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from fedsec.aggregator.rounds.alerts import AlertDesk
+from fedsec.aggregator.rounds.events import (
+    ContributionRefused,
+    Event,
+    PrivacyReported,
+    RoundEnded,
+)
+from fedsec.aggregator.storage.interfaces import RoundStore, VerdictRow
+from fedsec.config import AlertsSection
+from fedsec.protocol import wire
+
+
+class AlertRules:
+    """Raises alerts from events (:meth:`on_event`) and time (:meth:`tick`).
+
+    Args:
+        cfg: the ``[alerts]`` thresholds.
+        desk: where alerts are raised.
+        rounds: the state's round attempts (for the validation window at start-up).
+    """
+
+    def __init__(self, cfg: AlertsSection, desk: AlertDesk, rounds: RoundStore) -> None:
+        self._cfg = cfg
+        self._desk = desk
+        # (accuracy, loss) of the newest scored versions, oldest first
+        self._scores: deque[tuple[float, float | None]] = deque(maxlen=cfg.degradation_window + 1)
+        for row in rounds.history(4 * cfg.degradation_window + 4):
+            if row.stage == "closed" and row.summary is not None:
+                s = msgspec.json.decode(row.summary, type=wire.RoundSummary)
+                if s.accuracy is not None:
+                    self._scores.append((s.accuracy, s.loss))
+        self._refusals: dict[str, deque[float]] = {}
+        self._stalled: str | None = None  # the stall already alerted on
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def on_event(self, event: Event) -> None:
+        """The event-bus listener."""
+        match event:
+            case RoundEnded(summary=s) if s.stage == "closed":
+                self._participation(s)
+                if s.accuracy is not None:
+                    self._degradation(s)
+            case ContributionRefused():
+                self._refused(event)
+            case PrivacyReported():
+                self._budget(event)
+            case _:
+                pass
+
+    def _participation(self, s: wire.RoundSummary) -> None:
+        if s.cohort and s.survivors < self._cfg.participation_min * s.cohort:
+            self._desk.raise_alert(
+                "participation_dropped",
+                f"round {s.round}.{s.attempt}",
+                f"round {s.round} attempt {s.attempt} closed with {s.survivors} of its "
+                f"{s.cohort} members' contributions (below {self._cfg.participation_min:.0%}); "
+                f"dropped: {', '.join(s.dropped) or 'none'}",
+            )
+
+    def _degradation(self, s: wire.RoundSummary) -> None:
+        assert s.accuracy is not None
+        window = list(self._scores)[-self._cfg.degradation_window :]
+        self._scores.append((s.accuracy, s.loss))
+        if not window:
+            return
+        best = max(acc for acc, _ in window)
+        problems = []
+        if s.accuracy < best - self._cfg.accuracy_drop:
+            problems.append(
+                f"accuracy {s.accuracy:.4f} is {best - s.accuracy:.4f} below the best "
+                f"({best:.4f}) of the previous {len(window)} versions"
+            )
+        losses = [loss for _, loss in window if loss is not None]
+        if self._cfg.loss_rise > 0 and s.loss is not None and losses:
+            lowest = min(losses)
+            if lowest > 0 and s.loss > lowest * (1 + self._cfg.loss_rise):
+                problems.append(
+                    f"loss {s.loss:.4f} is {s.loss / lowest - 1:.0%} above the lowest "
+                    f"({lowest:.4f}) of the previous {len(losses)} versions"
+                )
+        if problems:
+            self._desk.raise_alert(
+                "validation_degraded",
+                f"model {s.model_version}",
+                f"model version {s.model_version} (round {s.round}): " + "; ".join(problems),
+            )
+
+    def _refused(self, event: ContributionRefused) -> None:
+        # Only refusals about a real attempt of the member's cohort count: an alert is a
+        # log entry, and requests naming made-up rounds must not grow the log (they are
+        # in fedsec_http_requests_total, and the member's rate limit bounds them).
+        if not event.in_cohort:
+            return
+        times = self._refusals.setdefault(event.member, deque())
+        times.append(event.time)
+        while times and times[0] < event.time - self._cfg.refusals_window_s:
+            times.popleft()
+        if len(times) >= self._cfg.refusals_per_member:
+            raised = self._desk.raise_alert(
+                "member_refused",
+                f"member {event.member}",
+                f"{event.member}: {len(times)} contributions refused within "
+                f"{self._cfg.refusals_window_s:g} s (latest: {event.code}, round "
+                f"{event.round}.{event.attempt})",
+            )
+            if raised is not None:
+                times.clear()
+
+    def _budget(self, event: PrivacyReported) -> None:
+        budget = event.epsilon_budget or self._cfg.epsilon_budget
+        if budget <= 0 or event.epsilon < self._cfg.budget_fraction * budget:
+            return
+        self._desk.raise_alert(
+            "member_near_budget",
+            f"member {event.member}",
+            f"{event.member} has spent epsilon {event.epsilon:.3f} of its budget "
+            f"{budget:g} ({event.epsilon / budget:.0%}) by round {event.round}",
+        )
+
+    # -- verdicts and time -----------------------------------------------------------------------
+
+    def verdict(self, row: VerdictRow) -> bool:
+        """An auditor's new verdict: alert when it failed.  True when an alert was raised."""
+        if row.passed:
+            return False
+        raised = self._desk.raise_alert(
+            "audit_failed",
+            f"member {row.member} round {row.round}.{row.attempt}",
+            f"{row.auditor}'s control-sample check failed {row.member}'s contribution to "
+            f"round {row.round} attempt {row.attempt}: {row.failed or 'unspecified'}",
+        )
+        return raised is not None
+
+    def tick(
+        self, now: float, attempt: Callable[[], tuple[int, int, str, float]], finished: bool
+    ) -> None:
+        """Check for a stalled round: ``attempt()`` gives (round, attempt, stage, when
+        the stage started)."""
+        if finished:
+            return
+        round_, attempt_, stage, since = attempt()
+        stalled = now - since
+        subject = f"round {round_}.{attempt_} {stage}"
+        if stalled >= self._cfg.stall_s and subject != self._stalled:
+            self._stalled = subject
+            self._desk.raise_alert(
+                "round_stalled",
+                subject,
+                f"round {round_} attempt {attempt_} has been in stage {stage} for "
+                f"{stalled:.0f} s (alerts.stall_s = {self._cfg.stall_s:g})",
+            )
