@@ -93,6 +93,7 @@ def _register_optional() -> None:
         ("fedsec.bench.audit_cli", "bench_audit", "audit"),
         ("fedsec.bench.chaos", "bench_chaos", "chaos"),
         ("fedsec.bench.async_bench", "bench_async", "async"),
+        ("fedsec.bench.ops", "bench_ops", "ops"),
     ):
         try:
             mod = importlib.import_module(module)

@@ -150,7 +150,7 @@ DOCS: dict[str, str] = {
     "(RFC 9421, like members' requests); empty = none. Delivery never blocks a round.",
     "alerts.webhook_timeout_s": "Seconds one webhook delivery may take; 5 s.",
     "alerts.webhook_attempts": "Deliveries tried per alert and URL before giving up (logged); "
-    "8 with the backoff below spans about 4 minutes of receiver outage.",
+    "8 with the backoff below (1+2+4+8+16+32+60 s) spans about 2 minutes of receiver outage.",
     "alerts.webhook_backoff_s": "Delay before the first retry; doubles per retry up to 60 s.",
     "dashboard.enabled": "Serve the read-only operator dashboard at /dashboard.",
     "dashboard.loopback_open": "Let requests from loopback (127.0.0.1, ::1, with a loopback "

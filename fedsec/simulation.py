@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
@@ -116,6 +118,9 @@ class SimulationSpec:
     # The aggregator as its own ``fedsec aggregator serve`` process, as deployed: its
     # request handling then runs beside the members instead of sharing their event loop.
     aggregator_process: bool = True
+    # open live dashboards (server-sent event streams) during the run, to measure what
+    # they cost the aggregator (`fedsec bench ops`)
+    dashboard_viewers: int = 0
 
 
 # A RAM-backed directory for the throw-away workspace when there is one: the aggregator's
@@ -263,8 +268,9 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     trainers = concurrent.futures.ThreadPoolExecutor(
         max_workers=_usable_cores(), thread_name_prefix="fedsec-train"
     )
+    extra: dict[str, Any] = {}
     with trainers:
-        wall = await _run_agents(spec, ws, local, aggregator_public, trainers)
+        wall = await _run_agents(spec, ws, local, aggregator_public, trainers, extra)
     if spec.aggregator_process:
         ws = Workspace.open(ws.root)
     rows = ws.state.rounds.history(100000)
@@ -337,6 +343,8 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             "target_accuracy": spec.target_accuracy or None,
             "time_to_target_s": time_to_target,
             "round_s_mean": round(wall / len(closed), 2) if closed else None,
+            "dashboard_viewers": spec.dashboard_viewers,
+            **extra,
         }
     )
 
@@ -354,9 +362,12 @@ async def _run_agents(
     local: list[LocalAgent],
     aggregator_public: bytes,
     trainers: concurrent.futures.Executor,
+    extra: dict[str, Any],
 ) -> float:
     """Serve ``ws`` and run one AgentRuntime per enrolled agent until the federation
-    finishes; return the wall time from the first agent's start."""
+    finishes; return the wall time from the first agent's start.  With
+    ``spec.dashboard_viewers``, that many live dashboards watch the run and ``extra``
+    receives what they cost the aggregator."""
     async with _serving(ws, spec.aggregator_process) as url:
         start = time.perf_counter()
         runtimes = [
@@ -380,6 +391,7 @@ async def _run_agents(
             for i, a in enumerate(local)
         ]
         await asyncio.gather(*(asyncio.to_thread(rt.prepare) for rt in runtimes))
+        viewers = [asyncio.create_task(_watch(url)) for _ in range(spec.dashboard_viewers)]
         # Everything loaded so far (torch, datasets, the agents' state) lives for the
         # whole run: keep it out of the collector's full passes, which otherwise
         # stopped every agent for ~0.2 s every few rounds (50 agents, MNIST-1D).
@@ -389,4 +401,40 @@ async def _run_agents(
             await asyncio.gather(*(rt.run() for rt in runtimes))
         finally:
             gc.unfreeze()
-        return time.perf_counter() - start
+            for viewer in viewers:
+                viewer.cancel()
+        wall = time.perf_counter() - start
+        extra.update(await _dashboard_cost(url, viewers))
+        return wall
+
+
+async def _watch(url: str) -> int:
+    """One open dashboard: read its live event stream (reconnecting, as a browser's
+    EventSource does) until cancelled; return the snapshots received."""
+    received = 0
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            try:
+                async with session.get(f"{url}/dashboard/api/events") as answer:
+                    async for line in answer.content:
+                        received += line.startswith(b"event: snapshot")
+            except (aiohttp.ClientError, TimeoutError):
+                await asyncio.sleep(0.5)
+
+
+async def _dashboard_cost(url: str, viewers: list[asyncio.Task[int]]) -> dict[str, Any]:
+    """What the open dashboards cost the aggregator, from its own /metrics."""
+    for viewer in viewers:
+        with contextlib.suppress(asyncio.CancelledError):
+            await viewer
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
+        text = await answer.text()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("fedsec_dashboard_pushes", "fedsec_dashboard_push_seconds"):
+            values[family.name] = sum(sample.value for sample in family.samples)
+    return {
+        "dashboard_pushes": int(values.get("fedsec_dashboard_pushes", 0)),
+        "dashboard_push_s": round(values.get("fedsec_dashboard_push_seconds", 0.0), 4),
+    }

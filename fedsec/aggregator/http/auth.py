@@ -98,7 +98,10 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:  # redirects (the dashboard's token exchange)
         _observe(request, exc.status, exc.body_length if exc.prepared else 0)
         raise
-    _observe(request, response.status, response.body_length)
+    body = response.body if isinstance(response, web.Response) else None
+    # a Response is not yet written here (its body is); a stream has written itself
+    sent = len(body) if isinstance(body, bytes | bytearray) else response.body_length
+    _observe(request, response.status, sent)
     return response
 
 

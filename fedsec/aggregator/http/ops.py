@@ -113,6 +113,13 @@ def _bearer(request: web.Request, scope: TokenScope) -> str | None:
     return None
 
 
+def _dashboard_on(request: web.Request) -> None:
+    """Raises:
+    NotFound: the dashboard is turned off (``dashboard.enabled = false``)."""
+    if not request.app[WORKSPACE].config.dashboard.enabled:
+        raise NotFound("the dashboard is turned off (dashboard.enabled = false)")
+
+
 def require_access(request: web.Request, scope: TokenScope) -> str:
     """Who is looking: an observer (by its token), ``loopback`` or ``anyone``.
 
@@ -123,8 +130,8 @@ def require_access(request: web.Request, scope: TokenScope) -> str:
         ForbiddenError: a valid token of another scope.
     """
     cfg = request.app[WORKSPACE].config
-    if scope == "dashboard" and not cfg.dashboard.enabled:
-        raise NotFound("the dashboard is turned off (dashboard.enabled = false)")
+    if scope == "dashboard":
+        _dashboard_on(request)
     token = _bearer(request, scope)
     if token is not None:
         ws = request.app[WORKSPACE]
@@ -150,6 +157,7 @@ def _asset(name: str) -> bytes:
 
 async def dashboard(request: web.Request) -> web.StreamResponse:
     _only_params(request, ("token",))
+    _dashboard_on(request)
     token = request.query.get("token")
     if token is not None:
         ws = request.app[WORKSPACE]
@@ -173,6 +181,7 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
 
 async def dashboard_asset(request: web.Request) -> web.Response:
     _only_params(request)
+    _dashboard_on(request)
     name = request.match_info["name"]
     content_type = ASSETS.get(name)
     if content_type is None:
@@ -226,7 +235,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
                 start = time.perf_counter()
                 body = ops.dashboard.snapshot(change)
                 await response.write(b"event: snapshot\ndata: " + body + b"\n\n")
-                ops.push_seconds += time.perf_counter() - start
+                ops.metrics.dashboard_pushes.inc()
+                ops.metrics.dashboard_seconds.inc(time.perf_counter() - start)
                 sent, last = change, time.monotonic()
             await signal.wait(min(HEARTBEAT_S, max(end - time.monotonic(), 0.0)))
         await response.write_eof()

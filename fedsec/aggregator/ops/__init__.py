@@ -59,9 +59,8 @@ class Operations:
             self.rules.on_event,
             self.webhooks.on_event,
         ):
-            coord.events.subscribe(listener)
+            coord.events.subscribe(listener, replay=True)  # start-up's events too
         self.streams = 0  # live dashboard streams open now
-        self.push_seconds = 0.0  # time spent building and writing pushed snapshots
         latest = ws.models.latest().metrics
         self.live.accuracy, self.live.loss = latest.get("accuracy"), latest.get("loss")
 

@@ -81,6 +81,10 @@ class SnapshotBuilder:
         self.builds = 0  # snapshots built (not served from the cache)
         self.build_seconds = 0.0  # time spent building them
 
+    def invalidate(self) -> None:
+        """Forget every cached part: the next build reads everything afresh."""
+        self._history_key = self._members_key = self._models_key = self._snapshot_key = None
+
     # -- the snapshot ----------------------------------------------------------------------------
 
     def snapshot(self, change: object) -> bytes:

@@ -128,6 +128,14 @@ class FederationMetrics:
         self.alerts = Counter(
             "fedsec_alerts_raised", "Operator alerts raised, by kind", ["kind"], registry=r
         )
+        self.dashboard_pushes = Counter(
+            "fedsec_dashboard_pushes", "Live snapshots pushed to open dashboards", registry=r
+        )
+        self.dashboard_seconds = Counter(
+            "fedsec_dashboard_push_seconds",
+            "Time spent building and writing live dashboard snapshots",
+            registry=r,
+        )
         r.register(_StateCollector(live, member_labels))
 
     def on_event(self, event: Event) -> None:

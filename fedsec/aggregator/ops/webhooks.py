@@ -86,7 +86,8 @@ class WebhookSender:
         self._signer = signer
         self._federation_id = federation_id
         self._sleep = sleep
-        self._queue: asyncio.Queue[bytes] | None = None
+        # made now, so alerts raised before start() (at start-up) wait for delivery
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(QUEUE_LIMIT)
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.delivered = 0  # deliveries answered 2xx
@@ -98,7 +99,7 @@ class WebhookSender:
 
     def on_event(self, event: Event) -> None:
         """The event-bus listener: queue each new alert (never waits)."""
-        if not isinstance(event, AlertRaised) or not self.enabled or self._queue is None:
+        if not isinstance(event, AlertRaised) or not self.enabled:
             return
         body = wire.encode(
             WebhookPayload(
@@ -116,7 +117,6 @@ class WebhookSender:
 
     async def start(self) -> None:
         """Start delivering (on the running event loop)."""
-        self._queue = asyncio.Queue(QUEUE_LIMIT)
         if self.enabled:
             self._task = asyncio.create_task(self._run())
 
@@ -131,13 +131,11 @@ class WebhookSender:
 
     async def drain(self, timeout: float) -> None:
         """Wait until every queued alert has been delivered or given up on (tests)."""
-        assert self._queue is not None
         async with asyncio.timeout(timeout):
             while not self._queue.empty() or self._inflight:
                 await asyncio.sleep(0.01)
 
     async def _run(self) -> None:
-        assert self._queue is not None
         slots = asyncio.Semaphore(CONCURRENT_DELIVERIES)
         timeout = aiohttp.ClientTimeout(total=self._cfg.webhook_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -103,22 +103,43 @@ class ModelProblem:
     serving: int
 
 
+#: Events kept from before the first listener subscribed (a coordinator's start-up: the
+#: attempt it opens, the unusable models it finds); start-up emits a handful.
+STARTUP_BACKLOG = 100
+
+
 class EventBus:
-    """Delivers each event to every listener, in subscription order."""
+    """Delivers each event to every listener, in subscription order.
+
+    What is emitted before anyone listens (the coordinator's start-up, when operations
+    are attached to an already built coordinator) is kept, up to
+    :data:`STARTUP_BACKLOG` events, and handed to listeners that ask for it.
+    """
 
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
+        self._backlog: list[Event] = []
 
-    def subscribe(self, listener: Listener) -> None:
-        """Call ``listener`` with every event from now on."""
+    def subscribe(self, listener: Listener, *, replay: bool = False) -> None:
+        """Call ``listener`` with every event from now on; with ``replay``, first with
+        those emitted before the first listener subscribed."""
+        if replay:
+            for event in self._backlog:
+                self._deliver(listener, event)
         self._listeners.append(listener)
 
     def emit(self, event: Event) -> None:
+        if not self._listeners and len(self._backlog) < STARTUP_BACKLOG:
+            self._backlog.append(event)
         for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("event=listener_failed event_type=%s", type(event).__name__)
+            self._deliver(listener, event)
+
+    @staticmethod
+    def _deliver(listener: Listener, event: Event) -> None:
+        try:
+            listener(event)
+        except Exception:
+            log.exception("event=listener_failed event_type=%s", type(event).__name__)
 
 
 @dataclass(frozen=True, slots=True)
