@@ -37,3 +37,6 @@ echo "== chaos: aggregator killed at every stage, compared with an uninterrupted
 $FEDSEC bench chaos --agents 6 --rounds 5 --json | tee -a "$out/chaos.jsonl"
 echo "== async: buffered vs synchronous rounds, 20% of members 10x slower"
 $FEDSEC bench async --json | tee -a "$out/async.jsonl"
+echo "== ops: /metrics latency (100 members, 1,000 closed rounds) and the dashboard's cost"
+$FEDSEC bench ops --part metrics --members 100 --closed-rounds 1000 --repeat 1000 --json | tee "$out/ops.jsonl"
+$FEDSEC bench ops --part dashboard --agents 50 --rounds 30 --pairs 3 --viewers 2 --json | tee -a "$out/ops.jsonl"

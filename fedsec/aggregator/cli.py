@@ -206,7 +206,6 @@ def dashboard_token(workspace: Path, observer: str, scope: str, ttl_s: float | N
             ttl,
             time.time(),
         )
-        cfg = ws.config.server
         click.echo(token)
         click.echo(
             f"{scope} token for {observer}, id {row.sha256[:12]}, expires "
@@ -214,11 +213,21 @@ def dashboard_token(workspace: Path, observer: str, scope: str, ttl_s: float | N
             err=True,
         )
         if scope == "dashboard":
-            click.echo(f"open: http://{cfg.host}:{cfg.port}/dashboard?token={token}", err=True)
+            click.echo(f"open: {_served_url(ws)}/dashboard?token={token}", err=True)
         else:
             click.echo("scrape with the header  Authorization: Bearer <token>", err=True)
     finally:
         ws.close()
+
+
+def _served_url(ws: Workspace) -> str:
+    """The URL the workspace is served on now (serve.json), else the configured one."""
+    try:
+        return str(json.loads((ws.root / SERVE_INFO).read_text())["url"])
+    except (OSError, ValueError, KeyError):
+        cfg = ws.config.server
+        scheme = "https" if cfg.tls_cert else "http"
+        return f"{scheme}://{cfg.host}:{cfg.port}"
 
 
 @aggregator.group()

@@ -143,8 +143,12 @@ class Coordinator:
         return self._ctx
 
     def deadline(self) -> float:
-        """When the stage in progress closes at the latest (inf: no deadline, e.g. open)."""
-        return self._lifecycle.deadline(self.live)
+        """When the stage in progress closes at the latest: for open, when the join
+        window closes (inf until ``min_agents`` joined); inf once the attempt ended."""
+        live = self.live
+        if live.stage == "open" and not self.finished:
+            return self._cohort.join_deadline(live)
+        return self._lifecycle.deadline(live)
 
     @property
     def rounds_completed(self) -> int:

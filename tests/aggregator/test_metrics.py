@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 async_test = pytest.mark.asyncio
 
 AGENTS = 4
-ROUNDS = 3
+ROUNDS = 4
 TASK = "breast_cancer"
 
 
@@ -130,9 +130,8 @@ async def test_metrics_scraped_during_live_rounds_match_the_state(tmp_path: Path
                     left = _value(samples, "fedsec_stage_deadline_seconds")
                     assert 0 < left <= coord.deadline() - live.stage_started_at
                     seen_stages.add(live.stage)
-                    if live.round == 2:
-                        mid_round = samples
-                await asyncio.sleep(0.02)
+                    mid_round = samples
+                await asyncio.sleep(0.005)
             await asyncio.wait_for(agents, 60)
             final = await scrape()
     finally:

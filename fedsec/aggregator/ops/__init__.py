@@ -93,12 +93,19 @@ class Operations:
         """Store an auditor's verdicts; a new failed one raises ``audit_failed``.
 
         Raises:
-            NotFound: a verdict names a member that is not in the roster.
+            NotFound: a verdict names a member that is not in the roster, or a
+                contribution that was never accepted (no receipt for that member and
+                attempt); nothing is stored then.
         """
         ws = self.coord.ws
         for v in verdicts:
             if ws.roster.get(v.member) is None:
                 raise NotFound(f"verdict for {v.member}, who is not in the roster")
+            if not ws.state.receipts.has(v.round, v.attempt, v.member):
+                raise NotFound(
+                    f"verdict on round {v.round} attempt {v.attempt} of {v.member}, which "
+                    "holds no accepted contribution of it"
+                )
         stored = already = alerts = 0
         now = self._clock()
         for v in verdicts:

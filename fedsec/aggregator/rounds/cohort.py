@@ -96,10 +96,13 @@ class CohortDesk:
         if len(joins) < cfg.min_agents:
             return False
         active = {e.agent_id for e in ws.roster.active_agents()}
-        quorum_at = ws.state.joins.nth_time(live.round, live.attempt, cfg.min_agents)
-        return (
-            len(joins) >= self.cap or active <= joins.keys() or now >= quorum_at + cfg.advertise_s
-        )
+        return len(joins) >= self.cap or active <= joins.keys() or now >= self.join_deadline(live)
+
+    def join_deadline(self, live: Attempt) -> float:
+        """When the join window closes (``advertise_s`` after the ``min_agents``-th
+        join), fixing the cohort at the latest; +inf until that many joined."""
+        cfg, state = self._ctx.cfg.round, self._ctx.ws.state
+        return state.joins.nth_time(live.round, live.attempt, cfg.min_agents) + cfg.advertise_s
 
     def fixed_spec(self, live: Attempt) -> wire.RoundSpec:
         """The signed spec fixing the cohort: the first to join, by arrival."""

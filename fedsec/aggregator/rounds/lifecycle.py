@@ -316,7 +316,13 @@ class Lifecycle:
             cohort=len(live.spec.cohort) if live.spec is not None else 0,
             participants=session.participant_count() if session is not None else 0,
             survivors=len(result.survivors) if result is not None else 0,
-            dropped=result.dropped if result is not None else [],
+            # everyone of the cohort whose input is not in the sum, those lost before
+            # they advertised included (the summation names only those it expected)
+            dropped=(
+                sorted(set(live.spec.cohort) - set(result.survivors))
+                if result is not None and live.spec is not None
+                else []
+            ),
             model_version=version,
             accuracy=(metrics or {}).get("accuracy"),
             loss=(metrics or {}).get("loss"),

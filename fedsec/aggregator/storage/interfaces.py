@@ -198,6 +198,10 @@ class ReceiptStore(Protocol):
         """The member's receipt from the newest attempt of the round, or None."""
         ...
 
+    def has(self, round_: int, attempt: int, member: str) -> bool:
+        """True when the member holds a receipt for that attempt."""
+        ...
+
     def contributions(self) -> dict[str, int]:
         """Member -> how many closed attempts it holds a receipt for: the rounds whose
         sum holds its input."""

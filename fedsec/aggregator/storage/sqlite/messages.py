@@ -97,6 +97,13 @@ class SqliteReceipts:
         ).fetchone()
         return bytes(row[0]) if row else None
 
+    def has(self, round_: int, attempt: int, member: str) -> bool:
+        row = self._db.execute(
+            "SELECT 1 FROM receipts WHERE round=? AND attempt=? AND member=?",
+            (round_, attempt, member),
+        ).fetchone()
+        return row is not None
+
     def contributions(self) -> dict[str, int]:
         # a receipt of an attempt that closed: that input is in the round's sum
         rows = self._db.execute(
