@@ -49,9 +49,28 @@ from tests.support.aggregator import (
     model_params,
     plain_input,
     plain_upload,
+    privacy_report,
     quantized_input,
     snapshot,
     table_rows,
+)
+from tests.support.aggregator import (
+    advertise_all as _advertise,
+)
+from tests.support.aggregator import (
+    attempt_of as _ra,
+)
+from tests.support.aggregator import (
+    fetch_shares as _fetch_shares,
+)
+from tests.support.aggregator import (
+    mask_all as _masked,
+)
+from tests.support.aggregator import (
+    share_all as _share,
+)
+from tests.support.aggregator import (
+    unmask_all as _unmask,
 )
 
 MEMBERS = ("a0", "a1", "a2", "a3", "a4")
@@ -80,41 +99,6 @@ def _start(
     coord.tick()
     assert coord.live.spec is not None
     return coord, Cohort(coord.live.spec, fed.identities)
-
-
-def _ra(coord: Coordinator) -> tuple[int, int]:
-    return coord.live.round, coord.live.attempt
-
-
-def _advertise(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
-    r, a = _ra(coord)
-    for m in members:
-        coord.advertise(m, r, a, cohort.advertise(m))
-
-
-def _share(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
-    r, a = _ra(coord)
-    for m in members:
-        coord.share_keys(m, r, a, cohort.share_keys(m, coord.key_list(m, r, a)))
-
-
-def _fetch_shares(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
-    r, a = _ra(coord)
-    for m in members:
-        cohort.receive_shares(m, coord.share_relay(m, r, a))
-
-
-def _masked(
-    coord: Coordinator, cohort: Cohort, members: tuple[str, ...]
-) -> dict[str, wire.Receipt]:
-    r, a = _ra(coord)
-    return {m: coord.masked_input(m, r, a, *cohort.upload(m)) for m in members}
-
-
-def _unmask(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
-    r, a = _ra(coord)
-    for m in members:
-        coord.unmask(m, r, a, cohort.unmask(m, coord.unmask_request(m, r, a)))
 
 
 def _rounds(fed: Federation) -> list[tuple[int, int, str, int | None]]:
@@ -654,22 +638,7 @@ def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) 
 # -- privacy reports -------------------------------------------------------------------------------
 
 
-def _report(member: str, epsilon: float = 1.5, **changes: object) -> wire.PrivacyReport:
-    fields: dict[str, object] = {
-        "federation_id": FED,
-        "round": 1,
-        "attempt": 0,
-        "member": member,
-        "dataset_id": f"breast_cancer:iid:0:{member}",
-        "epsilon": epsilon,
-        "delta": 1e-5,
-        "noise_multiplier": 1.0,
-        "sample_rate": 0.1,
-        "steps": 10,
-        "samples": 50,
-    }
-    fields.update(changes)
-    return wire.PrivacyReport(**fields)  # type: ignore[arg-type]
+_report = privacy_report
 
 
 def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: FakeClock) -> None:

@@ -41,9 +41,16 @@ def test_demo_round_survives_an_agent_killed_after_share_keys(tmp_path: Path) ->
         capture_output=True,
         text=True,
         timeout=400,
+        stdin=subprocess.DEVNULL,  # not a terminal: the demo must not linger
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "5 rounds closed" in proc.stdout
+    # where to look, printed as soon as the aggregator is up
+    lines = proc.stdout.splitlines()
+    dashboard = next(line for line in lines if line.startswith("dashboard: http://127.0.0.1:"))
+    metrics = next(line for line in lines if line.startswith("metrics: http://127.0.0.1:"))
+    assert dashboard.endswith("/dashboard") and metrics.endswith("/metrics")
+    assert lines.index(dashboard) < lines.index(next(x for x in lines if x.startswith("round ")))
     # the aggregator's operational log keeps its INFO events (Opacus' import-time
     # basicConfig once silenced them)
     served = (root / "logs" / "aggregator.log").read_text()

@@ -104,12 +104,15 @@ def make_federation(
     round: Mapping[str, Any] | None = None,
     server: Mapping[str, Any] | None = None,
     validation: bool = True,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Federation:
-    """A fresh workspace with the given members enrolled (admin-signed roster entries)."""
+    """A fresh workspace with the given members enrolled (admin-signed roster entries);
+    ``sections`` overrides further sections of federation.toml (``{"alerts": {...}}``)."""
     text = config_text(
         round={**FAST_ROUND, **(round or {})},
         server=dict(server or {}),
         validation={"enabled": validation},
+        **dict(sections or {}),
     )
     ws = init_workspace(root, FED, TASK, config_text=text)
     admin = ws.admin()
@@ -319,6 +322,65 @@ class Cohort:
                 key_shares={m: s.hex() for m, s in resp.key_shares},
             )
         return self._unmask[member]
+
+
+# -- driving a SecAgg+ attempt through a coordinator, stage by stage ------------------------------
+
+
+def attempt_of(coord: Coordinator) -> tuple[int, int]:
+    """(round, attempt) of the attempt in progress."""
+    return coord.live.round, coord.live.attempt
+
+
+def advertise_all(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = attempt_of(coord)
+    for m in members:
+        coord.advertise(m, r, a, cohort.advertise(m))
+
+
+def share_all(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = attempt_of(coord)
+    for m in members:
+        coord.share_keys(m, r, a, cohort.share_keys(m, coord.key_list(m, r, a)))
+
+
+def fetch_shares(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = attempt_of(coord)
+    for m in members:
+        cohort.receive_shares(m, coord.share_relay(m, r, a))
+
+
+def mask_all(
+    coord: Coordinator, cohort: Cohort, members: tuple[str, ...]
+) -> dict[str, wire.Receipt]:
+    r, a = attempt_of(coord)
+    return {m: coord.masked_input(m, r, a, *cohort.upload(m)) for m in members}
+
+
+def unmask_all(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
+    r, a = attempt_of(coord)
+    for m in members:
+        coord.unmask(m, r, a, cohort.unmask(m, coord.unmask_request(m, r, a)))
+
+
+def privacy_report(member: str, epsilon: float = 1.5, **changes: Any) -> wire.PrivacyReport:
+    """An unsigned privacy report of ``member`` for round 1, attempt 0 (``changes``
+    override any field)."""
+    fields: dict[str, Any] = {
+        "federation_id": FED,
+        "round": 1,
+        "attempt": 0,
+        "member": member,
+        "dataset_id": f"breast_cancer:iid:0:{member}",
+        "epsilon": epsilon,
+        "delta": 1e-5,
+        "noise_multiplier": 1.0,
+        "sample_rate": 0.1,
+        "steps": 10,
+        "samples": 50,
+    }
+    fields.update(changes)
+    return wire.PrivacyReport(**fields)
 
 
 def expected_params(

@@ -123,6 +123,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
             _HANDLERS[endpoint.name],
             expect_handler=expect_continue,
         )
+    app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_replay_store)
     app.cleanup_ctx.append(_webhooks)
     app.cleanup_ctx.append(_ticker)
@@ -156,6 +157,13 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _end_streams(app: web.Application) -> None:
+    """Shutting down: live dashboard streams end (within ops.LIVENESS_S), so stopping the
+    server does not wait for the browser tabs watching it."""
+    app[OPS].closing = True
+    app[CHANGED].fire()
 
 
 async def _webhooks(app: web.Application) -> AsyncIterator[None]:

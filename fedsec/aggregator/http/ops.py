@@ -61,6 +61,9 @@ MAX_STREAMS: Final = 32
 #: A stream is ended after this many seconds; the browser's EventSource reconnects (and
 #: is authenticated again, so a revoked or expired token stops working within this).
 STREAM_S: Final = 300.0
+#: How often a waiting stream looks whether its viewer left or the server is stopping:
+#: a viewer's slot (of MAX_STREAMS) is freed, and a shutdown waits, at most this long.
+LIVENESS_S: Final = 1.0
 #: With no change, a snapshot is still pushed this often (the countdown and "last
 #: seen" stay current; proxies see traffic and keep the stream open).
 HEARTBEAT_S: Final = 15.0
@@ -172,7 +175,7 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
             secure=request.secure,
             max_age=int(ws.config.dashboard.token_ttl_s),
         )
-        return answer
+        raise answer
     require_access(request, "dashboard")
     return web.Response(
         body=_asset("dashboard.html"), content_type="text/html", charset="utf-8", headers=_HEADERS
@@ -238,9 +241,22 @@ async def _stream(request: web.Request) -> web.StreamResponse:
                 ops.metrics.dashboard_pushes.inc()
                 ops.metrics.dashboard_seconds.inc(time.perf_counter() - start)
                 sent, last = change, time.monotonic()
-            await signal.wait(min(HEARTBEAT_S, max(end - time.monotonic(), 0.0)))
-        await response.write_eof()
+            if _gone(request) or ops.closing:
+                break
+            # woken by a change, or after LIVENESS_S to notice a viewer that left (the
+            # socket's closing is seen only when looked at) or a server stopping
+            await signal.wait(min(LIVENESS_S, max(end - time.monotonic(), 0.0)))
+            if _gone(request) or ops.closing:
+                break
+        if not _gone(request):
+            await response.write_eof()
     return response
+
+
+def _gone(request: web.Request) -> bool:
+    """True once the viewer's connection is closed or closing."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 # -- metrics, alerts, verdicts ---------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Operations:
         ):
             coord.events.subscribe(listener, replay=True)  # start-up's events too
         self.streams = 0  # live dashboard streams open now
+        self.closing = False  # the server is shutting down: live streams end
         latest = ws.models.latest().metrics
         self.live.accuracy, self.live.loss = latest.get("accuracy"), latest.get("loss")
 

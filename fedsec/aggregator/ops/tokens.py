@@ -61,7 +61,10 @@ def issue(
     if scope not in SCOPES:
         raise ConfigError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if not (0 < ttl_s <= MAX_TTL_S):
-        raise ConfigError(f"a token lives between 1 s and {MAX_TTL_S:.0f} s, got {ttl_s:g}")
+        raise ConfigError(
+            f"a token's lifetime must be more than 0 s and at most {MAX_TTL_S:.0f} s "
+            f"(30 days), got {ttl_s:g}"
+        )
     token = PREFIX + secrets.token_hex(TOKEN_BYTES)
     row = TokenRow(digest(token), observer, scope, now, now + ttl_s, False)
     store.add(row)
