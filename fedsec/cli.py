@@ -94,6 +94,7 @@ def _register_optional() -> None:
         ("fedsec.bench.chaos", "bench_chaos", "chaos"),
         ("fedsec.bench.async_bench", "bench_async", "async"),
         ("fedsec.bench.ops", "bench_ops", "ops"),
+        ("fedsec.bench.he", "bench_he", "he"),
     ):
         try:
             mod = importlib.import_module(module)
