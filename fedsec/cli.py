@@ -79,6 +79,7 @@ def _register_optional() -> None:
         ("fedsec.aggregator.cli", ("aggregator",)),
         ("fedsec.agent.cli", ("agent",)),
         ("fedsec.audit.cli", ("audit",)),
+        ("fedsec.custodian.cli", ("custodian",)),
         ("fedsec.demo", ("demo", "simulate")),
     ):
         try:

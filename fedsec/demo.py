@@ -285,7 +285,10 @@ def _parse_dp(value: str) -> float | None:
 @click.option("--rounds", default=20, show_default=True)
 @click.option("--partition", default="iid", show_default=True)
 @click.option(
-    "--secure-sum", type=click.Choice(["secagg", "none"]), default="secagg", show_default=True
+    "--secure-sum",
+    type=click.Choice(["secagg", "he", "none"]),
+    default="secagg",
+    show_default=True,
 )
 @click.option("--quant-bits", default=8, show_default=True)
 @click.option("--clip", default=0.0, help="update clip norm; 0 = a task default")

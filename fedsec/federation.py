@@ -24,6 +24,7 @@ from fedsec.config import (
     DPSection,
     FederationConfig,
     FederationSection,
+    HeSection,
     MetricsSection,
     NetworkSection,
     PrivacySection,
@@ -64,6 +65,7 @@ def federation_toml(
     alerts: dict[str, Any] | None = None,
     dashboard: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
+    he: dict[str, Any] | None = None,
 ) -> str:
     """A federation.toml with the given overrides of each section's defaults."""
     cfg = FederationConfig(
@@ -75,6 +77,7 @@ def federation_toml(
         alerts=AlertsSection(**(alerts or {})),
         dashboard=DashboardSection(**(dashboard or {})),
         metrics=MetricsSection(**(metrics or {})),
+        he=HeSection(**(he or {})),
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
 

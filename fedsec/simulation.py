@@ -257,9 +257,12 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             "noise_multiplier": noise if spec.dp_epsilon is not None else NON_DP_NOISE_PLACEHOLDER,
         },
         server={"optimizer": spec.server_optimizer, "server_lr": server_lr, "port": 0},
+        he={"custodian": CUSTODIAN_ID} if spec.secure_sum == "he" else None,
     )
     ws = create_federation(root, "sim", spec.task, text)
     local = enrol_agents(ws, root, spec.agents)
+    if spec.secure_sum == "he":
+        _enrol_custodian(ws, root / CUSTODIAN_ID)
     aggregator_public = ws.signer.public_bytes
     if spec.aggregator_process:
         ws.close()  # the serving process owns the workspace until it exits
@@ -356,6 +359,40 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+#: The key custodian of a simulated homomorphic-summation federation (its own task here;
+#: a separate organisation in a deployment).
+CUSTODIAN_ID = "custodian"
+
+
+def _enrol_custodian(ws: Workspace, home: Path) -> None:
+    """Make the custodian's keys in ``home`` and enrol it (role custodian)."""
+    from fedsec.crypto.he import HeParams
+    from fedsec.custodian.store import create_custodian
+    from fedsec.protocol.roster import sign_roster_entry
+
+    he = ws.config.he
+    params = HeParams(he.poly_modulus_degree, tuple(he.coeff_mod_bit_sizes), he.scale_bits)
+    manifest = create_custodian(home, ws.federation_id, params)
+    ws.roster.add(
+        sign_roster_entry(
+            federation_id=ws.federation_id,
+            agent_id=CUSTODIAN_ID,
+            public_key=bytes.fromhex(manifest.public_key),
+            role="custodian",
+            admin=ws.admin(),
+        )
+    )
+
+
+async def _custodian(spec: SimulationSpec, root: Path, url: str, aggregator: bytes) -> None:
+    """The key custodian, serving until the federation finishes (he rounds only)."""
+    if spec.secure_sum != "he":
+        return
+    from fedsec.custodian.service import serve_directory
+
+    await serve_directory(root / CUSTODIAN_ID, CUSTODIAN_ID, url, aggregator)
+
+
 async def _run_agents(
     spec: SimulationSpec,
     ws: Workspace,
@@ -392,6 +429,7 @@ async def _run_agents(
         ]
         await asyncio.gather(*(asyncio.to_thread(rt.prepare) for rt in runtimes))
         viewers = [asyncio.create_task(_watch(url)) for _ in range(spec.dashboard_viewers)]
+        custodian = asyncio.create_task(_custodian(spec, ws.root.parent, url, aggregator_public))
         # Everything loaded so far (torch, datasets, the agents' state) lives for the
         # whole run: keep it out of the collector's full passes, which otherwise
         # stopped every agent for ~0.2 s every few rounds (50 agents, MNIST-1D).
@@ -403,6 +441,10 @@ async def _run_agents(
             gc.unfreeze()
             for viewer in viewers:
                 viewer.cancel()
+            if not custodian.done():
+                custodian.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await custodian  # a custodian that failed says why
         wall = time.perf_counter() - start
         extra.update(await _dashboard_cost(url, viewers))
         return wall

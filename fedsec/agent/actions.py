@@ -154,6 +154,11 @@ class Masked(Event):
 
 
 @dataclass(frozen=True)
+class Encrypted(Event):
+    body: bytes  # the framed ciphertexts of the quantized update (fedsec.crypto.he)
+
+
+@dataclass(frozen=True)
 class UpdateKept(Event):
     salt: bytes  # the commitment salt the vault keeps with the update
 
@@ -298,6 +303,17 @@ class Mask(Action):
     answer: ClassVar[type[Event]] = Masked
     dim: int
     compute: Callable[[], MaskedInput] = field(compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Encrypt(Action):
+    """Homomorphic summation: encrypt the quantized update under the federation's public
+    CKKS context, the one ``spec`` names (fetched once, its custodian's statement
+    verified against the admin-signed roster)."""
+
+    answer: ClassVar[type[Event]] = Encrypted
+    spec: RoundSpec
+    quantized: RingVector
 
 
 @dataclass(frozen=True, eq=False)

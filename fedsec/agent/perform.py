@@ -14,6 +14,7 @@ from typing import Any, Final, TypeVar
 
 from fedsec.agent import actions as act
 from fedsec.agent.charging import PrivacyCharge
+from fedsec.agent.he import HeContexts, encrypt_update
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.pinned_roster import PinnedRoster
 from fedsec.agent.refusals import is_temporary
@@ -97,6 +98,7 @@ class ActionPerformer:
         self.pin = pin
         self.poll_timeout_s = poll_timeout_s
         self._faults = faults
+        self._he = HeContexts(roster)
         self._table = self._performers()
 
     async def perform(self, action: act.Action) -> act.Event:
@@ -132,6 +134,7 @@ class ActionPerformer:
                 act.SharesFetched, guard(c.get_shares(a.round, a.attempt, a.wait))
             ),
             act.KeepUpdate: self._keep_update,
+            act.Encrypt: self._encrypt,
             # not cut short by a stop: the receipt of an accepted contribution is kept
             act.SendMaskedInput: self._send_masked_input,
             act.FetchReceipt: lambda a: _as(act.ReceiptFetched, c.receipt(a.round)),
@@ -241,6 +244,10 @@ class ActionPerformer:
         return act.UpdateKept(
             self.vault.keep_update_once(action.round, action.attempt, action.quantized)
         )
+
+    async def _encrypt(self, action: act.Encrypt) -> act.Encrypted:
+        context = await self._he.for_spec(self.client, action.spec)
+        return act.Encrypted(await encrypt_update(context, action.quantized))
 
     async def _send_masked_input(self, action: act.SendMaskedInput) -> act.MaskedInputAnswered:
         receipt, request = await self.client.masked_input(

@@ -38,6 +38,8 @@ import numpy as np
 from fedsec.agent.actions import (
     Action,
     AwaitTraining,
+    Encrypt,
+    Encrypted,
     Event,
     FetchReceipt,
     FetchRoster,
@@ -275,6 +277,8 @@ class AgentRound:
             contribution = self._contribution(trained, weight)
             if secagg is not None:
                 receipt = yield from secagg.finish(contribution, relay, self._send_vector)
+            elif spec.secure_sum == "he":
+                receipt = yield from self._he_finish(contribution)
             else:
                 receipt = yield from self._plain_finish(contribution)
             return (yield from self._closed(receipt))
@@ -368,6 +372,14 @@ class AgentRound:
     def _plain_finish(self, c: Contribution) -> Step[Receipt]:
         yield from self._attempt.wait_for(("masked_input",))
         receipt, _ = yield from self._send_vector(c, pack(c.quantized, self.spec.ring_bits))
+        return receipt
+
+    def _he_finish(self, c: Contribution) -> Step[Receipt]:
+        """The quantized update a plain round would send, encrypted: the aggregator adds
+        the ciphertexts, and only their sum is ever decrypted (by the key custodian)."""
+        yield from self._attempt.wait_for(("masked_input",))
+        body = (yield from ask(Encrypt(self.spec, c.quantized), Encrypted)).body
+        receipt, _ = yield from self._send_vector(c, body)
         return receipt
 
     def _send_vector(

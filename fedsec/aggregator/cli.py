@@ -9,6 +9,7 @@ import os
 import signal
 import ssl
 from pathlib import Path
+from typing import get_args
 
 import click
 
@@ -16,7 +17,7 @@ from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.errors import ConfigError
 from fedsec.faults import Faults
 from fedsec.keys import load_public_key
-from fedsec.protocol.roster import sign_roster_entry
+from fedsec.protocol.roster import Role, sign_roster_entry
 
 SERVE_INFO = "serve.json"
 
@@ -50,7 +51,7 @@ def roster() -> None:
 @click.option("--workspace", type=click.Path(path_type=Path), required=True)
 @click.option("--agent-id", required=True)
 @click.option("--public-key", type=click.Path(path_type=Path, exists=True), required=True)
-@click.option("--role", type=click.Choice(["agent", "observer", "auditor"]), default="agent")
+@click.option("--role", type=click.Choice(get_args(Role)), default="agent")
 @click.option("--max-weight", type=float, default=None)
 def roster_add(
     workspace: Path, agent_id: str, public_key: Path, role: str, max_weight: float | None

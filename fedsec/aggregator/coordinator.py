@@ -18,9 +18,12 @@ restarted coordinator resumes the round in progress (:mod:`.rounds.resume`).
 
 from __future__ import annotations
 
+import itertools
+import re
 import secrets
 import time
 from collections.abc import Callable
+from typing import Final
 
 import msgspec
 import numpy as np
@@ -32,13 +35,14 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext
 from fedsec.aggregator.rounds.events import EventBus, ModelProblem
+from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
 from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
-from fedsec.errors import WrongStage
+from fedsec.errors import ForbiddenError, PayloadError, WrongStage
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol import wire
 from fedsec.protocol.log_entries import GenesisEntry
@@ -46,7 +50,13 @@ from fedsec.protocol.stages import ACTIVE_STAGES, stage_index
 from fedsec.tasks import get_task
 from fedsec.tasks.base import Task
 
-__all__ = ["REFUSED_ENTRIES_PER_ATTEMPT", "Coordinator"]
+__all__ = ["LOG_LINES_PER_READ", "REFUSED_ENTRIES_PER_ATTEMPT", "Coordinator"]
+
+#: Most transparency-log lines one ``GET /audit/log`` answers: a line is a few hundred
+#: bytes (at most 1 MiB), so 10,000 is a few MB per answer in practice, and a reader
+#: (the custodian, an auditor) goes on from the index after the last line it got.
+LOG_LINES_PER_READ: Final = 10_000
+_SHA256_HEX: Final = re.compile(r"[0-9a-f]{64}")
 
 
 class Coordinator:
@@ -108,9 +118,10 @@ class Coordinator:
         _report_model_problems(ctx)
         optimizer = make_optimizer(workspace.config.server, dim, workspace.state)
         applier = ModelApplier(ctx, model, optimizer, _validation_data(workspace, self.task))
-        self._cohort = CohortDesk(ctx)
+        self._he = HeContextDesk(ctx)
+        self._cohort = CohortDesk(ctx, self._he)
         self._refusals = RefusalLog(ctx, lambda: self._lifecycle.live)
-        self._lifecycle = Lifecycle(ctx, self._cohort, applier, self._refusals)
+        self._lifecycle = Lifecycle(ctx, self._cohort, applier, self._refusals, self._he)
         self._reports = PrivacyReports(ctx)
         self._intake = Intake(ctx, self._lifecycle, self._refusals, self._reports)
         self._lifecycle.resume()
@@ -294,6 +305,63 @@ class Coordinator:
     def unmask_request(self, member: str, round_: int, attempt: int) -> wire.UnmaskRequestBody:
         self.live.expect_at_least(member, round_, attempt, "unmask")
         return self.live.summing().unmask_request(member, self.token)
+
+    # -- homomorphic summation ---------------------------------------------------------------
+
+    def publish_he_context(self, member: str, published: wire.HeContext) -> bool:
+        """The key custodian publishes the federation's public CKKS context (once; an
+        identical repeat is accepted, returning False).  See
+        :meth:`fedsec.aggregator.rounds.he_context.HeContextDesk.publish`."""
+        return self._he.publish(member, published)
+
+    def he_context(self) -> wire.HeContext:
+        """Raises NotFound: not published yet (or not a homomorphic federation)."""
+        return self._he.served()
+
+    def he_sum(self, member: str, round_: int, attempt: int) -> wire.HeSumOffer:
+        """What the custodian is asked to decrypt, once the attempt is in decrypt.
+
+        Raises:
+            WrongStage: not that attempt, or not in decrypt yet.
+            UnknownMember: ``member`` is not its custodian (or not a homomorphic attempt).
+        """
+        session = self._intake.he_session(member, round_, attempt, "decrypt")
+        tail = self.ws.state.log.log_tail()
+        return session.offer(0 if tail is None else tail[0] + 1)
+
+    def decryption(self, member: str, round_: int, attempt: int, raw: bytes) -> None:
+        """Take the custodian's decryption (:meth:`Intake.decryption`); the round closes."""
+        self._intake.decryption(member, round_, attempt, raw)
+
+    # -- the transparency log and its archive, for its checkers ---------------------------------
+
+    def log_lines(self, start: int) -> bytes:
+        """Committed log lines from index ``start`` on, at most :data:`LOG_LINES_PER_READ`,
+        each ending in a newline (empty past the tail)."""
+        lines = itertools.islice(self.ws.state.log.log_lines(start), LOG_LINES_PER_READ)
+        return b"".join(line + b"\n" for _, line in lines)
+
+    def archived(self, member: str, sha256: str) -> bytes:
+        """The archived object named ``sha256``, for ``member`` (an auditor or the key
+        custodian).
+
+        The archive holds every accepted message, plain updates of ``secure_sum = "none"``
+        included; a custodian reads it only in a homomorphic federation, where what it
+        needs (the ciphertexts it re-adds) is there.
+
+        Raises:
+            ForbiddenError: a custodian, and the federation does not sum homomorphically.
+            PayloadError: not a lowercase SHA-256 hex digest.
+            NotFound: not in the archive (never archived, or pruned past retention).
+        """
+        entry = self.ws.roster.get(member)
+        if entry is not None and entry.role == "custodian" and not self._he.custodian:
+            raise ForbiddenError(
+                f"{member}: a key custodian reads the archive only where round.secure_sum = he"
+            )
+        if not _SHA256_HEX.fullmatch(sha256):
+            raise PayloadError(f"{sha256[:70]!r} is not a SHA-256 hex digest")
+        return self.trail.archive.get(sha256)
 
     # -- time ------------------------------------------------------------------------------------
 

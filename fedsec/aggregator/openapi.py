@@ -70,17 +70,13 @@ def _content(payload: Payload | None, alternatives: tuple[type, ...] = ()) -> di
     return {"application/json": {"schema": schema}}
 
 
-def _binary(payload: Payload | None) -> bool:
-    return isinstance(payload, Opaque) and payload.binary
-
-
 def _responses(ep: Endpoint) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": ep.answer_note}
     if content := _content(ep.response, ep.alternatives):
         ok["content"] = content
     # public routes refuse nothing of note; the model download has never listed its
     # refusals (kept so the document stays what clients were generated from)
-    if ep.auth == "none" or _binary(ep.response):
+    if ep.auth == "none" or ep.name == "model":
         return {"200": ok}
     if ep.auth != "signature":
         kept = ("400", "401", "403", "404") if ep.capability else ("400", "401", "403")

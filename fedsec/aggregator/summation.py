@@ -12,8 +12,11 @@ complete, closes each stage but the last, and finalizes the last one into a
   unmask.
 - :class:`PlainSession` (``secure_sum = "none"``): signed quantized updates summed in
   the clear; one stage, masked_input.
+- :class:`HeSession` (``secure_sum = "he"``): CKKS ciphertexts of the quantized updates
+  added without being opened (:mod:`fedsec.crypto.he`); stages masked_input, then
+  decrypt, where the key custodian releases the integer sum.
 
-Later modes (homomorphic, distributed-DP noise, sparse encodings) are new subclasses.
+Later modes (distributed-DP noise, sparse encodings) are new subclasses.
 Sessions are sans-I/O: nothing here touches the state store or the log.
 """
 
@@ -24,10 +27,11 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedsec.crypto.quantize import dequantize_one, unpack
+from fedsec.crypto.quantize import dequantize_one, dequantize_sum, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     MaskedInput,
@@ -36,16 +40,82 @@ from fedsec.crypto.secagg import (
     ShareRelay,
     UnmaskResponse,
 )
-from fedsec.errors import BadVector, DuplicateMessage, RoundAborted, UnknownMember
+from fedsec.errors import (
+    BadVector,
+    DuplicateMessage,
+    IntegrityError,
+    PayloadError,
+    ProtocolError,
+    RoundAborted,
+    UnknownMember,
+    WrongStage,
+)
 from fedsec.protocol import codec, wire
 from fedsec.protocol.replay import feed_accepted
-from fedsec.protocol.stages import SECAGG_STAGES, Stage
+from fedsec.protocol.stages import HE_STAGES, SECAGG_STAGES, Stage
+
+if TYPE_CHECKING:  # TenSEAL is the ``he`` extra's: only an he federation loads it
+    from fedsec.crypto.he import PublicContext
 
 # logged under the round engine's name (fedsec.aggregator.rounds.context): operators filter on it
 log = logging.getLogger("fedsec.aggregator.coordinator")
 
+# The framing of a decryption: a u32 little-endian statement length, then the statement.
+_LENGTH_BYTES = 4
+# The released plaintext: one little-endian int64 per value.
+_PLAINTEXT_DTYPE = "<i8"
+
+
+@dataclass(frozen=True, slots=True)
+class Decryption:
+    """The key custodian's decryption of an attempt's ciphertext sum (stage decrypt)."""
+
+    custodian: str
+    statement: wire.DecryptionStatement
+    plaintext: bytes  # the dim + 1 summed integers, little-endian int64
+
+
+def decode_decryption(custodian: str, raw: bytes, max_json_bytes: int) -> Decryption:
+    """A ``post_decryption`` body: ``u32 LE n | n bytes of statement JSON | plaintext``.
+
+    Args:
+        custodian: who sent it.
+        raw: the body as received (and as stored).
+        max_json_bytes: bound on the statement's length (``server.max_json_bytes``).
+
+    Raises:
+        PayloadError: truncated, a statement length over the bound, or a statement that
+            does not decode strictly (unknown fields, repeated keys, wrong types).
+    """
+    if len(raw) < _LENGTH_BYTES:
+        raise PayloadError("a decryption starts with the u32 length of its statement")
+    length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+    if length > max_json_bytes:
+        raise PayloadError(
+            f"the decryption statement declares {length} bytes, over the {max_json_bytes} allowed"
+        )
+    end = _LENGTH_BYTES + length
+    if len(raw) < end:
+        raise PayloadError(
+            f"the decryption statement is cut off ({len(raw) - _LENGTH_BYTES} of {length} bytes)"
+        )
+    statement = wire.decode(
+        raw[_LENGTH_BYTES:end],
+        wire.DecryptionStatement,
+        max_bytes=max_json_bytes,
+        what="decryption statement",
+    )
+    return Decryption(custodian, statement, raw[end:])
+
+
+def frame_decryption(statement: wire.DecryptionStatement, plaintext: bytes) -> bytes:
+    """The body :func:`decode_decryption` reads (tests and tools build it with this)."""
+    encoded = wire.encode(statement)
+    return len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded + plaintext
+
+
 #: A decoded stage message, as the member sent it.
-StageMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse
+StageMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse | Decryption
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,17 +222,35 @@ class SummationSession(ABC):
 
 
 def open_session(
-    spec: wire.RoundSpec, roster_keys: Mapping[str, bytes], min_agents: int
+    spec: wire.RoundSpec,
+    roster_keys: Mapping[str, bytes],
+    min_agents: int,
+    he_context: PublicContext | None = None,
+    max_json_bytes: int = 1 << 20,
 ) -> SummationSession:
     """The session for ``spec``'s ``secure_sum`` mode: the one place that asks it.
 
     Args:
         spec: the attempt's signed spec.
-        roster_keys: member id -> Ed25519 public key, for the cohort.
+        roster_keys: member id -> Ed25519 public key, for the cohort (and, for ``he``,
+            the key custodian the spec names).
         min_agents: fewest contributions a sum may hold (modes without their own bound).
+        he_context: ``he``: the federation's public context, the one the spec names.
+        max_json_bytes: ``he``: bound on a stored decryption statement (replay).
+
+    Raises:
+        ProtocolError: an ``he`` spec without the context or the custodian's key.
     """
     if spec.secure_sum == "secagg":
         return SecAggPlusSession(spec, roster_keys)
+    if spec.secure_sum == "he":
+        key = roster_keys.get(spec.custodian)
+        if he_context is None or key is None:
+            raise ProtocolError(
+                f"round {spec.round}: a homomorphic sum needs the published context and the "
+                f"key custodian {spec.custodian!r} on the roster"
+            )
+        return HeSession(spec, he_context, key, min_agents, max_json_bytes)
     return PlainSession(spec, min_agents)
 
 
@@ -316,6 +404,204 @@ class PlainSession(SummationSession):
             survivors=sorted(self.members),
             dropped=dropped,
             sum_sha256=hashlib.sha256(self.total.astype("<f8").tobytes()).hexdigest(),
+        )
+
+    def participant_count(self) -> int:
+        return len(self.members)
+
+
+class HeSession(SummationSession):
+    """Homomorphic summation: the aggregator adds CKKS ciphertexts of the members'
+    quantized vectors without opening them, and the key custodian decrypts only their
+    sum, which becomes Σ w·Δ exactly as a SecAgg+ ring sum does.
+
+    Args:
+        spec: the attempt's signed spec (``he_context_sha256`` names ``context``).
+        context: the federation's public CKKS context.
+        custodian_key: the Ed25519 key of the custodian the spec names (roster).
+        min_agents: fewest ciphertexts a sum may hold (the custodian checks it too).
+        max_json_bytes: bound on a stored decryption statement, for :meth:`replay`.
+    """
+
+    stages = HE_STAGES
+
+    def __init__(
+        self,
+        spec: wire.RoundSpec,
+        context: PublicContext,
+        custodian_key: bytes,
+        min_agents: int,
+        max_json_bytes: int = 1 << 20,
+    ) -> None:
+        from fedsec.crypto import he
+
+        super().__init__(spec)
+        self.min_agents = min_agents
+        self.params = context.params
+        self._custodian_key = custodian_key
+        self._max_json_bytes = max_json_bytes
+        self._sum = he.CiphertextSum(context, context.params, spec.dim + 1)
+        self.members: list[str] = []  # whose ciphertexts are in the sum, in arrival order
+        # fixed when masked_input closes: what the custodian is asked to decrypt
+        self.contributors: list[str] | None = None
+        self.sum_sha256 = ""
+        self.decryption: Decryption | None = None
+
+    # -- masked_input: ciphertexts ----------------------------------------------------------------
+
+    def receive(self, stage: str, message: StageMessage) -> None:
+        """Raises: DuplicateMessage, WrongStage; PayloadError, CryptoError (a ciphertext
+        that is not one of the federation's, checked before anything is added); for
+        decrypt, see :meth:`_check_decryption`."""
+        if stage == "masked_input" and isinstance(message, MaskedInput):
+            self._receive_ciphertexts(message)
+        elif stage == "decrypt" and isinstance(message, Decryption):
+            self._check_decryption(message)
+            self.decryption = message
+        else:
+            raise ValueError(f"not a {stage} message: {type(message).__name__}")
+
+    def _receive_ciphertexts(self, message: MaskedInput) -> None:
+        from fedsec.crypto import he
+
+        member = message.member
+        if member in self.members:
+            raise DuplicateMessage(f"{member} already sent its encrypted update")
+        if self.contributors is not None:
+            raise WrongStage(f"{member}: the encrypted updates of round {self.spec.round} closed")
+        # unframe_chunks checks count and lengths before copying; add() checks every
+        # chunk against the federation's context before any is added
+        self._sum.add(he.unframe_chunks(message.vector, self.params, self.spec.dim + 1))
+        self.members.append(member)
+
+    def replay(self, stage: str, member: str, raw: bytes) -> None:
+        if stage == "decrypt":
+            self.receive(stage, decode_decryption(member, raw, self._max_json_bytes))
+        else:
+            self.receive(stage, MaskedInput(member, raw))
+
+    def complete(self, stage: str) -> bool:
+        if stage == "masked_input":
+            return len(self.members) == len(self.spec.cohort)
+        return stage == "decrypt" and self.decryption is not None
+
+    def close(self, stage: str) -> None:
+        """Close masked_input: the contributors and the sum's digest are fixed.
+
+        Raises:
+            RoundAborted: fewer than ``min_agents`` ciphertexts arrived.
+        """
+        if stage != "masked_input":
+            raise ValueError(f"stage {stage!r} is not closed by close()")
+        if len(self.members) < self.min_agents:
+            raise RoundAborted(
+                f"round {self.spec.round}: {len(self.members)} encrypted updates arrived, need "
+                f"{self.min_agents}; missing: {self._missing()}"
+            )
+        self.contributors = sorted(self.members)
+        self.sum_sha256 = self._sum.digest()
+        log.info(
+            "event=he_sum_fixed round=%d attempt=%d contributors=%d sum_sha256=%s",
+            self.spec.round,
+            self.spec.attempt,
+            len(self.contributors),
+            self.sum_sha256[:16],
+        )
+
+    def _missing(self) -> list[str]:
+        return sorted(set(self.spec.cohort) - set(self.members))
+
+    # -- decrypt: the custodian's answer ----------------------------------------------------------
+
+    def offer(self, log_index: int) -> wire.HeSumOffer:
+        """What the custodian is asked to decrypt (``log_index``: the log's length now).
+
+        Raises:
+            WrongStage: the encrypted updates are still coming in.
+        """
+        if self.contributors is None:
+            raise WrongStage(f"round {self.spec.round} has not fixed its ciphertext sum yet")
+        return wire.HeSumOffer(
+            federation_id=self.spec.federation_id,
+            round=self.spec.round,
+            attempt=self.spec.attempt,
+            contributors=list(self.contributors),
+            sum_sha256=self.sum_sha256,
+            log_index=log_index,
+        )
+
+    def _check_decryption(self, message: Decryption) -> None:
+        """Raises:
+        WrongStage: the sum is not fixed yet.  DuplicateMessage: a decryption arrived.
+        UnknownMember: the sender is not the spec's custodian.
+        SignatureError: the statement is not signed by the custodian's roster key.
+        ProtocolError: another federation, round, attempt, contributors or sum.
+        PayloadError, IntegrityError: the plaintext's length or hash is not the
+            statement's.  BadVector: a value no sum of the contributors can take.
+        """
+        spec, st = self.spec, message.statement
+        if self.contributors is None:
+            raise WrongStage(f"round {spec.round} has no ciphertext sum to decrypt yet")
+        if self.decryption is not None:
+            raise DuplicateMessage(f"round {spec.round} already has its decryption")
+        if message.custodian != spec.custodian or st.custodian != spec.custodian:
+            raise UnknownMember(
+                f"{message.custodian} is not the key custodian of round {spec.round}"
+            )
+        st.verify(self._custodian_key)
+        ours = (spec.federation_id, spec.round, spec.attempt)
+        if (st.federation_id, st.round, st.attempt) != ours:
+            raise ProtocolError(
+                f"the decryption is for {st.federation_id} round {st.round} attempt "
+                f"{st.attempt}, not {ours[0]} round {ours[1]} attempt {ours[2]}"
+            )
+        if st.contributors != self.contributors:
+            raise ProtocolError(
+                f"the decryption names contributors {st.contributors[:8]}, not the sum's "
+                f"{self.contributors[:8]}"
+            )
+        if st.sum_sha256 != self.sum_sha256:
+            raise ProtocolError(
+                f"the decryption is of sum {st.sum_sha256[:16]}…, not {self.sum_sha256[:16]}…"
+            )
+        expected = (spec.dim + 1) * 8
+        if len(message.plaintext) != expected:
+            raise PayloadError(
+                f"the decrypted sum is {len(message.plaintext)} bytes; {spec.dim + 1} int64 "
+                f"values are {expected}"
+            )
+        if hashlib.sha256(message.plaintext).hexdigest() != st.plaintext_sha256:
+            raise IntegrityError(
+                "the decrypted sum does not hash to the statement's plaintext_sha256"
+            )
+        ints = np.frombuffer(message.plaintext, dtype=_PLAINTEXT_DTYPE)
+        top = len(self.contributors) * spec.quant_spec().levels
+        if int(ints.min()) < 0 or int(ints.max()) > top:
+            raise BadVector(
+                f"the decrypted sum holds values outside 0..{top}, which no sum of "
+                f"{len(self.contributors)} quantized updates takes"
+            )
+
+    def finalize(self) -> SummationResult:
+        """Raises RoundAborted: the custodian did not decrypt by the deadline."""
+        spec = self.spec
+        if self.decryption is None or self.contributors is None:
+            raise RoundAborted(
+                f"round {spec.round} attempt {spec.attempt}: the key custodian "
+                f"{spec.custodian} did not decrypt within round.decrypt_s"
+            )
+        quant = spec.quant_spec()
+        ints = np.frombuffer(self.decryption.plaintext, dtype=_PLAINTEXT_DTYPE)
+        # the ring sum SecAgg+ would have unmasked: the same integers, so the same bytes
+        # (fedsec audit verify derives it the same way from the archived plaintext)
+        ring = (ints.view("<u8") & np.uint64(quant.ring_mask)).astype(quant.dtype)
+        weighted, weight = dequantize_sum(ring, len(self.contributors), quant)
+        return SummationResult(
+            weighted_sum=weighted,
+            weight_sum=weight,
+            survivors=list(self.contributors),
+            dropped=self._missing(),
+            sum_sha256=hashlib.sha256(ring.tobytes()).hexdigest(),
         )
 
     def participant_count(self) -> int:

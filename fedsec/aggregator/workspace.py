@@ -8,6 +8,8 @@ Layout::
     roster.json          admin-signed roster
     models/ manifests/   content-addressed model files and signed manifests
     state.db             SQLite state (WAL)
+    he/context.json      secure_sum = "he": the key custodian's public CKKS context and
+                         its signed statement (wire.HeContext), once published
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CONFIG_FILE = "federation.toml"
 AGGREGATOR_KEY = "aggregator.key"
 ADMIN_KEY = "admin.key"
 STATE_DB = "state.db"
+HE_CONTEXT_FILE = "he/context.json"
 
 
 @dataclass
@@ -80,6 +83,11 @@ class Workspace:
             models=ModelStore(root, signer, fid),
             state=SqliteStateStore(root / STATE_DB),
         )
+
+    @property
+    def he_context_path(self) -> Path:
+        """Where the published public CKKS context is kept (``secure_sum = "he"``)."""
+        return self.root / HE_CONTEXT_FILE
 
     def admin(self) -> SigningIdentity:
         """The admin signing key (only where it is kept beside the workspace)."""

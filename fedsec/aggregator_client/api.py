@@ -15,6 +15,7 @@ import msgspec
 from fedsec import errors
 from fedsec.aggregator_client.audit import AuditCalls
 from fedsec.aggregator_client.calls import route, seconds
+from fedsec.aggregator_client.custodian import CustodianCalls
 from fedsec.aggregator_client.limits import (
     DEFAULT_MAX_MODEL_BYTES,
     LONG_POLL_SLACK_S,
@@ -47,7 +48,7 @@ class RosterBody(msgspec.Struct, frozen=True):
     admin_public_key: str
 
 
-class AggregatorClient(StageCalls, AuditCalls):
+class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
     """Signed, retrying HTTP client for one aggregator.
 
     Args:

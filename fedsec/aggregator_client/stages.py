@@ -14,6 +14,7 @@ from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
     ContributionStatement,
+    HeContext,
     KeyListBody,
     MaskedInputAnswer,
     Receipt,
@@ -179,4 +180,11 @@ class StageCalls(Calls):
             wait,
             "unmask answer",
             payload=body,
+        )
+
+    async def he_context(self) -> HeContext:
+        """``GET /he/context``: the public CKKS context of a homomorphic-summation
+        federation and the key custodian's signed statement of it."""
+        return await self._transport.json(
+            route("get_he_context"), HeContext, what="homomorphic context", max_bytes=MAX_JSON_BYTES
         )

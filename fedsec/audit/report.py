@@ -10,7 +10,8 @@ machine.
 
 The figures come from the log entries themselves (``round_spec``, ``accepted``,
 ``refused``, ``privacy_report``, ``aggregate``, ``model_version``, ``round_aborted``,
-``challenge``, ``reveal``).  The log is read leniently for display (a malformed
+``challenge``, ``reveal``, and a homomorphic federation's ``he_context`` and
+``he_decryption``, listed with the events).  The log is read leniently for display (a malformed
 line is counted, not fatal), because a tampered log must still produce a report
 that says FAILED; only what :func:`verify_log` accepted is vouched for, and the
 page says so when verification failed.  Every string taken from the log or from
@@ -271,6 +272,21 @@ def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
             s.challenges.append(challenge)
         case RevealEntry() as reveal:
             s.reveals.add((reveal.round, reveal.attempt, reveal.member, reveal.auditor))
+        case wire.HeContextStatement() as context:
+            text = (
+                f"key custodian {context.custodian} published the public CKKS context "
+                f"{context.context_sha256[:16]}… (N = {context.poly_modulus_degree}, moduli "
+                f"{list(context.coeff_mod_bit_sizes)} bits, scale 2^{context.scale_bits})"
+            )
+            s.events.append((_index(doc), kind, text))
+        case wire.DecryptionStatement() as decryption:
+            text = (
+                f"key custodian {decryption.custodian} decrypted the sum of "
+                f"{len(decryption.contributors)} contributions of round {decryption.round} "
+                f"attempt {decryption.attempt} ({', '.join(decryption.contributors)}); "
+                f"plaintext {decryption.plaintext_sha256[:16]}…"
+            )
+            s.events.append((_index(doc), kind, text))
         case HeadEntry() as head:
             s.last_head = (_index(doc), head.signed_hash)
 
@@ -842,7 +858,8 @@ def _events(s: LogSummary) -> str:
         for i, kind, text in s.events
     )
     return (
-        "<h2>Aborts, rollbacks, alerts and archive pruning</h2><div class='card'><table><tr>"
+        "<h2>Aborts, rollbacks, alerts, archive pruning and decryptions</h2>"
+        "<div class='card'><table><tr>"
         f"<th class='n'>entry</th><th>kind</th><th>what</th></tr>{rows}</table></div>"
     )
 

@@ -23,13 +23,21 @@ then entry by entry:
 - every ``archive_pruned`` entry: signed by a later head, and keeping to the
   retention rules (:meth:`fedsec.archive.ArchiveIndex.problem_with`): it spares
   the newest ``retention_rounds`` closed rounds and every object they refer to;
+- every ``he_context`` statement signed by its key custodian (roster role
+  ``custodian``); every ``he_decryption`` statement signed by the round's custodian,
+  naming exactly the attempt's accepted masked inputs, each once, at least
+  ``min_agents`` of them, under the context the signed spec names; the archived
+  ciphertexts re-added under the archived public context and the sum's digest
+  compared; the archived plaintext's length and hash checked;
 - every aggregate recomputed from the archive: the SecAgg+ round replayed through
   the same server state machine from the archived advertisements, shares, masked
   inputs and unmask reveals, and the unmasked sum's sha256 compared; then the
   model version recomputed from its parent file with the logged server optimiser
-  and its safetensors sha256 compared bit for bit.  Rounds pruned by retention are
-  not re-run but listed (``pruned_rounds``); with FedAdam no later model version can
-  be re-derived either, as the optimiser's moments depend on every earlier round;
+  and its safetensors sha256 compared bit for bit (a homomorphic round's model from
+  the decrypted integer sum the custodian released, dequantized as a SecAgg+ ring
+  sum).  Rounds pruned by retention are not re-run but listed (``pruned_rounds``);
+  with FedAdam no later model version can be re-derived either, as the optimiser's
+  moments depend on every earlier round;
 - model manifests signed by the aggregator and matching their files;
 - privacy reports signed by their member, ε non-decreasing per member and
   dataset, and ε recomputed from the logged DP parameters with an independent
@@ -46,7 +54,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
 import numpy as np
@@ -54,11 +62,11 @@ import numpy as np
 from fedsec.archive import Archive, ArchiveIndex, check_pruning
 from fedsec.audit import accountant
 from fedsec.audit.log import read_log
-from fedsec.crypto.quantize import dequantize_one
+from fedsec.crypto.quantize import dequantize_one, dequantize_sum
 from fedsec.crypto.secagg import (
     ServerSession,
 )
-from fedsec.errors import FedsecError, IntegrityError, NotFound
+from fedsec.errors import FedsecError, IntegrityError, NotFound, SignatureError
 from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule, server_step
 from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
 from fedsec.protocol import wire
@@ -85,6 +93,9 @@ from fedsec.protocol.log_entries import (
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.roster import RosterEntry, verify_roster_entry
 from fedsec.protocol.stages import SECAGG_STAGES
+
+if TYPE_CHECKING:
+    from fedsec.crypto.he import PublicContext
 
 EPSILON_TOLERANCE = 0.01  # the issue's bar: independent recomputation within 1%
 
@@ -128,6 +139,12 @@ class VerifyResult:
 class _Attempt:
     spec: wire.RoundSpec
     messages: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, member, sha)
+    # accepted masked inputs: (log index, member, sha256)
+    inputs: list[tuple[int, str, str]] = field(default_factory=list)
+    # homomorphic rounds: the custodian's decryption and, re-derived from its plaintext
+    # (None without the archive, or pruned), the ring sum's sha256 and (Σ w·Δ, Σ w)
+    decryption: wire.DecryptionStatement | None = None
+    he_sums: tuple[str, Any] | None = None
 
 
 class Verifier:
@@ -147,6 +164,10 @@ class Verifier:
         self.roster: dict[str, RosterEntry] = {}
         self.attempts: dict[tuple[int, int], _Attempt] = {}
         self.contributions: dict[int, AcceptedEntry] = {}  # log index -> accepted masked input
+        # homomorphic summation: context sha256 -> the custodian's logged statement, and
+        # the public contexts loaded from the archive (each parsed once)
+        self.he_contexts: dict[str, tuple[int, wire.HeContextStatement]] = {}
+        self._public_contexts: dict[str, PublicContext] = {}
         self.reports: dict[tuple[str, str], list[wire.PrivacyReport]] = defaultdict(list)
         self.manifests: dict[int, ModelManifest] = {}
         self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
@@ -242,6 +263,10 @@ class Verifier:
                 self._on_aggregate(entry, body)
             case ModelVersionEntry():
                 self._on_model_version(entry, body)
+            case wire.HeContextStatement():
+                self._on_he_context(entry, body)
+            case wire.DecryptionStatement():
+                self._on_he_decryption(entry, body)
             case (
                 RoundOpenEntry()
                 | RefusedEntry()
@@ -297,7 +322,9 @@ class Verifier:
             self._member_key(entry, member)
         self.attempts[(spec.round, spec.attempt)] = _Attempt(spec)
 
-    def _attempt(self, entry: LogEntry, body: AcceptedEntry | AggregateEntry) -> _Attempt:
+    def _attempt(
+        self, entry: LogEntry, body: AcceptedEntry | AggregateEntry | wire.DecryptionStatement
+    ) -> _Attempt:
         key = (body.round, body.attempt)
         if key not in self.attempts:
             raise self._fail(entry, f"round {key[0]} attempt {key[1]} has no signed spec before it")
@@ -306,6 +333,13 @@ class Verifier:
     def _on_accepted(self, entry: LogEntry, body: AcceptedEntry) -> None:
         attempt = self._attempt(entry, body)
         member, stage, digest = body.member, body.stage, body.sha256
+        spec = attempt.spec
+        if stage == "decrypt" and spec.secure_sum == "he" and member == spec.custodian:
+            # the custodian's decryption, kept as a message of the attempt
+            self._custodian_key(entry, member)
+            if self.archive is not None:
+                self._check_archived(entry, spec.round, f"decrypt from {member}", digest)
+            return
         if member not in attempt.spec.cohort:
             raise self._fail(entry, f"{member} is not in the cohort of this round")
         public = self._member_key(entry, member)
@@ -324,6 +358,7 @@ class Verifier:
                 signature=body.signature,
             ).verify(public)
             self.contributions[entry.index] = body
+            attempt.inputs.append((entry.index, member, digest))
         attempt.messages.append((stage, member, digest))
 
     def _check_archived(self, entry: LogEntry, round_: int, what: str, digest: str) -> None:
@@ -400,24 +435,259 @@ class Verifier:
                 f"round {attempt.spec.round} was applied to version {body.parent_version}, "
                 f"but its signed spec names version {attempt.spec.model_version}",
             )
+        spec = attempt.spec
+        if spec.secure_sum == "he":
+            self._check_he_survivors(entry, body, attempt)
         if self.archive is None:
             return
-        spec = attempt.spec
         fedadam = body.optimizer == "fedadam"
         if self.ahead.pruned_by(spec.round) is not None:
             self.adam_unknown = self.adam_unknown or fedadam
             return  # listed in pruned_rounds when its archive_pruned entry is checked
-        survivors, total, weight = self._replay(entry, attempt)
-        if sorted(survivors) != sorted(body.survivors):
-            raise self._fail(entry, f"the archive gives survivors {sorted(survivors)}")
-        digest = hashlib.sha256(total).hexdigest()
-        if digest != body.sum_sha256:
-            raise self._fail(
-                entry, "the sum recomputed from the archived inputs and reveals differs"
-            )
+        if spec.secure_sum == "he":
+            weight = self._he_sum(entry, body, attempt)
+        else:
+            survivors, total, weight = self._replay(entry, attempt)
+            if sorted(survivors) != sorted(body.survivors):
+                raise self._fail(entry, f"the archive gives survivors {sorted(survivors)}")
+            digest = hashlib.sha256(total).hexdigest()
+            if digest != body.sum_sha256:
+                raise self._fail(
+                    entry, "the sum recomputed from the archived inputs and reveals differs"
+                )
         self.result.rounds_verified += 1
         if self.models_root is not None and not (fedadam and self.adam_unknown):
             self._recompute_model(entry, body, spec, weight)
+
+    # -- homomorphic summation ------------------------------------------------------------------
+
+    def _custodian_key(self, entry: LogEntry, custodian: str) -> bytes:
+        """The roster key of ``custodian``, an active member of role custodian here."""
+        key = self._member_key(entry, custodian)  # active at this point
+        known = self.roster[custodian]
+        if known.role != "custodian":
+            raise self._fail(entry, f"{custodian} has roster role {known.role}, not custodian")
+        return key
+
+    def _verify_custodian(
+        self,
+        entry: LogEntry,
+        statement: wire.HeContextStatement | wire.DecryptionStatement,
+        what: str,
+    ) -> None:
+        if statement.federation_id != self.federation_id:
+            raise self._fail(entry, f"{what} of federation {statement.federation_id}")
+        known = self.roster.get(statement.custodian)
+        key = self._custodian_key(entry, statement.custodian)
+        try:
+            statement.verify(key)
+        except SignatureError:
+            key_id = known.key_id if known is not None else "?"
+            raise self._fail(
+                entry,
+                f"the signature of {what} does not verify under custodian "
+                f"{statement.custodian}'s roster key {key_id} (forged, or altered after signing)",
+            ) from None
+
+    def _on_he_context(self, entry: LogEntry, statement: wire.HeContextStatement) -> None:
+        self._verify_custodian(entry, statement, "the CKKS context statement")
+        self.he_contexts[statement.context_sha256] = (entry.index, statement)
+
+    def _on_he_decryption(self, entry: LogEntry, statement: wire.DecryptionStatement) -> None:
+        attempt = self._attempt(entry, statement)
+        spec = attempt.spec
+        where = f"round {spec.round} attempt {spec.attempt}"
+        if spec.secure_sum != "he":
+            raise self._fail(
+                entry, f"{where} is a secure_sum = {spec.secure_sum} round; nothing is decrypted"
+            )
+        if attempt.decryption is not None:
+            raise self._fail(entry, f"{where} was decrypted already")
+        if statement.custodian != spec.custodian:
+            raise self._fail(
+                entry,
+                f"the decryption is by {statement.custodian}, but the signed spec of {where} "
+                f"names custodian {spec.custodian or '(none)'}",
+            )
+        self._verify_custodian(entry, statement, "the decryption statement")
+        logged = self.he_contexts.get(spec.he_context_sha256)
+        if logged is None:
+            raise self._fail(
+                entry,
+                f"the signed spec of {where} names CKKS context {spec.he_context_sha256[:16]}…, "
+                "which no earlier he_context entry publishes",
+            )
+        context_index, context = logged
+        if context.custodian != statement.custodian:
+            raise self._fail(
+                entry,
+                f"CKKS context {context.context_sha256[:16]}… was published by "
+                f"{context.custodian} (log entry {context_index}), not by the decrypting "
+                f"custodian {statement.custodian}",
+            )
+        self._check_contributors(entry, attempt, statement)
+        attempt.decryption = statement
+        if self.archive is None or self.ahead.pruned_by(spec.round) is not None:
+            return  # a pruned round is listed when its archive_pruned entry is checked
+        attempt.he_sums = self._rederive_he(entry, attempt, statement, logged)
+
+    def _check_contributors(
+        self, entry: LogEntry, attempt: _Attempt, statement: wire.DecryptionStatement
+    ) -> None:
+        """``contributors`` are the attempt's accepted masked inputs, each once, and enough."""
+        spec = attempt.spec
+        where = f"round {spec.round} attempt {spec.attempt}"
+        named = statement.contributors
+        twice = sorted({m for m in named if named.count(m) > 1})
+        if twice:
+            raise self._fail(
+                entry,
+                f"it counts {', '.join(twice)} more than once; each accepted contribution of "
+                f"{where} enters the sum once",
+            )
+        at: dict[str, list[int]] = defaultdict(list)
+        for index, member, _ in attempt.inputs:
+            at[member].append(index)
+        for member, indexes in sorted(at.items()):
+            if len(indexes) > 1:
+                raise self._fail(
+                    entry,
+                    f"{member} has {len(indexes)} accepted masked inputs in {where} "
+                    f"(log entries {indexes}); a sum holds one per member",
+                )
+        strangers = sorted(set(named) - set(at))
+        if strangers:
+            raise self._fail(
+                entry,
+                f"it names contributor(s) {', '.join(strangers)}, who have no accepted "
+                f"masked input in {where}",
+            )
+        left_out = sorted(set(at) - set(named))
+        if left_out:
+            raise self._fail(
+                entry,
+                f"the accepted masked input(s) of {', '.join(left_out)} (log entries "
+                f"{sorted(i for m in left_out for i in at[m])}) are not among its contributors",
+            )
+        assert self.genesis is not None  # entry 0, checked first
+        least = int(self.genesis.round.get("min_agents", 1))
+        if len(named) < least:
+            raise self._fail(
+                entry,
+                f"it decrypts a sum of {len(named)} contribution(s), fewer than the "
+                f"federation's round.min_agents = {least}",
+            )
+
+    def _archived(self, entry: LogEntry, round_: int, what: str, digest: str) -> bytes:
+        """The archived object ``digest`` of a round that is not pruned."""
+        assert self.archive is not None
+        try:
+            return self.archive.get(digest)
+        except NotFound:
+            pass
+        except IntegrityError as exc:
+            raise self._fail(entry, f"round {round_}: {what}: {exc.detail}") from None
+        self._check_archived(entry, round_, what, digest)  # says why it is missing
+        raise self._fail(entry, f"round {round_}: archive object {digest} ({what}) is missing")
+
+    def _rederive_he(
+        self,
+        entry: LogEntry,
+        attempt: _Attempt,
+        statement: wire.DecryptionStatement,
+        logged: tuple[int, wire.HeContextStatement],
+    ) -> tuple[str, Any]:
+        """Re-add the archived ciphertexts, compare the digest, read the plaintext.
+
+        Returns:
+            (sha256 of the ring sum, (Σ w·Δ, Σ w)) from the released plaintext.
+        """
+        try:
+            from fedsec.crypto import he
+        except ModuleNotFoundError:
+            raise self._fail(
+                entry,
+                "re-adding a homomorphic round's ciphertexts needs TenSEAL: install fedsec "
+                "with the he extra",
+            ) from None
+        spec = attempt.spec
+        context_index, context = logged
+        params = he.HeParams(
+            context.poly_modulus_degree, tuple(context.coeff_mod_bit_sizes), context.scale_bits
+        )
+        public = self._public_contexts.get(context.context_sha256)
+        if public is None:
+            what = f"public CKKS context of log entry {context_index}"
+            data = self._archived(entry, spec.round, what, context.context_sha256)
+            try:
+                public = he.load_public_context(data, params, params.context_max_bytes(False))
+            except FedsecError as exc:
+                raise self._fail(
+                    entry, f"the archived {what} does not load: {exc.detail}"
+                ) from None
+            self._public_contexts[context.context_sha256] = public
+        values = spec.dim + 1
+        total = he.CiphertextSum(public, params, values)
+        for index, member, digest in attempt.inputs:
+            raw = self._archived(entry, spec.round, f"masked_input from {member}", digest)
+            try:
+                total.add(he.unframe_chunks(raw, params, values))
+            except FedsecError as exc:
+                raise self._fail(
+                    entry,
+                    f"the archived ciphertext of {member} (log entry {index}) does not add "
+                    f"under the federation's context: {exc.detail}",
+                ) from None
+        digest = total.digest()
+        if digest != statement.sum_sha256:
+            raise self._fail(
+                entry,
+                f"re-adding the {total.count} archived ciphertexts of round {spec.round} "
+                f"attempt {spec.attempt} gives sum digest {digest[:16]}…, but the custodian "
+                f"decrypted a sum with digest {statement.sum_sha256[:16]}…",
+            )
+        what = "plaintext of the custodian's decryption"
+        plaintext = self._archived(entry, spec.round, what, statement.plaintext_sha256)
+        if len(plaintext) != values * 8:
+            raise self._fail(
+                entry,
+                f"the archived {what} is {len(plaintext)} bytes; {values} int64 values are "
+                f"{values * 8}",
+            )
+        quant = spec.quant_spec()
+        ints = np.frombuffer(plaintext, dtype="<i8")
+        # (ints & ring_mask) as the ring's dtype, as the aggregator turns it into a ring sum
+        # (bit for bit the same for any int64, negative ones and a 64-bit ring included)
+        ring = (ints.view("<u8") & np.uint64(quant.ring_mask)).astype(quant.dtype)
+        sums = dequantize_sum(ring, len(statement.contributors), quant)
+        return hashlib.sha256(ring.tobytes()).hexdigest(), sums
+
+    def _check_he_survivors(self, entry: LogEntry, body: AggregateEntry, attempt: _Attempt) -> None:
+        spec, decryption = attempt.spec, attempt.decryption
+        if decryption is None:
+            raise self._fail(
+                entry,
+                f"round {spec.round} attempt {spec.attempt} sums ciphertexts (secure_sum = he), "
+                "but no he_decryption entry of the attempt precedes its aggregate",
+            )
+        if sorted(body.survivors) != sorted(decryption.contributors):
+            raise self._fail(
+                entry,
+                f"it names survivors {sorted(body.survivors)}, but the custodian decrypted the "
+                f"sum of {sorted(decryption.contributors)}",
+            )
+
+    def _he_sum(self, entry: LogEntry, body: AggregateEntry, attempt: _Attempt) -> Any:
+        """(Σ w·Δ, Σ w) of a homomorphic round, from its decryption's plaintext."""
+        assert attempt.he_sums is not None  # set at the he_decryption entry, checked first
+        ring_digest, sums = attempt.he_sums
+        if body.sum_sha256 != ring_digest:
+            raise self._fail(
+                entry,
+                f"sum_sha256 {body.sum_sha256[:16]}… is not the ring sum of the decrypted "
+                f"plaintext ({ring_digest[:16]}…)",
+            )
+        return sums
 
     def _replay(self, entry: LogEntry, attempt: _Attempt) -> tuple[list[str], bytes, Any]:
         assert self.archive is not None

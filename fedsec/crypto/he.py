@@ -62,10 +62,12 @@ __all__ = [
     "SecretContext",
     "decrypt_sum",
     "encrypt",
+    "frame_chunks",
     "generate_keys",
     "load_public_context",
     "load_secret_context",
     "sum_digest",
+    "unframe_chunks",
 ]
 
 # The largest total coefficient-modulus bit count SEAL accepts at 128-bit classical security
@@ -512,3 +514,54 @@ def decrypt_sum(secret_ctx: SecretContext, chunks: Sequence[bytes], dim: int) ->
         start = i * params.slots
         out[start : start + _chunk_length(i, params, dim)] = vec.decrypt()
     return out
+
+
+# -- the wire form of one contribution -----------------------------------------------------------
+
+_U32 = 4
+
+
+def frame_chunks(chunks: Sequence[bytes]) -> bytes:
+    """One contribution's ciphertexts as one body: a little-endian u32 count, then each
+    chunk as a u32 length and its bytes."""
+    parts = [len(chunks).to_bytes(_U32, "little")]
+    for chunk in chunks:
+        parts += [len(chunk).to_bytes(_U32, "little"), bytes(chunk)]
+    return b"".join(parts)
+
+
+def unframe_chunks(raw: bytes, params: HeParams, dim: int) -> list[bytes]:
+    """The chunks of a body made by :func:`frame_chunks`, every count and length checked
+    against ``params`` and ``dim`` before a byte is copied.
+
+    Raises:
+        PayloadError: a truncated body, a count other than ``params.chunks(dim)``, a
+            chunk over :attr:`HeParams.ciphertext_max_bytes`, or bytes after the last.
+    """
+    view = memoryview(raw)
+    if len(view) < _U32:
+        raise PayloadError("an encrypted update must start with its ciphertext count")
+    count = int.from_bytes(view[:_U32], "little")
+    expected = params.chunks(dim)
+    if count != expected:
+        raise PayloadError(
+            f"an encrypted update of {dim} values has {expected} ciphertexts, not {count}"
+        )
+    chunks, at = [], _U32
+    limit = params.ciphertext_max_bytes
+    for index in range(count):
+        if len(view) < at + _U32:
+            raise PayloadError(f"ciphertext {index} is cut off before its length")
+        length = int.from_bytes(view[at : at + _U32], "little")
+        at += _U32
+        if length > limit:
+            raise PayloadError(f"ciphertext {index} declares {length} bytes, over {limit}")
+        if len(view) < at + length:
+            raise PayloadError(
+                f"ciphertext {index} is cut off ({len(view) - at} of {length} bytes)"
+            )
+        chunks.append(bytes(view[at : at + length]))
+        at += length
+    if at != len(view):
+        raise PayloadError(f"{len(view) - at} bytes follow the last ciphertext")
+    return chunks

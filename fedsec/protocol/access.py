@@ -9,14 +9,15 @@ declarations cannot claim an access the aggregator does not grant, or miss one i
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, get_args
 
-from fedsec.protocol.endpoints import ENDPOINTS, Endpoint, Role
+from fedsec.protocol.endpoints import ENDPOINTS, Endpoint
+from fedsec.protocol.roster import Role
 
 #: A cell of a caller kind that may call the endpoint.
 GRANTED: Final = "✓"
 #: The roster roles that sign their requests (RFC 9421), one column each, in this order.
-SIGNING_ROLES: Final[tuple[Role, ...]] = ("agent", "observer", "auditor")
+SIGNING_ROLES: Final[tuple[Role, ...]] = get_args(Role)
 #: The matrix's columns after method and path.
 CALLER_COLUMNS: Final = (*SIGNING_ROLES, "observer token", "capability", "public")
 

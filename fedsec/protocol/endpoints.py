@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import msgspec
 
 from fedsec.protocol import wire
 from fedsec.protocol.limits import LONG_POLL_S, MAX_COUNT, MAX_ID
+from fedsec.protocol.roster import Role
 
-Role = Literal["agent", "observer", "auditor"]
 #: What a bearer token issued to an observer (``fedsec aggregator dashboard-token``)
 #: opens: the dashboard's pages and data, or the metrics scrape.  Browsers and
 #: Prometheus cannot sign requests, so these endpoints take a token instead.
@@ -37,7 +37,10 @@ PUBLIC: Final[tuple[Role, ...]] = ()
 AGENT: Final[tuple[Role, ...]] = ("agent",)
 AUDITOR: Final[tuple[Role, ...]] = ("auditor",)
 # read-only federation data: every enrolled role, never the public
-ANY_ROLE: Final[tuple[Role, ...]] = ("agent", "observer", "auditor")
+CUSTODIAN: Final[tuple[Role, ...]] = ("custodian",)
+# the log and its archive: whoever must check what was aggregated
+CHECKERS: Final[tuple[Role, ...]] = ("auditor", "custodian")
+ANY_ROLE: Final[tuple[Role, ...]] = get_args(Role)
 
 #: The server setting each body-limit kind stands for.
 LIMIT_SETTINGS: Final[Mapping[BodyLimit, str]] = {
@@ -364,6 +367,66 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "reveals sealed to the calling auditor",
         AUDITOR,
         response=wire.RevealList,
+    ),
+    Endpoint(
+        "put_he_context",
+        "POST",
+        "/he/context",
+        "the key custodian publishes the federation's public CKKS context (no secret key) "
+        "with its signed statement; once per federation",
+        CUSTODIAN,
+        request=wire.HeContext,
+        response=Opaque('{"accepted": true}'),
+    ),
+    Endpoint(
+        "get_he_context",
+        "GET",
+        "/he/context",
+        "the public CKKS context members encrypt under, with the custodian's statement",
+        ANY_ROLE,
+        response=wire.HeContext,
+    ),
+    Endpoint(
+        "get_he_sum",
+        "GET",
+        f"{_R}/he-sum",
+        "what the custodian is asked to decrypt: the contributors and the digest of the sum "
+        "of their ciphertexts; with ?wait held until the attempt reaches decrypt",
+        CUSTODIAN,
+        response=wire.HeSumOffer,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches decrypt")),
+    ),
+    Endpoint(
+        "post_decryption",
+        "POST",
+        f"{_R}/decryption",
+        "the custodian's signed decryption statement and the decrypted integer sum "
+        "(u32 statement length, the statement's JSON, little-endian int64 values)",
+        CUSTODIAN,
+        request=Opaque("decryption bytes", binary=True),
+        response=Opaque('{"accepted": true}'),
+        params=_ROUND_ATTEMPT,
+        body_limit="binary",
+    ),
+    Endpoint(
+        "get_log",
+        "GET",
+        "/audit/log",
+        "transparency-log lines from ?from on (JSON lines, at most a bounded number)",
+        CHECKERS,
+        response=Opaque("JSON lines", binary=True),
+        params=(Param("from", "query", _TOKEN),),
+    ),
+    Endpoint(
+        "get_archive",
+        "GET",
+        "/audit/archive/{sha256}",
+        "an archived protocol message by its SHA-256 (what the log's accepted entries name)",
+        CHECKERS,
+        response=Opaque("archived bytes", binary=True),
+        params=(
+            Param("sha256", "path", {"type": "string", "pattern": "^[0-9a-f]{64}$"}, required=True),
+        ),
     ),
     Endpoint(
         "post_verdicts",

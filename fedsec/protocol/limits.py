@@ -19,3 +19,6 @@ MAX_MODEL_BYTES: Final = 1 << 30
 #: common proxy idle timeouts (nginx's proxy_read_timeout defaults to 60 s, many load
 #: balancers 30 s) and keeps an idle agent at about two requests a minute.
 LONG_POLL_S: Final = 25.0
+#: Largest cohort (round.max_agents, checked by fedsec.config): bounds every list of
+#: members on the wire.  10^5 members is past any consortium of organisations.
+MAX_COHORT: Final = 100_000

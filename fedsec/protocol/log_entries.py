@@ -30,7 +30,12 @@ import msgspec
 from fedsec.errors import IntegrityError
 from fedsec.protocol.roster import RosterEntry
 from fedsec.protocol.stages import Stage
-from fedsec.protocol.wire import PrivacyReport, RoundSpec
+from fedsec.protocol.wire import (
+    DecryptionStatement,
+    HeContextStatement,
+    PrivacyReport,
+    RoundSpec,
+)
 
 
 class _Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -203,6 +208,8 @@ LogBody: TypeAlias = (
     | ArchivePrunedEntry
     | ChallengeEntry
     | RevealEntry
+    | HeContextStatement
+    | DecryptionStatement
     | HeadEntry
 )
 
@@ -223,6 +230,8 @@ ENTRY_TYPES: Final[Mapping[str, type[msgspec.Struct]]] = {
     "archive_pruned": ArchivePrunedEntry,
     "challenge": ChallengeEntry,
     "reveal": RevealEntry,
+    "he_context": HeContextStatement,
+    "he_decryption": DecryptionStatement,
     "head": HeadEntry,
 }
 _KIND_OF: Final[Mapping[type[msgspec.Struct], str]] = {t: k for k, t in ENTRY_TYPES.items()}

@@ -27,7 +27,10 @@ from fedsec.errors import IntegrityError, SignatureError
 
 ROSTER_ENTRY_DOMAIN = "roster-entry"
 
-Role = Literal["agent", "observer", "auditor"]
+#: agent: contributes updates; observer: reads status, dashboard, metrics; auditor:
+#: challenges and checks contributions; custodian: holds the homomorphic secret key and
+#: decrypts only aggregates (``secure_sum = "he"``).
+Role = Literal["agent", "observer", "auditor", "custodian"]
 Status = Literal["active", "revoked"]
 
 # Identifiers (members, federations, datasets) appear in URLs, file names and log lines:

@@ -3,7 +3,8 @@
 The SecAgg+ message stages are the crypto server's own (:class:`ServerStage`); a round
 adds ``open`` before them (the cohort forms) and ends ``closed`` (aggregated, a new
 model version written) or ``aborted`` (too few members remain; another attempt of the
-same round follows).
+same round follows).  A homomorphic-summation round passes through ``masked_input``
+(ciphertexts) and ``decrypt`` (the key custodian's decryption of their sum).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ Stage = Literal[
     "share_keys",
     "masked_input",
     "unmask",
+    "decrypt",  # homomorphic summation: the key custodian decrypts the sum of ciphertexts
     "closed",  # aggregated: new model version written
     "aborted",  # too few members; a new attempt follows
 ]
@@ -29,8 +31,11 @@ SECAGG_STAGES: Final[tuple[Stage, ...]] = tuple(
 )
 #: The SecAgg+ key-agreement stages, which a round without secure summation skips.
 KEY_STAGES: Final[tuple[Stage, ...]] = SECAGG_STAGES[:2]
+#: The stages of a homomorphic-summation attempt after open: members upload ciphertexts,
+#: then the key custodian decrypts their sum.
+HE_STAGES: Final[tuple[Stage, ...]] = ("masked_input", "decrypt")
 #: The stages an attempt may be in while it still accepts messages.
-ACTIVE_STAGES: Final[tuple[Stage, ...]] = ("open", *SECAGG_STAGES)
+ACTIVE_STAGES: Final[tuple[Stage, ...]] = ("open", *SECAGG_STAGES, "decrypt")
 #: The stages that end an attempt.
 FINAL_STAGES: Final[tuple[Stage, ...]] = ("closed", "aborted")
 

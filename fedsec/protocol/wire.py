@@ -27,7 +27,7 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_js
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
-from fedsec.protocol.limits import MAX_COUNT, MAX_ID
+from fedsec.protocol.limits import MAX_COHORT, MAX_COUNT, MAX_ID
 from fedsec.protocol.stages import Stage
 
 API_PREFIX = "/v1"
@@ -36,6 +36,7 @@ API_PREFIX = "/v1"
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 #: A count, index or token.
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # Canonical ASCII decimal only: int() also takes "+1", " 1", "1_0" and non-ASCII digits,
 # which would give one resource many spellings.
 _UINT_RE: Final = re.compile(r"0|[1-9][0-9]{0,15}")
@@ -45,7 +46,9 @@ PRIVACY_REPORT_DOMAIN = "privacy-report"
 RECEIPT_DOMAIN = "contribution-receipt"
 CONTRIBUTION_DOMAIN = "contribution-statement"
 
-SecureSum = Literal["secagg", "none"]
+SecureSum = Literal["secagg", "none", "he"]
+HE_CONTEXT_DOMAIN = "he-context"
+HE_DECRYPTION_DOMAIN = "he-decryption"
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -125,6 +128,10 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     # buffered mode: member -> staleness τ (current version − the version it trained on);
     # the member scales its weight by (1 + τ)^-½ before masking
     staleness: dict[str, Count] = msgspec.field(default_factory=dict)
+    # homomorphic summation: the SHA-256 of the custodian-signed public CKKS context every
+    # member encrypts under, and the custodian's roster id (empty in other modes)
+    he_context_sha256: str = ""
+    custodian: str = ""
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
@@ -419,11 +426,70 @@ class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     alerts: list[str]
 
 
+# -- homomorphic summation ----------------------------------------------------------------------
+
+HexDigest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class HeContextStatement(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The key custodian's signed statement of the public CKKS context of a federation:
+    its parameters and the SHA-256 of its serialisation.  Members encrypt only under a
+    context whose statement verifies against the custodian's roster key."""
+
+    DOMAIN: ClassVar[str] = HE_CONTEXT_DOMAIN
+
+    federation_id: str
+    custodian: MemberId
+    poly_modulus_degree: Count
+    coeff_mod_bit_sizes: Annotated[list[Count], msgspec.Meta(max_length=16)]
+    scale_bits: Count
+    context_sha256: HexDigest
+    signature: str = ""
+
+
+class HeContext(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The public context (base64 of TenSEAL's serialisation, no secret key) with the
+    custodian's statement: what the custodian uploads and every member fetches."""
+
+    statement: HeContextStatement
+    context: str
+
+
+class HeSumOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the aggregator asks the custodian to decrypt: the sum of the ciphertexts of
+    ``contributors`` (each an accepted masked input of the attempt), by its digest
+    (:func:`fedsec.crypto.he.sum_digest`).  The custodian re-adds the archived
+    ciphertexts itself before it believes the digest."""
+
+    federation_id: str
+    round: Id
+    attempt: Id
+    contributors: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)]
+    sum_sha256: HexDigest
+    log_index: Count  # the log holds every accepted entry of the attempt below this index
+
+
+class DecryptionStatement(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The custodian's signed account of one decryption: which contributions' sum (each
+    once, checked against the log), and the hash of the plaintext it released (the
+    integer sum of the members' quantized vectors, little-endian int64)."""
+
+    DOMAIN: ClassVar[str] = HE_DECRYPTION_DOMAIN
+
+    federation_id: str
+    round: Id
+    attempt: Id
+    custodian: MemberId
+    contributors: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)]
+    sum_sha256: HexDigest
+    plaintext_sha256: HexDigest
+    signature: str = ""
+
+
 # -- operations: alerts, audit verdicts, the dashboard ------------------------------------------
 
 # An audit check's name (``weights``, ``loss``, ...): short, so a list of them is bounded.
 CheckName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
-MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class AlertAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

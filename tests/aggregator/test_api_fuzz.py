@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from schemathesis.core.result import Ok
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.protocol.endpoints import ENDPOINTS
 from tests.support.aggregator import FakeClock, Federation, make_federation
 from tests.support.hostile import HOST, serve
 
@@ -46,27 +48,42 @@ EXAMPLES = int(os.environ.get("FEDSEC_FUZZ_EXAMPLES", "20"))
 MAX_WAIT_S = 0.05
 
 
-# Operations only an auditor may call; every other one is signed by an agent.
-AUDITOR_OPERATIONS = {
-    ("POST", "/v1/audit/challenges"),
-    ("GET", "/v1/audit/reveals"),
-    ("POST", "/v1/audit/verdicts"),
-}
+# Who signs an operation: the first of these roles the endpoint table grants it (an agent
+# where it may, else the auditor, the key custodian, the observer).
+SIGNER_PREFERENCE = ("agent", "auditor", "custodian", "observer")
+# (method, path pattern, role): each endpoint's template as a regex over concrete paths
+SIGNERS = [
+    (
+        ep.method,
+        re.compile(re.sub(r"\\\{[a-z0-9_]+\\\}", "[^/]+", re.escape(ep.template))),
+        next((role for role in SIGNER_PREFERENCE if role in ep.roles), "agent"),
+    )
+    for ep in ENDPOINTS
+]
+
+
+def signer_role(method: str, path: str) -> str:
+    """The role that signs a request for ``path`` (the agent for a path off the table)."""
+    for ep_method, pattern, role in SIGNERS:
+        if ep_method == method and pattern.fullmatch(path):
+            return role
+    return "agent"
+
+
 # Operations whose success answer never ends by itself.
 STREAMING = {"/dashboard/api/events"}
 
 
 class SignedAuth(requests.auth.AuthBase):
-    """Signs each prepared request (RFC 9421) as ``agent``, or as ``auditor`` for the
-    auditor's operations.
+    """Signs each prepared request (RFC 9421) with the identity of the role the endpoint
+    table grants the operation (:func:`signer_role`).
 
     Runs after ``requests`` has fixed the path, query and body, so the signature covers
     the bytes sent.  A target the signer refuses (not a valid URL) goes unsigned.
     """
 
-    def __init__(self, agent: SigningIdentity, auditor: SigningIdentity) -> None:
-        self.agent = agent
-        self.auditor = auditor
+    def __init__(self, identities: dict[str, SigningIdentity]) -> None:
+        self.identities = identities  # role -> the identity that signs for it
         self.unsigned = 0
 
     def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
@@ -79,7 +96,7 @@ class SignedAuth(requests.auth.AuthBase):
         assert r.method is not None
         target = r.path_url
         path = target.split("?", 1)[0]
-        identity = self.auditor if (r.method, path) in AUDITOR_OPERATIONS else self.agent
+        identity = self.identities[signer_role(r.method, path)]
         try:
             added = sign_request(identity, r.method, target, {}, body)
         except ValueError:
@@ -143,6 +160,7 @@ def fed(tmp_path: Path) -> Federation:
         agents=("a0", "a1", "a2"),
         observers=("obs",),
         auditors=("aud",),
+        custodians=("kh",),
         # the fuzzer is one member at full speed; the quota is test_hostile's concern
         server={"member_rate_per_s": 1_000_000.0, "member_burst": 1_000_000},
         validation=False,
@@ -153,7 +171,10 @@ def test_generated_requests_never_get_a_server_error(fed: Federation) -> None:
     statuses: collections.Counter[int] = collections.Counter()
     per_operation: dict[str, collections.Counter[int]] = {}
     server_errors: list[str] = []
-    auth = SignedAuth(fed.identities["a0"], fed.identities["aud"])
+    ids = fed.identities
+    auth = SignedAuth(
+        {"agent": ids["a0"], "auditor": ids["aud"], "custodian": ids["kh"], "observer": ids["obs"]}
+    )
     started = time.monotonic()
     with served_in_thread(fed) as base_url, requests.Session() as session:
         doc = session.get(f"{base_url}/v1/openapi.json", timeout=10).json()

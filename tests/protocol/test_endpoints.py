@@ -27,7 +27,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 MAX_BODY = 4096
 MAX_JSON = 2048
 # one enrolled member per role
-CALLER = {"agent": "a0", "observer": "obs", "auditor": "aud"}
+CALLER = {"agent": "a0", "observer": "obs", "auditor": "aud", "custodian": "kh"}
 SIGNED = [ep for ep in ENDPOINTS if ep.roles]
 
 
@@ -37,11 +37,11 @@ def _id(ep: Endpoint) -> str:
 
 def _example_path(ep: Endpoint) -> str:
     """The endpoint's path with every placeholder filled in."""
-    return re.sub(r"\{[a-z]+\}", "1", ep.template)
+    return re.sub(r"\{[a-z0-9]+\}", "1", ep.template)
 
 
 def _placeholders(ep: Endpoint) -> set[str]:
-    return set(re.findall(r"\{([a-z]+)\}", ep.path))
+    return set(re.findall(r"\{([a-z0-9]+)\}", ep.path))
 
 
 @pytest.fixture
@@ -51,6 +51,7 @@ def fed(tmp_path: Path) -> Federation:
         agents=("a0", "a1", "a2"),
         observers=("obs",),
         auditors=("aud",),
+        custodians=("kh",),
         server={"max_body_bytes": MAX_BODY, "max_json_bytes": MAX_JSON},
         validation=False,
     )
@@ -78,9 +79,10 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_29_distinct_routes() -> None:
-    # 18 protocol routes, 5 audit (challenges, reveals, verdicts), 6 operations
-    assert len(ENDPOINTS) == 29
+def test_the_table_lists_35_distinct_routes() -> None:
+    # 18 protocol routes, 5 audit (challenges, reveals, verdicts), 6 operations,
+    # 6 of homomorphic summation (context, sum, decryption; the log and its archive)
+    assert len(ENDPOINTS) == 35
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
     # only the browser's and the scraper's routes live outside the API prefix
@@ -135,9 +137,9 @@ def test_ids_in_paths_and_queries_are_bounded_like_the_wire() -> None:
     assert (token.name, token.schema["maximum"]) == ("wait", MAX_COUNT)
 
 
-def test_only_masked_input_and_reveals_take_large_bodies() -> None:
+def test_only_masked_input_reveals_and_decryptions_take_large_bodies() -> None:
     large = {ep.name for ep in ENDPOINTS if ep.body_limit == "binary"}
-    assert large == {"masked_input", "post_reveal"}
+    assert large == {"masked_input", "post_reveal", "post_decryption"}
 
 
 # -- what is generated from it -----------------------------------------------------------------

@@ -101,6 +101,7 @@ def make_federation(
     *,
     observers: Iterable[str] = (),
     auditors: Iterable[str] = (),
+    custodians: Iterable[str] = (),
     round: Mapping[str, Any] | None = None,
     server: Mapping[str, Any] | None = None,
     validation: bool = True,
@@ -117,7 +118,13 @@ def make_federation(
     ws = init_workspace(root, FED, TASK, config_text=text)
     admin = ws.admin()
     identities: dict[str, SigningIdentity] = {}
-    for role, names in (("agent", agents), ("observer", observers), ("auditor", auditors)):
+    roles = (
+        ("agent", agents),
+        ("observer", observers),
+        ("auditor", auditors),
+        ("custodian", custodians),
+    )
+    for role, names in roles:
         for name in names:
             identities[name] = identity_for(name)
             ws.roster.add(

@@ -231,6 +231,52 @@ async def get_reveals(request: web.Request) -> web.Response:
     return json_response(request.app[CHALLENGES].reveals_for(auditor))
 
 
+# -- homomorphic summation: the key custodian -------------------------------------------------
+
+
+async def put_he_context(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    published = decode_json(body, wire.HeContext, request, "public CKKS context")
+    request.app[COORDINATOR].publish_he_context(member, published)
+    return json_response({"accepted": True})
+
+
+async def get_he_context(request: web.Request) -> web.Response:
+    await authenticate(request)
+    return json_response(request.app[COORDINATOR].he_context())
+
+
+async def get_he_sum(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "decrypt", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].he_sum(member, r, a))
+
+
+async def post_decryption(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    request.app[COORDINATOR].decryption(member, r, a, body)
+    return json_response({"accepted": True})
+
+
+# -- the transparency log and its archive (auditors, the key custodian) -----------------------
+
+
+async def get_log(request: web.Request) -> web.Response:
+    await authenticate(request)
+    start = wire.parse_uint(request.query.get("from", "0"), "log index", MAX_COUNT)
+    return web.Response(
+        body=request.app[COORDINATOR].log_lines(start), content_type="application/x-ndjson"
+    )
+
+
+async def get_archive(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    data = request.app[COORDINATOR].archived(member, request.match_info["sha256"])
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
 async def latest_manifest(request: web.Request) -> web.Response:
     await authenticate(request)
     return web.Response(

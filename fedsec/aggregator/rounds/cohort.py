@@ -3,10 +3,12 @@ fixed, and the signed :class:`~fedsec.protocol.wire.RoundSpec` that fixes it."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from fedsec.aggregator.rounds.attempt import Attempt
-from fedsec.aggregator.rounds.context import RoundContext
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import default_neighbors
 from fedsec.crypto.secagg.graph import default_threshold
@@ -17,14 +19,25 @@ from fedsec.protocol import wire
 class CohortDesk:
     """Who is in an attempt's cohort, and what the cohort trains and sums by."""
 
-    def __init__(self, ctx: RoundContext) -> None:
+    def __init__(self, ctx: RoundContext, he: HeContextDesk) -> None:
         self._ctx = ctx
+        self._he = he
+        # (round, attempt) whose "not fixing the cohort" reason was logged already
+        self._waiting_logged: set[tuple[int, int, str]] = set()
 
     @property
     def cap(self) -> int:
-        """Members per cohort: max_agents, or the buffer size K in buffered mode."""
+        """Members per cohort: max_agents, or the buffer size K in buffered mode; with
+        homomorphic summation no more than the CKKS headroom holds (:meth:`he_capacity`)."""
         r = self._ctx.cfg.round
-        return min(r.max_agents, r.buffer_size) if self._ctx.buffered else r.max_agents
+        cap = min(r.max_agents, r.buffer_size) if self._ctx.buffered else r.max_agents
+        return min(cap, self.he_capacity()) if r.secure_sum == "he" else cap
+
+    def he_capacity(self) -> int:
+        """The most members whose worst-case sum (each value up to the quantisation's
+        L levels) CKKS holds exactly: n·L below ``HeParams.headroom``."""
+        levels = (1 << self._ctx.cfg.round.quant_bits) - 1
+        return int((self._he.params().headroom - 1) // levels)
 
     def join(
         self, live: Attempt, member: str, req: wire.JoinRequest
@@ -92,11 +105,48 @@ class CohortDesk:
         full, or the join window (``advertise_s``, counted from the ``min_agents``-th
         join) passed."""
         cfg, ws = self._ctx.cfg.round, self._ctx.ws
+        if cfg.secure_sum == "he" and not self._he_ready(live):
+            return False
         joins = ws.state.joins.samples(live.round, live.attempt)
         if len(joins) < cfg.min_agents:
             return False
         active = {e.agent_id for e in ws.roster.active_agents()}
         return len(joins) >= self.cap or active <= joins.keys() or now >= self.join_deadline(live)
+
+    def _he_ready(self, live: Attempt) -> bool:
+        """A homomorphic cohort is fixed only once the custodian published the context,
+        and only if the headroom holds a sum of ``min_agents``; else it stays open (the
+        reason logged once per attempt; the headroom also alerts the operator)."""
+        if not self._he.sha256:
+            self._waiting(live, "waiting_for_he_context", "")
+            return False
+        capacity, need = self.he_capacity(), self._ctx.cfg.round.min_agents
+        if capacity < need:
+            detail = (
+                f"CKKS at [he] scale_bits holds sums of at most {capacity} members at "
+                f"quant_bits {self._ctx.cfg.round.quant_bits}, fewer than min_agents {need}: "
+                "no cohort can be fixed; lower round.quant_bits or he.scale_bits"
+            )
+            if self._waiting(live, "he_headroom_exceeded", detail):
+                self._ctx.alert("round_stalled", f"round {live.round}.{live.attempt}", detail)
+            return False
+        return True
+
+    def _waiting(self, live: Attempt, event: str, detail: str) -> bool:
+        """Log ``event`` for ``live`` once; True the first time."""
+        key = (live.round, live.attempt, event)
+        if key in self._waiting_logged:
+            return False
+        self._waiting_logged.add(key)
+        log.log(
+            logging.WARNING if detail else logging.INFO,
+            "event=%s round=%d attempt=%d detail=%r",
+            event,
+            live.round,
+            live.attempt,
+            detail,
+        )
+        return True
 
     def join_deadline(self, live: Attempt) -> float:
         """When the join window closes (``advertise_s`` after the ``min_agents``-th
@@ -150,6 +200,16 @@ class CohortDesk:
         ctx, cfg = self._ctx, self._ctx.cfg
         k, t = self._graph(len(cohort))
         manifest = ctx.ws.models.latest()
+        he = cfg.round.secure_sum == "he"
+        deadlines = {
+            "train_s": cfg.round.open_s,
+            "advertise_s": cfg.round.advertise_s,
+            "share_keys_s": cfg.round.share_s,
+            "masked_input_s": cfg.round.masked_s,
+            "unmask_s": cfg.round.unmask_s,
+        }
+        if he:  # other modes' specs keep their exact fields
+            deadlines["decrypt_s"] = cfg.round.decrypt_s
         return wire.RoundSpec(
             federation_id=ctx.ws.federation_id,
             round=live.round,
@@ -182,13 +242,9 @@ class CohortDesk:
                 max_grad_norm=cfg.dp.max_grad_norm,
                 delta=cfg.dp.delta,
             ),
-            deadlines={
-                "train_s": cfg.round.open_s,
-                "advertise_s": cfg.round.advertise_s,
-                "share_keys_s": cfg.round.share_s,
-                "masked_input_s": cfg.round.masked_s,
-                "unmask_s": cfg.round.unmask_s,
-            },
+            deadlines=deadlines,
             mode=cfg.round.mode,
             staleness=staleness,
+            he_context_sha256=self._he.sha256 if he else "",
+            custodian=self._he.custodian if he else "",
         ).sign(ctx.ws.signer)

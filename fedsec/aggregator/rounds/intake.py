@@ -23,9 +23,9 @@ from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRe
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
-from fedsec.aggregator.summation import StageMessage
+from fedsec.aggregator.summation import HeSession, StageMessage, decode_decryption
 from fedsec.crypto.secagg import MaskedInput
-from fedsec.errors import DuplicateMessage, FedsecError, NotFound, WrongStage
+from fedsec.errors import DuplicateMessage, FedsecError, NotFound, UnknownMember, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.log_entries import AcceptedEntry
 from fedsec.protocol.stages import Stage
@@ -178,6 +178,56 @@ class Intake:
         self._ctx.emit(ContributionAccepted(r, a, member, len(raw)))
         self._lifecycle.close_if_complete()
         return receipt
+
+    # -- homomorphic summation: the custodian's decryption ---------------------------------------
+
+    def he_session(self, member: str, r: int, a: int, stage: str) -> HeSession:
+        """The homomorphic session of attempt (r, a), for its custodian ``member``.
+
+        Raises:
+            WrongStage: not that attempt, or it has not reached ``stage`` (or is over).
+            UnknownMember: not a homomorphic attempt, or ``member`` is not its custodian.
+        """
+        live = self._live
+        live.expect_at_least(member, r, a, stage)
+        session = live.summing()
+        if not isinstance(session, HeSession) or member != session.spec.custodian:
+            raise UnknownMember(f"{member} is not the key custodian of round {r}")
+        return session
+
+    def decryption(self, member: str, r: int, a: int, raw: bytes) -> None:
+        """Accept the custodian's decryption of attempt (r, a)'s ciphertext sum (``raw``:
+        the framed statement and plaintext, stored as received): stored as a decrypt
+        message, the plaintext archived, the statement logged as an ``he_decryption``
+        entry, in one transaction; then the stage closes (finalize, the new model).
+
+        Raises:
+            WrongStage, UnknownMember: see :meth:`he_session` (the stage is decrypt).
+            DuplicateMessage: another decryption was accepted before.
+            PayloadError, SignatureError, ProtocolError, IntegrityError, BadVector: the
+                decryption does not check out (:class:`HeSession`); nothing stored.
+        """
+        if self._accepted_before(member, r, a, "decrypt", raw):
+            return
+        # decoded first: a malformed body is refused as such, whatever the stage
+        message = decode_decryption(member, raw, self._ctx.cfg.server.max_json_bytes)
+        live = self._live
+        live.expect(member, r, a, "decrypt")
+        session = self.he_session(member, r, a, "decrypt")
+        if self._idempotent(live, "decrypt", member, raw):
+            return
+        session.receive("decrypt", message)
+        ctx = self._ctx
+        try:
+            ctx.trail.keep(message.plaintext)
+            with ctx.ws.state.transaction():
+                ctx.ws.state.messages.add(r, a, "decrypt", member, raw)
+                ctx.trail.append(message.statement)
+        except BaseException:
+            session.decryption = None  # not stored: the session must not hold it either
+            raise
+        log.info("event=he_decryption_accepted round=%d attempt=%d custodian=%s", r, a, member)
+        self._lifecycle.close_if_complete()
 
     # -- storage -------------------------------------------------------------------------------
 

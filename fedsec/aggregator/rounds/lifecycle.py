@@ -13,8 +13,9 @@ each summation stage    ``session.complete(stage)`` ``session.close(stage)``, it
                         or its deadline             (the last: ``finalize``, apply, closed)
 ======================  ==========================  ==========================================
 
-SecAgg+ passes through advertise, share_keys, masked_input and unmask; a round without
-secure summation through masked_input only (:mod:`fedsec.aggregator.summation`).  The
+SecAgg+ passes through advertise, share_keys, masked_input and unmask; homomorphic
+summation through masked_input and decrypt; a round without secure summation through
+masked_input only (:mod:`fedsec.aggregator.summation`).  The
 deadline of each stage is :data:`STAGE_SECONDS`.
 """
 
@@ -29,6 +30,7 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.events import CohortFixed, RoundEnded, RoundOpened, StageEntered
+from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
@@ -46,6 +48,7 @@ STAGE_SECONDS: dict[str, Callable[[RoundSection, bool], float]] = {
     "share_keys": lambda r, buffered: r.share_s,
     "masked_input": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
     "unmask": lambda r, buffered: r.unmask_s,
+    "decrypt": lambda r, buffered: r.decrypt_s,
 }
 
 
@@ -57,6 +60,7 @@ class Lifecycle:
         cohort: joins and specs.
         applier: model application.
         refusals: the refusal log, whose aggregate entries go with each close.
+        he: the published CKKS context a homomorphic attempt sums under.
     """
 
     def __init__(
@@ -65,8 +69,10 @@ class Lifecycle:
         cohort: CohortDesk,
         applier: ModelApplier,
         refusals: RefusalLog,
+        he: HeContextDesk,
     ) -> None:
         self._ctx = ctx
+        self._he = he
         self._cohort = cohort
         self._applier = applier
         self._refusals = refusals
@@ -150,8 +156,22 @@ class Lifecycle:
         ctx.changed()
 
     def _open_summation(self, spec: wire.RoundSpec) -> SummationSession:
+        members = [*spec.cohort, spec.custodian] if spec.custodian else spec.cohort
+        he_context = None
+        if spec.secure_sum == "he":
+            if spec.he_context_sha256 != self._he.sha256:
+                raise ProtocolError(
+                    f"round {spec.round}'s spec names CKKS context "
+                    f"{spec.he_context_sha256[:16]}…, the workspace holds "
+                    f"{self._he.sha256[:16] or 'none'}…"
+                )
+            he_context = self._he.public_context
         return open_session(
-            spec, self._cohort.roster_keys(spec.cohort), self._ctx.cfg.round.min_agents
+            spec,
+            self._cohort.roster_keys(members),
+            self._ctx.cfg.round.min_agents,
+            he_context,
+            self._ctx.cfg.server.max_json_bytes,
         )
 
     # -- stage transitions ---------------------------------------------------------------------

@@ -16,13 +16,19 @@
   const POLL_MS = 2000;
   const REOPEN_MS = 10000;
   const VIEWS = ["now", "rounds", "members", "alerts", "models"];
-  const STAGES = ["open", "advertise", "share_keys", "masked_input", "unmask", "closed"];
+  // The stages an attempt passes through, by secure-summation mode (protocol/stages.py).
+  const STAGES_OF = {
+    secagg: ["open", "advertise", "share_keys", "masked_input", "unmask", "closed"],
+    he: ["open", "masked_input", "decrypt", "closed"],
+    none: ["open", "masked_input", "closed"],
+  };
   const STAGE_NAMES = {
     open: "open",
     advertise: "advertise keys",
     share_keys: "share keys",
     masked_input: "masked input",
     unmask: "unmask",
+    decrypt: "decrypt (key custodian)",
     closed: "closed",
     aborted: "aborted",
   };
@@ -33,6 +39,7 @@
     share_keys: "shares",
     masked_input: "input",
     unmask: "unmask",
+    decrypt: "decrypt",
     closed: "closed",
   };
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -324,7 +331,7 @@
         now.finished ? "all rounds done" : left + (left === 1 ? " round" : " rounds") + " to go",
       ),
     );
-    renderStepper(now.stage);
+    renderStepper(now.stage, now.secure_sum);
     const scored = snapshot.rounds.filter((r) => r.stage === "closed" && r.accuracy !== null);
     const last = scored.length ? scored[scored.length - 1] : null;
     setText(
@@ -334,9 +341,10 @@
     renderNowAlerts();
   }
 
-  function renderStepper(stage) {
-    const at = STAGES.indexOf(stage);
-    const items = STAGES.map((s, i) => {
+  function renderStepper(stage, mode) {
+    const stages = STAGES_OF[mode] || STAGES_OF.secagg;
+    const at = stages.indexOf(stage);
+    const items = stages.map((s, i) => {
       let cls = "todo";
       if (stage === "aborted") cls = "aborted";
       else if (i < at) cls = "done";

@@ -1,0 +1,333 @@
+"""The custodian's I/O loop: publish the public context once, then follow the federation
+and answer each decrypt stage with a checked decryption or a logged refusal.
+
+The loop only moves bytes: every decision is :class:`~fedsec.custodian.check.SumCheck`'s,
+every byte of the log goes through :class:`~fedsec.custodian.follow.LogFollower`.  Each
+decision is appended to the custodian's own ``decryptions.jsonl`` before anything leaves
+(a release is recorded before its plaintext is posted).  An attempt refused stays
+refused (the aggregator aborts it at its deadline and retries without the lost members);
+an attempt released by an earlier run and still in decrypt is answered again with the
+same plaintext, since the post may never have arrived.  A log that does not verify ends
+the service: nothing the aggregator serves afterwards can be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Final, Protocol, TypeVar
+
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.custodian.check import (
+    MIN_CONTRIBUTORS,
+    Custody,
+    Refused,
+    Release,
+    SumCheck,
+    frame_decryption,
+)
+from fedsec.custodian.follow import LogFollower
+from fedsec.custodian.store import DecisionLog, open_custodian
+from fedsec.errors import (
+    AggregatorUnreachable,
+    ConfigError,
+    DuplicateMessage,
+    FedsecError,
+    IntegrityError,
+    RequestTimeout,
+    RetryLater,
+    WrongStage,
+)
+from fedsec.protocol.limits import LONG_POLL_S
+from fedsec.protocol.wire import HeContext, HeContextStatement, HeSumOffer, RoundState
+
+__all__ = ["Aggregator", "CustodianService", "context_statement"]
+
+log = logging.getLogger("fedsec.custodian")
+
+#: Pause before asking again after a temporary refusal or an empty log read: short
+#: enough to meet the decrypt deadline (round.decrypt_s, 60 s by default), long enough
+#: not to hammer an aggregator that is catching up.
+RETRY_PAUSE_S: Final = 1.0
+#: Empty log reads tolerated while the log is behind the offer's index before refusing
+#: (the aggregator writes its entries before it makes the offer, so one is plenty).
+LOG_CATCH_UP_TRIES: Final = 3
+
+T = TypeVar("T")
+# Failures a later request may not meet: the transport gave up on them for now.
+_TEMPORARY: Final = (RetryLater, RequestTimeout, AggregatorUnreachable)
+
+
+class Aggregator(Protocol):
+    """The calls the service makes (:class:`~fedsec.aggregator_client.AggregatorClient`;
+    tests pass a fake)."""
+
+    async def put_he_context(self, context: HeContext) -> None: ...
+    async def he_context(self) -> HeContext: ...
+    async def get_round(
+        self, wait_token: int | None = None, timeout: float = 0.0
+    ) -> RoundState: ...
+    async def he_sum(self, round: int, attempt: int, wait: float = 0.0) -> HeSumOffer: ...
+    async def post_decryption(self, round: int, attempt: int, body: bytes) -> None: ...
+    async def log_lines(self, start: int) -> bytes: ...
+    async def archived(self, sha256: str, max_bytes: int) -> bytes: ...
+
+
+def context_statement(
+    custody: Custody, identity: SigningIdentity, public_context: bytes
+) -> HeContext:
+    """The signed statement of the public context, with the context, as uploaded."""
+    params = custody.params
+    statement = HeContextStatement(
+        federation_id=custody.federation_id,
+        custodian=custody.custodian_id,
+        poly_modulus_degree=params.poly_modulus_degree,
+        coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
+        scale_bits=params.scale_bits,
+        context_sha256=hashlib.sha256(public_context).hexdigest(),
+    ).sign(identity)
+    return HeContext(statement=statement, context=base64.b64encode(public_context).decode())
+
+
+class CustodianService:
+    """Serve one federation as its key custodian.
+
+    Args:
+        client: the aggregator's API.
+        custody: who the custodian is and what it holds.
+        identity: its signing key (signs the context and decryption statements).
+        public_context: its public context bytes.
+        follower: the verified log (fresh: the service reads it from entry 0).
+        decisions: its append-only decision log.
+        stop: set to stop (SIGINT / SIGTERM).
+        poll_timeout_s: the long-poll wait asked of the aggregator.
+    """
+
+    def __init__(
+        self,
+        client: Aggregator,
+        custody: Custody,
+        identity: SigningIdentity,
+        public_context: bytes,
+        follower: LogFollower,
+        decisions: DecisionLog,
+        *,
+        stop: asyncio.Event | None = None,
+        poll_timeout_s: float = LONG_POLL_S,
+    ) -> None:
+        self.client = client
+        self.custody = custody
+        self.identity = identity
+        self.public_context = public_context
+        self.follower = follower
+        self.decisions = decisions
+        self.stop = stop or asyncio.Event()
+        self.poll_timeout_s = poll_timeout_s
+        # decided by this process, or refused ever; an attempt released by an earlier
+        # process and still in decrypt is answered again (the post may not have arrived)
+        self.handled = decisions.refused()
+
+    async def run(self) -> None:
+        """Publish the context, then decide every decrypt stage until the federation
+        finishes or :attr:`stop` is set.
+
+        Raises:
+            IntegrityError: the aggregator holds another context, or the log does not
+                verify.
+            FedsecError: a refusal no retry can change (the custodian is not enrolled).
+        """
+        await self.publish_context()
+        state = await self._guarded(lambda: self.client.get_round())
+        while state is not None and not state.finished:
+            if state.stage == "decrypt" and (state.round, state.attempt) not in self.handled:
+                await self.handle(state.round, state.attempt)
+            state = await self._guarded(functools.partial(self._next_state, state.token))
+        if state is not None:
+            log.info("federation_finished rounds_completed=%d", state.rounds_completed)
+
+    async def _next_state(self, token: int) -> RoundState:
+        return await self.client.get_round(token, self.poll_timeout_s)
+
+    async def publish_context(self) -> None:
+        """``POST /he/context``; a refusal because the aggregator holds a context is fine
+        when the one it holds is ours.
+
+        Raises:
+            IntegrityError: the aggregator holds another context for the federation.
+        """
+        upload = context_statement(self.custody, self.identity, self.public_context)
+        try:
+            await self.client.put_he_context(upload)
+        except FedsecError as exc:
+            if exc.http_status != 409:
+                raise
+            held = await self.client.he_context()
+            if held.statement.context_sha256 != self.custody.context_sha256:
+                raise IntegrityError(
+                    f"the aggregator already holds another CKKS context for federation "
+                    f"{self.custody.federation_id} (sha256 {held.statement.context_sha256[:16]}…, "
+                    f"ours {self.custody.context_sha256[:16]}…): {exc.detail}; members may "
+                    "have encrypted under a key this custodian does not hold; ask the "
+                    "operator which custodian directory the federation was set up with"
+                ) from None
+        log.info("context_published sha256=%s", self.custody.context_sha256)
+
+    async def handle(self, round: int, attempt: int) -> None:
+        """Decide one attempt's offer: check, then release or refuse (recorded either way).
+
+        Raises:
+            IntegrityError: the log does not verify (recorded as a refusal first).
+        """
+        offer = await self._guarded(lambda: self.client.he_sum(round, attempt))
+        if offer is None:
+            return
+        self.handled.add((round, attempt))
+        try:
+            await self._read_log(offer.log_index)
+        except IntegrityError as exc:
+            self._refuse(offer, Refused("bad_log", f"the log does not verify: {exc.detail}"))
+            raise
+        try:
+            release = await self._check(offer)
+        except Refused as refusal:
+            self._refuse(offer, refusal)
+            return
+        statement = release.statement.sign(self.identity)
+        self.decisions.record_release(offer, release)
+        log.info(
+            "released round=%d attempt=%d contributors=%d sum_sha256=%s plaintext_sha256=%s",
+            round,
+            attempt,
+            len(statement.contributors),
+            statement.sum_sha256,
+            statement.plaintext_sha256,
+        )
+        try:
+            await self.client.post_decryption(
+                round, attempt, frame_decryption(statement, release.plaintext)
+            )
+        except (DuplicateMessage, WrongStage) as exc:  # already stored, or the attempt ended
+            log.warning(
+                "decryption_not_taken round=%d attempt=%d detail=%r", round, attempt, exc.detail
+            )
+
+    async def _check(self, offer: HeSumOffer) -> Release:
+        check = SumCheck(offer, self.follower, self.custody, self.decisions.released())
+        for logged in check.wanted:
+            try:
+                raw = await self.client.archived(logged.sha256, max_bytes=logged.bytes)
+            except FedsecError as exc:
+                raise Refused(
+                    "archive_mismatch",
+                    f"the archive object of {logged.member}'s contribution is not served: "
+                    f"{exc.detail}",
+                ) from None
+            check.add(logged, raw)
+        return check.release()
+
+    async def _read_log(self, until: int) -> None:
+        """Read the log on from where it was left until it holds ``until`` entries (or the
+        aggregator stops serving more: the check then refuses ``log_incomplete``)."""
+        empty = 0
+        while self.follower.next_index < until and empty < LOG_CATCH_UP_TRIES:
+            before = self.follower.next_index
+            self.follower.feed(await self.client.log_lines(before))
+            if self.follower.next_index == before:
+                empty += 1
+                await self._pause(RETRY_PAUSE_S)
+
+    def _refuse(self, offer: HeSumOffer, refusal: Refused) -> None:
+        self.decisions.record_refusal(offer, refusal)
+        log.warning(
+            "refused round=%d attempt=%d reason=%s sum_sha256=%s detail=%r",
+            offer.round,
+            offer.attempt,
+            refusal.reason,
+            offer.sum_sha256,
+            refusal.detail,
+        )
+
+    async def _guarded(self, ask: Callable[[], Awaitable[T]]) -> T | None:
+        """``ask()``'s answer, asked anew after a temporary failure (the transport has
+        already retried it); None once stopped."""
+        while not self.stop.is_set():
+            fetch = asyncio.ensure_future(ask())
+            stopper = asyncio.ensure_future(self.stop.wait())
+            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (fetch, stopper):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            if fetch not in done:
+                return None
+            try:
+                return fetch.result()
+            except _TEMPORARY as exc:
+                log.warning(
+                    "aggregator_unavailable retry_in_s=%.1f detail=%r", RETRY_PAUSE_S, exc.detail
+                )
+                await self._pause(RETRY_PAUSE_S)
+        return None
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+
+
+async def serve_directory(
+    directory: Path,
+    custodian_id: str,
+    aggregator_url: str,
+    aggregator_key: bytes,
+    *,
+    admin_key: bytes | None = None,
+    min_contributors: int = MIN_CONTRIBUTORS,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve the federation as the custodian whose directory is ``directory`` (what
+    ``fedsec custodian serve`` runs; the simulation runs it as a task).
+
+    Raises:
+        ConfigError: ``min_contributors`` is below :data:`MIN_CONTRIBUTORS`, or the
+            directory is not a custodian's.
+        FedsecError: see :meth:`CustodianService.run`.
+    """
+    from fedsec.aggregator_client import AggregatorClient
+    from fedsec.crypto import he
+
+    if min_contributors < MIN_CONTRIBUTORS:
+        raise ConfigError(f"--min-contributors must be at least {MIN_CONTRIBUTORS}")
+    opened = open_custodian(directory)
+    params = opened.manifest.params
+    custody = Custody(
+        federation_id=opened.manifest.federation_id,
+        custodian_id=custodian_id,
+        public_key=opened.identity.public_bytes,
+        context_sha256=opened.manifest.context_sha256,
+        public_ctx=he.load_public_context(
+            opened.public_context, params, params.context_max_bytes(secret=False)
+        ),
+        secret_ctx=he.load_secret_context(
+            opened.secret_context, params, params.context_max_bytes(secret=True)
+        ),
+        min_contributors=min_contributors,
+    )
+    follower = LogFollower(custody.federation_id, aggregator_key, admin_public_key=admin_key)
+    async with AggregatorClient(aggregator_url, opened.identity, aggregator_key) as client:
+        service = CustodianService(
+            client,
+            custody,
+            opened.identity,
+            opened.public_context,
+            follower,
+            opened.decisions,
+            stop=stop,
+        )
+        await service.run()
