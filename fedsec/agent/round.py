@@ -41,6 +41,7 @@ from fedsec.agent.actions import (
     Encrypt,
     Encrypted,
     Event,
+    FaultPoint,
     FetchReceipt,
     FetchRoster,
     Finish,
@@ -379,6 +380,8 @@ class AgentRound:
         the ciphertexts, and only their sum is ever decrypted (by the key custodian)."""
         yield from self._attempt.wait_for(("masked_input",))
         body = (yield from ask(Encrypt(self.spec, c.quantized), Encrypted)).body
+        # chaos tests: a member lost after training, before its ciphertexts go out
+        yield from ask(FaultPoint(self.spec.round, "encrypted"), Passed)
         receipt, _ = yield from self._send_vector(c, body)
         return receipt
 
