@@ -301,6 +301,14 @@ def _parse_dp(value: str) -> float | None:
 @click.option("--server-optimizer", type=click.Choice(["fedavg", "fedadam"]), default="fedavg")
 @click.option("--server-lr", default=0.0, help="0 = task default for FedAvg, 0.01 for FedAdam")
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--kill",
+    "kill_fraction",
+    default=0.0,
+    show_default=True,
+    help="fraction of members lost for good at random moments of round --kill-round",
+)
+@click.option("--kill-round", default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(
     task: str,
@@ -317,6 +325,8 @@ def simulate(
     server_optimizer: str,
     server_lr: float,
     seed: int,
+    kill_fraction: float,
+    kill_round: int,
     as_json: bool,
 ) -> None:
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
@@ -340,6 +350,8 @@ def simulate(
                     server_optimizer=server_optimizer,
                     server_lr=server_lr,
                     seed=seed,
+                    kill_fraction=kill_fraction,
+                    kill_round=kill_round,
                 )
             )
         )

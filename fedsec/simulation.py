@@ -47,7 +47,12 @@ from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
-from fedsec.bench.common import aggregator_alive, free_port, with_environment
+from fedsec.bench.common import (
+    aggregator_alive,
+    federation_status,
+    free_port,
+    with_environment,
+)
 from fedsec.errors import ConfigError
 from fedsec.federation import (
     LocalAgent,
@@ -114,6 +119,10 @@ class SimulationSpec:
     slow_fraction: float = 0.0  # the first ceil(fraction * agents) members train slowly
     slowdown: float = 1.0  # ... this many times slower
     target_accuracy: float = 0.0  # report the wall time at which the model first reaches it
+    # members lost for good: this fraction of them, drawn at random, stops at a random
+    # moment of round kill_round (its task is cancelled: no message, no goodbye)
+    kill_fraction: float = 0.0
+    kill_round: int = 2
     baseline: bool = True  # also train the centralized baseline
     # The aggregator as its own ``fedsec aggregator serve`` process, as deployed: its
     # request handling then runs beside the members instead of sharing their event loop.
@@ -244,8 +253,11 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             "secure_sum": spec.secure_sum,
             "quant_bits": spec.quant_bits,
             "clip_norm": clip,
-            "advertise_s": 60.0,
-            "open_s": 600.0,
+            # with members lost on purpose, deadlines a lost member costs are short (the
+            # survivors train in seconds); otherwise generous, as deployed
+            "advertise_s": 5.0 if spec.kill_fraction else 60.0,
+            "open_s": 20.0 if spec.kill_fraction else 600.0,
+            "masked_s": 10.0 if spec.kill_fraction else 60.0,
             "max_weight_samples": max(len(p) for p in parts),
             "mode": spec.mode,
             "buffer_size": spec.buffer_size,
@@ -435,9 +447,17 @@ async def _run_agents(
         # stopped every agent for ~0.2 s every few rounds (50 agents, MNIST-1D).
         gc.collect()
         gc.freeze()
+        tasks = [asyncio.create_task(rt.run()) for rt in runtimes]
+        killer = asyncio.create_task(_kill_some(spec, ws.root.parent, url, tasks, extra))
         try:
-            await asyncio.gather(*(rt.run() for rt in runtimes))
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(
+                    result, asyncio.CancelledError
+                ):
+                    raise result
         finally:
+            killer.cancel()
             gc.unfreeze()
             for viewer in viewers:
                 viewer.cancel()
@@ -448,6 +468,40 @@ async def _run_agents(
         wall = time.perf_counter() - start
         extra.update(await _dashboard_cost(url, viewers))
         return wall
+
+
+async def _kill_some(
+    spec: SimulationSpec,
+    root: Path,
+    url: str,
+    tasks: list[asyncio.Task[Any]],
+    extra: dict[str, Any],
+) -> None:
+    """Lose ``spec.kill_fraction`` of the members at random moments of round
+    ``spec.kill_round`` (from its opening to about one round's time later)."""
+    if spec.kill_fraction <= 0:
+        return
+    import secrets
+
+    from fedsec.federation import load_observer
+
+    observer = load_observer(root)
+    rng = secrets.SystemRandom()
+    victims = rng.sample(range(len(tasks)), math.ceil(spec.kill_fraction * len(tasks)))
+    opened = None
+    while opened is None:
+        status = await asyncio.to_thread(federation_status, url, observer)
+        if status is not None and status.round >= spec.kill_round:
+            previous = [s.duration_s or 0.0 for s in status.history if s.stage == "closed"]
+            opened = max(previous[-1:] or [1.0])
+        else:
+            await asyncio.sleep(0.05)
+    start = time.monotonic()
+    for victim, delay in sorted(((v, rng.uniform(0, opened)) for v in victims), key=lambda x: x[1]):
+        await asyncio.sleep(max(0.0, start + delay - time.monotonic()))
+        tasks[victim].cancel()
+    extra["killed"] = len(victims)
+    extra["kill_round"] = spec.kill_round
 
 
 async def _watch(url: str) -> int:
