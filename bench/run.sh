@@ -42,3 +42,11 @@ $FEDSEC bench ops --part metrics --members 100 --closed-rounds 1000 --repeat 100
 $FEDSEC bench ops --part dashboard --agents 50 --rounds 30 --pairs 3 --viewers 2 --json | tee -a "$out/ops.jsonl"
 echo "== he: CKKS sum-only primitives (TenSEAL), 10 members, d = 1M"
 $FEDSEC bench he --clients 10 --dim 1000000 --json | tee "$out/he.jsonl"
+echo "== simulate: homomorphic summation against SecAgg+, interleaved (mnist1d, 50 agents)"
+for seed in 0 1; do
+  $SIM --rounds 30 --partition iid --secure-sum secagg --dp-epsilon none --seed $seed | tee -a "$out/he-simulate.jsonl"
+  $SIM --rounds 30 --partition iid --secure-sum he --dp-epsilon none --seed $seed | tee -a "$out/he-simulate.jsonl"
+done
+echo "== simulate: homomorphic summation with 30 % of the members lost in round 3"
+$FEDSEC simulate --task mnist1d --agents 50 --rounds 4 --secure-sum he --kill 0.3 --kill-round 3 \
+  --json | tee -a "$out/he-simulate.jsonl"
