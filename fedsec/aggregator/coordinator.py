@@ -349,8 +349,14 @@ class Coordinator:
         included; a custodian reads it only in a homomorphic federation, where what it
         needs (the ciphertexts it re-adds) is there.
 
+        An auditor reads it only where members' updates are not in the clear there
+        (SecAgg+ masked inputs, HE ciphertexts): in a ``secure_sum = "none"`` federation it
+        sees an update only through a reveal it challenged, and audits a copy of the
+        workspace for the rest.
+
         Raises:
-            ForbiddenError: a custodian, and the federation does not sum homomorphically.
+            ForbiddenError: a custodian, and the federation does not sum homomorphically;
+                an auditor, and the federation sums in the clear.
             PayloadError: not a lowercase SHA-256 hex digest.
             NotFound: not in the archive (never archived, or pruned past retention).
         """
@@ -358,6 +364,16 @@ class Coordinator:
         if entry is not None and entry.role == "custodian" and not self._he.custodian:
             raise ForbiddenError(
                 f"{member}: a key custodian reads the archive only where round.secure_sum = he"
+            )
+        if (
+            entry is not None
+            and entry.role == "auditor"
+            and self.ws.config.round.secure_sum == "none"
+        ):
+            raise ForbiddenError(
+                f"{member}: the archive of a federation without secure summation holds members' "
+                "updates in the clear; an auditor sees one through a reveal it challenged, "
+                "or audits a copy of the workspace"
             )
         if not _SHA256_HEX.fullmatch(sha256):
             raise PayloadError(f"{sha256[:70]!r} is not a SHA-256 hex digest")

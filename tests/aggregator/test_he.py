@@ -606,6 +606,17 @@ def test_a_non_he_federation_has_no_context(tmp_path: Path, clock: FakeClock) ->
         coord.archived(CUSTODIAN, digest)
 
 
+def test_an_auditor_cannot_read_plain_updates_from_the_archive(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    fed = make_federation(
+        tmp_path / "ws", auditors=("aud",), round={"secure_sum": "none", "min_agents": 1}
+    )
+    coord = Coordinator(fed.ws, clock=clock)
+    with pytest.raises(ForbiddenError, match="in the clear"):
+        coord.archived("aud", "e" * 64)
+
+
 def test_a_cohort_the_ckks_headroom_cannot_hold_is_never_fixed(
     tmp_path: Path, clock: FakeClock, keys: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
