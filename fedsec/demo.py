@@ -86,7 +86,7 @@ def _row(s: wire.RoundSummary, agents: int) -> str:
 HEADER = "round try cohort survivors dropped accuracy eps_max  KiB_up/a KiB_dn/a  time_s  result"
 
 
-def _noise_for_demo(
+def noise_for_demo(
     task: str, partition: str, agents: int, rounds: int, epsilon: float, training: dict[str, Any]
 ) -> float:
     """Noise multiplier with which the smallest member's budget lasts all rounds.
@@ -138,7 +138,7 @@ def demo(
     start = time.monotonic()
     deadline = start + DEMO_TIMEOUT_S
     training = {"local_epochs": 2, "batch_size": 16, "lr": 0.1}
-    noise = _noise_for_demo(task, partition, agents, rounds, epsilon, training)
+    noise = noise_for_demo(task, partition, agents, rounds, epsilon, training)
     text = federation_toml(
         "demo",
         task,

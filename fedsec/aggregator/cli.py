@@ -282,7 +282,7 @@ def alerts_list(workspace: Path, show_all: bool, as_json: bool) -> None:
     """Open alerts (newest first); with --all, the history."""
     import time
 
-    from fedsec.aggregator.ops.dashboard import alert_view
+    from fedsec.aggregator.rounds.alerts import alert_view
     from fedsec.protocol import wire
 
     ws = Workspace.open(workspace)

@@ -7,38 +7,22 @@ exit 1, without a traceback.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
 from fedsec.crypto import he
 from fedsec.custodian.check import MIN_CONTRIBUTORS
 from fedsec.custodian.store import IDENTITY_PUB, create_custodian
-from fedsec.errors import ConfigError, FedsecError
+from fedsec.errors import ConfigError
 from fedsec.protocol.roster import ID_PATTERN
 
 __all__ = ["custodian"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULTS = he.HeParams()
-
-
-def _user_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FedsecError as exc:
-            click.echo(f"error: {exc.detail}", err=True)
-            sys.exit(1)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -106,7 +90,6 @@ def custodian() -> None:
     help="CKKS scale 2^s (as [he] scale_bits)",
 )
 @click.option("--id", "custodian_id", default="ID", help="roster id, for the printed command")
-@_user_errors
 def init_command(
     directory: Path,
     federation_id: str,
@@ -163,7 +146,6 @@ def init_command(
     help="never decrypt a sum of fewer contributions, whatever the federation says",
 )
 @click.option("--verbose", is_flag=True, help="debug logging")
-@_user_errors
 def serve_command(
     directory: Path,
     custodian_id: str,

@@ -23,22 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from fedsec.config import (
-    AlertsSection,
-    DashboardSection,
-    DPSection,
-    FederationConfig,
-    FederationSection,
-    RoundSection,
-    ServerSection,
-    TrainingSection,
-    render_toml,
-)
+from fedsec.demo import noise_for_demo
 from fedsec.federation import (
     LocalAgent,
     agent_config,
     create_federation,
     enrol_agents,
+    federation_toml,
     write_agent_config,
 )
 
@@ -173,33 +164,23 @@ def federation_text(
     alerts: dict[str, Any] | None = None,
     dashboard: dict[str, Any] | None = None,
 ) -> str:
-    """federation.toml of a breast_cancer federation with the demo's short deadlines.
-
-    ``fedsec.federation.federation_toml`` takes no ``[alerts]`` or ``[dashboard]``
-    section, so the config is assembled here from the same typed sections."""
-    cfg = FederationConfig(
-        federation=FederationSection(id=federation_id, task=TASK),
-        round=RoundSection(**ROUND, max_agents=agents, rounds=rounds),
-        training=TrainingSection(**TRAINING),
-        dp=DPSection(enabled=True, noise_multiplier=noise_multiplier, max_grad_norm=1.0),
-        server=ServerSection(port=0),
-        alerts=AlertsSection(**(alerts or {})),
-        dashboard=DashboardSection(**(dashboard or {})),
+    """federation.toml of a breast_cancer federation with the demo's short deadlines."""
+    return federation_toml(
+        federation_id,
+        TASK,
+        round_={**ROUND, "max_agents": agents, "rounds": rounds},
+        training=TRAINING,
+        dp={"enabled": True, "noise_multiplier": noise_multiplier, "max_grad_norm": 1.0},
+        server={"port": 0},
+        alerts=alerts,
+        dashboard=dashboard,
     )
-    return render_toml(cfg, f"fedsec federation {federation_id}")
 
 
 def noise_for(agents: int, rounds: int) -> float:
     """The noise multiplier with which the smallest member's budget lasts all rounds
     (as ``fedsec demo`` picks it)."""
-    from fedsec.agent.ledger import noise_for_budget
-    from fedsec.learning.training import plan_round
-    from fedsec.tasks import TrainingParams, get_task, parse_partition
-
-    data = get_task(TASK).load()
-    parts = parse_partition(PARTITION).apply(data.y_train, agents, 7)
-    rate, steps = plan_round(min(len(p) for p in parts), TrainingParams(**TRAINING))
-    return round(noise_for_budget(EPSILON, 1e-5, rate, steps, rounds) * 1.02, 4)
+    return noise_for_demo(TASK, PARTITION, agents, rounds, EPSILON, TRAINING)
 
 
 @dataclass

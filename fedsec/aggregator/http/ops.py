@@ -31,8 +31,8 @@ from fedsec.aggregator.http.keys import COORDINATOR, OPS, WORKSPACE
 from fedsec.aggregator.http.longpoll import CHANGED
 from fedsec.aggregator.http.params import decode_json
 from fedsec.aggregator.ops import tokens
-from fedsec.aggregator.ops.dashboard import alert_view
 from fedsec.aggregator.ops.metrics import CONTENT_TYPE
+from fedsec.aggregator.rounds.alerts import alert_view
 from fedsec.errors import AuthError, NotFound, PayloadError, ServerBusy
 from fedsec.protocol import wire
 from fedsec.protocol.endpoints import TokenScope

@@ -21,7 +21,7 @@ import msgspec
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.ops.live import LiveView
-from fedsec.aggregator.storage.interfaces import AlertRow
+from fedsec.aggregator.rounds.alerts import alert_view
 from fedsec.errors import FedsecError
 from fedsec.protocol import wire
 from fedsec.protocol.stages import stage_index
@@ -32,19 +32,6 @@ ROUNDS_SHOWN: Final = 500
 ALERTS_SHOWN: Final = 200
 #: Model versions the models view shows (newest).
 MODELS_SHOWN: Final = 200
-
-
-def alert_view(row: AlertRow) -> wire.AlertView:
-    """The wire form of a stored alert (without its acknowledgement hash)."""
-    return wire.AlertView(
-        id=row.id,
-        kind=row.kind,
-        subject=row.subject,
-        detail=row.detail,
-        raised_at=row.raised_at,
-        acked_at=row.acked_at,
-        acked_by=row.acked_by,
-    )
 
 
 class SnapshotBuilder:

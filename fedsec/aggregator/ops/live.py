@@ -64,7 +64,7 @@ class LiveView:
                 if budget is not None:
                     self.budgets[member] = budget
             case RoundEnded(summary=s):
-                self.dropped = max(s.cohort - s.survivors, 0) if s.stage == "closed" else s.cohort
+                self.dropped = event.dropped
                 if s.stage == "closed" and s.accuracy is not None:
                     self.accuracy, self.loss = s.accuracy, s.loss
                 # only the attempt in progress is shown live; keep the map small

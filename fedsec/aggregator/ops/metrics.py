@@ -153,9 +153,7 @@ class FederationMetrics:
                 self.refused.labels(code).inc()
             case RoundEnded(summary=s, last_stage=stage, last_stage_s=lasted, reason=reason):
                 self.stage_seconds.labels(stage).observe(max(lasted, 0.0))
-                self.dropped.inc(
-                    max(s.cohort - s.survivors, 0) if s.stage == "closed" else s.cohort
-                )
+                self.dropped.inc(event.dropped)
                 if s.stage == "closed":
                     self.rounds_closed.inc()
                     if s.duration_s is not None:

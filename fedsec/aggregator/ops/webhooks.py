@@ -25,6 +25,7 @@ from typing import Final
 import aiohttp
 import msgspec
 
+from fedsec.aggregator.rounds.alerts import alert_view
 from fedsec.aggregator.rounds.events import AlertRaised, Event
 from fedsec.config import AlertsSection
 from fedsec.crypto.httpsig import sign_request
@@ -50,19 +51,6 @@ class WebhookPayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     alert: wire.AlertView
     ack_path: str  # POST here (on the aggregator) with {"token": ack_token} to acknowledge
     ack_token: str
-
-
-def alert_view(event: AlertRaised) -> wire.AlertView:
-    a = event.alert
-    return wire.AlertView(
-        id=a.id,
-        kind=a.kind,
-        subject=a.subject,
-        detail=a.detail,
-        raised_at=a.raised_at,
-        acked_at=a.acked_at,
-        acked_by=a.acked_by,
-    )
 
 
 class WebhookSender:
@@ -105,7 +93,7 @@ class WebhookSender:
             WebhookPayload(
                 federation_id=self._federation_id,
                 aggregator_public_key=self._signer.public_bytes.hex(),
-                alert=alert_view(event),
+                alert=alert_view(event.alert),
                 ack_path=f"{wire.API_PREFIX}/alerts/{event.alert.id}/ack",
                 ack_token=event.ack_token,
             )

@@ -22,6 +22,7 @@ from fedsec.aggregator.rounds.events import AlertRaised, EventBus
 from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.storage.interfaces import AlertRow, AlertStore
 from fedsec.errors import ForbiddenError, NotFound, PayloadError
+from fedsec.protocol import wire
 from fedsec.protocol.log_entries import AlertEntry
 
 log = logging.getLogger("fedsec.aggregator.coordinator")
@@ -179,6 +180,19 @@ class AlertDesk:
     def recent(self, limit: int = 200) -> list[AlertRow]:
         """The newest ``limit`` alerts, newest first."""
         return self._store.recent(limit)
+
+
+def alert_view(row: AlertRow) -> wire.AlertView:
+    """The wire form of a stored alert (without its acknowledgement hash)."""
+    return wire.AlertView(
+        id=row.id,
+        kind=row.kind,
+        subject=row.subject,
+        detail=row.detail,
+        raised_at=row.raised_at,
+        acked_at=row.acked_at,
+        acked_by=row.acked_by,
+    )
 
 
 def _digest(token: str) -> str:

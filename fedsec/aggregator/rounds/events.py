@@ -93,6 +93,12 @@ class RoundEnded:
     survivors: tuple[str, ...]
     time: float
 
+    @property
+    def dropped(self) -> int:
+        """Cohort members whose input is not in the attempt's sum (all of an aborted one)."""
+        s = self.summary
+        return max(s.cohort - s.survivors, 0) if s.stage == "closed" else s.cohort
+
 
 @dataclass(frozen=True, slots=True)
 class ModelProblem:
