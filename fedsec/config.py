@@ -26,6 +26,8 @@ import msgspec
 
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
+from fedsec.learning import robust
+from fedsec.protocol import wire
 from fedsec.protocol.roster import ID_PATTERN
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -75,8 +77,9 @@ DOCS: dict[str, str] = {
     "he.scale_bits": "CKKS scale 2^bits; 40 keeps the encryption error near 1e-8, far below "
     "one quantisation level, and leaves 19 bits of headroom under the 60-bit prime.",
     "he.model_visible_to_aggregator": "true: the custodian releases the decrypted sum to the "
-    "aggregator, which validates and publishes the model as in the other modes. false (the "
-    "model hidden from the operator) is not supported yet and is refused.",
+    "aggregator, which validates and publishes the model as in the other modes. false: the "
+    "custodian derives each model and seals it to the members, auditors and itself; the "
+    "aggregator stores it unread (no validation, fedavg only, sync rounds).",
     "round.mode": "sync = rounds with a cohort and stage deadlines; buffered = FedBuff "
     "asynchronous intake closing every buffer_size contributions.",
     "round.buffer_size": "Contributions per aggregate in buffered mode; 10 balances freshness "
@@ -185,6 +188,29 @@ DOCS: dict[str, str] = {
     "audit.archive_retention_rounds": "Closed rounds whose archived protocol messages are kept; "
     "0 = keep forever, so anyone holding the archive can re-run every aggregate. N keeps the "
     "newest N; older rounds are pruned under a signed archive_pruned log entry.",
+    "aggregation.rule": "How a trusted aggregator (round.secure_sum = none) combines the "
+    "updates it sees one by one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, "
+    "centered_clipping or fltrust (docs/robustness.md). Refused in the secure modes, where the "
+    "aggregator sees only the sum. fedavg: with no attackers it loses nothing.",
+    "aggregation.trim_fraction": "trimmed_mean: share beta cut at each end of every coordinate, "
+    "[0, 0.5); 0.1 withstands up to a tenth of the cohort poisoning any one coordinate.",
+    "aggregation.byzantine": "multi_krum: members f assumed Byzantine; needs round.min_agents "
+    ">= 2f + 3. 1 suits the small cohorts of the bundled tasks.",
+    "aggregation.krum_selected": "multi_krum: updates m averaged; 0 = n - f, Multi-Krum's usual "
+    "choice (at most round.min_agents - byzantine).",
+    "aggregation.clip_radius": "centered_clipping: radius tau, the most one update pulls the "
+    "centre per iteration; 0.5 is half the default clip_norm, so three iterations can reach "
+    "any honest mean.",
+    "aggregation.clip_iterations": "centered_clipping: passes from the zero update (1..100); 3, "
+    "as Karimireddy et al. find 1-3 enough.",
+    "aggregation.root_records": "fltrust: records of the aggregator's root dataset, drawn once "
+    "from the task's training split (never its validation split); about 100, as in FLTrust.",
+    "aggregation.min_trust_score": "fltrust: refuse updates whose trust score (cosine with the "
+    "aggregator's reference, clipped at 0) is below this, in [0, 1]; 0 refuses only updates "
+    "that do not point the reference's way.",
+    "aggregation.max_norm_ratio": "Any rule: refuse an update longer than this many times the "
+    "median update's norm (>= 1); 0 = off. A refused update is logged with the reason, never "
+    "silently dropped.",
     # agent.toml
     "agent.id": "This member's id in the roster; must match the id the admin enrolled.",
     "agent.aggregator_url": "Base URL of the aggregator (http:// or https://).",
@@ -300,6 +326,22 @@ class HeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     model_visible_to_aggregator: bool = True
 
 
+class AggregationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[aggregation]``: the robust rule of a trusted aggregator.  Its fields are
+    ``wire.AggregationSpec``'s, which carries them in each signed spec; the ranges are
+    ``fedsec.learning.robust.PARAMETERS``'."""
+
+    rule: wire.AggregationRule = "fedavg"
+    trim_fraction: float = 0.1
+    byzantine: int = 1
+    krum_selected: int = 0
+    clip_radius: float = 0.5
+    clip_iterations: int = 3
+    root_records: int = 100
+    min_trust_score: float = 0.0
+    max_norm_ratio: float = 0.0
+
+
 class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     stall_s: float = 900.0
     degradation_window: int = 5
@@ -342,6 +384,7 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     dashboard: DashboardSection = msgspec.field(default_factory=DashboardSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     he: HeSection = msgspec.field(default_factory=HeSection)
+    aggregation: AggregationSection = msgspec.field(default_factory=AggregationSection)
 
 
 # -- agent.toml ------------------------------------------------------------------------
@@ -513,12 +556,30 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         p.require(bool(he.custodian), "he.custodian", "the roster id of the key custodian", "")
         if he.custodian:
             p.identifier("he.custodian", he.custodian)
-        p.require(
-            he.model_visible_to_aggregator,
-            "he.model_visible_to_aggregator",
-            "true (a model hidden from the aggregator is not supported yet)",
-            he.model_visible_to_aggregator,
-        )
+        if not he.model_visible_to_aggregator:
+            # the aggregator never holds the model: it can neither score it, nor keep a
+            # server optimiser's state, nor pick a buffered round's newest base for it
+            p.require(
+                not cfg.validation.enabled,
+                "validation.enabled",
+                "false when he.model_visible_to_aggregator = false (the aggregator cannot "
+                "read the model to score it)",
+                cfg.validation.enabled,
+            )
+            p.require(
+                cfg.server.optimizer == "fedavg",
+                "server.optimizer",
+                "fedavg when he.model_visible_to_aggregator = false (the custodian derives "
+                "each hidden model and keeps no optimiser state)",
+                cfg.server.optimizer,
+            )
+            p.require(
+                r.mode == "sync",
+                "round.mode",
+                "sync when he.model_visible_to_aggregator = false (the custodian applies each "
+                "sum to the version its round trained on)",
+                r.mode,
+            )
         p.require(
             len(he.coeff_mod_bit_sizes) == 2,
             "he.coeff_mod_bit_sizes",
@@ -577,7 +638,54 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.positive("alerts.webhook_backoff_s", al.webhook_backoff_s)
     p.positive("dashboard.token_ttl_s", cfg.dashboard.token_ttl_s)
     p.positive("dashboard.push_interval_s", cfg.dashboard.push_interval_s)
+    _validate_aggregation(p, cfg)
     return p.items
+
+
+def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
+    """``[aggregation]``: each parameter the rule reads within its range, none it ignores
+    set, and a robust rule only where the aggregator sees individual updates."""
+    ag, r, default = cfg.aggregation, cfg.round, AggregationSection()
+    read = {*robust.RULE_PARAMETERS[ag.rule], *robust.EVERY_RULE}
+    for name, bounds in robust.PARAMETERS.items():
+        value, path = getattr(ag, name), f"aggregation.{name}"
+        if name in read:
+            p.require(bounds.admits(value), path, f"{bounds.describe()} ({bounds.why})", value)
+        elif value != getattr(default, name):
+            readers = [rule for rule, names in robust.RULE_PARAMETERS.items() if name in names]
+            p.fail(path, f"only rule {' and '.join(readers)} reads it, not {ag.rule}: remove it")
+    if ag != default and r.secure_sum != "none":
+        key = "aggregation.rule" if ag.rule != "fedavg" else "aggregation.max_norm_ratio"
+        p.fail(
+            key,
+            f'needs round.secure_sum = "none": with {r.secure_sum} the aggregator sees only the '
+            "sum of the updates, never one member's, so it cannot judge or refuse them one by one",
+        )
+    if ag.rule == "multi_krum":
+        least = 2 * ag.byzantine + 3
+        p.require(
+            r.min_agents >= least,
+            "round.min_agents",
+            f"at least 2 * aggregation.byzantine + 3 = {least} for multi_krum (Krum needs more "
+            "than 2f + 2 updates)",
+            r.min_agents,
+        )
+        most = r.min_agents - ag.byzantine
+        p.require(
+            ag.krum_selected <= max(most, 0),
+            "aggregation.krum_selected",
+            f"at most round.min_agents - aggregation.byzantine = {most} (m <= n - f in every "
+            "round)",
+            ag.krum_selected,
+        )
+    if ag.rule == "fltrust":
+        p.require(
+            cfg.federation.task != "csv",
+            "aggregation.rule",
+            "a bundled task for fltrust (the aggregator draws its root dataset from the task's "
+            "data; the csv task has none)",
+            ag.rule,
+        )
 
 
 def _validate_agent(cfg: AgentConfig) -> list[str]:

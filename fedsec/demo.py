@@ -309,6 +309,12 @@ def _parse_dp(value: str) -> float | None:
     help="fraction of members lost for good at random moments of round --kill-round",
 )
 @click.option("--kill-round", default=2, show_default=True)
+@click.option(
+    "--hide-model",
+    is_flag=True,
+    help="--secure-sum he: keep the model hidden from the aggregator "
+    "(he.model_visible_to_aggregator = false)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(
     task: str,
@@ -327,6 +333,7 @@ def simulate(
     seed: int,
     kill_fraction: float,
     kill_round: int,
+    hide_model: bool,
     as_json: bool,
 ) -> None:
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
@@ -352,6 +359,7 @@ def simulate(
                     seed=seed,
                     kill_fraction=kill_fraction,
                     kill_round=kill_round,
+                    hide_model=hide_model,
                 )
             )
         )

@@ -39,6 +39,7 @@ from fedsec.crypto.errors import (
 )
 
 __all__ = [
+    "AggregationImpossible",
     "AggregatorRefused",
     "AggregatorUnreachable",
     "AuthError",
@@ -62,6 +63,7 @@ __all__ = [
     "QuantizationError",
     "RateLimited",
     "RecoveryImpossible",
+    "RefusedByRule",
     "ReplayError",
     "RequestTimeout",
     "RetryLater",
@@ -184,3 +186,18 @@ class StaleUpdate(ProtocolError):
     """Buffered mode: the update was trained on a model too many versions old."""
 
     code = "stale"
+
+
+class RefusedByRule(ProtocolError):
+    """Trusted mode (``secure_sum = "none"``): the federation's aggregation rule or its
+    acceptance threshold kept an accepted update out of the aggregate; the detail says
+    which rule and why (logged as a ``refused`` entry when the round closes)."""
+
+    code = "refused_by_rule"
+
+
+class AggregationImpossible(RoundAborted):
+    """The aggregation rule cannot form an aggregate from the updates it was given (too
+    few for its parameters, or no update the reference trusts): the attempt aborts."""
+
+    code = "aggregation_impossible"

@@ -31,6 +31,7 @@ from fedsec.config import (
     RoundSection,
     ServerSection,
     TrainingSection,
+    ValidationSection,
     dump_agent_config,
     render_toml,
 )
@@ -66,6 +67,7 @@ def federation_toml(
     dashboard: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     he: dict[str, Any] | None = None,
+    validation: dict[str, Any] | None = None,
 ) -> str:
     """A federation.toml with the given overrides of each section's defaults."""
     cfg = FederationConfig(
@@ -78,6 +80,7 @@ def federation_toml(
         dashboard=DashboardSection(**(dashboard or {})),
         metrics=MetricsSection(**(metrics or {})),
         he=HeSection(**(he or {})),
+        validation=ValidationSection(**(validation or {})),
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
 

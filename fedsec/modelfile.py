@@ -54,7 +54,11 @@ MAX_MANIFEST_BYTES = 64 * 1024
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _SIG_HEX = re.compile(r"^[0-9a-f]{128}$")
 
-ManifestKind = Literal["initial", "aggregate", "rollback"]
+#: ``sealed``: an aggregate the aggregator cannot read (``he.model_visible_to_aggregator =
+#: false``): its file is the key custodian's sealed release (fedsec.protocol.he_release),
+#: and ``sha256`` names those bytes, not the model inside.
+ManifestKind = Literal["initial", "aggregate", "rollback", "sealed"]
+MANIFEST_KINDS: tuple[str, ...] = ("initial", "aggregate", "rollback", "sealed")
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -277,8 +281,8 @@ def _check_fields(
     for key, value in metrics.items():
         if not math.isfinite(float(value)):
             raise IntegrityError(f"manifest metric {key!r} is not finite")
-    if kind not in ("initial", "aggregate", "rollback"):
-        raise IntegrityError(f"manifest kind {kind!r} is not initial, aggregate or rollback")
+    if kind not in MANIFEST_KINDS:
+        raise IntegrityError(f"manifest kind {kind!r} is not one of {', '.join(MANIFEST_KINDS)}")
 
 
 def sign_manifest(

@@ -62,8 +62,13 @@ from fedsec.federation import (
     federation_toml,
 )
 from fedsec.learning.training import plan_round, train_centralized
+from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks import TrainingParams, get_task, parse_partition
+from fedsec.tasks.base import Dataset, Task
+from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.params import arrays_to_state
 
 # Per-task settings for federated runs where local data is small: a clip norm that
 # leaves typical update norms unclipped, and for MNIST-1D two local epochs of Adam with
@@ -103,6 +108,9 @@ class SimulationSpec:
     rounds: int = 20
     partition: str = "iid"
     secure_sum: str = "secagg"
+    # he only: the model hidden from the aggregator (he.model_visible_to_aggregator =
+    # false); the final accuracy is then scored on the version opened with the custodian's key
+    hide_model: bool = False
     quant_bits: int = 8
     clip: float = 0.0
     dp_epsilon: float | None = None
@@ -269,7 +277,12 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             "noise_multiplier": noise if spec.dp_epsilon is not None else NON_DP_NOISE_PLACEHOLDER,
         },
         server={"optimizer": spec.server_optimizer, "server_lr": server_lr, "port": 0},
-        he={"custodian": CUSTODIAN_ID} if spec.secure_sum == "he" else None,
+        he=(
+            {"custodian": CUSTODIAN_ID, "model_visible_to_aggregator": not spec.hide_model}
+            if spec.secure_sum == "he"
+            else None
+        ),
+        validation={"enabled": False} if spec.hide_model else None,
     )
     ws = create_federation(root, "sim", spec.task, text)
     local = enrol_agents(ws, root, spec.agents)
@@ -300,6 +313,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     )
     closed = [s for s in summaries if s.stage == "closed"]
     final = closed[-1] if closed else None
+    hidden_acc = _hidden_accuracy(ws, root / CUSTODIAN_ID, task, data) if spec.hide_model else None
     ws.close()
     if workdir is None:
         shutil.rmtree(root, ignore_errors=True)
@@ -320,6 +334,8 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     bytes_up = sum(up) / len(up) if up else 0.0
     float32 = 4 * dim
     final_acc = final.accuracy if final and final.accuracy is not None else float("nan")
+    if hidden_acc is not None:
+        final_acc = hidden_acc
     eps = [s.epsilon_max for s in summaries if s.epsilon_max is not None]
     return with_environment(
         {
@@ -394,6 +410,27 @@ def _enrol_custodian(ws: Workspace, home: Path) -> None:
             admin=ws.admin(),
         )
     )
+
+
+def _hidden_accuracy(ws: Workspace, custodian_home: Path, task: Task, data: Dataset) -> float:
+    """Test accuracy of the newest hidden version, opened with the custodian's key (the
+    aggregator's store holds only the sealed release)."""
+    from fedsec.custodian.store import open_custodian
+    from fedsec.protocol.he_release import open_release
+
+    manifest = ws.models.latest()
+    while manifest.kind == "rollback" and manifest.parent is not None:
+        manifest = ws.models.get(manifest.parent)
+    model_file = ws.models.read(manifest.version)
+    if manifest.kind == "sealed":
+        custodian = open_custodian(custodian_home).identity
+        dim = sum(p.numel() for p in task.build_model(0).parameters())
+        model_file = open_release(
+            model_file, custodian.public_bytes, CUSTODIAN_ID, custodian.x25519_secret(), dim + 1
+        ).model
+    model = task.build_model(0)
+    arrays_to_state(model, decode_model(model_file, max_bytes=MAX_MODEL_BYTES))
+    return evaluate(model, data.x_test, data.y_test)[0]
 
 
 async def _custodian(spec: SimulationSpec, root: Path, url: str, aggregator: bytes) -> None:

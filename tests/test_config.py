@@ -261,3 +261,140 @@ def test_aggregator_logging_survives_opacus_basic_config() -> None:
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+# -- [aggregation]: robust rules of a trusted aggregator --------------------------------------
+
+_TRUSTED = '[round]\nsecure_sum = "none"\nmin_agents = 5\n'
+
+
+def test_aggregation_defaults_to_fedavg_with_no_threshold() -> None:
+    ag = parse_federation_config(_fed("")).aggregation
+    assert ag.rule == "fedavg" and ag.max_norm_ratio == 0.0 and ag.min_trust_score == 0.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[aggregation]\nrule = "trimmed_mean"\ntrim_fraction = 0.2',
+        '[aggregation]\nrule = "median"\nmax_norm_ratio = 3.0',
+        '[aggregation]\nrule = "multi_krum"\nbyzantine = 1\nkrum_selected = 3',
+        '[aggregation]\nrule = "centered_clipping"\nclip_radius = 0.2\nclip_iterations = 1',
+        '[aggregation]\nrule = "fltrust"\nroot_records = 50\nmin_trust_score = 0.1',
+    ],
+)
+def test_trusted_mode_takes_every_rule(text: str) -> None:
+    cfg = parse_federation_config(_fed(_TRUSTED + text))
+    assert cfg.aggregation.rule == tomllib.loads(text)["aggregation"]["rule"]
+
+
+@pytest.mark.parametrize("secure_sum", ["secagg", "he"])
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('rule = "median"', "aggregation.rule"),
+        ("max_norm_ratio = 2.0", "aggregation.max_norm_ratio"),
+    ],
+)
+def test_robust_rules_are_refused_where_no_update_is_visible(
+    secure_sum: str, text: str, key: str
+) -> None:
+    extra = '[he]\ncustodian = "cust"\n' if secure_sum == "he" else ""
+    with pytest.raises(ConfigError) as err:
+        parse_federation_config(
+            _fed(f'[round]\nsecure_sum = "{secure_sum}"\n{extra}[aggregation]\n{text}')
+        )
+    assert (
+        f'{key}: needs round.secure_sum = "none": with {secure_sum} the aggregator sees only '
+        "the sum of the updates, never one member's" in str(err.value)
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            'rule = "trimmed_mean"\ntrim_fraction = 0.5',
+            "aggregation.trim_fraction: expected a number in [0, 0.5) (β is the share cut at "
+            "each end of every coordinate; at 1/2 nothing would remain), got 0.5",
+        ),
+        (
+            'rule = "centered_clipping"\nclip_radius = 0',
+            "aggregation.clip_radius: expected a number > 0",
+        ),
+        (
+            'rule = "centered_clipping"\nclip_iterations = 0',
+            "aggregation.clip_iterations: expected an integer in 1..100",
+        ),
+        (
+            'rule = "fltrust"\nmin_trust_score = 1.5',
+            "aggregation.min_trust_score: expected a number in [0, 1]",
+        ),
+        ("max_norm_ratio = 0.5", "aggregation.max_norm_ratio: expected 0 (off) or a number >= 1"),
+        (
+            'rule = "median"\ntrim_fraction = 0.2',
+            "aggregation.trim_fraction: only rule trimmed_mean reads it, not median: remove it",
+        ),
+        (
+            'rule = "fedavg"\nmin_trust_score = 0.3',
+            "aggregation.min_trust_score: only rule fltrust reads it, not fedavg",
+        ),
+        (
+            'rule = "multi_krum"\nbyzantine = 2',
+            "round.min_agents: expected at least 2 * aggregation.byzantine + 3 = 7 for multi_krum",
+        ),
+        (
+            'rule = "multi_krum"\nkrum_selected = 5',
+            "aggregation.krum_selected: expected at most round.min_agents - aggregation.byzantine "
+            "= 4",
+        ),
+        ('rule = "krum"', "aggregation.rule: expected one of 'fedavg', 'trimmed_mean'"),
+        ("byzantine = 1.0", "aggregation.byzantine: expected an integer, got 1.0"),
+        ("beta = 0.1", "aggregation.beta: unknown key"),
+    ],
+)
+def test_aggregation_refusals_name_key_and_reason(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_federation_config(_fed(_TRUSTED + "[aggregation]\n" + text), "federation.toml")
+    assert message in str(err.value)
+
+
+def test_fltrust_needs_bundled_task_data() -> None:
+    with pytest.raises(ConfigError, match=r"aggregation\.rule: expected a bundled task"):
+        parse_federation_config(
+            '[federation]\nid = "fed-1"\ntask = "csv"\n'
+            + _TRUSTED
+            + '[aggregation]\nrule = "fltrust"'
+        )
+
+
+def test_aggregation_section_round_trips_documented(tmp_path: Path) -> None:
+    cfg = parse_federation_config(
+        _fed(_TRUSTED + '[aggregation]\nrule = "trimmed_mean"\ntrim_fraction = 0.2')
+    )
+    dump_federation_config(cfg, tmp_path / "federation.toml")
+    text = (tmp_path / "federation.toml").read_text()
+    assert "[aggregation]" in text and "# trimmed_mean: share beta cut" in text
+    assert load_federation_config(tmp_path / "federation.toml") == cfg
+
+
+_HIDDEN = (
+    '[round]\nsecure_sum = "he"\nmin_agents = 3\n[he]\ncustodian = "cust"\n'
+    "model_visible_to_aggregator = false\n"
+)
+
+
+def test_a_hidden_model_needs_no_validation_fedavg_and_sync_rounds() -> None:
+    cfg = parse_federation_config(_fed(_HIDDEN + "[validation]\nenabled = false\n"))
+    assert cfg.he.model_visible_to_aggregator is False
+    with pytest.raises(ConfigError) as err:
+        parse_federation_config(
+            _fed(
+                _HIDDEN.replace("min_agents = 3\n", 'min_agents = 3\nmode = "buffered"\n')
+                + '[server]\noptimizer = "fedadam"\n'
+            )
+        )
+    text = str(err.value)
+    assert "validation.enabled: expected false when he.model_visible_to_aggregator" in text
+    assert "server.optimizer: expected fedavg when he.model_visible_to_aggregator" in text
+    assert "round.mode: expected sync when he.model_visible_to_aggregator" in text

@@ -60,6 +60,7 @@ from fedsec.agent.actions import RoundOutcome
 from fedsec.agent.charging import Carryover
 from fedsec.agent.device import resolve_device
 from fedsec.agent.follow import Follower
+from fedsec.agent.hidden_model import HiddenModels
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.local_data import LocalData, load_local_data
 from fedsec.agent.member import Member
@@ -367,6 +368,7 @@ class AgentRuntime:
                 progress=self.progress,
                 slowdown=self.slowdown,
                 faults=self._faults,
+                hidden=HiddenModels(self._roster, self.member, self.identity),
             )
         try:
             return act.Trained(await self._trainer.train(client, action.spec, action.charge))

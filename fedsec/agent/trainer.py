@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,8 @@ from fedsec.errors import IntegrityError
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.learning.training import DPParams, fresh_seed, train_local
 from fedsec.modelfile import decode_model, verify_manifest
+from fedsec.protocol.he_release import sealed_release_allowance
+from fedsec.protocol.limits import MAX_COHORT
 from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks.params import arrays_to_state, flatten_params
 
@@ -30,6 +32,12 @@ log = logging.getLogger("fedsec.agent.runtime")
 #: Allowance over the raw float32 size of the local model when downloading a model
 #: file: the safetensors header is ~100 bytes per tensor, so 1 MiB covers ~10k tensors.
 MODEL_HEADER_SLACK_BYTES: Final = 1024 * 1024
+
+
+class SealedModelOpener(Protocol):
+    """Opens a hidden model version (:class:`fedsec.agent.he.HiddenModels`)."""
+
+    async def open(self, client: AggregatorClient, spec: RoundSpec, data: bytes) -> bytes: ...
 
 
 class LocalTrainer:
@@ -44,6 +52,7 @@ class LocalTrainer:
         progress: show a progress bar while training.
         slowdown: simulations only: this member trains slowdown x slower.
         faults: the unsafe deterministic test seed, if any (:mod:`fedsec.faults`).
+        hidden: opens hidden model versions (an he federation's sealed releases).
     """
 
     def __init__(
@@ -57,6 +66,7 @@ class LocalTrainer:
         progress: bool = False,
         slowdown: float = 1.0,
         faults: Faults = NO_FAULTS,
+        hidden: SealedModelOpener | None = None,
     ) -> None:
         self.member = member
         self.aggregator_public = aggregator_public
@@ -66,6 +76,7 @@ class LocalTrainer:
         self.progress = progress
         self.slowdown = slowdown
         self._faults = faults
+        self._hidden = hidden
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
 
     async def train(
@@ -141,10 +152,17 @@ class LocalTrainer:
                     f"{spec.model_sha256[:16]}..., but its manifest says {manifest.sha256[:16]}..."
                 )
             limit = sum(t.numel() for t in state.values()) * 4 + MODEL_HEADER_SLACK_BYTES
+            sealed = spec.he_model_hidden and await client.made_as(manifest) == "sealed"
+            if sealed:  # the sum and the model, sealed to the roster: see he_release
+                limit += sealed_release_allowance(spec.dim + 1, MAX_COHORT)
             data = await client.model_bytes(spec.model_version, limit)
             verify_manifest(
                 manifest, self.aggregator_public, data, federation_id=spec.federation_id
             )
+            if sealed:
+                if self._hidden is None:
+                    raise IntegrityError(f"model v{spec.model_version} is sealed; cannot open it")
+                data = await self._hidden.open(client, spec, data)
             arrays = decode_model(
                 data,
                 max_bytes=limit,

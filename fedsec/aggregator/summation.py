@@ -11,7 +11,8 @@ complete, closes each stage but the last, and finalizes the last one into a
   machine of :mod:`fedsec.crypto.secagg`; stages advertise, share_keys, masked_input,
   unmask.
 - :class:`PlainSession` (``secure_sum = "none"``): signed quantized updates summed in
-  the clear; one stage, masked_input.
+  the clear, or combined by the spec's robust rule (:mod:`fedsec.learning.robust`); one
+  stage, masked_input.
 - :class:`HeSession` (``secure_sum = "he"``): CKKS ciphertexts of the quantized updates
   added without being opened (:mod:`fedsec.crypto.he`); stages masked_input, then
   decrypt, where the key custodian releases the integer sum.
@@ -25,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedsec.crypto.quantize import dequantize_one, dequantize_sum, unpack
+from fedsec.crypto.quantize import dequantize_one, dequantize_sum, ring_from_integers, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     MaskedInput,
@@ -50,7 +51,8 @@ from fedsec.errors import (
     UnknownMember,
     WrongStage,
 )
-from fedsec.protocol import codec, wire
+from fedsec.learning import robust
+from fedsec.protocol import codec, he_release, wire
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.stages import HE_STAGES, SECAGG_STAGES, Stage
 
@@ -60,11 +62,6 @@ if TYPE_CHECKING:  # TenSEAL is the ``he`` extra's: only an he federation loads 
 # logged under the round engine's name (fedsec.aggregator.rounds.context): operators filter on it
 log = logging.getLogger("fedsec.aggregator.coordinator")
 
-# The framing of a decryption: a u32 little-endian statement length, then the statement.
-_LENGTH_BYTES = 4
-# The released plaintext: one little-endian int64 per value.
-_PLAINTEXT_DTYPE = "<i8"
-
 
 @dataclass(frozen=True, slots=True)
 class Decryption:
@@ -72,11 +69,15 @@ class Decryption:
 
     custodian: str
     statement: wire.DecryptionStatement
-    plaintext: bytes  # the dim + 1 summed integers, little-endian int64
+    # visible model: the dim + 1 summed integers, little-endian int64; hidden model: the
+    # sealed release, stored unread as the new version's file
+    plaintext: bytes
+    sealed: he_release.SealedRelease | None = None
+    body: bytes = b""  # the whole body: a hidden model's version file (statement included)
 
 
 def decode_decryption(custodian: str, raw: bytes, max_json_bytes: int) -> Decryption:
-    """A ``post_decryption`` body: ``u32 LE n | n bytes of statement JSON | plaintext``.
+    """A ``post_decryption`` body (:mod:`fedsec.protocol.he_release`).
 
     Args:
         custodian: who sent it.
@@ -84,38 +85,38 @@ def decode_decryption(custodian: str, raw: bytes, max_json_bytes: int) -> Decryp
         max_json_bytes: bound on the statement's length (``server.max_json_bytes``).
 
     Raises:
-        PayloadError: truncated, a statement length over the bound, or a statement that
-            does not decode strictly (unknown fields, repeated keys, wrong types).
+        PayloadError: truncated, a statement length over the bound, a statement that
+            does not decode strictly, or a sealed release that does not parse.
     """
-    if len(raw) < _LENGTH_BYTES:
-        raise PayloadError("a decryption starts with the u32 length of its statement")
-    length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-    if length > max_json_bytes:
-        raise PayloadError(
-            f"the decryption statement declares {length} bytes, over the {max_json_bytes} allowed"
-        )
-    end = _LENGTH_BYTES + length
-    if len(raw) < end:
-        raise PayloadError(
-            f"the decryption statement is cut off ({len(raw) - _LENGTH_BYTES} of {length} bytes)"
-        )
-    statement = wire.decode(
-        raw[_LENGTH_BYTES:end],
-        wire.DecryptionStatement,
-        max_bytes=max_json_bytes,
-        what="decryption statement",
-    )
-    return Decryption(custodian, statement, raw[end:])
-
-
-def frame_decryption(statement: wire.DecryptionStatement, plaintext: bytes) -> bytes:
-    """The body :func:`decode_decryption` reads (tests and tools build it with this)."""
-    encoded = wire.encode(statement)
-    return len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded + plaintext
+    statement, rest = he_release.unframe(raw, max_json_bytes)
+    sealed = he_release.decode_sealed(rest) if statement.sealed else None
+    return Decryption(custodian, statement, rest, sealed, raw)
 
 
 #: A decoded stage message, as the member sent it.
 StageMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse | Decryption
+
+
+@dataclass(frozen=True, slots=True)
+class RuleRefusal:
+    """An update intake accepted (and receipted) that the attempt's aggregation rule kept
+    out of the aggregate (trusted mode): logged as a ``refused`` entry at the close."""
+
+    member: str
+    sha256: str  # of the update's bytes, as archived
+    rule: str  # the rule with its parameters (``fedsec.learning.robust.describe``)
+    reason: str  # why the rule refused it
+
+    @property
+    def detail(self) -> str:
+        """The sentence the ``refused`` entry carries."""
+        return f"aggregation rule {self.rule} refused {self.member}'s update: {self.reason}"
+
+
+#: FLTrust's reference update for an attempt (float64, length dim): the aggregator's
+#: own training on its root dataset from the spec's model.  The session only calls it,
+#: so it stays free of I/O (``fedsec.aggregator.rounds.reference`` makes one).
+ReferenceUpdate = Callable[[wire.RoundSpec], np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,12 @@ class SummationResult:
     survivors: list[str]  # whose contributions are in the sum, sorted
     dropped: list[str]  # who was expected but is not, sorted
     sum_sha256: str  # the sum as the mode computed it (the log's ``aggregate`` entry)
+    # a hidden model (he.model_visible_to_aggregator = false): the custodian's sealed
+    # release, the new version's file, derived from ``parent_version``; weighted_sum is empty
+    sealed: bytes | None = None
+    parent_version: int | None = None
+    # trusted mode with a robust rule: accepted updates the rule kept out (in dropped)
+    refused: tuple[RuleRefusal, ...] = ()
 
 
 class SummationSession(ABC):
@@ -227,6 +234,7 @@ def open_session(
     min_agents: int,
     he_context: PublicContext | None = None,
     max_json_bytes: int = 1 << 20,
+    reference: ReferenceUpdate | None = None,
 ) -> SummationSession:
     """The session for ``spec``'s ``secure_sum`` mode: the one place that asks it.
 
@@ -237,10 +245,17 @@ def open_session(
         min_agents: fewest contributions a sum may hold (modes without their own bound).
         he_context: ``he``: the federation's public context, the one the spec names.
         max_json_bytes: ``he``: bound on a stored decryption statement (replay).
+        reference: ``none`` with rule ``fltrust``: the aggregator's reference update.
 
     Raises:
-        ProtocolError: an ``he`` spec without the context or the custodian's key.
+        ProtocolError: an ``he`` spec without the context or the custodian's key; an
+            aggregation rule outside trusted mode, or ``fltrust`` without a reference.
     """
+    if spec.aggregation is not None and spec.secure_sum != "none":
+        raise ProtocolError(
+            f"round {spec.round}: aggregation rule {spec.aggregation.rule} needs a trusted "
+            f"aggregator (secure_sum none): with {spec.secure_sum} no single update is visible"
+        )
     if spec.secure_sum == "secagg":
         return SecAggPlusSession(spec, roster_keys)
     if spec.secure_sum == "he":
@@ -251,7 +266,7 @@ def open_session(
                 f"key custodian {spec.custodian!r} on the roster"
             )
         return HeSession(spec, he_context, key, min_agents, max_json_bytes)
-    return PlainSession(spec, min_agents)
+    return PlainSession(spec, min_agents, reference)
 
 
 class SecAggPlusSession(SummationSession):
@@ -350,21 +365,46 @@ class SecAggPlusSession(SummationSession):
 
 
 class PlainSession(SummationSession):
-    """A trusted aggregator: members' signed quantized updates summed in the clear.
+    """A trusted aggregator: members' signed quantized updates summed in the clear, or,
+    when the spec names an aggregation rule (``spec.aggregation``), combined by that rule
+    (:mod:`fedsec.learning.robust`) once they are all in.
+
+    Without a rule, only the running sum is kept (O(dim)).  With one, each accepted update
+    is kept as its ring vector (dim + 1 values of the ring's width, its smallest form) until
+    finalize, so memory is bounded by the cohort cap: ``round.max_agents`` × (dim + 1) ×
+    ring bytes, and finalize briefly holds ``n × dim`` float64 values and the rule's
+    temporaries (:mod:`fedsec.learning.robust`).
 
     Args:
         spec: the attempt's signed spec.
-        min_agents: fewest updates the sum may hold.
+        min_agents: fewest updates that must arrive.  A rule's refusals come after it:
+            they are the rule's purpose (multi_krum leaves f out of every cohort), and the
+            rule itself refuses to aggregate nothing (``AggregationImpossible``).
+        reference: ``fltrust``: the aggregator's reference update, called at finalize.
+
+    Raises:
+        ProtocolError: rule ``fltrust`` without a reference.
     """
 
     stages: tuple[Stage, ...] = ("masked_input",)
 
-    def __init__(self, spec: wire.RoundSpec, min_agents: int) -> None:
+    def __init__(
+        self, spec: wire.RoundSpec, min_agents: int, reference: ReferenceUpdate | None = None
+    ) -> None:
         super().__init__(spec)
         self.min_agents = min_agents
         self.total = np.zeros(spec.dim, dtype=np.float64)  # Σ w·Δ
         self.weight = 0.0  # Σ w
         self.members: list[str] = []  # in arrival order
+        self.rule = spec.aggregation  # None: plain FedAvg over the running sum
+        if self.rule is not None and self.rule.rule == "fltrust" and reference is None:
+            raise ProtocolError(
+                f"round {spec.round}: fltrust needs the aggregator's reference update "
+                "(its root dataset)"
+            )
+        self._reference = reference
+        self.vectors: dict[str, np.ndarray] = {}  # with a rule: member -> its ring vector
+        self.digests: dict[str, str] = {}  # with a rule: member -> sha256 of its bytes
 
     def receive(self, stage: str, message: StageMessage) -> None:
         """Raises: DuplicateMessage, BadVector, QuantizationError (as the vector decodes)."""
@@ -381,6 +421,9 @@ class PlainSession(SummationSession):
         self.total += update
         self.weight += weight
         self.members.append(member)
+        if self.rule is not None:
+            self.vectors[member] = vector
+            self.digests[member] = hashlib.sha256(message.vector).hexdigest()
 
     def replay(self, stage: str, member: str, raw: bytes) -> None:
         self.receive(stage, MaskedInput(member, raw))
@@ -392,12 +435,16 @@ class PlainSession(SummationSession):
         raise ValueError(f"a plain round has no stage {stage!r} to close before finalize")
 
     def finalize(self) -> SummationResult:
+        """Raises: RoundAborted (too few updates arrived), AggregationImpossible (the
+        rule cannot form an aggregate from them)."""
         dropped = sorted(set(self.spec.cohort) - set(self.members))
         if len(self.members) < self.min_agents:
             raise RoundAborted(
                 f"round {self.spec.round}: {len(self.members)} updates arrived, need "
                 f"{self.min_agents}; missing: {dropped}"
             )
+        if self.rule is not None:
+            return self._by_rule(self.rule)
         return SummationResult(
             weighted_sum=self.total,
             weight_sum=self.weight,
@@ -405,6 +452,51 @@ class PlainSession(SummationSession):
             dropped=dropped,
             sum_sha256=hashlib.sha256(self.total.astype("<f8").tobytes()).hexdigest(),
         )
+
+    def _by_rule(self, rule: wire.AggregationSpec) -> SummationResult:
+        """The rule over the updates in member order (``fedsec audit verify`` re-derives
+        it the same way from the archive, bit for bit)."""
+        spec = self.spec
+        order = sorted(self.members)
+        quant = spec.quant_spec()
+        rows = [dequantize_one(self.vectors[m], quant) for m in order]
+        weights = np.array([w for _, w in rows])
+        reference = self._reference(spec) if self._reference and rule.rule == "fltrust" else None
+        result = robust.aggregate(rule, np.stack([u for u, _ in rows]), weights, reference)
+        reasons = {
+            m: outcome.reason
+            for m, outcome in zip(order, result.outcomes, strict=True)
+            if not outcome.accepted
+        }
+        survivors = [order[i] for i in result.accepted]
+        self._log_outcomes(rule, order, result)
+        described = robust.describe(rule)
+        refused = [RuleRefusal(m, self.digests[m], described, why) for m, why in reasons.items()]
+        weighted, weight = robust.as_weighted_sum(result, weights)
+        return SummationResult(
+            weighted_sum=weighted,
+            weight_sum=weight,
+            survivors=survivors,
+            dropped=sorted(set(spec.cohort) - set(survivors)),
+            sum_sha256=hashlib.sha256(weighted.astype("<f8").tobytes()).hexdigest(),
+            refused=tuple(refused),
+        )
+
+    def _log_outcomes(
+        self, rule: wire.AggregationSpec, order: list[str], result: robust.RobustAggregate
+    ) -> None:
+        for member, outcome in zip(order, result.outcomes, strict=True):
+            log.info(
+                "event=rule_outcome round=%d attempt=%d rule=%s member=%s accepted=%s "
+                "share=%.6g score=%s",
+                self.spec.round,
+                self.spec.attempt,
+                rule.rule,
+                member,
+                outcome.accepted,
+                outcome.weight,
+                "-" if outcome.score is None else f"{outcome.score:.6g}",
+            )
 
     def participant_count(self) -> int:
         return len(self.members)
@@ -564,7 +656,16 @@ class HeSession(SummationSession):
             raise ProtocolError(
                 f"the decryption is of sum {st.sum_sha256[:16]}…, not {self.sum_sha256[:16]}…"
             )
-        expected = (spec.dim + 1) * 8
+        if st.sealed != spec.he_model_hidden:
+            raise ProtocolError(
+                f"round {spec.round} keeps the model "
+                f"{'hidden from' if spec.he_model_hidden else 'visible to'} the aggregator; "
+                f"the custodian sent a {'sealed' if st.sealed else 'plain'} decryption"
+            )
+        if message.sealed is not None:
+            self._check_sealed(message)
+            return
+        expected = (spec.dim + 1) * he_release.PLAINTEXT_ITEM_BYTES
         if len(message.plaintext) != expected:
             raise PayloadError(
                 f"the decrypted sum is {len(message.plaintext)} bytes; {spec.dim + 1} int64 "
@@ -574,12 +675,46 @@ class HeSession(SummationSession):
             raise IntegrityError(
                 "the decrypted sum does not hash to the statement's plaintext_sha256"
             )
-        ints = np.frombuffer(message.plaintext, dtype=_PLAINTEXT_DTYPE)
+        ints = np.frombuffer(message.plaintext, dtype=he_release.PLAINTEXT_DTYPE)
         top = len(self.contributors) * spec.quant_spec().levels
         if int(ints.min()) < 0 or int(ints.max()) > top:
             raise BadVector(
                 f"the decrypted sum holds values outside 0..{top}, which no sum of "
                 f"{len(self.contributors)} quantized updates takes"
+            )
+
+    def _check_sealed(self, message: Decryption) -> None:
+        """A hidden model's release: what the aggregator can check without reading it.
+
+        Raises:
+            ProtocolError: a field of a sealed statement missing, another parent than the
+                spec's model, or a cohort member (or the custodian) not a recipient.
+            IntegrityError: the release does not hash to ``sealed_sha256``, or its
+                recipients are not the statement's.
+        """
+        spec, st, sealed = self.spec, message.statement, message.sealed
+        assert sealed is not None
+        if None in (st.ring_sha256, st.weight_sum, st.parent_version, st.sealed_sha256):
+            raise ProtocolError(
+                "a sealed decryption names ring_sha256, weight_sum, parent_version, "
+                "model_sha256 and sealed_sha256"
+            )
+        if st.parent_version != spec.model_version:
+            raise ProtocolError(
+                f"the custodian derived the model from version {st.parent_version}; round "
+                f"{spec.round} trained on version {spec.model_version}"
+            )
+        if hashlib.sha256(message.plaintext).hexdigest() != st.sealed_sha256:
+            raise IntegrityError(
+                "the sealed release does not hash to the statement's sealed_sha256"
+            )
+        if sorted(sealed.boxes) != st.recipients:
+            raise IntegrityError("the sealed release's recipients are not the statement's")
+        missing = sorted({*spec.cohort, spec.custodian} - set(st.recipients))
+        if missing:
+            raise ProtocolError(
+                f"the sealed model is not sealed to {missing[:8]}: every cohort member and "
+                "the custodian must be able to read it"
             )
 
     def finalize(self) -> SummationResult:
@@ -590,11 +725,23 @@ class HeSession(SummationSession):
                 f"round {spec.round} attempt {spec.attempt}: the key custodian "
                 f"{spec.custodian} did not decrypt within round.decrypt_s"
             )
+        st = self.decryption.statement
+        if st.sealed:  # checked whole in _check_sealed
+            assert st.weight_sum is not None and st.ring_sha256 is not None
+            return SummationResult(
+                weighted_sum=np.zeros(0),
+                weight_sum=st.weight_sum,
+                survivors=list(self.contributors),
+                dropped=self._missing(),
+                sum_sha256=st.ring_sha256,
+                sealed=self.decryption.body,
+                parent_version=st.parent_version,
+            )
         quant = spec.quant_spec()
-        ints = np.frombuffer(self.decryption.plaintext, dtype=_PLAINTEXT_DTYPE)
+        ints = np.frombuffer(self.decryption.plaintext, dtype=he_release.PLAINTEXT_DTYPE)
         # the ring sum SecAgg+ would have unmasked: the same integers, so the same bytes
         # (fedsec audit verify derives it the same way from the archived plaintext)
-        ring = (ints.view("<u8") & np.uint64(quant.ring_mask)).astype(quant.dtype)
+        ring = ring_from_integers(ints, quant)
         weighted, weight = dequantize_sum(ring, len(self.contributors), quant)
         return SummationResult(
             weighted_sum=weighted,

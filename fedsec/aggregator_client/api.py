@@ -205,6 +205,22 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
             )
         return manifest
 
+    async def made_as(self, manifest: ModelManifest) -> str:
+        """The kind of the version whose file ``manifest`` names: a rollback's target's
+        (so a rollback to a hidden version is read as the sealed release it is).
+
+        Raises:
+            IntegrityError: a rollback that names no earlier version.
+            FedsecError: the aggregator's refusal.
+        """
+        while manifest.kind == "rollback":
+            if manifest.parent is None or manifest.parent >= manifest.version:
+                raise errors.IntegrityError(
+                    f"rollback v{manifest.version} names no earlier version"
+                )
+            manifest = await self.manifest(manifest.parent)
+        return manifest.kind
+
     async def model_bytes(self, version: int, max_bytes: int = DEFAULT_MAX_MODEL_BYTES) -> bytes:
         """``GET /models/{v}``: the safetensors file, refused past ``max_bytes``."""
         return await self._transport.request(

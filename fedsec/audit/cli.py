@@ -97,6 +97,12 @@ def audit() -> None:
 
 @audit.command("verify")
 @_record_options
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="a recipient's identity key (the auditor's), to open and re-derive hidden models "
+    "(he.model_visible_to_aggregator = false)",
+)
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(
     log_path: Path | None,
@@ -105,15 +111,21 @@ def verify_cmd(
     workspace: Path | None,
     receipts: tuple[Path, ...],
     aggregator_key: str | None,
+    key: Path | None,
     as_json: bool,
 ) -> None:
     """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all hold."""
     from fedsec.audit.verify import verify_log
+    from fedsec.keys import load_identity
 
     log_path, archive, models, pinned = _records(
         log_path, archive, models, workspace, aggregator_key
     )
-    result = verify_log(log_path, archive, models, _receipt_files(receipts), pinned)
+    reader = None
+    if key is not None:
+        identity = load_identity(key)
+        reader = (identity.public_bytes, identity.x25519_secret())
+    result = verify_log(log_path, archive, models, _receipt_files(receipts), pinned, reader)
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     else:
@@ -122,8 +134,18 @@ def verify_cmd(
             f"{result.rounds_verified}, model versions re-derived {result.models_verified}, "
             f"privacy reports {result.privacy_reports}, receipts {result.receipts_checked}"
         )
+        if result.hidden_unopened:
+            click.echo(
+                f"{result.hidden_unopened} hidden model version(s) not re-derived: give --key "
+                "with a recipient's identity key (the auditor's) to open them"
+            )
         for pruned in result.pruned_rounds:
             click.echo(f"round {pruned['round']}: not re-aggregated, {pruned['detail']}")
+        for underived in result.underived_rounds:
+            click.echo(
+                f"round {underived['round']} attempt {underived['attempt']} "
+                f"({underived['rule']}): {underived['detail']}"
+            )
         click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
     sys.exit(0 if result.ok else 1)
 

@@ -31,7 +31,11 @@ then entry by entry:
   compared; the archived plaintext's length and hash checked;
 - every aggregate recomputed from the archive: the SecAgg+ round replayed through
   the same server state machine from the archived advertisements, shares, masked
-  inputs and unmask reveals, and the unmasked sum's sha256 compared; then the
+  inputs and unmask reveals, and the unmasked sum's sha256 compared (a trusted-mode
+  round with an aggregation rule: the signed spec's rule re-applied to the archived
+  updates, :mod:`fedsec.learning.robust`; an FLTrust round's inputs are checked, but
+  its reference is trained on the aggregator's own root dataset, so it is listed in
+  ``underived_rounds`` instead); then the
   model version recomputed from its parent file with the logged server optimiser
   and its safetensors sha256 compared bit for bit (a homomorphic round's model from
   the decrypted integer sum the custodian released, dequantized as a SecAgg+ ring
@@ -62,15 +66,16 @@ import numpy as np
 from fedsec.archive import Archive, ArchiveIndex, check_pruning
 from fedsec.audit import accountant
 from fedsec.audit.log import read_log
-from fedsec.crypto.quantize import dequantize_one, dequantize_sum
+from fedsec.crypto.quantize import dequantize_one, dequantize_sum, ring_from_integers
 from fedsec.crypto.secagg import (
     ServerSession,
 )
+from fedsec.derive import derive_model
 from fedsec.errors import FedsecError, IntegrityError, NotFound, SignatureError
-from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule, server_step
-from fedsec.modelfile import ModelManifest, decode_model, encode_model, verify_manifest
-from fedsec.protocol import wire
-from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.learning import robust
+from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule
+from fedsec.modelfile import ModelManifest, verify_manifest
+from fedsec.protocol import he_release, wire
 from fedsec.protocol.log import LogEntry, verify_head
 from fedsec.protocol.log_entries import (
     AcceptedEntry,
@@ -97,6 +102,12 @@ from fedsec.protocol.stages import SECAGG_STAGES
 if TYPE_CHECKING:
     from fedsec.crypto.he import PublicContext
 
+#: Trusted-mode rules whose inputs the log does not hold entirely, and why.
+_UNDERIVABLE_RULES: dict[str, str] = {
+    "fltrust": "FLTrust weighs each update against a reference the aggregator trains on its "
+    "own root dataset, which neither the log nor the archive holds",
+}
+
 EPSILON_TOLERANCE = 0.01  # the issue's bar: independent recomputation within 1%
 
 
@@ -117,6 +128,13 @@ class VerifyResult:
     models_verified: int = 0
     receipts_checked: int = 0
     privacy_reports: int = 0
+    # hidden models (he.model_visible_to_aggregator = false) not re-derived: verify was
+    # not given a recipient's key to open them (nor, then, any later version)
+    hidden_unopened: int = 0
+    # trusted-mode rounds whose rule's inputs were checked but whose aggregate cannot be
+    # re-derived (FLTrust's reference comes from the aggregator's root dataset, which the
+    # log does not hold): {"round", "attempt", "rule", "detail"}
+    underived_rounds: list[dict[str, Any]] = field(default_factory=list)
     problem: str | None = None
     epsilon: dict[str, float] = field(default_factory=dict)
 
@@ -130,6 +148,8 @@ class VerifyResult:
             "models_verified": self.models_verified,
             "receipts_checked": self.receipts_checked,
             "privacy_reports": self.privacy_reports,
+            "hidden_unopened": self.hidden_unopened,
+            "underived_rounds": self.underived_rounds,
             "epsilon": self.epsilon,
             "problem": self.problem,
         }
@@ -153,8 +173,15 @@ class Verifier:
         archive: Archive | None,
         models_root: Path | None,
         aggregator_key: bytes | None = None,
+        reader: tuple[bytes, bytes] | None = None,
     ) -> None:
         self.archive = archive
+        # (Ed25519 public key, X25519 secret) of a recipient of hidden models: the auditor's
+        self.reader = reader
+        # hidden versions re-derived here: sealed file sha256 -> the model in the clear
+        self.clear_models: dict[str, bytes] = {}
+        self.sealed_pending: dict[int, tuple[wire.DecryptionStatement, bytes]] = {}
+        self.hidden_gap = False  # a hidden version was not opened: later parents unknown
         self.models_root = models_root
         self.pinned_key = aggregator_key
         self.result = VerifyResult()
@@ -293,6 +320,8 @@ class Verifier:
         assert self.models_root is not None
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise self._fail(entry, f"model reference {digest!r} is not a sha256 hex digest")
+        if digest in self.clear_models:
+            return self.clear_models[digest]
         path = self.models_root / "models" / f"{digest}.safetensors"
         try:
             return path.read_bytes()
@@ -446,6 +475,10 @@ class Verifier:
             return  # listed in pruned_rounds when its archive_pruned entry is checked
         if spec.secure_sum == "he":
             weight = self._he_sum(entry, body, attempt)
+        elif spec.aggregation is not None and spec.aggregation.rule in _UNDERIVABLE_RULES:
+            self._check_underived(entry, body, attempt)
+            self.adam_unknown = self.adam_unknown or fedadam
+            return
         else:
             survivors, total, weight = self._replay(entry, attempt)
             if sorted(survivors) != sorted(body.survivors):
@@ -455,8 +488,11 @@ class Verifier:
                 raise self._fail(
                     entry, "the sum recomputed from the archived inputs and reveals differs"
                 )
+        if weight is None:
+            return  # a hidden model not opened: counted in hidden_unopened
         self.result.rounds_verified += 1
-        if self.models_root is not None and not (fedadam and self.adam_unknown):
+        known = not (fedadam and self.adam_unknown) and not self.hidden_gap
+        if self.models_root is not None and known:
             self._recompute_model(entry, body, spec, weight)
 
     # -- homomorphic summation ------------------------------------------------------------------
@@ -596,11 +632,12 @@ class Verifier:
         attempt: _Attempt,
         statement: wire.DecryptionStatement,
         logged: tuple[int, wire.HeContextStatement],
-    ) -> tuple[str, Any]:
+    ) -> tuple[str, Any] | None:
         """Re-add the archived ciphertexts, compare the digest, read the plaintext.
 
         Returns:
-            (sha256 of the ring sum, (Σ w·Δ, Σ w)) from the released plaintext.
+            (sha256 of the ring sum, (Σ w·Δ, Σ w)) from the released plaintext; None for
+            a hidden model no key here opens.
         """
         try:
             from fedsec.crypto import he
@@ -646,8 +683,15 @@ class Verifier:
                 f"attempt {spec.attempt} gives sum digest {digest[:16]}…, but the custodian "
                 f"decrypted a sum with digest {statement.sum_sha256[:16]}…",
             )
+        if statement.sealed:
+            opened = self._open_hidden(entry, spec, statement)
+            if opened is None:
+                return None
+            plaintext = opened
+        else:
+            what = "plaintext of the custodian's decryption"
+            plaintext = self._archived(entry, spec.round, what, statement.plaintext_sha256)
         what = "plaintext of the custodian's decryption"
-        plaintext = self._archived(entry, spec.round, what, statement.plaintext_sha256)
         if len(plaintext) != values * 8:
             raise self._fail(
                 entry,
@@ -658,9 +702,37 @@ class Verifier:
         ints = np.frombuffer(plaintext, dtype="<i8")
         # (ints & ring_mask) as the ring's dtype, as the aggregator turns it into a ring sum
         # (bit for bit the same for any int64, negative ones and a 64-bit ring included)
-        ring = (ints.view("<u8") & np.uint64(quant.ring_mask)).astype(quant.dtype)
+        ring = ring_from_integers(ints, quant)
         sums = dequantize_sum(ring, len(statement.contributors), quant)
         return hashlib.sha256(ring.tobytes()).hexdigest(), sums
+
+    def _open_hidden(
+        self, entry: LogEntry, spec: wire.RoundSpec, statement: wire.DecryptionStatement
+    ) -> bytes | None:
+        """The plaintext of a hidden model's release, opened with the reader's key (None
+        without one: the version and every later one are then not re-derived)."""
+        assert statement.sealed_sha256 is not None  # a sealed statement names it
+        what = "sealed release of the custodian's decryption"
+        rest = self._archived(entry, spec.round, what, statement.sealed_sha256)
+        if self.reader is None:
+            self.result.hidden_unopened += 1
+            self.hidden_gap = True
+            return None
+        public, secret = self.reader
+        member = next(
+            (m for m, e in self.roster.items() if e.public_key_bytes == public and e.is_active),
+            None,
+        )
+        if member is None:
+            raise self._fail(
+                entry, "the key given to open hidden models is on no active roster entry"
+            )
+        try:
+            opened = he_release.open_sealed(statement, rest, member, secret, spec.dim + 1)
+        except FedsecError as exc:
+            raise self._fail(entry, f"the archived {what} does not open: {exc.detail}") from None
+        self.sealed_pending[spec.round] = (statement, opened.model)
+        return opened.plaintext
 
     def _check_he_survivors(self, entry: LogEntry, body: AggregateEntry, attempt: _Attempt) -> None:
         spec, decryption = attempt.spec, attempt.decryption
@@ -679,7 +751,8 @@ class Verifier:
 
     def _he_sum(self, entry: LogEntry, body: AggregateEntry, attempt: _Attempt) -> Any:
         """(Σ w·Δ, Σ w) of a homomorphic round, from its decryption's plaintext."""
-        assert attempt.he_sums is not None  # set at the he_decryption entry, checked first
+        if attempt.he_sums is None:  # a hidden model no key here opens
+            return None
         ring_digest, sums = attempt.he_sums
         if body.sum_sha256 != ring_digest:
             raise self._fail(
@@ -692,6 +765,8 @@ class Verifier:
     def _replay(self, entry: LogEntry, attempt: _Attempt) -> tuple[list[str], bytes, Any]:
         assert self.archive is not None
         spec = attempt.spec
+        if spec.secure_sum == "none" and spec.aggregation is not None:
+            return self._replay_rule(attempt, spec.aggregation)
         if spec.secure_sum == "none":
             quant = spec.quant_spec()
             plain = np.zeros(spec.dim, dtype=np.float64)
@@ -729,32 +804,96 @@ class Verifier:
             (result.weighted_sum, result.weight_sum),
         )
 
+    # -- trusted mode: robust aggregation rules -------------------------------------------------
+
+    def _trusted_inputs(self, attempt: _Attempt) -> list[tuple[str, Any]]:
+        """(member, ring vector) of each archived masked input, in member order (the order
+        the aggregator's session applies the rule in)."""
+        assert self.archive is not None
+        spec = attempt.spec
+        from fedsec.crypto.quantize import unpack
+
+        levels = spec.quant_spec().levels
+        inputs = []
+        for _, member, digest in sorted(attempt.inputs, key=lambda i: i[1]):
+            vector = unpack(self.archive.get(digest), spec.dim + 1, spec.ring_bits)
+            if int(vector.max(initial=0)) > levels:
+                raise IntegrityError(
+                    f"round {spec.round}: the archived update of {member} has values above "
+                    f"{levels} levels, which the aggregator must have refused"
+                )
+            inputs.append((member, vector))
+        return inputs
+
+    def _replay_rule(
+        self, attempt: _Attempt, rule: wire.AggregationSpec
+    ) -> tuple[list[str], bytes, Any]:
+        """The signed spec's rule re-applied to the archived updates, as the aggregator's
+        session applies it (:func:`fedsec.learning.robust.aggregate`), bit for bit."""
+        quant = attempt.spec.quant_spec()
+        inputs = self._trusted_inputs(attempt)
+        rows = [dequantize_one(vector, quant) for _, vector in inputs]
+        weights = np.array([w for _, w in rows])
+        result = robust.aggregate(rule, np.stack([u for u, _ in rows]), weights)
+        weighted, weight = robust.as_weighted_sum(result, weights)
+        survivors = [inputs[i][0] for i in result.accepted]
+        return survivors, weighted.astype("<f8").tobytes(), (weighted, weight)
+
+    def _check_underived(self, entry: LogEntry, body: AggregateEntry, attempt: _Attempt) -> None:
+        """A rule whose inputs the log does not hold all of (FLTrust's reference): check
+        what it does hold, and list the round as not re-derived."""
+        spec = attempt.spec
+        assert spec.aggregation is not None
+        inputs = dict(self._trusted_inputs(attempt))
+        strangers = sorted(set(body.survivors) - set(inputs))
+        if strangers:
+            raise self._fail(
+                entry,
+                f"it names survivor(s) {', '.join(strangers)} without an accepted masked "
+                f"input in round {spec.round} attempt {spec.attempt}",
+            )
+        assert self.genesis is not None  # entry 0, checked first
+        least = int(self.genesis.round.get("min_agents", 1))
+        if len(inputs) < least or not body.survivors:
+            raise self._fail(
+                entry,
+                f"it aggregates {len(body.survivors)} of {len(inputs)} archived update(s); a "
+                f"round closes with at least round.min_agents = {least} and applies one or more",
+            )
+        self.result.underived_rounds.append(
+            {
+                "round": spec.round,
+                "attempt": spec.attempt,
+                "rule": spec.aggregation.rule,
+                "detail": f"inputs checked ({len(inputs)} archived updates, "
+                f"{len(body.survivors)} applied), aggregate and model version not re-derived: "
+                f"{_UNDERIVABLE_RULES[spec.aggregation.rule]}",
+            }
+        )
+
     def _recompute_model(
         self, entry: LogEntry, body: AggregateEntry, spec: wire.RoundSpec, sums: Any
     ) -> None:
-        from fedsec.tasks import get_task
-        from fedsec.tasks.params import (
-            arrays_to_state,
-            flatten_params,
-            load_flat_params,
-            state_to_arrays,
-        )
-
         assert self.models_root is not None
         parent = self.manifests.get(body.parent_version)
         if parent is None:
             raise self._fail(entry, f"parent version {body.parent_version} was never logged")
         data = self._model_bytes(entry, parent.sha256)
         weighted, weights = sums
-        mean = (np.asarray(weighted) / weights).astype(np.float32)
-        model = get_task(spec.task).build_model(0)
-        arrays_to_state(model, decode_model(data, max_bytes=MAX_MODEL_BYTES))
-        current = flatten_params(model)
         assert self.genesis is not None  # entry 0, checked first
         rule = _logged_rule(body, self.genesis.server)
-        new, self.adam = server_step(rule, current, mean, self.adam)
-        load_flat_params(model, new)
-        digest = hashlib.sha256(encode_model(state_to_arrays(model))).hexdigest()
+        model, self.adam = derive_model(spec.task, data, weighted, weights, rule, self.adam)
+        digest = hashlib.sha256(model).hexdigest()
+        hidden = self.sealed_pending.get(spec.round)
+        if hidden is not None:
+            statement, released = hidden
+            if digest != statement.model_sha256 or model != released:
+                raise self._fail(
+                    entry,
+                    f"re-deriving the hidden model of round {spec.round} gives {digest[:16]}…, "
+                    f"but the custodian sealed model {str(statement.model_sha256)[:16]}…",
+                )
+            digest = statement.model_sha256
         self.pending_model[spec.round] = digest
 
     def _on_model_version(self, entry: LogEntry, body: ModelVersionEntry) -> None:
@@ -763,7 +902,9 @@ class Verifier:
         if self.models_root is not None:
             data = self._model_bytes(entry, manifest.sha256)
         verify_manifest(manifest, self.aggregator_key, data, federation_id=self.federation_id)
-        if manifest.kind == "aggregate" and manifest.round in self.pending_model:
+        if manifest.kind == "sealed" and manifest.round in self.pending_model:
+            self._check_sealed_version(entry, manifest, data)
+        elif manifest.kind == "aggregate" and manifest.round in self.pending_model:
             expected = self.pending_model.pop(manifest.round)
             if expected != manifest.sha256:
                 raise self._fail(
@@ -778,6 +919,31 @@ class Verifier:
             if parent is None or parent.sha256 != manifest.sha256:
                 raise self._fail(entry, "a rollback must carry exactly the weights of its target")
         self.manifests[manifest.version] = manifest
+
+    def _check_sealed_version(
+        self, entry: LogEntry, manifest: ModelManifest, data: bytes | None
+    ) -> None:
+        """A hidden version: its file is the logged release, and the model inside is the
+        one re-derived (kept in the clear as the parent of the next version)."""
+        assert manifest.round is not None  # in pending_model
+        expected = self.pending_model.pop(manifest.round)
+        statement, model = self.sealed_pending.pop(manifest.round)
+        if data is not None:
+            try:
+                stored, rest = he_release.unframe(data, he_release.MAX_STATEMENT_BYTES)
+            except FedsecError as exc:
+                raise self._fail(
+                    entry, f"sealed version {manifest.version}: {exc.detail}"
+                ) from None
+            if stored != statement or hashlib.sha256(rest).hexdigest() != statement.sealed_sha256:
+                raise self._fail(
+                    entry,
+                    f"sealed version {manifest.version} is not the release the custodian's "
+                    "logged decryption names",
+                )
+        assert expected == statement.model_sha256
+        self.clear_models[manifest.sha256] = model
+        self.result.models_verified += 1
 
     # -- receipts ----------------------------------------------------------------------------------
 
@@ -837,7 +1003,12 @@ def verify_log(
     models_root: Path | None = None,
     receipts: Iterable[Path] = (),
     aggregator_key: bytes | None = None,
+    reader: tuple[bytes, bytes] | None = None,
 ) -> VerifyResult:
-    """Verify a transparency log; see the module docstring for what is checked."""
+    """Verify a transparency log; see the module docstring for what is checked.
+
+    ``reader``: (Ed25519 public key, X25519 secret) of a hidden models' recipient (the
+    auditor), to re-derive the versions the aggregator cannot read.
+    """
     archive = Archive(archive_dir) if archive_dir is not None else None
-    return Verifier(archive, models_root, aggregator_key).run(log_path, receipts)
+    return Verifier(archive, models_root, aggregator_key, reader).run(log_path, receipts)

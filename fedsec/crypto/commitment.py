@@ -165,16 +165,20 @@ def verify_commitment(
 # --- reveals sealed to the auditor ---------------------------------------------------------
 
 
-def _auditor_box_key(auditor_public_ed25519: bytes) -> nacl.public.PublicKey:
-    if len(auditor_public_ed25519) != ED25519_PUBLIC_BYTES:
+def recipient_box_key(public_ed25519: bytes) -> nacl.public.PublicKey:
+    """The X25519 box key of a published Ed25519 identity key (libsodium's birational map).
+
+    Raises:
+        DecryptionError: the key is not a valid Ed25519 public key.
+    """
+    if len(public_ed25519) != ED25519_PUBLIC_BYTES:
         raise DecryptionError(
-            f"an auditor's Ed25519 key is {ED25519_PUBLIC_BYTES} bytes, "
-            f"got {len(auditor_public_ed25519)}"
+            f"an Ed25519 public key is {ED25519_PUBLIC_BYTES} bytes, got {len(public_ed25519)}"
         )
     try:
-        curve = sodium.crypto_sign_ed25519_pk_to_curve25519(auditor_public_ed25519)
+        curve = sodium.crypto_sign_ed25519_pk_to_curve25519(public_ed25519)
     except nacl.exceptions.RuntimeError:
-        raise DecryptionError("auditor key is not a valid Ed25519 public key") from None
+        raise DecryptionError("the key is not a valid Ed25519 public key") from None
     return nacl.public.PublicKey(curve)
 
 
@@ -189,7 +193,7 @@ def seal_reveal(auditor_public_ed25519: bytes, payload: bytes) -> bytes:
     Raises:
         DecryptionError: the auditor key is malformed.
     """
-    return bytes(nacl.public.SealedBox(_auditor_box_key(auditor_public_ed25519)).encrypt(payload))
+    return bytes(nacl.public.SealedBox(recipient_box_key(auditor_public_ed25519)).encrypt(payload))
 
 
 def open_reveal(curve25519_secret: bytes, sealed: bytes) -> bytes:

@@ -177,6 +177,14 @@ def dequantize_sum(
     return total, weights
 
 
+def ring_from_integers(ints: npt.NDArray[np.int64], spec: QuantSpec) -> RingVector:
+    """The ring sum SecAgg+ would have unmasked, from the plain integer sum of the same
+    quantized vectors (a homomorphic round's decryption): ``ints mod 2^ring_bits`` in the
+    ring's dtype, bit for bit the same for any int64, negative ones and a 64-bit ring
+    included."""
+    return (np.asarray(ints).view("<u8") & np.uint64(spec.ring_mask)).astype(spec.dtype)
+
+
 def dequantize_one(q: RingVector, spec: QuantSpec) -> tuple[npt.NDArray[np.float64], float]:
     """One member's quantized input back to (w·Δ, w), e.g. for an auditor's check."""
     return dequantize_sum(q, 1, spec)

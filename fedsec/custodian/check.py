@@ -43,7 +43,6 @@ from fedsec.protocol.wire import (
     HeContextStatement,
     HeSumOffer,
     RoundSpec,
-    encode,
 )
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
     "Released",
     "SumCheck",
     "decide",
-    "frame_decryption",
 ]
 
 #: A decrypted value further than this from an integer was not a sum of integers: CKKS's
@@ -85,6 +83,7 @@ Reason = Literal[
     "bad_ciphertext",
     "not_integral",
     "out_of_range",
+    "bad_parent",
 ]
 
 
@@ -420,10 +419,3 @@ def decide(
             ) from None
         check.add(logged, raw)
     return check.release()
-
-
-def frame_decryption(statement: DecryptionStatement, plaintext: bytes) -> bytes:
-    """The body of ``POST /rounds/{r}/decryption``: a little-endian u32 length of the
-    statement's JSON, the JSON, then the plaintext (``<i8`` values)."""
-    doc = encode(statement)
-    return len(doc).to_bytes(4, "little") + doc + plaintext

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.custodian import hidden
 from fedsec.custodian.check import (
     MIN_CONTRIBUTORS,
     Custody,
     Refused,
     Release,
     SumCheck,
-    frame_decryption,
 )
 from fedsec.custodian.follow import LogFollower
 from fedsec.custodian.store import DecisionLog, open_custodian
@@ -44,8 +44,17 @@ from fedsec.errors import (
     RetryLater,
     WrongStage,
 )
+from fedsec.modelfile import ModelManifest
+from fedsec.protocol import he_release
 from fedsec.protocol.limits import LONG_POLL_S
-from fedsec.protocol.wire import HeContext, HeContextStatement, HeSumOffer, RoundState
+from fedsec.protocol.wire import (
+    DecryptionStatement,
+    HeContext,
+    HeContextStatement,
+    HeSumOffer,
+    RoundSpec,
+    RoundState,
+)
 
 __all__ = ["Aggregator", "CustodianService", "context_statement"]
 
@@ -75,6 +84,9 @@ class Aggregator(Protocol):
     ) -> RoundState: ...
     async def he_sum(self, round: int, attempt: int, wait: float = 0.0) -> HeSumOffer: ...
     async def post_decryption(self, round: int, attempt: int, body: bytes) -> None: ...
+    async def manifest(self, version: int) -> ModelManifest: ...
+    async def made_as(self, manifest: ModelManifest) -> str: ...
+    async def model_bytes(self, version: int, max_bytes: int = ...) -> bytes: ...
     async def log_lines(self, start: int) -> bytes: ...
     async def archived(self, sha256: str, max_bytes: int) -> bytes: ...
 
@@ -194,11 +206,14 @@ class CustodianService:
             self._refuse(offer, Refused("bad_log", f"the log does not verify: {exc.detail}"))
             raise
         try:
-            release = await self._check(offer)
+            check, release = await self._check(offer)
+            statement, rest = release.statement, release.plaintext
+            if check.spec.he_model_hidden:
+                statement, rest = await self._seal(check.spec, release)
         except Refused as refusal:
             self._refuse(offer, refusal)
             return
-        statement = release.statement.sign(self.identity)
+        statement = statement.sign(self.identity)
         self.decisions.record_release(offer, release)
         log.info(
             "released round=%d attempt=%d contributors=%d sum_sha256=%s plaintext_sha256=%s",
@@ -209,15 +224,44 @@ class CustodianService:
             statement.plaintext_sha256,
         )
         try:
-            await self.client.post_decryption(
-                round, attempt, frame_decryption(statement, release.plaintext)
-            )
+            await self.client.post_decryption(round, attempt, he_release.frame(statement, rest))
         except (DuplicateMessage, WrongStage) as exc:  # already stored, or the attempt ended
             log.warning(
                 "decryption_not_taken round=%d attempt=%d detail=%r", round, attempt, exc.detail
             )
 
-    async def _check(self, offer: HeSumOffer) -> Release:
+    async def _seal(self, spec: RoundSpec, release: Release) -> tuple[DecryptionStatement, bytes]:
+        """A hidden model's release (:mod:`fedsec.custodian.hidden`).
+
+        Raises:
+            Refused: the parent model does not verify or open, or cannot take the sum.
+        """
+        genesis = self.follower.genesis
+        assert genesis is not None  # the sum check read the log from entry 0
+        try:
+            parent = await hidden.parent_model(
+                self.client,
+                self.custody.public_key,
+                self.custody.custodian_id,
+                self.identity,
+                spec,
+            )
+            return hidden.seal_release(
+                spec,
+                release.statement,
+                release.plaintext,
+                parent,
+                float(genesis.server["server_lr"]),
+                hidden.recipients(self.follower),
+            )
+        except FedsecError as exc:
+            raise Refused(
+                "bad_parent",
+                f"the hidden model of round {spec.round} cannot be derived from version "
+                f"{spec.model_version}: {exc.detail}",
+            ) from None
+
+    async def _check(self, offer: HeSumOffer) -> tuple[SumCheck, Release]:
         check = SumCheck(offer, self.follower, self.custody, self.decisions.released())
         for logged in check.wanted:
             try:
@@ -229,7 +273,7 @@ class CustodianService:
                     f"{exc.detail}",
                 ) from None
             check.add(logged, raw)
-        return check.release()
+        return check, check.release()
 
     async def _read_log(self, until: int) -> None:
         """Read the log on from where it was left until it holds ``until`` entries (or the

@@ -1,4 +1,5 @@
-"""Learning: local training (DP-SGD) and the server optimisers.
+"""Learning: local training (DP-SGD), the server optimisers and the robust aggregation
+rules of trusted mode (with FLTrust's reference training).
 
 Pure functions of their inputs, shared by the agent (which trains), the aggregator
 (which applies the mean update) and the auditor (which re-derives both), so the

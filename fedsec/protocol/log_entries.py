@@ -115,7 +115,7 @@ class ModelVersionEntry(_Body, frozen=True):
     sha256: str
     created: float
     metrics: dict[str, float]
-    kind: Literal["initial", "aggregate", "rollback"]
+    kind: Literal["initial", "aggregate", "rollback", "sealed"]
     note: str
     signature: str
 

@@ -47,6 +47,10 @@ RECEIPT_DOMAIN = "contribution-receipt"
 CONTRIBUTION_DOMAIN = "contribution-statement"
 
 SecureSum = Literal["secagg", "none", "he"]
+#: How a trusted-mode attempt combines its members' updates (fedsec.learning.robust).
+AggregationRule = Literal[
+    "fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "fltrust"
+]
 HE_CONTEXT_DOMAIN = "he-context"
 HE_DECRYPTION_DOMAIN = "he-decryption"
 
@@ -63,6 +67,25 @@ class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     noise_multiplier: float
     max_grad_norm: float
     delta: float
+
+
+class AggregationSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The aggregation rule of a trusted-mode attempt (``secure_sum = "none"``), as the
+    federation's ``[aggregation]`` section sets it: the rule, its parameters and the
+    acceptance thresholds.  Signed within the spec, so the auditor re-derives the
+    aggregate with exactly these; a spec without it aggregates by plain FedAvg.  The
+    valid ranges are :data:`fedsec.learning.robust.PARAMETERS`'.  Fields holding their
+    default are omitted, as in every signed object."""
+
+    rule: AggregationRule = "fedavg"
+    trim_fraction: float = 0.1  # trimmed_mean: β, cut at each end of every coordinate
+    byzantine: int = 1  # multi_krum: f, members assumed Byzantine
+    krum_selected: int = 0  # multi_krum: m, updates averaged (0 = n − f)
+    clip_radius: float = 0.5  # centered_clipping: τ
+    clip_iterations: int = 3  # centered_clipping
+    root_records: int = 100  # fltrust: records of the aggregator's root dataset
+    min_trust_score: float = 0.0  # fltrust: refuse updates trusted less than this
+    max_norm_ratio: float = 0.0  # any rule: refuse ‖Δ‖ over this × the median (0 = off)
 
 
 S = TypeVar("S", bound="_Signed")
@@ -132,6 +155,11 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     # member encrypts under, and the custodian's roster id (empty in other modes)
     he_context_sha256: str = ""
     custodian: str = ""
+    # he.model_visible_to_aggregator = false: the custodian derives the model and seals it
+    # (with the sum) to the members, auditors and itself; the aggregator stores it unread
+    he_model_hidden: bool = False
+    # trusted mode: the robust aggregation rule and its thresholds; None = plain FedAvg
+    aggregation: AggregationSpec | None = None
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
@@ -483,7 +511,21 @@ class DecryptionStatement(_Signed, frozen=True, forbid_unknown_fields=True, omit
     contributors: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)]
     sum_sha256: HexDigest
     plaintext_sha256: HexDigest
+    # A hidden model (he.model_visible_to_aggregator = false) only; omitted otherwise,
+    # so visible-model statements sign as before.  The custodian derived the new model
+    # from ``parent_version`` and sealed plaintext and model to ``recipients``.
+    ring_sha256: HexDigest | None = None  # the ring sum, as the aggregate entry logs it
+    weight_sum: float | None = None  # Σ w, as the aggregate entry logs it
+    parent_version: Id | None = None
+    model_sha256: HexDigest | None = None  # the derived model file, in the clear
+    sealed_sha256: HexDigest | None = None  # the sealed release, as the aggregator stores it
+    recipients: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)] = []
     signature: str = ""
+
+    @property
+    def sealed(self) -> bool:
+        """Whether this decryption released a hidden model (sealed to its recipients)."""
+        return self.model_sha256 is not None
 
 
 # -- operations: alerts, audit verdicts, the dashboard ------------------------------------------

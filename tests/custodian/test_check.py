@@ -16,8 +16,9 @@ import pytest
 from fedsec.crypto import he
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.custodian import check
-from fedsec.custodian.check import LogFollower, Refused, Released, decide, frame_decryption
+from fedsec.custodian.check import LogFollower, Refused, Released, decide
 from fedsec.errors import IntegrityError
+from fedsec.protocol.he_release import frame as frame_decryption
 from fedsec.protocol.log import lines
 from fedsec.protocol.log_entries import RoundAbortedEntry
 from fedsec.protocol.wire import DecryptionStatement

@@ -78,11 +78,28 @@ class ModelApplier:
             acc, loss = evaluate(self._model, *self._validation)
             metrics = {"accuracy": acc, "loss": loss}
         arrays_out = state_to_arrays(self._model)
-        manifest = self._written_before(arrays_out, parent.version, round_) or models.put(
+        digest = hashlib.sha256(encode_model(arrays_out)).hexdigest()
+        manifest = self._written_before(digest, parent.version, round_) or models.put(
             arrays_out, parent=parent.version, round=round_, kind="aggregate", metrics=metrics
         )
         self._ctx.faults.crash(round_, "model_write")
         return NewVersion(manifest, parent, metrics)
+
+    def apply_sealed(self, round_: int, release: bytes, parent_version: int) -> NewVersion:
+        """Store round ``round_``'s hidden model: the custodian's sealed release, derived
+        from ``parent_version`` (the aggregator neither reads nor validates it).
+
+        Raises:
+            NotFound, IntegrityError: the parent is not a good version.
+        """
+        models = self._ctx.ws.models
+        parent = models.get(parent_version)
+        digest = hashlib.sha256(release).hexdigest()
+        manifest = self._written_before(digest, parent.version, round_) or models.put_sealed(
+            release, parent=parent.version, round=round_
+        )
+        self._ctx.faults.crash(round_, "model_write")
+        return NewVersion(manifest, parent, {})
 
     def save(self) -> None:
         """Persist the optimiser's state (inside the round close's transaction)."""
@@ -94,13 +111,12 @@ class ModelApplier:
         the round as closed (applying the mean to it again would count the round twice)."""
         models = self._ctx.ws.models
         latest = models.latest()
-        if latest.kind == "aggregate" and latest.round == round_ and latest.parent is not None:
+        written = latest.kind in ("aggregate", "sealed")
+        if written and latest.round == round_ and latest.parent is not None:
             return models.get(latest.parent)
         return latest
 
-    def _written_before(
-        self, arrays: dict[str, np.ndarray], parent: int, round_: int
-    ) -> ModelManifest | None:
+    def _written_before(self, digest: str, parent: int, round_: int) -> ModelManifest | None:
         """The version a previous incarnation already wrote for this round, if it crashed
         after writing the model but before recording the round as closed."""
         models = self._ctx.ws.models
@@ -111,9 +127,9 @@ class ModelApplier:
             newest = models.get(versions[-1])
         except FedsecError:
             return None
-        if newest.kind != "aggregate" or newest.parent != parent or newest.round != round_:
+        if newest.kind not in ("aggregate", "sealed"):
             return None
-        if newest.sha256 != hashlib.sha256(encode_model(arrays)).hexdigest():
+        if newest.parent != parent or newest.round != round_ or newest.sha256 != digest:
             return None
         log.info("event=model_reused version=%d round=%d", newest.version, round_)
         return newest

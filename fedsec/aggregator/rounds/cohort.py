@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import os
 
+import msgspec
+
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.he_context import HeContextDesk
+from fedsec.config import AggregationSection
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import default_neighbors
 from fedsec.crypto.secagg.graph import default_threshold
@@ -247,4 +250,14 @@ class CohortDesk:
             staleness=staleness,
             he_context_sha256=self._he.sha256 if he else "",
             custodian=self._he.custodian if he else "",
+            he_model_hidden=he and not cfg.he.model_visible_to_aggregator,
+            aggregation=_aggregation_spec(cfg.aggregation),
         ).sign(ctx.ws.signer)
+
+
+def _aggregation_spec(section: AggregationSection) -> wire.AggregationSpec | None:
+    """The spec's rule: None for the default (plain FedAvg), so such specs keep the
+    fields, and the signatures, they had before rules existed."""
+    if section == AggregationSection():
+        return None
+    return wire.AggregationSpec(**msgspec.structs.asdict(section))

@@ -29,13 +29,20 @@ from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext, log
-from fedsec.aggregator.rounds.events import CohortFixed, RoundEnded, RoundOpened, StageEntered
+from fedsec.aggregator.rounds.events import (
+    CohortFixed,
+    ContributionRefused,
+    RoundEnded,
+    RoundOpened,
+    StageEntered,
+)
 from fedsec.aggregator.rounds.he_context import HeContextDesk
+from fedsec.aggregator.rounds.reference import RootReference
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
 from fedsec.config import RoundSection
-from fedsec.errors import ProtocolError, RecoveryImpossible, RoundAborted
+from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, RoundAborted
 from fedsec.protocol import wire
 from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
 
@@ -76,6 +83,7 @@ class Lifecycle:
         self._cohort = cohort
         self._applier = applier
         self._refusals = refusals
+        self._reference = RootReference(ctx)  # fltrust's, trained only when a round asks
         self._closed_rounds: int | None = None
         self.live: Attempt = Attempt(0, 0, "open", 0.0, 0.0)  # until resume()
 
@@ -172,6 +180,7 @@ class Lifecycle:
             self._ctx.cfg.round.min_agents,
             he_context,
             self._ctx.cfg.server.max_json_bytes,
+            reference=self._reference,
         )
 
     # -- stage transitions ---------------------------------------------------------------------
@@ -252,13 +261,17 @@ class Lifecycle:
 
     def _close(self, live: Attempt, result: SummationResult, start: float, now: float) -> None:
         ctx = self._ctx
-        new = self._applier.apply(live.round, result.weighted_sum, result.weight_sum)
+        if result.sealed is not None:
+            assert result.parent_version is not None  # a sealed result names its parent
+            new = self._applier.apply_sealed(live.round, result.sealed, result.parent_version)
+        else:
+            new = self._applier.apply(live.round, result.weighted_sum, result.weight_sum)
         aggregation_s = time.perf_counter() - start
         summary = self._summary(
             live,
             "closed",
             now,
-            "",
+            _refusal_summary(result),
             version=new.manifest.version,
             metrics=new.metrics,
             aggregation_s=aggregation_s,
@@ -276,6 +289,7 @@ class Lifecycle:
                 summary=wire.encode(summary),
                 detail="",
             )
+            refusals.rule_refused(live.round, live.attempt, result.refused)
             aggregated = refusals.write_aggregates()
             ctx.trail.append(self._aggregate_entry(live, result, new))
             ctx.trail.sync_models(ctx.ws.models)
@@ -283,6 +297,12 @@ class Lifecycle:
             ctx.trail.sign_head()
         refusals.committed(aggregated)
         self._closed_rounds = None  # one more closed round: recount on next use
+        for refusal in result.refused:
+            ctx.emit(
+                ContributionRefused(
+                    live.round, live.attempt, refusal.member, RefusedByRule.code, now, True
+                )
+            )
         lasted = now - live.stage_started_at
         ctx.emit(RoundEnded(summary, live.stage, lasted, "", tuple(result.survivors), now))
         log.info(
@@ -386,3 +406,18 @@ class Lifecycle:
             self.live = self.open(row.round, row.attempt + 1, now)
         else:
             self.live = rebuild(row, self._ctx.ws.state.messages, self._open_summation)
+
+
+# The refusals a closed round's summary names (GET /v1/status, where a refused member
+# reads why); the log's refused entries hold every one.
+_SUMMARY_REFUSALS = 8
+
+
+def _refusal_summary(result: SummationResult) -> str:
+    """The round summary's detail: who the aggregation rule refused, and why."""
+    if not result.refused:
+        return ""
+    shown = "; ".join(f"{r.member}: {r.reason}" for r in result.refused[:_SUMMARY_REFUSALS])
+    more = len(result.refused) - _SUMMARY_REFUSALS
+    rest = f"; and {more} more (the log's refused entries)" if more > 0 else ""
+    return f"aggregation rule {result.refused[0].rule} refused {shown}{rest}"

@@ -11,14 +11,15 @@ retry none; the rest are counted and logged as one aggregate ``refused`` entry
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
-from fedsec.errors import FedsecError
+from fedsec.aggregator.summation import RuleRefusal
+from fedsec.errors import FedsecError, RefusedByRule
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_ID
 from fedsec.protocol.log import entry_from_line
@@ -181,6 +182,36 @@ class RefusalLog:
             reason,
         )
         return in_cohort
+
+    def rule_refused(self, round_: int, attempt: int, refusals: Iterable[RuleRefusal]) -> None:
+        """Inside a round close's transaction, before :meth:`write_aggregates`: a
+        ``refused`` entry (code ``refused_by_rule``) for each accepted update the
+        attempt's aggregation rule kept out, within the same per-member bounds (a member
+        over them is counted in its aggregate entry, written next)."""
+        for refusal in refusals:
+            key = (refusal.member, round_, attempt)
+            body = RefusedEntry(
+                round=round_,
+                attempt=attempt,
+                stage="masked_input",
+                member=refusal.member,
+                sha256=refusal.sha256,
+                code=RefusedByRule.code,
+                detail=refusal.detail,
+            )
+            reason = self._budget.admit(key, body)
+            if reason is None:
+                self._ctx.trail.append(body)
+                self._budget.logged(key, body)
+            log.info(
+                "event=refused_by_rule round=%d attempt=%d member=%s sha256=%s entry=%s reason=%r",
+                round_,
+                attempt,
+                refusal.member,
+                refusal.sha256,
+                reason or "own",
+                refusal.reason,
+            )
 
     def _unloggable(self, member: str, round_: int, attempt: int) -> str | None:
         """Why a refusal for that attempt gets no entry whatever it is, or None."""

@@ -117,6 +117,21 @@ class ModelStore:
                 sha, parent=parent, round=round, kind=kind, metrics=metrics, note=note
             )
 
+    def put_sealed(self, data: bytes, *, parent: int, round: int) -> ModelManifest:
+        """Store a hidden model version: the custodian's sealed release, as received
+        (the aggregator cannot read the model inside; the manifest names these bytes).
+
+        Raises:
+            IntegrityError: a parent that is not a good version.
+        """
+        with self._lock:
+            self._check_parent(parent)
+            sha = sha256_hex(data)
+            self._write_model(sha, data)
+            return self._publish(
+                sha, parent=parent, round=round, kind="sealed", metrics={}, note=""
+            )
+
     def rollback(self, to_version: int, *, note: str = "") -> ModelManifest:
         """Publish an older good version again as the newest (kind "rollback").
 
