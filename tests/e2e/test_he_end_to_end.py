@@ -42,7 +42,7 @@ TASK = "breast_cancer"
 DEADLINE_S = 300.0
 
 
-def _federation(root: Path) -> tuple[Workspace, list[LocalAgent], Path]:
+def _federation(root: Path, hidden: bool) -> tuple[Workspace, list[LocalAgent], Path]:
     text = federation_toml(
         "he-e2e",
         TASK,
@@ -59,7 +59,8 @@ def _federation(root: Path) -> tuple[Workspace, list[LocalAgent], Path]:
         training={"local_epochs": 1, "batch_size": 16, "lr": 0.1},
         dp={"enabled": True, "noise_multiplier": 1.0},
         server={"port": 0},
-        he={"custodian": "keyholder"},
+        he={"custodian": "keyholder", "model_visible_to_aggregator": not hidden},
+        validation={"enabled": not hidden},
     )
     ws = create_federation(root, "he-e2e", TASK, text)
     local = enrol_agents(ws, root, AGENTS)
@@ -76,8 +77,11 @@ def _federation(root: Path) -> tuple[Workspace, list[LocalAgent], Path]:
     return ws, local, root / "keyholder"
 
 
-def test_he_rounds_close_with_a_member_lost_and_verify(tmp_path: Path) -> None:
-    ws, local, keyholder = _federation(tmp_path)
+@pytest.mark.parametrize("hidden", [False, True], ids=["model-visible", "model-hidden"])
+def test_he_rounds_close_with_a_member_lost_and_verify(tmp_path: Path, hidden: bool) -> None:
+    """With ``hidden``, every version the aggregator stores is a sealed release; the
+    audit re-derives them only with a recipient's key."""
+    ws, local, keyholder = _federation(tmp_path, hidden)
     aggregator_public = ws.signer.public_bytes
     ws.close()
     observer = load_observer(tmp_path)
@@ -168,16 +172,20 @@ def test_he_rounds_close_with_a_member_lost_and_verify(tmp_path: Path) -> None:
         kinds = [json.loads(line)["kind"] for line in (ws.root / "audit" / "log.jsonl").open()]
         assert kinds.count("he_context") == 1
         assert kinds.count("he_decryption") == ROUNDS
+        versions = [ws.models.get(v).kind for v in ws.models.versions_on_disk()]
+        assert versions == ["initial"] + ["sealed" if hidden else "aggregate"] * ROUNDS
     finally:
         ws.close()
     decisions = [json.loads(line) for line in (keyholder / "decryptions.jsonl").open()]
     assert [d["outcome"] for d in decisions] == ["released"] * ROUNDS, decisions
 
+    key = ["--key", str(local[0].root / "identity.key")] if hidden else []
     verify = subprocess.run(
-        [*cmd, "audit", "verify", "--workspace", str(tmp_path)],
+        [*cmd, "audit", "verify", "--workspace", str(tmp_path), *key],
         capture_output=True,
         text=True,
         timeout=180,
         env=env,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"model versions re-derived {ROUNDS}" in verify.stdout, verify.stdout
