@@ -92,14 +92,25 @@ def verify_context(served: HeContext, spec: RoundSpec, custodian_key: bytes) -> 
     return he.load_public_context(data, params, limit)
 
 
-async def encrypt_update(context: he.PublicContext, quantized: RingVector) -> bytes:
+async def encrypt_update(
+    context: he.PublicContext, quantized: RingVector, workers: int | None = None
+) -> bytes:
     """The framed ciphertexts of ``quantized`` (its integers as float64 values).
 
+    Args:
+        context: the verified public context.
+        quantized: the update.
+        workers: processes to encrypt on; None = every CPU this agent may use (updates
+            under :data:`fedsec.crypto.he.POOL_MIN_CHUNKS` chunks stay on one core).
+
     Raises:
-        CryptoError: the values exceed the context's headroom.
+        CryptoError: the values exceed the context's headroom, or a worker process died.
     """
     values = np.asarray(quantized, dtype=np.float64)
     if values.size < INLINE_ENCRYPTION_MAX_VALUES:
         return he.frame_chunks(he.encrypt(context, values))
-    chunks = await asyncio.to_thread(he.encrypt, context, values)
+    # the pool, when used, is started and awaited from this worker thread
+    chunks = await asyncio.to_thread(
+        he.encrypt, context, values, he.available_cpus() if workers is None else workers
+    )
     return he.frame_chunks(chunks)

@@ -116,3 +116,54 @@ async def test_the_encrypted_update_decrypts_to_the_quantized_integers() -> None
     key = he.load_secret_context(secret, PARAMS, PARAMS.context_max_bytes(secret=True))
     values = he.decrypt_sum(key, chunks, quantized.size)
     np.testing.assert_array_equal(np.rint(values).astype(np.int64), quantized.astype(np.int64))
+
+
+@pytest.mark.asyncio
+async def test_a_large_update_is_encrypted_on_worker_processes_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    secret, public = _keys()
+    ctx = he.load_public_context(public, PARAMS, PARAMS.context_max_bytes(secret=False))
+    quantized = (
+        np.random.default_rng(1)
+        .integers(0, 256, size=he.POOL_MIN_CHUNKS * PARAMS.slots + 3)
+        .astype(np.uint32)
+    )
+    loop_thread, seen = threading.get_ident(), []
+    real = he._encrypt_in_pool
+
+    def spy(public_ctx: he.PublicContext, x: np.ndarray, workers: int) -> list[bytes]:
+        seen.append((workers, threading.get_ident()))
+        return real(public_ctx, x, workers)
+
+    monkeypatch.setattr(he, "_encrypt_in_pool", spy)
+    monkeypatch.setattr(he, "available_cpus", lambda: 2)
+    body = await encrypt_update(ctx, quantized)
+    assert len(seen) == 1 and seen[0][0] == 2 and seen[0][1] != loop_thread
+    chunks = he.unframe_chunks(body, PARAMS, quantized.size)
+    key = he.load_secret_context(secret, PARAMS, PARAMS.context_max_bytes(secret=True))
+    values = he.decrypt_sum(key, chunks, quantized.size)
+    np.testing.assert_array_equal(np.rint(values).astype(np.int64), quantized.astype(np.int64))
+
+
+@pytest.mark.asyncio
+async def test_the_agent_encrypts_on_every_cpu_it_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, public = _keys()
+    ctx = he.load_public_context(public, PARAMS, PARAMS.context_max_bytes(secret=False))
+    asked: list[int] = []
+
+    def fake_encrypt(
+        context: he.PublicContext, values: np.ndarray, workers: int = 1
+    ) -> list[bytes]:
+        asked.append(workers)
+        return [b"c"]
+
+    monkeypatch.setattr(he, "encrypt", fake_encrypt)
+    monkeypatch.setattr(he, "available_cpus", lambda: 7)
+    big = np.zeros(he.POOL_MIN_CHUNKS * PARAMS.slots, dtype=np.uint32)
+    await encrypt_update(ctx, big)
+    await encrypt_update(ctx, big, workers=3)
+    await encrypt_update(ctx, np.zeros(10, dtype=np.uint32))  # inline: never a pool
+    assert asked == [7, 3, 1]

@@ -317,3 +317,131 @@ def test_encrypt_refuses_what_ckks_cannot_hold(keys: Keys) -> None:
         he.encrypt(keys.public, np.array([1.0, np.nan]))
     with pytest.raises(CryptoError, match="holds"):
         he.encrypt(keys.public, np.array([PARAMS.headroom]))
+
+
+# -- encryption on several processes -----------------------------------------------------------
+
+
+def _pool_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the worker count of every pooled encryption, and still run it."""
+    calls: list[int] = []
+    real = he._encrypt_in_pool
+
+    def spy(public_ctx: he.PublicContext, x: np.ndarray, workers: int) -> list[bytes]:
+        calls.append(workers)
+        return real(public_ctx, x, workers)
+
+    monkeypatch.setattr(he, "_encrypt_in_pool", spy)
+    return calls
+
+
+def test_pooled_encryption_decrypts_like_one_core_with_the_same_framing(
+    keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dim = he.POOL_MIN_CHUNKS * PARAMS.slots + 100  # a partial last chunk too
+    x = np.random.default_rng(7).uniform(-1.0, 1.0, dim)
+    one_core = he.encrypt(keys.public, x)
+    pooled_in = _pool_spy(monkeypatch)
+    pooled = he.encrypt(keys.public, x, workers=2)
+    assert pooled_in == [2]
+    assert len(pooled) == len(one_core) == PARAMS.chunks(dim) == he.POOL_MIN_CHUNKS + 1
+    assert [len(c) for c in pooled] == [len(c) for c in one_core]
+    assert len(he.frame_chunks(pooled)) == len(he.frame_chunks(one_core))
+    assert pooled != one_core  # fresh randomness, not a copy
+    # chunk order: each decrypts to its own slice (a swap would be off by ~1)
+    out = he.decrypt_sum(keys.secret, pooled, dim)
+    assert np.max(np.abs(out - x)) < 1e-6
+    assert np.max(np.abs(out - he.decrypt_sum(keys.secret, one_core, dim))) < 1e-6
+    # and the aggregator admits them as it admits one-core chunks
+    total = _summed(keys, [pooled, one_core], dim)
+    assert np.max(np.abs(he.decrypt_sum(keys.secret, total.serialize(), dim) - 2 * x)) < 1e-6
+
+
+def test_more_workers_than_tasks_still_encrypts_every_chunk_in_order(
+    small_keys: Keys,
+) -> None:
+    dim = he.POOL_MIN_CHUNKS * SMALL.slots
+    x = np.linspace(-1.0, 1.0, dim)
+    chunks = he.encrypt(small_keys.public, x, workers=3 * he.POOL_MIN_CHUNKS)
+    assert len(chunks) == SMALL.chunks(dim)
+    assert np.max(np.abs(he.decrypt_sum(small_keys.secret, chunks, dim) - x)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("chunks", "workers", "pooled"),
+    [
+        (1, 16, False),
+        (2, 16, False),
+        (he.POOL_MIN_CHUNKS - 1, 2, False),
+        (he.POOL_MIN_CHUNKS, 1, False),
+        (he.POOL_MIN_CHUNKS, 2, True),
+    ],
+)
+def test_only_updates_of_pool_min_chunks_or_more_start_a_pool(
+    small_keys: Keys, monkeypatch: pytest.MonkeyPatch, chunks: int, workers: int, pooled: bool
+) -> None:
+    calls: list[int] = []
+
+    def fake_pool(public_ctx: he.PublicContext, x: np.ndarray, n: int) -> list[bytes]:
+        calls.append(n)
+        return [b"pooled"]
+
+    monkeypatch.setattr(he, "_encrypt_in_pool", fake_pool)
+    out = he.encrypt(small_keys.public, np.full(chunks * SMALL.slots, 0.5), workers)
+    if pooled:
+        assert calls == [workers] and out == [b"pooled"]
+    else:
+        assert calls == [] and len(out) == chunks
+
+
+def test_a_daemonic_process_encrypts_in_process(
+    small_keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import multiprocessing
+
+    class Daemon:
+        daemon = True
+
+    calls = _pool_spy(monkeypatch)
+    monkeypatch.setattr(multiprocessing, "current_process", Daemon)
+    x = np.full(he.POOL_MIN_CHUNKS * SMALL.slots, 0.5)
+    assert len(he.encrypt(small_keys.public, x, workers=2)) == he.POOL_MIN_CHUNKS
+    assert calls == []
+
+
+@pytest.mark.parametrize("workers", [0, -1, True, 1.5, "2", None])
+def test_workers_must_be_a_positive_integer(
+    small_keys: Keys, monkeypatch: pytest.MonkeyPatch, workers: object
+) -> None:
+    calls = _pool_spy(monkeypatch)
+    x = np.full(he.POOL_MIN_CHUNKS * SMALL.slots, 0.5)
+    with pytest.raises(CryptoError, match="workers must be an integer >= 1"):
+        he.encrypt(small_keys.public, x, workers)  # type: ignore[arg-type]
+    assert calls == []
+
+
+def test_a_worker_that_cannot_load_the_context_fails_the_call_and_leaves_no_process(
+    keys: Keys, small_keys: Keys
+) -> None:
+    import multiprocessing
+
+    # N = 8192 keys labelled with N = 4096 parameters: each worker's load_public_context
+    # refuses them, so the worker exits before its first task
+    mislabelled = he.PublicContext(SMALL, keys.public.context)
+    x = np.full(he.POOL_MIN_CHUNKS * SMALL.slots, 0.5)
+    with pytest.raises(CryptoError, match="encryption worker process died"):
+        he.encrypt(mislabelled, x, workers=2)
+    assert multiprocessing.active_children() == []
+    # the next pool starts afresh
+    assert len(he.encrypt(small_keys.public, x, workers=2)) == he.POOL_MIN_CHUNKS
+
+
+def test_available_cpus_is_the_affinity_mask_else_the_cpu_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        assert he.available_cpus() == len(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")
+    assert he.available_cpus() == (os.cpu_count() or 1)
