@@ -267,12 +267,22 @@ def generate_keys(params: HeParams) -> tuple[bytes, bytes]:
     secret = ctx.serialize(
         save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
     )
-    public = ctx.serialize(
-        save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
-    )
+    public = _public_bytes(ctx)
     if ts.context_from(public, n_threads=1).is_private():
         raise AssertionError("TenSEAL serialised a secret key into the public context")
-    return bytes(secret), bytes(public)
+    return bytes(secret), public
+
+
+def _public_bytes(ctx: Any) -> bytes:
+    """A context's public half: the public key only (no secret, relin or Galois keys)."""
+    return bytes(
+        ctx.serialize(
+            save_public_key=True,
+            save_secret_key=False,
+            save_galois_keys=False,
+            save_relin_keys=False,
+        )
+    )
 
 
 def _parse_context(data: bytes, params: HeParams, max_bytes: int, what: str) -> Any:
@@ -416,16 +426,14 @@ def _encrypt_in_pool(public_ctx: PublicContext, x: FloatVector, workers: int) ->
     per_task = max(1, min(_MAX_CHUNKS_PER_TASK, chunks // (workers * _TASKS_PER_WORKER)))
     step = per_task * params.slots
     workers = min(workers, -(-chunks // per_task))
-    public = public_ctx.context.serialize(
-        save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
-    )
+    public = _public_bytes(public_ctx.context)
     out: list[bytes] = []
     pending: deque[Future[list[bytes]]] = deque()
     with ProcessPoolExecutor(
         workers,
         mp_context=_worker_processes(),
         initializer=_start_worker,
-        initargs=(bytes(public), params),
+        initargs=(public, params),
     ) as pool:  # shuts the pool down and waits for its processes on every path
         try:
             for start in range(0, x.size, step):

@@ -104,11 +104,6 @@ class LogFollower:
     # -- reading ---------------------------------------------------------------------------
 
     @property
-    def aggregator_key(self) -> bytes:
-        """The aggregator's Ed25519 key the log (and its model manifests) verify under."""
-        return self._aggregator
-
-    @property
     def next_index(self) -> int:
         """Entries read so far: the index the next line must carry."""
         return 0 if self._last is None else self._last.index + 1
