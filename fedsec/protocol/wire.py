@@ -27,6 +27,7 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_js
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
+from fedsec.protocol.data_schema import ObservedSchema
 from fedsec.protocol.limits import MAX_COHORT, MAX_COUNT, MAX_ID
 from fedsec.protocol.stages import Stage
 
@@ -51,6 +52,7 @@ SecureSum = Literal["secagg", "none", "he"]
 AggregationRule = Literal[
     "fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "fltrust"
 ]
+DATA_SUMMARY_DOMAIN = "data-summary"
 HE_CONTEXT_DOMAIN = "he-context"
 HE_DECRYPTION_DOMAIN = "he-decryption"
 
@@ -207,11 +209,37 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     roster_serial: Count = 0
 
 
+class DataSummary(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What leaves a member about its data: counts and rates, never a record.
+
+    Made by ``fedsec.data.summary.data_summary`` and signed by the member, so the
+    aggregator's check at join and the auditor's reading of the log rest on the member's
+    own statement.  With ``count_epsilon`` > 0 the counts carry Laplace noise of that
+    epsilon (charged to the member's ledger); 0 means exact counts.
+    """
+
+    DOMAIN: ClassVar[str] = DATA_SUMMARY_DOMAIN
+
+    federation_id: str
+    member: MemberId
+    records: Count
+    label_counts: dict[str, Count]
+    missing_rate: dict[str, float]  # used column -> share of rows missing it, before rules
+    schema_fingerprint: str  # of the federation schema the member encoded with
+    observed: ObservedSchema
+    label_coverage: float  # share of the federation's classes present locally
+    quality_score: float  # label_coverage x (1 - mean missing rate), in [0, 1]
+    count_epsilon: float = 0.0
+    signature: str = ""
+
+
 class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dataset_schema: str  # schema fingerprint of the agent's local data
     task_version: str
     samples: Count
     base_version: Id | None = None  # buffered mode: the model version the update is from
+    # federations with a [schema]: the member's signed data summary
+    data_summary: DataSummary | None = None
 
 
 class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -438,6 +466,10 @@ class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detail: str
     bytes_up: Count = 0  # request bodies received from members during this attempt
     bytes_down: Count = 0  # response bodies sent to members during this attempt
+    # trusted mode: member -> why the aggregation rule kept its accepted update out of
+    # the aggregate (each is also in ``dropped`` and in the log's refused entries); the
+    # member reads its own line here (at most the cohort, round.max_agents, entries)
+    refused: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
