@@ -26,6 +26,7 @@ from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
     ContributionStatement,
+    FederationStatus,
     JoinRequest,
     JoinResponse,
     KeyListBody,
@@ -45,14 +46,16 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-OutcomeStatus = Literal["closed", "aborted", "missed", "dropped"]
+OutcomeStatus = Literal["closed", "refused", "aborted", "missed", "dropped"]
 
 
 @dataclass(frozen=True)
 class RoundOutcome:
     """How one round attempt in which this agent was in the cohort ended for it.
 
-    ``status``: ``closed`` (contributed; the round aggregated), ``aborted``
+    ``status``: ``closed`` (contributed; the round aggregated), ``refused`` (the
+    update was accepted and receipted, but the round's aggregation rule kept it out
+    of the aggregate: the reason, from the round summary, in ``detail``), ``aborted``
     (the attempt was abandoned; another may follow), ``missed`` (a stage passed
     before the agent was ready), ``dropped`` (a round-local error, in ``detail``).
     """
@@ -172,6 +175,11 @@ class MaskedInputAnswered(Event):
 @dataclass(frozen=True)
 class ReceiptFetched(Event):
     receipt: Receipt
+
+
+@dataclass(frozen=True)
+class StatusFetched(Event):
+    status: FederationStatus
 
 
 @dataclass(frozen=True)
@@ -340,6 +348,13 @@ class SendMaskedInput(Action):
 class FetchReceipt(Action):
     answer: ClassVar[type[Event]] = ReceiptFetched
     round: int
+
+
+@dataclass(frozen=True)
+class FetchStatus(Action):
+    """``GET /status``: the round summaries, where a refused member reads why."""
+
+    answer: ClassVar[type[Event]] = StatusFetched
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,9 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
         f"agent {cfg.agent.id}: {closed} round(s) contributed of {len(outcomes)} in the cohort; "
         f"epsilon spent on '{runtime.dataset_id}': {spent:.3f} of {cfg.privacy.epsilon:g}"
     )
+    for o in outcomes:
+        if o.status == "refused":
+            click.echo(f"round {o.round} (attempt {o.attempt}): update refused: {o.detail}")
 
 
 @agent.command("status")

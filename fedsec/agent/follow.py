@@ -149,7 +149,8 @@ class Follower:
         )
 
     def _enough(self) -> bool:
-        closed = sum(1 for o in self.outcomes if o.status == "closed")
+        # a round whose rule refused our receipted update closed with us in it all the same
+        closed = sum(1 for o in self.outcomes if o.status in ("closed", "refused"))
         return self._max_rounds is not None and closed >= self._max_rounds
 
     def _participate(self, state: RoundState) -> Step[RoundState | None]:

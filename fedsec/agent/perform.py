@@ -139,6 +139,7 @@ class ActionPerformer:
             act.SendMaskedInput: self._send_masked_input,
             act.FetchReceipt: lambda a: _as(act.ReceiptFetched, c.receipt(a.round)),
             act.Record: self._record,
+            act.FetchStatus: lambda a: _as(act.StatusFetched, guard(c.status())),
             act.FetchUnmask: lambda a: _as(
                 act.UnmaskFetched, guard(c.get_unmask(a.round, a.attempt, a.wait))
             ),

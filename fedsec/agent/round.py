@@ -9,6 +9,7 @@ never awaits.  From a round state whose signed spec has us in the cohort::
     secagg:  advertise keys ─► share_keys + privacy report   (while training)
              ─► masked_input (+ receipt) ─► unmask ─► wait for closed
     none:    report ─► masked_input (plain quantized vector, + receipt) ─► wait for closed
+             ─► read the round summary: refused by the aggregation rule, and why?
 
 SecAgg+'s key stages run while local training does: they do not need the update.
 If the key stages end the attempt, training is still awaited so the update is kept
@@ -44,6 +45,7 @@ from fedsec.agent.actions import (
     FaultPoint,
     FetchReceipt,
     FetchRoster,
+    FetchStatus,
     Finish,
     KeepUpdate,
     MaskedInputAnswered,
@@ -56,6 +58,7 @@ from fedsec.agent.actions import (
     RosterFetched,
     RoundOutcome,
     SendMaskedInput,
+    StatusFetched,
     Step,
     Train,
     Trained,
@@ -284,7 +287,8 @@ class AgentRound:
                 receipt = yield from self._plain_finish(contribution)
             return (yield from self._closed(receipt))
         except AttemptOver as over:
-            return self._attempt_over(over.state)
+            outcome, now = self._attempt_over(over.state)
+            return (yield from self._judged(outcome)), now
         except StageMissed as missed:
             log.warning("round_missed round=%d attempt=%d reason=%r", *self._key, str(missed))
             return _with(self._base, "missed", self._receipt, detail=str(missed)), missed.state
@@ -299,7 +303,35 @@ class AgentRound:
         else:
             final = yield from self._attempt.wait_for(("closed",))
         log.info("round_closed round=%d attempt=%d", *self._key)
-        return _with(self._base, "closed", receipt), final
+        return (yield from self._judged(_with(self._base, "closed", receipt))), final
+
+    def _judged(self, outcome: RoundOutcome) -> Step[RoundOutcome]:
+        """A closed outcome, or ``refused`` with the reason when the trusted-mode round's
+        aggregation rule kept our update out."""
+        if outcome.status != "closed" or self.spec.secure_sum != "none":
+            return outcome
+        reason = yield from self._refusal_by_rule()
+        if reason is None:
+            return outcome
+        log.warning("round_refused_by_rule round=%d attempt=%d reason=%r", *self._key, reason)
+        return _with(outcome, "refused", outcome.receipt, detail=reason)
+
+    def _refusal_by_rule(self) -> Step[str | None]:
+        """Trusted mode: why the round's aggregation rule kept our receipted update out of
+        the aggregate, read from the round's summary in ``GET /status``; None when it
+        did not.  A status the aggregator does not give leaves the outcome closed (the
+        receipt stands; the log's refused entries still say)."""
+        try:
+            status = (yield from ask(FetchStatus(), StatusFetched)).status
+        except FedsecError as exc:
+            if not is_round_local(exc):
+                raise
+            log.warning("round_status_unread round=%d attempt=%d reason=%r", *self._key, exc.detail)
+            return None
+        for summary in status.history:
+            if (summary.round, summary.attempt) == self._key:
+                return summary.refused.get(self.member.id)
+        return None
 
     def _attempt_over(self, now: RoundState) -> Ending:
         status: OutcomeStatus = "aborted"

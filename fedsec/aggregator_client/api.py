@@ -28,6 +28,7 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.protocol.roster import RosterEntry
 from fedsec.protocol.wire import (
+    FederationStatus,
     JoinRequest,
     JoinResponse,
     PrivacyReport,
@@ -144,6 +145,10 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
             return bool(msgspec.json.decode(raw).get("status") == "ok")
         except (msgspec.DecodeError, AttributeError):
             return False
+
+    async def status(self) -> FederationStatus:
+        """``GET /status``: the federation's status and round history (summaries)."""
+        return await self._transport.json(route("status"), FederationStatus, what="status")
 
     async def get_round(self, wait_token: int | None = None, timeout: float = 0.0) -> RoundState:
         """``GET /round``: the current round; with a token, long-poll until it changes.

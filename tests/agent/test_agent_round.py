@@ -50,10 +50,12 @@ from fedsec.protocol import codec
 from fedsec.protocol.wire import (
     Accepted,
     DPSpec,
+    FederationStatus,
     JoinResponse,
     Receipt,
     RoundSpec,
     RoundState,
+    RoundSummary,
     UnmaskRequestBody,
 )
 from fedsec.tasks import get_task
@@ -133,6 +135,24 @@ def receipt_for(a: act.SendMaskedInput, member_id: str = "alice") -> Receipt:
     ).sign(AGGREGATOR)
 
 
+def summary(round_: int = 1, attempt: int = 1, **refused: str) -> RoundSummary:
+    return RoundSummary(
+        round=round_, attempt=attempt, stage="closed", cohort=3, participants=3,
+        survivors=3 - len(refused), dropped=sorted(refused), model_version=2, accuracy=0.9,
+        loss=0.3, aggregation_s=0.1, duration_s=2.0, epsilon_max=1.25, detail="",
+        refused=refused,
+    )  # fmt: skip
+
+
+def status_with(*summaries: RoundSummary) -> FederationStatus:
+    """``GET /status`` as the aggregator answers it once our round closed."""
+    return FederationStatus(
+        federation_id="fed", round=2, attempt=0, stage="open", model_version=2,
+        rounds_completed=1, rounds_target=3, finished=False, agents_active=3,
+        history=list(summaries), alerts=[],
+    )  # fmt: skip
+
+
 DELTA = np.full(DIM, 0.001, dtype=np.float32)
 SALT = b"\x05" * 32
 
@@ -152,6 +172,8 @@ def answer_plain(action: act.Action) -> act.Event:
         return act.UpdateKept(SALT)
     if isinstance(action, act.SendMaskedInput):
         return act.MaskedInputAnswered(receipt_for(action))
+    if isinstance(action, act.FetchStatus):
+        return act.StatusFetched(status_with())
     if isinstance(action, act.Report | act.Record | act.FaultPoint):
         return act.Passed()
     raise AssertionError(f"no default answer to {action}")
@@ -202,7 +224,7 @@ def test_plain_round_charges_trains_reports_sends_and_records() -> None:
 
     assert kinds(asked) == [
         "Charge", "Train", "AwaitTraining", "Report", "Poll", "KeepUpdate",
-        "SendMaskedInput", "Record", "Poll", "Finish",
+        "SendMaskedInput", "Record", "Poll", "FetchStatus", "Finish",
     ]  # fmt: skip
     charge, train = asked[0], asked[1]
     assert isinstance(charge, act.Charge) and isinstance(train, act.Train)
@@ -490,6 +512,63 @@ def test_a_round_that_moved_on_after_taking_our_contribution_counts_as_closed() 
     done = finish(drive(round_, [state("masked_input", spec), next_round]))
     assert done.outcome is not None and done.outcome.status == "closed"
     assert done.outcome.receipt is not None and done.following == next_round
+
+
+# ------------------------------------------- trusted mode: refused by the aggregation rule
+
+REASON = "multi_krum (byzantine=1, selected 2 of 3): its score 9.1 is not among the 2 lowest"
+
+
+def test_an_update_the_rule_refused_ends_refused_with_the_summary_reason() -> None:
+    spec = make_spec()
+    round_ = start(spec)
+    ours = summary(1, 1, alice=REASON, bob="bob's own reason")
+    answers: dict[type[act.Action], Answer] = {
+        act.FetchStatus: lambda a: act.StatusFetched(
+            status_with(summary(1, 0, alice="an earlier attempt's reason"), ours)
+        )
+    }
+    asked = drive(round_, [state("masked_input", spec), state("closed", spec, token=4)], answers)
+    done = finish(asked)
+    assert done.outcome is not None and done.outcome.status == "refused"
+    assert done.outcome.detail == REASON
+    assert done.outcome.receipt is not None  # accepted and receipted all the same
+
+
+def test_a_summary_not_naming_us_leaves_the_round_closed() -> None:
+    spec = make_spec()
+    answers: dict[type[act.Action], Answer] = {
+        act.FetchStatus: lambda a: act.StatusFetched(
+            status_with(summary(1, 0, alice=REASON), summary(1, 1, bob=REASON))
+        )
+    }
+    asked = drive(start(spec), [state("masked_input", spec), state("closed", spec)], answers)
+    done = finish(asked)
+    assert done.outcome is not None and done.outcome.status == "closed"
+    assert done.outcome.detail == ""
+
+
+def test_a_round_that_moved_on_still_reads_whether_the_rule_refused_us() -> None:
+    spec = make_spec()
+    answers: dict[type[act.Action], Answer] = {
+        act.FetchStatus: lambda a: act.StatusFetched(status_with(summary(1, 1, alice=REASON)))
+    }
+    next_round = state("open", None, token=9, round=2)
+    asked = drive(start(spec), [state("masked_input", spec), next_round], answers)
+    done = finish(asked)
+    assert done.outcome is not None and done.outcome.status == "refused"
+    assert done.outcome.detail == REASON and done.following == next_round
+
+
+def test_a_status_refused_for_now_leaves_the_round_closed() -> None:
+    spec = make_spec()
+    answers: dict[type[act.Action], Answer] = {
+        act.FetchStatus: lambda a: act.Refused(RateLimited("still refused after 2 tries"))
+    }
+    asked = drive(start(spec), [state("masked_input", spec), state("closed", spec)], answers)
+    assert kinds(asked)[-2:] == ["FetchStatus", "Finish"]
+    done = finish(asked)
+    assert done.outcome is not None and done.outcome.status == "closed"
 
 
 # ---------------------------------------------------------------------- SecAgg+

@@ -136,6 +136,9 @@ def test_multi_krum_refuses_the_outlier_with_a_logged_reason_and_changes_nothing
     assert summary.survivors == 4 and summary.dropped == ["a4"]
     assert summary.detail.startswith("aggregation rule multi_krum (byzantine=1")
     assert "a4: multi_krum (byzantine=1, selected 4 of 5): its score" in summary.detail
+    # the line a4's agent reads in GET /status: its reason, keyed by its id
+    assert list(summary.refused) == ["a4"]
+    assert summary.refused["a4"].startswith("multi_krum (byzantine=1, selected 4 of 5): its score")
 
     # the model is the rule's aggregate of the uploaded bytes...
     raws = {m: u[0] for m, u in uploads.items()}

@@ -372,6 +372,7 @@ class Lifecycle:
             detail=detail,
             bytes_up=up,
             bytes_down=down,
+            refused={r.member: r.reason for r in result.refused} if result is not None else {},
         )
 
     # -- opening and resuming --------------------------------------------------------------------
