@@ -1,0 +1,141 @@
+"""Distributed DP discretisation: exact integer sums, bounded rounding, the noise's
+variance, the wrap bound and the bit-budget refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedsec.crypto import discretize as dz
+from fedsec.crypto.discretize import DdpSpec, decode_sum, encode, recentre, skellam, to_ring
+from fedsec.crypto.rotation import rotate
+from fedsec.errors import QuantizationError
+
+SHARED = hashlib.sha256(b"round spec").digest()
+
+
+def _secret(i: int) -> bytes:
+    return hashlib.sha256(b"member %d" % i).digest()
+
+
+def _spec(**overrides: float) -> DdpSpec:
+    values: dict[str, float] = dict(
+        dim=300,
+        ring_bits=24,
+        clip=5.0,
+        sensitivity=1.0,
+        noise_multiplier=1.0,
+        min_survivors=3,
+        max_members=4,
+    )
+    values.update(overrides)
+    return DdpSpec(**values)  # type: ignore[arg-type]
+
+
+def _members(n: int, d: int, seed: int, norm: float) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        v = rng.normal(size=d)
+        out.append(v * (norm / np.linalg.norm(v)))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 2**32), st.floats(0.1, 9.0))
+def test_the_ring_sum_is_the_exact_integer_sum_and_decodes_within_the_bound(
+    n: int, seed: int, norm: float
+) -> None:
+    spec = _spec(noise_multiplier=0.0)
+    xs = _members(n, spec.dim, seed, norm)
+    encoded = [encode(x, spec, SHARED, _secret(i)) for i, x in enumerate(xs)]
+    ring = sum(e.ring.astype(np.uint64) for e in encoded)
+    ints = sum(e.integers for e in encoded)
+    np.testing.assert_array_equal(recentre(ring, spec.ring_bits), ints)  # no wrap here
+    # noise off: the error is the unrotated rounding error, each member's bounded in L2
+    clipped = sum(x * min(1.0, spec.clip / np.linalg.norm(x)) for x in xs)
+    error = np.linalg.norm(decode_sum(ring, spec, SHARED) - clipped)
+    assert error <= n * spec.rounding_bound / spec.scale * (1 + 1e-9)
+    assert all(e.clipped == (norm > spec.clip) for e in encoded)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32), st.floats(0.0, 20.0))
+def test_conditional_rounding_error_never_exceeds_its_bound(seed: int, norm: float) -> None:
+    spec = _spec(noise_multiplier=0.0)
+    x = _members(1, spec.dim, seed, norm)[0]
+    enc = encode(x, spec, SHARED, _secret(seed))
+    target = rotate(x * min(1.0, spec.clip / max(norm, 1e-300)), SHARED) * spec.scale
+    assert np.linalg.norm(enc.integers - target) <= spec.rounding_bound
+    assert np.all(np.abs(enc.integers - target) < 1)
+
+
+def test_skellam_noise_has_the_target_variance_and_comes_from_the_seed() -> None:
+    count = 200_000
+    for variance in (0.7, 40.0, 2.5e5):
+        v = skellam(_secret(1), variance, count).astype(np.float64)
+        stderr = variance * math.sqrt(2 / count) * 1.5  # excess kurtosis of Skellam < 0.5
+        assert abs(v.var() - variance) < 5 * stderr, variance
+        assert abs(v.mean()) < 5 * math.sqrt(variance / count)
+    np.testing.assert_array_equal(skellam(_secret(1), 9.0, 50), skellam(_secret(1), 9.0, 50))
+    assert not np.array_equal(skellam(_secret(1), 9.0, 50), skellam(_secret(2), 9.0, 50))
+
+
+def test_the_summed_noise_matches_the_target_for_the_survivors() -> None:
+    spec = _spec(dim=2000, ring_bits=28, clip=2.0, noise_multiplier=0.8)
+    xs = _members(4, spec.dim, 7, 1.5)
+    residuals = []
+    for trial in range(4):
+        ring = sum(
+            encode(x, spec, SHARED, _secret(100 * trial + i)).ring.astype(np.uint64)
+            for i, x in enumerate(xs)
+        )
+        residuals.append(decode_sum(ring, spec, SHARED) - sum(xs))
+    measured = float(np.concatenate(residuals).std())
+    target = spec.noise_stddev(4)
+    # 8,000 (nearly independent) coordinates: the std's sampling error is about 0.8 %
+    assert measured == pytest.approx(target, rel=0.04)
+    # sized for 3 survivors, 4 added their share: never below the target z·C
+    assert spec.effective_noise_multiplier(4) >= spec.noise_multiplier * math.sqrt(4 / 3)
+    assert spec.effective_noise_multiplier(3) == pytest.approx(
+        spec.noise_multiplier * spec.inflation
+    )
+
+
+def test_the_wrap_rate_stays_under_its_bound() -> None:
+    # k = 2 and a small ring: the bound (2·e^-2 = 27 %) is loose but binding enough to
+    # make wraps happen with aligned full-norm vectors
+    spec = _spec(dim=1000, ring_bits=12, clip=4.0, wrap_stddevs=2.0, max_members=4)
+    direction = _members(1, spec.dim, 3, spec.clip)[0]
+    ints = sum(encode(direction, spec, SHARED, _secret(i)).integers for i in range(4))
+    rate = dz.wrap_count(ints, spec.ring_bits) / ints.size
+    assert 0 < rate <= spec.wrap_bound()
+    inside = recentre(to_ring(ints, spec.ring_bits), spec.ring_bits) == ints
+    assert np.count_nonzero(~inside) == dz.wrap_count(ints, spec.ring_bits)
+    assert dz.wrap_count(np.array([2**17, -(2**17) - 1, 5, -(2**17)]), 18) == 2
+
+
+def test_an_impossible_bit_budget_is_refused_with_the_reason() -> None:
+    with pytest.raises(QuantizationError, match=r"2\^\(2b\) must be at least"):
+        _spec(ring_bits=8, max_members=1000, min_survivors=10)
+    with pytest.raises(QuantizationError, match="rounding would add"):
+        _spec(dim=100_000, ring_bits=14, max_members=100, min_survivors=50, clip=50.0)
+    with pytest.raises(QuantizationError, match="exceeds the vector clip"):
+        _spec(sensitivity=6.0)
+    with pytest.raises(QuantizationError, match="min_survivors"):
+        _spec(min_survivors=5)
+
+
+def test_bad_vectors_are_refused() -> None:
+    spec = _spec()
+    with pytest.raises(QuantizationError, match="300 values, got 299"):
+        encode(np.zeros(299), spec, SHARED, _secret(0))
+    with pytest.raises(QuantizationError, match="NaN"):
+        encode(np.full(300, np.nan), spec, SHARED, _secret(0))
+    with pytest.raises(QuantizationError, match="512 elements"):
+        decode_sum(np.zeros(300, dtype=np.uint32), spec, SHARED)

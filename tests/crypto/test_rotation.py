@@ -1,0 +1,73 @@
+"""The shared randomised Hadamard rotation: orthonormal, invertible, linear, seeded."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from fedsec.crypto.rotation import hadamard, padded_length, rotate, signs, unrotate
+from fedsec.errors import QuantizationError
+
+SEED = hashlib.sha256(b"round spec").digest()
+vectors = hnp.arrays(
+    np.float64,
+    st.integers(1, 300),
+    elements=st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vectors)
+def test_rotation_keeps_the_norm_and_unrotate_inverts_it(x: np.ndarray) -> None:
+    y = rotate(x, SEED)
+    assert y.size == padded_length(x.size)
+    scale = max(1.0, float(np.abs(x).max()))
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-9, abs=1e-9 * scale)
+    np.testing.assert_allclose(unrotate(y, SEED, x.size), x, rtol=0, atol=1e-9 * scale)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 200), st.integers(0, 2**32))
+def test_the_sum_of_rotations_is_the_rotation_of_the_sum(d: int, seed: int) -> None:
+    # what lets the aggregator unrotate the members' sum once
+    rng = np.random.default_rng(seed)
+    parts = [rng.normal(size=d) for _ in range(5)]
+    np.testing.assert_allclose(
+        sum(rotate(p, SEED) for p in parts), rotate(sum(parts), SEED), atol=1e-9
+    )
+
+
+def test_hadamard_matches_the_matrix_and_signs_are_balanced_and_seeded() -> None:
+    h = np.array([[1.0]])
+    for _ in range(4):
+        h = np.block([[h, h], [h, -h]])
+    x = np.arange(16, dtype=np.float64)
+    np.testing.assert_array_equal(hadamard(x), h @ x)
+    s = signs(SEED, 4096)
+    assert set(np.unique(s)) == {-1.0, 1.0}
+    assert abs(s.sum()) < 4 * 64  # 4 standard deviations of 4096 fair signs
+    np.testing.assert_array_equal(s, signs(SEED, 4096))
+    assert not np.array_equal(s, signs(hashlib.sha256(b"other").digest(), 4096))
+
+
+def test_a_spike_is_spread_over_every_coordinate() -> None:
+    x = np.zeros(1000)
+    x[7] = 1.0
+    y = rotate(x, SEED)
+    np.testing.assert_allclose(np.abs(y), 1 / np.sqrt(1024))
+
+
+def test_bad_lengths_and_values_are_refused() -> None:
+    with pytest.raises(QuantizationError, match="1024 elements, got 1000"):
+        unrotate(np.zeros(1000), SEED, 1000)
+    with pytest.raises(QuantizationError, match="NaN"):
+        rotate(np.array([1.0, np.nan]), SEED)
+    with pytest.raises(QuantizationError, match="coordinates"):
+        rotate(np.zeros(0), SEED)
+    with pytest.raises(QuantizationError, match="power-of-two"):
+        hadamard(np.zeros(3))
