@@ -8,8 +8,15 @@ direct numerical integration instead (Mironov, Talwar, Zhang 2019, eq. for A_α)
     ε_RDP(α) = log A_α / (α − 1)
 
 composes it over every step of every round, and converts to (ε, δ) with the
-same conversion (Balle et al. 2020, Thm 21) and the same order grid.  Agreement
-within 1% means the member's numbers come from the parameters it logged.
+same conversion (Balle et al. 2020, Thm 21) and the same order grid.
+
+Members now spend the PRV bound (Opacus' PRV accountant, capped by RDP), which is
+tighter; the auditor recomputes that one with a different implementation of a
+different numerical method, Google's ``dp-accounting`` privacy-loss-distribution
+accountant (:func:`pld_epsilon`).  A reported ε is consistent when it lies between the
+tight value and the RDP value, each within 1%: a member that reports less than the
+tight value under-reports its spending; one that reports more than RDP did not use its
+logged parameters.  Members of earlier releases, which reported RDP, stay consistent.
 """
 
 from __future__ import annotations
@@ -48,8 +55,41 @@ def rdp(q: float, sigma: float, steps: int) -> np.ndarray:
     return np.array(_rdp_step(q, sigma)) * steps
 
 
+def pld_epsilon(rounds: Iterable[tuple[float, float, int]], delta: float) -> float:
+    """ε of ``rounds`` of (noise multiplier, sample rate, steps) by ``dp-accounting``'s
+    PLD accountant (Poisson-subsampled Gaussian, composed numerically)."""
+    merged: dict[tuple[float, float], int] = {}
+    for sigma, q, steps in rounds:
+        merged[(sigma, q)] = merged.get((sigma, q), 0) + steps
+    return _pld(tuple(sorted((s, q, n) for (s, q), n in merged.items())), delta)
+
+
+@lru_cache(maxsize=4096)
+def _pld(merged: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    import dp_accounting
+
+    events = [
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+        for sigma, q, steps in merged
+    ]
+    pld = dp_accounting.pld.PLDAccountant()
+    pld.compose(dp_accounting.ComposedDpEvent(events))
+    return float(pld.get_epsilon(delta))
+
+
+def epsilon_range(rounds: Iterable[tuple[float, float, int]], delta: float) -> tuple[float, float]:
+    """(tight, RDP): the PLD ε (capped by RDP) and the RDP ε of ``rounds``; a member's
+    reported ε is consistent when it lies between them (see the module doc)."""
+    history = list(rounds)
+    loose = epsilon(history, delta)
+    return min(pld_epsilon(history, delta), loose), loose
+
+
 def epsilon(rounds: Iterable[tuple[float, float, int]], delta: float) -> float:
-    """ε after composing ``rounds`` of (noise multiplier, sample rate, steps) at ``delta``."""
+    """RDP ε after composing ``rounds`` of (noise multiplier, sample rate, steps) at
+    ``delta``."""
     total = np.zeros_like(ORDERS)
     for sigma, q, steps in rounds:
         total += rdp(q, sigma, steps)

@@ -443,18 +443,26 @@ class Verifier:
         charged = {_trained_round(r): r for r in history}
         charged[_trained_round(report)] = report
         rounds = [(r.noise_multiplier, r.sample_rate, r.steps) for r in charged.values()]
-        independent = accountant.epsilon(rounds, report.delta) if report.noise_multiplier else 0.0
-        if report.noise_multiplier and abs(independent - report.epsilon) > EPSILON_TOLERANCE * max(
-            independent, 1e-9
-        ):
+        if report.noise_multiplier:
+            self._check_epsilon(entry, report, rounds)
+        history.append(report)
+        self.result.privacy_reports += 1
+        self.result.epsilon[report.member] = report.epsilon
+
+    def _check_epsilon(
+        self, entry: LogEntry, report: wire.PrivacyReport, rounds: list[tuple[float, float, int]]
+    ) -> None:
+        """The reported ε lies between the independent PLD and RDP values, within
+        EPSILON_TOLERANCE (:mod:`fedsec.audit.accountant`)."""
+        tight, loose = accountant.epsilon_range(rounds, report.delta)
+        low, high = tight * (1 - EPSILON_TOLERANCE), loose * (1 + EPSILON_TOLERANCE)
+        if not low <= report.epsilon <= max(high, 1e-9):
+            independent = tight if report.epsilon < low else loose
             raise self._fail(
                 entry,
                 f"{report.member} reports epsilon {report.epsilon:.4f}, but its logged DP "
                 f"parameters give {independent:.4f} (independent accountant)",
             )
-        history.append(report)
-        self.result.privacy_reports += 1
-        self.result.epsilon[report.member] = report.epsilon
 
     def _on_aggregate(self, entry: LogEntry, body: AggregateEntry) -> None:
         attempt = self._attempt(entry, body)

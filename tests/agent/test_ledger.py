@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from opacus.accountants import RDPAccountant
 
-from fedsec.agent.ledger import LEDGER_FILENAME, PrivacyLedger, noise_for_budget
+from fedsec.agent.ledger import LEDGER_FILENAME, PrivacyLedger, noise_for_budget, rdp_epsilon
+from fedsec.audit.accountant import pld_epsilon
 from fedsec.errors import BudgetExhausted, ConfigError, FedsecError, IntegrityError
 
 Q = 0.02  # sample rate of a batch of 20 out of 1000 records
@@ -28,15 +29,33 @@ def test_new_dataset_has_spent_nothing(tmp_path: Path) -> None:
     assert ledger.datasets() == ["clinic"]
 
 
-def test_spent_composes_history_with_rdp_not_by_adding(tmp_path: Path) -> None:
+def test_spent_composes_history_not_by_adding(tmp_path: Path) -> None:
     ledger = _ledger(tmp_path, epsilon=100.0)
     one_round = ledger.projected("clinic", 1.1, Q, STEPS)
     for rnd in range(1, 5):
         ledger.record("clinic", rnd, 1.1, Q, STEPS)
     accountant = RDPAccountant()
     accountant.history = [(1.1, Q, STEPS)] * 4
-    assert ledger.spent("clinic") == pytest.approx(accountant.get_epsilon(1e-5))
+    rdp = accountant.get_epsilon(1e-5)
+    assert rdp_epsilon([(1.1, Q, STEPS)] * 4, 1e-5) == pytest.approx(rdp)
+    # PRV is spent: tighter than the RDP cross-check, which caps it
+    assert 0.75 * rdp < ledger.spent("clinic") < rdp
     assert one_round < ledger.spent("clinic") < 4 * one_round
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"),
+    [(2.3, 0.25, 200), (1.1, Q, 4 * STEPS), (0.8, 0.01, 1000), (5.0, 1.0, 10), (1.0, 0.1, 30)],
+)
+def test_spent_agrees_with_an_independent_pld_accountant(
+    tmp_path: Path, sigma: float, q: float, steps: int
+) -> None:
+    # dp-accounting's PLD accountant: another implementation of another numerical method
+    ledger = _ledger(tmp_path, epsilon=1000.0)
+    ledger.record("clinic", 1, sigma, q, steps)
+    independent = pld_epsilon([(sigma, q, steps)], 1e-5)
+    assert ledger.spent("clinic") == pytest.approx(independent, rel=0.01)
+    assert ledger.spent("clinic") <= rdp_epsilon([(sigma, q, steps)], 1e-5)
 
 
 def test_noise_for_budget_lasts_exactly_the_planned_rounds(tmp_path: Path) -> None:
