@@ -97,9 +97,9 @@ def clipped_gradient_sum(
         yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.int64)).to(target)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            F.cross_entropy(work(xb), yb, reduction="sum").backward()
+            torch.autograd.backward(F.cross_entropy(work(xb), yb, reduction="sum"))
         per_sample = torch.cat(
-            [p.grad_sample.reshape(len(rows), -1) for p in work.parameters()],  # type: ignore[union-attr]
+            [p.grad_sample.reshape(len(rows), -1) for p in work.parameters()],
             dim=1,
         ).double()
     finally:
