@@ -24,10 +24,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
 from fedsec.learning import robust
 from fedsec.protocol import wire
+from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.roster import ID_PATTERN
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -230,6 +232,20 @@ DOCS: dict[str, str] = {
     "data.seed": "Seed of the split, so every member computes the same partition.",
     "data.csv": "CSV file with this member's own records instead of the bundled data; "
     "relative to this file; empty = bundled data.",
+    "data.sources": "Task table: the owner's stores, [[data.sources]] entries of kind csv, "
+    "parquet or sql (SQLAlchemy url + query); see docs/data.md. A url holding a password "
+    "makes this file refuse to load unless its mode is 0600.",
+    "data.rules": "Task table: this member's column rules (rename, exclude, anonymise, "
+    "units, impute); see docs/data.md.",
+    "data.schema": "Task table: a copy of the federation's [schema]; the agent checks its "
+    "data against it before anything is sent.",
+    "data.summary_epsilon": "Epsilon of Laplace noise on the counts of the data summary "
+    "sent at join; 0 = exact counts (the counts alone are aggregate statistics).",
+    "schema.label": "Task table: the label column every member must have.",
+    "schema.classes": "Task table: the label's classes, fixed so every member maps them to "
+    "the same index; a member may lack some.",
+    "schema.columns": "Task table: the feature columns in model-input order, each with "
+    "kind, unit, missing-value rule and (categorical) fixed categories; see docs/data.md.",
     "privacy.epsilon": "Total epsilon this member will spend on this dataset across all "
     "rounds; training stops past it. 8 is a common upper bound for useful DP models.",
     "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
@@ -385,6 +401,7 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     he: HeSection = msgspec.field(default_factory=HeSection)
     aggregation: AggregationSection = msgspec.field(default_factory=AggregationSection)
+    schema: DataSchema | None = None  # task "table": the columns every member trains on
 
 
 # -- agent.toml ------------------------------------------------------------------------
@@ -411,6 +428,11 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     parts: int = 1
     seed: int = 0
     csv: str = ""
+    # task "table": the owner's stores, its column rules, and the federation's [schema]
+    sources: list[SourceSpec] = []
+    rules: ColumnRules | None = None
+    schema: DataSchema | None = None
+    summary_epsilon: float = 0.0
 
     def effective_dataset_id(self) -> str:
         """``dataset_id``, or one derived from where the data comes from."""
@@ -497,6 +519,7 @@ def _show(value: object) -> str:
 def _validate_federation(cfg: FederationConfig) -> list[str]:
     p = _Problems()
     p.identifier("federation.id", cfg.federation.id)
+    p.items.extend(_table_problems("federation", cfg.federation.task, cfg.schema))
     p.require(bool(cfg.federation.task), "federation.task", "a task name", cfg.federation.task)
     r = cfg.round
     # a sum of two lets each member subtract its own update and read the other's; the HE
@@ -680,10 +703,10 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
         )
     if ag.rule == "fltrust":
         p.require(
-            cfg.federation.task != "csv",
+            cfg.federation.task not in ("csv", "table"),
             "aggregation.rule",
             "a bundled task for fltrust (the aggregator draws its root dataset from the task's "
-            "data; the csv task has none)",
+            "data; the csv and table tasks have none)",
             ag.rule,
         )
 
@@ -739,7 +762,37 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
         n.backoff_max_s,
     )
     p.positive("network.timeout_s", n.timeout_s)
+    p.items.extend(_table_problems("data", d.task, d.schema))
+    if d.task == "table":
+        p.require(bool(d.sources), "data.sources", "at least one [[data.sources]]", [])
+    p.require(
+        0.0 <= d.summary_epsilon <= 1.0,
+        "data.summary_epsilon",
+        "a number in [0, 1] (0 = exact counts)",
+        d.summary_epsilon,
+    )
+    for problem in d.rules.check_problems() if d.rules is not None else []:
+        p.items.append(f"data.rules.{problem}")
     return p.items
+
+
+def _table_problems(section: str, task: str, schema: DataSchema | None) -> list[str]:
+    """Task "table" needs a schema, and a schema that can be encoded."""
+    if task != "table":
+        return [f'{section}.schema: only task "table" takes a schema'] if schema else []
+    if schema is None:
+        key = "schema" if section == "federation" else f"{section}.schema"
+        return [f'{key}: task "table" needs the federation\'s [{key}] section']
+    try:
+        schema.check()
+    except ConfigError as exc:
+        return [exc.detail]
+    return []
+
+
+def table_task_options(schema: DataSchema) -> dict[str, Any]:
+    """The options of task "table" that a schema implies: its features and classes."""
+    return {"features": schema.feature_names(), "classes": list(schema.classes)}
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -849,7 +902,11 @@ def parse_federation_config(text: str, source: str = "federation.toml") -> Feder
     Raises:
         ConfigError: naming ``source``, the key path and the reason.
     """
-    return _parse(text, source, FederationConfig, _validate_federation)
+    cfg = _parse(text, source, FederationConfig, _validate_federation)
+    if cfg.schema is not None:
+        fed = msgspec.structs.replace(cfg.federation, task_options=table_task_options(cfg.schema))
+        cfg = msgspec.structs.replace(cfg, federation=fed)
+    return cfg
 
 
 def parse_agent_config(text: str, source: str = "agent.toml") -> AgentConfig:
@@ -858,7 +915,11 @@ def parse_agent_config(text: str, source: str = "agent.toml") -> AgentConfig:
     Raises:
         ConfigError: naming ``source``, the key path and the reason.
     """
-    return _parse(text, source, AgentConfig, _validate_agent)
+    cfg = _parse(text, source, AgentConfig, _validate_agent)
+    if cfg.data.schema is not None:
+        data = msgspec.structs.replace(cfg.data, task_options=table_task_options(cfg.data.schema))
+        cfg = msgspec.structs.replace(cfg, data=data)
+    return cfg
 
 
 def load_federation_config(path: Path) -> FederationConfig:
@@ -888,8 +949,30 @@ def load_agent_config(path: Path) -> AgentConfig:
     cfg = parse_agent_config(_read(path), str(path))
     base = path.parent.resolve()
     agent = msgspec.structs.replace(cfg.agent, state_dir=_resolve(base, cfg.agent.state_dir))
-    data = msgspec.structs.replace(cfg.data, csv=_resolve(base, cfg.data.csv))
+    data = _resolve_data(cfg.data, base, path)
     return msgspec.structs.replace(cfg, agent=agent, data=data)
+
+
+def _resolve_data(data: DataSection, base: Path, path: Path) -> DataSection:
+    """Source and key paths against the file's directory; a file holding a database
+    password must be readable by its owner only."""
+    sources = [
+        msgspec.structs.replace(
+            s,
+            path=_resolve(base, s.path),
+            password_file=_resolve(base, s.password_file),
+        )
+        for s in data.sources
+    ]
+    if any(s.kind == "sql" for s in sources):
+        from fedsec.data.sources import check_private_file, url_has_password
+
+        if any(url_has_password(s.url) for s in sources):
+            check_private_file(path, "agent configuration")
+    rules = data.rules
+    if rules is not None and rules.hash_key_file:
+        rules = msgspec.structs.replace(rules, hash_key_file=_resolve(base, rules.hash_key_file))
+    return msgspec.structs.replace(data, csv=_resolve(base, data.csv), sources=sources, rules=rules)
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -962,8 +1045,12 @@ def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
     doc = msgspec.to_builtins(cfg)
     lines = [f"# {title}", "# Reference: docs/config.md. Unknown keys are refused.", ""]
     for section, table in doc.items():
+        if table is None:  # an optional section left out
+            continue
         lines.append(f"[{section}]")
         for key, value in table.items():
+            if value is None:
+                continue
             why = DOCS.get(f"{section}.{key}")
             if why:
                 lines.extend(_wrap_comment(why))

@@ -202,6 +202,40 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
             click.echo(f"round {o.round} (attempt {o.attempt}): update refused: {o.detail}")
 
 
+@agent.command("inventory")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="the agent's agent.toml",
+)
+@click.option("--json", "as_json", is_flag=True, help="print the data map as JSON")
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="also write the data map as an HTML page to this file",
+)
+@_user_errors
+def inventory_command(config_path: Path, as_json: bool, html_path: Path | None) -> None:
+    """The data map: per source and column what it holds, what is sensitive, what trains."""
+    import json
+
+    from fedsec.agent.inventory import member_data_map
+    from fedsec.data.inventory import render_html, render_text
+    from fedsec.fsio import atomic_write
+
+    data_map = member_data_map(load_agent_config(config_path))
+    if html_path is not None:
+        atomic_write(html_path, render_html(data_map).encode(), mode=0o600)
+    if as_json:
+        click.echo(json.dumps(data_map, indent=2))
+    else:
+        click.echo(render_text(data_map), nl=False)
+
+
 @agent.command("status")
 @click.option(
     "--config",

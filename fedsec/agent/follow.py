@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from fedsec.agent.actions import (
     Action,
     AnswerChallenges,
@@ -49,7 +51,7 @@ from fedsec.agent.round import AgentRound
 from fedsec.agent.spec import check_spec_task, verify_round_spec
 from fedsec.errors import DuplicateMessage, FedsecError, StaleUpdate, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
-from fedsec.protocol.wire import JoinRequest, RoundState
+from fedsec.protocol.wire import DataSummary, JoinRequest, RoundState
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
 log = logging.getLogger("fedsec.agent.runtime")
@@ -82,6 +84,7 @@ class Follower:
         self._max_rounds = max_rounds
         self._seeded_bytes = seeded_bytes
         self._joined = carry.joined
+        self._summary: DataSummary | None = None  # signed once per federation
         self._handled = carry.handled
         self._steps = self._follow()
         self._pending: Action = next(self._steps)
@@ -170,6 +173,16 @@ class Follower:
 
     # -- joining -------------------------------------------------------------------
 
+    def _signed_summary(self, federation_id: str) -> DataSummary | None:
+        """The member's data summary for this federation, signed (None without one)."""
+        summary = self.member.data_summary
+        if summary is None:
+            return None
+        if self._summary is None or self._summary.federation_id != federation_id:
+            bound = msgspec.structs.replace(summary, federation_id=federation_id)
+            self._summary = bound.sign(self.member.identity)
+        return self._summary
+
     def _join(self, state: RoundState) -> Step[bool]:
         """Ask for a seat in the cohort; False when the update must be retrained first."""
         key = (state.round, state.attempt)
@@ -186,6 +199,7 @@ class Follower:
             base_version=(
                 update.base_version if state.mode == "buffered" and update is not None else None
             ),
+            data_summary=self._signed_summary(state.federation_id),
         )
         try:
             answer = (yield from ask(Join(*key, request), JoinAnswered)).answer

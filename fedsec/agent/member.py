@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.protocol.wire import DataSummary
 from fedsec.tasks import Task
 
 
@@ -22,3 +23,5 @@ class Member:
     privacy_delta: float
     require_dp: bool
     privacy_epsilon: float = 0.0  # the budget for this dataset (privacy.epsilon); 0 = unsaid
+    # task "table": the unsigned data summary; signed for the federation at each join
+    data_summary: DataSummary | None = None

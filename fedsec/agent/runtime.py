@@ -81,7 +81,7 @@ from fedsec.aggregator_client import AggregatorClient
 from fedsec.config import AgentConfig
 from fedsec.crypto.commitment import seal_reveal
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import BudgetExhausted, DuplicateMessage, FedsecError
+from fedsec.errors import BudgetExhausted, ConfigError, DuplicateMessage, FedsecError
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol.limits import LONG_POLL_S
 from fedsec.protocol.wire import RevealBody, RevealPayload
@@ -184,7 +184,7 @@ class AgentRuntime:
         """
         if self._local is None:
             self._device = resolve_device(self.config.agent.device)
-            self._local = load_local_data(self.config.data)
+            self._local = load_local_data(self.config.data, self.state_dir, self.member)
             privacy = self.config.privacy
             known = self.dataset_id in self.ledger.datasets()
             budget = self.ledger.budget(self.dataset_id) if known else None
@@ -234,6 +234,7 @@ class AgentRuntime:
             privacy_delta=self.config.privacy.delta,
             require_dp=self.config.privacy.require_dp,
             privacy_epsilon=self.config.privacy.epsilon,
+            data_summary=local.summary,
         )
 
     # -- main loop ------------------------------------------------------------------
@@ -371,9 +372,33 @@ class AgentRuntime:
                 hidden=HiddenModels(self._roster, self.member, self.identity),
             )
         try:
+            self._check_sources_unchanged()
             return act.Trained(await self._trainer.train(client, action.spec, action.charge))
         except FedsecError as exc:
             return act.TrainingFailed(exc)
+
+    def _check_sources_unchanged(self) -> None:
+        """Refuse to train on records loaded from files that have changed since: the
+        summary the federation holds would no longer describe them.
+
+        Raises:
+            ConfigError: naming the source that changed.
+        """
+        local = self.prepare()
+        if not local.fingerprint:
+            return
+        from fedsec.data.sources import open_source
+        from fedsec.data.table import sources_fingerprint
+
+        for spec in self.config.data.sources:
+            source = open_source(spec)
+            now = sources_fingerprint([source])
+            if now not in local.fingerprint.split("|"):
+                raise ConfigError(
+                    f"{source.name} changed since the agent read it (size or modification "
+                    "time differ): restart the agent so its data map, summary and training "
+                    "agree"
+                )
 
     # -- audit challenges -------------------------------------------------------------
 

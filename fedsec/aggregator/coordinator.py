@@ -435,7 +435,7 @@ def _report_model_problems(ctx: RoundContext) -> None:
 
 def _validation_data(ws: Workspace, task: Task) -> tuple[np.ndarray, np.ndarray] | None:
     """Held-out data to score each new model version on, when validation is on."""
-    if not ws.config.validation.enabled or task.name == "csv":
+    if not ws.config.validation.enabled or task.name in ("csv", "table"):
         return None
     data = task.load(seed=0)
     return data.x_test, data.y_test

@@ -11,12 +11,14 @@ from fedsec.tasks.base import Task
 from fedsec.tasks.csv_task import csv_task
 from fedsec.tasks.mnist1d_task import mnist1d_task
 from fedsec.tasks.sklearn_tasks import breast_cancer_task, digits_task
+from fedsec.tasks.table_task import table_task
 
 _FACTORIES: dict[str, Callable[..., Task]] = {
     "breast_cancer": breast_cancer_task,
     "digits": digits_task,
     "mnist1d": mnist1d_task,
     "csv": csv_task,
+    "table": table_task,
 }
 
 TASKS: tuple[str, ...] = tuple(_FACTORIES)
@@ -27,8 +29,9 @@ def get_task(name: str, **options: Any) -> Task:
 
     Args:
         name: one of :data:`TASKS`.
-        **options: task options; only ``csv`` takes any (``path``, ``label_column``,
-            ``feature_columns``, ``classes``, ``test_fraction``).
+        **options: task options; ``csv`` takes ``path``, ``label_column``,
+            ``feature_columns``, ``classes``, ``test_fraction``; ``table`` takes
+            ``features`` and ``classes`` (filled in from a ``[schema]`` section).
 
     Raises:
         ConfigError: unknown task, unknown or missing option, or bad option value.
