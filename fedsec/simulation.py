@@ -170,6 +170,28 @@ AGGREGATOR_START_S = 120.0
 
 
 @contextlib.asynccontextmanager
+async def _child(args: list[str], log_path: Path) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """Run ``python -m fedsec ARGS`` as a child process logging to ``log_path``; stop it
+    with SIGTERM (then SIGKILL after 30 s) when the block ends."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDSEC_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedsec", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+
+@contextlib.asynccontextmanager
 async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
     """Serve ``ws`` on an ephemeral 127.0.0.1 port; yield its URL.
 
@@ -186,39 +208,28 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDSEC_")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = [sys.executable, "-m", "fedsec", "aggregator", "serve"]
-    command += ["--workspace", str(ws.root), "--port", str(port)]
-    with (ws.root / "serve.log").open("ab") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    # A simulation stopped with SIGTERM (kill, a CI or shell timeout) died at once and
-    # left its aggregator serving: cancel the run instead, so the cleanup below stops it.
+    args = ["aggregator", "serve", "--workspace", str(ws.root), "--port", str(port)]
+    # A simulation stopped with SIGTERM (kill, a CI or shell timeout) would die at once and
+    # leave its children serving: cancel the run instead, so the cleanups stop them.
     loop = asyncio.get_running_loop()
     main = threading.current_thread() is threading.main_thread()  # signals need it
     run = asyncio.current_task() if main else None
     if run is not None:
         loop.add_signal_handler(signal.SIGTERM, run.cancel)
     try:
-        deadline = time.monotonic() + AGGREGATOR_START_S
-        while not await asyncio.to_thread(aggregator_alive, url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise ConfigError(
-                    f"the simulation's aggregator did not start serving {url} "
-                    f"(exit code {proc.poll()}); see {ws.root / 'serve.log'}"
-                )
-            await asyncio.sleep(0.1)
-        yield url
+        async with _child(args, ws.root / "serve.log") as proc:
+            deadline = time.monotonic() + AGGREGATOR_START_S
+            while not await asyncio.to_thread(aggregator_alive, url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"the simulation's aggregator did not start serving {url} "
+                        f"(exit code {proc.poll()}); see {ws.root / 'serve.log'}"
+                    )
+                await asyncio.sleep(0.1)
+            yield url
     finally:
         if run is not None:
             loop.remove_signal_handler(signal.SIGTERM)  # a second SIGTERM ends us at once
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
 
 
 async def run_simulation(spec: SimulationSpec, workdir: Path | None = None) -> dict[str, Any]:
@@ -434,12 +445,31 @@ def _hidden_accuracy(ws: Workspace, custodian_home: Path, task: Task, data: Data
 
 
 async def _custodian(spec: SimulationSpec, root: Path, url: str, aggregator: bytes) -> None:
-    """The key custodian, serving until the federation finishes (he rounds only)."""
+    """The key custodian, serving until the federation finishes (he rounds only): its own
+    ``fedsec custodian serve`` process beside a separate aggregator, as deployed (its sum
+    checks re-add every contribution; in this process they would stall the members'
+    event loop), else a task in this process.
+
+    Raises:
+        ConfigError: the custodian's process failed (its log says why).
+    """
     if spec.secure_sum != "he":
         return
-    from fedsec.custodian.service import serve_directory
+    home = root / CUSTODIAN_ID
+    if not spec.aggregator_process:
+        from fedsec.custodian.service import serve_directory
 
-    await serve_directory(root / CUSTODIAN_ID, CUSTODIAN_ID, url, aggregator)
+        await serve_directory(home, CUSTODIAN_ID, url, aggregator)
+        return
+    args = ["custodian", "serve", "--dir", str(home), "--id", CUSTODIAN_ID]
+    args += ["--aggregator-url", url, "--aggregator-public-key", aggregator.hex()]
+    async with _child(args, root / "custodian.log") as proc:
+        code = await asyncio.to_thread(proc.wait)
+    if code == 0:  # the federation finished
+        return
+    raise ConfigError(
+        f"the simulation's key custodian exited with code {code}; see {root / 'custodian.log'}"
+    )
 
 
 async def _run_agents(

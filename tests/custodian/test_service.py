@@ -233,3 +233,63 @@ def test_the_decision_log_shows_a_removed_line(federation: Federation, tmp_path:
     decisions.path.write_bytes(kept[0] + kept[2])
     with pytest.raises(IntegrityError, match="does not chain"):
         decisions.read()
+
+
+class WindowedAggregator(FakeAggregator):
+    """Counts archive fetches in flight; ``missing``'s object is not served."""
+
+    def __init__(self, federation: Federation, offer: HeSumOffer, missing: str = "") -> None:
+        super().__init__(federation, offer)
+        self.missing = missing
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.started = 0
+        self.ended = 0  # returned, raised or cancelled
+
+    async def archived(self, sha256: str, max_bytes: int) -> bytes:
+        self.started += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            for _ in range(3):  # let the other fetches start meanwhile
+                await asyncio.sleep(0)
+            if sha256 == self.missing:
+                raise NotFound(f"no archive object {sha256}")
+            return await super().archived(sha256, max_bytes)
+        finally:
+            self.in_flight -= 1
+            self.ended += 1
+
+
+def _archived_sha256(federation: Federation, member: str) -> str:
+    return next(
+        e.body["sha256"]
+        for e in federation.entries
+        if e.kind == "accepted" and e.body["member"] == member
+    )
+
+
+def test_archive_objects_are_fetched_ahead_within_the_window(
+    federation: Federation, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("fedsec.custodian.service.FETCH_AHEAD", 2)
+    fake = WindowedAggregator(federation, federation.honest_round())
+    asyncio.run(serve(federation, fake, tmp_path).run())
+    assert len(fake.decryptions) == 1
+    assert fake.started == len(MEMBERS)
+    assert fake.most_in_flight == 2  # overlapped, and never more than the window
+
+
+def test_an_archive_object_not_served_refuses_and_stops_the_other_fetches(
+    federation: Federation, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offer = federation.honest_round()
+    monkeypatch.setattr(check, "decrypt_sum", _never)
+    fake = WindowedAggregator(federation, offer, missing=_archived_sha256(federation, "bob"))
+    service = serve(federation, fake, tmp_path)
+    asyncio.run(service.run())
+    assert fake.decryptions == []
+    assert fake.started == fake.ended and fake.in_flight == 0  # nothing left running
+    (decision,) = service.decisions.read()
+    assert (decision.outcome, decision.reason) == ("refused", "archive_mismatch")
+    assert "bob" in decision.detail

@@ -119,25 +119,30 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_simulate_stopped_with_sigterm_stops_its_aggregator_too() -> None:
+@pytest.mark.parametrize("secure_sum", ["secagg", "he"])
+def test_simulate_stopped_with_sigterm_stops_its_children_too(secure_sum: str) -> None:
+    """The aggregator (and with he, the key custodian) run as child processes; a
+    simulation stopped with SIGTERM stops them before it exits."""
     command = [sys.executable, "-m", "fedsec", "simulate", "--task", "breast_cancer"]
-    command += ["--agents", "3", "--rounds", "500", "--json"]
+    command += ["--agents", "3", "--rounds", "500", "--secure-sum", secure_sum, "--json"]
     sim = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    wanted = [b"aggregator"] + ([b"custodian"] if secure_sum == "he" else [])
+    found: dict[bytes, int] = {}
     try:
         deadline = time.monotonic() + 120
-        aggregator = None
-        while aggregator is None and time.monotonic() < deadline and sim.poll() is None:
+        while len(found) < len(wanted) and time.monotonic() < deadline and sim.poll() is None:
             for child in _children(sim.pid):
                 cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-                if b"serve" in cmdline:
-                    aggregator = child
+                for role in wanted:
+                    if role in cmdline and b"serve" in cmdline:
+                        found[role] = child
             time.sleep(0.2)
-        assert aggregator is not None, sim.communicate(timeout=30)
-        while _rounds_closed(aggregator) < 1:  # into the rounds
+        assert len(found) == len(wanted), (found, sim.communicate(timeout=30))
+        while _rounds_closed(found[b"aggregator"]) < 1:  # into the rounds
             assert time.monotonic() < deadline and sim.poll() is None, "no round closed"
             time.sleep(0.2)
         sim.send_signal(signal.SIGTERM)
@@ -148,4 +153,4 @@ def test_simulate_stopped_with_sigterm_stops_its_aggregator_too() -> None:
             sim.wait()
     assert sim.returncode == 1
     assert b"simulation stopped (SIGTERM)" in err and b"Traceback" not in err
-    assert not _alive(aggregator)
+    assert not any(_alive(pid) for pid in found.values())
