@@ -174,6 +174,35 @@ def status_cmd(workspace: Path) -> None:
     ws.close()
 
 
+@aggregator.command("inventory")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--json", "as_json", is_flag=True)
+def inventory_cmd(workspace: Path, as_json: bool) -> None:
+    """Members' latest signed data summaries (records, labels, missing rates, quality)."""
+    from fedsec.aggregator.rounds.data_summaries import latest_summaries
+    from fedsec.protocol import wire
+
+    ws = Workspace.open(workspace)
+    try:
+        summaries = latest_summaries(line for _, line in ws.state.log.log_lines())
+    finally:
+        ws.close()
+    rows = [summaries[m] for m in sorted(summaries)]
+    if as_json:
+        click.echo(wire.encode(rows).decode())
+        return
+    if not rows:
+        click.echo("no data summaries yet (they arrive with joins in a federation with a [schema])")
+    for d in rows:
+        noise = f", counts noised at epsilon {d.count_epsilon:g}" if d.count_epsilon else ""
+        worst = max(d.missing_rate.items(), key=lambda kv: kv[1], default=("-", 0.0))
+        click.echo(
+            f"{d.member}: {d.records} records{noise}; labels {d.label_counts}; "
+            f"label coverage {d.label_coverage:.2f}; worst missing rate {worst[1]:.1%} "
+            f"({worst[0]}); quality {d.quality_score:.3f}; schema {d.schema_fingerprint[:16]}"
+        )
+
+
 @aggregator.command("dashboard-token")
 @click.option("--workspace", type=click.Path(path_type=Path), required=True)
 @click.option("--observer", required=True, help="an active observer of the roster")

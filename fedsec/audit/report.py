@@ -141,6 +141,7 @@ class LogSummary:
     # member -> round -> (epsilon, dataset, delta), the last report of each round
     epsilon: dict[str, dict[int, tuple[float, str, float]]] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)  # from the latest round spec
+    data_summaries: dict[str, wire.DataSummary] = field(default_factory=dict)  # latest each
     challenges: list[ChallengeEntry] = field(default_factory=list)
     reveals: set[tuple[int, int, str, str]] = field(default_factory=set)
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (index, kind, text)
@@ -242,6 +243,8 @@ def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
             _row(s, refused).refused += 1 if refused.suppressed is None else refused.suppressed
         case wire.PrivacyReport() as report:
             _add_privacy_report(s, report)
+        case wire.DataSummary() as data:
+            s.data_summaries[data.member] = data
         case AggregateEntry() as aggregate:
             row = _row(s, aggregate)
             row.status, row.close_time = "closed", t
@@ -799,6 +802,29 @@ def _privacy(s: LogSummary) -> str:
     )
 
 
+def _data_summaries(s: LogSummary) -> str:
+    """Each member's latest signed data summary: what it declared about its data."""
+    if not s.data_summaries:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_e(d.member)}</td><td class='n'>{_e(d.records)}</td>"
+        f"<td>{_e(', '.join(f'{k}: {v}' for k, v in d.label_counts.items()))}</td>"
+        f"<td class='n'>{_fmt(d.label_coverage)}</td>"
+        f"<td class='n'>{_fmt(max(d.missing_rate.values(), default=0.0))}</td>"
+        f"<td class='n'>{_fmt(d.quality_score)}</td>"
+        f"<td class='n'>{_e(d.count_epsilon or 'exact')}</td>"
+        f"<td class='mono'>{_e(d.schema_fingerprint[:16])}</td></tr>"
+        for d in sorted(s.data_summaries.values(), key=lambda d: d.member)
+    )
+    return (
+        "<h2>Data summaries</h2><div class='card'><table><tr><th>member</th>"
+        "<th class='n'>records</th><th>label counts</th><th class='n'>label coverage</th>"
+        "<th class='n'>worst missing rate</th><th class='n'>quality</th>"
+        "<th class='n'>count noise ε</th><th>schema</th></tr>"
+        f"{rows}</table></div>"
+    )
+
+
 def _challenges(s: LogSummary, verdicts: list[dict[str, Any]] | None) -> str:
     logged = ""
     if s.challenges:
@@ -889,6 +915,7 @@ def render_report(
         f"{_rounds_table(rows)}"
         f"{_charts(summary, rows)}"
         f"{_privacy(summary)}"
+        f"{_data_summaries(summary)}"
         f"{_challenges(summary, verdicts)}"
         f"{_events(summary)}"
         "<footer>Re-run the checks with <code>fedsec audit verify --workspace DIR</code> "

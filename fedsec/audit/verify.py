@@ -128,6 +128,7 @@ class VerifyResult:
     models_verified: int = 0
     receipts_checked: int = 0
     privacy_reports: int = 0
+    data_summaries: int = 0  # members' signed data summaries checked
     # hidden models (he.model_visible_to_aggregator = false) not re-derived: verify was
     # not given a recipient's key to open them (nor, then, any later version)
     hidden_unopened: int = 0
@@ -148,6 +149,7 @@ class VerifyResult:
             "models_verified": self.models_verified,
             "receipts_checked": self.receipts_checked,
             "privacy_reports": self.privacy_reports,
+            "data_summaries": self.data_summaries,
             "hidden_unopened": self.hidden_unopened,
             "underived_rounds": self.underived_rounds,
             "epsilon": self.epsilon,
@@ -286,6 +288,10 @@ class Verifier:
                 self._on_archive_pruned(entry, body)
             case wire.PrivacyReport():
                 self._on_privacy_report(entry, body)
+            case wire.DataSummary():
+                # the member's own statement about its data: its signature is checked
+                body.verify(self._member_key(entry, body.member))
+                self.result.data_summaries += 1
             case AggregateEntry():
                 self._on_aggregate(entry, body)
             case ModelVersionEntry():

@@ -15,7 +15,8 @@ altered outside the schema is caught even before its chain and head are checked.
 Four kinds carry a signed object defined with the message it is: ``roster``
 (:class:`~fedsec.protocol.roster.RosterEntry`), ``round_spec``
 (:class:`~fedsec.protocol.wire.RoundSpec`) and ``privacy_report``
-(:class:`~fedsec.protocol.wire.PrivacyReport`) are registered as they are;
+(:class:`~fedsec.protocol.wire.PrivacyReport`) are registered as they are, as is
+``data_summary`` (:class:`~fedsec.protocol.wire.DataSummary`);
 ``model_version`` is :class:`ModelVersionEntry`, the fields of a signed model manifest
 (``fedsec.modelfile.ModelManifest``, which this layer may not import).
 """
@@ -31,6 +32,7 @@ from fedsec.errors import IntegrityError
 from fedsec.protocol.roster import RosterEntry
 from fedsec.protocol.stages import Stage
 from fedsec.protocol.wire import (
+    DataSummary,
     DecryptionStatement,
     HeContextStatement,
     PrivacyReport,
@@ -210,6 +212,7 @@ LogBody: TypeAlias = (
     | RevealEntry
     | HeContextStatement
     | DecryptionStatement
+    | DataSummary
     | HeadEntry
 )
 
@@ -232,6 +235,7 @@ ENTRY_TYPES: Final[Mapping[str, type[msgspec.Struct]]] = {
     "reveal": RevealEntry,
     "he_context": HeContextStatement,
     "he_decryption": DecryptionStatement,
+    "data_summary": DataSummary,
     "head": HeadEntry,
 }
 _KIND_OF: Final[Mapping[type[msgspec.Struct], str]] = {t: k for k, t in ENTRY_TYPES.items()}

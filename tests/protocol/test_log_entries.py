@@ -18,6 +18,7 @@ import pytest
 from fedsec.crypto.identity import SigningIdentity, canonical_json
 from fedsec.errors import IntegrityError
 from fedsec.protocol import wire
+from fedsec.protocol.data_schema import ObservedColumn, ObservedSchema
 from fedsec.protocol.log import KINDS, make_entry, parse_line
 from fedsec.protocol.log_entries import (
     ENTRY_TYPES,
@@ -166,6 +167,41 @@ SAMPLES: list[tuple[str, LogBody, dict[str, Any]]] = [
         {**_REFUSED, "suppressed": 7, "codes": {"payload_invalid": 2, "wrong_stage": 5}},
     ),
     ("privacy_report", _report(), msgspec.to_builtins(_report())),
+    (
+        "data_summary",
+        wire.DataSummary(
+            federation_id="fed",
+            member="agent-1",
+            records=120,
+            label_counts={"cold": 70, "flu": 50},
+            missing_rate={"bmi": 0.25},
+            schema_fingerprint=H,
+            observed=ObservedSchema(
+                label="dx",
+                classes=["cold", "flu"],
+                columns=[ObservedColumn(name="bmi", kind="numeric")],
+            ),
+            label_coverage=1.0,
+            quality_score=0.75,
+            signature=SIG,
+        ),
+        {
+            "federation_id": "fed",
+            "member": "agent-1",
+            "records": 120,
+            "label_counts": {"cold": 70, "flu": 50},
+            "missing_rate": {"bmi": 0.25},
+            "schema_fingerprint": H,
+            "observed": {
+                "label": "dx",
+                "classes": ["cold", "flu"],
+                "columns": [{"name": "bmi", "kind": "numeric", "unit": "", "categories": []}],
+            },
+            "label_coverage": 1.0,
+            "quality_score": 0.75,
+            "signature": SIG,
+        },
+    ),
     (
         "privacy_report trained_round",
         _report(trained_round=1),

@@ -10,6 +10,7 @@ import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection
 from fedsec.crypto.quantize import default_ring_bits
@@ -25,6 +26,7 @@ class CohortDesk:
     def __init__(self, ctx: RoundContext, he: HeContextDesk) -> None:
         self._ctx = ctx
         self._he = he
+        self.summaries = DataSummaryDesk(ctx)
         # (round, attempt) whose "not fixing the cohort" reason was logged already
         self._waiting_logged: set[tuple[int, int, str]] = set()
 
@@ -51,7 +53,9 @@ class CohortDesk:
             The answer, and whether the join was recorded just now.
 
         Raises:
-            TaskMismatch: another task version or data schema.
+            TaskMismatch: another task version or data schema; with a federation schema,
+                a missing summary or data that differs (:class:`DataSummaryDesk`).
+            SignatureError: a data summary not signed by the member.
             PayloadError, StaleUpdate: see :meth:`_check_staleness`; no samples.
         """
         task = self._ctx.task
@@ -60,6 +64,7 @@ class CohortDesk:
                 f"{member} runs task {task.name} version {req.task_version}, the federation "
                 f"requires version {task.version}"
             )
+        self.summaries.check(member, req.data_summary)
         if req.dataset_schema != task.schema.fingerprint():
             raise TaskMismatch(
                 f"{member}'s data schema {req.dataset_schema[:16]}… differs from the federation's "
@@ -79,6 +84,7 @@ class CohortDesk:
         state.joins.add(
             live.round, live.attempt, member, req.samples, self._ctx.clock(), req.base_version
         )
+        self.summaries.record(member, req.data_summary)
         return wire.JoinResponse(accepted=True, detail="joined"), True
 
     def _check_staleness(self, member: str, base: int | None) -> None:
