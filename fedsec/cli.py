@@ -51,6 +51,12 @@ def bench() -> None:
 @click.option("--threshold", default=0, show_default=True, help="t; 0 = majority of k")
 @click.option("--bits", default=8, show_default=True, help="quantization bits b")
 @click.option("--repeat", default=1, show_default=True, help="rounds to run (one line each)")
+@click.option(
+    "--ddp-noise",
+    default=0.0,
+    show_default=True,
+    help="distributed DP: members add Skellam noise shares of this noise multiplier",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_secagg(
     clients: int,
@@ -61,13 +67,16 @@ def bench_secagg(
     threshold: int,
     bits: int,
     repeat: int,
+    ddp_noise: float,
     as_json: bool,
 ) -> None:
     """One full SecAgg+ round in one process."""
     from fedsec.bench.secagg import run_secagg
 
     for _ in range(repeat):
-        result = run_secagg(clients, dim, dropout, dropout_stage, neighbors, threshold, bits)
+        result = run_secagg(
+            clients, dim, dropout, dropout_stage, neighbors, threshold, bits, ddp_noise=ddp_noise
+        )
         click.echo(json.dumps(result))
 
 
@@ -96,6 +105,7 @@ def _register_optional() -> None:
         ("fedsec.bench.async_bench", "bench_async", "async"),
         ("fedsec.bench.ops", "bench_ops", "ops"),
         ("fedsec.bench.he", "bench_he", "he"),
+        ("fedsec.bench.ddp", "bench_ddp", "ddp"),
     ):
         try:
             mod = importlib.import_module(module)

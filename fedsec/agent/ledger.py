@@ -137,6 +137,12 @@ def _prv_epsilon(merged: tuple[tuple[float, float, int], ...], delta: float) -> 
             return math.inf
 
 
+def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
+    """ε of a history of (noise multiplier, sample rate, steps) by the ledger's own
+    accountant (PRV capped by RDP), e.g. for a benchmark's report."""
+    return _epsilon(history, delta)
+
+
 def rdp_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     """The RDP cross-check alone: ε of ``history`` by Opacus' RDP analysis (≥ PRV)."""
     return _rdp_epsilon(history, delta)

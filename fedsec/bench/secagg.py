@@ -15,6 +15,12 @@ every mask the server had to remove (one self mask per survivor, one pairwise
 mask per survivor-dropped edge) and adding up the survivors' vectors.  It is
 what any server doing this work must spend, so ``server_s / floor_s`` is the
 overhead of everything else, robust to a noisy machine.
+
+``ddp_noise`` > 0: members discretise for distributed DP instead of quantizing
+(:func:`fedsec.crypto.discretize.encode`: rotation, scaling, conditional rounding and a
+Skellam noise share of noise multiplier ``ddp_noise``, sized for the survivors), in the
+same ring; the vector is the rotated length (d padded to a power of two).  Compare its
+``client_s`` with a run without it: the cost of the noise on the member's side.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 
 from fedsec.bench.common import with_environment
 from fedsec.crypto import prg
+from fedsec.crypto.discretize import DdpSpec, decode_sum, encode
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
@@ -64,6 +71,7 @@ def run_secagg(
     bits: int = 8,
     clip: float = 1.0,
     seed: int = 0,
+    ddp_noise: float = 0.0,
 ) -> dict[str, Any]:
     """Run one round and return the result record (see module docstring)."""
     if dropout_stage not in STAGES:
@@ -78,10 +86,16 @@ def run_secagg(
     roster = {m: ident.public_bytes for m, ident in identities.items()}
     ring_bits = default_ring_bits(bits, clients)
     spec = QuantSpec(bits, clip, ring_bits)
-    params = SecAggParams(
-        "bench", 1, tuple(members), neighbors, threshold, spec, dim, os.urandom(32)
-    )
     n_drop = round(dropout * clients)
+    ddp = None
+    if ddp_noise > 0:
+        ddp = DdpSpec(dim, ring_bits, clip, clip, ddp_noise, clients - n_drop, clients)
+    shared = os.urandom(32)  # the round's rotation (from the signed spec in a round)
+    # a distributed-DP vector is the rotated length, with no weight coordinate
+    vector_dim = ddp.padded - 1 if ddp else dim
+    params = SecAggParams(
+        "bench", 1, tuple(members), neighbors, threshold, spec, vector_dim, os.urandom(32)
+    )
     dropped = set(rng.choice(members, size=n_drop, replace=False).tolist()) if n_drop else set()
 
     server = ServerSession(params, roster)
@@ -117,7 +131,12 @@ def run_secagg(
             continue
         delta = rng.standard_normal(dim).astype(np.float32) * np.float32(clip / math.sqrt(dim))
         weight = 1.0
-        q = ct[m].run("masked_input", quantize, delta, weight, spec, os.urandom(32))
+        if ddp is not None:
+            q = ct[m].run(
+                "masked_input", lambda d: encode(d, ddp, shared, os.urandom(32)).ring, delta
+            )
+        else:
+            q = ct[m].run("masked_input", quantize, delta, weight, spec, os.urandom(32))
         msg = ct[m].run("masked_input", sessions[m].masked_input, q)
         vector_bytes = len(msg.vector)
         st.run("masked_input", server.receive_masked_input, msg)
@@ -134,8 +153,15 @@ def run_secagg(
     survivors = set(result.survivors)
     plain_ring = plain & spec.ring_mask
     exact = bool(np.array_equal(result.ring_sum.astype(np.int64), plain_ring))
-    mean = result.weighted_sum / result.weight_sum
-    max_abs_err = float(np.max(np.abs(mean - exact_float / len(survivors))))
+    noise_std = None
+    if ddp is not None:
+        # the error is the noise: report its measured standard deviation
+        error = decode_sum(result.ring_sum, ddp, shared) - exact_float
+        max_abs_err = float(np.max(np.abs(error)))
+        noise_std = {"measured": float(error.std()), "target": ddp.noise_stddev(len(survivors))}
+    else:
+        mean = result.weighted_sum / result.weight_sum
+        max_abs_err = float(np.max(np.abs(mean - exact_float / len(survivors))))
 
     floor_s = _floor(params, len(survivors), _dropped_edges(server, result.dropped))
     client_totals = [ct[m].total for m in survivors]
@@ -159,6 +185,8 @@ def run_secagg(
             "exact": exact,
             "max_abs_err": max_abs_err,
             "quant_step": spec.step(),
+            "ddp_noise": ddp_noise,
+            "ddp_noise_std": noise_std,
             "client_s": round(statistics.median(client_totals), 6),
             "client_stage_s": client_stage,
             "server_s": round(st.total, 6),
