@@ -17,16 +17,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-# Debian packages the tests drive for real: Chromium (the dashboard's browser tests).
+# Debian packages the tests drive for real: Chromium (the dashboard's browser tests) and
+# PostgreSQL (a member's SQL store, tests/support/postgres.py).
 # Installed when we run as root; otherwise say so (with CI=true those tests then fail).
-SYSTEM_PACKAGES := chromium
+SYSTEM_PACKAGES := chromium postgresql
 system-deps:
-	@if command -v chromium >/dev/null 2>&1; then :; \
+	@if command -v chromium >/dev/null 2>&1 && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null \
 		|| { apt-get update -q >/dev/null && \
 		     DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null; }; \
-	else echo "note: $(SYSTEM_PACKAGES) missing and not root: browser tests will skip (fail with CI=true)"; fi
+	else echo "note: $(SYSTEM_PACKAGES) missing and not root: browser and PostgreSQL tests will skip (fail with CI=true)"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
