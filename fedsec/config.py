@@ -190,6 +190,11 @@ DOCS: dict[str, str] = {
     "audit.archive_retention_rounds": "Closed rounds whose archived protocol messages are kept; "
     "0 = keep forever, so anyone holding the archive can re-run every aggregate. N keeps the "
     "newest N; older rounds are pruned under a signed archive_pruned log entry.",
+    "audit.quarantine_on_failure": "A failed control-sample verdict (POST /v1/audit/verdicts) "
+    "quarantines its member at once: no future cohort, a quarantine log entry, a "
+    "member_quarantined alert offering the rollback (docs/robustness.md). Off by default, so "
+    "one false positive does not cost a member: then only an admin- or auditor-signed order "
+    "does.",
     "aggregation.rule": "How a trusted aggregator (round.secure_sum = none) combines the "
     "updates it sees one by one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, "
     "centered_clipping or fltrust (docs/robustness.md). Refused in the secure modes, where the "
@@ -332,6 +337,9 @@ class ValidationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
 class AuditSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     archive_retention_rounds: int = 0
+    # a failed control-sample verdict quarantines its member at once (off: only on an
+    # admin- or auditor-signed order, so a false positive costs no member by itself)
+    quarantine_on_failure: bool = False
 
 
 class HeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -61,6 +61,7 @@ __all__ = [
     "PayloadTooLarge",
     "ProtocolError",
     "QuantizationError",
+    "Quarantined",
     "RateLimited",
     "RecoveryImpossible",
     "RefusedByRule",
@@ -194,6 +195,14 @@ class RefusedByRule(ProtocolError):
     which rule and why (logged as a ``refused`` entry when the round closes)."""
 
     code = "refused_by_rule"
+
+
+class Quarantined(ForbiddenError):
+    """The member is suspended from future cohorts: the control-sample audit failed one
+    of its contributions (a ``quarantine`` log entry says which round, who ordered it)."""
+
+    code = "quarantined"
+    http_status = 403
 
 
 class AggregationImpossible(RoundAborted):

@@ -161,6 +161,46 @@ def rollback(workspace: Path, version: int, note: str) -> None:
     ws.close()
 
 
+@aggregator.command("quarantine")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option("--member", required=True, help="the agent the control-sample audit failed")
+@click.option("--round", "round_", type=int, required=True, help="its first failed round")
+@click.option("--attempt", type=int, default=0, show_default=True)
+@click.option("--failed", default="", help="the failed checks, comma-separated")
+@click.option("--reason", default="", help="why, in a sentence (logged)")
+def quarantine_cmd(
+    workspace: Path, member: str, round_: int, attempt: int, failed: str, reason: str
+) -> None:
+    """Order MEMBER's quarantine, signed with the admin key: a serving aggregator carries
+    it out within a second (log entry, member_quarantined alert, joins refused)."""
+    import time
+
+    import msgspec
+
+    from fedsec.aggregator.rounds.quarantine import ADMIN, ORDERS_DIR
+    from fedsec.fsio import atomic_write
+    from fedsec.protocol import wire
+    from fedsec.protocol.roster import ID_PATTERN
+
+    if not ID_PATTERN.match(member):
+        raise ConfigError(f"--member {member!r} is not a roster id")
+    ws = Workspace.open(workspace)
+    order = wire.QuarantineOrder(
+        federation_id=ws.federation_id,
+        member=member,
+        round=round_,
+        attempt=attempt,
+        issuer=ADMIN,
+        failed=[name for name in failed.split(",") if name],
+        reason=reason,
+        issued_at=time.time(),
+    ).sign(ws.admin())
+    path = workspace / ORDERS_DIR / f"{member}-{round_}.{attempt}.json"
+    atomic_write(path, msgspec.json.encode(order), parents_mode=0o700)
+    click.echo(f"quarantine order for {member} written to {path}")
+    ws.close()
+
+
 @aggregator.command("status")
 @click.option("--workspace", type=click.Path(path_type=Path), required=True)
 def status_cmd(workspace: Path) -> None:

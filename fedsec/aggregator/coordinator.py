@@ -38,6 +38,7 @@ from fedsec.aggregator.rounds.events import EventBus, ModelProblem
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
+from fedsec.aggregator.rounds.quarantine import QuarantineDesk
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
 from fedsec.aggregator.storage.audit_trail import AuditTrail
@@ -124,6 +125,7 @@ class Coordinator:
         self._lifecycle = Lifecycle(ctx, self._cohort, applier, self._refusals, self._he)
         self._reports = PrivacyReports(ctx)
         self._intake = Intake(ctx, self._lifecycle, self._refusals, self._reports)
+        self._quarantine = QuarantineDesk(ctx)
         self._lifecycle.resume()
 
     def _changed(self) -> None:
@@ -242,6 +244,7 @@ class Coordinator:
         """A member asks to be in this round's cohort."""
         if self.finished:
             raise WrongStage(f"the federation finished its {self.ws.config.round.rounds} rounds")
+        self._quarantine.check_join(member)
         live = self.live
         live.expect(member, round_, attempt, "open")
         answer, joined = self._cohort.join(live, member, req)
@@ -379,6 +382,19 @@ class Coordinator:
             raise PayloadError(f"{sha256[:70]!r} is not a SHA-256 hex digest")
         return self.trail.archive.get(sha256)
 
+    # -- quarantine ------------------------------------------------------------------------------
+
+    def quarantine(self, caller: str, order: wire.QuarantineOrder) -> wire.QuarantineAnswer:
+        """An auditor posts a signed quarantine order (:mod:`.rounds.quarantine`)."""
+        return self._quarantine.order(caller, order)
+
+    def quarantine_failed(
+        self, auditor: str, verdicts: list[wire.AuditVerdict]
+    ) -> list[wire.QuarantineAnswer]:
+        """An auditor's stored verdicts: with ``audit.quarantine_on_failure``, each failed
+        member is quarantined (:mod:`.rounds.quarantine`)."""
+        return self._quarantine.failed_verdicts(auditor, verdicts)
+
     # -- time ------------------------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -388,6 +404,7 @@ class Coordinator:
         if self.ws.roster.serial != self._roster_serial:
             self._roster_serial = self.ws.roster.serial
             self.trail.sync_roster(self.ws.roster)
+        self._quarantine.poll_orders()
         self._lifecycle.tick()
 
 

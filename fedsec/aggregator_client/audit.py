@@ -8,6 +8,8 @@ from fedsec.protocol.wire import (
     Challenge,
     ChallengeList,
     ChallengeRequest,
+    QuarantineAnswer,
+    QuarantineOrder,
     Reveal,
     RevealBody,
     RevealList,
@@ -49,4 +51,10 @@ class AuditCalls(Calls):
         """``POST /audit/verdicts`` (auditor role): our control-sample verdicts."""
         return await self._transport.json(
             route("post_verdicts"), VerdictReceipt, payload=submission, what="verdict receipt"
+        )
+
+    async def quarantine(self, order: QuarantineOrder) -> QuarantineAnswer:
+        """``POST /audit/quarantine`` (auditor role): a signed quarantine order."""
+        return await self._transport.json(
+            route("post_quarantine"), QuarantineAnswer, payload=order, what="quarantine answer"
         )

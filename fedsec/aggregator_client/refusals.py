@@ -22,6 +22,7 @@ from fedsec.errors import (
     ClockSkewError,
     FedsecError,
     ForbiddenError,
+    Quarantined,
     RateLimited,
     RequestTimeout,
     RetryLater,
@@ -121,6 +122,8 @@ def error_from_response(
 
 def for_operator(request: str, refusal: FedsecError, key_id: str) -> FedsecError:
     """``refusal``, worded for the operator when it is about this agent's key."""
+    if isinstance(refusal, Quarantined):
+        return refusal  # its sentence names the failed round and whom to ask
     if isinstance(refusal, ForbiddenError):
         exc: FedsecError = ForbiddenError(
             f"aggregator refused {request} as forbidden: {refusal.detail}; key {key_id} "

@@ -298,6 +298,12 @@ def report_cmd(
     help="also send the verdicts to the aggregator (signed): the dashboard shows them and "
     "a failed one raises an audit_failed alert",
 )
+@click.option(
+    "--quarantine/--no-quarantine",
+    default=False,
+    help="also order each failed member's quarantine (signed by this auditor): the "
+    "aggregator suspends it from future cohorts and offers a rollback",
+)
 def check_cmd(
     url: str,
     key: Path,
@@ -306,6 +312,7 @@ def check_cmd(
     control_sample: Path,
     out: Path | None,
     submit: bool,
+    quarantine: bool,
 ) -> None:
     """Open the reveals sealed to this auditor and judge each against the control sample."""
     import asyncio
@@ -353,6 +360,61 @@ def check_cmd(
         receipt = asyncio.run(send())
         click.echo(
             f"submitted: {receipt.stored} new, {receipt.already} already held, "
-            f"{receipt.alerts} audit_failed alerts raised"
+            f"{receipt.alerts} audit_failed alerts raised, {receipt.quarantined} quarantined"
         )
+    if quarantine:
+        _order_quarantines(url, key, aggregator_key, ws, verdicts)
     sys.exit(0 if all(v["passed"] for v in verdicts) else 1)
+
+
+def _order_quarantines(
+    url: str, key: Path, aggregator_key: str, ws: Path, verdicts: list[dict[str, Any]]
+) -> None:
+    """Post one signed quarantine order per failed member, naming its first failed round."""
+    import asyncio
+    import time
+
+    from fedsec.audit.log import read_log
+    from fedsec.protocol import wire
+    from fedsec.protocol.log_entries import GenesisEntry
+    from fedsec.protocol.roster import RosterEntry
+
+    identity, client = _auditor_client(url, key, aggregator_key)
+    bodies = [entry.decode() for entry in read_log(ws / LOG_FILE)]
+    genesis = bodies[0] if bodies else None
+    if not isinstance(genesis, GenesisEntry):
+        raise ConfigError(f"{ws / LOG_FILE} does not start with a genesis entry")
+    mine = [
+        b.agent_id
+        for b in bodies
+        if isinstance(b, RosterEntry) and b.public_key == identity.public_bytes.hex()
+    ]
+    if not mine:
+        raise ConfigError("this auditor's key is not on the roster the log holds")
+    first: dict[str, dict[str, Any]] = {}
+    for v in sorted(verdicts, key=lambda v: (v["round"], v["attempt"])):
+        if not v["passed"]:
+            first.setdefault(v["member"], v)
+    issuer = mine[-1]
+    orders = [
+        wire.QuarantineOrder(
+            federation_id=genesis.federation_id,
+            member=member,
+            round=v["round"],
+            attempt=v["attempt"],
+            issuer=issuer,
+            failed=list(v["failed"]),
+            reason="fedsec audit check",
+            issued_at=time.time(),
+        ).sign(identity)
+        for member, v in sorted(first.items())
+    ]
+
+    async def send() -> list[wire.QuarantineAnswer]:
+        try:
+            return [await client.quarantine(order) for order in orders]
+        finally:
+            await client.close()
+
+    for answer in asyncio.run(send()):
+        click.echo(answer.detail)

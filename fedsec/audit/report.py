@@ -46,6 +46,7 @@ from fedsec.protocol.log_entries import (
     GenesisEntry,
     HeadEntry,
     ModelVersionEntry,
+    QuarantineEntry,
     RefusedEntry,
     RevealEntry,
     RollbackEntry,
@@ -143,6 +144,7 @@ class LogSummary:
     dp: dict[str, Any] = field(default_factory=dict)  # from the latest round spec
     data_summaries: dict[str, wire.DataSummary] = field(default_factory=dict)  # latest each
     challenges: list[ChallengeEntry] = field(default_factory=list)
+    quarantines: list[QuarantineEntry] = field(default_factory=list)
     reveals: set[tuple[int, int, str, str]] = field(default_factory=set)
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (index, kind, text)
     last_head: tuple[int, str] | None = None  # (index, signed hash)
@@ -273,6 +275,14 @@ def _add(s: LogSummary, doc: dict[str, Any], t: float | None) -> None:
             s.events.append((_index(doc), kind, text))
         case ChallengeEntry() as challenge:
             s.challenges.append(challenge)
+        case QuarantineEntry() as quarantine:
+            s.quarantines.append(quarantine)
+            text = (
+                f"{quarantine.member} quarantined by {quarantine.issuer} since round "
+                f"{quarantine.round}.{quarantine.attempt}; rollback offered to version "
+                f"{quarantine.rollback_to}"
+            )
+            s.events.append((_index(doc), kind, text))
         case RevealEntry() as reveal:
             s.reveals.add((reveal.round, reveal.attempt, reveal.member, reveal.auditor))
         case wire.HeContextStatement() as context:
@@ -873,7 +883,27 @@ def _challenges(s: LogSummary, verdicts: list[dict[str, Any]] | None) -> str:
             "<th>verdict</th><th>failed tests</th><th>scores</th></tr>"
             f"{''.join(rows)}</table>"
         )
-    return f'<h2>Control-sample challenges</h2><div class="card">{logged}{found}</div>'
+    return (
+        f'<h2>Control-sample challenges</h2><div class="card">{logged}{found}'
+        f"{_quarantines(s)}</div>"
+    )
+
+
+def _quarantines(s: LogSummary) -> str:
+    if not s.quarantines:
+        return "<h3>Quarantined members</h3><p>none</p>"
+    rows = "".join(
+        f"<tr><td>{_e(q.member)}</td><td class='n'>{_e(q.round)}.{_e(q.attempt)}</td>"
+        f"<td>{_e(', '.join(q.failed))}</td><td>{_e(q.issuer)}"
+        f"{' (signed order)' if q.order is not None else ' (failed verdict)'}</td>"
+        f"<td class='n'>{_e(q.rollback_to)}</td><td>{_e(q.reason)}</td></tr>"
+        for q in s.quarantines
+    )
+    return (
+        "<h3>Quarantined members</h3><table><tr><th>member</th><th class='n'>first failed "
+        "round</th><th>failed tests</th><th>ordered by</th><th class='n'>rollback to "
+        f"version</th><th>reason</th></tr>{rows}</table>"
+    )
 
 
 def _events(s: LogSummary) -> str:

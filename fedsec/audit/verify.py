@@ -87,6 +87,7 @@ from fedsec.protocol.log_entries import (
     HeadEntry,
     LogBody,
     ModelVersionEntry,
+    QuarantineEntry,
     RefusedEntry,
     RevealEntry,
     RollbackEntry,
@@ -300,6 +301,8 @@ class Verifier:
                 self._on_he_context(entry, body)
             case wire.DecryptionStatement():
                 self._on_he_decryption(entry, body)
+            case QuarantineEntry():
+                self._on_quarantine(entry, body)
             case (
                 RoundOpenEntry()
                 | RefusedEntry()
@@ -348,6 +351,21 @@ class Verifier:
         if known is None or not known.is_active:
             raise self._fail(entry, f"{member} is not an active roster member at this point")
         return known.public_key_bytes
+
+    def _on_quarantine(self, entry: LogEntry, body: QuarantineEntry) -> None:
+        """A quarantine carried out on an order: the order is the named member's, of
+        this federation, signed by the admin or by the auditor it names."""
+        order = body.order
+        if order is None:
+            return  # on an auditor's failed verdict (audit.quarantine_on_failure)
+        if (order.federation_id, order.member, order.issuer) != (
+            self.federation_id,
+            body.member,
+            body.issuer,
+        ):
+            raise self._fail(entry, "the order names another federation, member or issuer")
+        key = self.admin_key if order.issuer == "admin" else self._member_key(entry, order.issuer)
+        order.verify(key)
 
     def _on_round_spec(self, entry: LogEntry, spec: wire.RoundSpec) -> None:
         spec.verify(self.aggregator_key)

@@ -438,6 +438,17 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         response=wire.VerdictReceipt,
     ),
     Endpoint(
+        "post_quarantine",
+        "POST",
+        "/audit/quarantine",
+        "suspend a member the control-sample audit failed from future cohorts: an order "
+        "signed by the admin or by the calling auditor; raises a member_quarantined alert "
+        "that offers the rollback",
+        AUDITOR,
+        request=wire.QuarantineOrder,
+        response=wire.QuarantineAnswer,
+    ),
+    Endpoint(
         "ack_alert",
         "POST",
         "/alerts/{alert}/ack",

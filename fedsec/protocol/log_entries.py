@@ -36,6 +36,7 @@ from fedsec.protocol.wire import (
     DecryptionStatement,
     HeContextStatement,
     PrivacyReport,
+    QuarantineOrder,
     RoundSpec,
 )
 
@@ -185,6 +186,24 @@ class RevealEntry(_Body, frozen=True):
     bytes: int
 
 
+class QuarantineEntry(_Body, frozen=True, omit_defaults=True):
+    """A member suspended from future cohorts after the control-sample audit failed its
+    contribution to ``round``.attempt (the first failed round).  ``issuer``: ``admin`` or
+    the auditor; ``order``: the issuer's signed order as received (absent when the
+    aggregator quarantined on an auditor's failed verdict by itself,
+    ``audit.quarantine_on_failure``).  ``rollback_to``: the last model version before
+    that round, offered to the operator."""
+
+    member: str
+    round: int
+    attempt: int
+    issuer: str
+    failed: list[str]
+    reason: str
+    rollback_to: int
+    order: QuarantineOrder | None = None
+
+
 class HeadEntry(_Body, frozen=True):
     """The aggregator's signature over the chain up to the entry before this one."""
 
@@ -213,6 +232,7 @@ LogBody: TypeAlias = (
     | HeContextStatement
     | DecryptionStatement
     | DataSummary
+    | QuarantineEntry
     | HeadEntry
 )
 
@@ -236,6 +256,7 @@ ENTRY_TYPES: Final[Mapping[str, type[msgspec.Struct]]] = {
     "he_context": HeContextStatement,
     "he_decryption": DecryptionStatement,
     "data_summary": DataSummary,
+    "quarantine": QuarantineEntry,
     "head": HeadEntry,
 }
 _KIND_OF: Final[Mapping[type[msgspec.Struct], str]] = {t: k for k, t in ENTRY_TYPES.items()}

@@ -55,6 +55,7 @@ AggregationRule = Literal[
 DATA_SUMMARY_DOMAIN = "data-summary"
 HE_CONTEXT_DOMAIN = "he-context"
 HE_DECRYPTION_DOMAIN = "he-decryption"
+QUARANTINE_DOMAIN = "quarantine-order"
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -593,6 +594,35 @@ class AuditVerdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     failed: Annotated[list[CheckName], msgspec.Meta(max_length=32)] = []
 
 
+class QuarantineOrder(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """An order to suspend a member from future cohorts after the control-sample audit
+    failed its contribution to ``round`` (its first failed round), signed by its
+    ``issuer``: ``admin`` (the federation's admin key, as roster entries are) or the
+    auditor who judged it (its roster key)."""
+
+    DOMAIN: ClassVar[str] = QUARANTINE_DOMAIN
+
+    federation_id: str
+    member: MemberId
+    round: Id
+    attempt: Id
+    issuer: MemberId  # "admin", or the auditor's roster id
+    failed: Annotated[list[CheckName], msgspec.Meta(max_length=32)] = []
+    reason: Annotated[str, msgspec.Meta(max_length=1000)] = ""
+    issued_at: float = 0.0
+    signature: str = ""
+
+
+class QuarantineAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the aggregator made of a quarantine order."""
+
+    member: str
+    quarantined: bool  # True: suspended by this order; False: it already was
+    since_round: Id  # the failed round the quarantine names
+    rollback_to: Id  # the last model version before that round
+    detail: str
+
+
 class VerdictSubmission(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     verdicts: Annotated[list[AuditVerdict], msgspec.Meta(max_length=10_000)]
 
@@ -601,6 +631,7 @@ class VerdictReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stored: Count  # verdicts new to the aggregator
     already: Count  # verdicts it held already (same auditor, member and attempt)
     alerts: Count  # audit_failed alerts raised
+    quarantined: Count = 0  # members quarantined by them (audit.quarantine_on_failure)
 
 
 class LiveAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -671,7 +671,7 @@ async def test_a_failed_audit_verdict_raises_audit_failed(
     fail = _verdict("a0", False, "control_accuracy", "norm_bound")
     status, receipt = await _submit(fed, srv, "aud", fail, _verdict("a1", True))
     assert status == 200, receipt
-    assert receipt == {"stored": 2, "already": 0, "alerts": 1}
+    assert receipt == {"stored": 2, "already": 0, "alerts": 1, "quarantined": 0}
     (row,) = _alerts(fed)
     assert (row.kind, row.subject) == ("audit_failed", "member a0 round 1.0")
     assert row.detail == (
@@ -686,15 +686,15 @@ async def test_a_failed_audit_verdict_raises_audit_failed(
 
     # the same verdicts again: already held, nothing raised
     status, receipt = await _submit(fed, srv, "aud", fail, _verdict("a1", True))
-    assert (status, receipt) == (200, {"stored": 0, "already": 2, "alerts": 0})
+    assert (status, receipt) == (200, {"stored": 0, "already": 2, "alerts": 0, "quarantined": 0})
     # a second auditor failing the same contribution: its verdict is kept, one open alert
     status, receipt = await _submit(fed, srv, "aud2", _verdict("a0", False, "norm_bound"))
-    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 0})
+    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 0, "quarantined": 0})
     # a passed verdict raises nothing; a failure in another round is another alert
     status, receipt = await _submit(fed, srv, "aud2", _verdict("a2", True))
-    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 0})
+    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 0, "quarantined": 0})
     status, receipt = await _submit(fed, srv, "aud", _verdict("a0", False, round_=2))
-    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 1})
+    assert (status, receipt) == (200, {"stored": 1, "already": 0, "alerts": 1, "quarantined": 0})
     assert [r.subject for r in _alerts(fed)] == ["member a0 round 2.0", "member a0 round 1.0"]
     assert "unspecified" in _alerts(fed)[0].detail
     assert fed.ws.state.verdicts.count() == 5

@@ -79,10 +79,11 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_35_distinct_routes() -> None:
-    # 18 protocol routes, 5 audit (challenges, reveals, verdicts), 6 operations,
-    # 6 of homomorphic summation (context, sum, decryption; the log and its archive)
-    assert len(ENDPOINTS) == 35
+def test_the_table_lists_36_distinct_routes() -> None:
+    # 18 protocol routes, 6 audit (challenges, reveals, verdicts, quarantine), 6
+    # operations, 6 of homomorphic summation (context, sum, decryption; the log and its
+    # archive)
+    assert len(ENDPOINTS) == 36
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
     # only the browser's and the scraper's routes live outside the API prefix

@@ -75,6 +75,7 @@ _HANDLERS: dict[str, Handler] = {
     "get_log": handlers.get_log,
     "get_archive": handlers.get_archive,
     "post_verdicts": ops.post_verdicts,
+    "post_quarantine": handlers.post_quarantine,
     "ack_alert": ops.ack_alert,
     "dashboard": ops.dashboard,
     "dashboard_asset": ops.dashboard_asset,

@@ -212,6 +212,12 @@ async def post_challenge(request: web.Request) -> web.Response:
     return json_response(request.app[CHALLENGES].challenge(auditor, req))
 
 
+async def post_quarantine(request: web.Request) -> web.Response:
+    auditor, body = await authenticate(request)
+    order = decode_json(body, wire.QuarantineOrder, request, "quarantine order")
+    return json_response(request.app[COORDINATOR].quarantine(auditor, order))
+
+
 async def get_challenges(request: web.Request) -> web.Response:
     member, _ = await authenticate(request)
     return json_response(request.app[CHALLENGES].open_for(member))

@@ -23,6 +23,7 @@ import time
 from importlib import resources
 from typing import Final
 
+import msgspec
 from aiohttp import web
 
 from fedsec.aggregator.http.auth import authenticate, read_unsigned_body
@@ -284,4 +285,6 @@ async def ack_alert(request: web.Request) -> web.Response:
 async def post_verdicts(request: web.Request) -> web.Response:
     auditor, body = await authenticate(request)
     sub = decode_json(body, wire.VerdictSubmission, request, "audit verdicts")
-    return json_response(request.app[OPS].submit_verdicts(auditor, sub.verdicts))
+    receipt = request.app[OPS].submit_verdicts(auditor, sub.verdicts)
+    quarantined = request.app[COORDINATOR].quarantine_failed(auditor, sub.verdicts)
+    return json_response(msgspec.structs.replace(receipt, quarantined=len(quarantined)))

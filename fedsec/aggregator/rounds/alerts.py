@@ -35,6 +35,7 @@ AlertKind = Literal[
     "member_refused",
     "member_near_budget",
     "audit_failed",
+    "member_quarantined",
     "model_unusable",
 ]
 
@@ -83,6 +84,15 @@ ALERT_KINDS: Final[Mapping[AlertKind, tuple[str, str]]] = {
         "read the verdict (dashboard: members) and the auditor's report; revoke the member "
         "and roll back to the version before its first failed round if the auditor "
         "confirms",
+    ),
+    "member_quarantined": (
+        "a member was suspended from future cohorts after the control-sample audit failed "
+        "one of its contributions (an admin's or auditor's order, or audit."
+        "quarantine_on_failure); the detail names its first failed round and the last "
+        "model version before it",
+        "roll back to that version with `fedsec aggregator rollback --to VERSION` if the "
+        "model degraded since; revoke the member from the roster if the auditor confirms "
+        "it was hostile (docs/runbook.md)",
     ),
     "model_unusable": (
         "a stored model version failed its hash or signature check; the last good "

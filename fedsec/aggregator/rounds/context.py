@@ -14,6 +14,7 @@ from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.config import FederationConfig
 from fedsec.faults import NO_FAULTS, Faults
+from fedsec.protocol.log_entries import QuarantineEntry
 from fedsec.tasks.base import Task
 
 # The whole round engine logs under the coordinator's name: operators (and `fedsec
@@ -46,6 +47,8 @@ class RoundContext:
     events: EventBus = field(default_factory=EventBus)
     # (round, attempt) -> [bytes received, bytes sent], counted by the HTTP layer
     traffic: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    # member -> its quarantine log entry: no cohort takes it (rounds.quarantine keeps it)
+    quarantined: dict[str, QuarantineEntry] = field(default_factory=dict)
 
     @property
     def cfg(self) -> FederationConfig:

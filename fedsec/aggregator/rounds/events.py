@@ -109,6 +109,18 @@ class ModelProblem:
     serving: int
 
 
+@dataclass(frozen=True, slots=True)
+class MemberQuarantined:
+    """A member is suspended from future cohorts: the control-sample audit failed its
+    contribution to ``round``.``attempt``; ``rollback_to`` is the last model before it."""
+
+    member: str
+    round: int
+    attempt: int
+    issuer: str
+    rollback_to: int
+
+
 #: Events kept from before the first listener subscribed (a coordinator's start-up: the
 #: attempt it opens, the unusable models it finds); start-up emits a handful.
 STARTUP_BACKLOG = 100
@@ -167,5 +179,6 @@ Event = (
     | RoundEnded
     | ModelProblem
     | AlertRaised
+    | MemberQuarantined
 )
 Listener = Callable[[Event], None]
