@@ -38,7 +38,8 @@ def privacy_report(
         dataset_id=member.dataset_id,
         epsilon=charged.epsilon,
         delta=member.privacy_delta,
-        noise_multiplier=spec.dp.noise_multiplier,
+        # without DP no noise was added, whatever value the spec carries
+        noise_multiplier=spec.dp.noise_multiplier if spec.dp.enabled else 0.0,
         sample_rate=charged.sample_rate,
         steps=charged.steps,
         samples=member.samples,
