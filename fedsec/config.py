@@ -256,6 +256,9 @@ DOCS: dict[str, str] = {
     "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
     "privacy.require_dp": "Refuse rounds that ask for training without DP-SGD; turn off only "
     "for simulations on public data, never for real records.",
+    "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
+    "a share of the noise and the guarantee rests on the other members adding theirs; off, "
+    "because that trust is the data owner's decision (docs/privacy.md).",
     "network.retry_max": "Retries of a failed request before giving up on the stage; 8 "
     "spans about 45 s of outage with the backoff below (0.5+1+2+4+8+10+10+10).",
     "network.backoff_initial_s": "First retry delay; doubles per retry up to backoff_max_s.",
@@ -462,6 +465,7 @@ class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     epsilon: float = 8.0
     delta: float = 1e-5
     require_dp: bool = True
+    allow_distributed: bool = False
 
 
 class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -253,7 +253,7 @@ class AgentRound:
     def _participate(self) -> Step[Ending]:
         """Take part in the attempt; return its outcome and the newest state seen."""
         spec, member = self.spec, self.member
-        weight = member_weight(member.samples, spec, member.id)
+        weight = member_weight(member.samples, spec, member.id, member.data_summary)
         try:
             if spec.secure_sum == "secagg":
                 # Before training: a roster or parameters that do not check out must not

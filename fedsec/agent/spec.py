@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Literal, cast
 
 from fedsec.errors import ConfigError, PayloadError, SignatureError, TaskMismatch
-from fedsec.protocol.wire import RoundSpec
+from fedsec.protocol.weights import contribution_weight
+from fedsec.protocol.wire import DataSummary, RoundSpec
 from fedsec.tasks import Task, TrainingParams, check_schema
 
 
@@ -53,10 +54,12 @@ def check_spec_task(spec: RoundSpec, task: Task, dim: int) -> None:
         )
 
 
-def member_weight(samples: int, spec: RoundSpec, member: str) -> float:
-    """w = min(1, samples / max_weight_samples, this member's cap from the roster)."""
-    cap = float(spec.weight_caps.get(member, 1.0))
-    return float(max(0.0, min(1.0, samples / spec.max_weight_samples, cap)))
+def member_weight(
+    samples: int, spec: RoundSpec, member: str, summary: DataSummary | None = None
+) -> float:
+    """This member's quality weight (:func:`fedsec.protocol.weights.contribution_weight`):
+    volume × the quality of its data summary (1 without one), capped by the roster."""
+    return contribution_weight(samples, spec, member, summary)
 
 
 def staleness_discount(spec: RoundSpec, member: str) -> float:

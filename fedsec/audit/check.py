@@ -36,6 +36,7 @@ from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.protocol.log_entries import kind_of
+from fedsec.protocol.weights import volume_weight
 from fedsec.tasks import TrainingParams, get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 
@@ -133,7 +134,15 @@ def check_reveals(
                 }
             )
             continue
-        claim = MemberClaim(reveal.member, reveal.round, report.samples, report.steps)
+        # the weight the signed record count allows; the exact quality weight needs the
+        # member's signed data summary, which the log does not carry yet (weights.py)
+        claim = MemberClaim(
+            reveal.member,
+            reveal.round,
+            report.samples,
+            report.steps,
+            weight_cap=volume_weight(report.samples, spec, reveal.member),
+        )
         ref_key = (reveal.round, reveal.attempt, report.samples)
         if ref_key not in references:
             references[ref_key] = build_reference(

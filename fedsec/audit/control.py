@@ -128,12 +128,20 @@ class RoundTraining:
 
 @dataclass(frozen=True)
 class MemberClaim:
-    """What a member declared for the round: record count and DP-SGD steps."""
+    """What a member declared for the round: record count and DP-SGD steps, and the
+    weight its declared statistics allow (``fedsec.protocol.weights``).
+
+    ``weight_cap``: the most its signed record count gives (volume, capped by the
+    roster); ``weight``: the exact quality weight, when its signed data summary is known.
+    None skips that part of the ``weight`` test.
+    """
 
     member: str
     round: int
     samples: int
     steps: int
+    weight_cap: float | None = None
+    weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,7 @@ class RevealedUpdate:
     weighted_delta: FloatVec
     weight: float
     quant_step: float
+    weight_step: float = 0.0  # the weight's rounding step, 1 / levels
 
     @classmethod
     def from_quantized(
@@ -152,7 +161,7 @@ class RevealedUpdate:
     ) -> RevealedUpdate:
         """Dequantize a revealed ring vector (weight last)."""
         weighted, weight = dequantize_one(quantized, spec)
-        return cls(member, round, weighted, weight, spec.step())
+        return cls(member, round, weighted, weight, spec.step(), 1.0 / spec.levels)
 
     def delta(self) -> FloatVec | None:
         """Δ = (w·Δ) / w, or None for a zero weight."""
@@ -412,6 +421,23 @@ def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
     }
 
 
+def _weight_as_declared(
+    claim: MemberClaim, revealed: RevealedUpdate, scores: dict[str, float]
+) -> bool:
+    """The committed weight (stochastically rounded to ``weight_step``) is what the
+    member's declared statistics give: at most the volume cap, and the exact quality
+    weight when known.  Lowering one's own weight is allowed (it costs only oneself)."""
+    tolerance = revealed.weight_step + 1e-12
+    ok = True
+    if claim.weight_cap is not None:
+        scores["weight_cap"] = claim.weight_cap
+        ok = revealed.weight <= claim.weight_cap + tolerance
+    if claim.weight is not None:
+        scores["weight_declared"] = claim.weight
+        ok = ok and abs(revealed.weight - claim.weight) <= tolerance
+    return ok
+
+
 def check_update(
     task: Task,
     reference: Reference,
@@ -445,6 +471,8 @@ def check_update(
     if delta is None:
         failed.append("weight")
         return Verdict(claim.member, claim.round, False, tuple(failed), scores)
+    if not _weight_as_declared(claim, revealed, scores):
+        failed.append("weight")
 
     signal = _signal_scores(reference, delta)
     scores.update(signal)

@@ -65,11 +65,22 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     optimizer: str
 
 
-class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A round's DP-SGD settings.  Fields holding their default are omitted, so specs
+    of local-DP rounds keep the bytes, and the signatures, they had before the mode."""
+
     enabled: bool
     noise_multiplier: float
     max_grad_norm: float
     delta: float
+    # "distributed": each member adds only a share of the noise, inside the SecAgg+ ring,
+    # and the sum carries it all (fedsec.protocol.ddp, docs/privacy.md)
+    mode: Literal["local", "distributed"] = "local"
+    # distributed: every member's Poisson sampling rate q (one DP-SGD step per round)
+    sample_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    # distributed: the fewest survivors the round may close with; the noise is sized so
+    # that this many shares already make the full noise
+    min_survivors: Count = 0
 
 
 class AggregationSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

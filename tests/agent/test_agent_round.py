@@ -10,6 +10,7 @@ and that nothing else was asked (no charge, no training, no upload).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -47,8 +48,10 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.protocol import codec
+from fedsec.protocol.data_schema import ObservedSchema
 from fedsec.protocol.wire import (
     Accepted,
+    DataSummary,
     DPSpec,
     FederationStatus,
     JoinResponse,
@@ -900,3 +903,27 @@ def test_clock_default_is_wall_time() -> None:
     asked = drive(round_, [state("masked_input", spec), state("closed", spec)])
     record = next(a for a in asked if isinstance(a, act.Record))
     assert abs(record.record.recorded_at - time.time()) < 60
+
+
+def test_a_data_summary_scales_the_weight_by_its_quality() -> None:
+    summary = DataSummary(
+        federation_id="fed", member="alice", records=SAMPLES, label_counts={"0": 60, "1": 60},
+        missing_rate={}, schema_fingerprint="ab" * 32,
+        observed=ObservedSchema(label="y", classes=["0", "1"], columns=[]),
+        label_coverage=1.0, quality_score=0.5,
+    )  # fmt: skip
+    spec = make_spec()
+    round_ = AgentRound(
+        state("advertise", spec),
+        dataclasses.replace(member(), data_summary=summary),
+        Carryover(),
+        long_poll_s=POLL_S,
+        clock=lambda: NOW,
+    )
+    asked = drive(round_, [state("masked_input", spec), state("closed", spec)])
+    done = finish(asked)
+    # volume 120 / 1000, times quality 0.5: the weight the update is scaled by and sent with
+    assert done.outcome is not None and done.outcome.weight == pytest.approx(0.06)
+    sent = next(a for a in asked if isinstance(a, act.SendMaskedInput))
+    q = unpack(sent.vector, DIM + 1, spec.ring_bits)
+    assert abs(int(q[-1]) / spec.quant_spec().levels - 0.06) <= 1 / spec.quant_spec().levels

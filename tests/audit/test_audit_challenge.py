@@ -206,6 +206,10 @@ async def test_audit_check_judges_every_reveal_against_the_control_sample(
     for v in verdicts:
         if v is not bad:
             assert {"signal", "direction", "magnitude", "replay"} & set(v["scores"]) or v["failed"]
+            # the committed weight is checked against the signed record count: honest
+            # agents weight by volume (no data summary: quality 1), so it is within cap
+            assert "weight" not in v["failed"]
+            assert v["scores"]["weight"] <= v["scores"]["weight_cap"] + 1 / 255
 
     # a control sample with the wrong schema is refused, naming the file
     wrong = tmp_path / "wrong.npz"

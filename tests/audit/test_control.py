@@ -141,6 +141,33 @@ def test_wrong_claim_and_zero_weight_fail(setup: Setup) -> None:
     assert "weight" in _check(setup, weightless).failed
 
 
+def test_a_weight_above_what_the_declared_statistics_give_is_caught(setup: Setup) -> None:
+    # the member declared records worth a weight of 0.4 (volume, capped) but committed
+    # an update weighted 1.0: it would pull the sum 2.5 times harder than it may
+    declared = replace(setup.claim, weight_cap=0.4)
+    forged = check_update(
+        setup.task, setup.reference, setup.training, declared,
+        _reveal(setup, setup.honest, weight=1.0), [], setup.control,
+    )  # fmt: skip
+    assert forged.failed == ("weight",)
+    assert forged.scores["weight"] == pytest.approx(1.0) and forged.scores["weight_cap"] == 0.4
+    # the declared weight passes (within its rounding step of 1/255), a lower one too
+    # (much lower weights fail magnitude: quantization noise of Δ grows as 1/w)
+    for weight in (0.4, 0.38):
+        honest = check_update(
+            setup.task, setup.reference, setup.training, declared,
+            _reveal(setup, setup.honest, weight=weight), [], setup.control,
+        )  # fmt: skip
+        assert honest.passed, (weight, honest)
+    # with the exact quality weight known, a lowered one no longer matches
+    exact = replace(setup.claim, weight_cap=0.4, weight=0.3)
+    lowered = check_update(
+        setup.task, setup.reference, setup.training, exact,
+        _reveal(setup, setup.honest, weight=0.38), [], setup.control,
+    )  # fmt: skip
+    assert lowered.failed == ("weight",)
+
+
 def test_reference_is_unchanged_by_checks(setup: Setup) -> None:
     before = setup.reference.global_params.copy()
     _check(setup, _reveal(setup, -setup.honest))
