@@ -22,6 +22,7 @@ from fedsec.agent.member import Member
 from fedsec.agent.spec import training_params, update_key
 from fedsec.errors import ConfigError
 from fedsec.learning.training import plan_round
+from fedsec.protocol.ddp import ddp_spec, is_distributed
 from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks import Task
 
@@ -117,12 +118,17 @@ class Carryover:
         return self.update
 
 
-def plan_charge(spec: RoundSpec, task: Task, samples: int, require_dp: bool) -> ChargeRequest:
+def plan_charge(
+    spec: RoundSpec, task: Task, samples: int, require_dp: bool, allow_distributed: bool = False
+) -> ChargeRequest:
     """What training on ``spec`` will cost.
 
     Raises:
-        ConfigError: the round trains without DP and this agent requires it, or it
+        ConfigError: the round trains without DP and this agent requires it, asks for
+            distributed DP and this agent does not allow it (or cannot carry it yet), or
             asks for an unknown optimiser.
+        ProtocolError / QuantizationError: a distributed-DP spec that contradicts itself
+            or whose bit budget cannot be met (:func:`fedsec.protocol.ddp.ddp_spec`).
     """
     params = training_params(spec, task)
     if not spec.dp.enabled and require_dp:
@@ -131,9 +137,37 @@ def plan_charge(spec: RoundSpec, task: Task, samples: int, require_dp: bool) -> 
             "agent trains only with DP-SGD, so it refuses (ask the operator to set "
             "dp.enabled = true)"
         )
+    if is_distributed(spec):
+        check_distributed(spec, allow_distributed)
     sample_rate, steps = plan_round(samples, params)
     return ChargeRequest(
         update_key(spec), spec.round, spec.dp.noise_multiplier, sample_rate, steps, spec.dp.enabled
+    )
+
+
+def check_distributed(spec: RoundSpec, allowed: bool) -> None:
+    """Refuse a distributed-DP round unless this member's agent.toml allows it.
+
+    Raises:
+        ConfigError: not allowed, or allowed but not carried by this agent yet.
+        ProtocolError / QuantizationError: see :func:`fedsec.protocol.ddp.ddp_spec`.
+    """
+    if not allowed:
+        raise ConfigError(
+            f"round {spec.round} asks for distributed DP, where this member would add only "
+            f"a share of the noise and its privacy would rest on at least "
+            f"{spec.dp.min_survivors} other members adding theirs; this agent's agent.toml "
+            "does not allow that (privacy.allow_distributed = false), so it refuses"
+        )
+    ddp_spec(spec)  # a bit budget the ring cannot meet is refused here, with the reason
+    # The member's side of a distributed round (one clipped-gradient step, discretised
+    # with a noise share: fedsec.learning.distributed, fedsec.crypto.discretize) is not
+    # yet wired into AgentRound.  Training with local DP instead would not be what the
+    # signed spec says, nor what the other members' noise shares were sized for.
+    raise ConfigError(
+        f"round {spec.round} asks for distributed DP, which this agent allows but cannot "
+        "carry yet (its rounds train with local DP only); it refuses rather than train "
+        "differently from what the spec says"
     )
 
 
@@ -151,7 +185,9 @@ def charge_step(
     reused = carry.reusable(spec, member.id)
     if reused is not None:
         return reused
-    request = plan_charge(spec, member.task, member.samples, member.require_dp)
+    request = plan_charge(
+        spec, member.task, member.samples, member.require_dp, member.allow_distributed
+    )
     carry.last_cost = request.cost
     answer = yield from ask(Charge(request), Charged)
     carry.unused_charge = answer.charge

@@ -23,5 +23,7 @@ class Member:
     privacy_delta: float
     require_dp: bool
     privacy_epsilon: float = 0.0  # the budget for this dataset (privacy.epsilon); 0 = unsaid
+    # privacy.allow_distributed: rounds where the noise is shared with the other members
+    allow_distributed: bool = False
     # task "table": the unsigned data summary; signed for the federation at each join
     data_summary: DataSummary | None = None

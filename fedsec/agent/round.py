@@ -68,7 +68,13 @@ from fedsec.agent.actions import (
     ask,
 )
 from fedsec.agent.attempt import AttemptOver, AttemptTracker, StageMissed
-from fedsec.agent.charging import Carryover, PrivacyCharge, TrainedUpdate, charge_step
+from fedsec.agent.charging import (
+    Carryover,
+    PrivacyCharge,
+    TrainedUpdate,
+    charge_step,
+    check_distributed,
+)
 from fedsec.agent.contribution import (
     Contribution,
     check_receipt,
@@ -84,6 +90,7 @@ from fedsec.crypto.quantize import pack, quantize
 from fedsec.crypto.secagg import ClientSession
 from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
+from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.wire import (
     PrivacyReport,
@@ -239,6 +246,8 @@ class AgentRound:
             log.warning("round_missed round=%d attempt=%d reason=%r", r, a, detail)
             return self._early_end("missed", detail)
         check_spec_task(spec, self.member.task, self.member.dim)
+        if is_distributed(spec):  # before the roster is fetched or anything is spent
+            check_distributed(spec, self.member.allow_distributed)
         return None
 
     def _early_end(self, status: OutcomeStatus, detail: str) -> Finish:

@@ -234,6 +234,7 @@ class AgentRuntime:
             privacy_delta=self.config.privacy.delta,
             require_dp=self.config.privacy.require_dp,
             privacy_epsilon=self.config.privacy.epsilon,
+            allow_distributed=self.config.privacy.allow_distributed,
             data_summary=local.summary,
         )
 

@@ -40,6 +40,7 @@ from fedsec.errors import (
     ForbiddenError,
     IntegrityError,
     NotFound,
+    QuantizationError,
     RateLimited,
     ServerBusy,
     SignatureError,
@@ -77,7 +78,7 @@ NOW = 1_700_000_000.0
 NO_DP = DPSpec(enabled=False, noise_multiplier=0.0, max_grad_norm=1.0, delta=1e-5)
 
 
-def member(require_dp: bool = True) -> Member:
+def member(require_dp: bool = True, allow_distributed: bool = False) -> Member:
     return Member(
         id="alice",
         identity=IDENTITIES["alice"],
@@ -88,6 +89,7 @@ def member(require_dp: bool = True) -> Member:
         dim=DIM,
         privacy_delta=1e-5,
         require_dp=require_dp,
+        allow_distributed=allow_distributed,
     )
 
 
@@ -303,6 +305,51 @@ def test_round_without_dp_is_trained_uncharged_only_where_allowed() -> None:
     )  # fmt: skip
     charge = round_.next()
     assert isinstance(charge, act.Charge) and not charge.request.dp_enabled
+
+
+DISTRIBUTED = DPSpec(
+    enabled=True,
+    noise_multiplier=1.0,
+    max_grad_norm=1.0,
+    delta=1e-5,
+    mode="distributed",
+    sample_rate=0.25,
+    min_survivors=2,
+)
+
+
+def _start_distributed(allow: bool, carry: Carryover, **changes: Any) -> None:
+    """Start (and step) a round whose spec asks for distributed DP."""
+    fields: dict[str, Any] = {"secure_sum": "secagg", "dp": DISTRIBUTED, "ring_bits": 24}
+    fields.update(changes)
+    spec = make_spec(cohort=MEMBERS, **fields)
+    AgentRound(
+        state("advertise", spec), member(allow_distributed=allow), carry, long_poll_s=POLL_S
+    ).next()
+
+
+def test_distributed_dp_is_refused_unless_agent_toml_allows_it() -> None:
+    with pytest.raises(ConfigError) as err:
+        _start_distributed(False, Carryover())
+    assert "asks for distributed DP" in str(err.value)
+    assert "rest on at least 2 other members adding theirs" in str(err.value)
+    assert "(privacy.allow_distributed = false), so it refuses" in str(err.value)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_refused_distributed_rounds_charge_nothing(allow: bool) -> None:
+    carry = Carryover()
+    # allowed: refused all the same, since this agent cannot carry the round yet
+    with pytest.raises(ConfigError, match="cannot carry yet" if allow else "does not allow"):
+        _start_distributed(allow, carry)
+    assert carry.last_cost is None and carry.unused_charge is None
+
+
+def test_an_allowed_distributed_round_with_an_impossible_bit_budget_is_refused() -> None:
+    carry = Carryover()
+    with pytest.raises(QuantizationError, match="bit budget cannot be met"):
+        _start_distributed(True, carry, quant_bits=2, ring_bits=4)
+    assert carry.last_cost is None
 
 
 def test_spec_naming_another_attempt_is_dropped_without_charging() -> None:

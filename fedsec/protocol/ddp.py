@@ -1,0 +1,88 @@
+"""Distributed DP in a round: what a signed round spec prescribes, derived identically by
+every member and the aggregator.
+
+A spec with ``dp.mode = "distributed"`` asks each member for one DP-SGD step's share:
+Poisson sampling at ``dp.sample_rate``, per-record clipping at ``dp.max_grad_norm``,
+the member's sum clipped to ``clip_norm``, discretised with
+:func:`fedsec.crypto.discretize.encode` and a noise share sized for ``dp.min_survivors``
+survivors out of the cohort.  :func:`ddp_spec` turns the spec into that
+:class:`~fedsec.crypto.discretize.DdpSpec`, refusing with a sentence a spec whose bit
+budget the ring cannot meet; :func:`rotation_seed` is the shared rotation, fresh for
+every attempt because the spec's seed is.
+
+The guarantee's assumption (:func:`assumption`): the ε a member reports holds against
+anyone who sees only the SecAgg+ sum (the aggregator included) as long as at least
+``dp.min_survivors`` members add their noise share honestly; a coalition that also
+knows some members' noise shares can subtract them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from fedsec.crypto.discretize import DdpSpec
+from fedsec.errors import ProtocolError, QuantizationError
+from fedsec.protocol.wire import RoundSpec
+
+_ROTATION_DOMAIN = b"fedsec/v1/ddp/rotation"
+
+
+def is_distributed(spec: RoundSpec) -> bool:
+    """Whether ``spec`` asks for distributed DP."""
+    return spec.dp.enabled and spec.dp.mode == "distributed"
+
+
+def rotation_seed(spec: RoundSpec) -> bytes:
+    """The round's shared rotation seed: SHA-256 of a domain and the spec's signed,
+    per-attempt seed (no member chooses it after seeing the data)."""
+    return hashlib.sha256(_ROTATION_DOMAIN + bytes.fromhex(spec.seed)).digest()
+
+
+def ddp_spec(spec: RoundSpec) -> DdpSpec:
+    """The discretisation ``spec`` prescribes.
+
+    Raises:
+        ProtocolError: not a distributed-DP spec, or fields that contradict it (no
+            SecAgg+, no sampling rate, a survivor count outside the cohort).
+        QuantizationError: a bit budget the ring cannot meet; the message says why.
+    """
+    dp = spec.dp
+    where = f"round {spec.round} asks for distributed DP"
+    if not is_distributed(spec):
+        raise ProtocolError(f"round {spec.round} does not ask for distributed DP")
+    if spec.secure_sum != "secagg":
+        raise ProtocolError(
+            f"{where} over secure_sum = {spec.secure_sum!r}; the noise shares must be "
+            "summed inside the SecAgg+ ring, so it needs secure_sum = 'secagg'"
+        )
+    if not 0.0 < dp.sample_rate <= 1.0:
+        raise ProtocolError(f"{where} without a sampling rate in (0, 1]: {dp.sample_rate}")
+    cohort = len(spec.cohort)
+    if not 1 <= dp.min_survivors <= cohort:
+        raise ProtocolError(
+            f"{where} with noise sized for {dp.min_survivors} survivors of a cohort of "
+            f"{cohort}; it must be 1..{cohort}"
+        )
+    try:
+        return DdpSpec(
+            dim=spec.dim,
+            ring_bits=spec.ring_bits,
+            clip=spec.clip_norm,
+            sensitivity=dp.max_grad_norm,
+            noise_multiplier=dp.noise_multiplier,
+            min_survivors=dp.min_survivors,
+            max_members=cohort,
+        )
+    except QuantizationError as exc:
+        raise QuantizationError(f"{where}, but its bit budget cannot be met: {exc}") from exc
+
+
+def assumption(spec: RoundSpec) -> str:
+    """The trust assumption a member's ε rests on in this round, in one sentence."""
+    if not is_distributed(spec):
+        return "local DP: holds against everyone; each member adds all of its noise itself"
+    return (
+        f"distributed DP: holds against anyone who sees only the SecAgg+ sum, the "
+        f"aggregator included, if at least {spec.dp.min_survivors} of the "
+        f"{len(spec.cohort)} members add their noise share honestly"
+    )
