@@ -105,6 +105,7 @@ def _register_optional() -> None:
         ("fedsec.bench.async_bench", "bench_async", "async"),
         ("fedsec.bench.ops", "bench_ops", "ops"),
         ("fedsec.bench.he", "bench_he", "he"),
+        ("fedsec.bench.inventory", "bench_inventory", "inventory"),
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
     ):
         try:

@@ -8,7 +8,9 @@ from __future__ import annotations
 CHUNK_ROWS = 65_536
 
 #: Bytes per CSV block handed to the Arrow reader; its rows per chunk follow from it.
-#: 4 MiB keeps the reader's parallel parse busy without holding much of the file.
+#: The reader parses several blocks ahead on its threads, so memory grows with the block:
+#: measured on a 545 MB, 1,000,000 x 50 CSV, peak RSS 315 MB at 4 MiB against 763 MB at
+#: 16 MiB, for the same scan time within the noise.
 CSV_BLOCK_BYTES = 4 * 1024 * 1024
 
 #: Distinct values counted exactly per column.  A column above it is an identifier,

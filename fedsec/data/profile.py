@@ -17,7 +17,11 @@ import pyarrow.compute as pc
 
 from fedsec.data.limits import MAX_DISTINCT, MISSING_TOKENS, VALUE_SAMPLE
 
-_MISSING = pa.array(MISSING_TOKENS, type=pa.string())
+# Every case variant, so matching needs no lower-casing pass over the column.
+_MISSING = pa.array(
+    sorted({v for t in MISSING_TOKENS for v in (t, t.upper(), t.capitalize(), t.title())}),
+    type=pa.string(),
+)
 # What float() accepts, in the forms exports write: 12, -3.5, .5, 1e-3, 1,234 is text.
 NUMBER_PATTERN = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 
@@ -66,12 +70,18 @@ class ColumnProfile:
         self.missing += len(text) - len(present)
         if not len(present):
             return
-        is_number = pc.match_substring_regex(present, NUMBER_PATTERN)
-        n_num = int(pc.sum(is_number).as_py() or 0)
+        numbers = self._all_numbers(present)
+        if numbers is not None:  # the common case of a clean numeric column: one kernel
+            is_number = pa.array(np.ones(len(present), dtype=bool))
+            n_num = len(present)
+        else:
+            is_number = pc.match_substring_regex(present, NUMBER_PATTERN)
+            n_num = int(pc.sum(is_number).as_py() or 0)
+            if n_num:
+                numbers = pc.cast(pc.filter(present, is_number), pa.float64())
         self.numeric += n_num
         self.text += len(present) - n_num
-        if n_num:
-            numbers = pc.cast(pc.filter(present, is_number), pa.float64())
+        if numbers is not None and n_num:
             bounds = pc.min_max(numbers).as_py()
             lo, hi = bounds["min"], bounds["max"]
             self.minimum = lo if self.minimum is None else min(self.minimum, lo)
@@ -84,6 +94,20 @@ class ColumnProfile:
         if len(self.sample) < VALUE_SAMPLE:
             take = VALUE_SAMPLE - len(self.sample)
             self.sample.extend(str(v) for v in present.slice(0, take).to_pylist())
+
+    def _all_numbers(self, present: pa.Array) -> pa.Array | None:
+        """Every value as a float, when the column has held only numbers so far and
+        this chunk does too (a failed cast is slower than the regex: tried only then)."""
+        if self.text:
+            return None
+        try:
+            numbers = pc.cast(present, pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        # the cast also takes "inf" and "nan", which the number pattern does not
+        if pc.any(pc.is_nan(numbers)).as_py() or pc.any(pc.is_inf(numbers)).as_py():
+            return None
+        return numbers
 
     def _first_rows(self, present_mask: pa.Array, is_number: pa.Array, first_row: int) -> None:
         rows = np.flatnonzero(present_mask.to_numpy(zero_copy_only=False)) + first_row
@@ -127,10 +151,7 @@ def _as_text(values: pa.Array) -> pa.Array:
 
 
 def _present(text: pa.Array) -> pa.Array:
-    missing = pc.or_(
-        pc.is_null(text), pc.fill_null(pc.is_in(pc.utf8_lower(text), value_set=_MISSING), True)
-    )
-    return pc.invert(missing)
+    return pc.invert(pc.or_(pc.is_null(text), pc.is_in(text, value_set=_MISSING)))
 
 
 def as_text(values: pa.Array) -> pa.Array:

@@ -14,11 +14,12 @@ lists what was found and why, and the rules decide.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from fedsec.data.limits import VALUE_MATCH_SHARE
+from fedsec.data.profile import NUMBER_PATTERN
 
 Category = Literal[
     "name", "email", "phone", "national_id", "birth_date", "date", "address", "free_text"
@@ -126,10 +127,12 @@ _NAME_PAIRS: tuple[tuple[Category, frozenset[str]], ...] = (
 # name-ish token; "patient_id" is an identifier, "str" a street only as a whole name.
 _WEAK_TOKENS = frozenset({"pt", "pat", "patient", "str", "given", "family", "middle", "desc"})
 
+_NUMBER = re.compile(NUMBER_PATTERN)
+_PHONE_SHAPE = re.compile(r"^\+?[0-9 ().-]+$")
+# Checked in this order: a date or an SSN also has a phone number's shape.
 _VALUE_PATTERNS: tuple[tuple[Category, re.Pattern[str]], ...] = (
     ("email", re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)+$")),
     ("national_id", re.compile(r"^(\d{3}-\d{2}-\d{4}|[A-Z]{2}\d{6}[A-D]|\d{3} \d{3} \d{4})$")),
-    ("phone", re.compile(r"^(\+\d{1,3}[ .-]?)?(\(\d{1,4}\)[ .-]?)?\d{2,4}([ .-]\d{2,4}){2,4}$")),
     ("date", re.compile(r"^(\d{4}-\d{2}-\d{2}|\d{1,2}[/.]\d{1,2}[/.]\d{2,4})([ T].*)?$")),
     (
         "address",
@@ -139,8 +142,19 @@ _VALUE_PATTERNS: tuple[tuple[Category, re.Pattern[str]], ...] = (
             re.IGNORECASE,
         ),
     ),
-    ("name", re.compile(r"^[A-Z][a-z'\-]+( [A-Z]\.?)?( [A-Z][a-z'\-]+){1,2}$")),
+    # Capitalised words, Latin-1 letters included (Müller, Łukasz is missed: a sample of
+    # mostly such names still passes the share)
+    ("name", re.compile(r"^[A-ZÀ-Þ][a-zß-ÿ'\-]+( [A-Z]\.?)?( [A-ZÀ-Þ][a-zß-ÿ'\-]+){1,2}$")),
 )
+
+
+def _is_phone(value: str) -> bool:
+    """7 to 15 digits with phone punctuation, and not a plain number."""
+    if _NUMBER.match(value) or not _PHONE_SHAPE.match(value):
+        return False
+    return 7 <= sum(c.isdigit() for c in value) <= 15
+
+
 _TOKEN_SPLIT = re.compile(r"[^0-9a-zA-Z]+|(?<=[a-z])(?=[A-Z])")
 #: A free-text cell: several words and long enough to be a sentence.
 _FREE_TEXT_MIN_CHARS = 30
@@ -186,8 +200,12 @@ def by_values(column: str, sample: Sequence[str]) -> Finding | None:
     values = [v for v in sample if v]
     if not values:
         return None
-    for category, pattern in _VALUE_PATTERNS:
-        share = sum(1 for v in values if pattern.match(v)) / len(values)
+    tests: list[tuple[Category, Callable[[str], object]]] = [
+        (category, pattern.match) for category, pattern in _VALUE_PATTERNS
+    ]
+    tests.insert(3, ("phone", _is_phone))
+    for category, test in tests:
+        share = sum(1 for v in values if test(v)) / len(values)
         if share >= VALUE_MATCH_SHARE:
             if category == "date" and _looks_like_birth_dates(values):
                 category = "birth_date"
