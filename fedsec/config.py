@@ -259,9 +259,6 @@ DOCS: dict[str, str] = {
     "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
     "a share of the noise and the guarantee rests on the other members adding theirs; off, "
     "because that trust is the data owner's decision (docs/privacy.md).",
-    "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
-    "a share of the noise and the guarantee rests on the other members adding theirs; off, "
-    "because that trust is the data owner's decision (docs/privacy.md).",
     "network.retry_max": "Retries of a failed request before giving up on the stage; 8 "
     "spans about 45 s of outage with the backoff below (0.5+1+2+4+8+10+10+10).",
     "network.backoff_initial_s": "First retry delay; doubles per retry up to backoff_max_s.",
@@ -468,7 +465,6 @@ class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     epsilon: float = 8.0
     delta: float = 1e-5
     require_dp: bool = True
-    allow_distributed: bool = False
     allow_distributed: bool = False
 
 
