@@ -53,3 +53,18 @@ $FEDSEC simulate --task mnist1d --agents 50 --rounds 4 --secure-sum he --kill 0.
 echo "== inventory: data map of a 1,000,000-row, 50-column CSV (floor: the bare CSV read);"
 echo "   sensitive-field detection on the labelled 44-column table"
 $FEDSEC bench inventory --rows 1000000 --columns 50 --repeat 3 --json | tee "$out/inventory.jsonl"
+echo "== ddp: record-level distributed DP vs central DP at the same epsilon (docs/privacy.md)"
+for eps in 8 3 1; do
+  $FEDSEC bench ddp --task mnist1d --lr 0.03 --min-survivors 0.96 --dp-epsilon $eps --json | tee -a "$out/ddp.jsonl"
+  $FEDSEC bench ddp --task digits --batch 360 --lr 0.03 --min-survivors 0.96 --dp-epsilon $eps --json | tee -a "$out/ddp.jsonl"
+done
+echo "== ddp: local DP for the comparison (fedsec simulate, 50 agents, 40 rounds)"
+for task in mnist1d digits; do for eps in 8 3 1; do
+  $FEDSEC simulate --task $task --agents 50 --rounds 40 --quant-bits 8 --seed 0 --secure-sum secagg \
+    --dp-epsilon $eps --json | tee -a "$out/ddp.jsonl"
+done; done
+echo "== ddp: SecAgg+ member time with and without distributed noise (n=100, d=1e6)"
+for noise in 0 1; do
+  $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
+    --neighbors 7 --threshold 4 --bits 8 --repeat 2 --ddp-noise $noise --json | tee -a "$out/ddp.jsonl"
+done
