@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import (
     AgentConfig,
@@ -34,10 +36,13 @@ from fedsec.config import (
     ValidationSection,
     dump_agent_config,
     render_toml,
+    table_task_options,
 )
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError
 from fedsec.keys import load_identity, save_identity, save_public_key
+from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.roster import Role, sign_roster_entry
 
 #: The roster id of the local operator that watches a federation's status.
@@ -68,8 +73,10 @@ def federation_toml(
     metrics: dict[str, Any] | None = None,
     he: dict[str, Any] | None = None,
     validation: dict[str, Any] | None = None,
+    schema: DataSchema | None = None,
 ) -> str:
-    """A federation.toml with the given overrides of each section's defaults."""
+    """A federation.toml with the given overrides of each section's defaults (and, for
+    task ``table``, the federation's data ``schema``)."""
     cfg = FederationConfig(
         federation=FederationSection(id=federation_id, task=task),
         round=RoundSection(**(round_ or {})),
@@ -81,6 +88,7 @@ def federation_toml(
         metrics=MetricsSection(**(metrics or {})),
         he=HeSection(**(he or {})),
         validation=ValidationSection(**(validation or {})),
+        schema=schema,
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
 
@@ -174,6 +182,41 @@ def agent_config(
         privacy=PrivacySection(epsilon=epsilon, delta=delta, require_dp=require_dp),
         network=NetworkSection(retry_max=6, backoff_initial_s=0.2, backoff_max_s=2.0),
     )
+
+
+def table_agent_config(
+    agent: LocalAgent,
+    *,
+    url: str,
+    aggregator_public: bytes,
+    sources: list[SourceSpec],
+    rules: ColumnRules,
+    schema: DataSchema,
+    epsilon: float,
+    require_dp: bool = True,
+) -> AgentConfig:
+    """The agent.toml of a data owner training task ``table`` on its own ``sources``."""
+    cfg = agent_config(
+        agent,
+        url=url,
+        aggregator_public=aggregator_public,
+        task="table",
+        part_index=0,
+        parts=1,
+        partition="iid",
+        seed=0,
+        epsilon=epsilon,
+        require_dp=require_dp,
+    )
+    data = DataSection(
+        task="table",
+        task_options=table_task_options(schema),
+        dataset_id=f"{agent.agent_id}-records",
+        sources=sources,
+        rules=rules,
+        schema=schema,
+    )
+    return msgspec.structs.replace(cfg, data=data)
 
 
 def write_agent_config(agent: LocalAgent, cfg: AgentConfig) -> None:
