@@ -161,3 +161,25 @@ def test_data_map_before_any_rules(tmp_path: Path) -> None:
     }
     assert cols["bmi"]["sensitive"] is None and cols["bmi"]["role"] == "no schema yet"
     assert "training" not in data_map
+
+
+def test_table_configs_need_a_schema_sources_and_applicable_rules(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.toml"
+    base = AGENT.format(key="0" * 64, url="sqlite:///x.db")
+    no_schema = base.split("[data.schema]")[0]
+    cfg.write_text(no_schema)
+    with pytest.raises(ConfigError, match=r"data.schema: task \"table\" needs"):
+        load_agent_config(cfg)
+    cfg.write_text(base.replace('classes = ["cold", "flu"]', 'classes = ["cold"]'))
+    with pytest.raises(ConfigError, match="classes must be at least two distinct values"):
+        load_agent_config(cfg)
+    cfg.write_text(base + '[data.rules]\nanonymise = { bmi = "scramble" }\n')
+    with pytest.raises(ConfigError, match=r"data.rules.anonymise.bmi: expected drop, hash"):
+        load_agent_config(cfg)
+    loaded = load_agent_config(_write(cfg, base))
+    assert loaded.data.task_options == {"features": ["bmi"], "classes": ["cold", "flu"]}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

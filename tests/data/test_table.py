@@ -148,3 +148,12 @@ def test_keyed_hash_and_generalisation(tmp_path: Path) -> None:
     assert out1["zip"].to_pylist() == ["75", "10", None, "x"]
     assert out1["age"].to_pylist() == ["40", "50", "0", None]
     assert out1["dob"].to_pylist() == ["1980", None, "1975", None]
+
+
+def test_noisy_counts_spread_like_laplace_and_stay_counts(tmp_path: Path) -> None:
+    table = build_table(source(tmp_path), SCHEMA, RULES, None)
+    noisy = [data_summary(table, SCHEMA, "h1", count_epsilon=0.5).records for _ in range(400)]
+    assert min(noisy) >= 0 and all(isinstance(n, int) for n in noisy)
+    # Laplace(2/0.5 = 4) around 3, floored at 0: spread, not the exact count every time
+    assert len(set(noisy)) > 5 and noisy.count(3) < 100
+    assert data_summary(table, SCHEMA, "h1").records == 3
