@@ -68,3 +68,12 @@ for noise in 0 1; do
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
     --neighbors 7 --threshold 4 --bits 8 --repeat 2 --ddp-noise $noise --json | tee -a "$out/ddp.jsonl"
 done
+echo "== robust: 6 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
+echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"
+ROBUST="$FEDSEC bench robust --task mnist1d --agents 50 --bad 0.2 --rounds 20 --json"
+$ROBUST | tee "$out/robust.jsonl"
+echo "== robust: every rule's no-attack cost with Dirichlet(0.5) members"
+$ROBUST --partition dirichlet:0.5 --attacks none | tee -a "$out/robust.jsonl"
+echo "== robust: SecAgg+ (sum only) with audit quarantine and rollback"
+$ROBUST --secure-sum secagg --defence audit-quarantine --attacks signflip,scale,zero \
+  --challenge-rate 0.5 | tee -a "$out/robust.jsonl"

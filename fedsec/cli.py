@@ -107,6 +107,7 @@ def _register_optional() -> None:
         ("fedsec.bench.he", "bench_he", "he"),
         ("fedsec.bench.inventory", "bench_inventory", "inventory"),
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
+        ("fedsec.bench.robust", "bench_robust", "robust"),
     ):
         try:
             mod = importlib.import_module(module)
