@@ -30,13 +30,16 @@ import click
 
 from fedsec import faults
 from fedsec.bench.common import federation_status
+from fedsec.config import AgentConfig
 from fedsec.errors import ConfigError
 from fedsec.federation import (
+    LocalAgent,
     agent_config,
     create_federation,
     enrol_agents,
     federation_toml,
     load_observer,
+    table_agent_config,
     write_agent_config,
 )
 from fedsec.protocol import wire
@@ -93,14 +96,45 @@ def noise_for_demo(
 
     Members with more records sample a smaller fraction per step and so spend less.
     """
-    from fedsec.agent.ledger import noise_for_budget
-    from fedsec.learning.training import plan_round
-    from fedsec.tasks import TrainingParams, get_task, parse_partition
+    from fedsec.tasks import get_task, parse_partition
 
     data = get_task(task).load()
     parts = parse_partition(partition).apply(data.y_train, agents, 7)
-    rate, steps = plan_round(min(len(p) for p in parts), TrainingParams(**training))
+    return noise_for_records(min(len(p) for p in parts), rounds, epsilon, training)
+
+
+def noise_for_records(records: int, rounds: int, epsilon: float, training: dict[str, Any]) -> float:
+    """Noise multiplier with which a member of ``records`` training records can pay for
+    ``rounds`` rounds out of ``epsilon``."""
+    from fedsec.agent.ledger import noise_for_budget
+    from fedsec.learning.training import plan_round
+    from fedsec.tasks import TrainingParams
+
+    rate, steps = plan_round(records, TrainingParams(**training))
     return round(noise_for_budget(epsilon, 1e-5, rate, steps, rounds) * 1.02, 4)
+
+
+def _hospital_config(
+    agent: LocalAgent,
+    index: int,
+    exports: dict[str, Path],
+    url: str,
+    aggregator_public: bytes,
+    epsilon: float,
+) -> AgentConfig:
+    """The i-th demo hospital: its own export, its own rules, the federation's schema."""
+    from fedsec.data.example import RULES, SCHEMA, hospital_source
+
+    hospital = sorted(exports)[index]
+    return table_agent_config(
+        agent,
+        url=url,
+        aggregator_public=aggregator_public,
+        sources=[hospital_source(exports[hospital])],
+        rules=RULES[hospital],
+        schema=SCHEMA,
+        epsilon=epsilon,
+    )
 
 
 @click.command()
@@ -121,6 +155,14 @@ def noise_for_demo(
     show_default=True,
     help="crash one agent after share keys in round 4, restart it in round 7",
 )
+@click.option(
+    "--data",
+    type=click.Choice(["bundled", "csv"]),
+    default="bundled",
+    show_default=True,
+    help="csv: three hospitals' differing CSV exports, aligned by their column rules "
+    "(docs/data.md); task table, 3 agents, no crash",
+)
 def demo(
     workspace: Path | None,
     agents: int,
@@ -129,6 +171,7 @@ def demo(
     partition: str,
     epsilon: float,
     crash: bool,
+    data: str,
 ) -> None:
     """Run a local federation: aggregator + agents as processes, SecAgg+ with DP."""
     root = workspace or Path(tempfile.mkdtemp(prefix="fedsec-demo-"))
@@ -138,7 +181,17 @@ def demo(
     start = time.monotonic()
     deadline = start + DEMO_TIMEOUT_S
     training = {"local_epochs": 2, "batch_size": 16, "lr": 0.1}
-    noise = noise_for_demo(task, partition, agents, rounds, epsilon, training)
+    exports: dict[str, Path] = {}
+    schema = None
+    if data == "csv":
+        from fedsec.data.example import EXPORT_ROWS, SCHEMA, write_hospital_exports
+
+        # three members, all needed: SecAgg+ sums at least three, so none may crash
+        task, agents, crash, schema = "table", 3, False, SCHEMA
+        exports = write_hospital_exports(root / "exports")
+        noise = noise_for_records(int(EXPORT_ROWS * 0.8), rounds, epsilon, training)
+    else:
+        noise = noise_for_demo(task, partition, agents, rounds, epsilon, training)
     text = federation_toml(
         "demo",
         task,
@@ -156,6 +209,7 @@ def demo(
         training=training,
         dp={"enabled": True, "noise_multiplier": noise, "max_grad_norm": 1.0},
         server={"port": 0},
+        schema=schema,
     )
     ws = create_federation(root, "demo", task, text)
     local = enrol_agents(ws, root, agents)
@@ -185,17 +239,20 @@ def demo(
         click.echo(f"dashboard: {url}/dashboard")
         click.echo(f"metrics: {url}/metrics")
         for i, a in enumerate(local):
-            cfg = agent_config(
-                a,
-                url=url,
-                aggregator_public=aggregator_public,
-                task=task,
-                part_index=i,
-                parts=agents,
-                partition=partition,
-                seed=7,
-                epsilon=epsilon,
-            )
+            if exports:
+                cfg = _hospital_config(a, i, exports, url, aggregator_public, epsilon)
+            else:
+                cfg = agent_config(
+                    a,
+                    url=url,
+                    aggregator_public=aggregator_public,
+                    task=task,
+                    part_index=i,
+                    parts=agents,
+                    partition=partition,
+                    seed=7,
+                    epsilon=epsilon,
+                )
             write_agent_config(a, cfg)
             fault = {faults.AGENT_ENV: "4:share_keys"} if crash and i == agents - 1 else None
             launch(a.agent_id, ["agent", "run", "--config", str(a.config_path)], fault)

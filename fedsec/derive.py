@@ -12,6 +12,7 @@ from fedsec.modelfile import decode_model, encode_model
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
+from fedsec.tasks.table_task import table_task_for_model
 
 
 def derive_model(
@@ -42,8 +43,10 @@ def derive_model(
     if not weight_sum > 0:
         raise RoundAborted("the survivors' total weight is zero")
     mean = (np.asarray(weighted_sum) / weight_sum).astype(np.float32)
-    model = get_task(task).build_model(0)
-    arrays_to_state(model, decode_model(parent, max_bytes=MAX_MODEL_BYTES))
+    arrays = decode_model(parent, max_bytes=MAX_MODEL_BYTES)
+    # task "table" is shaped by the federation's schema, which the log does not hold
+    model = (table_task_for_model(arrays) if task == "table" else get_task(task)).build_model(0)
+    arrays_to_state(model, arrays)
     new, state = server_step(rule, flatten_params(model), mean, state)
     load_flat_params(model, new)
     return encode_model(state_to_arrays(model)), state

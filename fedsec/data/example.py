@@ -74,7 +74,12 @@ def _patient(rng: random.Random, smokers: list[str]) -> dict[str, Any]:
     }
 
 
-def write_hospital_exports(directory: Path, rows: int = 400, seed: int = 0) -> dict[str, Path]:
+EXPORT_ROWS = 400  # per hospital: enough for a few DP-SGD rounds to learn the rule
+
+
+def write_hospital_exports(
+    directory: Path, rows: int = EXPORT_ROWS, seed: int = 0
+) -> dict[str, Path]:
     """Write the three exports into ``directory``; return hospital -> file."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

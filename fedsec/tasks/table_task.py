@@ -10,11 +10,11 @@ split and standardised with this member's own statistics, as the ``csv`` task do
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedsec.errors import ConfigError
+from fedsec.errors import ConfigError, TaskMismatch
 from fedsec.tasks.base import Dataset, Task, TaskSchema, TrainingParams
 from fedsec.tasks.csv_task import DEFAULT_TEST_FRACTION
 from fedsec.tasks.models import TabularMLP
@@ -50,6 +50,25 @@ def table_task(features: Sequence[str], classes: Sequence[str]) -> Task:
         ),
         loader=no_records,
         model_factory=lambda: TabularMLP(n_features, n_classes, hidden=64),
+    )
+
+
+def table_task_for_model(arrays: Mapping[str, np.ndarray]) -> Task:
+    """The table task whose model has these parameters.
+
+    An auditor re-deriving a model version holds the model file, not the federation's
+    schema; feature and class names do not change the parameters, so placeholders do.
+
+    Raises:
+        TaskMismatch: ``arrays`` are not a table model's.
+    """
+    try:
+        n_features = int(arrays["layers.0.weight"].shape[1])
+        n_classes = int(arrays["layers.2.weight"].shape[0])
+    except (KeyError, IndexError) as exc:
+        raise TaskMismatch(f"not a model of task table: {exc!r}") from None
+    return table_task(
+        [f"feature_{i}" for i in range(n_features)], [f"class_{j}" for j in range(n_classes)]
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.workspace import Workspace
+from fedsec.audit.verify import verify_log
 from fedsec.data.example import RULES, SCHEMA, hospital_source, write_hospital_exports
 from fedsec.data.sources import open_source
 from fedsec.data.table import build_table
@@ -97,6 +98,10 @@ def test_three_hospital_exports_train_together(tmp_path: Path) -> None:
     assert summaries["hospital-3"]["observed"]["columns"][3]["categories"] == ["current", "never"]
     assert summaries["hospital-2"]["missing_rate"]["bmi"] > 0.1
     assert all("@" not in str(s) and "-" not in str(s["observed"]) for s in summaries.values())
+    audit = ws.root / "audit"
+    verified = verify_log(audit / "log.jsonl", audit / "archive", ws.root)
+    assert verified.ok, verified.problem  # the models of task table re-derive too
+    assert verified.data_summaries == 3 and verified.models_verified == ROUNDS
     trained = _accuracy(ws, exports)
     assert trained > max(baseline, 0.7), (baseline, trained)
     ws.close()
