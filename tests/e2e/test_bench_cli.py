@@ -52,6 +52,17 @@ def test_bench_secagg_reports_an_exact_round(stage: str) -> None:
         assert record[key] >= 0
 
 
+def test_bench_secagg_with_distributed_noise_sums_exactly_and_hits_the_noise() -> None:
+    args = ["bench", "secagg", "--clients", "12", "--dim", "3000", "--bits", "12"]
+    result = CliRunner().invoke(main, [*args, "--ddp-noise", "1.0", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.strip().splitlines()[-1])
+    assert record["exact"] is True and record["ddp_noise"] == 1.0
+    noise = record["ddp_noise_std"]
+    # 3,000 coordinates: the measured std is within a few percent of the target
+    assert noise["measured"] == pytest.approx(noise["target"], rel=0.1)
+
+
 def test_simulate_uses_the_requested_local_settings() -> None:
     """A tiny real federation over loopback: the options reach the members' training."""
     result = CliRunner().invoke(
