@@ -395,6 +395,10 @@ class Coordinator:
         member is quarantined (:mod:`.rounds.quarantine`)."""
         return self._quarantine.failed_verdicts(auditor, verdicts)
 
+    def data_summaries(self) -> dict[str, wire.DataSummary]:
+        """Members' latest signed data summaries (:mod:`.rounds.data_summaries`)."""
+        return self._cohort.summaries.latest()
+
     # -- time ------------------------------------------------------------------------------------
 
     def tick(self) -> None:

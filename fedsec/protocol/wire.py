@@ -678,6 +678,9 @@ class MemberView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     audits_passed: Count
     audits_failed: Count
     last_failure: str  # "round R.A: check,check" of its latest failed verdict, or ""
+    # its latest signed data summary (task table): records and quality score
+    records: Count | None = None
+    quality: float | None = None
 
 
 class ModelView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -11,6 +11,8 @@ from click.testing import CliRunner
 
 from fedsec.aggregator.cli import aggregator
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.ops.dashboard import SnapshotBuilder
+from fedsec.aggregator.ops.live import LiveView
 from fedsec.audit.report import build_report
 from fedsec.errors import FedsecError, PayloadError, SignatureError, TaskMismatch
 from fedsec.protocol import wire
@@ -143,6 +145,10 @@ def test_an_accepted_summary_is_logged_once_listed_and_reported(
     assert coord.join("a0", 1, 0, join("a0", good)).detail == "joined"
     assert coord.join("a0", 1, 0, join("a0", good)).detail == "already joined"
     coord.join("a1", 1, 0, join("a1", summary("a1", records=80)))
+    live = LiveView(lambda: (1, 0, "open", 0, 1, None), lambda: 3, dict, {})
+    members = {m.id: m for m in SnapshotBuilder(coord, live, 0.0).build().members}
+    assert (members["a0"].records, members["a0"].quality) == (120, 0.5)
+    assert members["a2"].records is None  # no summary yet
     logged = [e["body"] for e in log_entries(fed.ws) if e["kind"] == "data_summary"]
     assert [b["member"] for b in logged] == ["a0", "a1"]
     assert logged[0]["label_counts"] == {"cold": 70, "flu": 50, "covid": 0}

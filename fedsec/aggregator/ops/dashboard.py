@@ -161,9 +161,11 @@ class SnapshotBuilder:
                 self._verdicts[member] = (len(rows) - len(fails), len(fails), last)
             self._members_key = verdict_key
         view = self._view
+        summaries = self._coord.data_summaries()
         out = []
         for entry in self._ws.roster.entries():
             passed, failed, last = self._verdicts.get(entry.agent_id, (0, 0, ""))
+            data = summaries.get(entry.agent_id)
             budget = view.budgets.get(entry.agent_id) or self._default_budget or None
             out.append(
                 wire.MemberView(
@@ -177,6 +179,8 @@ class SnapshotBuilder:
                     audits_passed=passed,
                     audits_failed=failed,
                     last_failure=last,
+                    records=None if data is None else data.records,
+                    quality=None if data is None else data.quality_score,
                 )
             )
         return out

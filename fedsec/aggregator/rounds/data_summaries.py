@@ -28,7 +28,7 @@ class DataSummaryDesk:
 
     def __init__(self, ctx: RoundContext) -> None:
         self._ctx = ctx
-        self._logged: dict[str, bytes] | None = None  # member -> its last logged summary
+        self._logged: dict[str, wire.DataSummary] | None = None  # member -> last logged
 
     def check(self, member: str, summary: wire.DataSummary | None) -> None:
         """Refuse a join whose data does not match the federation schema.
@@ -73,11 +73,10 @@ class DataSummaryDesk:
         if summary is None or self._ctx.cfg.schema is None:
             return
         logged = self._last_logged()
-        body = wire.encode(summary)
-        if logged.get(member) == body:
+        if member in logged and wire.encode(logged[member]) == wire.encode(summary):
             return
         self._ctx.trail.append(summary)
-        logged[member] = body
+        logged[member] = summary
         log.info(
             "data_summary member=%s records=%d quality=%.3f",
             member,
@@ -85,10 +84,14 @@ class DataSummaryDesk:
             summary.quality_score,
         )
 
-    def _last_logged(self) -> dict[str, bytes]:
+    def latest(self) -> dict[str, wire.DataSummary]:
+        """Each member's last logged summary (for the dashboard)."""
+        return dict(self._last_logged())
+
+    def _last_logged(self) -> dict[str, wire.DataSummary]:
         if self._logged is None:
             lines = (line for _, line in self._ctx.ws.state.log.log_lines())
-            self._logged = {s.member: wire.encode(s) for s in latest_summaries(lines).values()}
+            self._logged = latest_summaries(lines)
         return self._logged
 
 

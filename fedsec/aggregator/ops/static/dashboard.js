@@ -725,9 +725,16 @@
           el("td", { class: "n" }, String(mb.audits_passed)),
           el("td", { class: "n" + (mb.audits_failed ? " fail" : "") }, String(mb.audits_failed)),
           el("td", { class: "detail", title: mb.last_failure }, mb.last_failure || "\u2014"),
+          el(
+            "td",
+            { class: "n", "data-testid": "member-data" },
+            mb.records === null || mb.records === undefined
+              ? "\u2014"
+              : `${mb.records} \u00b7 q ${mb.quality.toFixed(2)}`,
+          ),
         ),
       );
-    replaceRows($("#members-body"), rows, "No member is enrolled.", 9);
+    replaceRows($("#members-body"), rows, "No member is enrolled.", 10);
   }
 
   function epsilonCell(mb) {
