@@ -14,6 +14,7 @@ configuration means the same thing whatever directory a service is started from.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import tomllib
@@ -448,6 +449,15 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             return self.dataset_id
         if self.csv:
             return f"csv:{Path(self.csv).name}"
+        if self.sources:
+            # files by name, queries by a digest of the query: never the URL, which may
+            # hold credentials, and the ledger's name survives a moved file or a new host
+            return "table:" + "+".join(
+                Path(s.path).name
+                if s.path
+                else "sql-" + hashlib.sha256(s.query.encode()).hexdigest()[:12]
+                for s in self.sources
+            )
         return f"{self.task}:{self.partition}:{self.seed}:{self.part_index}/{self.parts}"
 
     def dirichlet_alpha(self) -> float | None:

@@ -218,8 +218,9 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
     default=None,
     help="also write the data map as an HTML page to this file",
 )
+@click.option("--label", default="", help="the label column, before [data.schema] names it")
 @_user_errors
-def inventory_command(config_path: Path, as_json: bool, html_path: Path | None) -> None:
+def inventory_command(config_path: Path, as_json: bool, html_path: Path | None, label: str) -> None:
     """The data map: per source and column what it holds, what is sensitive, what trains."""
     import json
 
@@ -227,7 +228,7 @@ def inventory_command(config_path: Path, as_json: bool, html_path: Path | None) 
     from fedsec.data.inventory import render_html, render_text
     from fedsec.fsio import atomic_write
 
-    data_map = member_data_map(load_agent_config(config_path))
+    data_map = member_data_map(load_agent_config(config_path), label)
     if html_path is not None:
         atomic_write(html_path, render_html(data_map).encode(), mode=0o600)
     if as_json:

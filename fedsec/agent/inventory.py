@@ -14,8 +14,9 @@ from fedsec.config import AgentConfig
 from fedsec.errors import ConfigError
 
 
-def member_data_map(cfg: AgentConfig) -> dict[str, Any]:
-    """The data map of the sources ``cfg`` names.
+def member_data_map(cfg: AgentConfig, label: str = "") -> dict[str, Any]:
+    """The data map of the sources ``cfg`` names (``label``: the label column, before a
+    schema names it).
 
     Raises:
         ConfigError: no source configured, or a source cannot be read.
@@ -38,6 +39,6 @@ def member_data_map(cfg: AgentConfig) -> dict[str, Any]:
     if rules is not None and "hash" in rules.anonymise.values():
         default = Path(cfg.agent.state_dir) / "anonymise.key"
         key = load_hash_key(rules.hash_key_file or str(default))
-    data_map = build_map([open_source(s) for s in specs], rules, cfg.data.schema, key)
+    data_map = build_map([open_source(s) for s in specs], rules, cfg.data.schema, key, label)
     data_map["member"] = cfg.agent.id
     return data_map

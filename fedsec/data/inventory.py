@@ -59,8 +59,12 @@ def build_map(
     rules: ColumnRules | None = None,
     schema: DataSchema | None = None,
     hash_key: bytes | None = None,
+    label: str = "",
 ) -> dict[str, Any]:
     """The data map as plain JSON values.
+
+    ``label``: the label column (after renaming) when there is no schema yet, so the map
+    shows its distribution; the schema's label otherwise.
 
     Raises:
         ConfigError: a source cannot be read.
@@ -68,11 +72,12 @@ def build_map(
     started = time.perf_counter()
     the_rules = rules or ColumnRules()
     used = set() if schema is None else {c.name for c in schema.columns} | {schema.label}
+    label = schema.label if schema is not None else label
     out: dict[str, Any] = {"sources": [], "rules": rules is not None, "schema": schema is not None}
     for source in sources:
         profiles, rows = profile_source(source)
         actions = {a.column: a for a in column_rules.plan(the_rules, [p.name for p in profiles])}
-        columns = [_column(p, actions[p.name], used, schema) for p in profiles]
+        columns = [_column(p, actions[p.name], used, schema, label) for p in profiles]
         out["sources"].append({"name": source.name, "rows": rows, "columns": columns})
     if schema is not None:
         out["training"] = _training(sources, the_rules, schema, hash_key)
@@ -81,16 +86,20 @@ def build_map(
 
 
 def _column(
-    p: ColumnProfile, action: column_rules.RuleAction, used: set[str], schema: DataSchema | None
+    p: ColumnProfile,
+    action: column_rules.RuleAction,
+    used: set[str],
+    schema: DataSchema | None,
+    label: str,
 ) -> dict[str, Any]:
     finding = detect(p.name, p.sample)
     becomes = action.becomes
     if action.action.startswith(("excluded", "dropped")):
         role = "stays inside"
+    elif becomes == label:
+        role = "label"
     elif schema is None:
         role = "no schema yet"
-    elif schema.label == becomes:
-        role = "label"
     elif becomes in used:
         role = "feature"
     else:
@@ -117,8 +126,8 @@ def _column(
     if p.counts is not None and p.kind != "numeric" and finding is None:
         top = p.counts.most_common(CATEGORIES_SHOWN)
         entry["categories"] = {str(k): v for k, v in top}
-    elif p.counts is not None and role == "label":
-        entry["categories"] = {str(k): v for k, v in p.counts.most_common(CATEGORIES_SHOWN)}
+    if p.counts is not None and role == "label":
+        entry["label_distribution"] = dict(sorted(p.counts.items()))
     if finding is not None and role in ("feature", "label"):
         entry["warning"] = "sensitive data would enter training; exclude, drop or anonymise it"
     return entry
@@ -163,6 +172,8 @@ def render_text(data_map: dict[str, Any]) -> str:
             )
             if c.get("warning"):
                 lines.append(f"    ! {c['warning']}")
+            if c.get("label_distribution"):
+                lines.append(f"    label distribution: {c['label_distribution']}")
             if c["kind"] == "mixed":
                 lines.append(
                     f"    ! mixed types: first number at row {c['first_numeric_row']}, "

@@ -33,12 +33,18 @@ def test_inventory_before_any_rules_and_without_a_source(tmp_path: Path) -> None
     config = tmp_path / "agent.toml"
     config.write_text(HEAD + f'[data]\ntask = "csv"\ncsv = "{export.name}"\n')
     html = tmp_path / "map.html"
-    result = CliRunner().invoke(agent, ["inventory", "--config", str(config), "--html", str(html)])
+    args = ["inventory", "--config", str(config), "--html", str(html), "--label", "diagnosis"]
+    result = CliRunner().invoke(agent, args)
     assert result.exit_code == 0, result.output
     assert "source csv:hospital-c.csv: 30 rows, 10 columns" in result.output
     assert "SENSITIVE name (by name: nm)" in result.output
     assert "SENSITIVE national_id (by name: ssn)" in result.output
     assert "no federation schema in [data.schema]" in result.output
+    assert (
+        "diagnosis                text     missing   0.0%  distinct 3      kept; label"
+        in result.output
+    )
+    assert "    label distribution: {'diabetes': " in result.output
     assert (
         stat.S_IMODE(html.stat().st_mode) == 0o600
         and "<h2>csv:hospital-c.csv</h2>" in html.read_text()

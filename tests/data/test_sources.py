@@ -183,3 +183,18 @@ def test_table_configs_need_a_schema_sources_and_applicable_rules(tmp_path: Path
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_sqlite_mixed_types_and_dataset_ids_without_credentials(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE t (v)")  # SQLite: no type, every row its own
+        conn.executemany("INSERT INTO t VALUES (?)", [(1,), (2.5,), ("abc",), (None,)])
+    spec = SourceSpec(kind="sql", url=f"sqlite:///{db}", query="SELECT v FROM t")
+    (p,), rows = profile_source(open_source(spec))
+    assert (rows, p.kind, p.missing, p.first_numeric_row, p.first_text_row) == (4, "mixed", 1, 1, 3)
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(AGENT.format(key="0" * 64, url="postgresql+psycopg://u:pw@127.0.0.1/db"))
+    cfg.chmod(0o600)
+    dataset = load_agent_config(cfg).data.effective_dataset_id()
+    assert dataset.startswith("table:sql-") and "pw" not in dataset and "127.0.0.1" not in dataset
