@@ -131,6 +131,12 @@ def test_join_is_refused_naming_each_difference_and_changes_nothing(
     refused(fed, coord, SignatureError, join("a0", forged))
     out_of_range = summary("a0", quality_score=1.5)
     refused(fed, coord, PayloadError, join("a0", out_of_range))
+    inconsistent = summary("a0", records=500)
+    assert "add up to 120, not its 500" in refused(
+        fed, coord, PayloadError, join("a0", inconsistent)
+    )
+    junk = summary("a0", missing_rate={"\x1b[2J": 0.0})
+    assert "unknown columns" in refused(fed, coord, PayloadError, join("a0", junk))
     other_schema = summary("a0", schema_fingerprint="0" * 64)
     assert "[data.schema] copy differs" in refused(
         fed, coord, TaskMismatch, join("a0", other_schema)
@@ -144,7 +150,8 @@ def test_an_accepted_summary_is_logged_once_listed_and_reported(
     good = summary("a0")
     assert coord.join("a0", 1, 0, join("a0", good)).detail == "joined"
     assert coord.join("a0", 1, 0, join("a0", good)).detail == "already joined"
-    coord.join("a1", 1, 0, join("a1", summary("a1", records=80)))
+    a1 = summary("a1", records=80, label_counts={"cold": 50, "flu": 30, "covid": 0})
+    coord.join("a1", 1, 0, join("a1", a1))
     live = LiveView(lambda: (1, 0, "open", 0, 1, None), lambda: 3, dict, {})
     members = {m.id: m for m in SnapshotBuilder(coord, live, 0.0).build().members}
     assert (members["a0"].records, members["a0"].quality) == (120, 0.5)

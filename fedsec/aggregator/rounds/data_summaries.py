@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.errors import PayloadError, TaskMismatch
 from fedsec.protocol import wire
-from fedsec.protocol.data_schema import schema_differences
+from fedsec.protocol.data_schema import DataSchema, schema_differences
 from fedsec.protocol.log import entry_from_line
 from fedsec.protocol.log_entries import kind_of
 
@@ -51,10 +51,10 @@ class DataSummaryDesk:
         ws = self._ctx.ws
         if (summary.member, summary.federation_id) != (member, ws.federation_id):
             raise PayloadError(f"{member}: the data summary names another member or federation")
-        _check_ranges(member, summary, schema.classes)
         entry = ws.roster.get(member)
         assert entry is not None  # authenticated callers are roster members
         summary.verify(entry.public_key_bytes)
+        _check_ranges(member, summary, schema)
         diffs = schema_differences(schema, summary.observed)
         if diffs:
             raise TaskMismatch(
@@ -111,12 +111,21 @@ def latest_summaries(lines: Iterable[bytes]) -> dict[str, wire.DataSummary]:
     return out
 
 
-def _check_ranges(member: str, summary: wire.DataSummary, classes: list[str]) -> None:
+def _check_ranges(member: str, summary: wire.DataSummary, schema: DataSchema) -> None:
     rates = [*summary.missing_rate.values(), summary.label_coverage, summary.quality_score]
     if not all(math.isfinite(r) and 0.0 <= r <= 1.0 for r in rates):
         raise PayloadError(f"{member}: data summary rates and scores must lie in [0, 1]")
-    unknown = sorted(set(summary.label_counts) - set(classes))
+    unknown = sorted(set(summary.label_counts) - set(schema.classes))
     if unknown:
         raise PayloadError(f"{member}: data summary counts labels {unknown} outside the classes")
+    columns = {c.name for c in schema.columns} | {schema.label}
+    strange = sorted(set(summary.missing_rate) - columns)
+    if strange:
+        raise PayloadError(f"{member}: data summary has missing rates of unknown columns")
     if not (math.isfinite(summary.count_epsilon) and summary.count_epsilon >= 0):
         raise PayloadError(f"{member}: data summary count_epsilon must be a number >= 0")
+    if summary.count_epsilon == 0 and sum(summary.label_counts.values()) != summary.records:
+        raise PayloadError(
+            f"{member}: data summary label counts add up to {sum(summary.label_counts.values())}"
+            f", not its {summary.records} records"
+        )
