@@ -139,3 +139,11 @@ def test_bad_vectors_are_refused() -> None:
         encode(np.full(300, np.nan), spec, SHARED, _secret(0))
     with pytest.raises(QuantizationError, match="512 elements"):
         decode_sum(np.zeros(300, dtype=np.uint32), spec, SHARED)
+
+
+@pytest.mark.parametrize("variance", [0.3, 25.0, 6.7e5])
+def test_the_guided_sampler_is_exact_inversion_of_the_keystream_uniforms(variance: float) -> None:
+    half, cdf, _ = dz._skellam_cdf(variance)
+    u = dz.uniform53(_secret(5), dz._NOISE_DOMAIN, 100_000)
+    expected = np.minimum(np.searchsorted(cdf, u, side="right"), 2 * half) - half
+    np.testing.assert_array_equal(skellam(_secret(5), variance, 100_000), expected)
