@@ -121,7 +121,7 @@ class ColumnProfile:
         if self.counts is None:
             return
         counted = pc.value_counts(present)
-        if len(counted) + len(self.counts) > MAX_DISTINCT and len(counted) > MAX_DISTINCT:
+        if len(counted) > MAX_DISTINCT:  # no need to merge what is over the limit alone
             self.counts = None
             return
         for value, n in zip(

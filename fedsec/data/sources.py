@@ -13,6 +13,7 @@ in the URL or in a ``password_file``.  Credentials never leave this module: a so
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import stat
@@ -121,7 +122,7 @@ class CsvSource:
             ) from None
         if not text.strip():
             raise ConfigError(f"{self.name}: the file is empty; a header row is required")
-        names = [h.strip().strip('"') for h in text.split(self.delimiter)]
+        names = [h.strip() for h in next(csv.reader([text], delimiter=self.delimiter))]
         dupes = sorted({h for h in names if names.count(h) > 1})
         if dupes:
             raise ConfigError(f"{self.name}: duplicate column names {dupes}")
@@ -191,8 +192,6 @@ def _first_undecodable_line(path: Path, encoding: str, delimiter: str) -> tuple[
 
 
 def _line_with_fields(path: Path, delimiter: str, expected: int) -> int | None:
-    import csv
-
     with path.open(newline="", encoding="utf-8", errors="replace") as fh:
         for line_no, record in enumerate(csv.reader(fh, delimiter=delimiter), start=1):
             if record and len(record) != expected:
