@@ -17,10 +17,19 @@ records (a central curator adding all the noise), at the same ε, δ, q and step
 records with batch q·N for the same number of steps, the project's local-DP code path.
 The noise multiplier comes from the ledger's accountant (PRV capped by RDP), and the
 ledger's ε of the run is reported.
+
+``--unit member`` (DP-FedAvg, McMahan et al. 2018): the unit of privacy is a member.
+Each round every member joins with probability ``--member-rate``, trains its local
+epochs without noise from the current model, clips its update to ``--member-clip`` and
+discretises it with its noise share (sensitivity = the clip); the model holder adds
+the decoded sum divided by the expected number of participants to the model (server
+learning rate ``--server-lr``).  The accountant's (q, σ, steps) are (member rate, z,
+rounds).  No central comparison: there is no pooled equivalent of a member.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -42,6 +51,7 @@ from fedsec.learning.training import DPParams, train_local
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset
 from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.params import flatten_params
 
 DELTA = 1e-5
 
@@ -61,6 +71,12 @@ class DdpBench:
     dropout: float = 0.0  # probability a member drops out of a round
     wrap_stddevs: float = 4.0
     seed: int = 0
+    unit: Literal["record", "member"] = "record"
+    member_rate: float = 1.0  # member level: each member's chance to join a round
+    member_clip: float = 1.0  # member level: L2 clip of a member's update
+    server_lr: float = 1.0  # member level
+    local_epochs: int = 1  # member level
+    local_batch: int = 20  # member level
 
 
 def _optimizer(model: torch.nn.Module, b: DdpBench) -> torch.optim.Optimizer:
@@ -140,11 +156,97 @@ def _train(
     }
 
 
+def _train_members(
+    b: DdpBench, data: Dataset, parts: list[np.ndarray], noise: float
+) -> dict[str, Any]:
+    """Member-level distributed DP (DP-FedAvg) for ``b.rounds`` rounds."""
+    task = get_task(b.task)
+    torch.manual_seed(b.seed)
+    model = task.build_model(b.seed)
+    dim = sum(p.numel() for p in model.parameters())
+    n = len(parts)
+    expected = b.member_rate * n
+    spec = DdpSpec(
+        dim=dim,
+        ring_bits=default_ring_bits(b.quant_bits, n),
+        clip=b.member_clip,
+        sensitivity=b.member_clip,
+        noise_multiplier=noise,
+        min_survivors=max(1, math.ceil(b.min_survivors * expected)),
+        max_members=n,
+        wrap_stddevs=b.wrap_stddevs,
+    )
+    local = TrainingParams(
+        lr=b.lr, batch_size=b.local_batch, local_epochs=b.local_epochs, optimizer=b.optimizer
+    )
+    server = torch.optim.SGD(model.parameters(), lr=b.server_lr)
+    wraps = coords = clipped = 0
+    joined: list[int] = []
+    for r in range(b.rounds):
+        shared = hashlib.sha256(b"bench ddp member round %d" % r).digest()
+        members = np.flatnonzero(poisson_sample(n, b.member_rate, b"members %d/%d" % (b.seed, r)))
+        ring = np.zeros(spec.padded, dtype=np.uint64)
+        ints = np.zeros(spec.padded, dtype=np.int64)
+        before = flatten_params(model).astype(np.float64)
+        for i in members:
+            trained = copy.deepcopy(model)
+            part = parts[i]
+            seed = b.seed * 1_000_003 + r * 1009 + int(i)
+            train_local(trained, data.x_train[part], data.y_train[part], local, None, "cpu", seed)
+            update = flatten_params(trained).astype(np.float64) - before
+            share = encode(update, spec, shared, os.urandom(32))
+            ring += share.ring.astype(np.uint64)
+            ints += share.integers
+            clipped += share.clipped
+        ring &= np.uint64((1 << spec.ring_bits) - 1)
+        wraps += wrap_count(ints, spec.ring_bits)
+        coords += spec.padded
+        joined.append(len(members))
+        # θ ← θ + server_lr · Σ/(q·n): the optimiser's step on the negated mean update
+        apply_gradient_sum(model, -decode_sum(ring, spec, shared), expected, server)
+    accuracy, _ = evaluate(model, data.x_test, data.y_test)
+    return {
+        "accuracy": accuracy,
+        "dim": dim,
+        "ring_bits": spec.ring_bits,
+        "inflation": round(spec.inflation, 5),
+        "noise_sized_for_survivors": spec.min_survivors,
+        "realised_survivors_min": min(joined),
+        "realised_survivors_mean": round(float(np.mean(joined)), 2),
+        "realised_noise_multiplier_min": round(
+            spec.effective_noise_multiplier(max(1, min(joined))), 4
+        ),
+        "wrap_rate": wraps / coords,
+        "wrap_bound": spec.wrap_bound(),
+        "clipped_member_updates": clipped,
+    }
+
+
 def run_ddp(b: DdpBench) -> dict[str, Any]:
     """The distributed run, the same code centrally, and Opacus centrally."""
     task = get_task(b.task)
     data = task.load()
     torch.set_num_threads(1)
+    if b.unit == "member":
+        parts = parse_partition("iid").apply(data.y_train, b.agents, b.seed)
+        noise = noise_for_budget(b.epsilon, DELTA, b.member_rate, 1, b.rounds)
+        started = time.perf_counter()
+        result = _train_members(b, data, parts, noise)
+        return with_environment(
+            {
+                "bench": "ddp",
+                **b.__dict__,
+                "dp_mode": "distributed",
+                "delta": DELTA,
+                "sample_rate": b.member_rate,
+                "steps": b.rounds,
+                "noise_multiplier": noise,
+                "epsilon_ledger": epsilon_of([(noise, b.member_rate, b.rounds)], DELTA),
+                "final_accuracy": result.pop("accuracy"),
+                **result,
+                "federated_s": round(time.perf_counter() - started, 1),
+            }
+        )
     n_records = len(data.y_train)
     rate = b.batch / n_records
     noise = noise_for_budget(b.epsilon, DELTA, rate, 1, b.rounds)
@@ -210,6 +312,12 @@ def run_ddp(b: DdpBench) -> dict[str, Any]:
 @click.option("--min-survivors", default=0.8, show_default=True, help="fraction of members")
 @click.option("--dropout", default=0.0, show_default=True, help="per member and round")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--unit", type=click.Choice(["record", "member"]), default="record")
+@click.option("--member-rate", default=1.0, show_default=True, help="member level: q")
+@click.option("--member-clip", default=1.0, show_default=True, help="member level: clip")
+@click.option("--server-lr", default=1.0, show_default=True, help="member level")
+@click.option("--local-epochs", default=1, show_default=True, help="member level")
+@click.option("--local-batch", default=20, show_default=True, help="member level")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_ddp(as_json: bool, **options: Any) -> None:
     """Distributed DP (record level) vs central DP at the same epsilon."""
