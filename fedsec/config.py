@@ -245,6 +245,9 @@ DOCS: dict[str, str] = {
     "units, impute); see docs/data.md.",
     "data.schema": "Task table: a copy of the federation's [schema]; the agent checks its "
     "data against it before anything is sent.",
+    "data.summary_epsilon": "Task table: epsilon of Laplace noise on the counts of the data "
+    "summary sent at join, charged to the privacy ledger once per agent start; 0 = exact "
+    "counts (aggregate statistics, no noise, nothing charged).",
     "schema.label": "Task table: the label column every member must have.",
     "schema.classes": "Task table: the label's classes, fixed so every member maps them to "
     "the same index; a member may lack some.",
@@ -442,6 +445,7 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     sources: list[SourceSpec] = []
     rules: ColumnRules | None = None
     schema: DataSchema | None = None
+    summary_epsilon: float = 0.0
 
     def effective_dataset_id(self) -> str:
         """``dataset_id``, or one derived from where the data comes from."""
@@ -784,6 +788,12 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p.items.extend(_table_problems("data", d.task, d.schema))
     if d.task == "table":
         p.require(bool(d.sources), "data.sources", "at least one [[data.sources]]", [])
+    p.require(
+        0.0 <= d.summary_epsilon <= 1.0 and math.isfinite(d.summary_epsilon),
+        "data.summary_epsilon",
+        "a number in [0, 1] (0 = exact counts)",
+        d.summary_epsilon,
+    )
     for problem in d.rules.check_problems() if d.rules is not None else []:
         p.items.append(f"data.rules.{problem}")
     return p.items

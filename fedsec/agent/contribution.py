@@ -45,6 +45,7 @@ def privacy_report(
         samples=member.samples,
         trained_round=charged.trained_round,
         epsilon_budget=member.privacy_epsilon,
+        extra_epsilon=member.extra_epsilon,
     ).sign(member.identity)
 
 

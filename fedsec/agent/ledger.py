@@ -105,6 +105,13 @@ def _rdp_curve(noise_multiplier: float, sample_rate: float) -> tuple[float, ...]
     )
 
 
+def _pure(entry: dict[str, Any]) -> float:
+    """Sum of the ε of a dataset's pure ε-DP releases (basic composition)."""
+    # math.fsum: a float even when there is none (0.0, never int 0: signed reports omit
+    # a field at its default 0.0, and an int would be written)
+    return math.fsum(float(item["epsilon"]) for item in entry.get("pure", []))
+
+
 def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     """ε of the whole history: the smaller of PRV and RDP (see the module doc).
 
@@ -292,6 +299,9 @@ class PrivacyLedger:
                     float(item["noise_multiplier"]), float(item["sample_rate"]), int(item["steps"])
                 )
                 int(item["round"])
+            for item in entry.get("pure", []):
+                if not float(item["epsilon"]) > 0:
+                    raise ValueError("a pure release's epsilon must be > 0")
             if not isinstance(dataset_id, str):
                 raise TypeError("dataset ids must be strings")
         return datasets
@@ -418,7 +428,45 @@ class PrivacyLedger:
             (float(i["noise_multiplier"]), float(i["sample_rate"]), int(i["steps"]))
             for i in entry["history"]
         ]
-        return _epsilon(history + list(extra), float(entry["budget"]["delta"]))
+        # pure ε-DP releases (noised data-summary counts) compose with the DP-SGD
+        # history by basic composition: their ε adds, their δ is 0
+        return _epsilon(history + list(extra), float(entry["budget"]["delta"])) + _pure(entry)
+
+    def pure_spent(self, dataset_id: str) -> float:
+        """Epsilon of the pure ε-DP releases of ``dataset_id`` (part of :meth:`spent`)."""
+        return _pure(self._entry(dataset_id))
+
+    def charge_pure(self, dataset_id: str, epsilon: float, what: str) -> float:
+        """Check the budget and record one pure ε-DP release of ``dataset_id`` (e.g.
+        Laplace-noised counts), atomically; call before releasing.
+
+        Returns:
+            the new total epsilon spent.
+
+        Raises:
+            BudgetExhausted: the release would exceed the budget; the ledger is unchanged.
+            ConfigError: no budget for the dataset, or epsilon not a finite number > 0.
+        """
+        if not (math.isfinite(epsilon) and epsilon > 0):
+            raise ConfigError(f"a pure release needs a finite epsilon > 0, got {epsilon}")
+        with self._locked():
+            total = self.spent(dataset_id) + epsilon
+            budget = self.budget(dataset_id).epsilon
+            if total > budget + 1e-12:
+                raise BudgetExhausted(
+                    f"dataset '{dataset_id}': {what} would spend epsilon {epsilon:g} more, "
+                    f"{total:.3f} of the budget {budget:g}"
+                )
+            datasets = json.loads(json.dumps(self._datasets))
+            datasets[dataset_id].setdefault("pure", []).append(
+                {
+                    "epsilon": float(epsilon),
+                    "what": what,
+                    "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                }
+            )
+            self._write(datasets)
+        return self.spent(dataset_id)
 
     def remaining(self, dataset_id: str) -> float:
         """Budget epsilon minus spent epsilon (negative only if the budget was lowered)."""

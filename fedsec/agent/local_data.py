@@ -76,9 +76,8 @@ def _load_table(data: DataSection, state_dir: Path, member: str) -> LocalData:
     table = build_table(sources, schema, rules, key)
     task = with_records(get_task("table", **data.task_options), table.x, table.y)
     dataset = task.load()
-    # exact counts: noisy counts (data_summary's count_epsilon) are not offered until the
-    # privacy ledger and the auditor's accountant can compose a Laplace spend with DP-SGD's
-    summary = data_summary(table, schema, member)
+    # with summary_epsilon > 0 the counts are noised; AgentRuntime.prepare charges it
+    summary = data_summary(table, schema, member, count_epsilon=data.summary_epsilon)
     return LocalData(
         task=task,
         x=dataset.x_train,

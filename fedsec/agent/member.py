@@ -27,3 +27,5 @@ class Member:
     allow_distributed: bool = False
     # task "table": the unsigned data summary; signed for the federation at each join
     data_summary: DataSummary | None = None
+    # epsilon of this dataset's pure releases (noised summary counts) in the ledger
+    extra_epsilon: float = 0.0

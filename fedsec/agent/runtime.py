@@ -190,6 +190,12 @@ class AgentRuntime:
             budget = self.ledger.budget(self.dataset_id) if known else None
             if budget is None or (budget.epsilon, budget.delta) != (privacy.epsilon, privacy.delta):
                 self.ledger.set_budget(self.dataset_id, privacy.epsilon, privacy.delta)
+            summary = self._local.summary
+            if summary is not None and summary.count_epsilon > 0:
+                # charged before the summary can leave (at the first join)
+                self.ledger.charge_pure(
+                    self.dataset_id, summary.count_epsilon, "noised counts of the data summary"
+                )
             spent = self.ledger.spent(self.dataset_id)
             if spent >= privacy.epsilon:
                 raise BudgetExhausted(
@@ -236,6 +242,7 @@ class AgentRuntime:
             privacy_epsilon=self.config.privacy.epsilon,
             allow_distributed=self.config.privacy.allow_distributed,
             data_summary=local.summary,
+            extra_epsilon=self.ledger.pure_spent(self.dataset_id),
         )
 
     # -- main loop ------------------------------------------------------------------

@@ -199,6 +199,8 @@ class Verifier:
         self.he_contexts: dict[str, tuple[int, wire.HeContextStatement]] = {}
         self._public_contexts: dict[str, PublicContext] = {}
         self.reports: dict[tuple[str, str], list[wire.PrivacyReport]] = defaultdict(list)
+        # member -> epsilon of the noised counts of its logged data summaries
+        self.noised_counts: dict[str, float] = {}
         self.manifests: dict[int, ModelManifest] = {}
         self.pending_model: dict[int, str] = {}  # version -> recomputed sha256 awaiting manifest
         self.genesis: GenesisEntry | None = None
@@ -290,8 +292,12 @@ class Verifier:
             case wire.PrivacyReport():
                 self._on_privacy_report(entry, body)
             case wire.DataSummary():
-                # the member's own statement about its data: its signature is checked
+                # the member's own statement about its data: its signature is checked, and
+                # noised counts must show up in its privacy reports' pure epsilon
                 body.verify(self._member_key(entry, body.member))
+                self.noised_counts[body.member] = (
+                    self.noised_counts.get(body.member, 0.0) + body.count_epsilon
+                )
                 self.result.data_summaries += 1
             case AggregateEntry():
                 self._on_aggregate(entry, body)
@@ -467,6 +473,13 @@ class Verifier:
         charged = {_trained_round(r): r for r in history}
         charged[_trained_round(report)] = report
         rounds = [(r.noise_multiplier, r.sample_rate, r.steps) for r in charged.values()]
+        noised = self.noised_counts.get(report.member, 0.0)
+        if report.extra_epsilon < noised - 1e-9:
+            raise self._fail(
+                entry,
+                f"{report.member} accounts epsilon {report.extra_epsilon:.4f} for pure "
+                f"releases, less than the {noised:.4f} of its logged noised data summaries",
+            )
         if report.noise_multiplier:
             self._check_epsilon(entry, report, rounds)
         history.append(report)
@@ -478,14 +491,17 @@ class Verifier:
     ) -> None:
         """The reported ε lies between the independent PLD and RDP values, within
         EPSILON_TOLERANCE (:mod:`fedsec.audit.accountant`)."""
+        sgd = report.epsilon - report.extra_epsilon  # basic composition: the rest is DP-SGD's
         tight, loose = accountant.epsilon_range(rounds, report.delta)
         low, high = tight * (1 - EPSILON_TOLERANCE), loose * (1 + EPSILON_TOLERANCE)
-        if not low <= report.epsilon <= max(high, 1e-9):
-            independent = tight if report.epsilon < low else loose
+        if not low <= sgd <= max(high, 1e-9):
+            independent = tight if sgd < low else loose
             raise self._fail(
                 entry,
-                f"{report.member} reports epsilon {report.epsilon:.4f}, but its logged DP "
-                f"parameters give {independent:.4f} (independent accountant)",
+                f"{report.member} reports epsilon {sgd:.4f}"
+                + (" for DP-SGD" if report.extra_epsilon else "")
+                + f", but its logged DP parameters give {independent:.4f} (independent "
+                "accountant)",
             )
 
     def _on_aggregate(self, entry: LogEntry, body: AggregateEntry) -> None:

@@ -282,6 +282,9 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     # the member's total budget for this dataset (privacy.epsilon); 0 = not said.  Lets
     # the operator see a member nearing its budget before it stops contributing.
     epsilon_budget: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # the part of ``epsilon`` spent on pure ε-DP releases of the dataset (noised counts of
+    # its data summaries), added by basic composition; the rest is DP-SGD's
+    extra_epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

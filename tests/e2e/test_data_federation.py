@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.verify import verify_log
@@ -137,4 +139,50 @@ def test_a_hospital_with_an_unknown_category_is_refused_before_sending(tmp_path:
         "categories within ['F', 'M'], found also ['X'] (first offending values: sex: "
         f"csv:hospital-a.csv row {row} holds a value outside the federation's list)"
     )
+    ws.close()
+
+
+@pytest.mark.timeout(300)
+def test_noised_summary_counts_are_charged_reported_and_audited(tmp_path: Path) -> None:
+    exports = write_hospital_exports(tmp_path / "exports", rows=200)
+    text = federation_toml(
+        "hospitals",
+        "table",
+        round_={"min_agents": 3, "max_agents": 3, "rounds": 1, "advertise_s": 5.0},
+        dp={"enabled": True, "noise_multiplier": 1.0},
+        validation={"enabled": False},
+        schema=SCHEMA,
+    )
+    ws = create_federation(tmp_path, "hospitals", "table", text)
+    members = enrol_agents(ws, tmp_path, 3, prefix="hospital")
+
+    async def run() -> None:
+        async with _serving(ws, separate=False) as url:
+            runtimes = []
+            for m, h in zip(members, ["hospital-a", "hospital-b", "hospital-c"], strict=True):
+                cfg = table_agent_config(
+                    m,
+                    url=url,
+                    aggregator_public=ws.signer.public_bytes,
+                    sources=[hospital_source(exports[h])],
+                    rules=RULES[h],
+                    schema=SCHEMA,
+                    epsilon=8.0,
+                )
+                data = msgspec.structs.replace(cfg.data, summary_epsilon=0.5)
+                runtimes.append(AgentRuntime(msgspec.structs.replace(cfg, data=data), m.identity))
+            await asyncio.wait_for(asyncio.gather(*(rt.run() for rt in runtimes)), 240)
+
+    asyncio.run(run())
+    entries = log_entries(ws)
+    noised = [e["body"] for e in entries if e["kind"] == "data_summary"]
+    reports = [e["body"] for e in entries if e["kind"] == "privacy_report"]
+    assert len(noised) == 3 and all(s["count_epsilon"] == 0.5 for s in noised)
+    assert len(reports) == 3 and all(r["extra_epsilon"] == 0.5 for r in reports)
+    assert all(r["epsilon"] > 0.5 for r in reports)  # DP-SGD's share on top
+    audit = ws.root / "audit"
+    verified = verify_log(audit / "log.jsonl", audit / "archive", ws.root)
+    assert verified.ok, verified.problem  # the DP-SGD share checked apart from the 0.5
+    ledger = PrivacyLedger(members[0].root)
+    assert ledger.pure_spent(ledger.datasets()[0]) == 0.5
     ws.close()
