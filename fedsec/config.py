@@ -195,7 +195,8 @@ DOCS: dict[str, str] = {
     "quarantines its member at once: no future cohort, a quarantine log entry, a "
     "member_quarantined alert offering the rollback (docs/robustness.md). Off by default, so "
     "one false positive does not cost a member: then only an admin- or auditor-signed order "
-    "does.",
+    "does. Sound only where the per-round DP noise is in the checks' calibrated range "
+    "(docs/robustness.md, measured).",
     "aggregation.rule": "How a trusted aggregator (round.secure_sum = none) combines the "
     "updates it sees one by one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, "
     "centered_clipping or fltrust (docs/robustness.md). Refused in the secure modes, where the "
