@@ -119,7 +119,7 @@ class CohortDesk:
         joins = ws.state.joins.samples(live.round, live.attempt)
         if len(joins) < cfg.min_agents:
             return False
-        active = {e.agent_id for e in ws.roster.active_agents()}
+        active = {e.agent_id for e in ws.roster.active_agents()} - self._ctx.quarantined.keys()
         return len(joins) >= self.cap or active <= joins.keys() or now >= self.join_deadline(live)
 
     def _he_ready(self, live: Attempt) -> bool:
