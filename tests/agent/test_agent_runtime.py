@@ -71,6 +71,7 @@ from fedsec.protocol.wire import (
     AdvertiseKeysBody,
     ContributionStatement,
     DPSpec,
+    FederationStatus,
     IncomingShare,
     JoinRequest,
     JoinResponse,
@@ -239,6 +240,22 @@ class FakeAggregator:
             if self.secagg is None and set(self.reports) == set(self.cohort):
                 self.advance(stage="masked_input")
             return web.json_response({})
+        if route == ("GET", "/v1/status"):  # trusted mode: the agent reads why it was refused
+            return _json(
+                FederationStatus(
+                    federation_id=FED,
+                    round=s.round,
+                    attempt=s.attempt,
+                    stage=s.stage,
+                    model_version=1,
+                    rounds_completed=0,
+                    rounds_target=0,
+                    finished=False,
+                    agents_active=len(MEMBERS),
+                    history=[],
+                    alerts=[],
+                )
+            )
         if route == ("GET", "/v1/roster"):
             entries = [
                 sign_roster_entry(
