@@ -112,8 +112,9 @@ def _pure(entry: dict[str, Any]) -> float:
     return math.fsum(float(item["epsilon"]) for item in entry.get("pure", []))
 
 
-def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
-    """ε of the whole history: the smaller of PRV and RDP (see the module doc).
+def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
+    """ε of a history of (noise multiplier, sample rate, steps): the smaller of PRV and
+    RDP (see the module doc).
 
     Steps with the same (noise, sample rate) are merged first, and the answer is cached
     per merged history, so fifty agents of one simulation sharing a history pay once.
@@ -124,7 +125,7 @@ def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     for noise, rate, n in history:
         steps[(noise, rate)] = steps.get((noise, rate), 0) + n
     merged = tuple(sorted((noise, rate, n) for (noise, rate), n in steps.items()))
-    return min(_prv_epsilon(merged, delta), _rdp_epsilon(history, delta))
+    return min(_prv_epsilon(merged, delta), rdp_epsilon(history, delta))
 
 
 @lru_cache(maxsize=4096)
@@ -151,19 +152,8 @@ def _prv_epsilon(
             return math.inf
 
 
-def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
-    """ε of a history of (noise multiplier, sample rate, steps) by the ledger's own
-    accountant (PRV capped by RDP), e.g. for a benchmark's report."""
-    return _epsilon(history, delta)
-
-
 def rdp_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
-    """The RDP cross-check alone: ε of ``history`` by Opacus' RDP analysis (≥ PRV)."""
-    return _rdp_epsilon(history, delta)
-
-
-def _rdp_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
-    """ε of the whole history with Opacus' RDP analysis.
+    """ε of the whole history with Opacus' RDP analysis alone (the cross-check, ≥ PRV).
 
     Steps with the same (noise, sample rate) are added up and each curve is computed
     once per process: a ledger of hundreds of rounds costs microseconds, not the
@@ -221,7 +211,7 @@ def noise_for_budget(
     _validate_round(1.0, sample_rate, steps_per_round)
     steps = steps_per_round * rounds
     with warnings.catch_warnings():
-        # The search probes very large noise, where the RDP bound is loose (see _epsilon).
+        # The search probes very large noise, where the RDP bound is loose (see rdp_epsilon).
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         upper = float(
             get_noise_multiplier(
@@ -430,7 +420,7 @@ class PrivacyLedger:
         ]
         # pure ε-DP releases (noised data-summary counts) compose with the DP-SGD
         # history by basic composition: their ε adds, their δ is 0
-        return _epsilon(history + list(extra), float(entry["budget"]["delta"])) + _pure(entry)
+        return epsilon_of(history + list(extra), float(entry["budget"]["delta"])) + _pure(entry)
 
     def pure_spent(self, dataset_id: str) -> float:
         """Epsilon of the pure ε-DP releases of ``dataset_id`` (part of :meth:`spent`)."""
