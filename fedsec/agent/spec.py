@@ -10,7 +10,7 @@ from typing import Literal, cast
 
 from fedsec.errors import ConfigError, PayloadError, SignatureError, TaskMismatch
 from fedsec.protocol.weights import contribution_weight
-from fedsec.protocol.wire import DataSummary, RoundSpec
+from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks import Task, TrainingParams, check_schema
 
 
@@ -54,12 +54,9 @@ def check_spec_task(spec: RoundSpec, task: Task, dim: int) -> None:
         )
 
 
-def member_weight(
-    samples: int, spec: RoundSpec, member: str, summary: DataSummary | None = None
-) -> float:
-    """This member's quality weight (:func:`fedsec.protocol.weights.contribution_weight`):
-    volume × the quality of its data summary (1 without one), capped by the roster."""
-    return contribution_weight(samples, spec, member, summary)
+#: This member's quality weight: volume × the quality of its data summary (1 without
+#: one), capped by the roster; the one definition the auditor checks too.
+member_weight = contribution_weight
 
 
 def staleness_discount(spec: RoundSpec, member: str) -> float:

@@ -34,13 +34,6 @@ def quality_factor(summary: DataSummary | None) -> float:
     return min(max(q, 0.0), 1.0) if math.isfinite(q) else 0.0
 
 
-def volume_weight(samples: int, spec: RoundSpec, member: str) -> float:
-    """The weight from volume alone, capped: min(1, samples / max_weight_samples, cap).
-    What a member's weight may not exceed whatever its quality."""
-    cap = float(spec.weight_caps.get(member, 1.0))
-    return float(max(0.0, min(1.0, samples / spec.max_weight_samples, cap)))
-
-
 def contribution_weight(
     samples: int, spec: RoundSpec, member: str, summary: DataSummary | None = None
 ) -> float:
@@ -48,3 +41,9 @@ def contribution_weight(
     cap = float(spec.weight_caps.get(member, 1.0))
     volume = min(1.0, samples / spec.max_weight_samples)
     return float(max(0.0, min(volume * quality_factor(summary), cap)))
+
+
+def volume_weight(samples: int, spec: RoundSpec, member: str) -> float:
+    """The weight from volume alone, capped (quality 1): what a member's weight may not
+    exceed whatever its quality."""
+    return contribution_weight(samples, spec, member)
