@@ -102,6 +102,20 @@ class AggregationSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
     max_norm_ratio: float = 0.0  # any rule: refuse ‖Δ‖ over this × the median (0 = off)
 
 
+class CodecSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How a member encodes its update between clipping and masking, beyond the round's
+    ``quant_bits`` rounding; every member and the aggregator derive the same stages from
+    it (``fedsec.protocol.update_codec``).  The defaults are the plain pipeline: each
+    coordinate rounded over [−clip, clip], every coordinate sent."""
+
+    rotation: Literal["none", "hadamard"] = "none"  # shared randomised Hadamard rotation
+    keep: float = 1.0  # fraction of coordinates sent: a shared random subset, from the seed
+    # rounding range of a coordinate, ± this many × clip/√N (rotated coordinates are close
+    # to N(0, ‖x‖²/N)); 0 = ±clip, the range no coordinate can leave
+    range_stddevs: float = 0.0
+    error_feedback: bool = False  # members carry what the codec dropped into the next round
+
+
 S = TypeVar("S", bound="_Signed")
 
 
@@ -174,6 +188,8 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     he_model_hidden: bool = False
     # trusted mode: the robust aggregation rule and its thresholds; None = plain FedAvg
     aggregation: AggregationSpec | None = None
+    # the update codec between clipping and masking; the default is the plain pipeline
+    codec: CodecSpec = CodecSpec()  # a frozen default, so omit_defaults leaves it out
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
