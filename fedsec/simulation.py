@@ -341,8 +341,13 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     )
     dim = sum(p.numel() for p in task.build_model(0).parameters())
     up = [s.bytes_up / max(s.participants, 1) for s in closed]
-    # what the masked vector alone costs, to compare with float32
+    # everything a member sends (request heads and bodies), to compare with float32
     bytes_up = sum(up) / len(up) if up else 0.0
+    member_rounds = max(sum(s.participants for s in closed), 1)
+    extra["bytes_up_by_request"] = {
+        name: {k: round(v / member_rounds, 2) for k, v in counts.items()}
+        for name, counts in extra.pop("wire_up").items()
+    }
     float32 = 4 * dim
     final_acc = final.accuracy if final and final.accuracy is not None else float("nan")
     if hidden_acc is not None:
@@ -534,6 +539,7 @@ async def _run_agents(
                 await custodian  # a custodian that failed says why
         wall = time.perf_counter() - start
         extra.update(await _dashboard_cost(url, viewers))
+        extra["wire_up"] = await _wire_up(url)
         return wall
 
 
@@ -584,6 +590,28 @@ async def _watch(url: str) -> int:
                         received += line.startswith(b"event: snapshot")
             except (aiohttp.ClientError, TimeoutError):
                 await asyncio.sleep(0.5)
+
+
+async def _wire_up(url: str) -> dict[str, dict[str, float]]:
+    """Requests, head bytes and body bytes sent to the aggregator over the whole run, by
+    endpoint, from its own /metrics."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
+        text = await answer.text()
+    names = {
+        "fedsec_http_requests": "requests",
+        "fedsec_http_request_head_bytes": "head",
+        "fedsec_http_request_bytes": "body",
+    }
+    totals: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kind = names.get(sample.name.removesuffix("_total"))
+            if kind is not None and sample.name.endswith("_total"):
+                row = totals.setdefault(
+                    sample.labels["endpoint"], dict.fromkeys(names.values(), 0.0)
+                )
+                row[kind] += sample.value
+    return totals
 
 
 async def _dashboard_cost(url: str, viewers: list[asyncio.Task[int]]) -> dict[str, Any]:

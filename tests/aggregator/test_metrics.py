@@ -11,11 +11,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
+from fedsec.aggregator.http.auth import head_bytes
 from fedsec.aggregator.http.keys import COORDINATOR
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ops.live import LiveView
@@ -172,6 +174,8 @@ async def test_metrics_scraped_during_live_rounds_match_the_state(tmp_path: Path
         accepted
     )
     assert _value(final, "fedsec_http_request_bytes_total", endpoint="masked_input") > 0
+    # a GET has no body, but its head (signature fields) is counted
+    assert _value(final, "fedsec_http_request_head_bytes_total", endpoint="get_round") > 0
     assert _value(final, "fedsec_http_response_bytes_total", endpoint="get_round") > 0
     # epsilon reported: per member and the largest (no DP: each member reports 0)
     epsilons = ws.state.reports.epsilons()
@@ -213,3 +217,13 @@ def test_two_aggregators_in_one_process_keep_their_own_numbers(tmp_path: Path) -
         )
         == 0
     )
+
+
+def test_a_request_head_is_counted_as_it_came_over_the_wire() -> None:
+    headers = {"Host": "127.0.0.1:80", "Signature": "f=:AA==:", "Content-Length": "2"}
+    request = make_mocked_request("POST", "/v1/rounds/1/join?attempt=0", headers=headers)
+    sent = (
+        b"POST /v1/rounds/1/join?attempt=0 HTTP/1.1\r\n"
+        b"Host: 127.0.0.1:80\r\nSignature: f=:AA==:\r\nContent-Length: 2\r\n\r\n"
+    )
+    assert head_bytes(request) == len(sent)

@@ -5,7 +5,9 @@ signature headers, key, roster role, created time, nonce and the member's rate. 
 then is the body read (bounded in size, time and concurrency), checked against the
 signed digest, and the nonce recorded.  ``Expect: 100-continue`` is answered only to a
 request that passed the checks that need no body.  The bytes of an authenticated
-request are counted in its round's summary, both ways.
+request are counted in its round's summary, both ways: upwards its head (request line
+and header fields, :func:`head_bytes`) as well as its body, since the signature fields
+of a small control message weigh as much as its body.
 """
 
 from __future__ import annotations
@@ -68,8 +70,16 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
     request.app[OPS].live.seen(member, time.time())
     # counted on arrival: a held answer (e.g. the unmask answer, held until the round
     # is over) must not leave its upload out of the round's summary
-    coord.count_traffic(key, len(body), 0)
+    coord.count_traffic(key, head_bytes(request) + len(body), 0)
     return member, body
+
+
+def head_bytes(request: web.Request) -> int:
+    """The size of the request's head as it came over HTTP/1.1: request line, header
+    fields (``name: value``, each ended by CRLF) and the blank line that ends them."""
+    line = len(request.method) + 1 + len(request.raw_path) + len(" HTTP/1.1\r\n")
+    fields = sum(len(name) + 2 + len(value) + 2 for name, value in request.raw_headers)
+    return line + fields + 2
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -91,8 +101,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
 @web.middleware
 async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count every answered request by endpoint and status, with its body bytes both
-    ways, for ``/metrics`` (refusals included; requests matching no route are counted
-    under ``unmatched``)."""
+    ways and its head's bytes, for ``/metrics`` (refusals included; requests matching
+    no route are counted under ``unmatched``)."""
     try:
         response = await handler(request)
     except web.HTTPException as exc:  # redirects (the dashboard's token exchange)
@@ -108,7 +118,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 def _observe(request: web.Request, status: int, sent: int) -> None:
     endpoint = request.app[ENDPOINT_OF].get(request.match_info.handler)
     name = endpoint.name if endpoint is not None else "unmatched"
-    request.app[OPS].metrics.observe_request(name, status, request.content_length or 0, sent)
+    request.app[OPS].metrics.observe_request(
+        name, status, request.content_length or 0, sent, head=head_bytes(request)
+    )
 
 
 @web.middleware

@@ -119,6 +119,13 @@ class FederationMetrics:
         self.bytes_in = Counter(
             "fedsec_http_request_bytes", "Request body bytes, by endpoint", ["endpoint"], registry=r
         )
+        self.head_bytes_in = Counter(
+            "fedsec_http_request_head_bytes",
+            "Request head bytes (request line and header fields, signature fields "
+            "included), by endpoint",
+            ["endpoint"],
+            registry=r,
+        )
         self.bytes_out = Counter(
             "fedsec_http_response_bytes",
             "Response body bytes, by endpoint",
@@ -167,9 +174,14 @@ class FederationMetrics:
             case _:
                 pass
 
-    def observe_request(self, endpoint: str, status: int, received: int, sent: int) -> None:
-        """Count one answered request (every one, refused ones included)."""
+    def observe_request(
+        self, endpoint: str, status: int, received: int, sent: int, head: int = 0
+    ) -> None:
+        """Count one answered request (every one, refused ones included); ``received``
+        and ``sent`` are body bytes, ``head`` the request's line and header fields."""
         self.requests.labels(endpoint, str(status)).inc()
+        if head:
+            self.head_bytes_in.labels(endpoint).inc(head)
         if received:
             self.bytes_in.labels(endpoint).inc(received)
         if sent:
