@@ -551,10 +551,13 @@ async def test_refused_uploads_are_not_counted_as_round_traffic(tmp_path: Path) 
     )
     served = await serve(fed.ws, Coordinator(fed.ws, clock=FakeClock()))
     ids = fed.identities
+    sent: list[int] = []  # whole requests (head and body) that were answered 200
 
     async def call(who: str, method: str, target: str, body: bytes = b"") -> Any:
-        answer = await exchange(served.port, signed_request(ids[who], method, target, body))
+        request = signed_request(ids[who], method, target, body)
+        answer = await exchange(served.port, request)
         assert answer.status == 200, answer
+        sent.append(len(request))
         return answer.json()
 
     try:
@@ -563,7 +566,7 @@ async def test_refused_uploads_are_not_counted_as_round_traffic(tmp_path: Path) 
             await call(m, "POST", "/v1/rounds/1/join?attempt=0", join)
         state = msgspec.convert(await call("a0", "GET", "/v1/round"), wire.RoundState)
         assert state.stage == "masked_input" and state.spec is not None
-        uploaded = len(members) * len(join)  # request bodies of round 1's accepted requests
+        uploaded = sum(sent)  # round 1's accepted requests so far, heads included
 
         before = durable_state(fed.ws)
         for target, length in (
@@ -584,7 +587,7 @@ async def test_refused_uploads_are_not_counted_as_round_traffic(tmp_path: Path) 
                 f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}&signature={signature}"
             )
             await call(m, "POST", target, raw)
-            uploaded += len(raw)
+            uploaded += sent[-1]
         row = fed.ws.state.rounds.get(1, 0)
         assert row is not None and row.stage == "closed" and row.summary is not None
         summary = msgspec.json.decode(row.summary, type=wire.RoundSummary)
