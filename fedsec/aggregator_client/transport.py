@@ -45,6 +45,10 @@ from fedsec.protocol.wire import decode, encode
 log = logging.getLogger("fedsec.aggregator_client")
 
 _RETRYABLE_EXCEPTIONS: Final = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+#: Header fields aiohttp adds by default that tell the aggregator nothing (it compresses
+#: no answer and serves one media type per route): ~90 bytes off every request, a tenth
+#: of a member's fixed per-round upload.
+_SKIPPED_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding")
 
 T = TypeVar("T")
 
@@ -262,6 +266,7 @@ class Transport:
                 call.url,
                 data=call.body if call.method != "GET" else None,
                 headers=headers,
+                skip_auto_headers=_SKIPPED_HEADERS,
                 timeout=call.timeout,
                 allow_redirects=False,
             ) as resp:

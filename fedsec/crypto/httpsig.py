@@ -8,10 +8,11 @@ checked *before* the library parses anything and in this order:
 
 1. sizes of the three authentication fields (``Signature-Input``, ``Signature``,
    ``Content-Digest``), each present exactly once;
-2. their syntax (Structured Fields, RFC 8941), one signature labelled ``fedsec``;
+2. their syntax (Structured Fields, RFC 8941), one signature labelled ``f``;
 3. what the signature must say: exactly the covered components in
-   :data:`COVERED_COMPONENTS`, ``alg="ed25519"``, ``tag="fedsec"``, a well-formed
-   ``keyid`` and ``nonce``, and a ``created`` time within the clock-skew window;
+   :data:`COVERED_COMPONENTS`, ``tag="fedsec"``, a well-formed ``keyid`` and ``nonce``,
+   ``alg="ed25519"`` if it names an algorithm at all, and a ``created`` time within
+   the clock-skew window;
 4. the nonce has not been seen (read-only look-up, so replays fail fast);
 5. the key id names a key the roster accepts;
 6. the Ed25519 signature over the RFC 9421 signature base;
@@ -35,11 +36,17 @@ cost is that a request signed for one aggregator verifies at another that
 enrols the same agent key, unless federation and round in the path differ.
 
 The signature is standard RFC 9421 ``ed25519`` (Ed25519 over the signature base
-itself), so any RFC 9421 verifier can check it.  fedsec's other signatures are
-domain separated (``fedsec/v1/<domain>\\x00…``, see :mod:`fedsec.crypto.identity`);
-an RFC 9421 signature base always begins with ``"`` (a quoted component name)
-while every domain-separated message begins with ``f``, so no signature of one
-kind is ever a valid signature of the other.  :func:`_sign_signature_base`
+itself), so any RFC 9421 verifier can check it.  The signer leaves ``alg`` out: RFC 9421
+§3.3.7 lets the key determine the algorithm, and a fedsec key id names an Ed25519 key
+and nothing else (``ed25519:`` and its fingerprint), so the parameter would repeat the
+key id on every request; a verifier still refuses any other ``alg`` a signer names.
+The label is one letter for the same reason: it is not signed (the signed ``tag``
+marks a fedsec signature), it only pairs ``Signature-Input`` with ``Signature``.
+
+fedsec's other signatures are domain separated (``fedsec/v1/<domain>\\x00…``, see
+:mod:`fedsec.crypto.identity`); an RFC 9421 signature base always begins with ``"``
+(a quoted component name) while every domain-separated message begins with ``f``, so
+no signature of one kind is ever a valid signature of the other.  :func:`_sign_signature_base`
 enforces that first byte before signing.
 """
 
@@ -112,15 +119,17 @@ DEFAULT_NONCES_PER_KEY: Final = 50_000
 NONCE_BYTES: Final = 16
 
 # ------------------------------------------------------------------------ protocol
-#: Signature dictionary label.  Labels are not signed; :data:`SIGNATURE_TAG` is.
-SIGNATURE_LABEL: Final = "fedsec"
+#: Signature dictionary label.  Labels are not signed; :data:`SIGNATURE_TAG` is.  One
+#: letter: it is sent twice on every request and says nothing the tag does not.
+SIGNATURE_LABEL: Final = "f"
 #: Signed application tag (RFC 9421 §2.3): marks the signature as fedsec's.
 SIGNATURE_TAG: Final = "fedsec"
 #: RFC 9421 §3.3.6 algorithm identifier.
 SIGNATURE_ALG: Final = "ed25519"
 #: Components every fedsec signature covers, in signing order (see module doc).
 COVERED_COMPONENTS: Final = ("@method", "@path", "@query", "content-digest")
-#: Signature parameters every fedsec signature carries, and no others.
+#: Signature parameters a fedsec signature may carry, and no others; ``alg`` is the
+#: only optional one (see module doc), the signer leaves it out.
 SIGNATURE_PARAMETERS: Final = frozenset({"created", "keyid", "alg", "nonce", "tag"})
 #: RFC 9530 digest algorithm; the only one accepted.
 DIGEST_ALG: Final = "sha-256"
@@ -342,7 +351,7 @@ def sign_request(
             nonce=nonce,
             label=SIGNATURE_LABEL,
             tag=SIGNATURE_TAG,
-            include_alg=True,
+            include_alg=False,
             covered_component_ids=COVERED_COMPONENTS,
             body=body,
         )
@@ -366,7 +375,8 @@ def sign_request(
 
 
 def _sign_signature_base(identity: SigningIdentity, signature_base: bytes) -> bytes:
-    """Plain Ed25519 over an RFC 9421 signature base, as ``alg="ed25519"`` requires."""
+    """Plain Ed25519 over an RFC 9421 signature base, as the ``ed25519`` algorithm
+    (RFC 9421 §3.3.6) requires."""
     return identity.sign_http_signature_base(signature_base)
 
 
@@ -568,13 +578,15 @@ class RequestVerifier:
                 f"request's method, path, query and Content-Digest ({detail})"
             ) from None
         # Defence in depth: the library must have verified what we checked.
-        if len(results) != 1 or results[0].parameters != {
+        checked: dict[str, object] = {
             "created": claims.created,
             "keyid": claims.keyid,
-            "alg": claims.alg,
             "nonce": claims.nonce,
             "tag": claims.tag,
-        }:
+        }
+        if claims.alg is not None:
+            checked["alg"] = claims.alg
+        if len(results) != 1 or results[0].parameters != checked:
             raise AuthError("bad signature: the verified parameters differ from those checked")
 
 
@@ -700,7 +712,7 @@ def _check_policy(claims: _SignatureClaims) -> None:
             f"signature covers unexpected component(s) {extra}; fedsec signatures cover "
             f"exactly {', '.join(COVERED_COMPONENTS)}"
         )
-    if claims.alg != SIGNATURE_ALG:
+    if claims.alg is not None and claims.alg != SIGNATURE_ALG:
         raise AuthError(f"wrong alg {claims.alg!r}: fedsec signatures use alg={SIGNATURE_ALG!r}")
     if claims.tag != SIGNATURE_TAG:
         raise AuthError(f"wrong tag {claims.tag!r}: fedsec signatures carry tag={SIGNATURE_TAG!r}")
