@@ -113,6 +113,24 @@ DOCS: dict[str, str] = {
     "point; the accountant reports the epsilon it costs.",
     "dp.max_grad_norm": "Per-record gradient clipping bound; 1.0 is the usual DP-SGD default.",
     "dp.delta": "DP delta; must be well below 1/records, 1e-5 suits datasets up to ~10^4 records.",
+    "dp.mode": "local: every member adds all of its noise (holds against everyone). distributed: "
+    "each member adds a share inside the SecAgg+ ring and only the sum carries the full noise "
+    "(needs secure_sum = secagg and members' privacy.allow_distributed; docs/privacy.md).",
+    "dp.unit": "distributed: record (each round is one DP-SGD step over the union of the "
+    "members' records) or member (a member's whole clipped update, DP-FedAvg).",
+    "dp.sample_rate": "distributed, record unit: each member's Poisson sampling rate q per "
+    "round; the union's batch is q x all records.",
+    "dp.min_survivors_fraction": "distributed: share of the cohort whose noise shares make the "
+    "full noise; a round with fewer survivors is aborted before unmasking. 0.8 tolerates "
+    "20 % dropouts at 1/0.8 of the noise.",
+    "codec.rotation": "none or hadamard: a shared random rotation before rounding, so low bit "
+    "widths lose little (docs/compression.md).",
+    "codec.keep": "Fraction of the model's coordinates each member sends, the same random "
+    "subset for every member of a round; 1 sends all.",
+    "codec.range_stddevs": "With rotation: a coordinate's rounding range in standard "
+    "deviations of a clipped update's rotated coordinate; 0 = +-clip_norm.",
+    "codec.error_feedback": "Members add what the codec left out to their next update; not "
+    "with record-level distributed DP.",
     "server.host": "Address the aggregator listens on; loopback by default so nothing is "
     "exposed until the operator says so.",
     "server.port": "TCP port; 8443 is the conventional unprivileged HTTPS port.",
@@ -313,6 +331,17 @@ class DPSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
     delta: float = 1e-5
+    mode: Literal["local", "distributed"] = "local"
+    unit: Literal["record", "member"] = "record"
+    sample_rate: float = 0.0
+    min_survivors_fraction: float = 0.8
+
+
+class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    rotation: Literal["none", "hadamard"] = "none"
+    keep: float = 1.0
+    range_stddevs: float = 0.0
+    error_feedback: bool = False
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -407,6 +436,7 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     round: RoundSection = msgspec.field(default_factory=RoundSection)
     training: TrainingSection = msgspec.field(default_factory=TrainingSection)
     dp: DPSection = msgspec.field(default_factory=DPSection)
+    codec: CodecSection = msgspec.field(default_factory=CodecSection)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     validation: ValidationSection = msgspec.field(default_factory=ValidationSection)
     audit: AuditSection = msgspec.field(default_factory=AuditSection)
@@ -577,6 +607,44 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         )
     p.positive("dp.max_grad_norm", d.max_grad_norm)
     p.open_unit("dp.delta", d.delta)
+    if d.mode == "distributed":
+        p.require(d.enabled, "dp.mode", "dp.enabled = true for distributed DP", d.enabled)
+        p.require(
+            r.secure_sum == "secagg",
+            "dp.mode",
+            "round.secure_sum = 'secagg' (the noise shares are summed in its ring)",
+            r.secure_sum,
+        )
+        p.require(
+            r.mode == "sync",
+            "dp.mode",
+            "round.mode = 'sync' (the noise is sized for the cohort fixed with the spec)",
+            r.mode,
+        )
+        if d.unit == "record":
+            p.require(0 < d.sample_rate <= 1, "dp.sample_rate", "a rate in (0, 1]", d.sample_rate)
+        p.require(
+            0 < d.min_survivors_fraction <= 1,
+            "dp.min_survivors_fraction",
+            "a share of the cohort in (0, 1]",
+            d.min_survivors_fraction,
+        )
+    c = cfg.codec
+    p.require(0 < c.keep <= 1, "codec.keep", "a fraction in (0, 1]", c.keep)
+    p.require(c.range_stddevs >= 0, "codec.range_stddevs", "a number >= 0", c.range_stddevs)
+    if c.range_stddevs:
+        p.require(
+            c.rotation == "hadamard",
+            "codec.range_stddevs",
+            "codec.rotation = 'hadamard'",
+            c.rotation,
+        )
+    if c.error_feedback and d.mode == "distributed" and d.unit == "record":
+        p.fail(
+            "codec.error_feedback",
+            "cannot be on with record-level distributed DP: a member would carry a record's "
+            "gradient into rounds its privacy accounting does not cover",
+        )
     s = cfg.server
     p.require(bool(s.host), "server.host", "a host name or address", s.host)
     p.int_range("server.port", s.port, 0, 65535)

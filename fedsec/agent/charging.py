@@ -22,7 +22,8 @@ from fedsec.agent.member import Member
 from fedsec.agent.spec import training_params, update_key
 from fedsec.errors import ConfigError
 from fedsec.learning.training import plan_round
-from fedsec.protocol.ddp import ddp_spec, is_distributed
+from fedsec.protocol.ddp import is_distributed
+from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks import Task
 
@@ -84,6 +85,8 @@ class Carryover:
         self.last_cost: Cost | None = None
         self.joined: set[tuple[int, int]] = set()
         self.handled: set[tuple[int, int]] = set()
+        # error feedback: what the codec left out of the last update the aggregator took
+        self.residual: npt.NDArray[np.float32] | None = None
 
     def reusable(self, spec: RoundSpec, member: str) -> TrainedUpdate | PrivacyCharge | None:
         """The update or charge a retried attempt (or a buffered member) reuses."""
@@ -125,8 +128,8 @@ def plan_charge(
 
     Raises:
         ConfigError: the round trains without DP and this agent requires it, asks for
-            distributed DP and this agent does not allow it (or cannot carry it yet), or
-            asks for an unknown optimiser.
+            distributed DP and this agent does not allow it, or asks for an unknown
+            optimiser.
         ProtocolError / QuantizationError: a distributed-DP spec that contradicts itself
             or whose bit budget cannot be met (:func:`fedsec.protocol.ddp.ddp_spec`).
     """
@@ -139,6 +142,10 @@ def plan_charge(
         )
     if is_distributed(spec):
         check_distributed(spec, allow_distributed)
+        # one DP-SGD step per round over the union (record), or one release of the
+        # member's clipped update with no sampling the member could check (member)
+        rate = spec.dp.sample_rate if spec.dp.unit == "record" else 1.0
+        return ChargeRequest(update_key(spec), spec.round, spec.dp.noise_multiplier, rate, 1, True)
     sample_rate, steps = plan_round(samples, params)
     return ChargeRequest(
         update_key(spec), spec.round, spec.dp.noise_multiplier, sample_rate, steps, spec.dp.enabled
@@ -149,7 +156,7 @@ def check_distributed(spec: RoundSpec, allowed: bool) -> None:
     """Refuse a distributed-DP round unless this member's agent.toml allows it.
 
     Raises:
-        ConfigError: not allowed, or allowed but not carried by this agent yet.
+        ConfigError: not allowed.
         ProtocolError / QuantizationError: see :func:`fedsec.protocol.ddp.ddp_spec`.
     """
     if not allowed:
@@ -159,16 +166,7 @@ def check_distributed(spec: RoundSpec, allowed: bool) -> None:
             f"{spec.dp.min_survivors} other members adding theirs; this agent's agent.toml "
             "does not allow that (privacy.allow_distributed = false), so it refuses"
         )
-    ddp_spec(spec)  # a bit budget the ring cannot meet is refused here, with the reason
-    # The member's side of a distributed round (one clipped-gradient step, discretised
-    # with a noise share: fedsec.learning.distributed, fedsec.crypto.discretize) is not
-    # yet wired into AgentRound.  Training with local DP instead would not be what the
-    # signed spec says, nor what the other members' noise shares were sized for.
-    raise ConfigError(
-        f"round {spec.round} asks for distributed DP, which this agent allows but cannot "
-        "carry yet (its rounds train with local DP only); it refuses rather than train "
-        "differently from what the spec says"
-    )
+    codec_for(spec)  # a bit budget the ring cannot meet is refused here, with the reason
 
 
 def charge_step(

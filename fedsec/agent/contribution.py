@@ -13,6 +13,7 @@ from fedsec.agent.vault import RoundRecord
 from fedsec.crypto.commitment import CommitmentContext, commit
 from fedsec.crypto.quantize import RingVector
 from fedsec.errors import IntegrityError
+from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.wire import ContributionStatement, PrivacyReport, Receipt, RoundSpec
 
 
@@ -46,6 +47,8 @@ def privacy_report(
         trained_round=charged.trained_round,
         epsilon_budget=member.privacy_epsilon,
         extra_epsilon=member.extra_epsilon,
+        dp_mode="distributed" if is_distributed(spec) else "local",
+        honest_survivors=spec.dp.min_survivors if is_distributed(spec) else 0,
     ).sign(member.identity)
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from fedsec.agent.actions import (
     Action,
@@ -86,12 +87,14 @@ from fedsec.agent.member import Member
 from fedsec.agent.refusals import is_round_local
 from fedsec.agent.secagg_steps import SecAggSteps
 from fedsec.agent.spec import check_spec_task, member_weight, staleness_discount, verify_round_spec
-from fedsec.crypto.quantize import pack, quantize
+from fedsec.crypto.quantize import clip_l2, pack
 from fedsec.crypto.secagg import ClientSession
 from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.ddp import is_distributed
+from fedsec.protocol.ddp import member_weight as ddp_member_weight
 from fedsec.protocol.stages import stage_index
+from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import (
     PrivacyReport,
     Receipt,
@@ -148,6 +151,7 @@ class AgentRound:
         self._key = self._attempt.key
         self._base = RoundOutcome(*self._key, "dropped", spec.model_version, samples=member.samples)
         self._receipt: Receipt | None = None
+        self._residual: npt.NDArray[np.float32] | None = None  # error feedback, once taken
         self._training: PrivacyCharge | None = None  # running on this charge
         self._trained: TrainedUpdate | None = None
         self._failed = False
@@ -272,7 +276,8 @@ class AgentRound:
                 session = ClientSession(
                     spec.secagg_params(), member.id, member.identity, roster.keys
                 )
-                secagg = SecAggSteps(session, self._attempt, spec.dim)
+                floor = spec.dp.min_survivors if is_distributed(spec) else 0
+                secagg = SecAggSteps(session, self._attempt, spec.dim, floor)
                 charge = yield from charge_step(spec, self._carry, member)
                 # the report rides with the shares: one request fewer than POST /report
                 report = privacy_report(spec, member, charge)
@@ -364,11 +369,24 @@ class AgentRound:
         return _with(self._base, "dropped", self._receipt, detail=exc.detail), None
 
     def _contribution(self, trained: TrainedUpdate, weight: float) -> Contribution:
+        """The update encoded by the round's codec; with error feedback, what the codec
+        drops this time is kept for the round after the receipt (:meth:`_send_vector`)."""
         spec = self.spec
+        codec = codec_for(spec)
         discount = staleness_discount(spec, self.member.id)
         rounding = self._seeded_bytes(self.member.id, spec.round, "rounding") or os.urandom(32)
-        q = quantize(trained.delta * np.float32(discount), weight, spec.quant_spec(), rounding)
-        return Contribution(trained, self.member.samples, weight, q)
+        delta = trained.delta * np.float32(discount)
+        if codec.kind == "distributed":
+            weight = ddp_member_weight(spec, self.member.samples)
+        carried = self._carry.residual
+        if codec.error_feedback and carried is not None and carried.size == delta.size:
+            delta = delta + carried
+        encoded = codec.encode(delta, weight, rounding)
+        if encoded.sent is not None:
+            clipped = clip_l2(delta, spec.clip_norm).astype(np.float64)
+            sent = encoded.sent / weight if weight > 0 else np.zeros_like(clipped)
+            self._residual = (clipped - sent).astype(np.float32)
+        return Contribution(trained, self.member.samples, weight, encoded.ring)
 
     # -- privacy and training ------------------------------------------------------
 
@@ -453,6 +471,8 @@ class AgentRound:
             receipt = (yield from ask(FetchReceipt(r), ReceiptFetched)).receipt
         check_receipt(receipt, spec, self.member.id, digest)
         self._receipt = receipt
+        if self._residual is not None:  # taken: what it left out goes into the next round
+            self._carry.residual = self._residual
         record = round_record(spec, self.member, c, receipt, self._clock())
         yield from ask(Record(receipt, record), Passed)
         log.info(

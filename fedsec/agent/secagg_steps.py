@@ -35,6 +35,7 @@ from fedsec.agent.actions import (
 from fedsec.agent.attempt import AttemptTracker, upload
 from fedsec.agent.contribution import Contribution
 from fedsec.crypto.secagg import ClientSession, UnmaskRequest
+from fedsec.errors import ProtocolError
 from fedsec.protocol import codec
 from fedsec.protocol.wire import (
     Accepted,
@@ -59,12 +60,17 @@ class SecAggSteps:
         session: the crypto session (its params from the signed spec).
         attempt: the attempt's newest state; updated from held answers.
         dim: the model's parameter count (how the runtime schedules masking).
+        min_survivors: distributed DP: the fewest survivors whose noise shares make the
+            full noise; the member refuses to unmask a sum of fewer (0: no bound).
     """
 
-    def __init__(self, session: ClientSession, attempt: AttemptTracker, dim: int) -> None:
+    def __init__(
+        self, session: ClientSession, attempt: AttemptTracker, dim: int, min_survivors: int = 0
+    ) -> None:
         self.session = session
         self.attempt = attempt
         self.dim = dim
+        self.min_survivors = min_survivors
 
     def key_stages(self, report: PrivacyReport) -> Step[tuple[ShareRelayBody | None, bool]]:
         """Advertise and share-keys stages; they do not need the update.  The privacy
@@ -122,6 +128,12 @@ class SecAggSteps:
                 "unmask", lambda w: FetchUnmask(r, a, w), UnmaskFetched
             )
             request = asked.body
+        if len(request.survivors) < self.min_survivors:
+            raise ProtocolError(
+                f"only {len(request.survivors)} survivors, fewer than the "
+                f"{self.min_survivors} whose noise shares make the round's distributed-DP "
+                "noise; refusing to unmask a sum that would carry less noise"
+            )
         answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
         # held until the attempt is over; the answer carries the round state then
         accepted = yield from upload(Unmask(r, a, codec.unmask_body(answer), wait))

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import time
 from typing import Final, Protocol
 
 import numpy as np
@@ -19,8 +20,10 @@ from fedsec.agent.spec import training_params
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.errors import IntegrityError
 from fedsec.faults import NO_FAULTS, Faults
+from fedsec.learning.distributed import clipped_gradient_sum, poisson_sample
 from fedsec.learning.training import DPParams, fresh_seed, train_local
 from fedsec.modelfile import decode_model, verify_manifest
+from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.he_release import sealed_release_allowance
 from fedsec.protocol.limits import MAX_COHORT
 from fedsec.protocol.wire import RoundSpec
@@ -92,10 +95,14 @@ class LocalTrainer:
         model = local.task.build_model(0)
         params = training_params(spec, local.task)
         await self._load_global_model(client, spec, model)
+        if is_distributed(spec) and spec.dp.unit == "record":
+            return await self._gradient_share(spec, model)
         before = flatten_params(model)
+        # distributed DP at member level: the clipped update is the unit, the noise is
+        # the members' shares in the ring, so local training adds none
         dp = (
             DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
-            if spec.dp.enabled
+            if spec.dp.enabled and not is_distributed(spec)
             else None
         )
         result = await asyncio.get_running_loop().run_in_executor(
@@ -133,6 +140,36 @@ class LocalTrainer:
             # simulations of slow members only: stretch training to slowdown x its time
             await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
         return delta
+
+    async def _gradient_share(
+        self, spec: RoundSpec, model: torch.nn.Module
+    ) -> npt.NDArray[np.float32]:
+        """Record-level distributed DP: minus the sum of this member's clipped
+        per-record gradients over a secret Poisson sample at the spec's rate (one
+        DP-SGD step's share; the server optimiser takes the step on the noised sum)."""
+        local = self.local
+        secret = self._faults.seeded_bytes(self.member, spec.round, "sampling")
+        include = poisson_sample(len(local.y), spec.dp.sample_rate, secret)
+        started = time.perf_counter()
+        total, records = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(
+                clipped_gradient_sum,
+                model,
+                local.x,
+                local.y,
+                include,
+                spec.dp.max_grad_norm,
+                self.device,
+            ),
+        )
+        duration = time.perf_counter() - started
+        log.info(
+            "round_trained round=%d steps=1 records=%d seconds=%.1f", spec.round, records, duration
+        )
+        if self.slowdown > 1.0:
+            await asyncio.sleep((self.slowdown - 1.0) * duration)
+        return (-total).astype(np.float32)
 
     async def _load_global_model(
         self, client: AggregatorClient, spec: RoundSpec, model: torch.nn.Module

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedsec.crypto.quantize import dequantize_one, dequantize_sum, ring_from_integers, unpack
+from fedsec.crypto.quantize import ring_from_integers, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     MaskedInput,
@@ -53,8 +53,10 @@ from fedsec.errors import (
 )
 from fedsec.learning import robust
 from fedsec.protocol import codec, he_release, wire
+from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.stages import HE_STAGES, SECAGG_STAGES, Stage
+from fedsec.protocol.update_codec import codec_for
 
 if TYPE_CHECKING:  # TenSEAL is the ``he`` extra's: only an he federation loads it
     from fedsec.crypto.he import PublicContext
@@ -134,6 +136,9 @@ class SummationResult:
     parent_version: int | None = None
     # trusted mode with a robust rule: accepted updates the rule kept out (in dropped)
     refused: tuple[RuleRefusal, ...] = ()
+    # distributed DP: coordinates of the ring sum at the ring's edge, i.e. likely wraps
+    # (fedsec.protocol.update_codec.UpdateCodec.edge_count)
+    edge_count: int = 0
 
 
 class SummationSession(ABC):
@@ -277,6 +282,7 @@ class SecAggPlusSession(SummationSession):
     def __init__(self, spec: wire.RoundSpec, roster_keys: Mapping[str, bytes]) -> None:
         super().__init__(spec)
         self.server = ServerSession(spec.secagg_params(), roster_keys)
+        self._min_survivors = spec.dp.min_survivors if is_distributed(spec) else 0
         self._relays: dict[str, ShareRelay] = {}
         # the key list every live member fetches, built once (fixed from share_keys on)
         self._key_list: wire.KeyListBody | None = None
@@ -315,6 +321,12 @@ class SecAggPlusSession(SummationSession):
         elif stage == "share_keys":
             self._relays = self.server.close_share_keys()
         elif stage == "masked_input":
+            arrived, floor = len(self.server.contributed), self._min_survivors
+            if arrived < floor:  # unmasking would release a sum with too little noise
+                raise RoundAborted(
+                    f"round {self.spec.round}: {arrived} masked inputs arrived, fewer than "
+                    f"the {floor} survivors the distributed-DP noise is sized for"
+                )
             self.server.close_masked_input()
         else:
             raise ValueError(f"stage {stage!r} is not closed by close()")
@@ -329,12 +341,15 @@ class SecAggPlusSession(SummationSession):
             len(s.survivors),
         )
         result = s.finalize()
+        encoding = codec_for(self.spec)
+        weighted, weight = encoding.decode_sum(result.ring_sum, len(result.survivors))
         return SummationResult(
-            weighted_sum=result.weighted_sum,
-            weight_sum=result.weight_sum,
+            weighted_sum=weighted,
+            weight_sum=weight,
             survivors=list(result.survivors),
             dropped=list(result.dropped),
             sum_sha256=hashlib.sha256(result.ring_sum.tobytes()).hexdigest(),
+            edge_count=encoding.edge_count(result.ring_sum),
         )
 
     def participant_count(self) -> int:
@@ -413,11 +428,13 @@ class PlainSession(SummationSession):
         member, spec = message.member, self.spec
         if member in self.members:
             raise DuplicateMessage(f"{member} already sent its update")
-        quant = spec.quant_spec()
-        vector = unpack(message.vector, spec.dim + 1, spec.ring_bits)
-        if int(vector.max(initial=0)) > quant.levels:
-            raise BadVector(f"{member}'s update has values above {quant.levels} levels")
-        update, weight = dequantize_one(vector, quant)
+        encoding = codec_for(spec)
+        vector = unpack(message.vector, encoding.length, spec.ring_bits)
+        try:
+            encoding.check_input(vector)
+        except BadVector as exc:
+            raise BadVector(f"{member}'s update: {exc.detail}") from None
+        update, weight = encoding.decode_one(vector)
         self.total += update
         self.weight += weight
         self.members.append(member)
@@ -458,8 +475,8 @@ class PlainSession(SummationSession):
         it the same way from the archive, bit for bit)."""
         spec = self.spec
         order = sorted(self.members)
-        quant = spec.quant_spec()
-        rows = [dequantize_one(self.vectors[m], quant) for m in order]
+        encoding = codec_for(spec)
+        rows = [encoding.decode_one(self.vectors[m]) for m in order]
         weights = np.array([w for _, w in rows])
         reference = self._reference(spec) if self._reference and rule.rule == "fltrust" else None
         result = robust.aggregate(rule, np.stack([u for u, _ in rows]), weights, reference)
@@ -742,7 +759,7 @@ class HeSession(SummationSession):
         # the ring sum SecAgg+ would have unmasked: the same integers, so the same bytes
         # (fedsec audit verify derives it the same way from the archived plaintext)
         ring = ring_from_integers(ints, quant)
-        weighted, weight = dequantize_sum(ring, len(self.contributors), quant)
+        weighted, weight = codec_for(spec).decode_sum(ring, len(self.contributors))
         return SummationResult(
             weighted_sum=weighted,
             weight_sum=weight,

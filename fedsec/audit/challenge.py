@@ -33,6 +33,7 @@ from fedsec.crypto.quantize import ring_dtype
 from fedsec.errors import IntegrityError
 from fedsec.protocol import wire
 from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry, HeadEntry
+from fedsec.protocol.update_codec import codec_for
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,11 @@ def open_reveal_checked(
             spec.federation_id, reveal.round, reveal.attempt, reveal.member, spec.ring_bits
         ),
     )
-    if quantized.size != spec.dim + 1:
+    length = codec_for(spec).length
+    if quantized.size != length:
         raise IntegrityError(
             f"revealed update of {reveal.member} has {quantized.size} elements, "
-            f"the round's model has {spec.dim} (+1 weight)"
+            f"the round's codec encodes {length - 1} (+1 weight)"
         )
     return OpenedReveal(
         reveal.round, reveal.attempt, reveal.member, quantized, spec, closed.parent_version, {}

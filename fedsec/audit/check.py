@@ -36,6 +36,7 @@ from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.protocol.log_entries import kind_of
+from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.weights import volume_weight
 from fedsec.tasks import TrainingParams, get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
@@ -148,8 +149,11 @@ def check_reveals(
             references[ref_key] = build_reference(
                 task, ctx.global_params, ctx.training, control, report.samples, reveal.round, seed
             )
-        revealed = RevealedUpdate.from_quantized(
-            reveal.member, reveal.round, opened.quantized, spec.quant_spec()
+        encoding = codec_for(spec)
+        weighted, weight = encoding.decode_one(opened.quantized)
+        step = 2.0 * encoding.range / spec.quant_spec().levels
+        revealed = RevealedUpdate(
+            reveal.member, reveal.round, weighted, weight, step, 1.0 / spec.quant_spec().levels
         )
         verdict = check_update(
             task, references[ref_key], ctx.training, claim, revealed, history, control

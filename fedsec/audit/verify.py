@@ -66,12 +66,12 @@ import numpy as np
 from fedsec.archive import Archive, ArchiveIndex, check_pruning
 from fedsec.audit import accountant
 from fedsec.audit.log import read_log
-from fedsec.crypto.quantize import dequantize_one, dequantize_sum, ring_from_integers
+from fedsec.crypto.quantize import ring_from_integers
 from fedsec.crypto.secagg import (
     ServerSession,
 )
 from fedsec.derive import derive_model
-from fedsec.errors import FedsecError, IntegrityError, NotFound, SignatureError
+from fedsec.errors import BadVector, FedsecError, IntegrityError, NotFound, SignatureError
 from fedsec.learning import robust
 from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule
 from fedsec.modelfile import ModelManifest, verify_manifest
@@ -99,6 +99,7 @@ from fedsec.protocol.log_entries import (
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.roster import RosterEntry, verify_roster_entry
 from fedsec.protocol.stages import SECAGG_STAGES
+from fedsec.protocol.update_codec import codec_for
 
 if TYPE_CHECKING:
     from fedsec.crypto.he import PublicContext
@@ -751,7 +752,7 @@ class Verifier:
         # (ints & ring_mask) as the ring's dtype, as the aggregator turns it into a ring sum
         # (bit for bit the same for any int64, negative ones and a 64-bit ring included)
         ring = ring_from_integers(ints, quant)
-        sums = dequantize_sum(ring, len(statement.contributors), quant)
+        sums = codec_for(spec).decode_sum(ring, len(statement.contributors))
         return hashlib.sha256(ring.tobytes()).hexdigest(), sums
 
     def _open_hidden(
@@ -816,7 +817,7 @@ class Verifier:
         if spec.secure_sum == "none" and spec.aggregation is not None:
             return self._replay_rule(attempt, spec.aggregation)
         if spec.secure_sum == "none":
-            quant = spec.quant_spec()
+            encoding = codec_for(spec)
             plain = np.zeros(spec.dim, dtype=np.float64)
             weights = 0.0
             members = []
@@ -825,8 +826,8 @@ class Verifier:
             for stage, member, digest in attempt.messages:
                 if stage != "masked_input":
                     continue
-                vector = unpack(self.archive.get(digest), spec.dim + 1, spec.ring_bits)
-                update, w = dequantize_one(vector, quant)
+                vector = unpack(self.archive.get(digest), encoding.length, spec.ring_bits)
+                update, w = encoding.decode_one(vector)
                 plain += update
                 weights += w
                 members.append(member)
@@ -846,11 +847,8 @@ class Verifier:
             _close(session, order[current])
             current += 1
         result = session.finalize()
-        return (
-            list(result.survivors),
-            result.ring_sum.tobytes(),
-            (result.weighted_sum, result.weight_sum),
-        )
+        decoded = codec_for(spec).decode_sum(result.ring_sum, len(result.survivors))
+        return list(result.survivors), result.ring_sum.tobytes(), decoded
 
     # -- trusted mode: robust aggregation rules -------------------------------------------------
 
@@ -861,15 +859,17 @@ class Verifier:
         spec = attempt.spec
         from fedsec.crypto.quantize import unpack
 
-        levels = spec.quant_spec().levels
+        encoding = codec_for(spec)
         inputs = []
         for _, member, digest in sorted(attempt.inputs, key=lambda i: i[1]):
-            vector = unpack(self.archive.get(digest), spec.dim + 1, spec.ring_bits)
-            if int(vector.max(initial=0)) > levels:
+            vector = unpack(self.archive.get(digest), encoding.length, spec.ring_bits)
+            try:
+                encoding.check_input(vector)
+            except BadVector as exc:
                 raise IntegrityError(
-                    f"round {spec.round}: the archived update of {member} has values above "
-                    f"{levels} levels, which the aggregator must have refused"
-                )
+                    f"round {spec.round}: the archived update of {member} has {exc.detail}, "
+                    "which the aggregator must have refused"
+                ) from None
             inputs.append((member, vector))
         return inputs
 
@@ -878,9 +878,9 @@ class Verifier:
     ) -> tuple[list[str], bytes, Any]:
         """The signed spec's rule re-applied to the archived updates, as the aggregator's
         session applies it (:func:`fedsec.learning.robust.aggregate`), bit for bit."""
-        quant = attempt.spec.quant_spec()
+        encoding = codec_for(attempt.spec)
         inputs = self._trusted_inputs(attempt)
-        rows = [dequantize_one(vector, quant) for _, vector in inputs]
+        rows = [encoding.decode_one(vector) for _, vector in inputs]
         weights = np.array([w for _, w in rows])
         result = robust.aggregate(rule, np.stack([u for u, _ in rows]), weights)
         weighted, weight = robust.as_weighted_sum(result, weights)

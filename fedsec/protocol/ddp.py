@@ -55,7 +55,8 @@ def ddp_spec(spec: RoundSpec) -> DdpSpec:
             f"{where} over secure_sum = {spec.secure_sum!r}; the noise shares must be "
             "summed inside the SecAgg+ ring, so it needs secure_sum = 'secagg'"
         )
-    if not 0.0 < dp.sample_rate <= 1.0:
+    record = dp.unit == "record"
+    if record and not 0.0 < dp.sample_rate <= 1.0:
         raise ProtocolError(f"{where} without a sampling rate in (0, 1]: {dp.sample_rate}")
     cohort = len(spec.cohort)
     if not 1 <= dp.min_survivors <= cohort:
@@ -68,13 +69,34 @@ def ddp_spec(spec: RoundSpec) -> DdpSpec:
             dim=spec.dim,
             ring_bits=spec.ring_bits,
             clip=spec.clip_norm,
-            sensitivity=dp.max_grad_norm,
+            sensitivity=dp.max_grad_norm if record else spec.clip_norm,
             noise_multiplier=dp.noise_multiplier,
             min_survivors=dp.min_survivors,
             max_members=cohort,
         )
     except QuantizationError as exc:
         raise QuantizationError(f"{where}, but its bit budget cannot be met: {exc}") from exc
+
+
+def realised_noise_multiplier(spec: RoundSpec | None, survivors: int) -> float:
+    """The noise multiplier the sum of ``survivors`` members' shares carries (relative
+    to the sensitivity; ≥ the spec's z once survivors ≥ min_survivors); 0 for a round
+    without distributed DP.
+
+    Raises:
+        ProtocolError / QuantizationError: see :func:`ddp_spec`.
+    """
+    if spec is None or not is_distributed(spec) or survivors < 1:
+        return 0.0
+    return ddp_spec(spec).effective_noise_multiplier(survivors)
+
+
+def member_weight(spec: RoundSpec, samples: int) -> float:
+    """A member's weight coordinate in a distributed round: its expected batch q·n at
+    record level (the sum of weights is then the union's expected batch, the DP-SGD
+    step's denominator), 1 at member level (the mean over contributors).  Public: it
+    depends on the declared sample count, never on which records were sampled."""
+    return spec.dp.sample_rate * samples if spec.dp.unit == "record" else 1.0
 
 
 def assumption(spec: RoundSpec) -> str:

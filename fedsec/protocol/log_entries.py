@@ -94,8 +94,10 @@ class RefusedEntry(_Body, frozen=True, omit_defaults=True):
     codes: dict[str, int] | None = None  # aggregate entries: code -> how many of those
 
 
-class AggregateEntry(_Body, frozen=True):
-    """A round attempt closed: what was summed, from whom, applied to what."""
+class AggregateEntry(_Body, frozen=True, omit_defaults=True):
+    """A round attempt closed: what was summed, from whom, applied to what.  Distributed
+    DP adds the realised noise multiplier of the sum (z·√(survivors/min_survivors)·Δ₂/γC:
+    never below the spec's z) and the coordinates at the ring's edge (likely wraps)."""
 
     round: int
     attempt: int
@@ -106,6 +108,8 @@ class AggregateEntry(_Body, frozen=True):
     parent_version: int
     optimizer: str
     server_lr: float
+    noise_multiplier: float = 0.0
+    edge_count: int = 0
 
 
 class ModelVersionEntry(_Body, frozen=True):

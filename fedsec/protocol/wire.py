@@ -81,6 +81,9 @@ class DPSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     # distributed: the fewest survivors the round may close with; the noise is sized so
     # that this many shares already make the full noise
     min_survivors: Count = 0
+    # distributed: the unit of privacy, one record (one DP-SGD step per round) or a
+    # member's whole clipped update (DP-FedAvg)
+    unit: Literal["record", "member"] = "record"
 
 
 class AggregationSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -195,6 +198,17 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
         """The quantization this round prescribes."""
         return QuantSpec(self.quant_bits, self.clip_norm, self.ring_bits)
 
+    def encoded_dim(self) -> int:
+        """Elements of an encoded update before the weight: ``dim`` in the plain codec,
+        fewer or more after sparsification or rotation (``fedsec.protocol.update_codec``).
+
+        Raises:
+            ProtocolError / QuantizationError: a codec the spec cannot carry.
+        """
+        from fedsec.protocol.update_codec import codec_for  # it builds on this module
+
+        return codec_for(self).keep
+
     def secagg_params(self) -> SecAggParams:
         """SecAgg+ parameters of this attempt, identical for aggregator and members.
 
@@ -211,7 +225,7 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
             neighbors=self.neighbors,
             threshold=self.threshold,
             quant=self.quant_spec(),
-            dim=self.dim,
+            dim=self.encoded_dim(),
             seed=unhex(self.seed, "round seed", 32),
         )
 
@@ -301,6 +315,10 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     # the part of ``epsilon`` spent on pure ε-DP releases of the dataset (noised counts of
     # its data summaries), added by basic composition; the rest is DP-SGD's
     extra_epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # the mode ``epsilon`` holds in, and, distributed, the fewest members who must add
+    # their noise share honestly for it to hold against the aggregator
+    dp_mode: Literal["local", "distributed"] = "local"
+    honest_survivors: Count = 0
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -501,6 +519,11 @@ class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the aggregate (each is also in ``dropped`` and in the log's refused entries); the
     # member reads its own line here (at most the cohort, round.max_agents, entries)
     refused: dict[str, str] = msgspec.field(default_factory=dict)
+    # distributed DP: the sum's realised noise multiplier, its coordinates and those at
+    # the ring's edge (likely wraps: wrap rate = edge_count / coordinates)
+    noise_multiplier: float = 0.0
+    coordinates: Count = 0
+    edge_count: Count = 0
 
 
 class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -336,13 +336,24 @@ def test_distributed_dp_is_refused_unless_agent_toml_allows_it() -> None:
     assert "(privacy.allow_distributed = false), so it refuses" in str(err.value)
 
 
-@pytest.mark.parametrize("allow", [False, True])
-def test_refused_distributed_rounds_charge_nothing(allow: bool) -> None:
+def test_refused_distributed_rounds_charge_nothing() -> None:
     carry = Carryover()
-    # allowed: refused all the same, since this agent cannot carry the round yet
-    with pytest.raises(ConfigError, match="cannot carry yet" if allow else "does not allow"):
-        _start_distributed(allow, carry)
+    with pytest.raises(ConfigError, match="does not allow"):
+        _start_distributed(False, carry)
     assert carry.last_cost is None and carry.unused_charge is None
+
+
+def test_an_allowed_distributed_round_charges_one_step_at_the_spec_rate() -> None:
+    spec = make_spec(cohort=MEMBERS, secure_sum="secagg", dp=DISTRIBUTED, ring_bits=24)
+    round_ = AgentRound(
+        state("advertise", spec), member(allow_distributed=True), Carryover(),
+        long_poll_s=POLL_S,
+    )  # fmt: skip
+    world = OtherMembers(spec)
+    asked = drive(round_, [], world.answers(), until=act.Charge)
+    charge = asked[-1]
+    assert isinstance(charge, act.Charge)
+    assert charge.request.cost == (1.0, 0.25, 1) and charge.request.dp_enabled
 
 
 def test_an_allowed_distributed_round_with_an_impossible_bit_budget_is_refused() -> None:

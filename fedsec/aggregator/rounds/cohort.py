@@ -4,6 +4,7 @@ fixed, and the signed :class:`~fedsec.protocol.wire.RoundSpec` that fixes it."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import msgspec
@@ -12,7 +13,7 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
-from fedsec.config import AggregationSection
+from fedsec.config import AggregationSection, DPSection
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import default_neighbors
 from fedsec.crypto.secagg.graph import default_threshold
@@ -245,12 +246,7 @@ class CohortDesk:
                 lr=cfg.training.lr,
                 optimizer=cfg.training.optimizer,
             ),
-            dp=wire.DPSpec(
-                enabled=cfg.dp.enabled,
-                noise_multiplier=cfg.dp.noise_multiplier,
-                max_grad_norm=cfg.dp.max_grad_norm,
-                delta=cfg.dp.delta,
-            ),
+            dp=_dp_spec(cfg.dp, len(cohort)),
             deadlines=deadlines,
             mode=cfg.round.mode,
             staleness=staleness,
@@ -258,7 +254,26 @@ class CohortDesk:
             custodian=self._he.custodian if he else "",
             he_model_hidden=he and not cfg.he.model_visible_to_aggregator,
             aggregation=_aggregation_spec(cfg.aggregation),
+            codec=wire.CodecSpec(**msgspec.structs.asdict(cfg.codec)),
         ).sign(ctx.ws.signer)
+
+
+def _dp_spec(section: DPSection, cohort: int) -> wire.DPSpec:
+    """The spec's DP settings; distributed DP sizes the noise for the fewest survivors
+    the round may close with (the session aborts before unmasking fewer)."""
+    distributed = section.mode == "distributed"
+    return wire.DPSpec(
+        enabled=section.enabled,
+        noise_multiplier=section.noise_multiplier,
+        max_grad_norm=section.max_grad_norm,
+        delta=section.delta,
+        mode=section.mode,
+        sample_rate=section.sample_rate if distributed and section.unit == "record" else 0.0,
+        min_survivors=(
+            max(1, math.ceil(section.min_survivors_fraction * cohort)) if distributed else 0
+        ),
+        unit=section.unit if distributed else "record",
+    )
 
 
 def _aggregation_spec(section: AggregationSection) -> wire.AggregationSpec | None:

@@ -44,7 +44,9 @@ from fedsec.aggregator.summation import SummationResult, SummationSession, open_
 from fedsec.config import RoundSection
 from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, RoundAborted
 from fedsec.protocol import wire
+from fedsec.protocol.ddp import realised_noise_multiplier
 from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
+from fedsec.protocol.update_codec import codec_for
 
 #: Seconds each message stage may last from its start, given the round config and
 #: whether the mode is buffered.  Buffered members trained before joining; sync members
@@ -334,6 +336,8 @@ class Lifecycle:
             parent_version=new.parent.version,
             optimizer=server.optimizer,
             server_lr=server.server_lr,
+            noise_multiplier=realised_noise_multiplier(live.spec, len(result.survivors)),
+            edge_count=result.edge_count,
         )
 
     def _summary(
@@ -349,6 +353,11 @@ class Lifecycle:
     ) -> wire.RoundSummary:
         session = live.summation
         up, down = self._ctx.traffic_of(live.round, live.attempt)
+        noise = (
+            realised_noise_multiplier(live.spec, len(result.survivors))
+            if result is not None and live.spec is not None
+            else 0.0
+        )
         return wire.RoundSummary(
             round=live.round,
             attempt=live.attempt,
@@ -373,6 +382,9 @@ class Lifecycle:
             bytes_up=up,
             bytes_down=down,
             refused={r.member: r.reason for r in result.refused} if result is not None else {},
+            noise_multiplier=noise,
+            coordinates=codec_for(live.spec).keep if noise and live.spec is not None else 0,
+            edge_count=result.edge_count if result is not None else 0,
         )
 
     # -- opening and resuming --------------------------------------------------------------------

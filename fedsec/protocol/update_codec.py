@@ -1,0 +1,369 @@
+"""The update codec: how a member turns its update into ring elements before masking,
+and how the ring sum of a round turns back into (Σ w·Δ, Σ w).
+
+One definition for every party: the member encodes with it (``fedsec.agent``), the
+aggregator decodes the unmasked or decrypted sum with it, and the auditor replays it;
+all of them derive it from the signed round spec alone (:func:`codec_for`), so decoding
+is part of the signed, replayable recipe.
+
+Three kinds, each a chain of optional stages named in the spec:
+
+``plain`` (the default :class:`~fedsec.protocol.wire.CodecSpec`)
+    clip to ``clip_norm``, weight, round each coordinate stochastically over
+    [−clip, clip] to ``quant_bits`` bits (:func:`fedsec.crypto.quantize.quantize`).
+
+``compressed`` (rotation, a keep fraction below 1, or a rounding range)
+    clip, weight, **rotate** with the round's shared randomised Hadamard transform,
+    keep the round's **shared random subset** of k coordinates, round each kept
+    coordinate stochastically to ``quant_bits`` bits over the **shared** range ±s
+    (s = ``range_stddevs``·clip/√N: a rotated coordinate of a vector of norm ≤ clip is
+    close to N(0, clip²/N), so a few standard deviations hold almost all of them;
+    coordinates beyond are saturated and counted).  Every stage is the same linear map
+    for every member, so the sum of encodings decodes to the encoding of the sum:
+    scatter the k sums back, rescale, unrotate.  Without error feedback the decoder
+    multiplies the scattered sum by N/k, so the estimate of Σ w·Δ is unbiased; with it,
+    each member carries what was not sent into its next round instead (rescaling would
+    then count it twice).
+
+``distributed`` (``dp.mode = "distributed"``)
+    the Distributed Skellam pipeline of :mod:`fedsec.crypto.discretize` (rotate, scale,
+    conditional rounding, a noise share, modular clipping), then the weight as one
+    non-negative integer, unrotated after recentring.
+
+Per-member top-k is not offered: the kept subset would depend on the member's data and
+the sum of differently sparsified vectors is no longer one linear map.
+
+In every kind the last coordinate is the member's weight, so one secure sum yields both
+the weighted sum and the total weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import numpy.typing as npt
+
+from fedsec.crypto import prg, rotation
+from fedsec.crypto.discretize import DdpSpec, recentre
+from fedsec.crypto.discretize import encode as ddp_encode
+from fedsec.crypto.quantize import (
+    QuantSpec,
+    RingVector,
+    clip_l2,
+    dequantize_sum,
+    quantize,
+)
+from fedsec.errors import BadVector, ProtocolError, QuantizationError
+from fedsec.protocol.ddp import ddp_spec, is_distributed, rotation_seed
+from fedsec.protocol.wire import RoundSpec
+
+_SUBSET_DOMAIN = b"fedsec/v1/codec/subset"
+_ROUNDING_DOMAIN = b"codec/rounding"
+_WEIGHT_DOMAIN = b"codec/weight"
+# A keep fraction below this sends fewer than one coordinate in a thousand: the
+# estimate's variance grows as N/k, so such a round would learn nothing.
+MIN_KEEP = 1e-3
+# Rounding range of a rotated coordinate in standard deviations: below 1 most
+# coordinates saturate; above 64 a 2-bit step is wider than any coordinate.
+MIN_RANGE_STDDEVS, MAX_RANGE_STDDEVS = 1.0, 64.0
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One member's encoded update and what the codec did to it."""
+
+    ring: RingVector  # length + 1 elements, the weight last
+    sent: npt.NDArray[np.float64] | None  # error feedback: what the sum will count of it
+    saturated: int  # coordinates clamped to the rounding range (compressed kind)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateCodec:
+    """A round's codec, derived from the spec by :func:`codec_for`.
+
+    Attributes:
+        kind: "plain", "compressed" or "distributed".
+        quant: bits, clip and ring of the round.
+        dim: d, the update's length.
+        rotation_seed: the shared rotation (None: no rotation).
+        keep: k, coordinates sent before the weight.
+        subset_seed: the shared subset (None: every coordinate, in order).
+        range: s, the rounding range ±s of a sent coordinate (compressed kind).
+        rescale: what the decoder multiplies the scattered sum by (N/k or 1).
+        ddp: the distributed-DP discretisation (distributed kind only).
+        error_feedback: members carry what was not sent into the next round.
+    """
+
+    kind: str
+    quant: QuantSpec
+    dim: int
+    rotation_seed: bytes | None
+    keep: int
+    subset_seed: bytes | None
+    range: float
+    rescale: float
+    ddp: DdpSpec | None
+    error_feedback: bool
+
+    @property
+    def length(self) -> int:
+        """Elements of an encoded update, the weight included."""
+        return self.keep + 1
+
+    @property
+    def padded(self) -> int:
+        """Coordinates after rotation (d without one)."""
+        return rotation.padded_length(self.dim) if self.rotation_seed is not None else self.dim
+
+    def subset(self) -> npt.NDArray[np.intp] | None:
+        """The shared kept coordinates, ascending (None: all of them)."""
+        if self.subset_seed is None:
+            return None
+        return _subset(self.subset_seed, self.padded, self.keep)
+
+    # -- member side ---------------------------------------------------------------
+
+    def encode(self, delta: npt.ArrayLike, weight: float, secret_seed: bytes) -> Encoded:
+        """Clip, weight and encode ``delta``; the weight goes last.
+
+        Args:
+            delta: the update (``dim`` values, any shape); not modified.
+            weight: w in [0, 1]; in the distributed kind a non-negative number below
+                :meth:`max_weight` (rounded stochastically to an integer).
+            secret_seed: 32 fresh secret bytes of this member (rounding, noise).
+
+        Raises:
+            QuantizationError: wrong length, non-finite values or a weight out of range.
+        """
+        flat = np.asarray(delta, dtype=np.float32).reshape(-1)
+        if flat.size != self.dim:
+            raise QuantizationError(f"update must have {self.dim} values, got {flat.size}")
+        if self.kind == "plain":
+            return Encoded(quantize(flat, weight, self.quant, secret_seed), None, 0)
+        if self.kind == "distributed":
+            return self._encode_distributed(flat, weight, secret_seed)
+        return self._encode_compressed(flat, weight, secret_seed)
+
+    def _encode_compressed(
+        self, flat: npt.NDArray[np.float32], weight: float, seed: bytes
+    ) -> Encoded:
+        if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
+            raise QuantizationError(f"weight must be in [0, 1], got {weight}")
+        if not np.all(np.isfinite(flat)):
+            raise QuantizationError("update contains NaN or infinite values")
+        x = clip_l2(flat, self.quant.clip).astype(np.float64) * weight
+        if self.rotation_seed is not None:
+            x = rotation.rotate(x, self.rotation_seed)
+        idx = self.subset()
+        kept = x[idx] if idx is not None else x
+        levels, s = self.quant.levels, self.range
+        y = (kept + s) * (levels / (2.0 * s))
+        saturated = int(np.count_nonzero((y < 0) | (y > levels)))
+        np.clip(y, 0.0, float(levels), out=y)
+        y += prg.uniform01(seed, _ROUNDING_DOMAIN, y.size)
+        np.floor(y, out=y)
+        np.minimum(y, float(levels), out=y)
+        out = np.empty(self.length, dtype=self.quant.dtype)
+        out[:-1] = y
+        out[-1] = _round_weight(weight * levels, seed)
+        sent = self._scatter(out[:-1].astype(np.float64) * (2.0 * s / levels) - s, 1.0)
+        return Encoded(out, sent if self.error_feedback else None, saturated)
+
+    def _encode_distributed(
+        self, flat: npt.NDArray[np.float32], weight: float, seed: bytes
+    ) -> Encoded:
+        assert self.ddp is not None and self.rotation_seed is not None
+        if not (math.isfinite(weight) and 0.0 <= weight <= self.max_weight()):
+            raise QuantizationError(
+                f"a distributed-DP weight must be in [0, {self.max_weight()}], got {weight}"
+            )
+        enc = ddp_encode(flat, self.ddp, self.rotation_seed, seed)
+        out = np.empty(self.length, dtype=self.quant.dtype)
+        out[:-1] = enc.ring
+        out[-1] = _round_weight(weight, seed)
+        return Encoded(out, None, 0)
+
+    def max_weight(self) -> float:
+        """The largest weight a member may send: in the distributed kind, the cohort's
+        weights must sum below half the ring; else 1."""
+        if self.ddp is None:
+            return 1.0
+        return float((1 << (self.quant.ring_bits - 1)) // (self.ddp.max_members + 1) - 1)
+
+    # -- aggregator and auditor side -----------------------------------------------
+
+    def check_input(self, vector: RingVector) -> None:
+        """Refuse one member's unmasked input that no honest encoding produces.
+
+        Raises:
+            BadVector: wrong length, or values outside the kind's range.
+        """
+        v = np.asarray(vector).reshape(-1)
+        if v.size != self.length:
+            raise BadVector(f"an encoded update has {self.length} elements, got {v.size}")
+        if self.kind == "distributed":
+            if int(v[-1]) > self.max_weight():
+                raise BadVector(f"the weight element is above the largest {self.max_weight():g}")
+            return
+        if int(v.max(initial=0)) > self.quant.levels:
+            raise BadVector(f"values above {self.quant.levels} levels")
+
+    def decode_sum(
+        self, ring_sum: RingVector, members: int
+    ) -> tuple[npt.NDArray[np.float64], float]:
+        """The ring sum of ``members`` encodings back to (Σ w·Δ over d coordinates, Σ w).
+
+        Raises:
+            QuantizationError: a ring sum of the wrong length, or more members than the
+                ring holds.
+        """
+        values = np.asarray(ring_sum).reshape(-1)
+        if values.size != self.length:
+            raise QuantizationError(
+                f"a ring sum of this round has {self.length} elements, got {values.size}"
+            )
+        if self.kind == "plain":
+            return dequantize_sum(values, members, self.quant)
+        if self.kind == "distributed":
+            assert self.ddp is not None and self.rotation_seed is not None
+            centred = recentre(values, self.quant.ring_bits).astype(np.float64)
+            weight = float(centred[-1])
+            body = centred[:-1] * (1.0 / self.ddp.scale)
+            return rotation.unrotate(body, self.rotation_seed, self.dim), weight
+        total, weight = dequantize_sum(values, members, self._range_quant())
+        return self._scatter(total, self.rescale), weight
+
+    def decode_one(self, vector: RingVector) -> tuple[npt.NDArray[np.float64], float]:
+        """One member's input back to (w·Δ, w), e.g. for a trusted-mode rule or an audit.
+
+        Raises:
+            QuantizationError: see :meth:`decode_sum`.
+        """
+        return self.decode_sum(vector, 1)
+
+    def edge_count(self, ring_sum: RingVector) -> int:
+        """Distributed kind: coordinates of the sum within 1/k of the ring's half range
+        of either edge.  A coordinate that wrapped by less than one worst-case standard
+        deviation lands there, so this counts every likely wrap (and, rarely, a value
+        that came close without wrapping); other kinds never wrap (0)."""
+        if self.ddp is None:
+            return 0
+        half = 1 << (self.quant.ring_bits - 1)
+        centred = recentre(np.asarray(ring_sum).reshape(-1)[:-1], self.quant.ring_bits)
+        edge = half * (1.0 - 1.0 / self.ddp.wrap_stddevs)
+        return int(np.count_nonzero(np.abs(centred) > edge))
+
+    def _range_quant(self) -> QuantSpec:
+        return QuantSpec(self.quant.bits, self.range, self.quant.ring_bits)
+
+    def _scatter(self, kept: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.float64]:
+        """Kept coordinates back to d coordinates: into the rotated frame, × ``factor``,
+        unrotated."""
+        idx = self.subset()
+        if idx is not None:
+            full = np.zeros(self.padded, dtype=np.float64)
+            full[idx] = kept
+        else:
+            full = np.asarray(kept, dtype=np.float64)
+        if factor != 1.0:
+            full = full * factor
+        if self.rotation_seed is not None:
+            return rotation.unrotate(full, self.rotation_seed, self.dim)
+        return full
+
+
+def _round_weight(value: float, seed: bytes) -> int:
+    """``value`` rounded stochastically to an integer (unbiased)."""
+    low = math.floor(value)
+    u = float(prg.uniform01(seed, _WEIGHT_DOMAIN, 1)[0])
+    return low + (1 if u < value - low else 0)
+
+
+@lru_cache(maxsize=8)
+def _subset(seed: bytes, n: int, k: int) -> npt.NDArray[np.intp]:
+    """k of ``n`` coordinates, uniformly at random from ``seed``, ascending: the k
+    smallest of n 32-bit keystream keys (ties broken by index)."""
+    keys = prg.expand(seed, _SUBSET_DOMAIN, n, np.uint32)
+    if k >= n:
+        return np.arange(n)
+    chosen = np.argpartition(keys, k - 1)[:k]
+    chosen.sort()
+    chosen.setflags(write=False)
+    return chosen
+
+
+def _seed(spec: RoundSpec, domain: bytes) -> bytes:
+    return hashlib.sha256(domain + bytes.fromhex(spec.seed)).digest()
+
+
+def codec_for(spec: RoundSpec) -> UpdateCodec:
+    """The codec ``spec`` prescribes.
+
+    Raises:
+        ProtocolError: stages that contradict one another or the spec (a keep fraction
+            or range out of bounds, error feedback with record-level distributed DP,
+            compression with distributed DP or homomorphic summation).
+        QuantizationError: a bit budget the ring cannot meet.
+    """
+    c, quant, d = spec.codec, spec.quant_spec(), spec.dim
+    where = f"round {spec.round}'s codec"
+    if c.error_feedback and is_distributed(spec):
+        raise ProtocolError(
+            f"{where} asks for error feedback with distributed DP: a member would carry a "
+            "record's gradient into rounds its privacy accounting does not cover; turn "
+            "one of them off"
+        )
+    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0
+    if is_distributed(spec):
+        if compressed:
+            raise ProtocolError(
+                f"{where} asks for compression with distributed DP; distributed DP "
+                "rotates and discretises on its own terms (quant_bits sizes its ring)"
+            )
+        ddp = ddp_spec(spec)
+        return UpdateCodec(
+            "distributed", quant, d, rotation_seed(spec), ddp.padded, None, 0.0, 1.0, ddp, False
+        )
+    if not compressed and not c.error_feedback:
+        return UpdateCodec("plain", quant, d, None, d, None, quant.clip, 1.0, None, False)
+    if spec.secure_sum == "he":
+        raise ProtocolError(
+            f"{where} asks for compression under homomorphic summation, whose ciphertext "
+            "size does not depend on the bits; use secure_sum = 'secagg' or 'none'"
+        )
+    if not (math.isfinite(c.keep) and MIN_KEEP <= c.keep <= 1.0):
+        raise ProtocolError(f"{where} keeps a fraction {c.keep} outside [{MIN_KEEP}, 1]")
+    rotated = c.rotation == "hadamard"
+    n = rotation.padded_length(d) if rotated else d
+    keep = n if c.keep >= 1.0 else max(1, min(n, round(c.keep * d)))
+    if c.range_stddevs:
+        if not rotated:
+            raise ProtocolError(
+                f"{where} sets a rounding range in standard deviations without rotation; "
+                "only rotated coordinates are close to Gaussian"
+            )
+        if not MIN_RANGE_STDDEVS <= c.range_stddevs <= MAX_RANGE_STDDEVS:
+            raise ProtocolError(
+                f"{where} sets a rounding range of {c.range_stddevs} standard deviations, "
+                f"outside [{MIN_RANGE_STDDEVS:g}, {MAX_RANGE_STDDEVS:g}]"
+            )
+        s = c.range_stddevs * quant.clip / math.sqrt(n)
+    else:
+        s = quant.clip
+    rescale = 1.0 if c.error_feedback or keep == n else n / keep
+    return UpdateCodec(
+        "compressed",
+        quant,
+        d,
+        _seed(spec, b"fedsec/v1/codec/rotation") if rotated else None,
+        keep,
+        _seed(spec, _SUBSET_DOMAIN) if keep < n else None,
+        s,
+        rescale,
+        None,
+        c.error_feedback,
+    )

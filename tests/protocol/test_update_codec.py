@@ -1,0 +1,188 @@
+"""The update codec: decoding commutes with summation for every codec setting, the
+shared subset and rotation are the same on every member and fresh every round, and
+inputs no honest member encodes are refused."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedsec.crypto.identity import SigningIdentity
+from fedsec.crypto.quantize import default_ring_bits
+from fedsec.errors import BadVector, ProtocolError, QuantizationError
+from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol.wire import CodecSpec, DPSpec, RoundSpec
+from fedsec.tasks import get_task
+from tests.support.agent import signed_spec
+
+SIGNER = SigningIdentity(bytes(range(32, 64)))
+TASK = get_task("mnist1d")
+
+
+def _spec(
+    dim: int, members: int = 5, bits: int = 4, seed: str = "11" * 32, **changes: Any
+) -> RoundSpec:
+    fields: dict[str, Any] = {
+        "secure_sum": "secagg",
+        "quant_bits": bits,
+        "ring_bits": default_ring_bits(bits, members),
+        "clip_norm": 1.0,
+        "seed": seed,
+    }
+    fields.update(changes)
+    cohort = tuple(f"m{i:03d}" for i in range(members))
+    return signed_spec(
+        SIGNER, TASK, federation_id="fed", model_sha256="ab" * 32, dim=dim, cohort=cohort, **fields
+    )
+
+
+def _updates(rng: np.random.Generator, n: int, d: int) -> list[np.ndarray]:
+    return [(rng.standard_normal(d) * rng.uniform(0.01, 0.5)).astype(np.float32) for _ in range(n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 6),
+    d=st.integers(1, 300),
+    bits=st.sampled_from([2, 4, 8]),
+    rotation=st.sampled_from(["none", "hadamard"]),
+    keep=st.sampled_from([1.0, 0.5, 0.1]),
+    feedback=st.booleans(),
+    stddevs=st.sampled_from([0.0, 3.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_decoding_commutes_with_summation(
+    n: int, d: int, bits: int, rotation: str, keep: float, feedback: bool, stddevs: float, seed: int
+) -> None:
+    stddevs = stddevs if rotation == "hadamard" else 0.0
+    codec_spec = CodecSpec(
+        rotation=rotation,
+        keep=keep,
+        range_stddevs=stddevs,
+        error_feedback=feedback,  # type: ignore[arg-type]
+    )
+    spec = _spec(d, members=max(n, 3), bits=bits, codec=codec_spec)
+    codec = codec_for(spec)
+    rng = np.random.default_rng(seed)
+    rings = [
+        codec.encode(u, float(rng.uniform(0, 1)), os.urandom(32)).ring for u in _updates(rng, n, d)
+    ]
+    ring_sum = np.zeros(codec.length, dtype=np.uint64)
+    for r in rings:
+        ring_sum += r.astype(np.uint64)
+    ring_sum &= np.uint64((1 << spec.ring_bits) - 1)
+    total, weight = codec.decode_sum(ring_sum.astype(spec.quant_spec().dtype), n)
+    singles = [codec.decode_one(r) for r in rings]
+    assert total.shape == (d,)
+    np.testing.assert_allclose(total, sum(s[0] for s in singles), rtol=1e-9, atol=1e-9)
+    assert weight == pytest.approx(sum(s[1] for s in singles), abs=1e-9)
+
+
+def test_a_compressed_encoding_is_unbiased_and_near_the_update() -> None:
+    d = 2000
+    spec = _spec(d, bits=4, codec=CodecSpec(rotation="hadamard", range_stddevs=4.0))
+    codec = codec_for(spec)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(d).astype(np.float32)
+    x *= np.float32(0.8 / np.linalg.norm(x))
+    draws = np.mean(
+        [codec.decode_one(codec.encode(x, 1.0, os.urandom(32)).ring)[0] for _ in range(200)], axis=0
+    )
+    # 200 unbiased draws: the mean is within a small fraction of the norm
+    assert np.linalg.norm(draws - x) < 0.1 * np.linalg.norm(x)
+    one, weight = codec.decode_one(codec.encode(x, 1.0, os.urandom(32)).ring)
+    assert weight == 1.0
+    assert np.dot(one, x) / (np.linalg.norm(one) * np.linalg.norm(x)) > 0.7
+
+
+def test_the_subset_and_rotation_are_shared_by_the_attempt_and_fresh_for_the_next() -> None:
+    codec_spec = CodecSpec(rotation="hadamard", keep=0.25)
+    a = codec_for(_spec(1000, codec=codec_spec))
+    b = codec_for(_spec(1000, codec=codec_spec))  # another member derives the same spec
+    c = codec_for(_spec(1000, codec=codec_spec, seed="22" * 32))  # the next attempt
+    sa, sb, sc = a.subset(), b.subset(), c.subset()
+    assert sa is not None and sb is not None and sc is not None
+    assert a.keep == 250 == sa.size and np.array_equal(sa, sb)
+    assert not np.array_equal(sa, sc)
+    assert np.all(np.diff(sa) > 0) and sa.max() < 1024  # distinct, in the rotated frame
+    assert a.rotation_seed == b.rotation_seed != c.rotation_seed
+    assert spec_length(a) == 251
+
+
+def spec_length(codec: Any) -> int:
+    return int(codec.length)
+
+
+def test_wrong_length_and_out_of_range_vectors_are_refused() -> None:
+    codec = codec_for(_spec(100, codec=CodecSpec(rotation="hadamard", keep=0.5)))
+    good = codec.encode(np.ones(100, np.float32) * 0.01, 0.5, os.urandom(32)).ring
+    codec.check_input(good)
+    with pytest.raises(BadVector, match="has 51 elements, got 50"):
+        codec.check_input(good[:-1])
+    bad = good.copy()
+    bad[3] = 16
+    with pytest.raises(BadVector, match="above 15 levels"):
+        codec.check_input(bad)
+    with pytest.raises(QuantizationError, match="has 51 elements"):
+        codec.decode_sum(good[:-1], 1)
+    with pytest.raises(QuantizationError, match="must have 100 values"):
+        codec.encode(np.ones(99, np.float32), 0.5, os.urandom(32))
+
+
+def test_the_plain_codec_is_todays_quantization() -> None:
+    spec = _spec(50, bits=8)
+    codec = codec_for(spec)
+    assert (codec.kind, codec.length, codec.range) == ("plain", 51, 1.0)
+    assert spec.secagg_params().vector_length == 51
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"codec": CodecSpec(keep=0.0)}, "outside"),
+        ({"codec": CodecSpec(range_stddevs=3.0)}, "without rotation"),
+        ({"codec": CodecSpec(rotation="hadamard", range_stddevs=0.5)}, "outside"),
+        ({"codec": CodecSpec(rotation="hadamard"), "secure_sum": "he"}, "homomorphic"),
+        (
+            {
+                "codec": CodecSpec(error_feedback=True),
+                "dp": DPSpec(
+                    True, 1.0, 1.0, 1e-5, mode="distributed", sample_rate=0.1, min_survivors=3
+                ),
+                "quant_bits": 16,
+                "ring_bits": 19,
+            },
+            "error feedback with distributed DP",
+        ),
+    ],
+)
+def test_contradictory_codecs_are_refused_with_the_reason(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        codec_for(_spec(100, **changes))
+
+
+def test_a_distributed_codec_sums_noise_shares_and_weights() -> None:
+    d, n = 300, 5
+    dp = DPSpec(True, 0.0 + 1e-9, 1.0, 1e-5, mode="distributed", sample_rate=0.5, min_survivors=4)
+    spec = _spec(d, members=n, bits=16, ring_bits=default_ring_bits(16, n), clip_norm=5.0, dp=dp)
+    codec = codec_for(spec)
+    assert codec.kind == "distributed" and codec.length == 512 + 1
+    rng = np.random.default_rng(2)
+    xs = [x / np.float32(np.linalg.norm(x)) for x in _updates(rng, n, d)]  # within the clip
+    rings = [codec.encode(x, 10.0 + i, os.urandom(32)).ring for i, x in enumerate(xs)]
+    ring_sum = np.zeros(codec.length, dtype=np.uint64)
+    for r in rings:
+        ring_sum += r.astype(np.uint64)
+    total, weight = codec.decode_sum(ring_sum & np.uint64((1 << spec.ring_bits) - 1), n)
+    assert weight == 60.0  # the integer weights, summed exactly
+    np.testing.assert_allclose(total, np.sum(xs, axis=0), atol=0.05)
+    assert codec.edge_count(ring_sum) == 0
+    with pytest.raises(QuantizationError, match="distributed-DP weight"):
+        codec.encode(xs[0], -1.0, os.urandom(32))
