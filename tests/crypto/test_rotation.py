@@ -55,6 +55,34 @@ def test_hadamard_matches_the_matrix_and_signs_are_balanced_and_seeded() -> None
     assert not np.array_equal(s, signs(hashlib.sha256(b"other").digest(), 4096))
 
 
+def _butterflies(x: np.ndarray) -> np.ndarray:
+    """H·x one radix-2 level at a time: the textbook transform to check against."""
+    y = x.astype(np.float64).copy()
+    h = 1
+    while h < y.size:
+        pairs = y.reshape(-1, 2, h)
+        a, b = pairs[:, 0, :].copy(), pairs[:, 1, :].copy()
+        pairs[:, 0, :], pairs[:, 1, :] = a + b, a - b
+        h *= 2
+    return y
+
+
+@pytest.mark.parametrize("log2n", range(15))
+def test_every_kronecker_split_is_the_hadamard_transform(log2n: int) -> None:
+    # lengths 1..2^14 cover one to four factors of uneven sizes; integers keep it exact
+    x = np.random.default_rng(log2n).integers(-1000, 1000, size=1 << log2n).astype(np.float64)
+    np.testing.assert_array_equal(hadamard(x), _butterflies(x))
+    assert hadamard(x) is not x
+
+
+def test_a_scale_folded_into_the_transform_is_the_same_as_scaling_after() -> None:
+    x = np.random.default_rng(1).normal(size=1000)
+    np.testing.assert_allclose(rotate(x, SEED, scale=37.5), 37.5 * rotate(x, SEED), atol=1e-12)
+    y = rotate(x, SEED)
+    np.testing.assert_allclose(unrotate(y, SEED, 1000, scale=0.25), 0.25 * x, atol=1e-15)
+    np.testing.assert_allclose(unrotate(rotate(x, SEED, scale=8.0), SEED, 1000, scale=1 / 8), x)
+
+
 def test_a_spike_is_spread_over_every_coordinate() -> None:
     x = np.zeros(1000)
     x[7] = 1.0
