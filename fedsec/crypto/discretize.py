@@ -46,7 +46,11 @@ at most 2·exp(−k²/2) (:meth:`DdpSpec.wrap_bound`).
 
 Noise sampling is exact inversion of 53-bit uniforms against a float64 CDF table of the
 Skellam distribution over ±(10σ + 2); mass beyond that (< 2^-53 per coordinate) is
-never produced, which adds at most d·2^-53 to δ.
+never produced, which adds at most d·2^-53 to δ.  Rounding compares 53-bit uniforms with
+the fractional parts.  Both draw 32-bit words and complete a uniform with 21 more bits
+only where the word cannot decide (rarely: a guide-table bucket across a CDF step, a
+word equal to the fraction's top 32 bits), so the values are those of 53-bit uniforms at
+about half the keystream.
 """
 
 from __future__ import annotations
@@ -83,11 +87,15 @@ MAX_ROUNDING_TRIES = 64
 # table a member builds.
 NOISE_TAIL_STDDEVS = 10.0
 MAX_NOISE_TABLE = 1 << 24
-# Guide table for inversion: 4 buckets per table entry leaves nearly every uniform at
-# most a step or two from its answer; after 3 vector steps the rest binary-search.
-GUIDE_PER_ENTRY = 4
-GUIDE_STEPS = 3
-
+# Guide table for inversion: 2^20 buckets on a uniform's top bits (4 MB of int32, cached
+# per variance).  A bucket inside one step of the CDF answers alone; for the noise of the
+# 100-member, 16-bit-ring benchmark (σ ≈ 800) under 1 % of the buckets straddle a step.
+GUIDE_BITS = 20
+# Uniforms are drawn as 32-bit words W; the 53-bit uniform W·2^21 + L is completed with a
+# second word (its top 21 bits L) only where W alone cannot decide, which halves the
+# keystream against drawing 53 bits for every value.
+_WORD_BITS = 32
+_LOW_BITS = 53 - _WORD_BITS
 _ROUNDING_DOMAIN = b"ddp/rounding/"
 _NOISE_DOMAIN = b"ddp/noise"
 
@@ -278,35 +286,60 @@ def encode(x: npt.ArrayLike, spec: DdpSpec, shared_seed: bytes, secret_seed: byt
     flat = np.asarray(x, dtype=np.float64).reshape(-1)
     if flat.size != spec.dim:
         raise QuantizationError(f"vector must have {spec.dim} values, got {flat.size}")
-    if not np.all(np.isfinite(flat)):
+    # one BLAS dot is the squared norm and finds any NaN or ±inf (they reach the sum);
+    # only an overflowing square of finite values needs the full check
+    squared = float(flat @ flat)
+    if not math.isfinite(squared) and not np.all(np.isfinite(flat)):
         raise QuantizationError("vector contains NaN or infinite values")
-    norm = float(np.linalg.norm(flat))
+    norm = math.sqrt(squared)
     clipped = norm > spec.clip
-    scaled = rotate(flat * (spec.clip / norm) if clipped else flat, shared_seed)
-    scaled *= spec.scale
+    factor = spec.scale * (spec.clip / norm if clipped else 1.0)
+    scaled = rotate(flat, shared_seed, scale=factor)
     ints, draws = _conditional_round(scaled, spec.rounding_bound, secret_seed)
     if spec.noise_multiplier > 0:
-        ints += skellam(secret_seed, spec.share_variance, ints.size)
+        half, index = _skellam_index(secret_seed, spec.share_variance, ints.size)
+        ints += index
+        ints -= half
     return Encoded(to_ring(ints, spec.ring_bits), ints, draws, clipped)
 
 
 def _conditional_round(
     y: FloatVector, bound: float, seed: bytes
 ) -> tuple[npt.NDArray[np.int64], int]:
-    """Unbiased stochastic rounding of ``y``, drawn again while the error's L2 norm
-    exceeds ``bound``."""
+    """Unbiased stochastic rounding of ``y`` (overwritten), drawn again while the
+    error's L2 norm exceeds ``bound``.
+
+    A coordinate rounds up when u < frac for a 53-bit uniform u = (W·2^21 + L)/2^53:
+    with t = ⌊frac·2^32⌋ the word W decides alone unless W = t (probability 2^-32),
+    and only there is L drawn, so the rule is exactly that of 53-bit uniforms."""
     floor = np.floor(y)
-    frac = y - floor
+    frac = np.subtract(y, floor, out=y)  # in [0, 1]: 1.0 where y is a hair below an integer
+    fixed = frac * float(1 << _WORD_BITS)  # exact: a power-of-two scale
+    # frac = 1.0 gives t = 2^32 − 1 and a remainder of 1, which rounds up for every W, L
+    threshold = np.minimum(fixed, float((1 << _WORD_BITS) - 1)).astype(np.uint32)
     for draw in range(1, MAX_ROUNDING_TRIES + 1):
         domain = _ROUNDING_DOMAIN + str(draw).encode()
-        up = uniform53(seed, domain, y.size) < frac
-        error = up - frac  # the rounded value minus y
+        words = prg.expand(seed, domain, y.size, np.uint32)
+        up = words < threshold
+        ties = np.flatnonzero(words == threshold)
+        if ties.size:
+            low = _low_bits(seed, domain, ties.size)
+            remainder = (fixed[ties] - threshold[ties]) * float(1 << _LOW_BITS)  # exact
+            up[ties] = low < remainder
+        error = np.subtract(up, frac)  # the rounded value minus y
         if float(error @ error) <= bound * bound:
             floor += up
             return floor.astype(np.int64), draw
     raise QuantizationError(
         f"conditional rounding exceeded its error bound {MAX_ROUNDING_TRIES} times"
     )
+
+
+def _low_bits(seed: bytes, domain: bytes, count: int) -> npt.NDArray[np.int64]:
+    """The low 21 bits L of ``count`` 53-bit uniforms whose top 32 bits could not
+    decide, from a stream of their own (the i-th such value takes the i-th word)."""
+    words = prg.expand(seed, domain + b"/low", count, np.uint32)
+    return (words >> np.uint32(_WORD_BITS - _LOW_BITS)).astype(np.int64)
 
 
 def uniform53(seed: bytes, domain: bytes, count: int) -> FloatVector:
@@ -320,28 +353,32 @@ def _table_half_width(variance: float) -> int:
     return math.ceil(NOISE_TAIL_STDDEVS * math.sqrt(variance)) + 2
 
 
-@lru_cache(maxsize=16)
-def _skellam_cdf(variance: float) -> tuple[int, FloatVector, npt.NDArray[np.intp]]:
-    """(K, CDF over −K..K, guide) of Skellam(μ₁ = μ₂ = variance/2): P(k) = e^{−v}·I_k(v).
+@lru_cache(maxsize=8)
+def _skellam_table(
+    variance: float,
+) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+    """(K, steps, guide) for Skellam(μ₁ = μ₂ = variance/2), P(k) = e^{−v}·I_k(v), on −K..K.
 
-    ``guide[j]`` is the first index whose CDF exceeds j/G (G = 4·table size): the answer
-    for a uniform u is at or after ``guide[⌊u·G⌋]``, usually there or one step on."""
+    ``steps[i] = ⌈CDF(i)·2^53⌉``, so for an integer u53 ``searchsorted(steps, u53,
+    "right")`` equals ``searchsorted(cdf, u53/2^53, "right")``: inversion of the uniform
+    u53/2^53 against the float64 CDF.  ``guide[j]`` is that index (capped at 2K) for
+    every u53 whose top GUIDE_BITS bits are j, or −1 where they straddle a step."""
     half = _table_half_width(variance)
     ks = np.abs(np.arange(-half, half + 1, dtype=np.float64))
     pmf = special.ive(ks, variance)  # exponentially scaled Bessel: e^{-v} I_|k|(v)
-    cdf = np.cumsum(pmf)
-    cdf.setflags(write=False)
-    buckets = GUIDE_PER_ENTRY * cdf.size
-    guide = np.searchsorted(cdf, np.arange(buckets) / buckets, side="right")
+    steps = np.ceil(np.cumsum(pmf) * float(1 << 53)).astype(np.int64)
+    steps.setflags(write=False)
+    width = 1 << (53 - GUIDE_BITS)
+    starts = np.arange(1 << GUIDE_BITS, dtype=np.int64) * width
+    first = np.minimum(np.searchsorted(steps, starts, side="right"), 2 * half)
+    last = np.minimum(np.searchsorted(steps, starts + (width - 1), side="right"), 2 * half)
+    guide = np.where(first == last, first, -1).astype(np.int32)
     guide.setflags(write=False)
-    return half, cdf, guide
+    return half, steps, guide
 
 
-def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
-    """``count`` independent Skellam variables of mean 0 and ``variance``, by inversion
-    of 53-bit keystream uniforms (the same values ``np.searchsorted(cdf, u, "right")``
-    gives, found through the guide table: a few vector steps instead of a binary search
-    per value).
+def _skellam_index(seed: bytes, variance: float, count: int) -> tuple[int, npt.NDArray[np.int32]]:
+    """(K, index): ``count`` Skellam variables as ``index − K`` (see :func:`skellam`).
 
     Raises:
         QuantizationError: variance not positive or its table beyond MAX_NOISE_TABLE.
@@ -351,20 +388,36 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
         raise QuantizationError(f"noise variance must be positive, got {variance}")
     if 2 * _table_half_width(variance) + 1 > MAX_NOISE_TABLE:
         raise QuantizationError(f"noise variance {variance:g} needs too large a table")
-    half, cdf, guide = _skellam_cdf(float(variance))
-    u = uniform53(seed, _NOISE_DOMAIN, count)
-    idx = guide[(u * guide.size).astype(np.intp)]
-    todo = np.arange(count)
-    for _ in range(GUIDE_STEPS):
-        todo = todo[idx[todo] < cdf.size]
-        todo = todo[cdf[idx[todo]] <= u[todo]]
-        if todo.size == 0:
-            break
-        idx[todo] += 1
-    if todo.size:  # the rare values in a tail bucket: binary search
-        idx[todo] = np.searchsorted(cdf, u[todo], side="right")
-    np.minimum(idx, 2 * half, out=idx)  # u above the table's float sum (< 1e-15 of mass)
-    return idx.astype(np.int64) - half
+    half, steps, guide = _skellam_table(float(variance))
+    words = prg.expand(seed, _NOISE_DOMAIN, count, np.uint32)
+    index = guide[words >> np.uint32(_WORD_BITS - GUIDE_BITS)]
+    open_ = np.flatnonzero(index < 0)
+    if open_.size:  # a bucket across a step: complete the 53-bit uniform and search
+        u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(
+            seed, _NOISE_DOMAIN, open_.size
+        )
+        found = np.searchsorted(steps, u53, side="right")
+        index[open_] = np.minimum(found, 2 * half)  # u above the table's sum (< 1e-15)
+    return half, index
+
+
+def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
+    """``count`` independent Skellam variables of mean 0 and ``variance``, by inversion
+    of 53-bit keystream uniforms against the float64 CDF (the values
+    ``np.searchsorted(cdf, u, "right")`` gives).
+
+    A uniform is drawn as a 32-bit word W; the guide table answers from W's top bits
+    unless their bucket straddles a step of the CDF, and only there is the 53-bit
+    uniform completed with 21 more bits and searched: about one table lookup per value.
+
+    Raises:
+        QuantizationError: variance not positive or its table beyond MAX_NOISE_TABLE.
+        ValueError: ``seed`` is not 32 bytes.
+    """
+    half, index = _skellam_index(seed, variance, count)
+    out = index.astype(np.int64)
+    out -= half
+    return out
 
 
 def to_ring(ints: npt.NDArray[np.int64], ring_bits: int) -> RingVector:

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import special
 
 from fedsec.crypto import discretize as dz
+from fedsec.crypto import prg
 from fedsec.crypto.discretize import DdpSpec, decode_sum, encode, recentre, skellam, to_ring
 from fedsec.crypto.rotation import rotate
 from fedsec.errors import QuantizationError
@@ -141,9 +143,57 @@ def test_bad_vectors_are_refused() -> None:
         decode_sum(np.zeros(300, dtype=np.uint32), spec, SHARED)
 
 
+def _inverted(cdf: np.ndarray, half: int, u53: np.ndarray) -> np.ndarray:
+    """Inversion of the 53-bit uniforms u53/2^53 against ``cdf``, capped at 2K."""
+    return np.minimum(np.searchsorted(cdf, u53 / 2.0**53, side="right"), 2 * half)
+
+
 @pytest.mark.parametrize("variance", [0.3, 25.0, 6.7e5])
 def test_the_guided_sampler_is_exact_inversion_of_the_keystream_uniforms(variance: float) -> None:
-    half, cdf, _ = dz._skellam_cdf(variance)
-    u = dz.uniform53(_secret(5), dz._NOISE_DOMAIN, 100_000)
-    expected = np.minimum(np.searchsorted(cdf, u, side="right"), 2 * half) - half
-    np.testing.assert_array_equal(skellam(_secret(5), variance, 100_000), expected)
+    # reference: the float64 CDF and u = (W·2^21 + L)/2^53, W the noise stream's 32-bit
+    # words, L the top 21 bits of the low stream, taken in order by the values whose
+    # guide bucket (W's top 20 bits) straddles a step; elsewhere any L gives one answer
+    count = 100_000
+    half = dz._table_half_width(variance)
+    ks = np.abs(np.arange(-half, half + 1, dtype=np.float64))
+    cdf = np.cumsum(special.ive(ks, variance))
+    words = prg.expand(_secret(5), dz._NOISE_DOMAIN, count, np.uint32).astype(np.int64)
+    bucket = (words >> 12) << 33
+    first = _inverted(cdf, half, bucket)
+    last = _inverted(cdf, half, bucket + (1 << 33) - 1)
+    open_ = np.flatnonzero(first != last)
+    low = prg.expand(_secret(5), dz._NOISE_DOMAIN + b"/low", open_.size, np.uint32) >> 11
+    expected = first.copy()
+    expected[open_] = _inverted(cdf, half, (words[open_] << 21) | low.astype(np.int64))
+    assert 0 < open_.size < count // 10 or variance < 1  # both paths run
+    np.testing.assert_array_equal(skellam(_secret(5), variance, count), expected - half)
+
+
+def test_rounding_ties_on_the_top_32_bits_are_decided_by_21_more() -> None:
+    # y's fraction puts every threshold on its own draw's word (probability 2^-32 each
+    # in use): rounding then follows the low stream exactly as a 53-bit uniform would
+    seed, count = _secret(9), 1000
+    words = prg.expand(seed, b"ddp/rounding/1", count, np.uint32).astype(np.float64)
+    low = prg.expand(seed, b"ddp/rounding/1/low", count, np.uint32) >> 11
+    remainder = np.linspace(0.01, 0.99, count)  # frac·2^32 − W, exact in float64
+    y = 5.0 + (words + remainder) / 2.0**32
+    ints, draws = dz._conditional_round(y, bound=1e9, seed=seed)
+    assert draws == 1
+    np.testing.assert_array_equal(ints, 5 + (low < remainder * 2.0**21))
+
+
+def test_a_fraction_that_rounds_to_one_always_rounds_up() -> None:
+    # y − ⌊y⌋ is 1.0 in float64 for y a hair below an integer; it must round up
+    y = np.full(10_000, -(2.0**-60))
+    ints, _ = dz._conditional_round(y, bound=1e9, seed=_secret(3))
+    np.testing.assert_array_equal(ints, 0)
+
+
+@pytest.mark.parametrize("fraction", [2.0**-40, 0.3, 0.5 + 2.0**-33, 1 - 2.0**-20])
+def test_stochastic_rounding_is_unbiased(fraction: float) -> None:
+    count = 400_000
+    y = np.full(count, 7.0 + fraction)
+    ints, _ = dz._conditional_round(y, bound=1e9, seed=_secret(4))
+    assert set(np.unique(ints)) <= {7, 8}
+    rate = float((ints == 8).mean())
+    assert abs(rate - fraction) <= 5 * math.sqrt(fraction * (1 - fraction) / count) + 1e-12
