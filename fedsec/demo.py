@@ -347,15 +347,37 @@ def _parse_dp(value: str) -> float | None:
     default="secagg",
     show_default=True,
 )
-@click.option("--quant-bits", default=8, show_default=True)
+@click.option("--quant-bits", default=0, help="bits b; 0 = 8, or 16 with --dp-mode distributed")
 @click.option("--clip", default=0.0, help="update clip norm; 0 = a task default")
 @click.option("--dp-epsilon", default="none", show_default=True, help="per-agent budget or 'none'")
+@click.option(
+    "--dp-mode",
+    type=click.Choice(["local", "distributed"]),
+    default="local",
+    show_default=True,
+    help="distributed: noise shares summed in the SecAgg+ ring (docs/privacy.md)",
+)
+@click.option("--dp-unit", type=click.Choice(["record", "member"]), default="record")
+@click.option(
+    "--dp-sample-rate", default=0.0, help="distributed, record: q; 0 = 1,000 records per round"
+)
+@click.option("--rotation", type=click.Choice(["none", "hadamard"]), default="none")
+@click.option("--sparsity", default=1.0, show_default=True, help="fraction of coordinates sent")
+@click.option(
+    "--range-stddevs", default=0.0, help="rotated rounding range in std devs; 0 = 3 with rotation"
+)
+@click.option("--error-feedback", is_flag=True, help="carry what the codec drops to next round")
 @click.option("--local-epochs", default=0, help="0 = task default for simulation")
 @click.option("--lr", default=0.0, help="0 = task default")
 @click.option(
     "--batch-size", default=0, help="local batch size; 0 = task default (DP favours large batches)"
 )
-@click.option("--server-optimizer", type=click.Choice(["fedavg", "fedadam"]), default="fedavg")
+@click.option(
+    "--server-optimizer",
+    type=click.Choice(["", "fedavg", "fedadam"]),
+    default="",
+    help="default: fedadam in record-level distributed DP, else fedavg",
+)
 @click.option("--server-lr", default=0.0, help="0 = task default for FedAvg, 0.01 for FedAdam")
 @click.option("--seed", default=0, show_default=True)
 @click.option(
@@ -382,6 +404,13 @@ def simulate(
     quant_bits: int,
     clip: float,
     dp_epsilon: str,
+    dp_mode: str,
+    dp_unit: str,
+    dp_sample_rate: float,
+    rotation: str,
+    sparsity: float,
+    range_stddevs: float,
+    error_feedback: bool,
     local_epochs: int,
     lr: float,
     batch_size: int,
@@ -408,6 +437,13 @@ def simulate(
                     quant_bits=quant_bits,
                     clip=clip,
                     dp_epsilon=_parse_dp(dp_epsilon),
+                    dp_mode=dp_mode,
+                    dp_unit=dp_unit,
+                    dp_sample_rate=dp_sample_rate,
+                    rotation=rotation,
+                    sparsity=sparsity,
+                    range_stddevs=range_stddevs,
+                    error_feedback=error_feedback,
                     local_epochs=local_epochs,
                     lr=lr,
                     batch_size=batch_size,

@@ -21,6 +21,7 @@ from fedsec.config import (
     AgentConfig,
     AgentSection,
     AlertsSection,
+    CodecSection,
     DashboardSection,
     DataSection,
     DPSection,
@@ -74,6 +75,7 @@ def federation_toml(
     he: dict[str, Any] | None = None,
     validation: dict[str, Any] | None = None,
     schema: DataSchema | None = None,
+    codec: dict[str, Any] | None = None,
 ) -> str:
     """A federation.toml with the given overrides of each section's defaults (and, for
     task ``table``, the federation's data ``schema``)."""
@@ -89,6 +91,7 @@ def federation_toml(
         he=HeSection(**(he or {})),
         validation=ValidationSection(**(validation or {})),
         schema=schema,
+        codec=CodecSection(**(codec or {})),
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
 
@@ -161,6 +164,7 @@ def agent_config(
     delta: float = 1e-5,
     require_dp: bool = True,
     device: str = "auto",
+    allow_distributed: bool = False,
 ) -> AgentConfig:
     """The agent.toml of one simulated data owner holding part ``part_index`` of a task."""
     return AgentConfig(
@@ -179,7 +183,12 @@ def agent_config(
             parts=parts,
             seed=seed,
         ),
-        privacy=PrivacySection(epsilon=epsilon, delta=delta, require_dp=require_dp),
+        privacy=PrivacySection(
+            epsilon=epsilon,
+            delta=delta,
+            require_dp=require_dp,
+            allow_distributed=allow_distributed,
+        ),
         network=NetworkSection(retry_max=6, backoff_initial_s=0.2, backoff_max_s=2.0),
     )
 
