@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from fedsec.aggregator.transport import PARSER_REJECTIONS_NOTE
-from fedsec.protocol import wire
+from fedsec.protocol import compact, wire
 from fedsec.protocol.endpoints import ENDPOINTS, Endpoint, Opaque, Param, Payload, structs
 
 _SIGNED = "RFC 9421 HTTP Message Signature (Ed25519) of a roster member"
@@ -26,6 +26,9 @@ _DESCRIPTION = (
 _BEARER = "a dashboard- or metrics-scope token from `fedsec aggregator dashboard-token`"
 
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+# a SecAgg+ upload's compact form (fedsec.protocol.compact): the JSON struct's fields as
+# a msgpack array, keys and shares as bin
+_COMPACT = {"schema": {"type": "string", "format": "binary"}}
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -101,6 +104,8 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         op["parameters"] = [_parameter(p) for p in ep.params]
     if ep.request is not None:
         op["requestBody"] = {"required": True, "content": _content(ep.request)}
+        if ep.request in compact.KINDS:
+            op["requestBody"]["content"][compact.MEDIA_TYPE] = _COMPACT
     if ep.auth == "token":
         op["security"] = [{"bearer": []}, {}]
     elif ep.auth != "signature":

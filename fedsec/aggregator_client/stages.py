@@ -1,15 +1,18 @@
 """The SecAgg+ stage calls: uploads whose answer the aggregator may hold ``wait``
 seconds until the round reaches the next stage, and the fetches that fall back on
-them (docs/agent.md, "One round, as the agent runs it")."""
+them (docs/agent.md, "One round, as the agent runs it").  The three control uploads
+go in their compact form (:mod:`fedsec.protocol.compact`: msgpack, binary keys and
+shares), about half their JSON size."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fedsec.aggregator_client.calls import Calls, route, seconds
 from fedsec.aggregator_client.limits import LONG_POLL_SLACK_S, MAX_JSON_BYTES, MAX_RECEIPT_BYTES
 from fedsec.aggregator_client.transport import Route
 from fedsec.errors import PayloadError
+from fedsec.protocol import compact
 from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
@@ -48,17 +51,30 @@ class StageCalls(Calls):
         attempt: int,
         wait: float,
         what: str,
-        payload: Any = None,
     ) -> T:
-        """A SecAgg+ stage request whose answer the aggregator may hold ``wait`` seconds."""
+        """A SecAgg+ stage fetch whose answer the aggregator may hold ``wait`` seconds."""
         return await self._transport.json(
             stage,
             kind,
             query=self._stage_query(attempt, wait),
-            payload=payload,
             what=what,
             timeout_s=self._wait_timeout(wait),
         )
+
+    async def _stage_upload(
+        self, stage: Route, body: compact.Body, attempt: int, wait: float, what: str
+    ) -> Accepted:
+        """A SecAgg+ control upload, sent compact; its answer may be held ``wait`` s."""
+        raw = await self._transport.request(
+            stage,
+            query=self._stage_query(attempt, wait),
+            body=compact.encode(body),
+            content_type=compact.MEDIA_TYPE,
+            max_bytes=MAX_JSON_BYTES,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
+        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
 
     async def advertise(
         self, round: int, attempt: int, body: AdvertiseKeysBody, wait: float = 0.0
@@ -69,13 +85,8 @@ class StageCalls(Calls):
             wait: seconds the aggregator may hold the answer until the round reaches
                 share_keys; the answer then carries the key list (``keys``).
         """
-        return await self._stage_json(
-            route("advertise", round=round),
-            Accepted,
-            attempt,
-            wait,
-            "advertise answer",
-            payload=body,
+        return await self._stage_upload(
+            route("advertise", round=round), body, attempt, wait, "advertise answer"
         )
 
     async def keys(self, round: int, attempt: int, wait: float = 0.0) -> KeyListBody:
@@ -93,13 +104,8 @@ class StageCalls(Calls):
             wait: seconds the aggregator may hold the answer until the round reaches
                 masked_input; the answer then carries our share relay (``relay``).
         """
-        return await self._stage_json(
-            route("post_shares", round=round),
-            Accepted,
-            attempt,
-            wait,
-            "shares answer",
-            payload=body,
+        return await self._stage_upload(
+            route("post_shares", round=round), body, attempt, wait, "shares answer"
         )
 
     async def get_shares(self, round: int, attempt: int, wait: float = 0.0) -> ShareRelayBody:
@@ -173,13 +179,8 @@ class StageCalls(Calls):
             wait: seconds the aggregator may hold the answer until the attempt is over;
                 the answer then carries the round state (``state``).
         """
-        return await self._stage_json(
-            route("post_unmask", round=round),
-            Accepted,
-            attempt,
-            wait,
-            "unmask answer",
-            payload=body,
+        return await self._stage_upload(
+            route("post_unmask", round=round), body, attempt, wait, "unmask answer"
         )
 
     async def he_context(self) -> HeContext:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgspec
@@ -19,7 +19,7 @@ import pytest
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.modelfile import ModelManifest, verify_manifest
-from fedsec.protocol import wire
+from fedsec.protocol import compact, wire
 from tests.support.aggregator import (
     FAST_ROUND,
     FED,
@@ -192,6 +192,25 @@ async def test_wrong_round_attempt_or_stage_is_a_conflict(api: Api) -> None:
     )
     await api.ok("a0", "POST", "/v1/rounds/1/advertise", good)
     await api.refused(404, "not_found", lambda: api.call("a0", "GET", "/v1/rounds/1/receipt"))
+
+
+async def test_a_compact_upload_is_checked_then_stored_as_its_json_form(api: Api) -> None:
+    cohort = await _fix_cohort(api)
+    path = "/v1/rounds/1/advertise"
+
+    def send_compact(raw: bytes) -> Awaitable[tuple[int, bytes, str]]:
+        headers = api.headers("a0", "POST", path, raw)
+        headers["Content-Type"] = compact.MEDIA_TYPE
+        return api.send("POST", path, raw, headers)
+
+    short_key = msgspec.msgpack.encode([b"k" * 31, b"k" * 32, b"s" * 64])
+    await api.refused(400, "bad_request", lambda: send_compact(short_key))
+    body = cohort.advertise("a0")
+    status, raw, _ = await send_compact(compact.encode(body))
+    assert status == 200, raw
+    # stored, archived and replayed exactly as the JSON upload would be
+    assert api.fed.ws.state.messages.get(1, 0, "advertise", "a0") == wire.encode(body)
+    await api.ok("a0", "POST", path, body)  # the JSON retry is the same message
 
 
 async def test_malformed_json_unknown_fields_and_bad_numbers(api: Api) -> None:

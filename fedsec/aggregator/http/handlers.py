@@ -17,6 +17,7 @@ from fedsec.aggregator.http.keys import CHALLENGES, COORDINATOR, WORKSPACE
 from fedsec.aggregator.http.longpoll import CHANGED, hold_until, hold_while, next_stage_data
 from fedsec.aggregator.http.params import (
     decode_json,
+    decode_upload,
     model_version,
     round_args,
     seconds,
@@ -109,7 +110,7 @@ async def report(request: web.Request) -> web.Response:
 async def advertise(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)
-    msg = decode_json(body, wire.AdvertiseKeysBody, request, "key advertisement")
+    msg = decode_upload(body, wire.AdvertiseKeysBody, request, "key advertisement")
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.advertise(member, r, a, msg)
@@ -129,7 +130,7 @@ async def keys(request: web.Request) -> web.Response:
 async def post_shares(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)
-    msg = decode_json(body, wire.ShareKeysBody, request, "encrypted shares")
+    msg = decode_upload(body, wire.ShareKeysBody, request, "encrypted shares")
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.share_keys(member, r, a, msg)
@@ -179,7 +180,7 @@ async def get_unmask(request: web.Request) -> web.Response:
 async def post_unmask(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)
-    msg = decode_json(body, wire.UnmaskResponseBody, request, "unmask answer")
+    msg = decode_upload(body, wire.UnmaskResponseBody, request, "unmask answer")
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.unmask(member, r, a, msg)

@@ -1,9 +1,10 @@
-"""What a request names, decoded with its bounds: path and query parameters, JSON bodies.
+"""What a request names, decoded with its bounds: path and query parameters, JSON bodies
+and the compact (msgpack) form of the SecAgg+ uploads.
 
 Integers are canonical ASCII decimal (:func:`fedsec.protocol.wire.parse_uint`), seconds
 are plain decimals capped at the long-poll limit, and a JSON body is decoded within
-``server.max_json_bytes``, so one resource has one spelling and nothing a client sends
-is parsed without a bound.
+``server.max_json_bytes`` (a compact upload too), so one resource has one spelling and
+nothing a client sends is parsed without a bound.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from aiohttp import web
 from fedsec.aggregator.http.errors import quote
 from fedsec.aggregator.http.keys import WORKSPACE
 from fedsec.errors import PayloadError
-from fedsec.protocol import wire
+from fedsec.protocol import compact, wire
 from fedsec.protocol.limits import LONG_POLL_S
 
 T = TypeVar("T")
+B = TypeVar("B", wire.AdvertiseKeysBody, wire.ShareKeysBody, wire.UnmaskResponseBody)
 
 # plain decimal only: float() would also take "nan", "inf", "1e999", "1_0" and " 5"
 _SECONDS_RE = re.compile(r"[0-9]{1,12}(\.[0-9]{1,6})?")
@@ -72,3 +74,18 @@ def decode_json(raw: bytes, kind: type[T], request: web.Request, what: str) -> T
     """
     ws = request.app[WORKSPACE]
     return wire.decode(raw, kind, max_bytes=ws.config.server.max_json_bytes, what=what)
+
+
+def decode_upload(raw: bytes, kind: type[B], request: web.Request, what: str) -> B:
+    """A SecAgg+ upload, as the JSON body struct ``kind``: decoded from its compact form
+    (:mod:`fedsec.protocol.compact`) when the request's ``Content-Type`` is
+    ``application/msgpack``, else as JSON; at most ``server.max_json_bytes`` either way.
+
+    Raises:
+        PayloadError: see :func:`fedsec.protocol.compact.to_body` and
+            :func:`fedsec.protocol.wire.decode`.
+    """
+    if request.content_type == compact.MEDIA_TYPE:
+        limit = request.app[WORKSPACE].config.server.max_json_bytes
+        return compact.to_body(raw, kind, max_bytes=limit, what=what)
+    return decode_json(raw, kind, request, what)
