@@ -361,6 +361,12 @@ def _parse_dp(value: str) -> float | None:
 @click.option(
     "--dp-sample-rate", default=0.0, help="distributed, record: q; 0 = 1,000 records per round"
 )
+@click.option(
+    "--dp-min-survivors",
+    default=0.8,
+    show_default=True,
+    help="distributed: share of the cohort the noise is sized for",
+)
 @click.option("--rotation", type=click.Choice(["none", "hadamard"]), default="none")
 @click.option("--sparsity", default=1.0, show_default=True, help="fraction of coordinates sent")
 @click.option(
@@ -407,6 +413,7 @@ def simulate(
     dp_mode: str,
     dp_unit: str,
     dp_sample_rate: float,
+    dp_min_survivors: float,
     rotation: str,
     sparsity: float,
     range_stddevs: float,
@@ -440,6 +447,7 @@ def simulate(
                     dp_mode=dp_mode,
                     dp_unit=dp_unit,
                     dp_sample_rate=dp_sample_rate,
+                    dp_min_survivors=dp_min_survivors,
                     rotation=rotation,
                     sparsity=sparsity,
                     range_stddevs=range_stddevs,

@@ -135,6 +135,7 @@ class SimulationSpec:
     dp_mode: str = "local"
     dp_unit: str = "record"
     dp_sample_rate: float = 0.0  # distributed, record: 0 = DDP_BATCH records of the union
+    dp_min_survivors: float = 0.8  # distributed: dp.min_survivors_fraction
     # the update codec ([codec]): rotation, fraction of coordinates kept, rounding range
     # (0 = a default with rotation), error feedback
     rotation: str = "none"
@@ -306,7 +307,13 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
             rate, steps = plan_round(smallest, params)
             noise = noise_for_budget(spec.dp_epsilon, DELTA, rate, steps, spec.rounds)
     if distributed:
-        dp_extra.update({"mode": "distributed", "unit": spec.dp_unit})
+        dp_extra.update(
+            {
+                "mode": "distributed",
+                "unit": spec.dp_unit,
+                "min_survivors_fraction": spec.dp_min_survivors,
+            }
+        )
     codec = {
         "rotation": spec.rotation,
         "keep": spec.sparsity,
