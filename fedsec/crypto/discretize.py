@@ -66,7 +66,7 @@ from scipy import special
 from fedsec.crypto import prg
 from fedsec.crypto.errors import QuantizationError
 from fedsec.crypto.quantize import RingVector, ring_dtype
-from fedsec.crypto.rotation import padded_length, rotate, unrotate
+from fedsec.crypto.rotation import padded_length, rotate, squared_norm, unrotate
 
 # Integers pass through float64 on the way into the ring: 2^52 keeps every value exact.
 MAX_DDP_RING_BITS = 52
@@ -96,6 +96,9 @@ GUIDE_BITS = 20
 # keystream against drawing 53 bits for every value.
 _WORD_BITS = 32
 _LOW_BITS = 53 - _WORD_BITS
+# A guide entry whose bucket straddles a step: no Skellam value a table holds (|k| ≤ K
+# < MAX_NOISE_TABLE).
+_OPEN = np.iinfo(np.int32).min
 _ROUNDING_DOMAIN = b"ddp/rounding/"
 _NOISE_DOMAIN = b"ddp/noise"
 
@@ -286,9 +289,9 @@ def encode(x: npt.ArrayLike, spec: DdpSpec, shared_seed: bytes, secret_seed: byt
     flat = np.asarray(x, dtype=np.float64).reshape(-1)
     if flat.size != spec.dim:
         raise QuantizationError(f"vector must have {spec.dim} values, got {flat.size}")
-    # one BLAS dot is the squared norm and finds any NaN or ±inf (they reach the sum);
-    # only an overflowing square of finite values needs the full check
-    squared = float(flat @ flat)
+    # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
+    # square of finite values needs the full check
+    squared = squared_norm(flat)
     if not math.isfinite(squared) and not np.all(np.isfinite(flat)):
         raise QuantizationError("vector contains NaN or infinite values")
     norm = math.sqrt(squared)
@@ -297,9 +300,7 @@ def encode(x: npt.ArrayLike, spec: DdpSpec, shared_seed: bytes, secret_seed: byt
     scaled = rotate(flat, shared_seed, scale=factor)
     ints, draws = _conditional_round(scaled, spec.rounding_bound, secret_seed)
     if spec.noise_multiplier > 0:
-        half, index = _skellam_index(secret_seed, spec.share_variance, ints.size)
-        ints += index
-        ints -= half
+        ints += _skellam_int32(secret_seed, spec.share_variance, ints.size)
     return Encoded(to_ring(ints, spec.ring_bits), ints, draws, clipped)
 
 
@@ -327,7 +328,7 @@ def _conditional_round(
             remainder = (fixed[ties] - threshold[ties]) * float(1 << _LOW_BITS)  # exact
             up[ties] = low < remainder
         error = np.subtract(up, frac)  # the rounded value minus y
-        if float(error @ error) <= bound * bound:
+        if squared_norm(error) <= bound * bound:
             floor += up
             return floor.astype(np.int64), draw
     raise QuantizationError(
@@ -361,8 +362,10 @@ def _skellam_table(
 
     ``steps[i] = ⌈CDF(i)·2^53⌉``, so for an integer u53 ``searchsorted(steps, u53,
     "right")`` equals ``searchsorted(cdf, u53/2^53, "right")``: inversion of the uniform
-    u53/2^53 against the float64 CDF.  ``guide[j]`` is that index (capped at 2K) for
-    every u53 whose top GUIDE_BITS bits are j, or −1 where they straddle a step."""
+    u53/2^53 against the float64 CDF (capped at 2K: a u above the table's float sum,
+    < 1e-15 of the mass, takes the last value).  ``guide[j]`` is that index minus K, the
+    variable itself, for every u53 whose top GUIDE_BITS bits are j, or _OPEN where they
+    straddle a step."""
     half = _table_half_width(variance)
     ks = np.abs(np.arange(-half, half + 1, dtype=np.float64))
     pmf = special.ive(ks, variance)  # exponentially scaled Bessel: e^{-v} I_|k|(v)
@@ -372,39 +375,34 @@ def _skellam_table(
     starts = np.arange(1 << GUIDE_BITS, dtype=np.int64) * width
     first = np.minimum(np.searchsorted(steps, starts, side="right"), 2 * half)
     last = np.minimum(np.searchsorted(steps, starts + (width - 1), side="right"), 2 * half)
-    guide = np.where(first == last, first, -1).astype(np.int32)
+    guide = np.where(first == last, first - half, _OPEN).astype(np.int32)
     guide.setflags(write=False)
     return half, steps, guide
 
 
-def _skellam_index(seed: bytes, variance: float, count: int) -> tuple[int, npt.NDArray[np.int32]]:
-    """(K, index): ``count`` Skellam variables as ``index − K`` (see :func:`skellam`).
-
-    Raises:
-        QuantizationError: variance not positive or its table beyond MAX_NOISE_TABLE.
-        ValueError: ``seed`` is not 32 bytes.
-    """
+def _skellam_int32(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int32]:
+    """:func:`skellam`'s values as int32 (|value| ≤ K < MAX_NOISE_TABLE)."""
     if not (math.isfinite(variance) and variance > 0):
         raise QuantizationError(f"noise variance must be positive, got {variance}")
     if 2 * _table_half_width(variance) + 1 > MAX_NOISE_TABLE:
         raise QuantizationError(f"noise variance {variance:g} needs too large a table")
     half, steps, guide = _skellam_table(float(variance))
     words = prg.expand(seed, _NOISE_DOMAIN, count, np.uint32)
-    index = guide[words >> np.uint32(_WORD_BITS - GUIDE_BITS)]
-    open_ = np.flatnonzero(index < 0)
+    values: npt.NDArray[np.int32] = guide[words >> np.uint32(_WORD_BITS - GUIDE_BITS)]
+    open_ = np.flatnonzero(values == _OPEN)
     if open_.size:  # a bucket across a step: complete the 53-bit uniform and search
         u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(
             seed, _NOISE_DOMAIN, open_.size
         )
-        found = np.searchsorted(steps, u53, side="right")
-        index[open_] = np.minimum(found, 2 * half)  # u above the table's sum (< 1e-15)
-    return half, index
+        found = np.minimum(np.searchsorted(steps, u53, side="right"), 2 * half)
+        values[open_] = found - half
+    return values
 
 
 def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
     """``count`` independent Skellam variables of mean 0 and ``variance``, by inversion
     of 53-bit keystream uniforms against the float64 CDF (the values
-    ``np.searchsorted(cdf, u, "right")`` gives).
+    ``np.searchsorted(cdf, u, "right") − K`` gives, K the table's half-width).
 
     A uniform is drawn as a 32-bit word W; the guide table answers from W's top bits
     unless their bucket straddles a step of the CDF, and only there is the 53-bit
@@ -414,16 +412,16 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
         QuantizationError: variance not positive or its table beyond MAX_NOISE_TABLE.
         ValueError: ``seed`` is not 32 bytes.
     """
-    half, index = _skellam_index(seed, variance, count)
-    out = index.astype(np.int64)
-    out -= half
-    return out
+    return _skellam_int32(seed, variance, count).astype(np.int64)
 
 
 def to_ring(ints: npt.NDArray[np.int64], ring_bits: int) -> RingVector:
     """Signed integers modulo 2^ring_bits, in the ring's dtype (modular clipping)."""
-    mask = np.uint64((1 << ring_bits) - 1)
-    return (np.asarray(ints, dtype=np.int64).view(np.uint64) & mask).astype(ring_dtype(ring_bits))
+    dtype = ring_dtype(ring_bits)
+    values = np.asarray(ints, dtype=np.int64)
+    if ring_bits == 8 * dtype.itemsize:  # the integer cast itself reduces mod 2^bits
+        return values.astype(dtype)
+    return (values.view(np.uint64) & np.uint64((1 << ring_bits) - 1)).astype(dtype)
 
 
 def recentre(ring_sum: RingVector, ring_bits: int) -> npt.NDArray[np.int64]:

@@ -126,6 +126,15 @@ def _transform(x: FloatVector, factor: float, overwrite: bool) -> FloatVector:
     return src
 
 
+def squared_norm(x: FloatVector) -> float:
+    """‖x‖² of a float64 vector, on the calling thread.
+
+    numpy's ``x @ x`` is an OpenBLAS dot, which above 10,000 values wakes its worker
+    threads; they then spin for the next call and took as much CPU as the whole
+    rotation on a shared 2-core machine.  einsum's own loop stays on this thread."""
+    return float(np.einsum("i,i->", x, x))
+
+
 def hadamard(x: FloatVector) -> FloatVector:
     """The unnormalised Walsh-Hadamard transform H·x of a power-of-two-length vector
     (a new float64 array; ``x`` is not modified).
@@ -161,9 +170,9 @@ def rotate(x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0) -> FloatVector:
     """
     flat = np.asarray(x, dtype=np.float64).reshape(-1)
     n = padded_length(flat.size)
-    # one BLAS dot finds any NaN or ±inf (they reach the sum); only an overflowing
+    # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
     # square of finite values needs the full check
-    if not math.isfinite(float(flat @ flat)) and not np.all(np.isfinite(flat)):
+    if not math.isfinite(squared_norm(flat)) and not np.all(np.isfinite(flat)):
         raise QuantizationError("a vector to rotate contains NaN or infinite values")
     padded = np.empty(n, dtype=np.float64)
     np.multiply(flat, signs(seed, n)[: flat.size], out=padded[: flat.size])
