@@ -108,4 +108,5 @@ def round_record(
         contribution_sha256=receipt.contribution_sha256,
         receipt_log_index=receipt.log_index,
         recorded_at=at,
+        dp_mode="distributed" if is_distributed(spec) else "local",
     )

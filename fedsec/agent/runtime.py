@@ -424,11 +424,21 @@ class AgentRuntime:
         if not pending.challenges:
             return 0
         auditors = await self._roster.keys(client, federation_id, role="auditor")
+        distributed = {(r.round, r.attempt) for r in self.vault.records() if r.dp_mode != "local"}
         answered = 0
         for ch in pending.challenges:
             key = auditors.get(ch.auditor)
             if key is None:
                 log.warning("challenge_ignored auditor=%s reason=not_an_active_auditor", ch.auditor)
+                continue
+            if (ch.round, ch.attempt) in distributed:
+                # the kept update carries only our share of the noise: revealing it would
+                # spend far more privacy than the round's epsilon accounts for
+                log.warning(
+                    "challenge_refused round=%d attempt=%d reason=distributed_dp",
+                    ch.round,
+                    ch.attempt,
+                )
                 continue
             kept = self.vault.load_update(ch.round, ch.attempt)
             payload = RevealPayload(

@@ -65,6 +65,9 @@ class RoundRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     contribution_sha256: str  # sha256 of the exact bytes sent as the masked input
     receipt_log_index: int | None
     recorded_at: float
+    # distributed DP: the kept update carries only this member's noise share, so it is
+    # never revealed to an auditor (fedsec.agent.runtime.AgentRuntime.answer_challenges)
+    dp_mode: str = "local"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import ring_dtype
 from fedsec.errors import IntegrityError
 from fedsec.protocol import wire
+from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry, HeadEntry
 from fedsec.protocol.update_codec import codec_for
 
@@ -84,10 +85,16 @@ def closed_rounds(log_path: Path) -> dict[tuple[int, int], ClosedRound]:
 def draw_challenges(
     log_path: Path, rate: float, rounds: set[int] | None = None
 ) -> list[wire.ChallengeRequest]:
-    """The challenges the log's beacons select at ``rate`` (optionally only some rounds)."""
+    """The challenges the log's beacons select at ``rate`` (optionally only some rounds).
+
+    Distributed-DP rounds are never challenged: a revealed update carries only its
+    member's share of the noise, so opening it to the auditor would spend far more of
+    the member's privacy than the round's ε accounts for (docs/privacy.md)."""
     requests = []
     for (r, a), closed in sorted(closed_rounds(log_path).items()):
         if closed.beacon is None or closed.beacon_index is None:
+            continue
+        if is_distributed(closed.spec):
             continue
         if rounds is not None and r not in rounds:
             continue

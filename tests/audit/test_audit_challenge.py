@@ -147,7 +147,7 @@ async def test_challenged_members_reveal_exactly_what_they_committed(fed: Federa
         round=reveals[0].round,
         attempt=reveals[0].attempt,
         member=reveals[0].member,
-        update=(b"\x00" * 2 * (rounds[(1, 0)].spec.dim + 1)).hex(),
+        update=(b"\x00" * 2 * (rounds[(reveals[0].round, reveals[0].attempt)].spec.dim + 1)).hex(),
         salt="00" * 32,
     )
     forged = msgspec.structs.replace(
