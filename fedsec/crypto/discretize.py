@@ -313,11 +313,14 @@ def _conditional_round(
     A coordinate rounds up when u < frac for a 53-bit uniform u = (W·2^21 + L)/2^53:
     with t = ⌊frac·2^32⌋ the word W decides alone unless W = t (probability 2^-32),
     and only there is L drawn, so the rule is exactly that of 53-bit uniforms."""
-    floor = np.floor(y)
-    frac = np.subtract(y, floor, out=y)  # in [0, 1]: 1.0 where y is a hair below an integer
-    fixed = frac * float(1 << _WORD_BITS)  # exact: a power-of-two scale
-    # frac = 1.0 gives t = 2^32 − 1 and a remainder of 1, which rounds up for every W, L
-    threshold = np.minimum(fixed, float((1 << _WORD_BITS) - 1)).astype(np.uint32)
+    # ⌊y⌋ straight into the integers (exact: |y| < 2^52), the fraction over y
+    ints = np.empty(y.size, dtype=np.int64)
+    np.floor(y, out=ints, casting="unsafe")
+    frac = np.subtract(y, ints, out=y)  # in [0, 1]: 1.0 where y is a hair below an integer
+    work = np.multiply(frac, float(1 << _WORD_BITS))  # exact: a power-of-two scale
+    # frac = 1.0 gives t = 2^32 − 1 and a remainder of 2^21, which rounds up for every L
+    np.minimum(work, float((1 << _WORD_BITS) - 1), out=work)
+    threshold = work.astype(np.uint32)
     for draw in range(1, MAX_ROUNDING_TRIES + 1):
         domain = _ROUNDING_DOMAIN + str(draw).encode()
         words = prg.expand(seed, domain, y.size, np.uint32)
@@ -325,12 +328,13 @@ def _conditional_round(
         ties = np.flatnonzero(words == threshold)
         if ties.size:
             low = _low_bits(seed, domain, ties.size)
-            remainder = (fixed[ties] - threshold[ties]) * float(1 << _LOW_BITS)  # exact
-            up[ties] = low < remainder
-        error = np.subtract(up, frac)  # the rounded value minus y
+            # frac·2^53 − t·2^21 ∈ [0, 2^21] is exact (Sterbenz): u < frac ⟺ L < it
+            top = threshold[ties].astype(np.float64) * float(1 << _LOW_BITS)
+            up[ties] = low < frac[ties] * float(1 << 53) - top
+        error = np.subtract(up, frac, out=work)  # the rounded value minus y
         if squared_norm(error) <= bound * bound:
-            floor += up
-            return floor.astype(np.int64), draw
+            ints += up
+            return ints, draw
     raise QuantizationError(
         f"conditional rounding exceeded its error bound {MAX_ROUNDING_TRIES} times"
     )

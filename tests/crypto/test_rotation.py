@@ -83,6 +83,19 @@ def test_a_scale_folded_into_the_transform_is_the_same_as_scaling_after() -> Non
     np.testing.assert_allclose(unrotate(rotate(x, SEED, scale=8.0), SEED, 1000, scale=1 / 8), x)
 
 
+@pytest.mark.parametrize("d", [1, 7, 1000, 4096])
+def test_rotate_is_h_times_the_public_signs_times_the_padded_vector(d: int) -> None:
+    # the sign flip works on the floats' sign bits: it must be the product with signs()
+    x = np.random.default_rng(d).normal(size=d)
+    n = padded_length(d)
+    padded = np.zeros(n)
+    padded[:d] = x
+    s = signs(SEED, n)
+    np.testing.assert_allclose(rotate(x, SEED), hadamard(s * padded) / np.sqrt(n), atol=1e-12)
+    y = np.random.default_rng(d + 1).normal(size=n)
+    np.testing.assert_allclose(unrotate(y, SEED, d), (s * hadamard(y))[:d] / np.sqrt(n), atol=1e-12)
+
+
 def test_a_spike_is_spread_over_every_coordinate() -> None:
     x = np.zeros(1000)
     x[7] = 1.0
