@@ -20,7 +20,11 @@ overhead of everything else, robust to a noisy machine.
 (:func:`fedsec.crypto.discretize.encode`: rotation, scaling, conditional rounding and a
 Skellam noise share of noise multiplier ``ddp_noise``, sized for the survivors), in the
 same ring; the vector is the rotated length (d padded to a power of two).  Compare its
-``client_s`` with a run without it: the cost of the noise on the member's side.
+``client_s`` with a run without it: the cost of the noise on the member's side.  On a
+busy machine two runs differ by more than that cost, so the run also times
+:func:`~fedsec.crypto.quantize.quantize` on every member's same vector (outside the
+member's time) and reports ``ddp_member_ratio``: the median over members of their time
+over that time with ``encode`` replaced by ``quantize``, both measured in this run.
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ def run_secagg(
     for m, relay in relays.items():
         ct[m].run("share_keys", sessions[m].receive_shares, relay)
 
+    encode_s: dict[str, float] = {}
+    quantize_s: dict[str, float] = {}
     plain = np.zeros(params.vector_length, dtype=np.int64)
     exact_float = np.zeros(dim, dtype=np.float64)
     vector_bytes = 0
@@ -132,9 +138,15 @@ def run_secagg(
         delta = rng.standard_normal(dim).astype(np.float32) * np.float32(clip / math.sqrt(dim))
         weight = 1.0
         if ddp is not None:
+            start = time.perf_counter()
             q = ct[m].run(
                 "masked_input", lambda d: encode(d, ddp, shared, os.urandom(32)).ring, delta
             )
+            encode_s[m] = time.perf_counter() - start
+            # the noiseless path's cost for the same vector, outside the member's time
+            start = time.perf_counter()
+            quantize(delta, weight, spec, os.urandom(32))
+            quantize_s[m] = time.perf_counter() - start
         else:
             q = ct[m].run("masked_input", quantize, delta, weight, spec, os.urandom(32))
         msg = ct[m].run("masked_input", sessions[m].masked_input, q)
@@ -153,8 +165,11 @@ def run_secagg(
     survivors = set(result.survivors)
     plain_ring = plain & spec.ring_mask
     exact = bool(np.array_equal(result.ring_sum.astype(np.int64), plain_ring))
-    noise_std = None
+    noise_std = ddp_ratio = None
     if ddp is not None:
+        ddp_ratio = statistics.median(
+            ct[m].total / (ct[m].total - encode_s[m] + quantize_s[m]) for m in survivors
+        )
         # the error is the noise: report its measured standard deviation
         error = decode_sum(result.ring_sum, ddp, shared) - exact_float
         max_abs_err = float(np.max(np.abs(error)))
@@ -187,6 +202,9 @@ def run_secagg(
             "quant_step": spec.step(),
             "ddp_noise": ddp_noise,
             "ddp_noise_std": noise_std,
+            "ddp_encode_s": _median_of(encode_s, survivors),
+            "ddp_quantize_s": _median_of(quantize_s, survivors),
+            "ddp_member_ratio": round(ddp_ratio, 3) if ddp_ratio is not None else None,
             "client_s": round(statistics.median(client_totals), 6),
             "client_stage_s": client_stage,
             "server_s": round(st.total, 6),
@@ -198,6 +216,10 @@ def run_secagg(
             "share_ciphertext_bytes": SHARE_CIPHERTEXT_BYTES,
         }
     )
+
+
+def _median_of(seconds: dict[str, float], members: set[str]) -> float | None:
+    return round(statistics.median(seconds[m] for m in members), 6) if seconds else None
 
 
 def _dropped_edges(server: ServerSession, dropped: tuple[str, ...]) -> int:
