@@ -65,6 +65,7 @@ from fedsec.errors import (
 )
 from fedsec.keys import load_identity, save_identity, save_public_key
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
+from fedsec.protocol import compact
 from fedsec.protocol.roster import sign_roster_entry
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.wire import (
@@ -316,7 +317,7 @@ class FakeAggregator:
         assert self.secagg is not None, route
         r = self.spec.round
         if route == ("POST", f"/v1/rounds/{r}/advertise"):
-            adv = msgspec.json.decode(body, type=AdvertiseKeysBody)
+            adv = compact.to_body(body, AdvertiseKeysBody, max_bytes=1 << 20, what="upload")
             self.secagg.receive_advertise(
                 AdvertiseKeys(
                     member,
@@ -338,7 +339,7 @@ class FakeAggregator:
             ]
             return _json(KeyListBody(entries))
         if route == ("POST", f"/v1/rounds/{r}/shares"):
-            shares = msgspec.json.decode(body, type=ShareKeysBody)
+            shares = compact.to_body(body, ShareKeysBody, max_bytes=1 << 20, what="upload")
             if shares.report is not None:
                 shares.report.verify(IDENTITIES[member].public_bytes)
                 self.reports[member] = shares.report
@@ -370,7 +371,7 @@ class FakeAggregator:
             req = self.unmask_request
             return _json(UnmaskRequestBody(list(req.survivors), list(req.dropped)))
         if route == ("POST", f"/v1/rounds/{r}/unmask"):
-            answer = msgspec.json.decode(body, type=UnmaskResponseBody)
+            answer = compact.to_body(body, UnmaskResponseBody, max_bytes=1 << 20, what="upload")
             self.secagg.receive_unmask(
                 UnmaskResponse(
                     member,
