@@ -392,7 +392,8 @@ def _skellam_int32(seed: bytes, variance: float, count: int) -> npt.NDArray[np.i
         raise QuantizationError(f"noise variance {variance:g} needs too large a table")
     half, steps, guide = _skellam_table(float(variance))
     words = prg.expand(seed, _NOISE_DOMAIN, count, np.uint32)
-    values: npt.NDArray[np.int32] = guide[words >> np.uint32(_WORD_BITS - GUIDE_BITS)]
+    buckets = words >> np.uint32(_WORD_BITS - GUIDE_BITS)  # < guide.size: no bounds check
+    values: npt.NDArray[np.int32] = np.take(guide, buckets, mode="clip")
     open_ = np.flatnonzero(values == _OPEN)
     if open_.size:  # a bucket across a step: complete the 53-bit uniform and search
         u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(
