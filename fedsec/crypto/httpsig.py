@@ -6,18 +6,19 @@ aggregator verifies it before acting on it.  The maintained
 the Ed25519 signature; this module adds fedsec's policy on top, all of it
 checked *before* the library parses anything and in this order:
 
-1. sizes of the three authentication fields (``Signature-Input``, ``Signature``,
-   ``Content-Digest``), each present exactly once;
+1. sizes of the authentication fields (``Signature-Input``, ``Signature`` and, for a
+   request with a body, ``Content-Digest``), each present at most once;
 2. their syntax (Structured Fields, RFC 8941), one signature labelled ``f``;
 3. what the signature must say: exactly the covered components in
-   :data:`COVERED_COMPONENTS`, ``tag="fedsec"``, a well-formed ``keyid`` and ``nonce``,
+   :data:`COVERED_COMPONENTS` (:data:`BODILESS_COMPONENTS` for a request without a
+   body, see below), ``tag="fedsec"``, a well-formed ``keyid`` and ``nonce``,
    ``alg="ed25519"`` if it names an algorithm at all, and a ``created`` time within
    the clock-skew window;
 4. the nonce has not been seen (read-only look-up, so replays fail fast);
 5. the key id names a key the roster accepts;
 6. the Ed25519 signature over the RFC 9421 signature base;
 7. the body against the signed ``Content-Digest`` (RFC 9530, sha-256,
-   constant-time comparison);
+   constant-time comparison), or, for a signature without one, that there is no body;
 8. only then is the nonce recorded, so a forged request can never burn a nonce.
 
 Steps 1-6 need only the request line and headers (:meth:`RequestVerifier.verify_headers`),
@@ -28,7 +29,11 @@ follow once the body is in.
 Covered components and why: ``@method`` and ``@path`` bind the action and the
 route (which carries federation, round and stage); ``@query`` is *always*
 covered (its value is ``?`` when the URL has none), so a query string can be
-neither changed nor added; ``content-digest`` binds the body.  Scheme and
+neither changed nor added; ``content-digest`` binds the body.  A request without a
+body (every GET) is signed over the first three alone and carries no
+``Content-Digest``: the digest of an empty body is a constant that could only say
+"no body", and the verifier requires exactly that of a signature that does not cover
+one, so nothing is left unbound and ~85 bytes leave every such request.  Scheme and
 authority (``@target-uri``, ``@authority``) are deliberately *not* covered: behind
 a TLS-terminating reverse proxy the aggregator sees a different scheme and host
 than the agent dialled, and binding them would make valid requests fail.  The
@@ -80,6 +85,7 @@ from fedsec.crypto.errors import AuthError, ClockSkewError, PayloadError, Replay
 from fedsec.crypto.identity import SigningIdentity, key_id
 
 __all__ = [
+    "BODILESS_COMPONENTS",
     "COVERED_COMPONENTS",
     "DEFAULT_MAX_SKEW_S",
     "DEFAULT_NONCES_PER_KEY",
@@ -128,6 +134,8 @@ SIGNATURE_TAG: Final = "fedsec"
 SIGNATURE_ALG: Final = "ed25519"
 #: Components every fedsec signature covers, in signing order (see module doc).
 COVERED_COMPONENTS: Final = ("@method", "@path", "@query", "content-digest")
+#: Components a fedsec signature of a request without a body covers (see module doc).
+BODILESS_COMPONENTS: Final = COVERED_COMPONENTS[:3]
 #: Signature parameters a fedsec signature may carry, and no others; ``alg`` is the
 #: only optional one (see module doc), the signer leaves it out.
 SIGNATURE_PARAMETERS: Final = frozenset({"created", "keyid", "alg", "nonce", "tag"})
@@ -325,7 +333,8 @@ def sign_request(
             Only tests should pass one.
 
     Returns:
-        The headers to add: ``Content-Digest``, ``Signature-Input``, ``Signature``.
+        The headers to add: ``Signature-Input``, ``Signature`` and, unless ``body`` is
+        empty, ``Content-Digest``.
 
     Raises:
         ValueError: a malformed method, URL or nonce, or conflicting headers.
@@ -352,8 +361,8 @@ def sign_request(
             label=SIGNATURE_LABEL,
             tag=SIGNATURE_TAG,
             include_alg=False,
-            covered_component_ids=COVERED_COMPONENTS,
-            body=body,
+            covered_component_ids=COVERED_COMPONENTS if body else BODILESS_COMPONENTS,
+            body=body or None,
         )
     except HTTPMessageSignaturesException as exc:
         raise ValueError(f"cannot sign {method} {url}: {exc}") from exc
@@ -402,7 +411,7 @@ class SignedHeaders:
     keyid: str
     nonce: str
     created: int
-    digest: bytes
+    digest: bytes | None  # None: signed as a request without a body
 
 
 class RequestVerifier:
@@ -495,9 +504,10 @@ class RequestVerifier:
         except HTTPMessageSignaturesException as exc:
             raise PayloadError(f"malformed request target: {exc}") from None
         claims = _parse_signature_fields(fields)
-        claimed_digest = _parse_content_digest(fields["content-digest"])
-
-        _check_policy(claims)
+        _check_policy(claims, "content-digest" in fields)
+        claimed_digest = (
+            _parse_content_digest(fields["content-digest"]) if "content-digest" in fields else None
+        )
         now = self._clock()
         self._check_created(claims.created, now)
         assert claims.nonce is not None  # _check_policy guarantees it
@@ -521,7 +531,8 @@ class RequestVerifier:
         )
 
     def verify_body(self, signed: SignedHeaders, body: bytes) -> str:
-        """Steps 7-8 of the module doc: the body against the signed digest, then the nonce.
+        """Steps 7-8 of the module doc: the body against the signed digest (no body when
+        none was signed), then the nonce.
 
         Args:
             signed: what :meth:`verify_headers` returned for this request.
@@ -531,11 +542,18 @@ class RequestVerifier:
             The verified key id.
 
         Raises:
-            AuthError: the body does not match the signed Content-Digest.
+            AuthError: the body does not match the signed Content-Digest, or there is a
+                body and the signature covers none.
             ReplayError: the nonce was recorded meanwhile (a concurrent replay), the
                 request has left the window, or the nonce store refuses it.
         """
-        if not hmac.compare_digest(signed.digest, hashlib.sha256(body).digest()):
+        if signed.digest is None:
+            if body:
+                raise AuthError(
+                    "unsigned body: the signature covers no Content-Digest, so the request "
+                    f"must have no body, but {len(body)} bytes came"
+                )
+        elif not hmac.compare_digest(signed.digest, hashlib.sha256(body).digest()):
             raise AuthError(
                 "content digest mismatch: the body's sha-256 does not match the signed "
                 "Content-Digest (the body was altered or truncated)"
@@ -569,13 +587,13 @@ class RequestVerifier:
                 view,
                 max_age=None,
                 expect_tag=SIGNATURE_TAG,
-                require_components=COVERED_COMPONENTS,
+                require_components=claims.components,
             )
         except HTTPMessageSignaturesException as exc:
             detail = str(exc) or "Ed25519 verification failed"
             raise AuthError(
                 f"bad signature: the signature by {claims.keyid} does not verify over this "
-                f"request's method, path, query and Content-Digest ({detail})"
+                f"request's method, path, query and Content-Digest if any ({detail})"
             ) from None
         # Defence in depth: the library must have verified what we checked.
         checked: dict[str, object] = {
@@ -607,11 +625,11 @@ def _authentication_fields(headers: Mapping[str, str]) -> dict[str, str]:
         if not value.isascii():
             raise PayloadError(f"{_FIELD_NAMES[lname]} header contains non-ASCII characters")
         found[lname] = value.strip(" \t")
-    for lname in _AUTH_FIELDS:
+    for lname in ("signature-input", "signature"):
         if lname not in found:
             raise AuthError(
                 f"missing {_FIELD_NAMES[lname]} header: fedsec requests must be signed "
-                "(RFC 9421) with a Content-Digest (RFC 9530)"
+                "(RFC 9421), with a Content-Digest (RFC 9530) when they have a body"
             )
     return found
 
@@ -698,19 +716,30 @@ def _parse_signature_fields(fields: Mapping[str, str]) -> _SignatureClaims:
     )
 
 
-def _check_policy(claims: _SignatureClaims) -> None:
-    """What the signature must say, before any key is looked up."""
-    for component in COVERED_COMPONENTS:
+def _check_policy(claims: _SignatureClaims, has_digest: bool) -> None:
+    """What the signature must say, before any key is looked up; ``has_digest``: the
+    request carries a ``Content-Digest`` field."""
+    if "content-digest" in claims.components and not has_digest:
+        raise AuthError(
+            "missing Content-Digest header: the signature covers content-digest (RFC 9530)"
+        )
+    if has_digest and "content-digest" not in claims.components:
+        raise AuthError(
+            "signature does not cover required component 'content-digest': a request "
+            "that sends a Content-Digest must sign it (only one without a body may omit both)"
+        )
+    required = COVERED_COMPONENTS if has_digest else BODILESS_COMPONENTS
+    for component in required:
         if component not in claims.components:
             raise AuthError(
                 f"signature does not cover required component {component!r}; fedsec "
-                f"signatures cover {', '.join(COVERED_COMPONENTS)}"
+                f"signatures cover {', '.join(required)}"
             )
-    extra = [c for c in claims.components if c not in COVERED_COMPONENTS]
+    extra = [c for c in claims.components if c not in required]
     if extra:
         raise AuthError(
             f"signature covers unexpected component(s) {extra}; fedsec signatures cover "
-            f"exactly {', '.join(COVERED_COMPONENTS)}"
+            f"exactly {', '.join(required)}"
         )
     if claims.alg is not None and claims.alg != SIGNATURE_ALG:
         raise AuthError(f"wrong alg {claims.alg!r}: fedsec signatures use alg={SIGNATURE_ALG!r}")

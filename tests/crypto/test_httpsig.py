@@ -153,20 +153,27 @@ def test_signed_with_absolute_url_verifies_against_raw_path() -> None:
     assert verifier.verify("POST", PATH, headers, BODY) == ALICE.key_id
 
 
-def test_empty_body_still_carries_and_checks_a_digest() -> None:
+def test_a_request_without_a_body_is_signed_without_a_digest_and_must_stay_bodiless() -> None:
     verifier, cache = make_verifier()
-    headers = signed(method="GET", url="/v1/rounds/current", body=b"")
-    # sha-256 of the empty string.
-    assert headers["Content-Digest"] == "sha-256=:47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU=:"
-    assert verifier.verify("GET", "/v1/rounds/current", headers, b"") == ALICE.key_id
+    target = "/v1/rounds/current"
+    headers = signed(method="GET", url=target, body=b"")
+    assert "Content-Digest" not in headers
+    assert headers["Signature-Input"].startswith('f=("@method" "@path" "@query");')
+    assert verifier.verify("GET", target, headers, b"") == ALICE.key_id
     assert len(cache) == 1
-    with refused(cache, AuthError, "content digest mismatch"):
-        verifier.verify(
-            "GET",
-            "/v1/rounds/current",
-            signed(method="GET", url="/v1/rounds/current", body=b"", nonce=OTHER_NONCE),
-            b"x",
-        )
+    bodiless = signed(method="GET", url=target, body=b"", nonce=OTHER_NONCE)
+    # a body the signature does not bind is refused, and burns no nonce
+    with refused(cache, AuthError, "unsigned body"):
+        verifier.verify("GET", target, bodiless, b"x")
+    # so is a digest sent beside a signature that does not cover it
+    unsigned_digest = {**bodiless, "Content-Digest": ContentDigest.create(b"x")}
+    with refused(cache, AuthError, "does not cover required component 'content-digest'"):
+        verifier.verify("GET", target, unsigned_digest, b"x")
+    # and a signature that covers a digest the request does not carry
+    covered = signed(method="GET", url=target, body=BODY, nonce=OTHER_NONCE)
+    del covered["Content-Digest"]
+    with refused(cache, AuthError, "missing Content-Digest header"):
+        verifier.verify("GET", target, covered, BODY)
 
 
 def test_content_digest_matches_rfc9530_example() -> None:
