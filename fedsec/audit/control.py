@@ -41,13 +41,25 @@ training recipe matters: at batch 20 (50 steps, noise multiplier 1.28 for eps 8)
 weakest honest first-round updates scored z ~ 0.4-2 and FPR was 3.1 %, because at a
 fixed eps a larger batch buys more signal per unit of noise (see fedsec.bench.audit).
 The numbers behind each threshold are next to it.
+
+Those fixed thresholds hold where one honest update shows its signal.  With more noise
+per round (ε 8 spent over 15 rounds: noise multiplier 7.4) honest scores fall towards the
+null and the fixed signal threshold failed about half the honest updates of a round, so
+automatic quarantine removed nearly every honest member.  The signal, direction and loss
+thresholds are therefore set per round from the round's own noise
+(:func:`honest_thresholds`): the auditor's DP reference runs are honest updates of that
+round, and a test fails an update only where an honest one would score that low with
+probability about Φ(−:data:`HONEST_MARGIN_Z`).  Where the noise drowns one update's
+signal, the signal and direction tests stop failing anyone rather than fail the honest;
+magnitude (the DP noise makes the honest norm nearly deterministic), weight and replay
+still catch zero, scaled and sign-flipped (−4Δ) updates there.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -65,6 +77,7 @@ from fedsec.tasks.params import flatten_params, load_flat_params
 
 __all__ = [
     "DIRECTION_MIN_Z",
+    "HONEST_MARGIN_Z",
     "LOSS_MAX_INCREASE",
     "MAGNITUDE_BAND",
     "REPLAY_MAX_COSINE",
@@ -76,6 +89,7 @@ __all__ = [
     "Verdict",
     "build_reference",
     "check_update",
+    "honest_thresholds",
     "load_control_sample",
 ]
 
@@ -105,12 +119,19 @@ MAGNITUDE_BAND: Final = (0.8, 1.25)
 #: Cosine at which an update counts as a copy of an earlier one.  Honest updates had
 #: cos <= 0.07 with every earlier update; a re-quantized replay >= 0.75, an exact one 1.0.
 REPLAY_MAX_COSINE: Final = 0.5
+#: How many honest standard deviations below the expected honest score the signal and
+#: direction tests may fail an update (:func:`honest_thresholds`).  Φ(−3) ≈ 0.13 % per
+#: test with the spread known; 3 rather than 2.5 because the spread is estimated from
+#: :data:`REFERENCE_RUNS` runs (if under-estimated by 27 %, Φ(−2.2) ≈ 1.4 %).
+HONEST_MARGIN_Z: Final = 3.0
 #: Principal gradient directions used by the signal test.  Weights r/(1+r) decay fast, so
 #: more components add little power; 100 keeps the SVD of the control gradients cheap.
 SIGNAL_COMPONENTS: Final = 100
-#: DP reference runs per (round, declared size) for the magnitude test: the honest norm
-#: varies by ~1 % between runs, so three give a stable median.
-REFERENCE_RUNS: Final = 3
+#: DP reference runs per (round, declared size): their median norm is the magnitude
+#: test's reference (it varies by ~1 % between runs) and their scores are the expected
+#: honest scores (:func:`honest_thresholds`), whose spread needs more than a few runs:
+#: with 8 the sample standard deviation is within about ±27 % (one standard error).
+REFERENCE_RUNS: Final = 8
 #: Per-sample gradients are computed in chunks of this many records to bound memory.
 GRADIENT_CHUNK: Final = 256
 
@@ -183,6 +204,10 @@ class Reference:
     samples: int
     reference_norm: float  # median |Δ| of DP reference runs, capped at the clip
     loss_before: float
+    honest_direction: tuple[float, ...] = ()  # z_direction of each of those runs
+    honest_signal: tuple[float, ...] = ()  # z_signal of each
+    honest_loss_change: tuple[float, ...] = ()  # each one's loss change on unseen records
+    honest_shrink: float = 1.0  # ρ: a member's expected score over a run's (in-sample bias)
 
 
 @dataclass(frozen=True)
@@ -314,10 +339,68 @@ def _step_scale(training: RoundTraining, samples: int, steps: int, grads: FloatV
 
 
 def _subset(rng: np.random.Generator, n_control: int, samples: int) -> npt.NDArray[np.int64]:
-    # A control sample smaller than the declared size is resampled with replacement: the
-    # reference must see the member's batch geometry (sample rate, expected batch size).
-    replace = samples > n_control
-    return np.sort(rng.choice(n_control, size=samples, replace=replace)).astype(np.int64)
+    # Drawn with replacement (a bootstrap sample): the reference must see the member's
+    # batch geometry (sample rate, expected batch size) and, for the honest scores'
+    # spread, a member's sampling variation, which a subset without replacement of a
+    # control sample not much larger than the declared size would shrink; and it leaves
+    # about a third of the records unseen, for the honest loss change.
+    return np.sort(rng.choice(n_control, size=samples, replace=True)).astype(np.int64)
+
+
+def _top_directions(grads: FloatVec, components: int) -> tuple[FloatVec, FloatVec]:
+    """The top right-singular vectors of the (n, d) gradients, (k, d), and the
+    per-record second moment along each, (k,): from the n x n Gram matrix (n records
+    << d parameters, so this costs n²d rather than a full SVD's larger constant).
+    Directions with no energy are left out."""
+    eigenvalues, vectors = np.linalg.eigh(grads @ grads.T)
+    order = np.argsort(eigenvalues)[::-1][: min(components, grads.shape[1])]
+    order = order[eigenvalues[order] > eigenvalues.max(initial=0.0) * 1e-12]
+    singular = np.sqrt(eigenvalues[order])
+    basis = (vectors[:, order].T @ grads) / singular[:, None]
+    return basis, singular**2 / grads.shape[0]
+
+
+def _summarise(
+    grads: FloatVec,
+    training: RoundTraining,
+    global_params: npt.NDArray[np.float32],
+    samples: int,
+    round: int,
+    loss_before: float,
+) -> Reference:
+    """A reference's gradient part from clipped per-sample gradients (no runs yet)."""
+    _, steps = plan_round(samples, training.params)
+    basis, energies = _top_directions(grads, SIGNAL_COMPONENTS)
+    return Reference(
+        round=round,
+        global_params=np.asarray(global_params, dtype=np.float32),
+        mean_gradient=grads.mean(axis=0),
+        basis=basis,
+        energies=energies,
+        step_scale=_step_scale(training, samples, steps, grads),
+        samples=samples,
+        reference_norm=0.0,
+        loss_before=loss_before,
+    )
+
+
+def _in_sample_shrink(grads: FloatVec) -> float:
+    """ρ: how much of the control sample's mean gradient a member's data shares.
+
+    A run trained on records drawn from the control sample agrees with its mean
+    gradient ḡ by the sample's own sampling error e as well: E⟨ḡ_run, ḡ⟩ = |ḡ|², where
+    a member's independent data gives ⟨μ, ḡ⟩ ≈ |ḡ|² − tr Σ / N (μ the population mean,
+    Σ the per-record covariance, N records).  Displacement along ḡ is linear in that
+    agreement, so a member's expected score is the run's times
+    ρ = max(0, 1 − tr Σ / (N |ḡ|²)).  Measured in a first round at noise multiplier
+    7.4: runs scored z_direction 3.0, members 1.3 (ratio 0.44).
+    """
+    mean = grads.mean(axis=0)
+    signal = float(mean @ mean)
+    if signal <= 0.0:
+        return 0.0
+    spread = float(np.mean(np.einsum("ij,ij->i", grads, grads))) - signal
+    return max(0.0, 1.0 - spread / (len(grads) * signal))
 
 
 def build_reference(
@@ -331,6 +414,14 @@ def build_reference(
     device: str = "cpu",
 ) -> Reference:
     """Derive the round's reference from the control sample (once per declared size).
+
+    The auditor's own DP reference runs, each on a bootstrap sample of the declared
+    size drawn from the control sample, set the magnitude reference and the expected
+    honest scores (:func:`honest_thresholds`).  They are scored against the control
+    sample's gradients, which contain their own records; :func:`_in_sample_shrink`
+    takes out what that shared sampling error adds to their scores.  Their control
+    loss change is measured on the records each run did not draw (about 37 % of the
+    sample), so it is an honest step's change on unseen data, as a member's is.
 
     Args:
         task: the federation's task.
@@ -348,33 +439,36 @@ def build_reference(
     x, y = control
     if len(y) == 0 or samples < 1:
         raise ConfigError("a reference needs a non-empty control sample and samples >= 1")
-    _, steps = plan_round(samples, training.params)
     model = _model_at(task, global_params)
     max_norm = None if training.dp is None else training.dp.max_grad_norm
     grads = _clipped_gradients(model, x, y, max_norm)
-    mean_gradient = grads.mean(axis=0)
-    k = min(SIGNAL_COMPONENTS, grads.shape[0], grads.shape[1])
-    _, singular, vt = np.linalg.svd(grads, full_matrices=False)
-    energies = singular[:k] ** 2 / grads.shape[0]
+    reference = _summarise(
+        grads, training, global_params, samples, round, _control_loss(model, x, y)
+    )
     rng = np.random.default_rng(seed)
-    norms = []
+    norms, direction, signal, loss = [], [], [], []
     for run in range(REFERENCE_RUNS):
         ref_model = _model_at(task, global_params)
         idx = _subset(rng, len(y), samples)
         train_local(
             ref_model, x[idx], y[idx], training.params, training.dp, device, seed * 1009 + run
         )
-        norms.append(float(np.linalg.norm(flatten_params(ref_model) - global_params)))
-    return Reference(
-        round=round,
-        global_params=np.asarray(global_params, dtype=np.float32),
-        mean_gradient=mean_gradient,
-        basis=vt[:k].copy(),
-        energies=energies,
-        step_scale=_step_scale(training, samples, steps, grads),
-        samples=samples,
+        delta = (flatten_params(ref_model) - global_params).astype(np.float64)
+        norms.append(float(np.linalg.norm(delta)))
+        scores = _signal_scores(reference, delta)
+        direction.append(scores["z_direction"])
+        signal.append(scores["z_signal"])
+        unseen = np.setdiff1d(np.arange(len(y)), idx)
+        if len(unseen):
+            before = _control_loss(model, x[unseen], y[unseen])
+            loss.append(_control_loss(ref_model, x[unseen], y[unseen]) - before)
+    return replace(
+        reference,
         reference_norm=min(float(np.median(norms)), training.clip),
-        loss_before=_control_loss(model, x, y),
+        honest_direction=tuple(direction),
+        honest_signal=tuple(signal),
+        honest_loss_change=tuple(loss),
+        honest_shrink=_in_sample_shrink(grads),
     )
 
 
@@ -388,13 +482,29 @@ def _cosine(a: FloatVec, b: FloatVec) -> float:
     return float(a @ b) / (na * nb)
 
 
+def _noise_var(basis: FloatVec, u: FloatVec) -> float:
+    """Per-coordinate variance of ``u`` outside the gradient subspace: its white noise."""
+    coords = basis @ u
+    outside = max(float(u @ u) - float(coords @ coords), 0.0)
+    return outside / max(u.size - coords.size, 1)
+
+
+def _signal_ratios(reference: Reference, noise_var: float) -> FloatVec:
+    """r_j: expected honest signal energy along v_j over the noise variance.
+
+    An honest step's energy along v_j: the mean gradient's share (ḡ·v_j)² in full, plus
+    the record-to-record spread (λ_j − (ḡ·v_j)²) averaged over the declared records.
+    """
+    mean_part = (reference.basis @ reference.mean_gradient) ** 2
+    spread_part = np.maximum(reference.energies - mean_part, 0.0) / reference.samples
+    ratio: FloatVec = reference.step_scale**2 * (mean_part + spread_part) / noise_var
+    return ratio
+
+
 def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
     """z_dir, z_quad and their combination (see module docstring)."""
-    d = u.size
     coords = reference.basis @ u
-    k = coords.size
-    outside = max(float(u @ u) - float(coords @ coords), 0.0)
-    noise_var = outside / max(d - k, 1)
+    noise_var = _noise_var(reference.basis, u)
     if noise_var <= 0.0:
         # u lies entirely in the gradient subspace: no white noise at all, which neither
         # DP training nor quantization produces; score it as overwhelming signal.
@@ -403,11 +513,7 @@ def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
     z_dir = 0.0
     if gnorm > 0.0:
         z_dir = float(-(u @ reference.mean_gradient) / gnorm) / math.sqrt(noise_var)
-    # Expected energy of an honest step along v_j: the mean gradient's share (ḡ·v_j)² in
-    # full, plus the record-to-record spread (λ_j − (ḡ·v_j)²) averaged over n records.
-    mean_part = (reference.basis @ reference.mean_gradient) ** 2
-    spread_part = np.maximum(reference.energies - mean_part, 0.0) / reference.samples
-    ratio = reference.step_scale**2 * (mean_part + spread_part) / noise_var
+    ratio = _signal_ratios(reference, noise_var)
     weights = ratio / (1.0 + ratio)
     spread = math.sqrt(2.0 * float(weights @ weights))
     z_quad = 0.0
@@ -419,6 +525,66 @@ def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
         "z_signal": (z_dir + z_quad) / math.sqrt(2.0),
         "noise_rms": math.sqrt(noise_var),
     }
+
+
+def honest_thresholds(reference: Reference) -> dict[str, float]:
+    """The signal, direction and loss thresholds for this round's noise, and why.
+
+    The fixed thresholds (:data:`SIGNAL_MIN_Z`, :data:`DIRECTION_MIN_Z`) were set where
+    one honest update carries a clear signal (ε 8 over 5 rounds at the bench recipe).
+    With more noise per round (a smaller ε, or the same ε over more rounds) honest scores
+    fall towards the white-noise null, and the fixed thresholds fail honest members
+    (measured: at noise multiplier 7.4 honest ``z_signal`` had mean 2.4, sd 1.3 in the
+    first round, so about half failed).  So the expected honest scores are measured,
+    not assumed: the auditor's own DP reference runs (:data:`REFERENCE_RUNS`, trained
+    with the round's noise multiplier, clip, steps and the declared record count) are
+    honest updates of this round, but they share records with the control sample the
+    scores are taken against, which inflates their scores; ``reference.honest_shrink``
+    (ρ, :func:`_in_sample_shrink`) takes that out.  The honest mean μ is ρ times the
+    runs' mean and the spread s is ρ times theirs (the part of the spread that comes
+    from the signal scales with it), but at least 1, what the white noise alone gives.
+    A test fails an update only below ``min(fixed, μ − HONEST_MARGIN_Z·s)``: an honest
+    update scores that low with probability about Φ(−HONEST_MARGIN_Z) at most.  ρ is
+    a James-Stein estimate that errs low (it also scales the energy part of
+    ``z_signal``, of which only the mean-gradient share is inflated, and a control
+    sample drawn more evenly than at random has less sampling error than it assumes:
+    measured members' scores were 0.45-0.55 of the runs' where ρ was 0.0-0.11), so the
+    thresholds err towards passing.
+    Where noise drowns the signal the thresholds fall below what pure noise scores, so
+    these two tests stop failing anyone: one update cannot show then what it was trained
+    on, and the magnitude, weight and replay tests are what still bite.
+
+    The loss test likewise: DP noise raises the control loss of an honest step more as
+    the model sharpens (measured: up to +0.14 nats by round 13 of 15 at noise
+    multiplier 7.4, against the fixed :data:`LOSS_MAX_INCREASE` of 0.02), so the
+    tolerated rise is the larger of the fixed one and μ + HONEST_MARGIN_Z·s of the
+    runs' own loss changes on the control records they did not draw.
+
+    Returns:
+        ``honest_z_direction``/``honest_z_signal``/``honest_loss_change`` (μ),
+        ``honest_sd_direction``/``honest_sd_signal``/``honest_sd_loss_change`` (s), and
+        the thresholds ``direction_min_z``, ``signal_min_z`` and ``loss_max_increase``
+        the verdict applies.
+    """
+    out: dict[str, float] = {}
+    for name, runs, fixed in (
+        ("direction", reference.honest_direction, DIRECTION_MIN_Z),
+        ("signal", reference.honest_signal, SIGNAL_MIN_Z),
+    ):
+        rho = reference.honest_shrink
+        mean = rho * float(np.mean(runs))
+        spread = max(rho * float(np.std(runs, ddof=1)) if len(runs) > 1 else 0.0, 1.0)
+        out[f"honest_z_{name}"] = mean
+        out[f"honest_sd_{name}"] = spread
+        out[f"{name}_min_z"] = min(fixed, mean - HONEST_MARGIN_Z * spread)
+    runs = reference.honest_loss_change
+    allowed = LOSS_MAX_INCREASE
+    if len(runs) > 1:
+        mean, spread = float(np.mean(runs)), float(np.std(runs, ddof=1))
+        out["honest_loss_change"], out["honest_sd_loss_change"] = mean, spread
+        allowed = max(allowed, mean + HONEST_MARGIN_Z * spread)
+    out["loss_max_increase"] = allowed
+    return out
 
 
 def _weight_as_declared(
@@ -477,9 +643,11 @@ def check_update(
     signal = _signal_scores(reference, delta)
     scores.update(signal)
     scores["cosine_reference"] = _cosine(delta, -reference.mean_gradient)
-    if signal["z_signal"] < SIGNAL_MIN_Z:
+    thresholds = honest_thresholds(reference)
+    scores.update(thresholds)
+    if signal["z_signal"] < thresholds["signal_min_z"]:
         failed.append("signal")
-    if signal["z_direction"] < DIRECTION_MIN_Z:
+    if signal["z_direction"] < thresholds["direction_min_z"]:
         failed.append("direction")
 
     if control is not None:
@@ -487,7 +655,7 @@ def check_update(
         after = _control_loss(model, *control)
         scores["loss_before"] = reference.loss_before
         scores["loss_change"] = after - reference.loss_before
-        if after - reference.loss_before > LOSS_MAX_INCREASE:
+        if after - reference.loss_before > thresholds["loss_max_increase"]:
             failed.append("loss")
 
     # Stochastic rounding adds ~step²/6 of variance per coordinate (step in Δ units).

@@ -55,7 +55,10 @@ def setup() -> Iterator[Setup]:
     torch.set_num_threads(1)
     try:
         data = TASK.load()
-        control = (data.x_test[:400], data.y_test[:400])
+        # the whole test split, as the audit's calibration used: with 400 records the
+        # sample's own error hides the mean gradient at the initial model (the
+        # in-sample shrink is 0), and the signal and direction tests are relaxed
+        control = (data.x_test, data.y_test)
         global_params = flatten_params(TASK.build_model(0))
         model = TASK.build_model(0)
         train_local(model, data.x_train[:SAMPLES], data.y_train[:SAMPLES], PARAMS, DP, "cpu", 1)
