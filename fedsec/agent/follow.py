@@ -85,6 +85,9 @@ class Follower:
         self._seeded_bytes = seeded_bytes
         self._joined = carry.joined
         self._summary: DataSummary | None = None  # signed once per federation
+        # the round state's challenges_issued when the member last looked for open
+        # challenges (None: not yet this run, so challenges left from before are found)
+        self._challenges_seen: int | None = None
         self._handled = carry.handled
         self._steps = self._follow()
         self._pending: Action = next(self._steps)
@@ -168,7 +171,12 @@ class Follower:
         )
         done = yield from ask(Participate(round_), Participated)
         self.outcomes.append(done.outcome)
-        yield from ask(AnswerChallenges(state.spec.federation_id), Passed)
+        # a challenge issued after the newest state seen shows in a later one: looked
+        # for then, at the end of the next round taken part in
+        issued = (done.following or state).challenges_issued
+        if issued != self._challenges_seen:
+            yield from ask(AnswerChallenges(state.spec.federation_id), Passed)
+            self._challenges_seen = issued
         return done.following
 
     # -- joining -------------------------------------------------------------------

@@ -234,6 +234,7 @@ class Coordinator:
             mode=ws.config.round.mode,
             plan=live.plan,
             roster_serial=ws.roster.serial,
+            challenges_issued=ws.state.challenges.count(),
         )
 
     # -- members' requests -----------------------------------------------------------------------

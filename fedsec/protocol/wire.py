@@ -249,6 +249,9 @@ class RoundState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan: RoundSpec | None = None
     # changes whenever the roster does: members refetch the roster only then
     roster_serial: Count = 0
+    # audit challenges issued so far (it only grows): members fetch their open
+    # challenges only when it changed, not with a signed request every round
+    challenges_issued: Count = 0
 
 
 class DataSummary(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

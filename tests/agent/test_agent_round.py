@@ -863,6 +863,22 @@ def test_follower_takes_part_then_answers_challenges_and_stops_after_max_rounds(
     assert f.next() == act.Finish() and f.outcomes == [outcome]
 
 
+def test_follower_looks_for_challenges_only_when_one_was_issued() -> None:
+    f = follower()
+    issued = 0
+    for round_, looks in ((1, True), (2, False), (3, True)):
+        spec = make_spec(round=round_)
+        f.receive(act.RoundObserved(state("advertise", spec, round=round_)))
+        assert isinstance(f.next(), act.Participate)
+        issued += round_ == 3  # an auditor challenged someone during round 3
+        after = state("closed", spec, round=round_, token=round_, challenges_issued=issued)
+        f.receive(act.Participated(act.RoundOutcome(round_, 1, "closed", 1), after))
+        if looks:  # the first time this run, then once the count moved
+            assert f.next() == act.AnswerChallenges("fed")
+            f.receive(act.Passed())
+        assert f.next() == act.Poll(round_)
+
+
 def test_follower_finishes_with_the_federation() -> None:
     f = follower()
     f.receive(act.RoundObserved(state("closed", finished=True)))

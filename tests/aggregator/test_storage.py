@@ -186,6 +186,7 @@ def test_challenges_stay_open_until_revealed(backend: Backend, state: StateStore
     state.challenges.add(1, 0, "m", "aud1", b"c1")
     state.challenges.add(1, 0, "m", "aud2", b"c1'")
     state.challenges.add(1, 0, "n", "aud1", b"cn")
+    assert state.challenges.count() == 4
     assert state.challenges.get(1, 0, "m", "aud1") == b"c1"
     assert state.challenges.get(1, 1, "m", "aud1") is None
     assert sorted(state.challenges.open_for("m")[:2]) == [b"c1", b"c1'"]

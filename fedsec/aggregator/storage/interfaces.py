@@ -223,6 +223,10 @@ class ChallengeStore(Protocol):
         """The member's challenges without a reveal yet, oldest round first."""
         ...
 
+    def count(self) -> int:
+        """How many challenges were ever stored (none is ever removed, so it only grows)."""
+        ...
+
     def add_reveal(self, round_: int, attempt: int, member: str, auditor: str, body: bytes) -> None:
         """Store the member's reveal answering that challenge."""
         ...

@@ -63,6 +63,9 @@ class SqliteChallenges:
         ).fetchall()
         return [bytes(r[0]) for r in rows]
 
+    def count(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM challenges").fetchone()[0])
+
     def add_reveal(self, round_: int, attempt: int, member: str, auditor: str, body: bytes) -> None:
         self._db.execute(
             "INSERT INTO reveals VALUES (?, ?, ?, ?, ?)", (round_, attempt, member, auditor, body)
