@@ -85,14 +85,16 @@ def test_the_rule_matrix_reports_one_line_per_rule_and_attack() -> None:
     )
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.output.strip().splitlines()]
+    # attack by attack, every rule under each
     assert [(r["rule"].split()[0], r["attack"]) for r in lines] == [
-        ("fedavg", "none"), ("fedavg", "scale"), ("multi_krum", "none"), ("multi_krum", "scale"),
+        ("fedavg", "none"), ("multi_krum", "none"), ("fedavg", "scale"), ("multi_krum", "scale"),
     ]  # fmt: skip
     for r in lines:
         assert r["bad"] == 1 and r["agents"] == 6 and 0 <= r["accuracy"] <= 1
         assert r["clean_fedavg_accuracy"] == lines[0]["accuracy"]
+        assert r["local_epochs"] == 2
     # FedAvg takes the attacker's whole share; Multi-Krum (f = 1) leaves the scaled one out
-    assert lines[1]["attacker_weight_share"] == pytest.approx(1 / 6, abs=1e-3)
+    assert lines[2]["attacker_weight_share"] == pytest.approx(1 / 6, abs=1e-3)
     assert lines[3]["attacker_weight_share"] == 0.0
     assert "byzantine=1" in lines[3]["rule"]
 
@@ -118,3 +120,19 @@ def test_secure_sum_secagg_measures_audit_quarantine_only() -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     assert "--secure-sum secagg measures --defence audit-quarantine" in result.output
+
+
+def test_cells_run_in_the_order_given_and_unknown_ones_are_refused() -> None:
+    args = ["bench", "robust", "--agents", "6", "--rounds", "1", "--local-epochs", "1"]
+    result = CliRunner().invoke(main, [*args, "--cells", "median:zero,fedavg:none", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.strip().splitlines()]
+    assert [(r["rule"].split()[0], r["attack"]) for r in lines] == [
+        ("median", "zero"), ("fedavg", "none"),
+    ]  # fmt: skip
+    assert lines[0]["local_epochs"] == 1
+    assert lines[1]["accuracy"] == lines[1]["clean_fedavg_accuracy"]
+    refused = CliRunner().invoke(main, [*args, "--cells", "median:poison"])
+    assert (
+        refused.exit_code != 0 and "--cells: 'median:poison' is not RULE:ATTACK" in refused.output
+    )
