@@ -128,6 +128,10 @@ NONCE_BYTES: Final = 16
 #: Signature dictionary label.  Labels are not signed; :data:`SIGNATURE_TAG` is.  One
 #: letter: it is sent twice on every request and says nothing the tag does not.
 SIGNATURE_LABEL: Final = "f"
+#: Labels a verifier accepts: :data:`SIGNATURE_LABEL`, and ``fedsec``, which agents
+#: signed with before the label was shortened (the label is unsigned: accepting it
+#: changes nothing a signature proves).
+ACCEPTED_LABELS: Final = frozenset({SIGNATURE_LABEL, "fedsec"})
 #: Signed application tag (RFC 9421 §2.3): marks the signature as fedsec's.
 SIGNATURE_TAG: Final = "fedsec"
 #: RFC 9421 §3.3.6 algorithm identifier.
@@ -662,12 +666,13 @@ def _parse_dictionary(fields: Mapping[str, str], lname: str) -> dict[str, object
 def _parse_signature_fields(fields: Mapping[str, str]) -> _SignatureClaims:
     inputs = _parse_dictionary(fields, "signature-input")
     signatures = _parse_dictionary(fields, "signature")
-    if set(inputs) != {SIGNATURE_LABEL} or set(signatures) != {SIGNATURE_LABEL}:
+    label = next(iter(inputs), "")
+    if not (set(inputs) == set(signatures) == {label} and label in ACCEPTED_LABELS):
         raise PayloadError(
             f"Signature-Input and Signature must each hold exactly one signature labelled "
             f"{SIGNATURE_LABEL!r}, got {sorted(inputs)[:4]} and {sorted(signatures)[:4]}"
         )
-    member = inputs[SIGNATURE_LABEL]
+    member = inputs[label]
     if not (isinstance(member, tuple) and isinstance(member[0], list)):
         raise PayloadError("Signature-Input member must be an inner list of covered components")
     items, params = member[0], member[1]
@@ -698,7 +703,7 @@ def _parse_signature_fields(fields: Mapping[str, str]) -> _SignatureClaims:
             raise PayloadError(f"signature parameter {name!r} must be a string")
         text[name] = value
 
-    signature = signatures[SIGNATURE_LABEL]
+    signature = signatures[label]
     if not (isinstance(signature, tuple) and isinstance(signature[0], bytes)):
         raise PayloadError("Signature member must be a byte sequence (:base64:)")
     if len(signature[0]) != _ED25519_SIGNATURE_BYTES:

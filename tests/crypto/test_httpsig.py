@@ -503,6 +503,20 @@ def test_wrong_alg_is_refused_even_when_validly_signed() -> None:
         verifier.verify("POST", PATH, headers, BODY)
 
 
+def test_a_signature_labelled_as_before_the_short_label_still_verifies() -> None:
+    verifier, cache = make_verifier()
+    headers = signed()
+    old = {
+        **headers,
+        "Signature-Input": headers["Signature-Input"].replace("f=", "fedsec=", 1),
+        "Signature": headers["Signature"].replace("f=", "fedsec=", 1),
+    }
+    assert verifier.verify("POST", PATH, old, BODY) == ALICE.key_id
+    mixed = {**headers, "Signature": old["Signature"]}
+    with refused(cache, PayloadError, "exactly one signature"):
+        verifier.verify("POST", PATH, mixed, BODY)
+
+
 def test_alg_may_be_left_to_the_key() -> None:
     # RFC 9421 §3.3.7: the key id names an Ed25519 key, so alg is optional; fedsec's
     # own signer leaves it out, another RFC 9421 signer may name it
