@@ -485,6 +485,33 @@ def test_fedadam_model_versions_are_re_derived_bit_for_bit(
     assert "model_version" in problem and "re-deriving" in problem, problem
 
 
+@pytest.mark.parametrize(
+    "codec",
+    [
+        pytest.param(
+            {"quant_bits": 4, "rotation": "hadamard", "sparsity": 0.5, "error_feedback": True},
+            id="compressed",
+        ),
+        pytest.param({"dp_mode": "distributed", "dp_min_survivors": 1.0}, id="distributed"),
+    ],
+)
+def test_encoded_rounds_are_re_derived_bit_for_bit(
+    codec: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The decoding is part of the signed recipe: the auditor replays the archived,
+    encoded masked inputs through the spec's codec and re-derives every version."""
+    root = build_workspace(tmp_path_factory.mktemp("codec") / "federation", **codec)
+    specs = [e["body"] for e in entries(root) if e["kind"] == "round_spec"]
+    assert specs and all(("codec" in s) != ("dp_mode" in codec) for s in specs)
+    code, doc = verify(root, *receipts_of(root))
+    assert code == 0, doc
+    assert doc["rounds_verified"] == ROUNDS and doc["models_verified"] == ROUNDS
+    index = find(root, "aggregate", round=1)
+    edit_entry(root, index, lambda d: d["body"].update(weight_sum=d["body"]["weight_sum"] + 1))
+    problem = fails(root)
+    assert f"log entry {index} (aggregate)" in problem and "weight" in problem, problem
+
+
 # -- receipts -------------------------------------------------------------------------------------
 
 

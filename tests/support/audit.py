@@ -44,14 +44,14 @@ MODELS = Path("aggregator/models")
 
 _DRIVER = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, json, sys
     from pathlib import Path
     from fedsec.simulation import SimulationSpec, run_simulation
 
     spec = SimulationSpec(
         task="breast_cancer", agents=int(sys.argv[2]), rounds=int(sys.argv[3]),
         partition="iid", secure_sum="secagg", dp_epsilon=8.0, seed=0,
-        server_optimizer=sys.argv[4],
+        server_optimizer=sys.argv[4], baseline=False, **json.loads(sys.argv[5]),
     )
     result = asyncio.run(run_simulation(spec, Path(sys.argv[1])))
     assert result["rounds"] == int(sys.argv[3]), result
@@ -60,14 +60,28 @@ _DRIVER = textwrap.dedent(
 
 
 def build_workspace(
-    root: Path, agents: int = AGENTS, rounds: int = ROUNDS, server_optimizer: str = "fedavg"
+    root: Path,
+    agents: int = AGENTS,
+    rounds: int = ROUNDS,
+    server_optimizer: str = "fedavg",
+    **spec: Any,
 ) -> Path:
-    """Run a federation into ``root`` (which must not exist yet); return ``root``."""
+    """Run a federation into ``root`` (which must not exist yet); return ``root``.
+    ``spec`` overrides fields of the run's ``SimulationSpec`` (a codec, a DP mode)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(root), str(agents), str(rounds), server_optimizer],
+        [
+            sys.executable,
+            "-c",
+            _DRIVER,
+            str(root),
+            str(agents),
+            str(rounds),
+            server_optimizer,
+            json.dumps(spec),
+        ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"federation run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
