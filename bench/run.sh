@@ -28,6 +28,18 @@ echo "== simulate mnist1d, 50 agents, Dirichlet 0.5, SecAgg+"
 $SIM --rounds 150 --partition dirichlet:0.5 --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, IID, SecAgg+, DP epsilon 8"
 $SIM --rounds 40 --partition iid --secure-sum secagg --dp-epsilon 8 | tee -a "$out/simulate.jsonl"
+echo "== distributed DP over SecAgg+ (record level), epsilon 8, two seeds"
+for seed in 0 1; do
+  $FEDSEC simulate --task mnist1d --agents 50 --rounds 200 --dp-epsilon 8 --dp-mode distributed \
+    --dp-min-survivors 0.96 --server-lr 0.03 --secure-sum secagg --seed $seed --json | tee -a "$out/ddp.jsonl"
+done
+echo "== compression: 8-bit plain vs rotated 2-bit with a shared 40 % / 20 % subset"
+for seed in 0 1; do
+  C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
+  $C --quant-bits 8 | tee -a "$out/compression.jsonl"
+  $C --quant-bits 2 --rotation hadamard --sparsity 0.4 | tee -a "$out/compression.jsonl"
+  $C --quant-bits 2 --rotation hadamard --sparsity 0.2 | tee -a "$out/compression.jsonl"
+done
 echo "== audit detection (control-sample checks), epsilon 8 and 3"
 for eps in 8 3; do
   $FEDSEC bench audit --task mnist1d --agents 20 --rounds 5 --bad 0.2 \
