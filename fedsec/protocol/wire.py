@@ -119,6 +119,13 @@ class CodecSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     error_feedback: bool = False  # members carry what the codec dropped into the next round
 
 
+#: The plain pipeline.  RoundSpec's default is this very object: msgspec omits a struct
+#: field holding its default only when it *is* the default, so a spec built from an
+#: all-default ``[codec]`` section passes this object, and keeps the bytes (and the
+#: signatures) of specs made before the codec existed.
+PLAIN_CODEC: Final = CodecSpec()
+
+
 S = TypeVar("S", bound="_Signed")
 
 
@@ -192,7 +199,7 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     # trusted mode: the robust aggregation rule and its thresholds; None = plain FedAvg
     aggregation: AggregationSpec | None = None
     # the update codec between clipping and masking; the default is the plain pipeline
-    codec: CodecSpec = CodecSpec()  # a frozen default, so omit_defaults leaves it out
+    codec: CodecSpec = PLAIN_CODEC
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""

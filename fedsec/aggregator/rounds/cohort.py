@@ -13,7 +13,7 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
-from fedsec.config import AggregationSection, DPSection
+from fedsec.config import AggregationSection, CodecSection, DPSection
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import default_neighbors
 from fedsec.crypto.secagg.graph import default_threshold
@@ -254,8 +254,15 @@ class CohortDesk:
             custodian=self._he.custodian if he else "",
             he_model_hidden=he and not cfg.he.model_visible_to_aggregator,
             aggregation=_aggregation_spec(cfg.aggregation),
-            codec=wire.CodecSpec(**msgspec.structs.asdict(cfg.codec)),
+            codec=_codec_spec(cfg.codec),
         ).sign(ctx.ws.signer)
+
+
+def _codec_spec(section: CodecSection) -> wire.CodecSpec:
+    """The spec's codec; the plain pipeline as ``wire.PLAIN_CODEC`` itself, so specs
+    without compression keep the fields, and the signatures, they had before."""
+    codec = wire.CodecSpec(**msgspec.structs.asdict(section))
+    return wire.PLAIN_CODEC if codec == wire.PLAIN_CODEC else codec
 
 
 def _dp_spec(section: DPSection, cohort: int) -> wire.DPSpec:
