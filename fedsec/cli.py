@@ -57,6 +57,21 @@ def bench() -> None:
     show_default=True,
     help="distributed DP: members add Skellam noise shares of this noise multiplier",
 )
+@click.option(
+    "--rotation",
+    type=click.Choice(["none", "hadamard"]),
+    default="none",
+    show_default=True,
+    help="codec: the shared randomised Hadamard rotation",
+)
+@click.option(
+    "--sparsity", default=1.0, show_default=True, help="codec: fraction of coordinates sent"
+)
+@click.option(
+    "--range-stddevs",
+    default=0.0,
+    help="codec: rotated rounding range in std devs; 0 = 3 with rotation",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_secagg(
     clients: int,
@@ -68,14 +83,28 @@ def bench_secagg(
     bits: int,
     repeat: int,
     ddp_noise: float,
+    rotation: str,
+    sparsity: float,
+    range_stddevs: float,
     as_json: bool,
 ) -> None:
     """One full SecAgg+ round in one process."""
     from fedsec.bench.secagg import run_secagg
+    from fedsec.protocol.update_codec import default_range_stddevs
 
     for _ in range(repeat):
         result = run_secagg(
-            clients, dim, dropout, dropout_stage, neighbors, threshold, bits, ddp_noise=ddp_noise
+            clients,
+            dim,
+            dropout,
+            dropout_stage,
+            neighbors,
+            threshold,
+            bits,
+            ddp_noise=ddp_noise,
+            rotation=rotation,
+            keep=sparsity,
+            range_stddevs=range_stddevs or default_range_stddevs(rotation),
         )
         click.echo(json.dumps(result))
 

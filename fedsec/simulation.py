@@ -72,6 +72,7 @@ from fedsec.learning.training import plan_round, train_centralized
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.update_codec import default_range_stddevs
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset, Task
 from fedsec.tasks.evaluation import evaluate
@@ -107,9 +108,6 @@ FEDADAM_LR = 0.01
 DDP_BATCH = 1000
 DDP_RECORD_CLIP = 1.0
 DDP_QUANT_BITS = 16
-# With rotation and no range given: ±3 standard deviations of a rotated coordinate of a
-# clipped update (a coordinate saturates with probability ≤ 0.3 %).
-DEFAULT_RANGE_STDDEVS = 3.0
 # Without DP the round spec still carries a noise multiplier, and agents project their
 # (unlimited) budget with it before joining each round.  The accountant's cost depends on
 # it: at 1.0 one projection takes ~80 ms of CPU on the event loop, per agent per round;
@@ -317,8 +315,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     codec = {
         "rotation": spec.rotation,
         "keep": spec.sparsity,
-        "range_stddevs": spec.range_stddevs
-        or (DEFAULT_RANGE_STDDEVS if spec.rotation == "hadamard" else 0.0),
+        "range_stddevs": spec.range_stddevs or default_range_stddevs(spec.rotation),
         "error_feedback": spec.error_feedback,
     }
     ram = RAM_DIR if RAM_DIR.is_dir() else None
@@ -405,7 +402,15 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     if record_level:
         rule = server_rule(optimizer, server_lr, 0.9, 0.99, 1e-3)  # [server]'s defaults
         extra["centralized_dp_accuracy"] = (
-            central_dp_accuracy(task, data, spec.rounds, rate, noise, quant_bits, rule)
+            central_dp_accuracy(
+                task,
+                data,
+                spec.rounds,
+                rate,
+                noise,
+                default_ring_bits(quant_bits, spec.agents),
+                rule,
+            )
             if spec.baseline
             else None
         )
@@ -488,7 +493,7 @@ def central_dp_accuracy(
     steps: int,
     rate: float,
     noise: float,
-    quant_bits: int,
+    ring_bits: int,
     rule: ServerRule,
 ) -> float:
     """DP-SGD on the pooled records at the same (q, σ, steps) and δ, trained by the
@@ -503,7 +508,7 @@ def central_dp_accuracy(
     batch = rate * n
     spec = DdpSpec(
         dim=flat.size,
-        ring_bits=default_ring_bits(quant_bits, 1) + 6,  # the headroom 50 members have
+        ring_bits=ring_bits,  # the federation's ring, so both discretise alike
         clip=DDP_RECORD_CLIP * (batch + 4 * math.sqrt(batch)),
         sensitivity=DDP_RECORD_CLIP,
         noise_multiplier=noise,

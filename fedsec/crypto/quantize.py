@@ -51,10 +51,13 @@ def ring_dtype(ring_bits: int) -> np.dtype[np.unsignedinteger]:
 
 
 def default_ring_bits(bits: int, members: int) -> int:
-    """m = b + ⌈log₂ n⌉ + 1: the sum of ``members`` b-bit values never wraps."""
+    """m = b + max(1, ⌈log₂ n⌉): the smallest ring in which the sum of ``members``
+    b-bit values never wraps, since n·(2^b − 1) < 2^⌈log₂ n⌉·2^b (at least one bit of
+    headroom, which a ring needs above b).  Every bit here is sent once per coordinate
+    and member, so a spare one would cost 1/m of the payload for nothing."""
     if members < 1:
         raise QuantizationError(f"need at least one member, got {members}")
-    return bits + math.ceil(math.log2(members)) + 1
+    return bits + max(1, math.ceil(math.log2(members)))
 
 
 @dataclass(frozen=True, slots=True)

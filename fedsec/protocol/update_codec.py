@@ -70,6 +70,15 @@ MIN_KEEP = 1e-3
 # Rounding range of a rotated coordinate in standard deviations: below 1 most
 # coordinates saturate; above 64 a 2-bit step is wider than any coordinate.
 MIN_RANGE_STDDEVS, MAX_RANGE_STDDEVS = 1.0, 64.0
+# A tool's range when rotation is on and none is given: ±3 standard deviations of a
+# rotated coordinate of a clipped update (one saturates with probability ≤ 0.3 %).
+DEFAULT_RANGE_STDDEVS = 3.0
+
+
+def default_range_stddevs(rotation: str) -> float:
+    """The rounding range a tool asks for when its user gives none: ±clip (0) without
+    rotation, :data:`DEFAULT_RANGE_STDDEVS` with it."""
+    return DEFAULT_RANGE_STDDEVS if rotation == "hadamard" else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +179,10 @@ class UpdateCodec:
         out = np.empty(self.length, dtype=self.quant.dtype)
         out[:-1] = y
         out[-1] = _round_weight(weight * levels, seed)
+        if not self.error_feedback:
+            return Encoded(out, None, saturated)
         sent = self._scatter(out[:-1].astype(np.float64) * (2.0 * s / levels) - s, 1.0)
-        return Encoded(out, sent if self.error_feedback else None, saturated)
+        return Encoded(out, sent, saturated)
 
     def _encode_distributed(
         self, flat: npt.NDArray[np.float32], weight: float, seed: bytes
@@ -261,19 +272,16 @@ class UpdateCodec:
         return QuantSpec(self.quant.bits, self.range, self.quant.ring_bits)
 
     def _scatter(self, kept: npt.NDArray[np.float64], factor: float) -> npt.NDArray[np.float64]:
-        """Kept coordinates back to d coordinates: into the rotated frame, × ``factor``,
-        unrotated."""
+        """Kept coordinates back to d coordinates: into the rotated frame, × ``factor``
+        (folded into the inverse rotation's own pass where there is one), unrotated."""
         idx = self.subset()
+        full = np.asarray(kept, dtype=np.float64)
         if idx is not None:
             full = np.zeros(self.padded, dtype=np.float64)
             full[idx] = kept
-        else:
-            full = np.asarray(kept, dtype=np.float64)
-        if factor != 1.0:
-            full = full * factor
         if self.rotation_seed is not None:
-            return rotation.unrotate(full, self.rotation_seed, self.dim)
-        return full
+            return rotation.unrotate(full, self.rotation_seed, self.dim, scale=factor)
+        return full * factor if factor != 1.0 else full
 
 
 def _round_weight(value: float, seed: bytes) -> int:
@@ -285,13 +293,24 @@ def _round_weight(value: float, seed: bytes) -> int:
 
 @lru_cache(maxsize=8)
 def _subset(seed: bytes, n: int, k: int) -> npt.NDArray[np.intp]:
-    """k of ``n`` coordinates, uniformly at random from ``seed``, ascending: the k
-    smallest of n 32-bit keystream keys (ties broken by index)."""
-    keys = prg.expand(seed, _SUBSET_DOMAIN, n, np.uint32)
+    """k of ``n`` coordinates, uniformly at random from ``seed``, ascending: those with
+    the k smallest of n 32-bit keystream keys, ties broken by the lower index.
+
+    Found in O(n) without sorting the keys: a histogram of their top 16 bits gives the
+    bucket in which the k-th smallest lies; every key in a lower bucket is kept, and only
+    that bucket's few keys (about n/2^16) are sorted to take the rest."""
     if k >= n:
         return np.arange(n)
-    chosen = np.argpartition(keys, k - 1)[:k]
-    chosen.sort()
+    keys = prg.expand(seed, _SUBSET_DOMAIN, n, np.uint32)
+    top = (keys >> np.uint32(16)).astype(np.intp)
+    below = np.cumsum(np.bincount(top, minlength=1 << 16))
+    bucket = int(np.searchsorted(below, k, side="left"))  # first with ≥ k keys at or below
+    kept = top < bucket
+    rest = k - (int(below[bucket - 1]) if bucket else 0)
+    candidates = np.flatnonzero(top == bucket)
+    # a stable sort of the bucket's keys (in index order) breaks ties by index
+    kept[candidates[np.argsort(keys[candidates], kind="stable")[:rest]]] = True
+    chosen = np.flatnonzero(kept)
     chosen.setflags(write=False)
     return chosen
 

@@ -63,6 +63,38 @@ def test_bench_secagg_with_distributed_noise_sums_exactly_and_hits_the_noise() -
     assert noise["measured"] == pytest.approx(noise["target"], rel=0.1)
 
 
+def test_bench_secagg_with_a_codec_sums_exactly_and_counts_every_upload_byte() -> None:
+    args = ["bench", "secagg", "--clients", "12", "--dim", "3000", "--neighbors", "6"]
+    args += ["--bits", "2", "--rotation", "hadamard", "--sparsity", "0.25", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.strip().splitlines()[-1])
+    assert record["exact"] is True and record["range_stddevs"] == 3.0  # the default
+    # 12 members of 2 bits: a 6-bit ring; 25 % of 4,096 rotated coordinates and the weight
+    kept = round(0.25 * 3000)
+    assert record["ring_bits"] == 6
+    assert record["bytes_per_param"] == pytest.approx((kept + 1) * 6 / 8 / 3000, abs=1 / 3000)
+    vector = record["bytes_per_param"] * 3000
+    assert record["payload_compression_ratio"] == pytest.approx(12_000 / vector, rel=1e-3)
+    # keys and signature, 6 encrypted shares, the vector and the unmask shares
+    floor = 128 + 6 * record["share_ciphertext_bytes"] + vector
+    assert record["bytes_up_per_client"] > floor
+    assert record["compression_ratio"] == pytest.approx(
+        12_000 / record["bytes_up_per_client"], rel=1e-3
+    )
+    for key in ("codec_subset_s", "codec_encode_s", "codec_decode_s"):
+        assert record[key] > 0
+    # an unbiased estimate from a quarter of the coordinates: off, but not by orders
+    assert 0 < record["codec_relative_error"] < 10
+
+
+def test_bench_secagg_refuses_a_codec_with_distributed_noise() -> None:
+    args = ["bench", "secagg", "--clients", "6", "--dim", "100", "--ddp-noise", "1"]
+    result = CliRunner().invoke(main, [*args, "--rotation", "hadamard"])
+    assert result.exit_code != 0
+    assert "distributed noise" in str(result.exception)
+
+
 def test_simulate_uses_the_requested_local_settings() -> None:
     """A tiny real federation over loopback: the options reach the members' training."""
     result = CliRunner().invoke(

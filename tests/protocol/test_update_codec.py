@@ -12,9 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedsec.crypto import prg
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.errors import BadVector, ProtocolError, QuantizationError
+from fedsec.protocol import update_codec
 from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import CodecSpec, DPSpec, RoundSpec
 from fedsec.tasks import get_task
@@ -111,11 +113,35 @@ def test_the_subset_and_rotation_are_shared_by_the_attempt_and_fresh_for_the_nex
     assert not np.array_equal(sa, sc)
     assert np.all(np.diff(sa) > 0) and sa.max() < 1024  # distinct, in the rotated frame
     assert a.rotation_seed == b.rotation_seed != c.rotation_seed
-    assert spec_length(a) == 251
+    assert a.length == 251
 
 
-def spec_length(codec: Any) -> int:
-    return int(codec.length)
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 200_000),
+    fraction=st.floats(0.0, 1.0),
+    seed=st.binary(min_size=32, max_size=32),
+)
+def test_the_subset_is_the_k_smallest_keys_ties_broken_by_index(
+    n: int, fraction: float, seed: bytes
+) -> None:
+    k = max(1, min(n, round(fraction * n)))
+    keys = prg.expand(seed, update_codec._SUBSET_DOMAIN, n, np.uint32)
+    expected = np.sort(np.lexsort((np.arange(n), keys))[:k])
+    assert np.array_equal(update_codec._subset(seed, n, k), expected)
+
+
+def test_the_subset_breaks_a_tie_at_the_boundary_by_the_lower_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = np.array([7, 3, 3, 9, 3, 1], dtype=np.uint32)
+    monkeypatch.setattr(update_codec.prg, "expand", lambda *_: keys)
+    update_codec._subset.cache_clear()
+    try:
+        assert update_codec._subset(b"t" * 32, 6, 3).tolist() == [1, 2, 5]
+        assert update_codec._subset(b"t" * 32, 6, 5).tolist() == [0, 1, 2, 4, 5]
+    finally:
+        update_codec._subset.cache_clear()
 
 
 def test_wrong_length_and_out_of_range_vectors_are_refused() -> None:
