@@ -22,10 +22,13 @@ from fedsec.aggregator.http.keys import COORDINATOR
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ops.live import LiveView
 from fedsec.aggregator.ops.metrics import CONTENT_TYPE, FederationMetrics
+from fedsec.aggregator.rounds.events import RoundEnded
 from fedsec.aggregator.transport import start_server
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
+from fedsec.protocol import wire
 from fedsec.protocol.stages import SECAGG_STAGES, STAGES
 from tests.support.aggregator import make_federation
+from tests.support.round_history import DDP_ROUNDS, summary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -177,6 +180,9 @@ async def test_metrics_scraped_during_live_rounds_match_the_state(tmp_path: Path
     # a GET has no body, but its head (signature fields) is counted
     assert _value(final, "fedsec_http_request_head_bytes_total", endpoint="get_round") > 0
     assert _value(final, "fedsec_http_response_bytes_total", endpoint="get_round") > 0
+    # plain rounds sum nothing on a distributed-DP ring: no wrap is counted
+    assert _value(final, "fedsec_ddp_summed_coordinates_total") == 0
+    assert _value(final, "fedsec_ddp_wrapped_coordinates_total") == 0
     # epsilon reported: per member and the largest (no DP: each member reports 0)
     epsilons = ws.state.reports.epsilons()
     assert _value(final, "fedsec_epsilon_max") == pytest.approx(max(epsilons.values()))
@@ -192,6 +198,28 @@ def test_member_labels_can_be_turned_off(tmp_path: Path) -> None:
     assert _value(with_members, "fedsec_member_epsilon", member="a0") == 1.5
     assert not any(name == "fedsec_member_epsilon" for name, _ in without)
     assert _value(without, "fedsec_epsilon_max") == 1.5
+
+
+def test_distributed_dp_rounds_count_their_summed_and_wrapped_coordinates() -> None:
+    live = LiveView(lambda: (4, 0, "open", 3, 3, None), lambda: 4, dict, {})
+    metrics = FederationMetrics(live, member_labels=False)
+
+    def ended(s: wire.RoundSummary) -> RoundEnded:
+        return RoundEnded(s, "unmask", 0.1, "" if s.stage == "closed" else "aborted", (), 0.0)
+
+    for round_ in sorted(DDP_ROUNDS):
+        metrics.on_event(ended(summary(round_)))
+    # an aborted attempt summed nothing, whatever its summary says
+    aborted = summary(3, attempt=1, stage="aborted", model_version=None, edge_count=7)
+    metrics.on_event(ended(aborted))
+    samples = _parse(metrics.exposition().decode())
+    assert _value(samples, "fedsec_ddp_summed_coordinates_total") == sum(
+        c for _, c, _ in DDP_ROUNDS.values()
+    )
+    assert _value(samples, "fedsec_ddp_wrapped_coordinates_total") == sum(
+        e for _, _, e in DDP_ROUNDS.values()
+    )
+    assert _value(samples, "fedsec_rounds_closed_total") == len(DDP_ROUNDS)
 
 
 def test_two_aggregators_in_one_process_keep_their_own_numbers(tmp_path: Path) -> None:

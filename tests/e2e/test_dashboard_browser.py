@@ -5,7 +5,9 @@ is opened on loopback the way the operator on the aggregator's machine opens it.
 round shown must advance while the run goes on, over the live event stream; an agent
 killed with SIGKILL after the cohort is fixed must show up as an open
 participation_dropped alert; every view must render its rows; and the page must run
-under its Content-Security-Policy without one console error.  With loopback closed
+under its Content-Security-Policy without one console error.  Distributed-DP rounds in
+the history show their realised noise and wraps, and a round whose sum had coordinates
+at the ring's edge is flagged.  With loopback closed
 (``[dashboard] loopback_open = false``) the page is refused without a token and opens
 with one, which then lives only in an HttpOnly cookie.
 """
@@ -20,14 +22,18 @@ from typing import Any
 
 import pytest
 
-from fedsec.federation import OBSERVER_ID
+from fedsec.federation import OBSERVER_ID, create_federation, enrol_agents
 from tests.support.browser import (
+    TASK,
+    LocalFederation,
     PageErrors,
     chromium,
+    federation_text,
     require_browser,
     running_federation,
     wait_until,
 )
+from tests.support.round_history import seed_rounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -167,3 +173,55 @@ def test_dashboard_needs_a_token_when_loopback_is_closed(tmp_path: Path) -> None
         reloaded = page.reload()
         assert reloaded is not None and reloaded.status == 200
         expect(page.get_by_test_id("connection-state")).to_have_text("live", timeout=UI_MS)
+
+
+def test_rounds_table_shows_distributed_dp_wraps_and_flags_wrapped_rounds(
+    tmp_path: Path,
+) -> None:
+    require_browser()
+    from playwright.sync_api import expect
+
+    root = tmp_path / "fed"
+    ws = create_federation(root, "dash", TASK, federation_text("dash", 4, 30, 1.0))
+    try:
+        local = enrol_agents(ws, root, 4)
+        seed_rounds(ws)  # rounds 1 (plain), 2 (no wrap) and 3 (three coordinates wrapped)
+        public = ws.signer.public_bytes
+    finally:
+        ws.close()
+    fed = LocalFederation(root, local)
+    try:
+        fed.start(public, with_agents=False)
+        with chromium(tmp_path / "profile") as browser:
+            page = browser.new_page()
+            errors = PageErrors.watch(page)
+            response = page.goto(f"{fed.url}/dashboard#rounds")
+            assert response is not None and response.status == 200
+            expect(page.get_by_test_id("connection-state")).to_have_text("live", timeout=UI_MS)
+
+            def row(round_: int) -> Any:
+                return page.locator(f'[data-testid="round-row"][data-round="{round_}"]')
+
+            expect(row(3).locator("[data-col=wraps]")).to_have_text("3 / 5,211", timeout=UI_MS)
+            expect(row(3)).to_have_class(re.compile(r"\bwrapped\b"))
+            expect(row(3).locator("[data-col=wraps]")).to_have_class(re.compile(r"\bfail\b"))
+            expect(row(3).locator("[data-col=wraps]")).to_have_attribute(
+                "title", re.compile(r"^0\.058% .*likely wrapped")
+            )
+            expect(row(3).locator("[data-col=noise]")).to_have_text("0.861")
+            expect(row(2).locator("[data-col=wraps]")).to_have_text("0 / 5,211")
+            expect(row(2)).not_to_have_class(re.compile(r"\bwrapped\b"))
+            expect(row(2).locator("[data-col=wraps]")).not_to_have_class(re.compile(r"\bfail\b"))
+            expect(row(2).locator("[data-col=noise]")).to_have_text("0.873")
+            # a round that was not distributed DP has neither
+            expect(row(1).locator("[data-col=wraps]")).to_have_text("\u2014")
+            expect(row(1).locator("[data-col=noise]")).to_have_text("\u2014")
+            expect(row(1)).not_to_have_class(re.compile(r"\bwrapped\b"))
+            # the flag is drawn: the wrapped row's first cell carries the red stripe
+            stripe = row(3).locator("td").first.evaluate("td => getComputedStyle(td).boxShadow")
+            assert "inset" in stripe, stripe
+            plain = row(2).locator("td").first.evaluate("td => getComputedStyle(td).boxShadow")
+            assert plain == "none", plain
+            assert errors.messages == []
+    finally:
+        fed.stop()

@@ -132,6 +132,18 @@ class FederationMetrics:
             ["endpoint"],
             registry=r,
         )
+        # Distributed DP: a coordinate at the ring's edge likely wrapped modulo the ring,
+        # which corrupts it in the aggregate; the ratio of the two is the wrap rate.
+        self.ddp_wrapped = Counter(
+            "fedsec_ddp_wrapped_coordinates",
+            "Coordinates of closed distributed-DP sums at the ring's edge (likely wrapped)",
+            registry=r,
+        )
+        self.ddp_summed = Counter(
+            "fedsec_ddp_summed_coordinates",
+            "Coordinates of closed distributed-DP sums",
+            registry=r,
+        )
         self.alerts = Counter(
             "fedsec_alerts_raised", "Operator alerts raised, by kind", ["kind"], registry=r
         )
@@ -167,6 +179,9 @@ class FederationMetrics:
                         self.round_seconds.observe(max(s.duration_s, 0.0))
                     if s.aggregation_s is not None:
                         self.aggregation_seconds.observe(s.aggregation_s)
+                    if s.coordinates:
+                        self.ddp_summed.inc(s.coordinates)
+                        self.ddp_wrapped.inc(s.edge_count)
                 else:
                     self.rounds_aborted.labels(reason or "aborted", stage).inc()
             case AlertRaised(alert=alert):

@@ -416,12 +416,30 @@
     return bar;
   }
 
+  // A distributed-DP sum's coordinates at the ring's edge (likely wrapped, so corrupted in
+  // the aggregate) of those summed; "—" for a round that summed no such coordinates.
+  function wrapCell(r) {
+    const wrapped = r.edge_count > 0;
+    const attrs = { class: "n" + (wrapped ? " fail" : ""), "data-col": "wraps" };
+    if (!(r.coordinates > 0)) return el("td", attrs, "\u2014");
+    attrs.title =
+      (100 * (r.edge_count / r.coordinates)).toPrecision(2) +
+      "% of the summed coordinates at the ring's edge" +
+      (wrapped ? " (likely wrapped: those coordinates of the aggregate are corrupted)" : "");
+    return el(
+      "td",
+      attrs,
+      r.edge_count.toLocaleString("en-US") + " / " + r.coordinates.toLocaleString("en-US"),
+    );
+  }
+
   function renderRounds(rounds) {
     const rows = rounds
       .slice()
       .sort((a, b) => b.round - a.round || b.attempt - a.attempt)
       .map((r) => {
         const closed = r.stage === "closed";
+        const cls = [closed ? "" : "aborted", r.edge_count > 0 ? "wrapped" : ""].join(" ").trim();
         return el(
           "tr",
           {
@@ -429,7 +447,7 @@
             "data-round": r.round,
             "data-attempt": r.attempt,
             "data-stage": r.stage,
-            class: closed ? "" : "aborted",
+            class: cls,
           },
           el("td", { class: "n" }, String(r.round)),
           el("td", { class: "n" }, String(r.attempt)),
@@ -441,6 +459,12 @@
           el("td", { class: "n" }, pct(r.accuracy, 2)),
           el("td", { class: "n" }, num(r.loss, 4)),
           el("td", { class: "n" }, num(r.epsilon_max, 2)),
+          el(
+            "td",
+            { class: "n", "data-col": "noise" },
+            r.noise_multiplier > 0 ? num(r.noise_multiplier, 3) : "\u2014",
+          ),
+          wrapCell(r),
           el("td", { class: "n" }, seconds(r.aggregation_s)),
           el("td", { class: "n" }, seconds(r.duration_s)),
           el("td", { class: "n" }, num(perMember(r.bytes_up, r.participants), 1)),
@@ -448,7 +472,7 @@
           el("td", { class: "detail", title: r.detail }, r.detail || ""),
         );
       });
-    replaceRows($("#rounds-body"), rows, "No attempt has ended yet.", 15);
+    replaceRows($("#rounds-body"), rows, "No attempt has ended yet.", 17);
     renderCharts(rounds);
   }
 
