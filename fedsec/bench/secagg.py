@@ -52,7 +52,7 @@ from fedsec.bench.common import with_environment
 from fedsec.crypto import prg
 from fedsec.crypto.discretize import DdpSpec, decode_sum, encode
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
+from fedsec.crypto.quantize import QuantSpec, default_ring_bits, dequantize_sum, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
 from fedsec.crypto.secagg.server import SHARE_CIPHERTEXT_BYTES
 from fedsec.protocol import wire
@@ -233,7 +233,8 @@ def run_secagg(
         max_abs_err = float(np.max(np.abs(error)))
         noise_std = {"measured": float(error.std()), "target": ddp.noise_stddev(len(survivors))}
     else:
-        mean = result.weighted_sum / result.weight_sum
+        weighted, weights = dequantize_sum(result.ring_sum, len(survivors), spec)
+        mean = weighted / weights
         max_abs_err = float(np.max(np.abs(mean - exact_float / len(survivors))))
 
     floor_s = _floor(params, len(survivors), _dropped_edges(server, result.dropped))

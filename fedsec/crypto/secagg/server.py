@@ -46,7 +46,7 @@ from fedsec.crypto.errors import (
     UnknownMember,
     WrongStage,
 )
-from fedsec.crypto.quantize import RingVector, dequantize_sum, unpack
+from fedsec.crypto.quantize import RingVector, unpack
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
 from fedsec.crypto.secagg.graph import member_x, prune, round_graph
@@ -75,13 +75,15 @@ class ServerStage(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    """The unmasked sum of the survivors' quantized inputs, and who is in it."""
+    """The unmasked sum of the survivors' encoded inputs, and who is in it.
+
+    Only the ring sum: what its elements mean (plain quantization, a rotated and
+    sparsified or a distributed-DP encoding) is the caller's to decode with the round's
+    codec (:func:`~fedsec.crypto.quantize.dequantize_sum` for plain quantization)."""
 
     ring_sum: RingVector
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
-    weighted_sum: np.ndarray  # Σ w·Δ, float64, length dim
-    weight_sum: float  # Σ w
 
 
 class ServerSession:
@@ -353,7 +355,7 @@ class ServerSession:
             raise ProtocolError(f"shares of {owner!r} are inconsistent: {exc}") from None
 
     def finalize(self) -> RoundResult:
-        """Reconstruct the needed secrets, remove every mask, dequantize.
+        """Reconstruct the needed secrets and remove every mask.
 
         Raises:
             WrongStage: not in the unmask stage.
@@ -383,12 +385,9 @@ class ServerSession:
                 # the survivor added the mask if its id sorts first; undo what it did
                 masks.apply(total, masks.pair_mask(seed, p), not masks.adds_pair_mask(peer, member))
         total &= p.quant.dtype.type(p.quant.ring_mask)
-        weighted, weights = dequantize_sum(total, len(self.survivors), p.quant)
         self.stage = ServerStage.DONE
         return RoundResult(
             ring_sum=total,
             survivors=tuple(sorted(self.survivors)),
             dropped=tuple(sorted(self.dropped)),
-            weighted_sum=weighted,
-            weight_sum=weights,
         )
