@@ -164,12 +164,16 @@ class UpdateCodec:
             raise QuantizationError(f"weight must be in [0, 1], got {weight}")
         if not np.all(np.isfinite(flat)):
             raise QuantizationError("update contains NaN or infinite values")
-        x = clip_l2(flat, self.quant.clip).astype(np.float64) * weight
+        x = clip_l2(flat, self.quant.clip) * np.float32(weight)
         if self.rotation_seed is not None:
-            x = rotation.rotate(x, self.rotation_seed)
+            # single precision: its error (~2^-20 of a coordinate) vanishes under the
+            # rounding to a few bits that follows, and the decoder works in float64
+            x = rotation.rotate_single(x, self.rotation_seed)
         idx = self.subset()
-        kept = x[idx] if idx is not None else x
+        kept = (x[idx] if idx is not None else x).astype(np.float64)
         levels, s = self.quant.levels, self.range
+        # float64 from here: up to 16 bits of levels keep 36 bits for the fraction that
+        # the stochastic rounding must not bias
         y = (kept + s) * (levels / (2.0 * s))
         saturated = int(np.count_nonzero((y < 0) | (y > levels)))
         np.clip(y, 0.0, float(levels), out=y)

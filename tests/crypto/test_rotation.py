@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedsec.crypto.rotation import hadamard, padded_length, rotate, signs, unrotate
+from fedsec.crypto.rotation import (
+    hadamard,
+    padded_length,
+    rotate,
+    rotate_single,
+    signs,
+    unrotate,
+)
 from fedsec.errors import QuantizationError
 
 SEED = hashlib.sha256(b"round spec").digest()
@@ -94,6 +101,19 @@ def test_rotate_is_h_times_the_public_signs_times_the_padded_vector(d: int) -> N
     np.testing.assert_allclose(rotate(x, SEED), hadamard(s * padded) / np.sqrt(n), atol=1e-12)
     y = np.random.default_rng(d + 1).normal(size=n)
     np.testing.assert_allclose(unrotate(y, SEED, d), (s * hadamard(y))[:d] / np.sqrt(n), atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [1, 5, 1000, 5210, 1 << 16])
+def test_the_single_precision_rotation_is_the_same_map(d: int) -> None:
+    x = np.random.default_rng(d).standard_normal(d)
+    y = rotate_single(x.astype(np.float32), SEED, scale=3.0)
+    assert y.dtype == np.float32 and y.size == padded_length(d)
+    # the same signs and transform: within float32 rounding of the float64 rotation
+    exact = rotate(x.astype(np.float32), SEED, scale=3.0)
+    assert np.max(np.abs(y - exact)) <= 1e-5 * np.abs(exact).max()
+    np.testing.assert_allclose(unrotate(y, SEED, d, scale=1 / 3.0), x, rtol=0, atol=1e-5)
+    with pytest.raises(QuantizationError):
+        rotate_single(np.array([1.0, np.nan]), SEED)
 
 
 def test_a_spike_is_spread_over_every_coordinate() -> None:
