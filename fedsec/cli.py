@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -28,6 +29,38 @@ class _FedsecGroup(click.Group):
 @click.version_option(package_name="fedsec")
 def main() -> None:
     """fedsec: federated learning with DP-SGD, SecAgg+ and a verifiable audit trail."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def codec_options(fn: F) -> F:
+    """The update codec's options, as ``fedsec simulate`` and ``fedsec bench secagg``
+    take them (``--rotation``, ``--sparsity``, ``--range-stddevs``)."""
+    for option in reversed(
+        (
+            click.option(
+                "--rotation",
+                type=click.Choice(["none", "hadamard"]),
+                default="none",
+                show_default=True,
+                help="codec: the shared randomised Hadamard rotation",
+            ),
+            click.option(
+                "--sparsity",
+                default=1.0,
+                show_default=True,
+                help="codec: fraction of coordinates sent (a shared random subset)",
+            ),
+            click.option(
+                "--range-stddevs",
+                default=0.0,
+                help="codec: rotated rounding range in std devs; 0 = 3 with rotation",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn
 
 
 @main.group()
@@ -57,21 +90,7 @@ def bench() -> None:
     show_default=True,
     help="distributed DP: members add Skellam noise shares of this noise multiplier",
 )
-@click.option(
-    "--rotation",
-    type=click.Choice(["none", "hadamard"]),
-    default="none",
-    show_default=True,
-    help="codec: the shared randomised Hadamard rotation",
-)
-@click.option(
-    "--sparsity", default=1.0, show_default=True, help="codec: fraction of coordinates sent"
-)
-@click.option(
-    "--range-stddevs",
-    default=0.0,
-    help="codec: rotated rounding range in std devs; 0 = 3 with rotation",
-)
+@codec_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_secagg(
     clients: int,

@@ -30,6 +30,7 @@ import click
 
 from fedsec import faults
 from fedsec.bench.common import federation_status
+from fedsec.cli import codec_options
 from fedsec.config import AgentConfig
 from fedsec.errors import ConfigError
 from fedsec.federation import (
@@ -367,11 +368,7 @@ def _parse_dp(value: str) -> float | None:
     show_default=True,
     help="distributed: share of the cohort the noise is sized for",
 )
-@click.option("--rotation", type=click.Choice(["none", "hadamard"]), default="none")
-@click.option("--sparsity", default=1.0, show_default=True, help="fraction of coordinates sent")
-@click.option(
-    "--range-stddevs", default=0.0, help="rotated rounding range in std devs; 0 = 3 with rotation"
-)
+@codec_options
 @click.option("--error-feedback", is_flag=True, help="carry what the codec drops to next round")
 @click.option("--local-epochs", default=0, help="0 = task default for simulation")
 @click.option("--lr", default=0.0, help="0 = task default")
