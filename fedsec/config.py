@@ -181,6 +181,11 @@ DOCS: dict[str, str] = {
     "lowest of the window (0.5 = 50 %); 0 turns the loss check off.",
     "alerts.participation_min": "Raise participation_dropped when an attempt ends with fewer "
     "accepted contributions than this share of its cohort; 0.5 = half the cohort fell away.",
+    "alerts.wrap_rate_max": "Raise ring_wrapped when more than this share of a closed "
+    "distributed-DP round's summed coordinates lay at the ring's edge (likely wrapped, so "
+    "corrupted in the new model); 0 = any: a ring with room to spare (16 quant_bits in "
+    "docs/privacy.md) puts none there, one at its sizing limit about 0.3 % every round, "
+    "which more round.quant_bits fixes; 1 = off.",
     "alerts.refusals_per_member": "Raise member_refused when one member's contributions are "
     "refused this many times within refusals_window_s; an honest member meets one or two.",
     "alerts.refusals_window_s": "The window of refusals_per_member, in seconds.",
@@ -407,6 +412,7 @@ class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     accuracy_drop: float = 0.05
     loss_rise: float = 0.5
     participation_min: float = 0.5
+    wrap_rate_max: float = 0.0
     refusals_per_member: int = 10
     refusals_window_s: float = 600.0
     budget_fraction: float = 0.9
@@ -726,6 +732,12 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         "alerts.participation_min",
         "a number in [0, 1]",
         al.participation_min,
+    )
+    p.require(
+        0 <= al.wrap_rate_max <= 1,
+        "alerts.wrap_rate_max",
+        "a number in [0, 1]",
+        al.wrap_rate_max,
     )
     p.int_range("alerts.refusals_per_member", al.refusals_per_member, 1)
     p.positive("alerts.refusals_window_s", al.refusals_window_s)

@@ -80,6 +80,19 @@ def test_defaults() -> None:
         ("[dp]\nnoise_multiplier = 0", "dp.noise_multiplier: expected a number > 0"),
         ("[training]\nbatch_size = 0", "training.batch_size: expected an integer >= 1, got 0"),
         ("task_options = 3", "federation.task_options: expected a table, got 3"),
+        (
+            "[alerts]\nwrap_rate_max = 1.5",
+            "alerts.wrap_rate_max: expected a number in [0, 1], got 1.5",
+        ),
+        (
+            "[alerts]\nwrap_rate_max = -0.1",
+            "alerts.wrap_rate_max: expected a number in [0, 1], got -0.1",
+        ),
+        (
+            "[alerts]\nwrap_rate_max = nan",
+            "alerts.wrap_rate_max: expected a number in [0, 1], got nan",
+        ),
+        ('[alerts]\nwrap_rate_max = "0"', "alerts.wrap_rate_max: expected a number, got '0'"),
     ],
 )
 def test_federation_refusals_name_key_and_reason(text: str, message: str) -> None:
@@ -87,6 +100,14 @@ def test_federation_refusals_name_key_and_reason(text: str, message: str) -> Non
         parse_federation_config(_fed(text), "federation.toml")
     assert f"federation.toml: {message}" in str(err.value) or message in str(err.value)
     assert str(err.value).startswith("federation.toml: ")
+
+
+def test_wrap_rate_max_defaults_to_any_wrap_and_takes_both_ends_of_its_range() -> None:
+    # 0: the ring is sized for wraps to be rare, so a distributed-DP operator hears of any
+    assert parse_federation_config(_fed("")).alerts.wrap_rate_max == 0.0
+    for value in ("0", "0.001", "1"):
+        cfg = parse_federation_config(_fed(f"[alerts]\nwrap_rate_max = {value}"))
+        assert cfg.alerts.wrap_rate_max == float(value)
 
 
 def test_missing_required_and_bad_toml() -> None:

@@ -525,6 +525,83 @@ def test_a_model_scoring_below_the_recent_best_raises_validation_degraded(
     assert len(_alerts(fed)) == 2
 
 
+def _ddp_closed(version: int, coordinates: int, edge_count: int) -> RoundEnded:
+    """Round ``version - 1`` closed with a sum of ``coordinates``, ``edge_count`` of them
+    at the ring's edge (0 coordinates: not a distributed-DP round)."""
+    summary = msgspec.structs.replace(
+        _summary(version, None, None), coordinates=coordinates, edge_count=edge_count
+    )
+    return _ended(summary)
+
+
+def test_a_distributed_round_with_coordinates_at_the_ring_edge_raises_ring_wrapped(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    fed = _federation(tmp_path / "ws")  # alerts.wrap_rate_max at its default: any wrap
+    assert fed.ws.config.alerts.wrap_rate_max == 0.0
+    desk = _desk(fed, clock)
+    bus = desk.coord.events  # the served aggregator's rules listen here (Operations)
+
+    bus.emit(_ddp_closed(2, 5211, 0))  # distributed, nothing at the edge
+    bus.emit(_ddp_closed(3, 0, 0))  # not distributed: no ring sum was counted
+    bus.emit(_ddp_closed(4, 0, 7))  # no coordinates summed: no rate, whatever the count
+    aborted = msgspec.structs.replace(
+        _summary(5, None, None), stage="aborted", coordinates=5211, edge_count=9
+    )
+    bus.emit(RoundEnded(aborted, "unmask", 1.0, "aborted", (), 0.0))  # no model from it
+    assert _alerts(fed) == [] and desk.raised == [] and _counted(desk.ops, "ring_wrapped") == 0
+
+    bus.emit(_ddp_closed(6, 5211, 3))
+    row = _assert_raised(
+        desk,
+        "ring_wrapped",
+        "round 5.0",
+        "round 5 attempt 0 closed with 3 of the 5211 coordinates of its distributed-DP sum "
+        "at the ring's edge (wrap rate 0.000576, above alerts.wrap_rate_max = 0)",
+        "corrupted in model version 6",
+        "raise round.quant_bits",
+    )
+    # the alert and the scrape count the same wraps: the closed distributed rounds' only
+    wrapped = desk.ops.metrics.registry.get_sample_value("fedsec_ddp_wrapped_coordinates_total")
+    assert wrapped == 3
+    # a single wrap is enough at the default, and each round is its own alert
+    bus.emit(_ddp_closed(7, 5211, 1))
+    again = _assert_raised(
+        desk, "ring_wrapped", "round 6.0", "1 of the 5211 coordinates", "0.000192", count=2
+    )
+    assert again.id > row.id
+    assert [b["kind"] for b in _alert_entries(fed)] == ["ring_wrapped", "ring_wrapped"]
+
+
+def test_ring_wrapped_respects_alerts_wrap_rate_max(tmp_path: Path, clock: FakeClock) -> None:
+    fed = _federation(tmp_path / "ws", alerts={"wrap_rate_max": 0.001})
+    desk = _desk(fed, clock)
+    rules = AlertRules(fed.ws.config.alerts, desk.coord.alert_desk, fed.ws.state.rounds)
+
+    rules.on_event(_ddp_closed(2, 5211, 5))  # 0.00096: under
+    rules.on_event(_ddp_closed(3, 1000, 1))  # 0.001: at the threshold, not above it
+    rules.on_event(_ddp_closed(4, 0, 3))  # no coordinates summed: no rate (and no error)
+    assert _alerts(fed) == []
+
+    rules.on_event(_ddp_closed(5, 1000, 2))  # 0.002: above
+    _assert_raised(
+        desk,
+        "ring_wrapped",
+        "round 4.0",
+        "2 of the 1000 coordinates",
+        "wrap rate 0.002, above alerts.wrap_rate_max = 0.001",
+    )
+
+    # 1 turns the alert off: no rate exceeds it, not even every coordinate at the edge
+    off = AlertRules(
+        msgspec.structs.replace(fed.ws.config.alerts, wrap_rate_max=1.0),
+        desk.coord.alert_desk,
+        fed.ws.state.rounds,
+    )
+    off.on_event(_ddp_closed(6, 1000, 1000))
+    assert [r.subject for r in _alerts(fed)] == ["round 4.0"]
+
+
 def _damage_newest_model(fed: Federation, clock: FakeClock) -> int:
     """Close a round (version 2), then damage version 2's file; returns 2."""
     desk = _desk(fed, clock)

@@ -54,6 +54,7 @@ class AlertRules:
         match event:
             case RoundEnded(summary=s) if s.stage == "closed":
                 self._participation(s)
+                self._wrapped(s)
                 if s.accuracy is not None:
                     self._degradation(s)
             case ContributionRefused():
@@ -72,6 +73,26 @@ class AlertRules:
                 f"{s.cohort} members' contributions (below {self._cfg.participation_min:.0%}); "
                 f"dropped: {', '.join(s.dropped) or 'none'}",
             )
+
+    def _wrapped(self, s: wire.RoundSummary) -> None:
+        # Only distributed-DP sums are summed with noise in a ring that can wrap: every
+        # other round reports 0 coordinates, and 0 wraps of them is no rate at all.
+        if s.coordinates <= 0:
+            return
+        rate = s.edge_count / s.coordinates
+        if rate <= self._cfg.wrap_rate_max:
+            return
+        model = "its model" if s.model_version is None else f"model version {s.model_version}"
+        self._desk.raise_alert(
+            "ring_wrapped",
+            f"round {s.round}.{s.attempt}",
+            f"round {s.round} attempt {s.attempt} closed with {s.edge_count} of the "
+            f"{s.coordinates} coordinates of its distributed-DP sum at the ring's edge "
+            f"(wrap rate {rate:.3g}, above alerts.wrap_rate_max = "
+            f"{self._cfg.wrap_rate_max:g}): they likely wrapped around the ring and are "
+            f"corrupted in {model}; raise round.quant_bits (it sizes the ring), and roll "
+            "back to the version before this round if the model degraded",
+        )
 
     def _degradation(self, s: wire.RoundSummary) -> None:
         assert s.accuracy is not None

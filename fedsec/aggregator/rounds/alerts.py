@@ -32,6 +32,7 @@ AlertKind = Literal[
     "round_aborted",
     "validation_degraded",
     "participation_dropped",
+    "ring_wrapped",
     "member_refused",
     "member_near_budget",
     "audit_failed",
@@ -65,6 +66,14 @@ ALERT_KINDS: Final[Mapping[AlertKind, tuple[str, str]]] = {
         "of its cohort",
         "find the members that dropped (rounds view) and ask their IT teams; lengthen the "
         "stage deadlines if links are slow",
+    ),
+    "ring_wrapped": (
+        "more than alerts.wrap_rate_max of the coordinates of a closed distributed-DP "
+        "round's ring sum lay at the ring's edge: they likely wrapped around the ring, "
+        "which corrupts them in that round's model",
+        "raise round.quant_bits (it sizes the ring; a smaller cohort does not help, as the "
+        "ring shrinks with it); roll back to the version before the round if the model "
+        "degraded",
     ),
     "member_refused": (
         "one member's contributions were refused alerts.refusals_per_member times within "
