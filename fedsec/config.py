@@ -183,9 +183,9 @@ DOCS: dict[str, str] = {
     "accepted contributions than this share of its cohort; 0.5 = half the cohort fell away.",
     "alerts.wrap_rate_max": "Raise ring_wrapped when more than this share of a closed "
     "distributed-DP round's summed coordinates lay at the ring's edge (likely wrapped, so "
-    "corrupted in the new model); 0 = any: a ring with room to spare (16 quant_bits in "
-    "docs/privacy.md) puts none there, one at its sizing limit about 0.3 % every round, "
-    "which more round.quant_bits fixes; 1 = off.",
+    "corrupted in the new model); 0.5 %: a ring at its sizing limit puts about 0.3 % there "
+    "every round by design, one with room to spare (16 quant_bits in docs/privacy.md) none; "
+    "0 = any; 1 = off.",
     "alerts.refusals_per_member": "Raise member_refused when one member's contributions are "
     "refused this many times within refusals_window_s; an honest member meets one or two.",
     "alerts.refusals_window_s": "The window of refusals_per_member, in seconds.",
@@ -412,7 +412,7 @@ class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     accuracy_drop: float = 0.05
     loss_rise: float = 0.5
     participation_min: float = 0.5
-    wrap_rate_max: float = 0.0
+    wrap_rate_max: float = 0.005
     refusals_per_member: int = 10
     refusals_window_s: float = 600.0
     budget_fraction: float = 0.9

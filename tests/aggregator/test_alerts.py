@@ -537,8 +537,7 @@ def _ddp_closed(version: int, coordinates: int, edge_count: int) -> RoundEnded:
 def test_a_distributed_round_with_coordinates_at_the_ring_edge_raises_ring_wrapped(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    fed = _federation(tmp_path / "ws")  # alerts.wrap_rate_max at its default: any wrap
-    assert fed.ws.config.alerts.wrap_rate_max == 0.0
+    fed = _federation(tmp_path / "ws", alerts={"wrap_rate_max": 0.0})  # any wrap
     desk = _desk(fed, clock)
     bus = desk.coord.events  # the served aggregator's rules listen here (Operations)
 
@@ -564,7 +563,7 @@ def test_a_distributed_round_with_coordinates_at_the_ring_edge_raises_ring_wrapp
     # the alert and the scrape count the same wraps: the closed distributed rounds' only
     wrapped = desk.ops.metrics.registry.get_sample_value("fedsec_ddp_wrapped_coordinates_total")
     assert wrapped == 3
-    # a single wrap is enough at the default, and each round is its own alert
+    # a single wrap is enough at 0, and each round is its own alert
     bus.emit(_ddp_closed(7, 5211, 1))
     again = _assert_raised(
         desk, "ring_wrapped", "round 6.0", "1 of the 5211 coordinates", "0.000192", count=2
