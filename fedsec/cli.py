@@ -41,10 +41,10 @@ def codec_options(fn: F) -> F:
         (
             click.option(
                 "--rotation",
-                type=click.Choice(["none", "hadamard"]),
+                type=click.Choice(["none", "hadamard", "dct"]),
                 default="none",
                 show_default=True,
-                help="codec: the shared randomised Hadamard rotation",
+                help="codec: a shared random rotation (dct: no padding to a power of two)",
             ),
             click.option(
                 "--sparsity",
