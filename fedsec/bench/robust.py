@@ -316,6 +316,7 @@ class QuarantineResult:
     false_quarantines: int
     rollback_to_round: int | None
     accuracy_before_rollback: float | None
+    rounds_run: int  # the rounds trained, rolled-back ones included
 
 
 def run_quarantine(
@@ -334,7 +335,13 @@ def run_quarantine(
     rollback: int | None = None
     before_rollback: float | None = None
     rng = np.random.default_rng([fed.seed, 99])
-    for r in range(1, fed.rounds + 1):
+    # the final model has fed.rounds applied rounds, as the clean run's does: a rollback
+    # discards rounds, and the federation trains on for as many (accuracy after recovery,
+    # not after fewer rounds)
+    last = fed.rounds
+    r = 0
+    while r < last:
+        r += 1
         members = [i for i in range(fed.n) if i not in out]
         if not members:
             break  # everyone quarantined: the federation has stopped
@@ -376,6 +383,7 @@ def run_quarantine(
             before_rollback = _accuracy(fed, g)
             rollback = first_failed
             g = versions[first_failed - 1].copy()  # the version before the first failed round
+            last += r - first_failed + 1
     false = len(out - fed.bad)
     return QuarantineResult(
         _accuracy(fed, g),
@@ -384,6 +392,7 @@ def run_quarantine(
         false,
         rollback,
         before_rollback,
+        r,
     )
 
 
@@ -543,6 +552,7 @@ def bench_robust(
                     "false_quarantines": q.false_quarantines,
                     "rollback_to_round": q.rollback_to_round,
                     "accuracy_before_rollback": q.accuracy_before_rollback,
+                    "rounds_run": q.rounds_run,
                     "accuracy": round(q.accuracy, 4),
                     "seconds": round(time.perf_counter() - t0, 1),
                 },
