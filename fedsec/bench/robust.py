@@ -55,7 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from fedsec.agent.ledger import noise_for_budget
+from fedsec.agent.ledger import epsilon_of, noise_for_budget
 from fedsec.audit.control import (
     MemberClaim,
     RevealedUpdate,
@@ -399,6 +399,13 @@ def run_quarantine(
 # -- the command ---------------------------------------------------------------------------------
 
 
+def _epsilon_spent(fed: Federation, rounds: int) -> float | None:
+    if fed.dp is None:
+        return None
+    rate, steps = plan_round(min(len(y) for _, y in fed.parts), fed.params)
+    return round(epsilon_of([(fed.dp.noise_multiplier, rate, steps * rounds)], fed.dp.delta), 3)
+
+
 def _initial(fed: Federation) -> Vector:
     return flatten_params(fed.task.build_model(fed.seed)).astype(np.float64)
 
@@ -553,6 +560,9 @@ def bench_robust(
                     "rollback_to_round": q.rollback_to_round,
                     "accuracy_before_rollback": q.accuracy_before_rollback,
                     "rounds_run": q.rounds_run,
+                    # the rounds after a rollback cost budget too: ε of the smallest
+                    # member over every round it trained in
+                    "epsilon_spent": _epsilon_spent(fed, q.rounds_run),
                     "accuracy": round(q.accuracy, 4),
                     "seconds": round(time.perf_counter() - t0, 1),
                 },

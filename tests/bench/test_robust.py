@@ -139,3 +139,13 @@ def test_cells_run_in_the_order_given_and_unknown_ones_are_refused() -> None:
     assert (
         refused.exit_code != 0 and "--cells: 'median:poison' is not RULE:ATTACK" in refused.output
     )
+
+
+def test_the_budget_spent_counts_the_rounds_trained_after_a_rollback() -> None:
+    fed = R.make_federation("mnist1d", 6, 0.2, "iid", 3, 0, dp_epsilon=8.0)
+    # the noise is calibrated so that the run's rounds spend the budget, no more
+    spent = R._epsilon_spent(fed, 3)
+    assert spent is not None and spent == pytest.approx(8.0, rel=0.01)
+    longer = R._epsilon_spent(fed, 5)
+    assert longer is not None and longer > spent * 1.1
+    assert R._epsilon_spent(R.make_federation("mnist1d", 6, 0.2, "iid", 3, 0), 3) is None
