@@ -41,10 +41,10 @@ def codec_options(fn: F) -> F:
         (
             click.option(
                 "--rotation",
-                type=click.Choice(["none", "hadamard", "dct"]),
+                type=click.Choice(["none", "hadamard"]),
                 default="none",
                 show_default=True,
-                help="codec: a shared random rotation (dct: no padding to a power of two)",
+                help="codec: the shared randomised Hadamard rotation",
             ),
             click.option(
                 "--sparsity",

@@ -123,9 +123,8 @@ DOCS: dict[str, str] = {
     "dp.min_survivors_fraction": "distributed: share of the cohort whose noise shares make the "
     "full noise; a round with fewer survivors is aborted before unmasking. 0.8 tolerates "
     "20 % dropouts at 1/0.8 of the noise.",
-    "codec.rotation": "none, hadamard or dct: a shared random rotation before rounding, so low "
-    "bit widths lose little; dct pads d only to a fast FFT length, where hadamard pads to "
-    "a power of two, which a sent fraction pays for (docs/compression.md).",
+    "codec.rotation": "none or hadamard: a shared random rotation before rounding, so low bit "
+    "widths lose little (docs/compression.md).",
     "codec.keep": "Fraction of the model's coordinates each member sends, the same random "
     "subset for every member of a round; 1 sends all.",
     "codec.range_stddevs": "With rotation: a coordinate's rounding range in standard "
@@ -344,7 +343,7 @@ class DPSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    rotation: Literal["none", "hadamard", "dct"] = "none"
+    rotation: Literal["none", "hadamard"] = "none"
     keep: float = 1.0
     range_stddevs: float = 0.0
     error_feedback: bool = False
@@ -641,9 +640,9 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.require(c.range_stddevs >= 0, "codec.range_stddevs", "a number >= 0", c.range_stddevs)
     if c.range_stddevs:
         p.require(
-            c.rotation != "none",
+            c.rotation == "hadamard",
             "codec.range_stddevs",
-            "a rotation ('hadamard' or 'dct')",
+            "codec.rotation = 'hadamard'",
             c.rotation,
         )
     if c.error_feedback and d.mode == "distributed" and d.unit == "record":

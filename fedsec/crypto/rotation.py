@@ -16,13 +16,6 @@ the rotation of the sum; the aggregator unrotates the sum once.  The signs come 
 AES-CTR keystream of :mod:`fedsec.crypto.prg`.  They need not be secret (the rotation
 only spreads the mass), but they must not be chosen by any one party after seeing the
 data, which the signed spec's fresh per-attempt seed ensures.
-
-The randomised DCT (:func:`dct_rotate`) is the same idea for lengths far from a power of
-two: ``C·D·pad(x)`` with C the orthonormal DCT-II over N = the smallest length ≥ d that
-the FFT factors quickly (a product of small primes, at most a few per cent above d).
-Padding to a power of two puts up to half of a vector's mass into coordinates that only
-exist after rotation (MNIST-1D: 5,210 → 8,192); a codec that then sends a fraction of
-the rotated coordinates loses that share of the signal, so the DCT keeps N ≈ d.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from scipy import fft
 
 from fedsec.crypto import prg
 from fedsec.crypto.errors import QuantizationError
@@ -76,58 +68,6 @@ def padded_length(d: int) -> int:
             f"a rotated vector must have 1..{1 << MAX_ROTATION_LOG2} coordinates, got {d}"
         )
     return 1 << (d - 1).bit_length()
-
-
-def dct_length(d: int) -> int:
-    """N for :func:`dct_rotate`: the smallest length ≥ ``d`` whose real FFT is fast.
-
-    Raises:
-        QuantizationError: ``d`` is below 1 or above 2^MAX_ROTATION_LOG2.
-    """
-    padded_length(d)  # the same bounds
-    return int(fft.next_fast_len(d, real=True))
-
-
-def dct_rotate(x: npt.ArrayLike, seed: bytes) -> npt.NDArray[np.float32]:
-    """C·D·pad(x) in float32: ``x`` (any shape, flattened) rotated into
-    :func:`dct_length` coordinates with the orthonormal DCT-II, norm kept up to float32
-    rounding.  Single precision, as :func:`rotate_single`: for a vector rounded to a few
-    bits next, never where the result's norm bounds a privacy guarantee.
-
-    Raises:
-        QuantizationError: empty or oversized vector, or non-finite values.
-        ValueError: ``seed`` is not 32 bytes.
-    """
-    flat = np.asarray(x, dtype=np.float32).reshape(-1)
-    n = dct_length(flat.size)
-    if not math.isfinite(squared_norm(flat)) and not np.all(np.isfinite(flat)):
-        raise QuantizationError("a vector to rotate contains NaN or infinite values")
-    padded = np.zeros(n, dtype=np.float32)
-    _flip(flat, seed, padded[: flat.size])
-    out: npt.NDArray[np.float32] = fft.dct(
-        padded, type=2, norm="ortho", overwrite_x=True, workers=1
-    )
-    return out
-
-
-def dct_unrotate(y: npt.ArrayLike, seed: bytes, d: int, *, scale: float = 1.0) -> FloatVector:
-    """Inverse of :func:`dct_rotate` in float64: ``scale``·D·C⁻¹·y truncated to ``d``.
-
-    Raises:
-        QuantizationError: ``y``'s length is not :func:`dct_length` of ``d``.
-        ValueError: ``seed`` is not 32 bytes.
-    """
-    vec = np.ascontiguousarray(y, dtype=np.float64).reshape(-1)
-    n = dct_length(d)
-    if vec.size != n:
-        raise QuantizationError(
-            f"a DCT-rotated vector of {d} coordinates has {n} elements, got {vec.size}"
-        )
-    out: FloatVector = fft.idct(vec, type=2, norm="ortho", workers=1)[:d]
-    if scale != 1.0:
-        out *= scale
-    _flip(out, seed, out)
-    return out
 
 
 def signs(seed: bytes, n: int) -> FloatVector:

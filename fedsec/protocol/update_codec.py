@@ -78,7 +78,7 @@ DEFAULT_RANGE_STDDEVS = 3.0
 def default_range_stddevs(rotation: str) -> float:
     """The rounding range a tool asks for when its user gives none: ±clip (0) without
     rotation, :data:`DEFAULT_RANGE_STDDEVS` with it."""
-    return DEFAULT_RANGE_STDDEVS if rotation != "none" else 0.0
+    return DEFAULT_RANGE_STDDEVS if rotation == "hadamard" else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +99,6 @@ class UpdateCodec:
         quant: bits, clip and ring of the round.
         dim: d, the update's length.
         rotation_seed: the shared rotation (None: no rotation).
-        transform: which rotation: "hadamard" (padded to a power of two), "dct" (padded
-            to a fast FFT length, ≈ d) or "none".
         keep: k, coordinates sent before the weight.
         subset_seed: the shared subset (None: every coordinate, in order).
         range: s, the rounding range ±s of a sent coordinate (compressed kind).
@@ -119,7 +117,6 @@ class UpdateCodec:
     rescale: float
     ddp: DdpSpec | None
     error_feedback: bool
-    transform: str = "none"
 
     @property
     def length(self) -> int:
@@ -129,7 +126,7 @@ class UpdateCodec:
     @property
     def padded(self) -> int:
         """Coordinates after rotation (d without one)."""
-        return _rotated_length(self.transform, self.dim)
+        return rotation.padded_length(self.dim) if self.rotation_seed is not None else self.dim
 
     def subset(self) -> npt.NDArray[np.intp] | None:
         """The shared kept coordinates, ascending (None: all of them)."""
@@ -168,12 +165,10 @@ class UpdateCodec:
         if not np.all(np.isfinite(flat)):
             raise QuantizationError("update contains NaN or infinite values")
         x = clip_l2(flat, self.quant.clip) * np.float32(weight)
-        # single precision: its error (~2^-20 of a coordinate) vanishes under the
-        # rounding to a few bits that follows, and the decoder works in float64
-        if self.transform == "hadamard" and self.rotation_seed is not None:
+        if self.rotation_seed is not None:
+            # single precision: its error (~2^-20 of a coordinate) vanishes under the
+            # rounding to a few bits that follows, and the decoder works in float64
             x = rotation.rotate_single(x, self.rotation_seed)
-        elif self.transform == "dct" and self.rotation_seed is not None:
-            x = rotation.dct_rotate(x, self.rotation_seed)
         idx = self.subset()
         kept = (x[idx] if idx is not None else x).astype(np.float64)
         levels, s = self.quant.levels, self.range
@@ -288,20 +283,9 @@ class UpdateCodec:
         if idx is not None:
             full = np.zeros(self.padded, dtype=np.float64)
             full[idx] = kept
-        if self.rotation_seed is None:
-            return full * factor if factor != 1.0 else full
-        if self.transform == "dct":
-            return rotation.dct_unrotate(full, self.rotation_seed, self.dim, scale=factor)
-        return rotation.unrotate(full, self.rotation_seed, self.dim, scale=factor)
-
-
-def _rotated_length(transform: str, d: int) -> int:
-    """Coordinates of a d-vector after ``transform`` ("none", "hadamard" or "dct")."""
-    if transform == "hadamard":
-        return rotation.padded_length(d)
-    if transform == "dct":
-        return rotation.dct_length(d)
-    return d
+        if self.rotation_seed is not None:
+            return rotation.unrotate(full, self.rotation_seed, self.dim, scale=factor)
+        return full * factor if factor != 1.0 else full
 
 
 def _round_weight(value: float, seed: bytes) -> int:
@@ -365,17 +349,7 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
             )
         ddp = ddp_spec(spec)
         return UpdateCodec(
-            "distributed",
-            quant,
-            d,
-            rotation_seed(spec),
-            ddp.padded,
-            None,
-            0.0,
-            1.0,
-            ddp,
-            False,
-            "hadamard",
+            "distributed", quant, d, rotation_seed(spec), ddp.padded, None, 0.0, 1.0, ddp, False
         )
     if not compressed and not c.error_feedback:
         return UpdateCodec("plain", quant, d, None, d, None, quant.clip, 1.0, None, False)
@@ -386,8 +360,8 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
         )
     if not (math.isfinite(c.keep) and MIN_KEEP <= c.keep <= 1.0):
         raise ProtocolError(f"{where} keeps a fraction {c.keep} outside [{MIN_KEEP}, 1]")
-    rotated = c.rotation != "none"
-    n = _rotated_length(c.rotation, d)
+    rotated = c.rotation == "hadamard"
+    n = rotation.padded_length(d) if rotated else d
     keep = n if c.keep >= 1.0 else max(1, min(n, round(c.keep * d)))
     if c.range_stddevs:
         if not rotated:
@@ -415,5 +389,4 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
         rescale,
         None,
         c.error_feedback,
-        c.rotation,
     )

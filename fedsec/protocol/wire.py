@@ -111,9 +111,7 @@ class CodecSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     it (``fedsec.protocol.update_codec``).  The defaults are the plain pipeline: each
     coordinate rounded over [−clip, clip], every coordinate sent."""
 
-    # a shared random rotation: randomised Hadamard (padded to a power of two) or DCT
-    # (padded to a fast FFT length, ≈ d)
-    rotation: Literal["none", "hadamard", "dct"] = "none"
+    rotation: Literal["none", "hadamard"] = "none"  # shared randomised Hadamard rotation
     keep: float = 1.0  # fraction of coordinates sent: a shared random subset, from the seed
     # rounding range of a coordinate, ± this many × clip/√N (rotated coordinates are close
     # to N(0, ‖x‖²/N)); 0 = ±clip, the range no coordinate can leave

@@ -11,9 +11,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedsec.crypto.rotation import (
-    dct_length,
-    dct_rotate,
-    dct_unrotate,
     hadamard,
     padded_length,
     rotate,
@@ -117,27 +114,6 @@ def test_the_single_precision_rotation_is_the_same_map(d: int) -> None:
     np.testing.assert_allclose(unrotate(y, SEED, d, scale=1 / 3.0), x, rtol=0, atol=1e-5)
     with pytest.raises(QuantizationError):
         rotate_single(np.array([1.0, np.nan]), SEED)
-
-
-@settings(max_examples=40, deadline=None)
-@given(vectors, st.integers(1, 4))
-def test_the_dct_rotation_keeps_the_norm_is_linear_and_inverts(x: np.ndarray, k: int) -> None:
-    x32 = x.astype(np.float32).astype(np.float64)
-    y = dct_rotate(x32, SEED)
-    n = dct_length(x.size)
-    assert y.dtype == np.float32 and y.size == n and x.size <= n <= max(2, 1.1 * x.size)
-    scale = max(1.0, float(np.abs(x32).max()))
-    assert np.linalg.norm(y.astype(np.float64)) == pytest.approx(
-        np.linalg.norm(x32), rel=1e-5, abs=1e-5 * scale
-    )
-    np.testing.assert_allclose(dct_unrotate(y, SEED, x.size), x32, rtol=0, atol=1e-5 * scale)
-    # one linear map: unrotating k× the rotation of x gives k·x (float64 on the way back)
-    np.testing.assert_allclose(
-        dct_unrotate(k * y.astype(np.float64), SEED, x.size, scale=0.5),
-        0.5 * k * x32,
-        rtol=0,
-        atol=1e-5 * k * scale,
-    )
 
 
 def test_a_spike_is_spread_over_every_coordinate() -> None:
