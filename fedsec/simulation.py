@@ -259,12 +259,23 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
 
 
 async def run_simulation(spec: SimulationSpec, workdir: Path | None = None) -> dict[str, Any]:
-    """Run the federation and the centralized baseline; return the result record."""
+    """Run the federation and the centralized baseline; return the result record.
+
+    Without ``workdir`` the federation lives in a temporary directory (in RAM where
+    there is one), removed however the run ends: a simulation stopped by SIGTERM or an
+    error must not leave its workspace filling /dev/shm."""
     with _quiet_fedsec_logs():
-        return await _run_simulation(spec, workdir)
+        if workdir is not None:
+            return await _run_simulation(spec, workdir, temporary=False)
+        ram = RAM_DIR if RAM_DIR.is_dir() else None
+        root = Path(tempfile.mkdtemp(prefix="fedsec-sim-", dir=ram))
+        try:
+            return await _run_simulation(spec, root, temporary=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
-async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[str, Any]:
+async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> dict[str, Any]:
     torch.set_num_threads(1)  # agents train in parallel threads; avoid oversubscription
     defaults = SIM_DEFAULTS.get(spec.task, SIM_DEFAULTS["breast_cancer"])
     task = get_task(spec.task)
@@ -318,8 +329,6 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
         "range_stddevs": spec.range_stddevs or default_range_stddevs(spec.rotation),
         "error_feedback": spec.error_feedback,
     }
-    ram = RAM_DIR if RAM_DIR.is_dir() else None
-    root = workdir or Path(tempfile.mkdtemp(prefix="fedsec-sim-", dir=ram))
     text = federation_toml(
         "sim",
         spec.task,
@@ -386,7 +395,7 @@ async def _run_simulation(spec: SimulationSpec, workdir: Path | None) -> dict[st
     final = closed[-1] if closed else None
     hidden_acc = _hidden_accuracy(ws, root / CUSTODIAN_ID, task, data) if spec.hide_model else None
     ws.close()
-    if workdir is None:
+    if temporary:  # free the RAM before the centralized baseline trains
         shutil.rmtree(root, ignore_errors=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The baseline is the task's own centralized recipe (for MNIST-1D the paper's: Adam

@@ -183,6 +183,9 @@ def test_simulate_stopped_with_sigterm_stops_its_children_too(secure_sum: str) -
                 for role in wanted:
                     if role in cmdline and b"serve" in cmdline:
                         found[role] = child
+                        if role == b"aggregator":
+                            arg = cmdline[cmdline.index(b"--workspace") + 1]
+                            workspace = Path(arg.decode())
             time.sleep(0.2)
         assert len(found) == len(wanted), (found, sim.communicate(timeout=30))
         while _rounds_closed(found[b"aggregator"]) < 1:  # into the rounds
@@ -197,3 +200,5 @@ def test_simulate_stopped_with_sigterm_stops_its_children_too(secure_sum: str) -
     assert sim.returncode == 1
     assert b"simulation stopped (SIGTERM)" in err and b"Traceback" not in err
     assert not any(_alive(pid) for pid in found.values())
+    # the simulation's temporary federation (in RAM where /dev/shm exists) went with it
+    assert not workspace.parent.exists(), sorted(workspace.parent.iterdir())
