@@ -197,6 +197,9 @@ def test_simulate_stopped_with_sigterm_stops_its_children_too(secure_sum: str) -
         if sim.poll() is None:
             sim.kill()
             sim.wait()
+            for pid in found.values():  # a failed run must not leave its servers behind
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
     assert sim.returncode == 1
     assert b"simulation stopped (SIGTERM)" in err and b"Traceback" not in err
     assert not any(_alive(pid) for pid in found.values())
