@@ -33,12 +33,13 @@ for seed in 0 1; do
   $FEDSEC simulate --task mnist1d --agents 50 --rounds 200 --dp-epsilon 8 --dp-mode distributed \
     --dp-min-survivors 0.96 --server-lr 0.03 --secure-sum secagg --seed $seed --json | tee -a "$out/ddp.jsonl"
 done
-echo "== compression: 8-bit plain vs rotated 2-bit with a shared 40 % / 20 % subset"
-for seed in 0 1; do
+echo "== compression: 8-bit plain vs rotated 2- and 4-bit with a shared subset (8x and 16x payload)"
+for seed in 0 1 2; do
   C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
   $C --quant-bits 8 | tee -a "$out/compression.jsonl"
-  $C --quant-bits 2 --rotation hadamard --sparsity 0.4 | tee -a "$out/compression.jsonl"
-  $C --quant-bits 2 --rotation hadamard --sparsity 0.2 | tee -a "$out/compression.jsonl"
+  for args in "2 --sparsity 0.4" "2 --sparsity 0.24" "4 --sparsity 0.38" "4 --sparsity 0.19"; do
+    $C --rotation hadamard --quant-bits $args | tee -a "$out/compression.jsonl"
+  done
 done
 echo "== audit detection (control-sample checks), epsilon 8 and 3"
 for eps in 8 3; do
@@ -75,10 +76,16 @@ for task in mnist1d digits; do for eps in 8 3 1; do
   $FEDSEC simulate --task $task --agents 50 --rounds 40 --quant-bits 8 --seed 0 --secure-sum secagg \
     --dp-epsilon $eps --json | tee -a "$out/ddp.jsonl"
 done; done
-echo "== ddp: SecAgg+ member time with and without distributed noise (n=100, d=1e6)"
-for noise in 0 1; do
+echo "== ddp: SecAgg+ member time with and without distributed noise (n=100, d=1e6, 16-bit ring)"
+for k in 7 0; do for noise in 0 1; do
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
-    --neighbors 7 --threshold 4 --bits 8 --repeat 2 --ddp-noise $noise --json | tee -a "$out/ddp.jsonl"
+    --neighbors $k --bits 9 --repeat 2 --ddp-noise $noise --json | tee -a "$out/ddp.jsonl"
+done; done
+echo "== compression: SecAgg+ with the codec at d=1e6, n=100 (docs/compression.md)"
+for args in "--bits 8" "--bits 2 --rotation hadamard --sparsity 0.4" \
+  "--bits 4 --rotation hadamard --sparsity 0.36" "--bits 4 --rotation hadamard --sparsity 0.18"; do
+  $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
+    $args --repeat 2 --json | tee -a "$out/compression.jsonl"
 done
 echo "== robust: 6 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"

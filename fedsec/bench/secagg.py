@@ -261,7 +261,7 @@ def run_secagg(
             "quant_step": spec.step(),
             "ddp_noise": ddp_noise,
             "ddp_noise_std": noise_std,
-            "ddp_encode_s": _median_of(encode_s, survivors),
+            "ddp_encode_s": _median_of(encode_s, survivors) if ddp else None,
             "ddp_quantize_s": _median_of(quantize_s, survivors),
             "ddp_member_ratio": round(ddp_ratio, 3) if ddp_ratio is not None else None,
             "client_s": round(statistics.median(client_totals), 6),

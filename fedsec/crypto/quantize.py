@@ -7,8 +7,8 @@ makes the quantized value an unbiased estimate of the real one.  The weight is
 quantized the same way (w·L) and appended as the last coordinate, so one
 secure sum yields both Σ w·Δ and Σ w.
 
-Ring Z_{2^m}: a sum of n values in [0, L] is below n·2^b ≤ 2^(b + ⌈log₂ n⌉), so
-m = b + ⌈log₂ n⌉ + 1 never wraps (one spare bit of margin).  In memory a ring
+Ring Z_{2^m}: a sum of n values in [0, L] is at most n·(2^b − 1) < 2^(b + ⌈log₂ n⌉),
+so m = b + max(1, ⌈log₂ n⌉) never wraps (:func:`default_ring_bits`).  In memory a ring
 vector uses the smallest unsigned dtype of at least m bits; arithmetic wraps
 mod 2^dtype_bits and is reduced mod 2^m by masking, which is exact because 2^m
 divides 2^dtype_bits.
@@ -32,7 +32,7 @@ from fedsec.crypto import prg
 from fedsec.crypto.errors import BadVector, QuantizationError
 
 MIN_BITS, MAX_BITS = 2, 16
-# b ≤ 16 plus ⌈log₂ n⌉ + 1 for a million members is 37; 56 keeps every element of a
+# b ≤ 16 plus ⌈log₂ n⌉ for a million members is 36; 56 keeps every element of a
 # packed group of eight within one 64-bit word (shift ≤ 7 plus 56 bits).
 MAX_RING_BITS = 56
 _ROUNDING_DOMAIN = b"stochastic-rounding"
