@@ -48,6 +48,7 @@ from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
+from fedsec.aio import cancel_and_wait
 from fedsec.bench.common import (
     aggregator_alive,
     federation_status,
@@ -671,14 +672,10 @@ async def _run_agents(
                 ):
                     raise result
         finally:
-            killer.cancel()
             gc.unfreeze()
-            for viewer in viewers:
-                viewer.cancel()
-            if not custodian.done():
-                custodian.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await custodian  # a custodian that failed says why
+            await cancel_and_wait(killer, *viewers, custodian)
+            if not custodian.cancelled():
+                custodian.result()  # a custodian that failed says why
         wall = time.perf_counter() - start
         extra.update(await _dashboard_cost(url, viewers))
         extra["wire_up"] = await _wire_up(url)
@@ -758,9 +755,6 @@ async def _wire_up(url: str) -> dict[str, dict[str, float]]:
 
 async def _dashboard_cost(url: str, viewers: list[asyncio.Task[int]]) -> dict[str, Any]:
     """What the open dashboards cost the aggregator, from its own /metrics."""
-    for viewer in viewers:
-        with contextlib.suppress(asyncio.CancelledError):
-            await viewer
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
         text = await answer.text()
     values = {}

@@ -20,6 +20,7 @@ from fedsec.agent.pinned_roster import PinnedRoster
 from fedsec.agent.refusals import is_temporary
 from fedsec.agent.vault import Vault
 from fedsec.aggregator_client import AggregatorClient
+from fedsec.aio import unless_stopped
 from fedsec.errors import BudgetExhausted, FedsecError, IntegrityError, RetryLater
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol.wire import RoundState
@@ -187,21 +188,10 @@ class ActionPerformer:
 
     async def unless_stopped(self, request: Awaitable[T]) -> T:
         """``request``'s result; raises Stopped (cancelling it) once asked to stop."""
-        if self.stop.is_set():
+        answered = await unless_stopped(request, self.stop)
+        if answered is None:
             raise Stopped
-        fetch = asyncio.ensure_future(request)
-        stopper = asyncio.ensure_future(self.stop.wait())
-        try:
-            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (fetch, stopper):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        if fetch not in done:
-            raise Stopped
-        return fetch.result()
+        return answered.result()
 
     # -- the ledger, the vault, the roster -----------------------------------------
 

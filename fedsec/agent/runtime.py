@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 from pathlib import Path
 from typing import Final
@@ -78,6 +77,7 @@ from fedsec.agent.spec import check_spec_task, member_weight, training_params, v
 from fedsec.agent.trainer import MODEL_HEADER_SLACK_BYTES, LocalTrainer
 from fedsec.agent.vault import Vault
 from fedsec.aggregator_client import AggregatorClient
+from fedsec.aio import cancel_and_wait
 from fedsec.config import AgentConfig
 from fedsec.crypto.commitment import seal_reveal
 from fedsec.crypto.identity import SigningIdentity
@@ -360,10 +360,7 @@ class AgentRuntime:
                         return None
             return await request
         finally:
-            if not request.done():
-                request.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await request
+            await cancel_and_wait(request)
 
     async def _train(self, client: AggregatorClient, action: act.Train) -> act.Event:
         if self._trainer is None:

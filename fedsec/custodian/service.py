@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
+from fedsec.aio import unless_stopped
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.custodian import hidden
 from fedsec.custodian.check import (
@@ -323,18 +324,11 @@ class CustodianService:
         """``ask()``'s answer, asked anew after a temporary failure (the transport has
         already retried it); None once stopped."""
         while not self.stop.is_set():
-            fetch = asyncio.ensure_future(ask())
-            stopper = asyncio.ensure_future(self.stop.wait())
-            done, _ = await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (fetch, stopper):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            if fetch not in done:
+            answered = await unless_stopped(ask(), self.stop)
+            if answered is None:
                 return None
             try:
-                return fetch.result()
+                return answered.result()
             except _TEMPORARY as exc:
                 log.warning(
                     "aggregator_unavailable retry_in_s=%.1f detail=%r", RETRY_PAUSE_S, exc.detail

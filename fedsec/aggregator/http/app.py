@@ -11,7 +11,6 @@ the roster, and the webhook sender.  Serving it is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -40,6 +39,7 @@ from fedsec.aggregator.nonces import NONCE_DB, PersistentNonceStore
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
+from fedsec.aio import cancel_and_wait
 from fedsec.crypto.httpsig import RequestVerifier
 from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint
 
@@ -161,9 +161,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
 
     task = asyncio.create_task(run())
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_and_wait(task)
 
 
 async def _end_streams(app: web.Application) -> None:

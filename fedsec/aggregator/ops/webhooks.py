@@ -17,7 +17,6 @@ dropped) and delivered by a background task, each URL retried with exponential b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -27,6 +26,7 @@ import msgspec
 
 from fedsec.aggregator.rounds.alerts import alert_view
 from fedsec.aggregator.rounds.events import AlertRaised, Event
+from fedsec.aio import cancel_and_wait
 from fedsec.config import AlertsSection
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
@@ -110,12 +110,7 @@ class WebhookSender:
 
     async def stop(self) -> None:
         """Stop delivering; deliveries in flight are cancelled (they are logged)."""
-        tasks = [t for t in (self._task, *self._inflight) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task, *self._inflight)
 
     async def drain(self, timeout: float) -> None:
         """Wait until every queued alert has been delivered or given up on (tests)."""
