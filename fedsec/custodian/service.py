@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
-from fedsec.aio import unless_stopped
+from fedsec.aio import cancel_and_wait, unless_stopped
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.custodian import hidden
 from fedsec.custodian.check import (
@@ -293,9 +293,7 @@ class CustodianService:
                     ) from None
                 check.add(logged, raw)
         finally:
-            for fetch in fetches:
-                fetch.cancel()
-            await asyncio.gather(*fetches, return_exceptions=True)
+            await cancel_and_wait(*fetches)
         return check, check.release()
 
     async def _read_log(self, until: int) -> None:
