@@ -222,12 +222,13 @@ DOCS: dict[str, str] = {
     "(docs/robustness.md, measured).",
     "aggregation.rule": "How a trusted aggregator (round.secure_sum = none) combines the "
     "updates it sees one by one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, "
-    "centered_clipping or fltrust (docs/robustness.md). Refused in the secure modes, where the "
-    "aggregator sees only the sum. fedavg: with no attackers it loses nothing.",
+    "centered_clipping, dnc or fltrust (docs/robustness.md). Refused in the secure modes, where "
+    "the aggregator sees only the sum. fedavg: with no attackers it loses nothing.",
     "aggregation.trim_fraction": "trimmed_mean: share beta cut at each end of every coordinate, "
     "[0, 0.5); 0.1 withstands up to a tenth of the cohort poisoning any one coordinate.",
-    "aggregation.byzantine": "multi_krum: members f assumed Byzantine; needs round.min_agents "
-    ">= 2f + 3. 1 suits the small cohorts of the bundled tasks.",
+    "aggregation.byzantine": "multi_krum and dnc: members f assumed Byzantine; multi_krum needs "
+    "round.min_agents >= 2f + 3, dnc (which refuses f updates every round) >= 2f + 1. 1 suits "
+    "the small cohorts of the bundled tasks.",
     "aggregation.krum_selected": "multi_krum: updates m averaged; 0 = n - f, Multi-Krum's usual "
     "choice (at most round.min_agents - byzantine).",
     "aggregation.clip_radius": "centered_clipping: radius tau, the most one update pulls the "
@@ -787,6 +788,15 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
             key,
             f'needs round.secure_sum = "none": with {r.secure_sum} the aggregator sees only the '
             "sum of the updates, never one member's, so it cannot judge or refuse them one by one",
+        )
+    if ag.rule == "dnc":
+        least = 2 * ag.byzantine + 1
+        p.require(
+            r.min_agents >= least,
+            "round.min_agents",
+            f"at least 2 * aggregation.byzantine + 1 = {least} for dnc (it refuses f updates "
+            "and relies on an honest majority)",
+            r.min_agents,
         )
     if ag.rule == "multi_krum":
         least = 2 * ag.byzantine + 3

@@ -307,6 +307,7 @@ def test_aggregation_defaults_to_fedavg_with_no_threshold() -> None:
         '[aggregation]\nrule = "median"\nmax_norm_ratio = 3.0',
         '[aggregation]\nrule = "multi_krum"\nbyzantine = 1\nkrum_selected = 3',
         '[aggregation]\nrule = "centered_clipping"\nclip_radius = 0.2\nclip_iterations = 1',
+        '[aggregation]\nrule = "dnc"\nbyzantine = 2',
         '[aggregation]\nrule = "fltrust"\nroot_records = 50\nmin_trust_score = 0.1',
     ],
 )
@@ -369,6 +370,10 @@ def test_robust_rules_are_refused_where_no_update_is_visible(
         (
             'rule = "multi_krum"\nbyzantine = 2',
             "round.min_agents: expected at least 2 * aggregation.byzantine + 3 = 7 for multi_krum",
+        ),
+        (
+            'rule = "dnc"\nbyzantine = 3',
+            "round.min_agents: expected at least 2 * aggregation.byzantine + 1 = 7 for dnc",
         ),
         (
             'rule = "multi_krum"\nkrum_selected = 5',

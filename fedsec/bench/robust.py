@@ -80,7 +80,15 @@ from fedsec.tasks.partition import parse_partition
 Vector = npt.NDArray[np.float64]
 
 ATTACKS: Final = ("none", "signflip", "scale", "labelflip", "gaussian", "alie", "zero")
-RULES: Final = ("fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "fltrust")
+RULES: Final = (
+    "fedavg",
+    "trimmed_mean",
+    "median",
+    "multi_krum",
+    "centered_clipping",
+    "dnc",
+    "fltrust",
+)
 #: The attacks the quarantine run covers by default: the kinds the issue names.
 QUARANTINE_ATTACKS: Final = ("signflip", "scale", "zero")
 SIGNFLIP_FACTOR: Final = -4.0

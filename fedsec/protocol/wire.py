@@ -50,7 +50,7 @@ CONTRIBUTION_DOMAIN = "contribution-statement"
 SecureSum = Literal["secagg", "none", "he"]
 #: How a trusted-mode attempt combines its members' updates (fedsec.learning.robust).
 AggregationRule = Literal[
-    "fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "fltrust"
+    "fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "dnc", "fltrust"
 ]
 DATA_SUMMARY_DOMAIN = "data-summary"
 HE_CONTEXT_DOMAIN = "he-context"
@@ -96,7 +96,7 @@ class AggregationSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
 
     rule: AggregationRule = "fedavg"
     trim_fraction: float = 0.1  # trimmed_mean: β, cut at each end of every coordinate
-    byzantine: int = 1  # multi_krum: f, members assumed Byzantine
+    byzantine: int = 1  # multi_krum, dnc: f, members assumed Byzantine
     krum_selected: int = 0  # multi_krum: m, updates averaged (0 = n − f)
     clip_radius: float = 0.5  # centered_clipping: τ
     clip_iterations: int = 3  # centered_clipping

@@ -297,6 +297,7 @@ def _deltas(spec: wire.RoundSpec) -> dict[str, bytes]:
         wire.AggregationSpec(rule="median", max_norm_ratio=1.5),
         wire.AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, max_norm_ratio=1.5),
         wire.AggregationSpec(rule="centered_clipping", max_norm_ratio=1.5),
+        wire.AggregationSpec(rule="dnc", byzantine=1),
     ],
 )
 def test_a_replayed_session_judges_the_same_updates_the_same_way(

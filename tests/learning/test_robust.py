@@ -111,6 +111,43 @@ def test_centered_clipping_with_a_wide_radius_is_the_weighted_mean() -> None:
     np.testing.assert_allclose(result.update, [2.5, 1.5], rtol=0, atol=1e-15)
 
 
+# four updates spread along y, one far out along x: the centred rows' top principal
+# direction is x (variance 12.8 against 2.5), where the mean 0.8 puts the four at -0.8
+DNC_POINTS = _rows([0, 1], [0, -1], [0, 0.5], [0, -0.5], [4, 0])
+
+
+def test_dnc_refuses_the_farthest_along_the_top_principal_direction() -> None:
+    result = robust.dnc(DNC_POINTS, np.array([1.0, 1.0, 1.0, 3.0, 1.0]), byzantine=1)
+    np.testing.assert_allclose(result.update, [0.0, -1 / 6], rtol=0, atol=1e-15)
+    assert result.accepted == [0, 1, 2, 3]
+    assert [o.score for o in result.outcomes] == pytest.approx([0.64] * 4 + [10.24])
+    assert [o.weight for o in result.outcomes] == pytest.approx([1 / 6, 1 / 6, 1 / 6, 0.5, 0])
+    assert result.outcomes[4].reason == (
+        "dnc (byzantine=1): its update lies 3.2 from the mean along the updates' top "
+        "principal direction, among the 1 farthest of 5 (the kept lie at most 0.8 from it)"
+    )
+
+
+def test_dnc_finds_attackers_hidden_inside_every_coordinate_s_spread() -> None:
+    # ALIE (Baruch et al. 2019): every attacker sends μ − zσ, inside the honest spread of
+    # each coordinate, so no coordinate-wise or distance rule sees it; its shared
+    # direction is what the top principal direction finds
+    rng = np.random.default_rng(0)
+    honest = rng.normal(0.1, 1.0, size=(40, 500))
+    alie = np.repeat((honest.mean(axis=0) - 0.47 * honest.std(axis=0))[None], 10, axis=0)
+    result = robust.dnc(np.vstack([honest, alie]), ONES(50), byzantine=10)
+    assert result.accepted == list(range(40))
+    assert robust.multi_krum(np.vstack([honest, alie]), ONES(50), 10).accepted[-10:] == list(
+        range(40, 50)
+    )  # Multi-Krum keeps every attacker: central vectors score best
+
+
+def test_dnc_needs_an_honest_majority() -> None:
+    honest_majority = r"needs more than 2f = 4 updates \(.*\), got 4$"
+    with pytest.raises(AggregationImpossible, match=honest_majority):
+        robust.dnc(DNC_POINTS[:4], ONES(4), byzantine=2)
+
+
 REFERENCE = np.array([2.0, 0.0])
 
 
@@ -259,6 +296,7 @@ RULES: dict[str, typing.Callable[[np.ndarray, np.ndarray], robust.RobustAggregat
     "median": robust.median,
     "multi_krum": lambda x, w: robust.multi_krum(x, w, 1, 2),
     "centered_clipping": lambda x, w: robust.centered_clipping(x, w, 0.5, 3),
+    "dnc": lambda x, w: robust.dnc(x, w, 2),
     "fltrust": lambda x, w: robust.fltrust(x, w, x.mean(axis=0) + 0.5),
 }
 
@@ -315,7 +353,7 @@ def test_identical_updates_aggregate_to_that_update(case: tuple[int, int, int]) 
     x, w = _random_case(*case)
     same = np.repeat(x[:1], len(w), axis=0)
     np.testing.assert_array_equal(robust.median(same, w).update, x[0])
-    for rule in ("fedavg", "trimmed_mean", "multi_krum"):
+    for rule in ("fedavg", "trimmed_mean", "multi_krum", "dnc"):
         np.testing.assert_allclose(RULES[rule](same, w).update, x[0], rtol=1e-12)
     # fltrust against that same direction: every update trusted fully, norm the reference's
     fl = robust.fltrust(same, w, 2 * x[0])
