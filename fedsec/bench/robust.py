@@ -96,6 +96,10 @@ SCALE_FACTOR: Final = 10.0
 GAUSSIAN_FACTOR: Final = 10.0
 #: C over the median honest update norm of the first clean round (fedsec bench audit's).
 CLIP_OVER_HONEST: Final = 2.5
+#: dnc refuses this many times the attackers each round: at f = the attackers, the
+#: honest spread hid a few of them along the top direction every round
+#: (docs/robustness.md, measured); over-estimating f is an operator's usual margin.
+DNC_OVER_ATTACKERS: Final = 1.5
 #: Control records the auditor holds, from the test split; the rest measures accuracy.
 CONTROL_RECORDS: Final = 400
 #: The rule matrix's member training: the task's optimiser (Adam, lr 0.01) at batch 20,
@@ -257,9 +261,11 @@ def attack_updates(
 
 
 def rule_spec(rule: str, fed: Federation) -> wire.AggregationSpec:
-    """The rule with parameters sized for the run: β and f at the attackers' share, τ at
-    the median honest norm (C / 2.5)."""
+    """The rule with parameters sized for the run: β and f at the attackers' share (dnc's
+    f at 1.5 times it), τ at the median honest norm (C / 2.5)."""
     f = max(len(fed.bad), 1)
+    if rule == "dnc":
+        f = min(math.ceil(DNC_OVER_ATTACKERS * f), (fed.n - 1) // 2)
     return wire.AggregationSpec(
         rule=rule,  # type: ignore[arg-type]
         trim_fraction=min(max(len(fed.bad) / fed.n, 0.1), 0.45),

@@ -71,6 +71,13 @@ def test_gaussian_noise_is_ten_times_the_honest_norm_and_within_the_ring(
     assert good.shape[0] == 8
 
 
+def test_rules_are_sized_to_the_attackers(fed: R.Federation) -> None:
+    assert R.rule_spec("multi_krum", fed).byzantine == 2  # f = the attackers
+    assert R.rule_spec("dnc", fed).byzantine == 3  # 1.5 times them, with an honest majority
+    many = dataclasses.replace(fed, bad=set(range(4)))
+    assert R.rule_spec("dnc", many).byzantine == 4  # (n - 1) // 2 at most
+
+
 def test_an_unknown_attack_or_rule_is_refused_by_name(fed: R.Federation) -> None:
     with pytest.raises(ConfigError, match="unknown attack 'poison'"):
         R.attack_updates(fed, "poison", np.zeros(64), _honest(fed), 1)
