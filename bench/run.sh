@@ -37,7 +37,8 @@ echo "== compression: 8-bit plain vs rotated 2- and 4-bit with a shared subset (
 for seed in 0 1 2; do
   C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
   $C --quant-bits 8 | tee -a "$out/compression.jsonl"
-  for args in "2 --sparsity 0.4" "2 --sparsity 0.24" "4 --sparsity 0.38" "4 --sparsity 0.19"; do
+  for args in "2 --sparsity 0.4" "2 --sparsity 0.24" "4 --sparsity 0.38" "4 --sparsity 0.19" \
+      "4 --sparsity 0.38 --error-feedback" "4 --sparsity 0.19 --error-feedback"; do
     $C --rotation hadamard --quant-bits $args | tee -a "$out/compression.jsonl"
   done
 done
