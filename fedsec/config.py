@@ -21,7 +21,7 @@ import tomllib
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -770,6 +770,13 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     return p.items
 
 
+#: The rules that need round.min_agents >= 2f + extra in every round, and why.
+_LEAST_AGENTS: Final[dict[str, tuple[int, str]]] = {
+    "multi_krum": (3, "Krum needs more than 2f + 2 updates"),
+    "dnc": (1, "it refuses f updates and relies on an honest majority"),
+}
+
+
 def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
     """``[aggregation]``: each parameter the rule reads within its range, none it ignores
     set, and a robust rule only where the aggregator sees individual updates."""
@@ -789,24 +796,16 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
             f'needs round.secure_sum = "none": with {r.secure_sum} the aggregator sees only the '
             "sum of the updates, never one member's, so it cannot judge or refuse them one by one",
         )
-    if ag.rule == "dnc":
-        least = 2 * ag.byzantine + 1
+    if ag.rule in _LEAST_AGENTS:
+        extra, why = _LEAST_AGENTS[ag.rule]
+        least = 2 * ag.byzantine + extra
         p.require(
             r.min_agents >= least,
             "round.min_agents",
-            f"at least 2 * aggregation.byzantine + 1 = {least} for dnc (it refuses f updates "
-            "and relies on an honest majority)",
+            f"at least 2 * aggregation.byzantine + {extra} = {least} for {ag.rule} ({why})",
             r.min_agents,
         )
     if ag.rule == "multi_krum":
-        least = 2 * ag.byzantine + 3
-        p.require(
-            r.min_agents >= least,
-            "round.min_agents",
-            f"at least 2 * aggregation.byzantine + 3 = {least} for multi_krum (Krum needs more "
-            "than 2f + 2 updates)",
-            r.min_agents,
-        )
         most = r.min_agents - ag.byzantine
         p.require(
             ag.krum_selected <= max(most, 0),

@@ -341,20 +341,34 @@ def multi_krum(
     dist = _squared_distances(x)
     np.fill_diagonal(dist, np.inf)
     scores = np.sort(dist, axis=1)[:, : n - f - 2].sum(axis=1)
-    chosen = np.sort(np.argsort(scores, kind="stable")[:m])
+    return _keep_lowest(
+        x,
+        w,
+        scores,
+        m,
+        lambda score, cutoff: (
+            f"multi_krum (byzantine={f}, selected {m} of {n}): its score {score:.4g} "
+            f"(squared distances to its {n - f - 2} nearest updates) is not among the "
+            f"{m} lowest (at most {cutoff:.4g}; an equal score goes to the earlier member)"
+        ),
+    )
+
+
+def _keep_lowest(
+    x: Rows, w: Vector, scores: Vector, keep: int, why: Callable[[float, float], str]
+) -> RobustAggregate:
+    """The weighted mean of the ``keep`` rows with the lowest scores (an equal score
+    keeps the earlier row); every other row refused with ``why(its score, the highest
+    kept score)``."""
+    chosen = np.sort(np.argsort(scores, kind="stable")[:keep])
     mean = _weighted_mean(x[chosen], w[chosen])
     shares = dict(zip(chosen.tolist(), _shares(w[chosen]), strict=True))
     cutoff = float(scores[chosen].max())
     outcomes = tuple(
         MemberOutcome(True, shares[i], float(scores[i]))
         if i in shares
-        else _refused(
-            f"multi_krum (byzantine={f}, selected {m} of {n}): its score {scores[i]:.4g} "
-            f"(squared distances to its {n - f - 2} nearest updates) is not among the "
-            f"{m} lowest (at most {cutoff:.4g}; an equal score goes to the earlier member)",
-            float(scores[i]),
-        )
-        for i in range(n)
+        else _refused(why(float(scores[i]), cutoff), float(scores[i]))
+        for i in range(len(x))
     )
     return RobustAggregate(mean, outcomes)
 
@@ -436,23 +450,17 @@ def dnc(updates: Rows, weights: Vector, byzantine: int) -> RobustAggregate:
         spread = float(np.einsum("i,i->", u, gu))
         if spread > 0:
             scores = gu * gu / spread
-    order = np.argsort(scores, kind="stable")
-    chosen = np.sort(order[: n - f])
-    mean = _weighted_mean(x[chosen], w[chosen])
-    shares = dict(zip(chosen.tolist(), _shares(w[chosen]), strict=True))
-    cutoff = float(scores[chosen].max())
-    outcomes = tuple(
-        MemberOutcome(True, shares[i], float(scores[i]))
-        if i in shares
-        else _refused(
-            f"dnc (byzantine={f}): its update lies {math.sqrt(scores[i]):.4g} from the mean "
+    return _keep_lowest(
+        x,
+        w,
+        scores,
+        n - f,
+        lambda score, cutoff: (
+            f"dnc (byzantine={f}): its update lies {math.sqrt(score):.4g} from the mean "
             f"along the updates' top principal direction, among the {f} farthest of {n} "
-            f"(the kept lie at most {math.sqrt(cutoff):.4g} from it)",
-            float(scores[i]),
-        )
-        for i in range(n)
+            f"(the kept lie at most {math.sqrt(cutoff):.4g} from it)"
+        ),
     )
-    return RobustAggregate(mean, outcomes)
 
 
 def fltrust(
