@@ -88,7 +88,7 @@ for args in "--bits 8" "--bits 2 --rotation hadamard --sparsity 0.4" \
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
     $args --repeat 2 --json | tee -a "$out/compression.jsonl"
 done
-echo "== robust: 6 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
+echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"
 ROBUST="$FEDSEC bench robust --task mnist1d --agents 50 --bad 0.2 --rounds 20 --json"
 $ROBUST | tee "$out/robust.jsonl"
