@@ -328,6 +328,7 @@ class QuarantineResult:
     quarantined_at: dict[int, int]  # attacker -> the round it was quarantined in
     challenged_rounds: dict[int, int]  # attacker -> challenged rounds until quarantined
     false_quarantines: int
+    false_quarantine_tests: dict[int, str]  # honest member -> "round R: the failed tests"
     rollback_to_round: int | None
     accuracy_before_rollback: float | None
     rounds_run: int  # the rounds trained, rolled-back ones included
@@ -344,6 +345,7 @@ def run_quarantine(
     g = g0.copy()
     out: set[int] = set()
     quarantined_at: dict[int, int] = {}
+    failed_tests: dict[int, str] = {}
     challenged: dict[int, int] = {}
     first_failed: int | None = None
     rollback: int | None = None
@@ -390,6 +392,7 @@ def run_quarantine(
             if not verdict.passed:
                 out.add(i)
                 quarantined_at[i] = r
+                failed_tests[i] = f"round {r}: {', '.join(verdict.failed)}"
                 first_failed = r if first_failed is None else min(first_failed, r)
         g = g + total / weights.sum()
         versions.append(g.copy())
@@ -404,6 +407,7 @@ def run_quarantine(
         quarantined_at,
         {i: challenged.get(i, 0) for i in quarantined_at if i in fed.bad},
         false,
+        {i: why for i, why in failed_tests.items() if i not in fed.bad},
         rollback,
         before_rollback,
         r,
@@ -571,6 +575,9 @@ def bench_robust(
                     },
                     "attackers_missed": sorted(str(i) for i in fed.bad - set(q.quarantined_at)),
                     "false_quarantines": q.false_quarantines,
+                    "false_quarantine_tests": {
+                        str(i): why for i, why in sorted(q.false_quarantine_tests.items())
+                    },
                     "rollback_to_round": q.rollback_to_round,
                     "accuracy_before_rollback": q.accuracy_before_rollback,
                     "rounds_run": q.rounds_run,

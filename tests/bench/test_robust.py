@@ -120,6 +120,9 @@ def test_audit_quarantine_catches_a_free_rider_with_the_control_checks() -> None
     assert result.quarantined_at[attacker] == 1
     assert result.challenged_rounds == {attacker: 1}
     assert result.rollback_to_round == 1 and result.accuracy_before_rollback is not None
+    # an honest member quarantined is named with the round and the tests it failed
+    assert result.false_quarantine_tests.keys() == set(result.quarantined_at) - fed.bad
+    assert all(why.startswith("round ") for why in result.false_quarantine_tests.values())
     # the rolled-back round is trained again, without the attacker: the final model has
     # as many applied rounds as the clean run's
     assert result.rounds_run == 2
