@@ -677,7 +677,7 @@ async def _run_agents(
             if not custodian.cancelled():
                 custodian.result()  # a custodian that failed says why
         wall = time.perf_counter() - start
-        extra.update(await _dashboard_cost(url, viewers))
+        extra.update(await _dashboard_cost(url))
         extra["wire_up"] = await _wire_up(url)
         return wall
 
@@ -753,7 +753,7 @@ async def _wire_up(url: str) -> dict[str, dict[str, float]]:
     return totals
 
 
-async def _dashboard_cost(url: str, viewers: list[asyncio.Task[int]]) -> dict[str, Any]:
+async def _dashboard_cost(url: str) -> dict[str, Any]:
     """What the open dashboards cost the aggregator, from its own /metrics."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
         text = await answer.text()

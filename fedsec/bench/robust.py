@@ -327,11 +327,15 @@ class QuarantineResult:
     accuracy: float
     quarantined_at: dict[int, int]  # attacker -> the round it was quarantined in
     challenged_rounds: dict[int, int]  # attacker -> challenged rounds until quarantined
-    false_quarantines: int
     false_quarantine_tests: dict[int, str]  # honest member -> "round R: the failed tests"
     rollback_to_round: int | None
     accuracy_before_rollback: float | None
     rounds_run: int  # the rounds trained, rolled-back ones included
+
+    @property
+    def false_quarantines(self) -> int:
+        """Honest members quarantined."""
+        return len(self.false_quarantine_tests)
 
 
 def run_quarantine(
@@ -401,12 +405,10 @@ def run_quarantine(
             rollback = first_failed
             g = versions[first_failed - 1].copy()  # the version before the first failed round
             last += r - first_failed + 1
-    false = len(out - fed.bad)
     return QuarantineResult(
         _accuracy(fed, g),
         quarantined_at,
         {i: challenged.get(i, 0) for i in quarantined_at if i in fed.bad},
-        false,
         {i: why for i, why in failed_tests.items() if i not in fed.bad},
         rollback,
         before_rollback,
