@@ -21,7 +21,7 @@ import tomllib
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -770,13 +770,6 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     return p.items
 
 
-#: The rules that need round.min_agents >= 2f + extra in every round, and why.
-_LEAST_AGENTS: Final[dict[str, tuple[int, str]]] = {
-    "multi_krum": (3, "Krum needs more than 2f + 2 updates"),
-    "dnc": (1, "it refuses f updates and relies on an honest majority"),
-}
-
-
 def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
     """``[aggregation]``: each parameter the rule reads within its range, none it ignores
     set, and a robust rule only where the aggregator sees individual updates."""
@@ -796,8 +789,8 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
             f'needs round.secure_sum = "none": with {r.secure_sum} the aggregator sees only the '
             "sum of the updates, never one member's, so it cannot judge or refuse them one by one",
         )
-    if ag.rule in _LEAST_AGENTS:
-        extra, why = _LEAST_AGENTS[ag.rule]
+    if ag.rule in robust.LEAST_UPDATES:
+        extra, why = robust.LEAST_UPDATES[ag.rule]
         least = 2 * ag.byzantine + extra
         p.require(
             r.min_agents >= least,

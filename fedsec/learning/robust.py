@@ -160,6 +160,13 @@ RULE_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
 }
 EVERY_RULE: Final = ("max_norm_ratio",)
 
+#: The rules that need at least 2f + extra updates, and why (``fedsec.config`` holds
+#: round.min_agents to it, so every round that may close can run the rule).
+LEAST_UPDATES: Final[dict[str, tuple[int, str]]] = {
+    "multi_krum": (3, "Krum needs more than 2f + 2 updates"),
+    "dnc": (1, "it refuses f updates and relies on an honest majority"),
+}
+
 
 def check_parameter(name: str, value: float) -> None:
     """Raises ConfigError: ``value`` is outside ``name``'s :data:`PARAMETERS` range."""
@@ -327,7 +334,7 @@ def multi_krum(
     check_parameter("krum_selected", krum_selected)
     x, w = _check_rows(updates, weights)
     n, f = len(x), int(byzantine)
-    if n < 2 * f + 3:
+    if n < 2 * f + LEAST_UPDATES["multi_krum"][0]:
         raise AggregationImpossible(
             f"multi_krum with byzantine={f} needs at least {2 * f + 3} updates "
             f"(n > 2f + 2), got {n}"
@@ -431,7 +438,7 @@ def dnc(updates: Rows, weights: Vector, byzantine: int) -> RobustAggregate:
     check_parameter("byzantine", byzantine)
     x, w = _check_rows(updates, weights)
     n, f = len(x), int(byzantine)
-    if n <= 2 * f:
+    if n < 2 * f + LEAST_UPDATES["dnc"][0]:
         raise AggregationImpossible(
             f"dnc with byzantine={f} needs more than 2f = {2 * f} updates (an honest "
             f"majority sets the spread it filters against), got {n}"
