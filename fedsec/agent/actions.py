@@ -229,6 +229,14 @@ class Charge(Action):
 
 
 @dataclass(frozen=True)
+class ReportTaken(Action):
+    """The aggregator took the report of charge ``index``: mark it, and the earlier
+    charges it declared, reported in the ledger (answered Passed)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
 class CheckBudget(Action):
     """Refuse (BudgetExhausted) unless the budget could pay ``cost`` for ``round``."""
 

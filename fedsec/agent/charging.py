@@ -24,7 +24,7 @@ from fedsec.errors import ConfigError
 from fedsec.learning.training import plan_round
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.update_codec import codec_for
-from fedsec.protocol.wire import RoundSpec
+from fedsec.protocol.wire import ChargeRecord, RoundSpec
 from fedsec.tasks import Task
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
@@ -59,6 +59,8 @@ class PrivacyCharge:
     steps: int
     sample_rate: float
     trained_round: int
+    index: int = -1  # its place in the dataset's charge history; -1: nothing was charged
+    unreported: tuple[ChargeRecord, ...] = ()  # earlier charges its report must declare
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +74,8 @@ class TrainedUpdate:
     sample_rate: float
     base_version: int = 0  # the model version it was trained from
     trained_round: int = -1  # the round the ledger charged for this training
+    index: int = -1  # see PrivacyCharge
+    unreported: tuple[ChargeRecord, ...] = ()
 
 
 class Carryover:
@@ -117,6 +121,8 @@ class Carryover:
             charge.sample_rate,
             base_version=spec.model_version,
             trained_round=charge.trained_round,
+            index=charge.index,
+            unreported=charge.unreported,
         )
         return self.update
 

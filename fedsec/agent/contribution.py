@@ -49,6 +49,8 @@ def privacy_report(
         extra_epsilon=member.extra_epsilon,
         dp_mode="distributed" if is_distributed(spec) else "local",
         honest_survivors=spec.dp.min_survivors if is_distributed(spec) else 0,
+        charge=charged.index,
+        unreported=list(charged.unreported),
     ).sign(member.identity)
 
 

@@ -23,6 +23,11 @@ side file, so two agent processes sharing a state directory cannot lose a round.
 A ledger that cannot be parsed is an error, never silently reset: resetting would
 forget privacy already spent.
 
+Each charge's report names its index in the history, and declares every earlier charge
+whose report no aggregator took (``reported_through`` marks how far they were taken), so
+an auditor recomputes ε from the log alone even when a member was charged for a round it
+then dropped out of.
+
 Charge a round *before* training it (:meth:`PrivacyLedger.charge`, or
 :meth:`~PrivacyLedger.check_can_train` then :meth:`~PrivacyLedger.record`): a crash
 after training but before recording would otherwise spend privacy off the books.
@@ -84,11 +89,31 @@ class RoundCharge:
 
 
 @dataclass(frozen=True)
+class LedgerCharge:
+    """A training just charged: its place in the dataset's history, the total ε after
+    it, and the earlier charges whose reports no aggregator has taken yet."""
+
+    index: int
+    epsilon: float
+    unreported: tuple[tuple[int, RoundCharge], ...]
+
+
+@dataclass(frozen=True)
 class Budget:
     """A dataset's total privacy budget across all rounds."""
 
     epsilon: float
     delta: float
+
+
+def _round_charge(item: dict[str, Any]) -> RoundCharge:
+    return RoundCharge(
+        round=int(item["round"]),
+        noise_multiplier=float(item["noise_multiplier"]),
+        sample_rate=float(item["sample_rate"]),
+        steps=int(item["steps"]),
+        recorded_at=str(item.get("recorded_at", "")),
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -289,6 +314,8 @@ class PrivacyLedger:
                     float(item["noise_multiplier"]), float(item["sample_rate"]), int(item["steps"])
                 )
                 int(item["round"])
+            if not 0 <= int(entry.get("reported_through", 0)) <= len(entry["history"]):
+                raise ValueError("'reported_through' must be within the history")
             for item in entry.get("pure", []):
                 if not float(item["epsilon"]) > 0:
                     raise ValueError("a pure release's epsilon must be > 0")
@@ -360,16 +387,36 @@ class PrivacyLedger:
 
     def history(self, dataset_id: str) -> list[RoundCharge]:
         """Every round charged to ``dataset_id``, oldest first."""
-        return [
-            RoundCharge(
-                round=int(item["round"]),
-                noise_multiplier=float(item["noise_multiplier"]),
-                sample_rate=float(item["sample_rate"]),
-                steps=int(item["steps"]),
-                recorded_at=str(item.get("recorded_at", "")),
-            )
-            for item in self._entry(dataset_id)["history"]
-        ]
+        return [_round_charge(item) for item in self._entry(dataset_id)["history"]]
+
+    def unreported(self, dataset_id: str, before: int) -> list[tuple[int, RoundCharge]]:
+        """The charges of ``dataset_id`` before index ``before`` that no report the
+        aggregator took has declared yet (see :meth:`mark_reported`), with their indexes.
+        """
+        entry = self._entry(dataset_id)
+        start = int(entry.get("reported_through", 0))
+        history = entry["history"]
+        return [(i, _round_charge(history[i])) for i in range(start, min(before, len(history)))]
+
+    def mark_reported(self, dataset_id: str, index: int) -> None:
+        """Record that the aggregator took the report of charge ``index``, which
+        declared every earlier charge not yet reported: none of them is declared again.
+        Durable on return; an older index than one already marked changes nothing.
+
+        Raises:
+            ConfigError: no budget for the dataset, or ``index`` is not a charge of it.
+        """
+        with self._locked():
+            entry = self._entry(dataset_id)
+            if not 0 <= index < len(entry["history"]):
+                raise ConfigError(
+                    f"dataset '{dataset_id}' has no charge {index} to mark as reported"
+                )
+            if index + 1 <= int(entry.get("reported_through", 0)):
+                return
+            datasets = json.loads(json.dumps(self._datasets))
+            datasets[dataset_id]["reported_through"] = index + 1
+            self._write(datasets)
 
     def set_budget(self, dataset_id: str, epsilon: float, delta: float) -> None:
         """Create or change the budget of ``dataset_id`` (durable on return).
@@ -520,11 +567,12 @@ class PrivacyLedger:
         noise_multiplier: float,
         sample_rate: float,
         steps: int,
-    ) -> float:
+    ) -> LedgerCharge:
         """Check the budget and record the round atomically; call before training.
 
         Returns:
-            the new total epsilon spent.
+            the charge's index, the new total epsilon spent, and the earlier charges
+            whose reports were never taken (the report of this one declares them).
 
         Raises:
             BudgetExhausted: the round would exceed the budget; the ledger is unchanged.
@@ -533,7 +581,9 @@ class PrivacyLedger:
         with self._locked():
             self.check_can_train(dataset_id, round, noise_multiplier, sample_rate, steps)
             self._append(dataset_id, round, noise_multiplier, sample_rate, steps)
-        return self.spent(dataset_id)
+            index = len(self._entry(dataset_id)["history"]) - 1
+            unreported = tuple(self.unreported(dataset_id, index))
+        return LedgerCharge(index, self.spent(dataset_id), unreported)
 
     def _append(
         self,

@@ -23,6 +23,8 @@ from fedsec.aggregator_client import AggregatorClient
 from fedsec.aio import unless_stopped
 from fedsec.errors import BudgetExhausted, FedsecError, IntegrityError, RetryLater
 from fedsec.faults import NO_FAULTS, Faults
+from fedsec.protocol import wire
+from fedsec.protocol.limits import MAX_UNREPORTED_CHARGES
 from fedsec.protocol.wire import RoundState
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
@@ -120,6 +122,7 @@ class ActionPerformer:
             act.FetchRoster: self._fetch_roster,
             act.Charge: self._charge,
             act.CheckBudget: self._check_budget,
+            act.ReportTaken: self._report_taken,
             act.Join: lambda a: _as(act.JoinAnswered, c.join(a.round, a.attempt, a.request)),
             act.Report: lambda a: _passed(c.report(a.round, a.attempt, a.report)),
             act.Advertise: lambda a: _as(
@@ -201,14 +204,29 @@ class ActionPerformer:
 
     async def _charge(self, action: act.Charge) -> act.Charged:
         request = action.request
+        index = -1  # nothing charged: nothing to declare
+        unreported: tuple[wire.ChargeRecord, ...] = ()
         if request.dp_enabled:
             try:
-                epsilon = self.ledger.charge(self.dataset_id, request.round, *request.cost)
+                charged = self.ledger.charge(self.dataset_id, request.round, *request.cost)
             except BudgetExhausted as exc:
                 log.error(
                     "privacy_budget_exhausted dataset=%s reason=%r", self.dataset_id, exc.detail
                 )
                 raise
+            epsilon, index = charged.epsilon, charged.index
+            if len(charged.unreported) > MAX_UNREPORTED_CHARGES:
+                # the audit will find this member's ε above what its log entries give
+                log.warning(
+                    "privacy_unreported_truncated dataset=%s unreported=%d declared=%d",
+                    self.dataset_id,
+                    len(charged.unreported),
+                    MAX_UNREPORTED_CHARGES,
+                )
+            unreported = tuple(
+                wire.ChargeRecord(i, c.round, c.noise_multiplier, c.sample_rate, c.steps)
+                for i, c in charged.unreported[-MAX_UNREPORTED_CHARGES:]
+            )
         else:
             # allowed only with privacy.require_dp = false (simulations on public data)
             epsilon = self.ledger.spent(self.dataset_id)
@@ -223,13 +241,23 @@ class ActionPerformer:
             epsilon,
         )
         charge = PrivacyCharge(
-            request.key, epsilon, request.steps, request.sample_rate, trained_round=request.round
+            request.key,
+            epsilon,
+            request.steps,
+            request.sample_rate,
+            trained_round=request.round,
+            index=index,
+            unreported=unreported,
         )
         return act.Charged(charge)
 
     async def _check_budget(self, action: act.CheckBudget) -> act.BudgetChecked:
         self.ledger.check_can_train(self.dataset_id, action.round, *action.cost)
         return act.BudgetChecked()
+
+    async def _report_taken(self, action: act.ReportTaken) -> act.Passed:
+        self.ledger.mark_reported(self.dataset_id, action.index)
+        return act.Passed()
 
     async def _keep_update(self, action: act.KeepUpdate) -> act.UpdateKept:
         return act.UpdateKept(

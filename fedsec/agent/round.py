@@ -26,7 +26,6 @@ fetch: poll the round state, then fetch).  Attempt-ending answers become the out
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -56,6 +55,7 @@ from fedsec.agent.actions import (
     Record,
     Refused,
     Report,
+    ReportTaken,
     RosterFetched,
     RoundOutcome,
     SendMaskedInput,
@@ -291,7 +291,9 @@ class AgentRound:
                 trained = yield from self._await_training()
             self._base = _with(self._base, "dropped", None, trained.epsilon, weight)
             if not reported:
-                yield from self._report(trained)
+                reported = yield from self._report(trained)
+            if reported and trained.index >= 0:
+                yield from ask(ReportTaken(trained.index), Passed)
             contribution = self._contribution(trained, weight)
             if secagg is not None:
                 receipt = yield from secagg.finish(contribution, relay, self._send_vector)
@@ -420,12 +422,17 @@ class AgentRound:
             raise
         return (yield from self._await_training()), relay, reported
 
-    def _report(self, trained: TrainedUpdate) -> Step[None]:
+    def _report(self, trained: TrainedUpdate) -> Step[bool]:
+        """Send the privacy report on its own; whether the aggregator took this one
+        (False: it holds another report of ours for the attempt)."""
         spec = self.spec
         report = privacy_report(spec, self.member, trained)
-        with contextlib.suppress(DuplicateMessage):
+        try:
             yield from ask(Report(spec.round, spec.attempt, report), Passed)
+        except DuplicateMessage:
+            return False
         log.info("privacy_reported round=%d epsilon=%.3f", spec.round, trained.epsilon)
+        return True
 
     # -- the contribution ----------------------------------------------------------
 

@@ -71,7 +71,14 @@ from fedsec.crypto.secagg import (
     ServerSession,
 )
 from fedsec.derive import derive_model
-from fedsec.errors import BadVector, FedsecError, IntegrityError, NotFound, SignatureError
+from fedsec.errors import (
+    BadVector,
+    FedsecError,
+    IntegrityError,
+    NotFound,
+    PayloadError,
+    SignatureError,
+)
 from fedsec.learning import robust
 from fedsec.learning.optimizers import AdamMoments, FedAdam, FedAvg, ServerRule
 from fedsec.modelfile import ModelManifest, verify_manifest
@@ -200,6 +207,8 @@ class Verifier:
         self.he_contexts: dict[str, tuple[int, wire.HeContextStatement]] = {}
         self._public_contexts: dict[str, PublicContext] = {}
         self.reports: dict[tuple[str, str], list[wire.PrivacyReport]] = defaultdict(list)
+        # (member, dataset) -> every training charged, one entry per charge (_charge_key)
+        self.charges: dict[tuple[str, str], dict[tuple[str, int], _Charged]] = defaultdict(dict)
         # member -> epsilon of the noised counts of its logged data summaries
         self.noised_counts: dict[str, float] = {}
         self.manifests: dict[int, ModelManifest] = {}
@@ -468,12 +477,29 @@ class Verifier:
                 f"{report.member} reports epsilon {report.epsilon:.4f} on {report.dataset_id}, "
                 f"less than the {history[-1].epsilon:.4f} it reported before",
             )
-        # a retried attempt of the same round reuses the same training: count rounds once
-        # one charge per training: a retried attempt, or a buffered member contributing
-        # an update trained earlier, reports the same training again
-        charged = {_trained_round(r): r for r in history}
-        charged[_trained_round(report)] = report
-        rounds = [(r.noise_multiplier, r.sample_rate, r.steps) for r in charged.values()]
+        try:
+            report.check_charges()
+        except PayloadError as exc:
+            raise self._fail(entry, exc.detail) from None
+        # one entry per charge: a retried attempt, or a buffered member contributing an
+        # update trained earlier, reports the same training again; a charge whose own
+        # report never reached the log is declared by a later report
+        charged = dict(self.charges[(report.member, report.dataset_id)])
+        own = _Charged(
+            _trained_round(report), report.noise_multiplier, report.sample_rate, report.steps
+        )
+        declared = [(_charge_key(c.index, -1), _Charged.of(c)) for c in report.unreported]
+        for key, charge in [*declared, (_charge_key(report.charge, own.round), own)]:
+            known = charged.setdefault(key, charge)
+            if key[0] == "round":  # a report naming no charge replaces its round's last
+                charged[key] = charge
+            elif known != charge:
+                raise self._fail(
+                    entry,
+                    f"{report.member} gives charge {key[1]} on {report.dataset_id} as "
+                    f"{charge}, but an earlier report gave it as {known}",
+                )
+        rounds = [(c.noise_multiplier, c.sample_rate, c.steps) for c in charged.values()]
         noised = self.noised_counts.get(report.member, 0.0)
         if report.extra_epsilon < noised - 1e-9:
             raise self._fail(
@@ -484,6 +510,7 @@ class Verifier:
         if report.noise_multiplier:
             self._check_epsilon(entry, report, rounds)
         history.append(report)
+        self.charges[(report.member, report.dataset_id)] = charged
         self.result.privacy_reports += 1
         self.result.epsilon[report.member] = report.epsilon
 
@@ -1034,6 +1061,32 @@ def _logged_rule(body: AggregateEntry, server: dict[str, Any]) -> ServerRule:
 
 def _trained_round(report: wire.PrivacyReport) -> int:
     return report.trained_round if report.trained_round >= 0 else report.round
+
+
+@dataclass(frozen=True)
+class _Charged:
+    """One training as a member's privacy reports give it."""
+
+    round: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    @classmethod
+    def of(cls, record: wire.ChargeRecord) -> _Charged:
+        return cls(record.round, record.noise_multiplier, record.sample_rate, record.steps)
+
+    def __str__(self) -> str:
+        return (
+            f"round {self.round} (noise {self.noise_multiplier:g}, sample rate "
+            f"{self.sample_rate:g}, {self.steps} steps)"
+        )
+
+
+def _charge_key(index: int, trained_round: int) -> tuple[str, int]:
+    """A charge's identity: its index in the member's ledger, or (reports that name
+    none) the round it was trained for."""
+    return ("charge", index) if index >= 0 else ("round", trained_round)
 
 
 def _close(session: ServerSession, stage: str) -> None:

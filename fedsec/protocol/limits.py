@@ -22,3 +22,9 @@ LONG_POLL_S: Final = 25.0
 #: Largest cohort (round.max_agents, checked by fedsec.config): bounds every list of
 #: members on the wire.  10^5 members is past any consortium of organisations.
 MAX_COHORT: Final = 100_000
+#: Most earlier charges one privacy report declares as never reported (a member charged
+#: for trainings whose reports the aggregator never took: dropped before its shares
+#: landed, or restarted mid-round).  Each report taken clears them, so only a member
+#: that missed this many rounds in a row reaches it; 256 entries are ~30 KB of JSON,
+#: well inside server.max_json_bytes.
+MAX_UNREPORTED_CHARGES: Final = 256

@@ -17,7 +17,9 @@ Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
@@ -28,7 +30,7 @@ from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import PayloadError, PayloadTooLarge
 from fedsec.protocol.data_schema import ObservedSchema
-from fedsec.protocol.limits import MAX_COHORT, MAX_COUNT, MAX_ID
+from fedsec.protocol.limits import MAX_COHORT, MAX_COUNT, MAX_ID, MAX_UNREPORTED_CHARGES
 from fedsec.protocol.stages import Stage
 
 API_PREFIX = "/v1"
@@ -299,6 +301,17 @@ class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detail: str
 
 
+class ChargeRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One training the member's ledger was charged for: its place in the dataset's
+    charge history, the round it was charged for, and what the accountant composes."""
+
+    index: Id
+    round: Id
+    noise_multiplier: Annotated[float, msgspec.Meta(gt=0)]
+    sample_rate: Annotated[float, msgspec.Meta(gt=0, le=1)]
+    steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+
+
 class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The agent's signed account of the privacy it spends in this round."""
 
@@ -329,6 +342,34 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     # their noise share honestly for it to hold against the aggregator
     dp_mode: Literal["local", "distributed"] = "local"
     honest_survivors: Count = 0
+    # the place of this report's training in the dataset's charge history (0 = the
+    # first training ever charged); -1 = not said (keyed by ``trained_round`` instead)
+    charge: Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)] = -1
+    # earlier charges whose reports the aggregator never took, so that ``epsilon``,
+    # which composes them too, can be recomputed from the log alone
+    unreported: Annotated[list[ChargeRecord], msgspec.Meta(max_length=MAX_UNREPORTED_CHARGES)] = (
+        msgspec.field(default_factory=list)
+    )
+
+    def check_charges(self) -> None:
+        """Raises PayloadError: the declared charges are not distinct earlier ones, in
+        order, with finite noise; or are declared without this report's own charge."""
+        indexes = [c.index for c in self.unreported]
+        if indexes and self.charge < 0:
+            raise PayloadError(
+                f"{self.member}: privacy report declares earlier charges but not its own"
+            )
+        if any(b <= a for a, b in itertools.pairwise(indexes)) or any(
+            i >= self.charge for i in indexes
+        ):
+            raise PayloadError(
+                f"{self.member}: privacy report's unreported charges must be distinct, "
+                f"ascending and before its own charge {self.charge}"
+            )
+        if not all(math.isfinite(c.noise_multiplier) for c in self.unreported):
+            raise PayloadError(
+                f"{self.member}: privacy report's unreported charges need a finite noise"
+            )
 
 
 class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -52,6 +52,7 @@ from fedsec.protocol import codec
 from fedsec.protocol.data_schema import ObservedSchema
 from fedsec.protocol.wire import (
     Accepted,
+    ChargeRecord,
     DataSummary,
     DPSpec,
     FederationStatus,
@@ -179,7 +180,7 @@ def answer_plain(action: act.Action) -> act.Event:
         return act.MaskedInputAnswered(receipt_for(action))
     if isinstance(action, act.FetchStatus):
         return act.StatusFetched(status_with())
-    if isinstance(action, act.Report | act.Record | act.FaultPoint):
+    if isinstance(action, act.Report | act.ReportTaken | act.Record | act.FaultPoint):
         return act.Passed()
     raise AssertionError(f"no default answer to {action}")
 
@@ -455,6 +456,39 @@ def test_a_duplicate_report_means_an_earlier_try_landed() -> None:
     _up_to(round_, act.Report, [])
     round_.receive(act.Refused(DuplicateMessage("already reported")))
     assert isinstance(round_.next(), act.Poll)
+
+
+EARLIER = (ChargeRecord(1, 1, 1.0, 0.25, 9), ChargeRecord(2, 2, 1.0, 0.25, 9))
+
+
+def _charged_with_earlier(action: act.Charge) -> act.Charged:
+    """The ledger's answer when charges 1 and 2 were never reported (the member dropped
+    out of those rounds after training): this is charge 3."""
+    r = action.request
+    charge = PrivacyCharge(r.key, 2.5, r.steps, r.sample_rate, r.round, 3, EARLIER)
+    return act.Charged(charge)
+
+
+def test_a_report_declares_the_unreported_charges_and_marks_them_once_taken() -> None:
+    asked = drive(
+        start(make_spec()),
+        [state("masked_input", make_spec(), token=3), state("closed", make_spec(), token=4)],
+        {act.Charge: _charged_with_earlier},
+    )
+    assert kinds(asked)[3:6] == ["Report", "ReportTaken", "Poll"]
+    report, taken = asked[3], asked[4]
+    assert isinstance(report, act.Report) and isinstance(taken, act.ReportTaken)
+    assert (report.report.charge, report.report.unreported) == (3, list(EARLIER))
+    report.report.check_charges()
+    report.report.verify(IDENTITIES["alice"].public_bytes)
+    assert taken.index == 3
+
+
+def test_a_report_refused_as_a_duplicate_marks_nothing_reported() -> None:
+    round_ = start(make_spec())
+    drive(round_, [], {act.Charge: _charged_with_earlier}, until=act.Report)
+    round_.receive(act.Refused(DuplicateMessage("already reported")))
+    assert isinstance(round_.next(), act.Poll)  # no ReportTaken: declared again next time
 
 
 def test_a_duplicate_masked_input_fetches_the_receipt_of_the_first_try() -> None:

@@ -109,6 +109,37 @@ def test_two_handles_on_one_state_dir_lose_no_round(tmp_path: Path) -> None:
     assert [h.round for h in PrivacyLedger(tmp_path).history("clinic")] == [1, 2]
 
 
+def test_each_charge_declares_the_earlier_charges_no_report_was_taken_for(
+    tmp_path: Path,
+) -> None:
+    ledger = _ledger(tmp_path)
+    first = ledger.charge("clinic", 1, 1.0, Q, STEPS)
+    assert (first.index, first.unreported) == (0, ())
+    assert first.epsilon == pytest.approx(ledger.spent("clinic"))
+    # round 1's report never reached the aggregator (the member dropped out): round 2's
+    # report must declare it, and keeps declaring it until a report is taken
+    second = ledger.charge("clinic", 2, 1.2, Q, STEPS)
+    assert second.index == 1
+    assert [(i, c.round, c.noise_multiplier) for i, c in second.unreported] == [(0, 1, 1.0)]
+    ledger.mark_reported("clinic", 1)
+    third = PrivacyLedger(tmp_path).charge("clinic", 3, 1.0, Q, STEPS)  # durable
+    assert (third.index, third.unreported) == (2, ())
+    ledger.mark_reported("clinic", 0)  # an older report taken late: nothing moves back
+    assert PrivacyLedger(tmp_path).unreported("clinic", 3) == [(2, ledger.history("clinic")[2])]
+    with pytest.raises(ConfigError, match="no charge 3 to mark"):
+        ledger.mark_reported("clinic", 3)
+
+
+def test_reported_through_past_the_history_is_refused(tmp_path: Path) -> None:
+    _ledger(tmp_path).charge("clinic", 1, 1.0, Q, STEPS)
+    path = tmp_path / LEDGER_FILENAME
+    document = json.loads(path.read_text())
+    document["datasets"]["clinic"]["reported_through"] = 2
+    path.write_text(json.dumps(document))
+    with pytest.raises(IntegrityError, match="reported_through"):
+        PrivacyLedger(tmp_path)
+
+
 @pytest.mark.parametrize(
     "content",
     [b"{not json", b"[]", b'{"format": "other", "version": 1, "datasets": {}}', b""],

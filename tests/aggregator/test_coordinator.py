@@ -671,9 +671,18 @@ def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: Fake
     _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, negative)
     changed = _report("a0", epsilon=2.0).sign(ids["a0"])
     _refused(fed, coord, DuplicateMessage, coord.report, "a0", 1, 0, changed)
+    earlier = wire.ChargeRecord(0, 1, 1.0, 0.1, 10)
+    undeclared_own = _report("a1", unreported=[earlier]).sign(ids["a1"])
+    _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, undeclared_own)
+    not_earlier = _report("a1", charge=0, unreported=[earlier]).sign(ids["a1"])
+    _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, not_earlier)
+    twice = _report("a1", charge=2, unreported=[earlier, earlier]).sign(ids["a1"])
+    _refused(fed, coord, PayloadError, coord.report, "a1", 1, 0, twice)
+    declared = _report("a1", charge=1, unreported=[earlier]).sign(ids["a1"])
+    coord.report("a1", 1, 0, declared)
     wrong_round = _report("a1", round=2).sign(ids["a1"])
     _refused(fed, coord, WrongStage, coord.report, "a1", 2, 0, wrong_round)
-    assert fed.ws.state.reports.epsilons() == {"a0": 1.5}
+    assert fed.ws.state.reports.epsilons() == {"a0": 1.5, "a1": 1.5}
 
 
 def test_shares_carry_the_privacy_report_checked_first_and_stored_apart(

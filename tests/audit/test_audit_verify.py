@@ -19,7 +19,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from fedsec.agent.ledger import epsilon_of
 from fedsec.archive import Archive
+from fedsec.audit import accountant
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.protocol import wire
@@ -363,6 +365,58 @@ def test_a_privacy_report_not_matching_its_dp_parameters_fails(workspace_copy: P
     problem = fails(workspace_copy)
     assert f"log entry {index} (privacy_report)" in problem, problem
     assert "independent accountant" in problem, problem
+
+
+def _redeclare(root: Path, change: Any) -> int:
+    """Agent-3's last privacy report changed by ``change`` and re-signed, with every later
+    head re-signed (the operator's key: only the report's content is tested); return
+    its index."""
+    index = find(root, "privacy_report", member="agent-3", round=ROUNDS)
+    report = msgspec.convert(entries(root)[index]["body"], wire.PrivacyReport)
+    changed = change(report).sign(agent_key(root, "agent-3"))
+    rewrite_signed(root, index, lambda doc: doc.update(body=msgspec.to_builtins(changed)))
+    return index
+
+
+def test_a_charge_whose_report_never_reached_the_log_is_declared_and_verifies(
+    workspace_copy: Path,
+) -> None:
+    """The member was charged for a training once more than the log shows (it dropped
+    out after training): its next report declares that charge, and its ε composes it."""
+
+    def dropped_once(report: wire.PrivacyReport) -> wire.PrivacyReport:
+        assert report.charge == ROUNDS - 1  # one charge per round so far
+        cost = (report.noise_multiplier, report.sample_rate, report.steps)
+        # a long training, so that leaving it out puts ε past even the RDP bound
+        long = (report.noise_multiplier, report.sample_rate, 10 * report.steps)
+        missed = wire.ChargeRecord(report.charge, ROUNDS, *long)
+        epsilon = epsilon_of([cost] * ROUNDS + [long], report.delta)
+        assert epsilon > 1.1 * accountant.epsilon_range([cost] * ROUNDS, report.delta)[1]
+        return msgspec.structs.replace(
+            report,
+            epsilon=epsilon + report.extra_epsilon,
+            charge=report.charge + 1,
+            unreported=[missed],
+            signature="",
+        )
+
+    _redeclare(workspace_copy, dropped_once)
+    code, doc = verify(workspace_copy)
+    assert code == 0, doc["problem"]
+    # the same ε without the declaration is more than the logged trainings give
+    _redeclare(workspace_copy, lambda r: msgspec.structs.replace(r, unreported=[], signature=""))
+    assert "independent accountant" in fails(workspace_copy)
+
+
+def test_a_declared_charge_contradicting_its_logged_report_fails(workspace_copy: Path) -> None:
+    def contradicting(report: wire.PrivacyReport) -> wire.PrivacyReport:
+        first = wire.ChargeRecord(0, 1, report.noise_multiplier, report.sample_rate, 1)
+        return msgspec.structs.replace(report, unreported=[first], signature="")
+
+    index = _redeclare(workspace_copy, contradicting)
+    problem = fails(workspace_copy)
+    assert f"log entry {index} (privacy_report)" in problem, problem
+    assert "agent-3 gives charge 0 on" in problem and "an earlier report gave it" in problem
 
 
 def test_a_privacy_report_signed_by_another_member_fails(workspace_copy: Path) -> None:

@@ -169,6 +169,17 @@ SAMPLES: list[tuple[str, LogBody, dict[str, Any]]] = [
     ),
     ("privacy_report", _report(), msgspec.to_builtins(_report())),
     (
+        "privacy_report_declaring_charges",
+        _report(charge=3, unreported=[wire.ChargeRecord(1, 1, 1.1, 0.01, 40)]),
+        {
+            **msgspec.to_builtins(_report()),
+            "charge": 3,
+            "unreported": [
+                {"index": 1, "round": 1, "noise_multiplier": 1.1, "sample_rate": 0.01, "steps": 40}
+            ],
+        },
+    ),
+    (
         "data_summary",
         wire.DataSummary(
             federation_id="fed",

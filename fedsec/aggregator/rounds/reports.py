@@ -27,8 +27,9 @@ class PrivacyReports:
         Raises:
             WrongStage: the attempt is not in progress (or has no cohort yet).
             UnknownMember: ``member`` is not in the cohort.
-            PayloadError: the report names another member, round or federation, or an
-                ε that is not a finite number >= 0.
+            PayloadError: the report names another member, round or federation, an
+                ε that is not a finite number >= 0, or earlier charges it cannot declare
+                (:meth:`~fedsec.protocol.wire.PrivacyReport.check_charges`).
             SignatureError: the report's signature is not the member's.
             DuplicateMessage: a different report is stored for this attempt.
         """
@@ -47,6 +48,7 @@ class PrivacyReports:
             )
         if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
             raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
+        report.check_charges()
         entry = ws.roster.get(member)
         assert entry is not None
         report.verify(entry.public_key_bytes)
