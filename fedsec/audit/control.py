@@ -69,7 +69,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_one
+from fedsec.crypto.quantize import QuantSpec, RingVector, clip_l2, dequantize_one
 from fedsec.errors import ConfigError, TaskMismatch
 from fedsec.learning.training import DPParams, plan_round, train_local
 from fedsec.tasks.base import Task, TrainingParams
@@ -206,8 +206,20 @@ class Reference:
     loss_before: float
     honest_direction: tuple[float, ...] = ()  # z_direction of each of those runs
     honest_signal: tuple[float, ...] = ()  # z_signal of each
-    honest_loss_change: tuple[float, ...] = ()  # each one's loss change on unseen records
     honest_shrink: float = 1.0  # ρ: a member's expected score over a run's (in-sample bias)
+    honest_runs: tuple[HonestRun, ...] = ()  # the runs themselves, for the loss test
+    seed: int = 0  # the reference runs' seed; also seeds their simulated rounding
+
+
+@dataclass(frozen=True, eq=False)
+class HonestRun:
+    """One of the auditor's DP reference runs: its update, clipped to the quantization
+    clip as a member's is, the control records it did not draw, and the global model's
+    loss on those."""
+
+    delta: npt.NDArray[np.float32]
+    unseen: npt.NDArray[np.int64]
+    loss_before: float
 
 
 @dataclass(frozen=True)
@@ -450,7 +462,7 @@ def build_reference(
         grads, training, global_params, samples, round, _control_loss(model, x, y)
     )
     rng = np.random.default_rng(seed)
-    norms, direction, signal, loss = [], [], [], []
+    norms, direction, signal, runs = [], [], [], []
     for run in range(REFERENCE_RUNS):
         ref_model = _model_at(task, global_params)
         idx = _subset(rng, len(y), samples)
@@ -465,15 +477,45 @@ def build_reference(
         unseen = np.setdiff1d(np.arange(len(y)), idx)
         if len(unseen):
             before = _control_loss(model, x[unseen], y[unseen])
-            loss.append(_control_loss(ref_model, x[unseen], y[unseen]) - before)
+            runs.append(HonestRun(clip_l2(delta, training.clip), unseen.astype(np.int64), before))
     return replace(
         reference,
         reference_norm=min(float(np.median(norms)), training.clip),
         honest_direction=tuple(direction),
         honest_signal=tuple(signal),
-        honest_loss_change=tuple(loss),
         honest_shrink=_in_sample_shrink(grads),
+        honest_runs=tuple(runs),
+        seed=seed,
     )
+
+
+def honest_loss_changes(
+    task: Task,
+    reference: Reference,
+    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
+    step: float,
+) -> tuple[float, ...]:
+    """Each reference run's control-loss change on the records it did not draw, after
+    the stochastic rounding a member's revealed update carries (``step`` wide, in update
+    units): the loss test compares like with like, since rounding noise raises the loss
+    too, and more as the model sharpens.  The rounding draws come from the auditor's
+    own generator (seeded by the reference): they simulate, they protect nothing.
+    """
+    x, y = control
+    changes = []
+    for run, honest in enumerate(reference.honest_runs):
+        rng = np.random.default_rng([reference.seed, run, int(reference.round)])
+        rounded = honest.delta
+        if step > 0.0:
+            # the member's grid: an odd number of levels spans [-C, C], so zero lies
+            # midway between two points, at odd multiples of step/2
+            uniform = rng.random(honest.delta.size)
+            grid = np.floor(honest.delta / step - 0.5 + uniform) + 0.5
+            rounded = (grid * step).astype(np.float32)
+        after = _model_at(task, (reference.global_params + rounded).astype(np.float32))
+        loss = _control_loss(after, x[honest.unseen], y[honest.unseen])
+        changes.append(loss - honest.loss_before)
+    return tuple(changes)
 
 
 # --- the checks ------------------------------------------------------------------------
@@ -531,7 +573,7 @@ def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
     }
 
 
-def honest_thresholds(reference: Reference) -> dict[str, float]:
+def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) -> dict[str, float]:
     """The signal, direction and loss thresholds for this round's noise, and why.
 
     The fixed thresholds (:data:`SIGNAL_MIN_Z`, :data:`DIRECTION_MIN_Z`) were set where
@@ -561,8 +603,10 @@ def honest_thresholds(reference: Reference) -> dict[str, float]:
     The loss test likewise: DP noise raises the control loss of an honest step more as
     the model sharpens (measured: up to +0.14 nats by round 13 of 15 at noise
     multiplier 7.4, against the fixed :data:`LOSS_MAX_INCREASE` of 0.02), so the
-    tolerated rise is the larger of the fixed one and μ + HONEST_MARGIN_Z·s of the
-    runs' own loss changes on the control records they did not draw.
+    tolerated rise is the larger of the fixed one and μ + HONEST_MARGIN_Z·s of
+    ``loss_changes``: the runs' own loss changes on the control records they did not
+    draw, after the member's rounding (:func:`honest_loss_changes`); none given, the
+    fixed one.
 
     Returns:
         ``honest_z_direction``/``honest_z_signal``/``honest_loss_change`` (μ),
@@ -581,10 +625,10 @@ def honest_thresholds(reference: Reference) -> dict[str, float]:
         out[f"honest_z_{name}"] = mean
         out[f"honest_sd_{name}"] = spread
         out[f"{name}_min_z"] = min(fixed, mean - HONEST_MARGIN_Z * spread)
-    runs = reference.honest_loss_change
     allowed = LOSS_MAX_INCREASE
-    if len(runs) > 1:
-        mean, spread = float(np.mean(runs)), float(np.std(runs, ddof=1))
+    if len(loss_changes) > 1:
+        mean = float(np.mean(loss_changes))
+        spread = float(np.std(loss_changes, ddof=1))
         out["honest_loss_change"], out["honest_sd_loss_change"] = mean, spread
         allowed = max(allowed, mean + HONEST_MARGIN_Z * spread)
     out["loss_max_increase"] = allowed
@@ -627,7 +671,8 @@ def check_update(
         revealed: the update, already checked against its commitment.
         history: earlier revealed updates (this member's and others') for the replay test;
             entries of this round or later are ignored.
-        control: the control sample, for the loss test (skipped when None).
+        control: the control sample the reference was built from, for the loss test
+            (skipped when None).
 
     Returns:
         The verdict; ``failed`` lists the tests in :data:`TEST_NAMES` order.
@@ -644,10 +689,13 @@ def check_update(
     if not _weight_as_declared(claim, revealed, scores):
         failed.append("weight")
 
+    # Stochastic rounding adds ~step²/6 of variance per coordinate (step in Δ units).
+    step = revealed.quant_step / revealed.weight
     signal = _signal_scores(reference, delta)
     scores.update(signal)
     scores["cosine_reference"] = _cosine(delta, -reference.mean_gradient)
-    thresholds = honest_thresholds(reference)
+    loss_runs = () if control is None else honest_loss_changes(task, reference, control, step)
+    thresholds = honest_thresholds(reference, loss_runs)
     scores.update(thresholds)
     if signal["z_signal"] < thresholds["signal_min_z"]:
         failed.append("signal")
@@ -662,8 +710,6 @@ def check_update(
         if after - reference.loss_before > thresholds["loss_max_increase"]:
             failed.append("loss")
 
-    # Stochastic rounding adds ~step²/6 of variance per coordinate (step in Δ units).
-    step = revealed.quant_step / revealed.weight
     energy = max(float(delta @ delta) - delta.size * step**2 / 6.0, 0.0)
     ratio = math.sqrt(energy) / reference.reference_norm if reference.reference_norm > 0 else 0.0
     scores["norm"] = math.sqrt(energy)

@@ -21,6 +21,7 @@ from fedsec.audit.control import (
     Verdict,
     build_reference,
     check_update,
+    honest_loss_changes,
     load_control_sample,
 )
 from fedsec.crypto.quantize import QuantSpec, quantize
@@ -230,3 +231,19 @@ def test_control_sample_not_a_file(tmp_path: Path) -> None:
     path = tmp_path / "missing.npz"
     with pytest.raises(TaskMismatch, match=r"missing\.npz"):
         load_control_sample(path, TASK)
+
+
+def test_the_loss_test_tolerates_the_rise_the_members_rounding_adds(setup: Setup) -> None:
+    """The reference runs' loss changes are taken after rounding as coarse as the
+    member's: a member with a small weight (a wide step in update units) is allowed the
+    larger rise its rounding noise causes, not judged against unrounded runs."""
+    ref, control = setup.reference, setup.control
+    assert len(ref.honest_runs) > 1
+    fine = honest_loss_changes(setup.task, ref, control, 0.0)
+    assert honest_loss_changes(setup.task, ref, control, 0.0) == fine  # deterministic
+    # at this untrained model only coarse rounding moves the loss: weight 0.02, 50x the step
+    coarse = honest_loss_changes(setup.task, ref, control, setup.spec.step() / 0.02)
+    assert np.mean(coarse) > np.mean(fine) + 0.01, (coarse, fine)
+    verdict = _check(setup, _reveal(setup, setup.honest, weight=0.02))
+    assert verdict.scores["loss_max_increase"] >= np.mean(coarse)
+    assert "loss" not in verdict.failed, verdict

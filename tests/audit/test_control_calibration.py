@@ -105,13 +105,11 @@ def test_zero_signflip_and_scale_still_fail_under_that_noise(
         assert ratio < MAGNITUDE_BAND[0] if factor == 0 else ratio > MAGNITUDE_BAND[1]
 
 
-def _reference(
-    direction: tuple[float, ...], signal: tuple[float, ...], loss: tuple[float, ...]
-) -> Reference:
+def _reference(direction: tuple[float, ...], signal: tuple[float, ...]) -> Reference:
     empty = np.zeros((0, 3))
     return Reference(
         1, np.zeros(3, np.float32), np.zeros(3), empty, np.zeros(0), 1.0, 10, 1.0, 2.0,
-        honest_direction=direction, honest_signal=signal, honest_loss_change=loss,
+        honest_direction=direction, honest_signal=signal,
     )  # fmt: skip
 
 
@@ -119,14 +117,14 @@ def test_thresholds_are_the_honest_mean_less_the_margin_or_the_fixed_ones() -> N
     # direction: mean 2, sd 1 -> 2 - 3 = -1 (below the fixed 0); signal: mean 10.5, sd
     # 0.5 floored at 1 -> 7.5, above the fixed 2.5, which stays; loss: mean 0.03, sd
     # 0.02 -> 0.03 + 3 x 0.02 = 0.09 tolerated, above the fixed 0.02
-    t = honest_thresholds(_reference((1.0, 2.0, 3.0), (10.0, 10.5, 11.0), (0.01, 0.03, 0.05)))
+    t = honest_thresholds(_reference((1.0, 2.0, 3.0), (10.0, 10.5, 11.0)), (0.01, 0.03, 0.05))
     assert HONEST_MARGIN_Z == 3.0
     assert t["direction_min_z"] == pytest.approx(-1.0)
     assert t["honest_z_direction"] == pytest.approx(2.0)
     assert t["signal_min_z"] == SIGNAL_MIN_Z
     assert t["loss_max_increase"] == pytest.approx(0.09)
     # clear signal, quiet loss: every threshold is the fixed one
-    clear = honest_thresholds(_reference((9.0, 10.0, 11.0), (12.0, 13.0, 14.0), (0.0, -0.01, 0.0)))
+    clear = honest_thresholds(_reference((9.0, 10.0, 11.0), (12.0, 13.0, 14.0)), (0.0, -0.01, 0.0))
     assert clear["direction_min_z"] == DIRECTION_MIN_Z
     assert clear["signal_min_z"] == SIGNAL_MIN_Z
     assert clear["loss_max_increase"] == LOSS_MAX_INCREASE
