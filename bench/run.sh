@@ -42,6 +42,12 @@ for seed in 0 1 2; do
     $C --rotation hadamard --quant-bits $args | tee -a "$out/compression.jsonl"
   done
 done
+echo "== compression: more seeds for the 8x codec against the 8-bit run"
+for seed in 3 4 5; do
+  C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
+  $C --quant-bits 8 | tee -a "$out/compression.jsonl"
+  $C --rotation hadamard --quant-bits 4 --sparsity 0.38 | tee -a "$out/compression.jsonl"
+done
 echo "== audit detection (control-sample checks), epsilon 8 and 3"
 for eps in 8 3; do
   $FEDSEC bench audit --task mnist1d --agents 20 --rounds 5 --bad 0.2 \
