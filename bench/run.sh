@@ -33,6 +33,9 @@ for seed in 0 1; do
   $FEDSEC simulate --task mnist1d --agents 50 --rounds 200 --dp-epsilon 8 --dp-mode distributed \
     --dp-min-survivors 0.96 --server-lr 0.03 --secure-sum secagg --seed $seed --json | tee -a "$out/ddp.jsonl"
 done
+echo "== ddp: member level through the real round (50 members: the noise drowns the mean)"
+$FEDSEC simulate --task mnist1d --agents 50 --rounds 40 --dp-epsilon 8 --dp-mode distributed \
+  --dp-unit member --secure-sum secagg --seed 0 --json | tee -a "$out/ddp.jsonl"
 echo "== compression: 8-bit plain vs rotated 2- and 4-bit with a shared subset (8x and 16x payload)"
 for seed in 0 1 2; do
   C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
