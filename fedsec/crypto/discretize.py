@@ -91,6 +91,10 @@ MAX_NOISE_TABLE = 1 << 24
 # per variance).  A bucket inside one step of the CDF answers alone; for the noise of the
 # 100-member, 16-bit-ring benchmark (σ ≈ 800) under 1 % of the buckets straddle a step.
 GUIDE_BITS = 20
+# Largest variance whose table the Bessel function gives: scipy's ive (AMOS) returns NaN
+# for arguments above 2^30.  A larger variance is drawn as the sum of equal parts at most
+# this (exact: Skellam variables add); 2^29 leaves a factor of two of margin.
+MAX_TABLE_VARIANCE = float(1 << 29)
 # Uniforms are drawn as 32-bit words W; the 53-bit uniform W·2^21 + L is completed with a
 # second word (its top 21 bits L) only where W alone cannot decide, which halves the
 # keystream against drawing 53 bits for every value.
@@ -373,7 +377,14 @@ def _skellam_table(
     half = _table_half_width(variance)
     ks = np.abs(np.arange(-half, half + 1, dtype=np.float64))
     pmf = special.ive(ks, variance)  # exponentially scaled Bessel: e^{-v} I_|k|(v)
-    steps = np.ceil(np.cumsum(pmf) * float(1 << 53)).astype(np.int64)
+    cdf = np.cumsum(pmf)
+    if not (np.all(np.isfinite(pmf)) and abs(float(cdf[-1]) - 1.0) < 1e-9):
+        # never sample from a table that is not the distribution: noise is the guarantee
+        raise QuantizationError(
+            f"the Skellam table for variance {variance:g} is not a distribution "
+            f"(mass {float(cdf[-1]):.6g})"
+        )
+    steps = np.ceil(cdf * float(1 << 53)).astype(np.int64)
     steps.setflags(write=False)
     width = 1 << (53 - GUIDE_BITS)
     starts = np.arange(1 << GUIDE_BITS, dtype=np.int64) * width
@@ -390,15 +401,22 @@ def _skellam_int32(seed: bytes, variance: float, count: int) -> npt.NDArray[np.i
         raise QuantizationError(f"noise variance must be positive, got {variance}")
     if 2 * _table_half_width(variance) + 1 > MAX_NOISE_TABLE:
         raise QuantizationError(f"noise variance {variance:g} needs too large a table")
+    parts = max(1, math.ceil(variance / MAX_TABLE_VARIANCE))
+    values = _skellam_part(seed, _NOISE_DOMAIN, variance / parts, count)
+    for part in range(1, parts):  # |sum| ≤ parts·K_part, far inside int32 under the cap
+        values += _skellam_part(seed, _NOISE_DOMAIN + b"/part/%d" % part, variance / parts, count)
+    return values
+
+
+def _skellam_part(seed: bytes, domain: bytes, variance: float, count: int) -> npt.NDArray[np.int32]:
+    """Skellam values of ``variance`` (at most MAX_TABLE_VARIANCE) from ``domain``'s stream."""
     half, steps, guide = _skellam_table(float(variance))
-    words = prg.expand(seed, _NOISE_DOMAIN, count, np.uint32)
+    words = prg.expand(seed, domain, count, np.uint32)
     buckets = words >> np.uint32(_WORD_BITS - GUIDE_BITS)  # < guide.size: no bounds check
     values: npt.NDArray[np.int32] = np.take(guide, buckets, mode="clip")
     open_ = np.flatnonzero(values == _OPEN)
     if open_.size:  # a bucket across a step: complete the 53-bit uniform and search
-        u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(
-            seed, _NOISE_DOMAIN, open_.size
-        )
+        u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(seed, domain, open_.size)
         found = np.minimum(np.searchsorted(steps, u53, side="right"), 2 * half)
         values[open_] = found - half
     return values
@@ -412,9 +430,12 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
     A uniform is drawn as a 32-bit word W; the guide table answers from W's top bits
     unless their bucket straddles a step of the CDF, and only there is the 53-bit
     uniform completed with 21 more bits and searched: about one table lookup per value.
+    A variance above MAX_TABLE_VARIANCE is drawn as the sum of equal parts below it,
+    each from a stream of its own.
 
     Raises:
-        QuantizationError: variance not positive or its table beyond MAX_NOISE_TABLE.
+        QuantizationError: variance not positive, its table beyond MAX_NOISE_TABLE, or
+            a table that does not sum to 1 (never sampled from).
         ValueError: ``seed`` is not 32 bytes.
     """
     return _skellam_int32(seed, variance, count).astype(np.int64)

@@ -88,6 +88,20 @@ def test_skellam_noise_has_the_target_variance_and_comes_from_the_seed() -> None
     assert not np.array_equal(skellam(_secret(1), 9.0, 50), skellam(_secret(2), 9.0, 50))
 
 
+def test_a_variance_beyond_the_bessel_functions_range_is_still_skellam() -> None:
+    """scipy's ive gives NaN above 2^30: a table from it once made every draw the same
+    value (noise that is no noise).  Such a variance is drawn as a sum of parts."""
+    variance, count = 3.0e9, 100_000
+    assert variance > 2 * dz.MAX_TABLE_VARIANCE
+    v = skellam(_secret(3), variance, count).astype(np.float64)
+    stderr = variance * math.sqrt(2 / count) * 1.5
+    assert abs(v.var() - variance) < 5 * stderr
+    assert abs(v.mean()) < 5 * math.sqrt(variance / count)
+    assert len(np.unique(v)) > count // 2
+    with pytest.raises(QuantizationError, match="not a distribution"):
+        dz._skellam_table(2.0**31)  # ive's NaN is refused, never sampled from
+
+
 def test_the_summed_noise_matches_the_target_for_the_survivors() -> None:
     spec = _spec(dim=2000, ring_bits=28, clip=2.0, noise_multiplier=0.8)
     xs = _members(4, spec.dim, 7, 1.5)
