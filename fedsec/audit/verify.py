@@ -488,17 +488,18 @@ class Verifier:
         own = _Charged(
             _trained_round(report), report.noise_multiplier, report.sample_rate, report.steps
         )
-        declared = [(_charge_key(c.index, -1), _Charged.of(c)) for c in report.unreported]
+        declared = [(("charge", c.index), _Charged.of(c)) for c in report.unreported]
         for key, charge in [*declared, (_charge_key(report.charge, own.round), own)]:
-            known = charged.setdefault(key, charge)
-            if key[0] == "round":  # a report naming no charge replaces its round's last
-                charged[key] = charge
-            elif known != charge:
+            # a charge is given one way only; a report naming no charge replaces the
+            # last report of its round
+            known = charged.get(key)
+            if key[0] == "charge" and known is not None and known != charge:
                 raise self._fail(
                     entry,
                     f"{report.member} gives charge {key[1]} on {report.dataset_id} as "
                     f"{charge}, but an earlier report gave it as {known}",
                 )
+            charged[key] = charge
         rounds = [(c.noise_multiplier, c.sample_rate, c.steps) for c in charged.values()]
         noised = self.noised_counts.get(report.member, 0.0)
         if report.extra_epsilon < noised - 1e-9:
