@@ -126,9 +126,10 @@ def _train(
                 model, data.x_train[part], data.y_train[part], mask, b.clip
             )
             started = time.perf_counter()
-            share = encode(total, spec, shared, os.urandom(32))
+            share = encode(total, spec, shared, os.urandom(32), integers=True)
             encode_s += time.perf_counter() - started
             ring += share.ring.astype(np.uint64)
+            assert share.integers is not None
             ints += share.integers
             clipped += share.clipped
             records += len(part)
@@ -194,8 +195,9 @@ def _train_members(
             seed = b.seed * 1_000_003 + r * 1009 + int(i)
             train_local(trained, data.x_train[part], data.y_train[part], local, None, "cpu", seed)
             update = flatten_params(trained).astype(np.float64) - before
-            share = encode(update, spec, shared, os.urandom(32))
+            share = encode(update, spec, shared, os.urandom(32), integers=True)
             ring += share.ring.astype(np.uint64)
+            assert share.integers is not None
             ints += share.integers
             clipped += share.clipped
         ring &= np.uint64((1 << spec.ring_bits) - 1)

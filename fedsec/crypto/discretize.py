@@ -56,6 +56,7 @@ about half the keystream.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,7 +67,7 @@ from scipy import special
 from fedsec.crypto import prg
 from fedsec.crypto.errors import QuantizationError
 from fedsec.crypto.quantize import RingVector, ring_dtype
-from fedsec.crypto.rotation import padded_length, rotate, squared_norm, unrotate
+from fedsec.crypto.rotation import padded_length, rotate, unrotate
 
 # Integers pass through float64 on the way into the ring: 2^52 keeps every value exact.
 MAX_DDP_RING_BITS = 52
@@ -87,8 +88,9 @@ MAX_ROUNDING_TRIES = 64
 # table a member builds.
 NOISE_TAIL_STDDEVS = 10.0
 MAX_NOISE_TABLE = 1 << 24
-# Guide table for inversion: 2^20 buckets on a uniform's top bits (4 MB of int32, cached
-# per variance).  A bucket inside one step of the CDF answers alone; for the noise of the
+# Guide table for inversion: 2^20 buckets on a uniform's top bits (cached per variance),
+# int16 where the table's values fit (2 MB: lookups at random stay nearer the core),
+# else int32.  A bucket inside one step of the CDF answers alone; for the noise of the
 # 100-member, 16-bit-ring benchmark (σ ≈ 800) under 1 % of the buckets straddle a step.
 GUIDE_BITS = 20
 # Largest variance whose table the Bessel function gives: scipy's ive (AMOS) returns NaN
@@ -100,9 +102,9 @@ MAX_TABLE_VARIANCE = float(1 << 29)
 # keystream against drawing 53 bits for every value.
 _WORD_BITS = 32
 _LOW_BITS = 53 - _WORD_BITS
-# A guide entry whose bucket straddles a step: no Skellam value a table holds (|k| ≤ K
-# < MAX_NOISE_TABLE).
-_OPEN = np.iinfo(np.int32).min
+# A guide entry whose bucket straddles a step is its dtype's minimum: no Skellam value a
+# table of that dtype holds (|k| ≤ K < MAX_NOISE_TABLE, and K < 2^15 − 1 for int16).
+_GUIDE_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))
 _ROUNDING_DOMAIN = b"ddp/rounding/"
 _NOISE_DOMAIN = b"ddp/noise"
 
@@ -267,20 +269,31 @@ class Encoded:
     """One member's ring vector and what happened on the way."""
 
     ring: RingVector
-    integers: npt.NDArray[np.int64]  # before wrapping (for a simulation's wrap count)
+    # before wrapping, if asked for (a simulation's wrap count); else None
+    integers: npt.NDArray[np.int64] | None
     rounding_draws: int  # 1 unless the conditional rounding drew again
     clipped: bool  # the vector's norm was above the clip
 
 
-def encode(x: npt.ArrayLike, spec: DdpSpec, shared_seed: bytes, secret_seed: bytes) -> Encoded:
+def encode(
+    x: npt.ArrayLike,
+    spec: DdpSpec,
+    shared_seed: bytes,
+    secret_seed: bytes,
+    *,
+    integers: bool = False,
+) -> Encoded:
     """Clip, rotate, scale, round, add a noise share and wrap ``x`` into the ring.
 
     Args:
         x: the member's float vector (``spec.dim`` values, any shape); not modified.
+            float32 values are used as they are (they widen exactly).
         spec: the round's discretisation.
         shared_seed: 32 bytes every member shares (the rotation).
         secret_seed: 32 fresh secret bytes of this member (rounding and noise).  Anyone
             who knows it can subtract the noise share: never reuse or reveal it.
+        integers: also return the integers before wrapping (a copy: only a simulation,
+            which can sum them exactly, has a use for them).
 
     Returns:
         :class:`Encoded` with ``spec.padded`` ring elements in the ring's dtype.
@@ -290,58 +303,135 @@ def encode(x: npt.ArrayLike, spec: DdpSpec, shared_seed: bytes, secret_seed: byt
             MAX_ROUNDING_TRIES times (probability ≤ 1e-192).
         ValueError: a seed is not 32 bytes.
     """
-    flat = np.asarray(x, dtype=np.float64).reshape(-1)
+    from fedsec.crypto import kernels  # numba: imported by processes that discretise
+
+    flat = np.asarray(x).reshape(-1)
+    if flat.dtype != np.float32:
+        flat = flat.astype(np.float64, copy=False)
     if flat.size != spec.dim:
         raise QuantizationError(f"vector must have {spec.dim} values, got {flat.size}")
-    # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
-    # square of finite values needs the full check
-    squared = squared_norm(flat)
+    # the squared norm (in float64 whatever the input) finds any NaN or ±inf (they reach
+    # the sum); only an overflowing square of finite values needs the full check
+    squared = kernels.squared_norm(flat)
     if not math.isfinite(squared) and not np.all(np.isfinite(flat)):
         raise QuantizationError("vector contains NaN or infinite values")
     norm = math.sqrt(squared)
     clipped = norm > spec.clip
     factor = spec.scale * (spec.clip / norm if clipped else 1.0)
-    scaled = rotate(flat, shared_seed, scale=factor)
-    ints, draws = _conditional_round(scaled, spec.rounding_bound, secret_seed)
-    if spec.noise_multiplier > 0:
-        ints += _skellam_int32(secret_seed, spec.share_variance, ints.size)
-    return Encoded(to_ring(ints, spec.ring_bits), ints, draws, clipped)
+    work = _WORKSPACE.get(spec.padded)
+    scaled = rotate(flat, shared_seed, scale=factor, out=work.y)
+    variance = spec.share_variance if spec.noise_multiplier > 0 else 0.0
+    ints, ring, draws = _discretise(
+        scaled, spec.rounding_bound, secret_seed, spec.ring_bits, variance, work
+    )
+    return Encoded(ring, ints.copy() if integers else None, draws, clipped)
+
+
+class _Workspace(threading.local):
+    """One thread's encoder buffers for the last padded length it encoded: the rotated
+    vector, the integers, the keystream words and the open-bucket indices.
+
+    Allocated afresh for each encoding they would fault in some 30 MB of new pages at
+    d = 2^20, which costs about as much as the encoding.  Every use writes them before
+    it reads them, so nothing of one encoding reaches the next; what a caller gets back
+    (the ring vector, a copy of the integers) is its own."""
+
+    def __init__(self) -> None:
+        self.size = -1
+
+    def get(self, n: int) -> _Workspace:
+        if n != self.size:
+            self.y = np.empty(n, dtype=np.float64)
+            self.ints = np.empty(n, dtype=np.int64)
+            self.round_words = np.empty(n, dtype="<u4")
+            self.noise_words = np.empty(n, dtype="<u4")
+            self.opens = np.empty(n, dtype=np.int64)
+            self.size = n
+        return self
+
+
+_WORKSPACE = _Workspace()
 
 
 def _conditional_round(
     y: FloatVector, bound: float, seed: bytes
 ) -> tuple[npt.NDArray[np.int64], int]:
-    """Unbiased stochastic rounding of ``y`` (overwritten), drawn again while the
-    error's L2 norm exceeds ``bound``.
+    """(integers, draws): :func:`_discretise` without noise."""
+    ints, _, draws = _discretise(y, bound, seed, MAX_DDP_RING_BITS, 0.0, _Workspace().get(y.size))
+    return ints, draws
 
+
+def _discretise(
+    y: FloatVector, bound: float, seed: bytes, ring_bits: int, variance: float, work: _Workspace
+) -> tuple[npt.NDArray[np.int64], RingVector, int]:
+    """Round ``y`` (not modified) stochastically and conditionally, add Skellam noise of
+    ``variance`` (none if 0) and wrap into Z_{2^ring_bits}: (integers, ring, draws).
+    The integers are ``work.ints``; the ring vector is new.
+
+    Rounding is unbiased, and drawn again while the error's L2 norm exceeds ``bound``.
     A coordinate rounds up when u < frac for a 53-bit uniform u = (W·2^21 + L)/2^53:
     with t = ⌊frac·2^32⌋ the word W decides alone unless W = t (probability 2^-32),
-    and only there is L drawn, so the rule is exactly that of 53-bit uniforms."""
-    # ⌊y⌋ straight into the integers (exact: |y| < 2^52), the fraction over y
-    ints = np.empty(y.size, dtype=np.int64)
-    np.floor(y, out=ints, casting="unsafe")
-    frac = np.subtract(y, ints, out=y)  # in [0, 1]: 1.0 where y is a hair below an integer
-    work = np.multiply(frac, float(1 << _WORD_BITS))  # exact: a power-of-two scale
-    # frac = 1.0 gives t = 2^32 − 1 and a remainder of 2^21, which rounds up for every L
-    np.minimum(work, float((1 << _WORD_BITS) - 1), out=work)
-    threshold = work.astype(np.uint32)
+    and only there is L drawn, so the rule is exactly that of 53-bit uniforms.  The
+    noise is :func:`skellam`'s, value for value.  One compiled pass
+    (:func:`fedsec.crypto.kernels.discretise`) does the rest; the rare ties and the
+    noise values whose guide bucket is open are completed here."""
+    from fedsec.crypto import kernels  # numba: imported by processes that discretise
+
+    ints, opens, words = work.ints, work.opens, work.round_words
+    ring = np.empty(y.size, dtype=ring_dtype(ring_bits))
+    mask = (1 << ring_bits) - 1
+    parts = _noise_parts(variance) if variance > 0 else 0
+    if parts == 1:  # a single table: its lookup rides in the wrapping pass
+        half, steps, guide = _skellam_table(float(variance))
+        noise_words = work.noise_words
+        prg.expand_into(seed, _NOISE_DOMAIN, noise_words)
+    else:
+        half, steps = 0, np.zeros(0, dtype=np.int64)
+        guide, noise_words = np.zeros(1, dtype=np.int16), np.zeros(0, dtype=np.uint32)
     for draw in range(1, MAX_ROUNDING_TRIES + 1):
         domain = _ROUNDING_DOMAIN + str(draw).encode()
-        words = prg.expand(seed, domain, y.size, np.uint32)
-        up = words < threshold
-        ties = np.flatnonzero(words == threshold)
-        if ties.size:
-            low = _low_bits(seed, domain, ties.size)
-            # frac·2^53 − t·2^21 ∈ [0, 2^21] is exact (Sterbenz): u < frac ⟺ L < it
-            top = threshold[ties].astype(np.float64) * float(1 << _LOW_BITS)
-            up[ties] = low < frac[ties] * float(1 << 53) - top
-        error = np.subtract(up, frac, out=work)  # the rounded value minus y
-        if squared_norm(error) <= bound * bound:
-            ints += up
-            return ints, draw
-    raise QuantizationError(
-        f"conditional rounding exceeded its error bound {MAX_ROUNDING_TRIES} times"
+        prg.expand_into(seed, domain, words)
+        total, ties = kernels.round_draw(y, words, ints)
+        if ties:
+            total += _decide_ties(y, words, ints, seed, domain)
+        if total <= bound * bound:
+            break
+    else:
+        raise QuantizationError(
+            f"conditional rounding exceeded its error bound {MAX_ROUNDING_TRIES} times"
+        )
+    if parts > 1:
+        _add_skellam(ints, seed, variance)
+        return ints, to_ring(ints, ring_bits), draw
+    count = kernels.add_noise_and_wrap(
+        ints, noise_words, guide, _WORD_BITS - GUIDE_BITS, _open(guide.dtype), mask, ring, opens
     )
+    if count:  # complete those 53-bit uniforms and search
+        open_ = opens[:count]
+        ints[open_] += _search(steps, half, noise_words[open_], seed, _NOISE_DOMAIN)
+        ring[open_] = to_ring(ints[open_], ring_bits)
+    return ints, ring, draw
+
+
+def _decide_ties(
+    y: FloatVector,
+    words: npt.NDArray[np.uint32],
+    ints: npt.NDArray[np.int64],
+    seed: bytes,
+    domain: bytes,
+) -> float:
+    """Round up the tied coordinates (W = t) whose 21 more bits say so, and return what
+    that changes in the squared error (each was counted as rounded down)."""
+    frac = y - np.floor(y)
+    threshold = np.minimum(frac * float(1 << _WORD_BITS), float((1 << _WORD_BITS) - 1))
+    ties = np.flatnonzero(words == threshold.astype(np.uint32))
+    low = _low_bits(seed, domain, ties.size)
+    # frac·2^53 − t·2^21 ∈ [0, 2^21] is exact (Sterbenz): u < frac ⟺ L < it
+    top = np.floor(threshold[ties]) * float(1 << _LOW_BITS)
+    up = ties[low < frac[ties] * float(1 << 53) - top]
+    ints[up] += 1
+    f = frac[up]
+    return float(np.sum((1.0 - f) ** 2 - f**2))
 
 
 def _low_bits(seed: bytes, domain: bytes, count: int) -> npt.NDArray[np.int64]:
@@ -365,7 +455,7 @@ def _table_half_width(variance: float) -> int:
 @lru_cache(maxsize=8)
 def _skellam_table(
     variance: float,
-) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.signedinteger]]:
     """(K, steps, guide) for Skellam(μ₁ = μ₂ = variance/2), P(k) = e^{−v}·I_k(v), on −K..K.
 
     ``steps[i] = ⌈CDF(i)·2^53⌉``, so for an integer u53 ``searchsorted(steps, u53,
@@ -390,36 +480,58 @@ def _skellam_table(
     starts = np.arange(1 << GUIDE_BITS, dtype=np.int64) * width
     first = np.minimum(np.searchsorted(steps, starts, side="right"), 2 * half)
     last = np.minimum(np.searchsorted(steps, starts + (width - 1), side="right"), 2 * half)
-    guide = np.where(first == last, first - half, _OPEN).astype(np.int32)
+    dtype = next(t for t in _GUIDE_DTYPES if half < np.iinfo(t).max)
+    guide: npt.NDArray[np.signedinteger] = np.where(
+        first == last, first - half, _open(dtype)
+    ).astype(dtype)
     guide.setflags(write=False)
     return half, steps, guide
 
 
-def _skellam_int32(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int32]:
-    """:func:`skellam`'s values as int32 (|value| ≤ K < MAX_NOISE_TABLE)."""
+def _noise_parts(variance: float) -> int:
+    """How many equal parts (at most MAX_TABLE_VARIANCE each) ``variance`` is drawn as.
+
+    Raises:
+        QuantizationError: variance not positive, or its table beyond MAX_NOISE_TABLE.
+    """
     if not (math.isfinite(variance) and variance > 0):
         raise QuantizationError(f"noise variance must be positive, got {variance}")
     if 2 * _table_half_width(variance) + 1 > MAX_NOISE_TABLE:
         raise QuantizationError(f"noise variance {variance:g} needs too large a table")
-    parts = max(1, math.ceil(variance / MAX_TABLE_VARIANCE))
-    values = _skellam_part(seed, _NOISE_DOMAIN, variance / parts, count)
-    for part in range(1, parts):  # |sum| ≤ parts·K_part, far inside int32 under the cap
-        values += _skellam_part(seed, _NOISE_DOMAIN + b"/part/%d" % part, variance / parts, count)
-    return values
+    return max(1, math.ceil(variance / MAX_TABLE_VARIANCE))
 
 
-def _skellam_part(seed: bytes, domain: bytes, variance: float, count: int) -> npt.NDArray[np.int32]:
-    """Skellam values of ``variance`` (at most MAX_TABLE_VARIANCE) from ``domain``'s stream."""
-    half, steps, guide = _skellam_table(float(variance))
-    words = prg.expand(seed, domain, count, np.uint32)
-    buckets = words >> np.uint32(_WORD_BITS - GUIDE_BITS)  # < guide.size: no bounds check
-    values: npt.NDArray[np.int32] = np.take(guide, buckets, mode="clip")
-    open_ = np.flatnonzero(values == _OPEN)
-    if open_.size:  # a bucket across a step: complete the 53-bit uniform and search
-        u53 = (words[open_].astype(np.int64) << _LOW_BITS) | _low_bits(seed, domain, open_.size)
-        found = np.minimum(np.searchsorted(steps, u53, side="right"), 2 * half)
-        values[open_] = found - half
-    return values
+def _add_skellam(ints: npt.NDArray[np.int64], seed: bytes, variance: float) -> None:
+    """ints += Skellam values of ``variance``, one per element (see :func:`skellam`)."""
+    parts = _noise_parts(variance)
+    for part in range(parts):  # |sum| ≤ parts·K_part, far inside int64 under the cap
+        domain = _NOISE_DOMAIN + (b"/part/%d" % part if part else b"")
+        half, steps, guide = _skellam_table(float(variance / parts))
+        words = prg.expand(seed, domain, ints.size, np.uint32)
+        values = np.take(guide, words >> np.uint32(_WORD_BITS - GUIDE_BITS)).astype(np.int64)
+        open_ = np.flatnonzero(values == _open(guide.dtype))
+        values[open_] = _search(steps, half, words[open_], seed, domain)
+        ints += values
+
+
+def _open(dtype: npt.DTypeLike) -> int:
+    """The guide's mark for a bucket that straddles a step, in ``dtype``."""
+    return int(np.iinfo(dtype).min)
+
+
+def _search(
+    steps: npt.NDArray[np.int64],
+    half: int,
+    words: npt.NDArray[np.uint32],
+    seed: bytes,
+    domain: bytes,
+) -> npt.NDArray[np.int64]:
+    """The Skellam values of uniforms whose top 32 bits (``words``, in stream order) fall
+    in an open guide bucket: each completed to 53 bits from ``domain``'s low stream and
+    inverted against the CDF steps."""
+    u53 = (words.astype(np.int64) << _LOW_BITS) | _low_bits(seed, domain, words.size)
+    found: npt.NDArray[np.int64] = np.minimum(np.searchsorted(steps, u53, side="right"), 2 * half)
+    return found - half
 
 
 def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
@@ -438,7 +550,9 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
             a table that does not sum to 1 (never sampled from).
         ValueError: ``seed`` is not 32 bytes.
     """
-    return _skellam_int32(seed, variance, count).astype(np.int64)
+    values = np.zeros(count, dtype=np.int64)
+    _add_skellam(values, seed, variance)
+    return values
 
 
 def to_ring(ints: npt.NDArray[np.int64], ring_bits: int) -> RingVector:

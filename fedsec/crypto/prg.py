@@ -70,6 +70,31 @@ def expand(
     return np.frombuffer(raw, dtype=dt.newbyteorder("<"), count=count)
 
 
+def expand_into(seed: bytes, domain: bytes, out: npt.NDArray[np.unsignedinteger]) -> None:
+    """Fill ``out`` (a contiguous little-endian unsigned array) with the values
+    :func:`expand` gives for ``out.size`` of its dtype: the same keystream, written in
+    place, so a caller drawing every round reuses its memory instead of faulting in
+    fresh pages for each draw.
+
+    Raises:
+        ValueError: ``seed`` is not 32 bytes, or ``out`` is not such an array.
+    """
+    if out.dtype.kind != "u" or out.dtype.byteorder == ">" or not out.flags.c_contiguous:
+        raise ValueError(
+            f"expand_into needs a contiguous little-endian unsigned array, got {out.dtype}"
+        )
+    raw = out.reshape(-1).view(np.uint8)
+    encryptor = Cipher(
+        algorithms.AES(derive_key(seed, domain)), modes.CTR(_ZERO_COUNTER)
+    ).encryptor()
+    # update_into wants room for a block beyond what it writes: the last block comes
+    # from update, continuing the same stream
+    head = max(0, raw.size - 16)
+    if head:
+        encryptor.update_into(_zeros(head), raw[: head + 15].data)
+    raw[head:] = np.frombuffer(encryptor.update(_zeros(raw.size - head)), dtype=np.uint8)
+
+
 def uniform01(seed: bytes, domain: bytes, count: int) -> npt.NDArray[np.float32]:
     """``count`` float32 values uniform on [0, 1) with 24 bits of resolution."""
     words: npt.NDArray[np.uint32] = expand(seed, domain, count, np.uint32) >> np.uint32(8)

@@ -16,13 +16,17 @@ the rotation of the sum; the aggregator unrotates the sum once.  The signs come 
 AES-CTR keystream of :mod:`fedsec.crypto.prg`.  They need not be secret (the rotation
 only spreads the mass), but they must not be chosen by any one party after seeing the
 data, which the signed spec's fresh per-attempt seed ensures.
+
+H is applied by compiled butterflies (:mod:`fedsec.crypto.kernels`) in a fixed order of
+IEEE additions, so every machine gets the same bits: the audit re-derives a decoded sum
+exactly, which a BLAS product, whose rounding depends on the CPU's kernel, would not
+promise.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,21 +37,9 @@ from fedsec.crypto.errors import QuantizationError
 # 2^26 coordinates (64M, 512 MB as float64) is far beyond any model this project trains
 # in one piece; refusing larger inputs keeps a bad spec from allocating without bound.
 MAX_ROTATION_LOG2 = 26
-# H_N is applied as a Kronecker product of small Hadamard matrices, one dense product
-# (BLAS) per factor along one axis of x seen as a tensor: ⌈log₂N / 4⌉ passes over
-# memory instead of log₂N butterfly levels.  Factors of at most 2^4 measured fastest at
-# N = 2^20 (16^5: 6-8 ms; 32^4: 9 ms; radix-4 butterflies: 32 ms, on this machine):
-# larger factors multiply by ±1 more often than the passes they save are worth.
-MAX_FACTOR_LOG2 = 4
-# Each pass is a stack of products of at most 16·16·1024 = 2^18 multiply-adds, the size
-# up to which OpenBLAS stays on the calling thread: its threads wait for each other on a
-# busy machine (2x slower than one thread with 2 cores shared by several processes,
-# about 1.3x faster when idle), and the member's other cores stay free for its own work.
-MAX_PRODUCT_COLUMNS = 1024
 _SIGN_DOMAIN = b"rotation/signs"
 
 FloatVector = npt.NDArray[np.float64]
-_F = TypeVar("_F", npt.NDArray[np.float64], npt.NDArray[np.float32])
 
 # Row b: the eight signs that keystream byte b encodes, least significant bit first
 # (bit 1 → −1.0), so one gather turns N/8 bytes into N signs.
@@ -55,6 +47,8 @@ _SIGN_TABLE = 1.0 - 2.0 * np.unpackbits(
     np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"
 ).astype(np.float64)
 _SIGN_TABLE.setflags(write=False)
+_SIGN_TABLE_SINGLE = _SIGN_TABLE.astype(np.float32)
+_SIGN_TABLE_SINGLE.setflags(write=False)
 
 
 def padded_length(d: int) -> int:
@@ -95,56 +89,6 @@ def _flip(values: npt.NDArray[np.floating], seed: bytes, out: npt.NDArray[np.flo
     np.bitwise_xor(values.view(word), masks, out=out.view(word))
 
 
-@lru_cache(maxsize=2 * (MAX_FACTOR_LOG2 + 1))
-def _sylvester(bits: int, single: bool = False) -> npt.NDArray[np.floating]:
-    """H_{2^bits} as a dense ±1 matrix, float32 if ``single`` else float64 (read-only)."""
-    h = np.ones((1, 1), dtype=np.float32 if single else np.float64)
-    for _ in range(bits):
-        h = np.block([[h, h], [h, -h]])
-    h.setflags(write=False)
-    return h
-
-
-def _factor_bits(log2n: int) -> list[int]:
-    """log₂N split into ⌈log₂N / MAX_FACTOR_LOG2⌉ parts as even as possible."""
-    parts = -(-log2n // MAX_FACTOR_LOG2)
-    return [log2n // parts + (i < log2n % parts) for i in range(parts)]
-
-
-def _transform(x: _F, factor: float, overwrite: bool) -> _F:
-    """``factor``·H·x for a contiguous float64 or float32 vector of power-of-two length,
-    in its own precision.
-
-    x is viewed as a tensor with one axis per Kronecker factor of H_N = H_f1 ⊗ ... ⊗ H_fk;
-    each pass multiplies one axis by its H_f (the first pass also by ``factor``) into
-    the other of two buffers.  ``overwrite``: x may serve as one of them."""
-    n = x.size
-    bits = _factor_bits(n.bit_length() - 1)
-    if not bits:  # N = 1
-        return x * factor
-    first = np.empty_like(x)
-    buffers = (first, x if overwrite else np.empty_like(x)) if len(bits) > 1 else (first,)
-    src, left = x, 1
-    for i, b in enumerate(bits):
-        dst = buffers[i % 2]
-        h = _sylvester(b, x.dtype == np.float32)
-        if i == 0:
-            h = (h * factor).astype(x.dtype)
-        f = 1 << b
-        right = n // (left * f)
-        if right == 1:  # the last axis: rows times H (H is symmetric)
-            rows = min(left, MAX_PRODUCT_COLUMNS)
-            shape: tuple[int, ...] = (left // rows, rows, f)
-            np.matmul(src.reshape(shape), h, out=dst.reshape(shape))
-        else:  # H times (f, chunk) slices, chunk ≤ MAX_PRODUCT_COLUMNS contiguous values
-            chunk = min(right, MAX_PRODUCT_COLUMNS)
-            shape = (left, f, right // chunk, chunk)
-            slices = src.reshape(shape).transpose(0, 2, 1, 3)
-            np.matmul(h, slices, out=dst.reshape(shape).transpose(0, 2, 1, 3))
-        src, left = dst, left * f
-    return src
-
-
 def squared_norm(x: npt.NDArray[np.floating]) -> float:
     """‖x‖² of a float vector, on the calling thread (in its own precision).
 
@@ -164,30 +108,42 @@ def hadamard(x: FloatVector) -> FloatVector:
     n = x.size
     if n & (n - 1):
         raise QuantizationError(f"the Hadamard transform needs a power-of-two length, got {n}")
-    vec = np.ascontiguousarray(x, dtype=np.float64).reshape(-1)
-    if n == 0:
-        return vec.copy()
-    return _transform(vec, 1.0, overwrite=False)
+    from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
+
+    vec = np.array(x, dtype=np.float64).reshape(-1)
+    if n:
+        kernels.hadamard_inplace(vec)
+    return vec
 
 
-def rotate(x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0) -> FloatVector:
+def rotate(
+    x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0, out: FloatVector | None = None
+) -> FloatVector:
     """``scale``·H·D·pad(x)/√N: ``x`` (any shape, flattened) rotated into N coordinates.
 
     Args:
-        x: the vector; not modified.
+        x: the vector; not modified.  float32 values widen exactly (no copy is made).
         seed: 32 bytes every member of the round shares (from the signed round spec).
         scale: a factor folded into the transform (free, where a separate pass over the
             result is not).
+        out: a float64 vector of N elements to write the result into (a caller that
+            rotates every round keeps its memory); a new one if None.
 
     Returns:
-        A float64 vector of length :func:`padded_length` of ``x.size``, of L2 norm
-        ``scale``·‖x‖ (up to float64 rounding: about log₂N·2^-53 relative).
+        A float64 vector of length :func:`padded_length` of ``x.size`` (``out`` if
+        given), of L2 norm ``scale``·‖x‖ (up to float64 rounding: about log₂N·2^-53
+        relative).
 
     Raises:
-        QuantizationError: empty or oversized vector, or non-finite values.
+        QuantizationError: empty or oversized vector, non-finite values, or an ``out``
+            of the wrong length or dtype.
         ValueError: ``seed`` is not 32 bytes.
     """
-    return _rotate(np.asarray(x, dtype=np.float64).reshape(-1), seed, scale)
+    flat = np.asarray(x).reshape(-1)
+    if flat.dtype != np.float32:
+        flat = flat.astype(np.float64, copy=False)
+    rotated: FloatVector = _rotate(flat, seed, scale, np.dtype(np.float64), out)
+    return rotated
 
 
 def rotate_single(x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0) -> npt.NDArray[np.float32]:
@@ -198,19 +154,29 @@ def rotate_single(x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0) -> npt.N
     Raises:
         QuantizationError / ValueError: see :func:`rotate`.
     """
-    return _rotate(np.asarray(x, dtype=np.float32).reshape(-1), seed, scale)
+    flat = np.asarray(x, dtype=np.float32).reshape(-1)
+    rotated: npt.NDArray[np.float32] = _rotate(flat, seed, scale, np.dtype(np.float32), None)
+    return rotated
 
 
-def _rotate(flat: _F, seed: bytes, scale: float) -> _F:
+def _rotate(
+    flat: npt.NDArray[np.floating], seed: bytes, scale: float, dtype: np.dtype[Any], out: Any
+) -> Any:
     n = padded_length(flat.size)
     # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
     # square of finite values needs the full check
     if not math.isfinite(squared_norm(flat)) and not np.all(np.isfinite(flat)):
         raise QuantizationError("a vector to rotate contains NaN or infinite values")
-    padded = np.empty(n, dtype=flat.dtype)
-    _flip(flat, seed, padded[: flat.size])
-    padded[flat.size :] = 0.0
-    return _transform(padded, scale / math.sqrt(n), overwrite=True)
+    from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
+
+    if out is None:
+        out = np.empty(n, dtype=dtype)
+    elif out.dtype != dtype or out.shape != (n,) or not out.flags.c_contiguous:
+        raise QuantizationError(f"a rotation's output must be {n} contiguous {dtype} values")
+    table = _SIGN_TABLE if dtype == np.float64 else _SIGN_TABLE_SINGLE
+    factor = dtype.type(scale / math.sqrt(n))
+    kernels.signed_hadamard(flat, _sign_bytes(seed, flat.size), table, factor, out)
+    return out
 
 
 def unrotate(y: npt.ArrayLike, seed: bytes, d: int, *, scale: float = 1.0) -> FloatVector:
@@ -227,6 +193,10 @@ def unrotate(y: npt.ArrayLike, seed: bytes, d: int, *, scale: float = 1.0) -> Fl
         raise QuantizationError(
             f"a rotated vector of {d} coordinates has {n} elements, got {vec.size}"
         )
-    out = _transform(vec, scale / math.sqrt(n), overwrite=False)[:d]
+    from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
+
+    work = vec * (scale / math.sqrt(n))
+    kernels.hadamard_inplace(work)
+    out = work[:d]
     _flip(out, seed, out)
     return out

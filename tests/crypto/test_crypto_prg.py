@@ -222,3 +222,18 @@ def test_uniform01_range_and_mean() -> None:
 
 def test_zero_length_expand() -> None:
     assert prg.expand(SEED, b"d", 0, np.uint32).size == 0
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 100, 70_001])
+def test_expand_into_writes_the_same_values_in_place(count: int) -> None:
+    seed = bytes(range(32))
+    out = np.full(count, 7, dtype=np.uint32)
+    prg.expand_into(seed, b"x", out)
+    np.testing.assert_array_equal(out, prg.expand(seed, b"x", count, np.uint32))
+
+
+def test_expand_into_refuses_a_signed_or_strided_buffer() -> None:
+    with pytest.raises(ValueError, match="unsigned"):
+        prg.expand_into(bytes(32), b"x", np.zeros(8, dtype=np.int32))
+    with pytest.raises(ValueError, match="unsigned"):
+        prg.expand_into(bytes(32), b"x", np.zeros(16, dtype=np.uint32)[::2])

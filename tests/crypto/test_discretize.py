@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_the_ring_sum_is_the_exact_integer_sum_and_decodes_within_the_bound(
 ) -> None:
     spec = _spec(noise_multiplier=0.0)
     xs = _members(n, spec.dim, seed, norm)
-    encoded = [encode(x, spec, SHARED, _secret(i)) for i, x in enumerate(xs)]
+    encoded = [encode(x, spec, SHARED, _secret(i), integers=True) for i, x in enumerate(xs)]
     ring = sum(e.ring.astype(np.uint64) for e in encoded)
     ints = sum(e.integers for e in encoded)
     np.testing.assert_array_equal(recentre(ring, spec.ring_bits), ints)  # no wrap here
@@ -71,7 +72,7 @@ def test_the_ring_sum_is_the_exact_integer_sum_and_decodes_within_the_bound(
 def test_conditional_rounding_error_never_exceeds_its_bound(seed: int, norm: float) -> None:
     spec = _spec(noise_multiplier=0.0)
     x = _members(1, spec.dim, seed, norm)[0]
-    enc = encode(x, spec, SHARED, _secret(seed))
+    enc = encode(x, spec, SHARED, _secret(seed), integers=True)
     target = rotate(x * min(1.0, spec.clip / max(norm, 1e-300)), SHARED) * spec.scale
     assert np.linalg.norm(enc.integers - target) <= spec.rounding_bound
     assert np.all(np.abs(enc.integers - target) < 1)
@@ -128,7 +129,9 @@ def test_the_wrap_rate_stays_under_its_bound() -> None:
     # make wraps happen with aligned full-norm vectors
     spec = _spec(dim=1000, ring_bits=12, clip=4.0, wrap_stddevs=2.0, max_members=4)
     direction = _members(1, spec.dim, 3, spec.clip)[0]
-    ints = sum(encode(direction, spec, SHARED, _secret(i)).integers for i in range(4))
+    ints = sum(
+        encode(direction, spec, SHARED, _secret(i), integers=True).integers for i in range(4)
+    )
     rate = dz.wrap_count(ints, spec.ring_bits) / ints.size
     assert 0 < rate <= spec.wrap_bound()
     inside = recentre(to_ring(ints, spec.ring_bits), spec.ring_bits) == ints
@@ -211,3 +214,55 @@ def test_stochastic_rounding_is_unbiased(fraction: float) -> None:
     assert set(np.unique(ints)) <= {7, 8}
     rate = float((ints == 8).mean())
     assert abs(rate - fraction) <= 5 * math.sqrt(fraction * (1 - fraction) / count) + 1e-12
+
+
+@pytest.mark.parametrize("variance", [25.0, 6.7e5, 2.0e7, 3.0e9])
+def test_the_compiled_encoder_adds_exactly_the_skellam_noise_and_wraps(variance: float) -> None:
+    # int16 guide, int32 guide (K ≥ 2^15), and a variance drawn in parts; the noise the
+    # one-pass encoder adds is skellam()'s, value for value, and the ring is its residue
+    y = np.random.default_rng(7).standard_normal(20_000) * 300.0
+    seed = _secret(11)
+    noisy, ring, draws = dz._discretise(y, 1e9, seed, 40, variance, dz._Workspace().get(y.size))
+    quiet, _ = dz._conditional_round(y, 1e9, seed)
+    assert draws == 1
+    np.testing.assert_array_equal(noisy - quiet, skellam(seed, variance, y.size))
+    np.testing.assert_array_equal(ring, to_ring(noisy, 40))
+    assert ring.dtype == np.uint64
+
+
+def test_an_encoding_does_not_depend_on_what_the_thread_encoded_before() -> None:
+    small, large = _spec(), _spec(dim=1000)
+    x = np.random.default_rng(3).standard_normal(small.dim)
+    first = encode(x, small, SHARED, _secret(1), integers=True)
+    other = encode(np.ones(large.dim), large, SHARED, _secret(2), integers=True)
+    again = encode(x, small, SHARED, _secret(1), integers=True)
+    np.testing.assert_array_equal(first.ring, again.ring)
+    np.testing.assert_array_equal(first.integers, again.integers)
+    # results are the caller's own: a later encoding does not write into them
+    assert not np.shares_memory(first.integers, again.integers)
+    assert not np.shares_memory(first.ring, again.ring)
+    assert other.ring.size == large.padded
+
+    # every thread has its own buffers: concurrent encodings equal sequential ones
+    results: dict[int, dz.Encoded] = {}
+
+    def run(i: int) -> None:
+        for _ in range(5):
+            results[i] = encode(x * (i + 1), small, SHARED, _secret(i), integers=True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(4):
+        alone = encode(x * (i + 1), small, SHARED, _secret(i), integers=True)
+        np.testing.assert_array_equal(results[i].ring, alone.ring)
+
+
+def test_a_float32_vector_encodes_as_its_float64_widening() -> None:
+    spec = _spec()
+    x = np.random.default_rng(4).standard_normal(spec.dim).astype(np.float32)
+    a = encode(x, spec, SHARED, _secret(5), integers=True)
+    b = encode(x.astype(np.float64), spec, SHARED, _secret(5), integers=True)
+    np.testing.assert_array_equal(a.integers, b.integers)

@@ -21,6 +21,8 @@ from fedsec.crypto.rotation import (
 from fedsec.errors import QuantizationError
 
 SEED = hashlib.sha256(b"round spec").digest()
+# sha256 of three rotations of a fixed vector (see the last test)
+KNOWN_DIGEST = "25fe380467122dc3559e88173c7494776e4132187be72e409ab568f3ea71c3c2"
 vectors = hnp.arrays(
     np.float64,
     st.integers(1, 300),
@@ -75,8 +77,9 @@ def _butterflies(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("log2n", range(15))
-def test_every_kronecker_split_is_the_hadamard_transform(log2n: int) -> None:
-    # lengths 1..2^14 cover one to four factors of uneven sizes; integers keep it exact
+def test_the_compiled_transform_is_the_textbook_butterflies(log2n: int) -> None:
+    # lengths 1..2^14: even and odd numbers of radix-2 levels after the radix-4 passes,
+    # and lengths below the first pass's group of eight; integers keep it exact
     x = np.random.default_rng(log2n).integers(-1000, 1000, size=1 << log2n).astype(np.float64)
     np.testing.assert_array_equal(hadamard(x), _butterflies(x))
     assert hadamard(x) is not x
@@ -132,3 +135,32 @@ def test_bad_lengths_and_values_are_refused() -> None:
         rotate(np.zeros(0), SEED)
     with pytest.raises(QuantizationError, match="power-of-two"):
         hadamard(np.zeros(3))
+
+
+def test_a_float32_vector_rotates_as_its_float64_widening() -> None:
+    x = np.random.default_rng(5).standard_normal(5210).astype(np.float32)
+    np.testing.assert_array_equal(
+        rotate(x, SEED, scale=3.0), rotate(x.astype(np.float64), SEED, scale=3.0)
+    )
+
+
+def test_a_rotation_writes_into_the_buffer_it_is_given_or_refuses_it() -> None:
+    x = np.random.default_rng(6).standard_normal(1000)
+    out = np.full(1024, np.nan)
+    assert rotate(x, SEED, out=out) is out
+    np.testing.assert_array_equal(out, rotate(x, SEED))
+    for bad in (np.empty(1000), np.empty(1024, dtype=np.float32), np.empty(2048)[::2]):
+        with pytest.raises(QuantizationError, match="1024 contiguous float64"):
+            rotate(x, SEED, out=bad)
+
+
+def test_the_transform_gives_the_same_bits_on_every_machine() -> None:
+    # a fixed order of IEEE additions (no BLAS, no fastmath): the audit's re-derivation
+    # of a decoded sum depends on these exact bits, so a change to the arithmetic must
+    # show here first
+    x = (np.arange(5210, dtype=np.float64) % 97 - 48) / 7.0  # IEEE-exact, unlike sin
+    y = rotate(x, SEED, scale=3.0)
+    z = unrotate(y, SEED, 5210, scale=0.5)
+    single = rotate_single(x.astype(np.float32), SEED)
+    digest = hashlib.sha256(y.tobytes() + z.tobytes() + single.tobytes()).hexdigest()
+    assert digest == KNOWN_DIGEST
