@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m fedsec.crypto.kernels  # compile the numba loops once, not in each test's first round
 	touch $(STAMP)
 
 # Debian packages the tests drive for real: Chromium (the dashboard's browser tests) and

@@ -25,6 +25,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import numpy.typing as npt
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
 
@@ -69,13 +70,13 @@ def _levels_from(a: Any, h: int) -> None:
 
 
 @_jit
-def hadamard_inplace(a: Any) -> None:
+def _hadamard_inplace(a: Any) -> None:
     """a ← H·a for a contiguous float vector of power-of-two length (unnormalised)."""
     _levels_from(a, 1)
 
 
 @_jit
-def signed_hadamard(x: Any, sign_bytes: Any, sign_table: Any, scale: Any, out: Any) -> None:
+def _signed_hadamard(x: Any, sign_bytes: Any, sign_table: Any, scale: Any, out: Any) -> None:
     """out ← H·(scale·D·pad(x)): x's d values, each times ``scale`` and its sign, zero
     beyond d, then the transform.
 
@@ -146,7 +147,7 @@ _LANES = 8
 
 
 @_jit
-def squared_norm(x: Any) -> float:
+def _squared_norm(x: Any) -> float:
     """Σ x[i]² in float64 (exact products for a float32 x), as _LANES partial sums over
     i mod _LANES added in lane order."""
     n = x.size
@@ -164,7 +165,7 @@ def squared_norm(x: Any) -> float:
 
 
 @_jit
-def round_draw(y: Any, words: Any, ints: Any) -> tuple[float, int]:
+def _round_draw(y: Any, words: Any, ints: Any) -> tuple[float, int]:
     """One draw of stochastic rounding: ints[i] ← ⌊y[i]⌋ + up_i, up_i = words[i] < t_i,
     with frac_i = y[i] − ⌊y[i]⌋ and t_i = ⌊min(frac_i·2^32, 2^32 − 1)⌋ (float64).
 
@@ -199,7 +200,7 @@ def round_draw(y: Any, words: Any, ints: Any) -> tuple[float, int]:
 
 
 @_jit
-def add_noise_and_wrap(
+def _add_noise_and_wrap(
     ints: Any, words: Any, guide: Any, shift: int, open_value: int, mask: int, ring: Any, opens: Any
 ) -> int:
     """ints[i] += guide[words[i] >> shift] and ring[i] ← ints[i] & mask (two's
@@ -224,3 +225,95 @@ def add_noise_and_wrap(
         ints[i] = v
         ring[i] = v & mask
     return count
+
+
+Vector = npt.NDArray[Any]
+
+
+def _ro(a: Vector) -> Vector:
+    """A read-only view: numba compiles a loop once per argument type, and a read-only
+    array is another type than a writable one; inputs always come in read-only, so
+    each loop has one variant per dtype whatever the caller's array allowed."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def hadamard_inplace(a: Vector) -> None:
+    """a ← H·a for a contiguous, writable float vector of power-of-two length
+    (unnormalised)."""
+    _hadamard_inplace(a)
+
+
+def signed_hadamard(
+    x: Vector, sign_bytes: Vector, sign_table: Vector, scale: np.floating[Any], out: Vector
+) -> None:
+    """out ← H·(scale·D·pad(x)); see :func:`_signed_hadamard`."""
+    _signed_hadamard(_ro(x), _ro(sign_bytes), _ro(sign_table), scale, out)
+
+
+def squared_norm(x: Vector) -> float:
+    """Σ x[i]² in float64, in a fixed order; see :func:`_squared_norm`."""
+    return float(_squared_norm(_ro(x)))
+
+
+def round_draw(y: Vector, words: Vector, ints: Vector) -> tuple[float, int]:
+    """One draw of stochastic rounding into ``ints``; see :func:`_round_draw`."""
+    total, ties = _round_draw(_ro(y), _ro(words), ints)
+    return float(total), int(ties)
+
+
+def add_noise_and_wrap(
+    ints: Vector,
+    words: Vector,
+    guide: Vector,
+    shift: int,
+    open_value: int,
+    mask: int,
+    ring: Vector,
+    opens: Vector,
+) -> int:
+    """The noise lookup and the wrap into ``ring``; see :func:`_add_noise_and_wrap`."""
+    return int(
+        _add_noise_and_wrap(ints, _ro(words), _ro(guide), shift, open_value, mask, ring, opens)
+    )
+
+
+def warm() -> int:
+    """Compile (or load from the cache) every type combination fedsec calls these loops
+    with, so that no process pays a compilation at its first round: the float32 and
+    float64 transforms, the rounding pass, and the noise pass for both guide dtypes and
+    every ring dtype.  Returns how many combinations it ran.  ``make`` runs it once
+    after installing (``python -m fedsec.crypto.kernels``)."""
+    count = 0
+    signs = np.zeros(2, dtype=np.uint8)
+    for out_dtype, in_dtypes in (
+        (np.float64, (np.float64, np.float32)),
+        (np.float32, (np.float32,)),
+    ):
+        table = np.ones((256, 8), dtype=out_dtype)
+        for in_dtype in in_dtypes:
+            x = np.ones(16, dtype=in_dtype)
+            signed_hadamard(x, signs, table, out_dtype(1.0), np.empty(16, dtype=out_dtype))
+            squared_norm(x)
+            count += 2
+    hadamard_inplace(np.ones(16))
+    y = np.linspace(-3.0, 3.0, 16)
+    words = np.arange(16, dtype="<u4")
+    ints = np.empty(16, dtype=np.int64)
+    opens = np.empty(16, dtype=np.int64)
+    round_draw(y, words, ints)
+    count += 2
+    for guide_dtype in (np.int16, np.int32):
+        guide = np.zeros(1 << 12, dtype=guide_dtype)
+        for ring_code in ("<u1", "<u2", "<u4", "<u8"):
+            ring = np.empty(16, dtype=ring_code)
+            add_noise_and_wrap(
+                ints, words, guide, 20, int(np.iinfo(guide_dtype).min), 255, ring, opens
+            )
+            count += 1
+    return count
+
+
+if __name__ == "__main__":
+    print(f"fedsec.crypto.kernels: {warm()} loop variants compiled or loaded")
