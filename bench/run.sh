@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEDSEC=.venv/bin/fedsec
+PY=.venv/bin/python
 out=bench/results
 mkdir -p "$out"
 echo "== secagg (SecAgg+ n=100 d=1e6 k=7 t=4 b=8, 10% lost after share keys)"
@@ -101,6 +102,12 @@ for args in "--bits 8" "--bits 2 --rotation hadamard --sparsity 0.4" \
   "--bits 4 --rotation hadamard --sparsity 0.36" "--bits 4 --rotation hadamard --sparsity 0.18"; do
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
     $args --repeat 2 --json | tee -a "$out/compression.jsonl"
+done
+echo "== compression: fewer ring headroom bits at the same 8.4x payload, in-process (docs/compression.md)"
+for seed in 0 1; do
+  $PY bench/headroom_check.py --seed $seed --headroom 6 5 4 3 --keep 0.38 0.42 0.475 0.543 \
+    | tee -a "$out/compression.jsonl"
+  $PY bench/headroom_check.py --seed $seed --bits 8 --headroom 6 --keep 1 | tee -a "$out/compression.jsonl"
 done
 echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"

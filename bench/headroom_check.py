@@ -1,0 +1,157 @@
+"""Does the compressed codec need its full ring headroom?  Measured, in-process.
+
+The ring keeps m = b + ⌈log₂ n⌉ bits so that the sum of n offset b-bit values never
+wraps, whatever the data (``fedsec.crypto.quantize.default_ring_bits``).  Issue 17 asks
+whether fewer headroom bits h, with the wraps counted, keep the accuracy, since every
+bit cut lets a member send more coordinates at the same payload.
+
+Each round, every member trains from the global model with the task's simulation
+settings (``fedsec.simulation.SIM_DEFAULTS``), clips to the simulation's clip and
+encodes with the real codec (:class:`fedsec.protocol.update_codec.UpdateCodec`: shared
+Hadamard rotation, shared subset, b-bit rounding over ±range_stddevs·clip/√N).  The exact
+integer sum S of the encodings is formed, and a ring of b + h bits is emulated: the
+decoder sees S mod 2^(b+h), subtracts the n offsets, recentres, and decodes with the
+codec as the aggregator does.  A coordinate whose centred sum lies outside the smaller
+ring's half range wraps and is counted; the weight element is summed exactly (it would
+travel with full headroom).  The server applies FedAvg with the task's server lr.
+
+Prints one JSON object per run: the settings, the payload bytes per member and round,
+the wrap rate, the largest centred |sum| in levels and the bits it needed, and the final
+test accuracy.  Run: ``.venv/bin/python bench/headroom_check.py --headroom 6 5 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+
+import numpy as np
+import torch
+
+from fedsec.crypto.quantize import QuantSpec
+from fedsec.crypto.rotation import padded_length
+from fedsec.learning.training import train_local
+from fedsec.protocol.update_codec import UpdateCodec
+from fedsec.simulation import SIM_DEFAULTS
+from fedsec.tasks import TrainingParams, get_task, parse_partition
+from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.params import flatten_params, load_flat_params
+
+
+def _codec(d: int, bits: int, ring_bits: int, keep: float, clip: float, seed: bytes) -> UpdateCodec:
+    if keep >= 1.0:  # the uncompressed baseline: every coordinate, clip-wide range
+        quant = QuantSpec(bits, clip, ring_bits)
+        return UpdateCodec("plain", quant, d, None, d, None, clip, 1.0, None, False)
+    n = padded_length(d)
+    k = max(1, min(n, round(keep * d)))
+    s = 3.0 * clip / math.sqrt(n)
+    rotation_seed = hashlib.sha256(b"rotation" + seed).digest()
+    subset_seed = hashlib.sha256(b"subset" + seed).digest()
+    quant = QuantSpec(bits, clip, ring_bits)  # the clip; ``s`` is the rounding range
+    return UpdateCodec("compressed", quant, d, rotation_seed, k, subset_seed, s, n / k, None, False)
+
+
+def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, object]:
+    """One federation of ``args.rounds`` rounds with a ring of bits + headroom."""
+    torch.manual_seed(args.seed)
+    defaults = SIM_DEFAULTS[args.task]
+    params = TrainingParams(
+        local_epochs=defaults["local_epochs"],
+        batch_size=defaults["batch_size"],
+        lr=defaults["lr"],
+        optimizer=defaults["optimizer"],
+    )
+    clip, server_lr = defaults["clip"], defaults.get("server_lr", 1.0)
+    task = get_task(args.task)
+    data = task.load()
+    parts = parse_partition("iid").apply(data.y_train, args.agents, args.seed)
+    model = task.build_model(args.seed)
+    g = flatten_params(model).astype(np.float64)
+    d, n = g.size, args.agents
+    full = args.bits + max(1, math.ceil(math.log2(n)))  # the codec's own ring
+    small = args.bits + headroom
+    levels = (1 << args.bits) - 1
+    wrapped = coords = 0
+    peak = 0
+    started = time.perf_counter()
+    for r in range(1, args.rounds + 1):
+        seed = hashlib.sha256(b"headroom %d %d" % (args.seed, r)).digest()
+        codec = _codec(d, args.bits, full, keep, clip, seed)
+        total = np.zeros(codec.length, dtype=np.int64)
+        for i, idx in enumerate(parts):
+            local = task.build_model(0)
+            load_flat_params(local, g.astype(np.float32))
+            train_local(
+                local, data.x_train[idx], data.y_train[idx], params, None, "cpu", r * 1009 + i
+            )
+            delta = flatten_params(local).astype(np.float64) - g
+            norm = float(np.linalg.norm(delta))
+            if norm > clip:
+                delta *= clip / norm
+            secret = hashlib.sha256(seed + b"member %d" % i).digest()
+            total += codec.encode(delta, 1.0, secret).ring.astype(np.int64)
+        body = total[:-1]
+        # centred sum in half-levels: 2·Σ(v − L/2) = 2S − n·L (exact integers)
+        twice = 2 * body - n * levels
+        peak = max(peak, int(np.max(np.abs(twice))) // 2 + 1)
+        half = 1 << (small - 1)
+        wraps = np.abs(twice) >= 2 * half
+        wrapped += int(np.count_nonzero(wraps))
+        coords += body.size
+        # what a decoder of the b + h-bit ring recovers: S mod 2^(b+h), minus the offsets,
+        # recentred, plus the offsets again
+        modulus = 1 << small
+        offset2 = n * levels  # 2·n·L/2
+        seen = np.mod(body, modulus)
+        centred2 = np.mod(2 * seen - offset2, 2 * modulus)
+        centred2[centred2 >= modulus] -= 2 * modulus
+        recovered = (centred2 + offset2) // 2
+        ring_sum = np.concatenate([np.mod(recovered, 1 << full), total[-1:]])
+        update, weight = codec.decode_sum(ring_sum.astype(np.uint64), n)
+        g = g + server_lr * update / weight
+    final = task.build_model(0)
+    load_flat_params(final, g.astype(np.float32))
+    accuracy = float(evaluate(final, data.x_test, data.y_test)[0])
+    payload = math.ceil((codec.length * small) / 8)
+    return {
+        "bench": "headroom",
+        "task": args.task,
+        "agents": n,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "bits": args.bits,
+        "keep": keep,
+        "headroom_bits": headroom,
+        "ring_bits": small,
+        "full_ring_bits": full,
+        "payload_bytes_per_agent_round": payload,
+        "payload_compression_ratio": round(4 * d / payload, 3),
+        "wrap_rate": wrapped / coords,
+        "peak_centred_levels": peak,
+        "peak_needs_ring_bits": math.ceil(math.log2(peak + 1)) + 1,
+        "final_accuracy": accuracy,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    """Run one federation per (headroom, keep) pair and print each as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--task", default="mnist1d", choices=list(SIM_DEFAULTS))
+    parser.add_argument("--agents", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--headroom", type=int, nargs="+", default=[6])
+    parser.add_argument("--keep", type=float, nargs="+", default=[0.38])  # 1: plain
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for headroom, keep in zip(args.headroom, args.keep, strict=True):
+        print(json.dumps(run(args, headroom, keep)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
