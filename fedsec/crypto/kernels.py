@@ -141,6 +141,14 @@ def _signed_hadamard(x: Any, sign_bytes: Any, sign_table: Any, scale: Any, out: 
     _levels_from(out, 8)
 
 
+@_jit
+def _apply_signs(v: Any, sign_bytes: Any, sign_table: Any) -> None:
+    """v[i] *= sign_table[sign_bytes[i >> 3], i & 7] in place: D·v (a product with ±1,
+    exact)."""
+    for i in range(v.size):
+        v[i] *= sign_table[sign_bytes[i >> 3], i & 7]
+
+
 # Partial sums of the rounding error's squared norm: eight, added in a fixed order, so
 # the sum is vectorised and still the same bits everywhere.
 _LANES = 8
@@ -252,6 +260,11 @@ def signed_hadamard(
     _signed_hadamard(_ro(x), _ro(sign_bytes), _ro(sign_table), scale, out)
 
 
+def apply_signs(v: Vector, sign_bytes: Vector, sign_table: Vector) -> None:
+    """v ← D·v in place, D's signs as :func:`signed_hadamard` reads them."""
+    _apply_signs(v, _ro(sign_bytes), _ro(sign_table))
+
+
 def squared_norm(x: Vector) -> float:
     """Σ x[i]² in float64, in a fixed order; see :func:`_squared_norm`."""
     return float(_squared_norm(_ro(x)))
@@ -282,9 +295,9 @@ def add_noise_and_wrap(
 def warm() -> int:
     """Compile (or load from the cache) every type combination fedsec calls these loops
     with, so that no process pays a compilation at its first round: the float32 and
-    float64 transforms, the rounding pass, and the noise pass for both guide dtypes and
-    every ring dtype.  Returns how many combinations it ran.  ``make`` runs it once
-    after installing (``python -m fedsec.crypto.kernels``)."""
+    float64 transforms, the decoder's sign flip, the rounding pass, and the noise pass
+    for both guide dtypes and every ring dtype.  Returns how many combinations it ran.
+    ``make`` runs it once after installing (``python -m fedsec.crypto.kernels``)."""
     count = 0
     signs = np.zeros(2, dtype=np.uint8)
     for out_dtype, in_dtypes in (
@@ -298,6 +311,8 @@ def warm() -> int:
             squared_norm(x)
             count += 2
     hadamard_inplace(np.ones(16))
+    apply_signs(np.ones(32)[:16], signs, np.ones((256, 8)))
+    count += 1
     y = np.linspace(-3.0, 3.0, 16)
     words = np.arange(16, dtype="<u4")
     ints = np.empty(16, dtype=np.int64)

@@ -78,17 +78,6 @@ def _sign_bytes(seed: bytes, n: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(prg.keystream(seed, _SIGN_DOMAIN, (n + 7) // 8), dtype=np.uint8)
 
 
-def _flip(values: npt.NDArray[np.floating], seed: bytes, out: npt.NDArray[np.floating]) -> None:
-    """``out = D·values`` for the first ``values.size`` signs, by XOR of each sign bit
-    into the float's sign bit (float64 or float32): exactly the product with ±1.0, at a
-    third of its cost (no float vector of signs)."""
-    n = values.size
-    word = np.uint64 if values.dtype == np.float64 else np.uint32
-    bits = np.unpackbits(_sign_bytes(seed, n), bitorder="little", count=n)
-    masks = np.left_shift(bits, word(8 * values.itemsize - 1), dtype=word)
-    np.bitwise_xor(values.view(word), masks, out=out.view(word))
-
-
 def squared_norm(x: npt.NDArray[np.floating]) -> float:
     """‖x‖² of a float vector, on the calling thread (in its own precision).
 
@@ -198,5 +187,5 @@ def unrotate(y: npt.ArrayLike, seed: bytes, d: int, *, scale: float = 1.0) -> Fl
     work = vec * (scale / math.sqrt(n))
     kernels.hadamard_inplace(work)
     out = work[:d]
-    _flip(out, seed, out)
+    kernels.apply_signs(out, _sign_bytes(seed, d), _SIGN_TABLE)
     return out
