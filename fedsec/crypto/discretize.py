@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -318,18 +320,18 @@ def encode(
     norm = math.sqrt(squared)
     clipped = norm > spec.clip
     factor = spec.scale * (spec.clip / norm if clipped else 1.0)
-    work = _WORKSPACE.get(spec.padded)
-    scaled = rotate(flat, shared_seed, scale=factor, out=work.y)
-    variance = spec.share_variance if spec.noise_multiplier > 0 else 0.0
-    ints, ring, draws = _discretise(
-        scaled, spec.rounding_bound, secret_seed, spec.ring_bits, variance, work
-    )
-    return Encoded(ring, ints.copy() if integers else None, draws, clipped)
+    with _workspace(spec.padded) as work:
+        scaled = rotate(flat, shared_seed, scale=factor, out=work.y)
+        variance = spec.share_variance if spec.noise_multiplier > 0 else 0.0
+        ints, ring, draws = _discretise(
+            scaled, spec.rounding_bound, secret_seed, spec.ring_bits, variance, work
+        )
+        return Encoded(ring, ints.copy() if integers else None, draws, clipped)
 
 
-class _Workspace(threading.local):
-    """One thread's encoder buffers for the last padded length it encoded: the rotated
-    vector, the integers, the keystream words and the open-bucket indices.
+class _Workspace:
+    """Encoder buffers for one padded length: the rotated vector, the integers, the
+    keystream words and the open-bucket indices.
 
     Allocated afresh for each encoding they would fault in some 30 MB of new pages at
     d = 2^20, which costs about as much as the encoding.  Every use writes them before
@@ -350,7 +352,22 @@ class _Workspace(threading.local):
         return self
 
 
-_WORKSPACE = _Workspace()
+# One kept workspace per process (the last length encoded): a process's memory holds
+# at most one, however many threads encode.  An encoding that finds it in use gets
+# buffers of its own, freed when it returns.
+_SHARED = _Workspace()
+_SHARED_LOCK = threading.Lock()
+
+
+@contextmanager
+def _workspace(n: int) -> Iterator[_Workspace]:
+    if not _SHARED_LOCK.acquire(blocking=False):
+        yield _Workspace().get(n)
+        return
+    try:
+        yield _SHARED.get(n)
+    finally:
+        _SHARED_LOCK.release()
 
 
 def _conditional_round(

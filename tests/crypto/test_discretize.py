@@ -243,7 +243,8 @@ def test_an_encoding_does_not_depend_on_what_the_thread_encoded_before() -> None
     assert not np.shares_memory(first.ring, again.ring)
     assert other.ring.size == large.padded
 
-    # every thread has its own buffers: concurrent encodings equal sequential ones
+    # an encoding that finds the kept buffers in use gets its own: concurrent encodings
+    # equal sequential ones
     results: dict[int, dz.Encoded] = {}
 
     def run(i: int) -> None:
