@@ -389,9 +389,10 @@ def _discretise(
     A coordinate rounds up when u < frac for a 53-bit uniform u = (W·2^21 + L)/2^53:
     with t = ⌊frac·2^32⌋ the word W decides alone unless W = t (probability 2^-32),
     and only there is L drawn, so the rule is exactly that of 53-bit uniforms.  The
-    noise is :func:`skellam`'s, value for value.  One compiled pass
-    (:func:`fedsec.crypto.kernels.discretise`) does the rest; the rare ties and the
-    noise values whose guide bucket is open are completed here."""
+    noise is :func:`skellam`'s, value for value.  Two compiled passes do the rest
+    (:func:`fedsec.crypto.kernels.round_draw`, then
+    :func:`~fedsec.crypto.kernels.add_noise_and_wrap`); the rare ties and the noise
+    values whose guide bucket is open are completed here."""
     from fedsec.crypto import kernels  # numba: imported by processes that discretise
 
     ints, opens, words = work.ints, work.opens, work.round_words
