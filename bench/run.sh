@@ -39,6 +39,11 @@ for eps in 3 1; do
   $FEDSEC simulate --task mnist1d --agents 50 --rounds 200 --dp-epsilon $eps --dp-mode distributed \
     --dp-min-survivors 0.96 --server-lr 0.03 --secure-sum secagg --seed 0 --json | tee -a "$out/ddp.jsonl"
 done
+echo "== distributed DP over SecAgg+ (record level): digits, epsilon 8, 3 and 1 through the real round"
+for eps in 8 3 1; do
+  $FEDSEC simulate --task digits --agents 50 --rounds 200 --dp-epsilon $eps --dp-mode distributed \
+    --dp-min-survivors 0.96 --server-lr 0.03 --secure-sum secagg --seed 0 --json | tee -a "$out/ddp.jsonl"
+done
 echo "== ddp: member level through the real round (50 members: the noise drowns the mean)"
 $FEDSEC simulate --task mnist1d --agents 50 --rounds 40 --dp-epsilon 8 --dp-mode distributed \
   --dp-unit member --secure-sum secagg --seed 0 --json | tee -a "$out/ddp.jsonl"
