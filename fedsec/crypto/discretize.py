@@ -389,23 +389,12 @@ def _discretise(
     A coordinate rounds up when u < frac for a 53-bit uniform u = (W·2^21 + L)/2^53:
     with t = ⌊frac·2^32⌋ the word W decides alone unless W = t (probability 2^-32),
     and only there is L drawn, so the rule is exactly that of 53-bit uniforms.  The
-    noise is :func:`skellam`'s, value for value.  Two compiled passes do the rest
-    (:func:`fedsec.crypto.kernels.round_draw`, then
-    :func:`~fedsec.crypto.kernels.add_noise_and_wrap`); the rare ties and the noise
-    values whose guide bucket is open are completed here."""
+    noise is :func:`skellam`'s, value for value (:func:`_add_skellam`, which also
+    wraps).  The rounding is one compiled pass
+    (:func:`fedsec.crypto.kernels.round_draw`); the rare ties are decided here."""
     from fedsec.crypto import kernels  # numba: imported by processes that discretise
 
-    ints, opens, words = work.ints, work.opens, work.round_words
-    ring = np.empty(y.size, dtype=ring_dtype(ring_bits))
-    mask = (1 << ring_bits) - 1
-    parts = _noise_parts(variance) if variance > 0 else 0
-    if parts == 1:  # a single table: its lookup rides in the wrapping pass
-        half, steps, guide = _skellam_table(float(variance))
-        noise_words = work.noise_words
-        prg.expand_into(seed, _NOISE_DOMAIN, noise_words)
-    else:
-        half, steps = 0, np.zeros(0, dtype=np.int64)
-        guide, noise_words = np.zeros(1, dtype=np.int16), np.zeros(0, dtype=np.uint32)
+    ints, words = work.ints, work.round_words
     for draw in range(1, MAX_ROUNDING_TRIES + 1):
         domain = _ROUNDING_DOMAIN + str(draw).encode()
         prg.expand_into(seed, domain, words)
@@ -418,16 +407,10 @@ def _discretise(
         raise QuantizationError(
             f"conditional rounding exceeded its error bound {MAX_ROUNDING_TRIES} times"
         )
-    if parts > 1:
-        _add_skellam(ints, seed, variance)
+    if variance == 0:
         return ints, to_ring(ints, ring_bits), draw
-    count = kernels.add_noise_and_wrap(
-        ints, noise_words, guide, _WORD_BITS - GUIDE_BITS, _open(guide.dtype), mask, ring, opens
-    )
-    if count:  # complete those 53-bit uniforms and search
-        open_ = opens[:count]
-        ints[open_] += _search(steps, half, noise_words[open_], seed, _NOISE_DOMAIN)
-        ring[open_] = to_ring(ints[open_], ring_bits)
+    ring = np.empty(y.size, dtype=ring_dtype(ring_bits))
+    _add_skellam(ints, seed, variance, work, ring, ring_bits)
     return ints, ring, draw
 
 
@@ -519,17 +502,35 @@ def _noise_parts(variance: float) -> int:
     return max(1, math.ceil(variance / MAX_TABLE_VARIANCE))
 
 
-def _add_skellam(ints: npt.NDArray[np.int64], seed: bytes, variance: float) -> None:
-    """ints += Skellam values of ``variance``, one per element (see :func:`skellam`)."""
+def _add_skellam(
+    ints: npt.NDArray[np.int64],
+    seed: bytes,
+    variance: float,
+    work: _Workspace,
+    ring: RingVector,
+    ring_bits: int,
+) -> None:
+    """ints += Skellam values of ``variance``, one per element (see :func:`skellam`), and
+    ring ← ints mod 2^ring_bits; ``work`` lends its noise words and open-bucket indices.
+
+    Each part is one compiled pass (:func:`fedsec.crypto.kernels.add_noise_and_wrap`:
+    the guide lookup and the wrap); the values whose guide bucket is open are completed
+    here."""
+    from fedsec.crypto import kernels  # numba: imported by processes that discretise
+
     parts = _noise_parts(variance)
+    words, opens, mask = work.noise_words, work.opens, (1 << ring_bits) - 1
     for part in range(parts):  # |sum| ≤ parts·K_part, far inside int64 under the cap
         domain = _NOISE_DOMAIN + (b"/part/%d" % part if part else b"")
         half, steps, guide = _skellam_table(float(variance / parts))
-        words = prg.expand(seed, domain, ints.size, np.uint32)
-        values = np.take(guide, words >> np.uint32(_WORD_BITS - GUIDE_BITS)).astype(np.int64)
-        open_ = np.flatnonzero(values == _open(guide.dtype))
-        values[open_] = _search(steps, half, words[open_], seed, domain)
-        ints += values
+        prg.expand_into(seed, domain, words)
+        count = kernels.add_noise_and_wrap(
+            ints, words, guide, _WORD_BITS - GUIDE_BITS, _open(guide.dtype), mask, ring, opens
+        )
+        if count:  # complete those 53-bit uniforms and search
+            open_ = opens[:count]
+            ints[open_] += _search(steps, half, words[open_], seed, domain)
+            ring[open_] = to_ring(ints[open_], ring_bits)
 
 
 def _open(dtype: npt.DTypeLike) -> int:
@@ -569,7 +570,8 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
         ValueError: ``seed`` is not 32 bytes.
     """
     values = np.zeros(count, dtype=np.int64)
-    _add_skellam(values, seed, variance)
+    ring = np.empty(count, dtype=ring_dtype(MAX_DDP_RING_BITS))  # not used: no wrap here
+    _add_skellam(values, seed, variance, _Workspace().get(count), ring, MAX_DDP_RING_BITS)
     return values
 
 

@@ -212,15 +212,11 @@ def _add_noise_and_wrap(
     ints: Any, words: Any, guide: Any, shift: int, open_value: int, mask: int, ring: Any, opens: Any
 ) -> int:
     """ints[i] += guide[words[i] >> shift] and ring[i] ← ints[i] & mask (two's
-    complement, in ring's dtype), in one pass; no noise where ``words`` is empty.
+    complement, in ring's dtype), in one pass.
 
     Where the guide entry is ``open_value`` the noise is left out and i is written to
     opens[0..count), ascending; returns count.  The caller completes those values and
     corrects ints and ring there."""
-    if words.size == 0:
-        for i in range(ints.size):
-            ring[i] = ints[i] & mask
-        return 0
     count = 0
     for i in range(ints.size):
         g = guide[words[i] >> shift]
