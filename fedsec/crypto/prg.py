@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 SEED_BYTES = 32
@@ -45,14 +45,16 @@ def _zeros(nbytes: int) -> bytes:
     return buf
 
 
+def _encryptor(seed: bytes, domain: bytes) -> CipherContext:
+    """The AES-256-CTR stream of ``(seed, domain)``, from its start."""
+    return Cipher(algorithms.AES(derive_key(seed, domain)), modes.CTR(_ZERO_COUNTER)).encryptor()
+
+
 def keystream(seed: bytes, domain: bytes, nbytes: int) -> bytes:
     """``nbytes`` of AES-256-CTR keystream for ``(seed, domain)``."""
     if nbytes < 0:
         raise ValueError("nbytes must be non-negative")
-    encryptor = Cipher(
-        algorithms.AES(derive_key(seed, domain)), modes.CTR(_ZERO_COUNTER)
-    ).encryptor()
-    return encryptor.update(_zeros(nbytes))
+    return _encryptor(seed, domain).update(_zeros(nbytes))
 
 
 def expand(
@@ -84,9 +86,7 @@ def expand_into(seed: bytes, domain: bytes, out: npt.NDArray[np.unsignedinteger]
             f"expand_into needs a contiguous little-endian unsigned array, got {out.dtype}"
         )
     raw = out.reshape(-1).view(np.uint8)
-    encryptor = Cipher(
-        algorithms.AES(derive_key(seed, domain)), modes.CTR(_ZERO_COUNTER)
-    ).encryptor()
+    encryptor = _encryptor(seed, domain)
     # update_into wants room for a block beyond what it writes: the last block comes
     # from update, continuing the same stream
     head = max(0, raw.size - 16)
