@@ -488,7 +488,7 @@ class Verifier:
         own = _Charged(
             _trained_round(report), report.noise_multiplier, report.sample_rate, report.steps
         )
-        declared = [(("charge", c.index), _Charged.of(c)) for c in report.unreported]
+        declared = [(_charge_key(c.index, -1), _Charged.of(c)) for c in report.unreported]
         for key, charge in [*declared, (_charge_key(report.charge, own.round), own)]:
             # a charge is given one way only; a report naming no charge replaces the
             # last report of its round
