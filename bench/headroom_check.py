@@ -31,27 +31,24 @@ import time
 import numpy as np
 import torch
 
-from fedsec.crypto.quantize import QuantSpec
-from fedsec.crypto.rotation import padded_length
+from fedsec.bench.secagg import codec_round_spec
+from fedsec.crypto.quantize import QuantSpec, default_ring_bits
 from fedsec.learning.training import train_local
-from fedsec.protocol.update_codec import UpdateCodec
+from fedsec.protocol.update_codec import UpdateCodec, codec_for, default_range_stddevs
 from fedsec.simulation import SIM_DEFAULTS
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params, load_flat_params
 
 
-def _codec(d: int, bits: int, ring_bits: int, keep: float, clip: float, seed: bytes) -> UpdateCodec:
-    if keep >= 1.0:  # the uncompressed baseline: every coordinate, clip-wide range
-        quant = QuantSpec(bits, clip, ring_bits)
-        return UpdateCodec("plain", quant, d, None, d, None, clip, 1.0, None, False)
-    n = padded_length(d)
-    k = max(1, min(n, round(keep * d)))
-    s = 3.0 * clip / math.sqrt(n)
-    rotation_seed = hashlib.sha256(b"rotation" + seed).digest()
-    subset_seed = hashlib.sha256(b"subset" + seed).digest()
-    quant = QuantSpec(bits, clip, ring_bits)  # the clip; ``s`` is the rounding range
-    return UpdateCodec("compressed", quant, d, rotation_seed, k, subset_seed, s, n / k, None, False)
+def _codec(d: int, members: int, bits: int, keep: float, clip: float, seed: bytes) -> UpdateCodec:
+    """The codec a round spec with these settings prescribes (``fedsec.simulate``'s
+    choices): rotated with the default range when keep < 1, plain 8-bit-style else."""
+    rotation = "hadamard" if keep < 1.0 else "none"
+    quant = QuantSpec(bits, clip, default_ring_bits(bits, members))
+    cohort = [f"member-{i}" for i in range(members)]
+    stddevs = default_range_stddevs(rotation)
+    return codec_for(codec_round_spec(cohort, quant, d, rotation, keep, stddevs, seed))
 
 
 def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, object]:
@@ -71,7 +68,7 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     model = task.build_model(args.seed)
     g = flatten_params(model).astype(np.float64)
     d, n = g.size, args.agents
-    full = args.bits + max(1, math.ceil(math.log2(n)))  # the codec's own ring
+    full = default_ring_bits(args.bits, n)  # the codec's own ring
     small = args.bits + headroom
     levels = (1 << args.bits) - 1
     wrapped = coords = 0
@@ -79,7 +76,7 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     started = time.perf_counter()
     for r in range(1, args.rounds + 1):
         seed = hashlib.sha256(b"headroom %d %d" % (args.seed, r)).digest()
-        codec = _codec(d, args.bits, full, keep, clip, seed)
+        codec = _codec(d, n, args.bits, keep, clip, seed)
         total = np.zeros(codec.length, dtype=np.int64)
         for i, idx in enumerate(parts):
             local = task.build_model(0)

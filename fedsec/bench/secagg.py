@@ -119,7 +119,7 @@ def run_secagg(
         ddp = DdpSpec(dim, ring_bits, clip, clip, ddp_noise, clients - n_drop, clients)
     shared = os.urandom(32)  # the round's rotation (from the signed spec in a round)
     codec = (
-        codec_for(_round_spec(members, spec, dim, rotation, keep, range_stddevs))
+        codec_for(codec_round_spec(members, spec, dim, rotation, keep, range_stddevs))
         if compressed
         else None
     )
@@ -294,11 +294,18 @@ def run_secagg(
 _ADVERTISE_BYTES = 32 + 32 + 64
 
 
-def _round_spec(
-    members: list[str], quant: QuantSpec, dim: int, rotation: str, keep: float, stddevs: float
+def codec_round_spec(
+    members: list[str],
+    quant: QuantSpec,
+    dim: int,
+    rotation: str,
+    keep: float,
+    stddevs: float,
+    seed: bytes | None = None,
 ) -> wire.RoundSpec:
     """The fields of a round spec that decide its codec (unsigned: nothing here is
-    verified, and the codec depends on no signature)."""
+    verified, and the codec depends on no signature); ``seed`` (32 bytes) is the
+    attempt's seed, random if None."""
     return wire.RoundSpec(
         federation_id="bench",
         round=1,
@@ -316,7 +323,7 @@ def _round_spec(
         ring_bits=quant.ring_bits,
         clip_norm=quant.clip,
         dim=dim,
-        seed=os.urandom(32).hex(),
+        seed=(seed if seed is not None else os.urandom(32)).hex(),
         max_weight_samples=1,
         weight_caps={},
         training=wire.TrainingSpec(local_epochs=1, batch_size=1, lr=0.0, optimizer="sgd"),
