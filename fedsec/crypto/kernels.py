@@ -262,7 +262,9 @@ def apply_signs(v: Vector, sign_bytes: Vector, sign_table: Vector) -> None:
 
 
 def squared_norm(x: Vector) -> float:
-    """Σ x[i]² in float64, in a fixed order; see :func:`_squared_norm`."""
+    """Σ x[i]² in float64, in a fixed order, on the calling thread (numpy's ``x @ x`` is
+    an OpenBLAS dot whose worker threads spin after it on a shared machine); see
+    :func:`_squared_norm`."""
     return float(_squared_norm(_ro(x)))
 
 

@@ -78,15 +78,6 @@ def _sign_bytes(seed: bytes, n: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(prg.keystream(seed, _SIGN_DOMAIN, (n + 7) // 8), dtype=np.uint8)
 
 
-def squared_norm(x: npt.NDArray[np.floating]) -> float:
-    """‖x‖² of a float vector, on the calling thread (in its own precision).
-
-    numpy's ``x @ x`` is an OpenBLAS dot, which above 10,000 values wakes its worker
-    threads; they then spin for the next call and took as much CPU as the whole
-    rotation on a shared 2-core machine.  einsum's own loop stays on this thread."""
-    return float(np.einsum("i,i->", x, x))
-
-
 def hadamard(x: FloatVector) -> FloatVector:
     """The unnormalised Walsh-Hadamard transform H·x of a power-of-two-length vector
     (a new float64 array; ``x`` is not modified).
@@ -152,11 +143,12 @@ def _rotate(
     flat: npt.NDArray[np.floating], seed: bytes, scale: float, dtype: np.dtype[Any], out: Any
 ) -> Any:
     n = padded_length(flat.size)
+    from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
+
     # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
     # square of finite values needs the full check
-    if not math.isfinite(squared_norm(flat)) and not np.all(np.isfinite(flat)):
+    if not math.isfinite(kernels.squared_norm(flat)) and not np.all(np.isfinite(flat)):
         raise QuantizationError("a vector to rotate contains NaN or infinite values")
-    from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
 
     if out is None:
         out = np.empty(n, dtype=dtype)
