@@ -321,7 +321,7 @@ def encode(
     clipped = norm > spec.clip
     factor = spec.scale * (spec.clip / norm if clipped else 1.0)
     with _workspace(spec.padded) as work:
-        scaled = rotate(flat, shared_seed, scale=factor, out=work.y)
+        scaled = rotate(flat, shared_seed, scale=factor, out=work.y, finite=True)
         variance = spec.share_variance if spec.noise_multiplier > 0 else 0.0
         ints, ring, draws = _discretise(
             scaled, spec.rounding_bound, secret_seed, spec.ring_bits, variance, work

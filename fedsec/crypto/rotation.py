@@ -97,7 +97,12 @@ def hadamard(x: FloatVector) -> FloatVector:
 
 
 def rotate(
-    x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0, out: FloatVector | None = None
+    x: npt.ArrayLike,
+    seed: bytes,
+    *,
+    scale: float = 1.0,
+    out: FloatVector | None = None,
+    finite: bool = False,
 ) -> FloatVector:
     """``scale``·H·D·pad(x)/√N: ``x`` (any shape, flattened) rotated into N coordinates.
 
@@ -108,6 +113,8 @@ def rotate(
             result is not).
         out: a float64 vector of N elements to write the result into (a caller that
             rotates every round keeps its memory); a new one if None.
+        finite: the caller has already refused non-finite values (a pass over ``x`` is
+            saved; the encoder measures the norm first, for its clip).
 
     Returns:
         A float64 vector of length :func:`padded_length` of ``x.size`` (``out`` if
@@ -122,7 +129,7 @@ def rotate(
     flat = np.asarray(x).reshape(-1)
     if flat.dtype != np.float32:
         flat = flat.astype(np.float64, copy=False)
-    rotated: FloatVector = _rotate(flat, seed, scale, np.dtype(np.float64), out)
+    rotated: FloatVector = _rotate(flat, seed, scale, np.dtype(np.float64), out, finite)
     return rotated
 
 
@@ -135,19 +142,25 @@ def rotate_single(x: npt.ArrayLike, seed: bytes, *, scale: float = 1.0) -> npt.N
         QuantizationError / ValueError: see :func:`rotate`.
     """
     flat = np.asarray(x, dtype=np.float32).reshape(-1)
-    rotated: npt.NDArray[np.float32] = _rotate(flat, seed, scale, np.dtype(np.float32), None)
+    rotated: npt.NDArray[np.float32] = _rotate(flat, seed, scale, np.dtype(np.float32), None, False)
     return rotated
 
 
 def _rotate(
-    flat: npt.NDArray[np.floating], seed: bytes, scale: float, dtype: np.dtype[Any], out: Any
+    flat: npt.NDArray[np.floating],
+    seed: bytes,
+    scale: float,
+    dtype: np.dtype[Any],
+    out: Any,
+    finite: bool,
 ) -> Any:
     n = padded_length(flat.size)
     from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
 
     # the squared norm finds any NaN or ±inf (they reach the sum); only an overflowing
     # square of finite values needs the full check
-    if not math.isfinite(kernels.squared_norm(flat)) and not np.all(np.isfinite(flat)):
+    checked = finite or math.isfinite(kernels.squared_norm(flat))
+    if not checked and not np.all(np.isfinite(flat)):
         raise QuantizationError("a vector to rotate contains NaN or infinite values")
 
     if out is None:
