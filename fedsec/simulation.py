@@ -671,6 +671,11 @@ async def _run_agents(
                     result, asyncio.CancelledError
                 ):
                     raise result
+            outcomes = [o for r in results if isinstance(r, list) for o in r]
+            rounded = sum(o.rounded for o in outcomes)
+            extra["saturation_rate"] = (
+                sum(o.saturated for o in outcomes) / rounded if rounded else None
+            )
         finally:
             gc.unfreeze()
             await cancel_and_wait(killer, *viewers, custodian)

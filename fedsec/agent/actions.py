@@ -69,6 +69,10 @@ class RoundOutcome:
     weight: float | None = None
     receipt: Receipt | None = None
     detail: str = ""
+    #: coordinates a compressed codec rounded for this attempt, and how many of them it
+    #: clamped to its rounding range (a range too narrow for this member's updates)
+    rounded: int = 0
+    saturated: int = 0
 
 
 # ------------------------------------------------------------------------------ events

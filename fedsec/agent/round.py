@@ -26,6 +26,7 @@ fetch: poll the round state, then fetch).  Attempt-ending answers become the out
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -384,6 +385,18 @@ class AgentRound:
         if codec.error_feedback and carried is not None and carried.size == delta.size:
             delta = delta + carried
         encoded = codec.encode(delta, weight, rounding)
+        if codec.kind == "compressed":
+            rounded = codec.keep
+            self._base = dataclasses.replace(
+                self._base, rounded=rounded, saturated=encoded.saturated
+            )
+            if encoded.saturated:
+                log.info(
+                    "codec_saturated round=%d attempt=%d coordinates=%d of=%d",
+                    *self._key,
+                    encoded.saturated,
+                    rounded,
+                )
         if encoded.sent is not None:
             clipped = clip_l2(delta, spec.clip_norm).astype(np.float64)
             sent = encoded.sent / weight if weight > 0 else np.zeros_like(clipped)
@@ -502,14 +515,11 @@ def _with(
     *,
     detail: str = "",
 ) -> RoundOutcome:
-    return RoundOutcome(
-        base.round,
-        base.attempt,
-        status,
-        base.model_version,
-        epsilon if epsilon is not None else base.epsilon,
-        base.samples,
-        weight if weight is not None else base.weight,
-        receipt,
-        detail,
+    return dataclasses.replace(
+        base,
+        status=status,
+        epsilon=epsilon if epsilon is not None else base.epsilon,
+        weight=weight if weight is not None else base.weight,
+        receipt=receipt,
+        detail=detail,
     )

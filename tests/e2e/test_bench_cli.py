@@ -123,6 +123,22 @@ def test_simulate_uses_the_requested_local_settings() -> None:
     assert 0.5 < record["final_accuracy"] <= 1.0
 
 
+def test_simulate_reports_how_much_the_codec_saturated() -> None:
+    """Updates clipped to a tiny norm all have the clip's norm, so a range of ±1 standard
+    deviation of a rotated coordinate clamps about a third of them (P(|Z| > 1) = 0.317)."""
+    args = ["simulate", "--task", "breast_cancer", "--agents", "3", "--rounds", "1"]
+    args += ["--secure-sum", "secagg", "--clip", "0.001", "--json"]
+    codec = ["--rotation", "hadamard", "--sparsity", "0.5", "--quant-bits", "4"]
+    narrow = CliRunner().invoke(main, [*args, *codec, "--range-stddevs", "1"])
+    assert narrow.exit_code == 0, narrow.output
+    record = json.loads(narrow.output.strip().splitlines()[-1])
+    assert record["rounds"] == 1
+    assert 0.25 < record["saturation_rate"] < 0.4  # 1,587 coordinates: sd 0.012
+    wide = CliRunner().invoke(main, [*args, *codec, "--range-stddevs", "8"])
+    assert wide.exit_code == 0, wide.output
+    assert json.loads(wide.output.strip().splitlines()[-1])["saturation_rate"] == 0.0
+
+
 def _children(pid: int) -> list[int]:
     """Process ids whose parent is ``pid`` (Linux /proc)."""
     found = []
