@@ -67,11 +67,11 @@ for seed in 0 1 2 3 4 5; do
   C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
   $C --rotation hadamard --quant-bits 2 --sparsity 0.49 --range-stddevs 1 | tee -a "$out/compression.jsonl"
 done
-for seed in 0 1 2; do
+for seed in 0 1 2 3 4 5; do
   C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
   C="$C --rotation hadamard --quant-bits 2 --sparsity 0.24 --range-stddevs 1"
   $C | tee -a "$out/compression.jsonl"
-  [ "$seed" = 2 ] || $C --server-lr 0.7 | tee -a "$out/compression.jsonl"
+  [ "$seed" -ge 2 ] || $C --server-lr 0.7 | tee -a "$out/compression.jsonl"
 done
 echo "== audit detection (control-sample checks), epsilon 8 and 3"
 for eps in 8 3; do
