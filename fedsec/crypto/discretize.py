@@ -410,7 +410,7 @@ def _discretise(
     if variance == 0:
         return ints, to_ring(ints, ring_bits), draw
     ring = np.empty(y.size, dtype=ring_dtype(ring_bits))
-    _add_skellam(ints, seed, variance, work, ring, ring_bits)
+    _add_skellam(ints, seed, variance, work.noise_words, work.opens, ring, ring_bits)
     return ints, ring, draw
 
 
@@ -506,12 +506,14 @@ def _add_skellam(
     ints: npt.NDArray[np.int64],
     seed: bytes,
     variance: float,
-    work: _Workspace,
+    words: npt.NDArray[np.uint32],
+    opens: npt.NDArray[np.int64],
     ring: RingVector,
     ring_bits: int,
 ) -> None:
     """ints += Skellam values of ``variance``, one per element (see :func:`skellam`), and
-    ring ← ints mod 2^ring_bits; ``work`` lends its noise words and open-bucket indices.
+    ring ← ints mod 2^ring_bits; ``words`` and ``opens`` (one element per value) are
+    working space for the keystream words and the open-bucket indices.
 
     Each part is one compiled pass (:func:`fedsec.crypto.kernels.add_noise_and_wrap`:
     the guide lookup and the wrap); the values whose guide bucket is open are completed
@@ -519,7 +521,7 @@ def _add_skellam(
     from fedsec.crypto import kernels  # numba: imported by processes that discretise
 
     parts = _noise_parts(variance)
-    words, opens, mask = work.noise_words, work.opens, (1 << ring_bits) - 1
+    mask = (1 << ring_bits) - 1
     for part in range(parts):  # |sum| ≤ parts·K_part, far inside int64 under the cap
         domain = _NOISE_DOMAIN + (b"/part/%d" % part if part else b"")
         half, steps, guide = _skellam_table(float(variance / parts))
@@ -570,8 +572,9 @@ def skellam(seed: bytes, variance: float, count: int) -> npt.NDArray[np.int64]:
         ValueError: ``seed`` is not 32 bytes.
     """
     values = np.zeros(count, dtype=np.int64)
+    words, opens = np.empty(count, dtype="<u4"), np.empty(count, dtype=np.int64)
     ring = np.empty(count, dtype=ring_dtype(MAX_DDP_RING_BITS))  # not used: no wrap here
-    _add_skellam(values, seed, variance, _Workspace().get(count), ring, MAX_DDP_RING_BITS)
+    _add_skellam(values, seed, variance, words, opens, ring, MAX_DDP_RING_BITS)
     return values
 
 
