@@ -386,16 +386,15 @@ class AgentRound:
             delta = delta + carried
         encoded = codec.encode(delta, weight, rounding)
         if codec.kind == "compressed":
-            rounded = codec.keep
             self._base = dataclasses.replace(
-                self._base, rounded=rounded, saturated=encoded.saturated
+                self._base, rounded=codec.keep, saturated=encoded.saturated
             )
             if encoded.saturated:
                 log.info(
                     "codec_saturated round=%d attempt=%d coordinates=%d of=%d",
                     *self._key,
                     encoded.saturated,
-                    rounded,
+                    codec.keep,
                 )
         if encoded.sent is not None:
             clipped = clip_l2(delta, spec.clip_norm).astype(np.float64)
