@@ -41,13 +41,17 @@ from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params, load_flat_params
 
 
-def _codec(d: int, members: int, bits: int, keep: float, clip: float, seed: bytes) -> UpdateCodec:
+def _codec(
+    d: int, members: int, bits: int, keep: float, clip: float, stddevs: float | None, seed: bytes
+) -> UpdateCodec:
     """The codec a round spec with these settings prescribes (``fedsec.simulate``'s
-    choices): rotated with the default range when keep < 1, plain 8-bit-style else."""
+    choices): rotated when keep < 1, over ``stddevs`` (None: the tool's default range),
+    plain 8-bit-style else."""
     rotation = "hadamard" if keep < 1.0 else "none"
     quant = QuantSpec(bits, clip, default_ring_bits(bits, members))
     cohort = [f"member-{i}" for i in range(members)]
-    stddevs = default_range_stddevs(rotation)
+    if stddevs is None or rotation == "none":
+        stddevs = default_range_stddevs(rotation)
     return codec_for(codec_round_spec(cohort, quant, d, rotation, keep, stddevs, seed))
 
 
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     started = time.perf_counter()
     for r in range(1, args.rounds + 1):
         seed = hashlib.sha256(b"headroom %d %d" % (args.seed, r)).digest()
-        codec = _codec(d, n, args.bits, keep, clip, seed)
+        codec = _codec(d, n, args.bits, keep, clip, args.range_stddevs, seed)
         total = np.zeros(codec.length, dtype=np.int64)
         for i, idx in enumerate(parts):
             local = task.build_model(0)
@@ -113,6 +117,7 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     load_flat_params(final, g.astype(np.float32))
     accuracy = float(evaluate(final, data.x_test, data.y_test)[0])
     payload = math.ceil((codec.length * small) / 8)
+    stddevs = round(codec.range * math.sqrt(codec.padded) / clip, 6) if keep < 1 else None
     return {
         "bench": "headroom",
         "task": args.task,
@@ -121,6 +126,7 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
         "seed": args.seed,
         "bits": args.bits,
         "keep": keep,
+        "range_stddevs": stddevs,
         "headroom_bits": headroom,
         "ring_bits": small,
         "full_ring_bits": full,
@@ -143,6 +149,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--headroom", type=int, nargs="+", default=[6])
     parser.add_argument("--keep", type=float, nargs="+", default=[0.38])  # 1: plain
+    parser.add_argument("--range-stddevs", type=float, default=None)  # None: the default
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
