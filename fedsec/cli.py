@@ -36,7 +36,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def codec_options(fn: F) -> F:
     """The update codec's options, as ``fedsec simulate`` and ``fedsec bench secagg``
-    take them (``--rotation``, ``--sparsity``, ``--range-stddevs``)."""
+    take them (``--rotation``, ``--sparsity``, ``--range-stddevs``, ``--headroom-bits``)."""
     for option in reversed(
         (
             click.option(
@@ -56,6 +56,11 @@ def codec_options(fn: F) -> F:
                 "--range-stddevs",
                 default=0.0,
                 help="codec: rotated rounding range in std devs; 0 = 3 with rotation",
+            ),
+            click.option(
+                "--headroom-bits",
+                default=0,
+                help="codec: ring bits above --quant-bits/--bits; 0 = none of a sum wraps",
             ),
         )
     ):
@@ -105,6 +110,7 @@ def bench_secagg(
     rotation: str,
     sparsity: float,
     range_stddevs: float,
+    headroom_bits: int,
     as_json: bool,
 ) -> None:
     """One full SecAgg+ round in one process."""
@@ -124,6 +130,7 @@ def bench_secagg(
             rotation=rotation,
             keep=sparsity,
             range_stddevs=range_stddevs or default_range_stddevs(rotation),
+            headroom_bits=headroom_bits,
         )
         click.echo(json.dumps(result))
 

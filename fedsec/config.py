@@ -32,6 +32,7 @@ from fedsec.learning import robust
 from fedsec.protocol import wire
 from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.roster import ID_PATTERN
+from fedsec.protocol.update_codec import MAX_HEADROOM_BITS
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 _PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
@@ -131,6 +132,10 @@ DOCS: dict[str, str] = {
     "deviations of a clipped update's rotated coordinate; 0 = +-clip_norm.",
     "codec.error_feedback": "Members add what the codec left out to their next update; not "
     "with record-level distributed DP.",
+    "codec.headroom_bits": "With rotation: ring bits above quant_bits; 0 = enough that no "
+    "sum wraps (log2 of the cohort). Fewer let a coordinate's sum wrap (decoded centred, "
+    "likely wraps counted) so members send more coordinates in the same bytes; "
+    "docs/compression.md.",
     "server.host": "Address the aggregator listens on; loopback by default so nothing is "
     "exposed until the operator says so.",
     "server.port": "TCP port; 8443 is the conventional unprivileged HTTPS port.",
@@ -185,7 +190,8 @@ DOCS: dict[str, str] = {
     "distributed-DP round's summed coordinates lay at the ring's edge (likely wrapped, so "
     "corrupted in the new model); 0.5 %: a ring at its sizing limit puts about 0.3 % there "
     "every round by design, one with room to spare (16 quant_bits in docs/privacy.md) none; "
-    "0 = any; 1 = off.",
+    "0 = any; 1 = off. It also watches rounds whose codec.headroom_bits let sums wrap, "
+    "which count sums in the ring's outer eighth (docs/compression.md).",
     "alerts.refusals_per_member": "Raise member_refused when one member's contributions are "
     "refused this many times within refusals_window_s; an honest member meets one or two.",
     "alerts.refusals_window_s": "The window of refusals_per_member, in seconds.",
@@ -348,6 +354,7 @@ class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     keep: float = 1.0
     range_stddevs: float = 0.0
     error_feedback: bool = False
+    headroom_bits: int = 0
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -645,6 +652,22 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             "codec.range_stddevs",
             "codec.rotation = 'hadamard'",
             c.rotation,
+        )
+    p.int_range("codec.headroom_bits", c.headroom_bits, 0, MAX_HEADROOM_BITS)
+    if c.headroom_bits:
+        p.require(
+            c.rotation == "hadamard",
+            "codec.headroom_bits",
+            "codec.rotation = 'hadamard'",
+            c.rotation,
+        )
+        # the weight's digits must fit the ring: n·(2^q − 1) < 2^m with q ≥ 1
+        p.require(
+            cfg.round.max_agents < 1 << (cfg.round.quant_bits + c.headroom_bits),
+            "codec.headroom_bits",
+            f"a ring of quant_bits + headroom_bits bits that holds the weights of "
+            f"round.max_agents = {cfg.round.max_agents} members",
+            c.headroom_bits,
         )
     if c.error_feedback and d.mode == "distributed" and d.unit == "record":
         p.fail(

@@ -136,10 +136,11 @@ class SimulationSpec:
     dp_sample_rate: float = 0.0  # distributed, record: 0 = DDP_BATCH records of the union
     dp_min_survivors: float = 0.8  # distributed: dp.min_survivors_fraction
     # the update codec ([codec]): rotation, fraction of coordinates kept, rounding range
-    # (0 = a default with rotation), error feedback
+    # (0 = a default with rotation), ring headroom (0 = none of a sum wraps), error feedback
     rotation: str = "none"
     sparsity: float = 1.0
     range_stddevs: float = 0.0
+    headroom_bits: int = 0
     error_feedback: bool = False
     local_epochs: int = 0
     lr: float = 0.0
@@ -329,6 +330,7 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
         "keep": spec.sparsity,
         "range_stddevs": spec.range_stddevs or default_range_stddevs(spec.rotation),
         "error_feedback": spec.error_feedback,
+        "headroom_bits": spec.headroom_bits,
     }
     text = federation_toml(
         "sim",
@@ -424,9 +426,11 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
             if spec.baseline
             else None
         )
-    if distributed:
+    if distributed or spec.headroom_bits:
+        # the sums' coordinates at the ring's edge (likely wraps), of those that could wrap
         coords = sum(s.coordinates for s in closed)
         extra["wrap_rate"] = sum(s.edge_count for s in closed) / coords if coords else None
+    if distributed:
         extra["realised_noise_multiplier_min"] = min(
             (s.noise_multiplier for s in closed), default=None
         )
@@ -481,6 +485,7 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
             "rotation": spec.rotation,
             "sparsity": spec.sparsity,
             "range_stddevs": codec["range_stddevs"],
+            "headroom_bits": spec.headroom_bits,
             "error_feedback": spec.error_feedback,
             "epsilon_max": max(eps) if eps else None,
             "wall_s": round(wall, 2),

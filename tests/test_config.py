@@ -93,6 +93,16 @@ def test_defaults() -> None:
             "alerts.wrap_rate_max: expected a number in [0, 1], got nan",
         ),
         ('[alerts]\nwrap_rate_max = "0"', "alerts.wrap_rate_max: expected a number, got '0'"),
+        ("[codec]\nheadroom_bits = 17", "codec.headroom_bits: expected an integer in 0..16"),
+        (
+            "[codec]\nheadroom_bits = 4",
+            "codec.headroom_bits: expected codec.rotation = 'hadamard', got 'none'",
+        ),
+        (
+            '[round]\nquant_bits = 2\n[codec]\nrotation = "hadamard"\nheadroom_bits = 4',
+            "codec.headroom_bits: expected a ring of quant_bits + headroom_bits bits that holds "
+            "the weights of round.max_agents = 100 members, got 4",
+        ),
     ],
 )
 def test_federation_refusals_name_key_and_reason(text: str, message: str) -> None:

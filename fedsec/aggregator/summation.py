@@ -136,8 +136,8 @@ class SummationResult:
     parent_version: int | None = None
     # trusted mode with a robust rule: accepted updates the rule kept out (in dropped)
     refused: tuple[RuleRefusal, ...] = ()
-    # distributed DP: coordinates of the ring sum at the ring's edge, i.e. likely wraps
-    # (fedsec.protocol.update_codec.UpdateCodec.edge_count)
+    # distributed DP or fewer codec headroom bits: coordinates of the ring sum at the
+    # ring's edge, i.e. likely wraps (fedsec.protocol.update_codec.UpdateCodec.edge_count)
     edge_count: int = 0
 
 
@@ -349,7 +349,7 @@ class SecAggPlusSession(SummationSession):
             survivors=list(result.survivors),
             dropped=list(result.dropped),
             sum_sha256=hashlib.sha256(result.ring_sum.tobytes()).hexdigest(),
-            edge_count=encoding.edge_count(result.ring_sum),
+            edge_count=encoding.edge_count(result.ring_sum, len(result.survivors)),
         )
 
     def participant_count(self) -> int:

@@ -52,12 +52,12 @@ from fedsec.bench.common import with_environment
 from fedsec.crypto import prg
 from fedsec.crypto.discretize import DdpSpec, decode_sum, encode
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.crypto.quantize import QuantSpec, default_ring_bits, dequantize_sum, quantize
+from fedsec.crypto.quantize import QuantSpec, dequantize_sum, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
 from fedsec.crypto.secagg.server import SHARE_CIPHERTEXT_BYTES
 from fedsec.protocol import wire
 from fedsec.protocol.stages import SECAGG_STAGES
-from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol.update_codec import codec_for, ring_bits_for
 
 STAGES = ("advertise", "share", "masked", "unmask")
 
@@ -91,6 +91,7 @@ def run_secagg(
     rotation: str = "none",
     keep: float = 1.0,
     range_stddevs: float = 0.0,
+    headroom_bits: int = 0,
 ) -> dict[str, Any]:
     """Run one round and return the result record (see module docstring).
 
@@ -111,7 +112,7 @@ def run_secagg(
     members = [f"m{i:05d}" for i in range(clients)]
     identities = {m: SigningIdentity.generate() for m in members}
     roster = {m: ident.public_bytes for m, ident in identities.items()}
-    ring_bits = default_ring_bits(bits, clients)
+    ring_bits = ring_bits_for(bits, clients, headroom_bits)
     spec = QuantSpec(bits, clip, ring_bits)
     n_drop = round(dropout * clients)
     ddp = None
@@ -119,7 +120,9 @@ def run_secagg(
         ddp = DdpSpec(dim, ring_bits, clip, clip, ddp_noise, clients - n_drop, clients)
     shared = os.urandom(32)  # the round's rotation (from the signed spec in a round)
     codec = (
-        codec_for(codec_round_spec(members, spec, dim, rotation, keep, range_stddevs))
+        codec_for(
+            codec_round_spec(members, spec, dim, rotation, keep, range_stddevs, None, headroom_bits)
+        )
         if compressed
         else None
     )
@@ -129,9 +132,17 @@ def run_secagg(
         codec.subset()  # derived once a round, then cached
         subset_s = time.perf_counter() - start
     # a distributed-DP vector is the rotated length, with no weight coordinate
-    vector_dim = ddp.padded - 1 if ddp else codec.keep if codec else dim
+    vector_dim = ddp.padded - 1 if ddp else codec.length - 1 if codec else dim
     params = SecAggParams(
-        "bench", 1, tuple(members), neighbors, threshold, spec, vector_dim, os.urandom(32)
+        "bench",
+        1,
+        tuple(members),
+        neighbors,
+        threshold,
+        spec,
+        vector_dim,
+        os.urandom(32),
+        wraps=headroom_bits > 0,
     )
     dropped = set(rng.choice(members, size=n_drop, replace=False).tolist()) if n_drop else set()
 
@@ -273,6 +284,7 @@ def run_secagg(
             "rotation": rotation,
             "keep": keep,
             "range_stddevs": range_stddevs,
+            "headroom_bits": headroom_bits,
             "codec_subset_s": round(subset_s, 6) if subset_s is not None else None,
             "codec_encode_s": _median_of(encode_s, survivors) if codec else None,
             "codec_decode_s": round(decode_s, 6) if decode_s is not None else None,
@@ -302,6 +314,7 @@ def codec_round_spec(
     keep: float,
     stddevs: float,
     seed: bytes | None = None,
+    headroom_bits: int = 0,
 ) -> wire.RoundSpec:
     """The fields of a round spec that decide its codec (unsigned: nothing here is
     verified, and the codec depends on no signature); ``seed`` (32 bytes) is the
@@ -333,6 +346,7 @@ def codec_round_spec(
             rotation=rotation,  # type: ignore[arg-type]
             keep=keep,
             range_stddevs=stddevs,
+            headroom_bits=headroom_bits,
         ),
     )
 

@@ -97,7 +97,8 @@ class RefusedEntry(_Body, frozen=True, omit_defaults=True):
 class AggregateEntry(_Body, frozen=True, omit_defaults=True):
     """A round attempt closed: what was summed, from whom, applied to what.  Distributed
     DP adds the realised noise multiplier of the sum (z·√(survivors/min_survivors)·Δ₂/γC:
-    never below the spec's z) and the coordinates at the ring's edge (likely wraps)."""
+    never below the spec's z) and the coordinates at the ring's edge (likely wraps), which
+    a compressed round with fewer codec headroom bits counts too."""
 
     round: int
     attempt: int

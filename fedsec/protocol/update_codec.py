@@ -30,11 +30,17 @@ Three kinds, each a chain of optional stages named in the spec:
     conditional rounding, a noise share, modular clipping), then the weight as one
     non-negative integer, unrotated after recentring.
 
+**Fewer headroom bits** (compressed kind, ``headroom_bits``): the ring keeps b + h bits
+with h below ⌈log₂ n⌉, so the sum of a coordinate over the cohort may wrap.  The decoder
+recentres each sum around the n offsets (a centred sum beyond ± half the ring wraps and
+lands near the far edge, where :meth:`UpdateCodec.edge_count` counts it), and the weight,
+which must not wrap, travels as digits small enough that a cohort's sum of each fits.
+
 Per-member top-k is not offered: the kept subset would depend on the member's data and
 the sum of differently sparsified vectors is no longer one linear map.
 
-In every kind the last coordinate is the member's weight, so one secure sum yields both
-the weighted sum and the total weight.
+In every kind the last coordinates carry the member's weight (one element, or its
+digits), so one secure sum yields both the weighted sum and the total weight.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from fedsec.crypto.quantize import (
     QuantSpec,
     RingVector,
     clip_l2,
+    default_ring_bits,
     dequantize_sum,
     quantize,
 )
@@ -73,6 +80,12 @@ MIN_RANGE_STDDEVS, MAX_RANGE_STDDEVS = 1.0, 64.0
 # A tool's range when rotation is on and none is given: ±3 standard deviations of a
 # rotated coordinate of a clipped update (one saturates with probability ≤ 0.3 %).
 DEFAULT_RANGE_STDDEVS = 3.0
+# A wrapped centred sum that overshot the ring's half range by less than this fraction
+# of it lands this close to the far edge; edge_count counts sums there as likely wraps.
+WRAP_EDGE_FRACTION = 1 / 8
+# Headroom bits a codec may ask for: ⌈log₂ n⌉ of the largest cohort (MAX_COHORT, 2^16)
+# is all any ring needs for sums that never wrap.
+MAX_HEADROOM_BITS = 16
 
 
 def default_range_stddevs(rotation: str) -> float:
@@ -85,7 +98,7 @@ def default_range_stddevs(rotation: str) -> float:
 class Encoded:
     """One member's encoded update and what the codec did to it."""
 
-    ring: RingVector  # length + 1 elements, the weight last
+    ring: RingVector  # the codec's length: kept coordinates, then the weight's element(s)
     sent: npt.NDArray[np.float64] | None  # error feedback: what the sum will count of it
     saturated: int  # coordinates clamped to the rounding range (compressed kind)
 
@@ -105,6 +118,10 @@ class UpdateCodec:
         rescale: what the decoder multiplies the scattered sum by (N/k or 1).
         ddp: the distributed-DP discretisation (distributed kind only).
         error_feedback: members carry what was not sent into the next round.
+        cohort: n, the members whose sum the ring holds (compressed kind).
+        wraps: the ring has fewer headroom bits than n needs; sums decode centred.
+        weight_digit_bits: q, bits of each weight element when the weight travels as
+            digits (wrapping codec), so n·(2^q − 1) fits the ring; 0: one element.
     """
 
     kind: str
@@ -117,11 +134,26 @@ class UpdateCodec:
     rescale: float
     ddp: DdpSpec | None
     error_feedback: bool
+    cohort: int = 0
+    wraps: bool = False
+    weight_digit_bits: int = 0
+
+    @property
+    def may_wrap(self) -> bool:
+        """Whether a sum of this codec's inputs can wrap the ring (:meth:`edge_count`)."""
+        return self.ddp is not None or self.wraps
+
+    @property
+    def weight_elements(self) -> int:
+        """Elements that carry the weight, after the kept coordinates."""
+        if not self.weight_digit_bits:
+            return 1
+        return -(-self.quant.bits // self.weight_digit_bits)
 
     @property
     def length(self) -> int:
         """Elements of an encoded update, the weight included."""
-        return self.keep + 1
+        return self.keep + self.weight_elements
 
     @property
     def padded(self) -> int:
@@ -181,11 +213,11 @@ class UpdateCodec:
         np.floor(y, out=y)
         np.minimum(y, float(levels), out=y)
         out = np.empty(self.length, dtype=self.quant.dtype)
-        out[:-1] = y
-        out[-1] = _round_weight(weight * levels, seed)
+        out[: self.keep] = y
+        out[self.keep :] = self._weight_digits(_round_weight(weight * levels, seed))
         if not self.error_feedback:
             return Encoded(out, None, saturated)
-        sent = self._scatter(out[:-1].astype(np.float64) * (2.0 * s / levels) - s, 1.0)
+        sent = self._scatter(out[: self.keep].astype(np.float64) * (2.0 * s / levels) - s, 1.0)
         return Encoded(out, sent, saturated)
 
     def _encode_distributed(
@@ -224,8 +256,11 @@ class UpdateCodec:
             if int(v[-1]) > self.max_weight():
                 raise BadVector(f"the weight element is above the largest {self.max_weight():g}")
             return
-        if int(v.max(initial=0)) > self.quant.levels:
+        if int(v[: self.keep].max(initial=0)) > self.quant.levels:
             raise BadVector(f"values above {self.quant.levels} levels")
+        top = (1 << self.weight_digit_bits) - 1 if self.weight_digit_bits else self.quant.levels
+        if int(v[self.keep :].max(initial=0)) > top:
+            raise BadVector(f"a weight element above {top}")
 
     def decode_sum(
         self, ring_sum: RingVector, members: int
@@ -249,7 +284,10 @@ class UpdateCodec:
             weight = float(centred[-1])
             body = centred[:-1] * (1.0 / self.ddp.scale)
             return rotation.unrotate(body, self.rotation_seed, self.dim), weight
-        total, weight = dequantize_sum(values, members, self._range_quant())
+        if self.wraps:
+            total, weight = self._decode_centred(values, members)
+        else:
+            total, weight = dequantize_sum(values, members, self._range_quant())
         return self._scatter(total, self.rescale), weight
 
     def decode_one(self, vector: RingVector) -> tuple[npt.NDArray[np.float64], float]:
@@ -260,17 +298,58 @@ class UpdateCodec:
         """
         return self.decode_sum(vector, 1)
 
-    def edge_count(self, ring_sum: RingVector) -> int:
-        """Distributed kind: coordinates of the sum within 1/k of the ring's half range
-        of either edge.  A coordinate that wrapped by less than one worst-case standard
-        deviation lands there, so this counts every likely wrap (and, rarely, a value
-        that came close without wrapping); other kinds never wrap (0)."""
-        if self.ddp is None:
-            return 0
+    def edge_count(self, ring_sum: RingVector, members: int = 0) -> int:
+        """Coordinates of the sum near the edge of the ring, likely wraps; 0 for kinds
+        that never wrap.
+
+        Distributed kind: within 1/k of the ring's half range of either edge.  A
+        coordinate that wrapped by less than one worst-case standard deviation lands
+        there, so this counts every likely wrap (and, rarely, a value that came close
+        without wrapping).  Wrapping compressed kind: the centred sum of ``members``
+        inputs within :data:`WRAP_EDGE_FRACTION` of the half range of either edge
+        (an upper estimate: sums that came close without wrapping count too)."""
+        values = np.asarray(ring_sum).reshape(-1)
         half = 1 << (self.quant.ring_bits - 1)
-        centred = recentre(np.asarray(ring_sum).reshape(-1)[:-1], self.quant.ring_bits)
-        edge = half * (1.0 - 1.0 / self.ddp.wrap_stddevs)
-        return int(np.count_nonzero(np.abs(centred) > edge))
+        if self.ddp is not None:
+            centred = recentre(values[:-1], self.quant.ring_bits)
+            edge = half * (1.0 - 1.0 / self.ddp.wrap_stddevs)
+            return int(np.count_nonzero(np.abs(centred) > edge))
+        if not self.wraps:
+            return 0
+        twice = self._twice_centred(values[: self.keep], members)
+        return int(np.count_nonzero(np.abs(twice) > 2 * half * (1.0 - WRAP_EDGE_FRACTION)))
+
+    def _twice_centred(self, body: RingVector, members: int) -> npt.NDArray[np.int64]:
+        """Twice the centred sums Σ(v − L/2) of ``members`` inputs, as the ring shows
+        them: in [−2^m, 2^m), exact unless the true sum left ± half the ring."""
+        m = self.quant.ring_bits
+        seen = np.asarray(body).astype(np.int64) & ((1 << m) - 1)
+        twice = (2 * seen - members * self.quant.levels) & ((2 << m) - 1)
+        twice[twice >= (1 << m)] -= 2 << m
+        return twice
+
+    def _decode_centred(
+        self, values: RingVector, members: int
+    ) -> tuple[npt.NDArray[np.float64], float]:
+        """The wrapping codec's (Σ of the kept rounded values, Σ w) from the ring sum."""
+        if not 1 <= members <= self.cohort:
+            raise QuantizationError(
+                f"{members} members: this round's ring holds the sums of 1..{self.cohort}"
+            )
+        twice = self._twice_centred(values[: self.keep], members)
+        # a level is 2s/L wide, so half a level (one unit of ``twice``) is s/L
+        total = twice.astype(np.float64) * (self.range / self.quant.levels)
+        digits = np.asarray(values[self.keep :]).astype(np.int64) & self.quant.ring_mask
+        q = self.weight_digit_bits
+        weight = sum(int(v) << (q * j) for j, v in enumerate(digits)) / self.quant.levels
+        return total, weight
+
+    def _weight_digits(self, weight: int) -> list[int]:
+        """The weight's element(s): itself, or its base-2^q digits, least significant first."""
+        q = self.weight_digit_bits
+        if not q:
+            return [weight]
+        return [(weight >> (q * j)) & ((1 << q) - 1) for j in range(self.weight_elements)]
 
     def _range_quant(self) -> QuantSpec:
         return QuantSpec(self.quant.bits, self.range, self.quant.ring_bits)
@@ -327,9 +406,10 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
     """The codec ``spec`` prescribes.
 
     Raises:
-        ProtocolError: stages that contradict one another or the spec (a keep fraction
-            or range out of bounds, error feedback with record-level distributed DP,
-            compression with distributed DP or homomorphic summation).
+        ProtocolError: stages that contradict one another or the spec (a keep fraction,
+            range or headroom out of bounds, a ring that does not match the headroom,
+            error feedback with record-level distributed DP, compression with distributed
+            DP or homomorphic summation).
         QuantizationError: a bit budget the ring cannot meet.
     """
     c, quant, d = spec.codec, spec.quant_spec(), spec.dim
@@ -340,7 +420,7 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
             "record's gradient into rounds its privacy accounting does not cover; turn "
             "one of them off"
         )
-    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0
+    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0 or c.headroom_bits
     if is_distributed(spec):
         if compressed:
             raise ProtocolError(
@@ -378,6 +458,7 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
     else:
         s = quant.clip
     rescale = 1.0 if c.error_feedback or keep == n else n / keep
+    wraps = bool(c.headroom_bits) and _check_headroom(spec, where)
     return UpdateCodec(
         "compressed",
         quant,
@@ -389,4 +470,62 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
         rescale,
         None,
         c.error_feedback,
+        len(spec.cohort),
+        wraps,
+        _weight_digit_bits(spec, where) if wraps else 0,
     )
+
+
+def ring_bits_for(bits: int, members: int, headroom_bits: int) -> int:
+    """The ring a round of ``members`` at ``bits`` bits uses: the ring in which no sum
+    wraps (:func:`default_ring_bits`), or b + ``headroom_bits`` where that is smaller.
+
+    Raises:
+        QuantizationError: fewer than one member.
+    """
+    full = default_ring_bits(bits, members)
+    return min(full, bits + headroom_bits) if headroom_bits else full
+
+
+def _check_headroom(spec: RoundSpec, where: str) -> bool:
+    """Whether a spec that sets headroom bits wraps: its ring is smaller than the
+    cohort's no-wrap ring (a small cohort's is not, and then nothing wraps).
+
+    Raises:
+        ProtocolError: headroom bits without rotation or out of bounds, or a ring other
+            than :func:`ring_bits_for` prescribes.
+    """
+    c, b = spec.codec, spec.quant_bits
+    if c.rotation != "hadamard":
+        raise ProtocolError(
+            f"{where} sets headroom bits without rotation; only rotated coordinates sum "
+            "to values centred enough for a ring that may wrap"
+        )
+    if not 1 <= c.headroom_bits <= MAX_HEADROOM_BITS:
+        raise ProtocolError(
+            f"{where} sets {c.headroom_bits} headroom bits, outside 1..{MAX_HEADROOM_BITS}"
+        )
+    ring = ring_bits_for(b, len(spec.cohort), c.headroom_bits)
+    if spec.ring_bits != ring:
+        raise ProtocolError(
+            f"{where} has a ring of {spec.ring_bits} bits; {b} bits and {c.headroom_bits} "
+            f"headroom bits for {len(spec.cohort)} members make {ring}"
+        )
+    return ring < default_ring_bits(b, len(spec.cohort))
+
+
+def _weight_digit_bits(spec: RoundSpec, where: str) -> int:
+    """q for a wrapping ring: the widest digit whose sum over the cohort, n·(2^q − 1),
+    still fits the ring, at most the weight's own b bits.
+
+    Raises:
+        ProtocolError: a ring too small for the cohort's weights.
+    """
+    n, b, m = len(spec.cohort), spec.quant_bits, spec.ring_bits
+    q = min(b, (((1 << m) - 1) // n + 1).bit_length() - 1)
+    if q < 1:
+        raise ProtocolError(
+            f"{where}: a ring of {m} bits cannot hold the weights of {n} members; "
+            "set more headroom bits"
+        )
+    return q

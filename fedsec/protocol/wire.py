@@ -119,6 +119,9 @@ class CodecSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     # to N(0, ‖x‖²/N)); 0 = ±clip, the range no coordinate can leave
     range_stddevs: float = 0.0
     error_feedback: bool = False  # members carry what the codec dropped into the next round
+    # with rotation: ring bits above quant_bits; 0 = ⌈log₂ n⌉, where no sum can wrap.  Fewer
+    # let a coordinate's sum wrap: it is decoded centred and likely wraps are counted
+    headroom_bits: int = 0
 
 
 #: The plain pipeline.  RoundSpec's default is this very object: msgspec omits a struct
@@ -208,15 +211,16 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
         return QuantSpec(self.quant_bits, self.clip_norm, self.ring_bits)
 
     def encoded_dim(self) -> int:
-        """Elements of an encoded update before the weight: ``dim`` in the plain codec,
-        fewer or more after sparsification or rotation (``fedsec.protocol.update_codec``).
+        """Elements of an encoded update but one (the masked vector has this + 1):
+        ``dim`` in the plain codec, fewer or more after sparsification, rotation or a
+        weight sent as digits (``fedsec.protocol.update_codec``).
 
         Raises:
             ProtocolError / QuantizationError: a codec the spec cannot carry.
         """
         from fedsec.protocol.update_codec import codec_for  # it builds on this module
 
-        return codec_for(self).keep
+        return codec_for(self).length - 1
 
     def secagg_params(self) -> SecAggParams:
         """SecAgg+ parameters of this attempt, identical for aggregator and members.
@@ -236,6 +240,7 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
             quant=self.quant_spec(),
             dim=self.encoded_dim(),
             seed=unhex(self.seed, "round seed", 32),
+            wraps=self.codec.headroom_bits > 0,
         )
 
 
@@ -570,8 +575,9 @@ class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the aggregate (each is also in ``dropped`` and in the log's refused entries); the
     # member reads its own line here (at most the cohort, round.max_agents, entries)
     refused: dict[str, str] = msgspec.field(default_factory=dict)
-    # distributed DP: the sum's realised noise multiplier, its coordinates and those at
-    # the ring's edge (likely wraps: wrap rate = edge_count / coordinates)
+    # distributed DP: the sum's realised noise multiplier; distributed DP or fewer codec
+    # headroom bits: the sum's coordinates and those at the ring's edge (likely wraps:
+    # wrap rate = edge_count / coordinates)
     noise_multiplier: float = 0.0
     coordinates: Count = 0
     edge_count: Count = 0

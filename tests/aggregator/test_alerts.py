@@ -525,11 +525,17 @@ def test_a_model_scoring_below_the_recent_best_raises_validation_degraded(
     assert len(_alerts(fed)) == 2
 
 
-def _ddp_closed(version: int, coordinates: int, edge_count: int) -> RoundEnded:
+def _ddp_closed(
+    version: int, coordinates: int, edge_count: int, noise_multiplier: float = 1.1
+) -> RoundEnded:
     """Round ``version - 1`` closed with a sum of ``coordinates``, ``edge_count`` of them
-    at the ring's edge (0 coordinates: not a distributed-DP round)."""
+    at the ring's edge (0 coordinates: no sum that can wrap), with distributed-DP noise
+    (``noise_multiplier`` 0: a compressed round with fewer headroom bits)."""
     summary = msgspec.structs.replace(
-        _summary(version, None, None), coordinates=coordinates, edge_count=edge_count
+        _summary(version, None, None),
+        coordinates=coordinates,
+        edge_count=edge_count,
+        noise_multiplier=noise_multiplier if coordinates else 0.0,
     )
     return _ended(summary)
 
@@ -570,6 +576,16 @@ def test_a_distributed_round_with_coordinates_at_the_ring_edge_raises_ring_wrapp
     )
     assert again.id > row.id
     assert [b["kind"] for b in _alert_entries(fed)] == ["ring_wrapped", "ring_wrapped"]
+    # a compressed round whose codec has fewer headroom bits names its own remedy
+    bus.emit(_ddp_closed(8, 2605, 40, noise_multiplier=0.0))
+    _assert_raised(
+        desk,
+        "ring_wrapped",
+        "round 7.0",
+        "40 of the 2605 coordinates of its compressed sum at the ring's edge",
+        "raise codec.headroom_bits",
+        count=3,
+    )
 
 
 def test_ring_wrapped_respects_alerts_wrap_rate_max(tmp_path: Path, clock: FakeClock) -> None:

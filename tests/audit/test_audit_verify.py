@@ -546,6 +546,10 @@ def test_fedadam_model_versions_are_re_derived_bit_for_bit(
             {"quant_bits": 4, "rotation": "hadamard", "sparsity": 0.5, "error_feedback": True},
             id="compressed",
         ),
+        pytest.param(
+            {"quant_bits": 4, "rotation": "hadamard", "sparsity": 0.5, "headroom_bits": 1},
+            id="compressed-wrapping",
+        ),
         pytest.param({"dp_mode": "distributed", "dp_min_survivors": 1.0}, id="distributed"),
     ],
 )

@@ -139,6 +139,30 @@ def test_simulate_reports_how_much_the_codec_saturated() -> None:
     assert json.loads(wide.output.strip().splitlines()[-1])["saturation_rate"] == 0.0
 
 
+def test_simulate_with_fewer_headroom_bits_sends_less_and_counts_likely_wraps() -> None:
+    """3 members at 4 bits need 2 headroom bits for sums that never wrap.  With 1 the ring
+    has 5 bits, not 6: the same coordinates cost 5/6 of the bytes (the weight's two digits
+    aside), and the three members' aligned, saturated updates put many centred sums near
+    the ring's edge, which the round counts; with 2 nothing can wrap and none is counted."""
+    args = ["simulate", "--task", "breast_cancer", "--agents", "3", "--rounds", "1"]
+    args += ["--secure-sum", "secagg", "--clip", "0.001", "--json", "--rotation", "hadamard"]
+    args += ["--sparsity", "0.5", "--quant-bits", "4", "--range-stddevs", "1"]
+    records = {}
+    for headroom in ("1", "2"):
+        run = CliRunner().invoke(main, [*args, "--headroom-bits", headroom])
+        assert run.exit_code == 0, run.output
+        records[headroom] = json.loads(run.output.strip().splitlines()[-1])
+        assert records[headroom]["rounds"] == 1 and records[headroom]["aborted_rounds"] == 0
+    wrapping, whole = records["1"], records["2"]
+    # 529 kept coordinates: (529 + 2)·5 bits against (529 + 1)·6 bits
+    assert (wrapping["payload_bytes_per_agent_round"], whole["payload_bytes_per_agent_round"]) == (
+        332.0,
+        398.0,
+    )
+    assert 0.02 < wrapping["wrap_rate"] < 0.5
+    assert whole["wrap_rate"] is None
+
+
 def _children(pid: int) -> list[int]:
     """Process ids whose parent is ``pid`` (Linux /proc)."""
     found = []

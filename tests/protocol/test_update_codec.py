@@ -4,6 +4,7 @@ inputs no honest member encodes are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -212,3 +213,119 @@ def test_a_distributed_codec_sums_noise_shares_and_weights() -> None:
     assert codec.edge_count(ring_sum) == 0
     with pytest.raises(QuantizationError, match="distributed-DP weight"):
         codec.encode(xs[0], -1.0, os.urandom(32))
+
+
+# -- fewer headroom bits: a ring that may wrap ----------------------------------------------------
+
+
+def _wrapping(d: int, members: int, bits: int, headroom: int, **changes: Any) -> RoundSpec:
+    codec = CodecSpec(rotation="hadamard", keep=0.5, range_stddevs=3.0, headroom_bits=headroom)
+    ring = update_codec.ring_bits_for(bits, members, headroom)
+    return _spec(d, members=members, bits=bits, ring_bits=ring, codec=codec, **changes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    d=st.integers(1, 300),
+    bits=st.sampled_from([2, 4, 8]),
+    headroom=st.sampled_from([3, 4]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_wrapping_ring_decodes_every_sum_that_stays_inside_it(
+    n: int, d: int, bits: int, headroom: int, seed: int
+) -> None:
+    """Up to 8 members' centred sums stay within ±4·(L + 1) ≤ half a ring of b + 3 bits,
+    so none wraps and the centred decoding is exact: it commutes with summation, and the
+    weight's digits sum to the total weight."""
+    spec = _wrapping(d, 20, bits, headroom)  # 20 members would need 5 headroom bits
+    codec = codec_for(spec)
+    assert codec.wraps and spec.ring_bits == bits + headroom
+    assert codec.length == codec.keep + codec.weight_elements
+    rng = np.random.default_rng(seed)
+    rings = [
+        codec.encode(u, float(rng.uniform(0, 1)), os.urandom(32)).ring for u in _updates(rng, n, d)
+    ]
+    for r in rings:
+        codec.check_input(r)
+    ring_sum = np.zeros(codec.length, dtype=np.uint64)
+    for r in rings:
+        ring_sum += r.astype(np.uint64)
+    ring_sum &= np.uint64((1 << spec.ring_bits) - 1)
+    total, weight = codec.decode_sum(ring_sum.astype(spec.quant_spec().dtype), n)
+    singles = [codec.decode_one(r) for r in rings]
+    np.testing.assert_allclose(total, sum(s[0] for s in singles), rtol=1e-9, atol=1e-9)
+    assert weight == pytest.approx(sum(s[1] for s in singles), abs=1e-9)
+    if n < 8:  # ±3.5·L is short of the edge region, beyond 7/8 of 4·(L + 1)
+        assert codec.edge_count(ring_sum, n) == 0
+
+
+def test_a_sum_beyond_half_the_ring_wraps_and_is_counted_at_the_edge() -> None:
+    """50 members at 2 bits need 6 headroom bits; with 4 a ring of 6 bits holds centred
+    sums in [−32, 32) levels.  33 members all at the top level sum to +49.5 levels, which
+    wraps to −14.5; 20 of them sum to +30 levels, at the edge but exact."""
+    spec = _wrapping(64, 50, 2, 4)
+    codec = codec_for(spec)
+    assert (spec.ring_bits, codec.weight_digit_bits, codec.weight_elements) == (6, 1, 2)
+    top = np.zeros(codec.length, dtype=spec.quant_spec().dtype)
+    top[: codec.keep] = 3
+    top[codec.keep :] = [1, 1]  # weight 3 = the top level: w = 1
+    for members, centred in ((20, 30.0), (33, -14.5)):
+        ring_sum = (top.astype(np.uint64) * np.uint64(members)) & np.uint64(63)
+        sums, weight = codec._decode_centred(ring_sum, members)
+        assert weight == members
+        np.testing.assert_allclose(sums, centred * 2 * codec.range / 3)
+        assert codec.edge_count(ring_sum, members) == (codec.keep if members == 20 else 0)
+    middle = np.zeros_like(top)
+    middle[: codec.keep] = [1, 2] * (codec.keep // 2)  # centred ±0.5 levels each
+    assert codec.edge_count(middle.astype(np.uint64) * np.uint64(50) & np.uint64(63), 50) == 0
+
+
+def test_a_wrapping_codec_refuses_what_no_honest_member_sends() -> None:
+    codec = codec_for(_wrapping(64, 50, 2, 4))
+    good = codec.encode(np.full(64, 0.01, np.float32), 1.0, os.urandom(32)).ring
+    codec.check_input(good)
+    bad = good.copy()
+    bad[-1] = 2  # a weight digit of one bit
+    with pytest.raises(BadVector, match="weight element above 1"):
+        codec.check_input(bad)
+    with pytest.raises(QuantizationError, match=r"holds the sums of 1\.\.50"):
+        codec.decode_sum(good, 51)
+
+
+def test_headroom_that_a_small_cohort_does_not_need_changes_nothing() -> None:
+    """3 members need 2 headroom bits: asking for 4 gives the ring in which no sum wraps."""
+    spec = _wrapping(64, 3, 4, 4)
+    codec = codec_for(spec)
+    assert spec.ring_bits == default_ring_bits(4, 3) == 6
+    assert not codec.wraps and codec.length == codec.keep + 1
+    assert codec.edge_count(np.zeros(codec.length, np.uint64), 3) == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"codec": CodecSpec(headroom_bits=4), "ring_bits": 6}, "without rotation"),
+        (
+            {"codec": CodecSpec(rotation="hadamard", headroom_bits=17), "ring_bits": 19},
+            "outside 1..16",
+        ),
+        ({"codec": CodecSpec(rotation="hadamard", headroom_bits=4), "ring_bits": 8}, "make 6"),
+        ({"codec": CodecSpec(rotation="hadamard", headroom_bits=3), "ring_bits": 5}, "weights"),
+    ],
+)
+def test_headroom_bits_the_spec_cannot_carry_are_refused(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        codec_for(_spec(100, members=50, bits=2, **changes))
+
+
+def test_a_wrapping_round_masks_a_cohort_its_ring_would_otherwise_refuse() -> None:
+    spec = _wrapping(64, 50, 2, 4)
+    params = spec.secagg_params()
+    assert params.wraps and params.vector_length == codec_for(spec).length
+    plain = _spec(64, members=50, bits=2, codec=CodecSpec(rotation="hadamard", keep=0.5))
+    assert plain.secagg_params().digest() != params.digest()
+    with pytest.raises(ProtocolError, match="overflow ring"):
+        dataclasses.replace(params, wraps=False)

@@ -136,12 +136,13 @@ class FederationMetrics:
         # which corrupts it in the aggregate; the ratio of the two is the wrap rate.
         self.ddp_wrapped = Counter(
             "fedsec_ddp_wrapped_coordinates",
-            "Coordinates of closed distributed-DP sums at the ring's edge (likely wrapped)",
+            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom "
+            "bits) at the ring's edge (likely wrapped)",
             registry=r,
         )
         self.ddp_summed = Counter(
             "fedsec_ddp_summed_coordinates",
-            "Coordinates of closed distributed-DP sums",
+            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom bits)",
             registry=r,
         )
         self.alerts = Counter(

@@ -75,23 +75,29 @@ class AlertRules:
             )
 
     def _wrapped(self, s: wire.RoundSummary) -> None:
-        # Only distributed-DP sums are summed with noise in a ring that can wrap: every
-        # other round reports 0 coordinates, and 0 wraps of them is no rate at all.
+        # Only distributed-DP sums (noise in a ring that can wrap) and sums in a ring with
+        # fewer codec headroom bits can wrap: every other round reports 0 coordinates, and
+        # 0 wraps of them is no rate at all.
         if s.coordinates <= 0:
             return
         rate = s.edge_count / s.coordinates
         if rate <= self._cfg.wrap_rate_max:
             return
         model = "its model" if s.model_version is None else f"model version {s.model_version}"
+        kind, remedy = (
+            ("distributed-DP", "round.quant_bits (it sizes the ring)")
+            if s.noise_multiplier > 0
+            else ("compressed", "codec.headroom_bits (or set 0: sums that never wrap)")
+        )
         self._desk.raise_alert(
             "ring_wrapped",
             f"round {s.round}.{s.attempt}",
             f"round {s.round} attempt {s.attempt} closed with {s.edge_count} of the "
-            f"{s.coordinates} coordinates of its distributed-DP sum at the ring's edge "
+            f"{s.coordinates} coordinates of its {kind} sum at the ring's edge "
             f"(wrap rate {rate:.3g}, above alerts.wrap_rate_max = "
             f"{self._cfg.wrap_rate_max:g}): they likely wrapped around the ring and are "
-            f"corrupted in {model}; raise round.quant_bits (it sizes the ring), and roll "
-            "back to the version before this round if the model degraded",
+            f"corrupted in {model}; raise {remedy}, and roll back to the version before "
+            "this round if the model degraded",
         )
 
     def _degradation(self, s: wire.RoundSummary) -> None:

@@ -14,11 +14,11 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection, CodecSection, DPSection
-from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import default_neighbors
 from fedsec.crypto.secagg.graph import default_threshold
 from fedsec.errors import PayloadError, StaleUpdate, TaskMismatch
 from fedsec.protocol import wire
+from fedsec.protocol.update_codec import ring_bits_for
 
 
 class CohortDesk:
@@ -234,7 +234,9 @@ class CohortDesk:
             neighbors=k,
             threshold=t,
             quant_bits=cfg.round.quant_bits,
-            ring_bits=default_ring_bits(cfg.round.quant_bits, max(len(cohort), 1)),
+            ring_bits=ring_bits_for(
+                cfg.round.quant_bits, max(len(cohort), 1), cfg.codec.headroom_bits
+            ),
             clip_norm=cfg.round.clip_norm,
             dim=ctx.dim,
             seed=os.urandom(32).hex(),

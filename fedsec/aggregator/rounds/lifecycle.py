@@ -383,7 +383,7 @@ class Lifecycle:
             bytes_down=down,
             refused={r.member: r.reason for r in result.refused} if result is not None else {},
             noise_multiplier=noise,
-            coordinates=codec_for(live.spec).keep if noise and live.spec is not None else 0,
+            coordinates=_wrappable_coordinates(live.spec, result),
             edge_count=result.edge_count if result is not None else 0,
         )
 
@@ -424,6 +424,15 @@ class Lifecycle:
 # The refusals a closed round's summary names (GET /v1/status, where a refused member
 # reads why); the log's refused entries hold every one.
 _SUMMARY_REFUSALS = 8
+
+
+def _wrappable_coordinates(spec: wire.RoundSpec | None, result: SummationResult | None) -> int:
+    """A closed sum's coordinates that could wrap the ring (distributed DP, fewer codec
+    headroom bits), the wrap rate's denominator; 0 where no sum can wrap."""
+    if spec is None or result is None:
+        return 0
+    codec = codec_for(spec)
+    return codec.keep if codec.may_wrap else 0
 
 
 def _refusal_summary(result: SummationResult) -> str:

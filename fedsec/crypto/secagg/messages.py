@@ -34,6 +34,9 @@ class SecAggParams:
     quant: QuantSpec
     dim: int  # model parameters; the masked vector has dim + 1 elements (weight last)
     seed: bytes
+    # the codec sums modulo the ring on purpose (a centred decoding whose wraps it counts),
+    # so the cohort may exceed what the ring holds without wrapping
+    wraps: bool = False
     # computed once: a member checks ~k signatures and derives ~k pair seeds bound to it
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -50,7 +53,7 @@ class SecAggParams:
             raise ProtocolError(f"neighbours must be in 2..{n - 1} for {n} members")
         if not 1 <= self.threshold <= self.neighbors:
             raise ProtocolError(f"threshold must be in 1..{self.neighbors}, got {self.threshold}")
-        if n > self.quant.max_members():
+        if n > self.quant.max_members() and not self.wraps:
             raise ProtocolError(
                 f"{n} members overflow ring 2^{self.quant.ring_bits} at {self.quant.bits} bits"
             )
@@ -87,6 +90,8 @@ class SecAggParams:
                     "dim": self.dim,
                     "seed": self.seed.hex(),
                 }
+                # only when set, so the digests of rounds without it stay what they were
+                | ({"wraps": True} if self.wraps else {})
             )
         ).digest()
 
