@@ -69,21 +69,33 @@ def test_decoding_commutes_with_summation(
         range_stddevs=stddevs,
         error_feedback=feedback,  # type: ignore[arg-type]
     )
-    spec = _spec(d, members=max(n, 3), bits=bits, codec=codec_spec)
+    _assert_the_sum_decodes_as_the_inputs(
+        _spec(d, members=max(n, 3), bits=bits, codec=codec_spec), n, seed
+    )
+
+
+def _assert_the_sum_decodes_as_the_inputs(spec: RoundSpec, n: int, seed: int) -> np.ndarray:
+    """Encode ``n`` random updates with ``spec``'s codec, check each as the aggregator
+    does, and assert that their ring sum decodes to the sum of their decodings; returns
+    the ring sum."""
     codec = codec_for(spec)
     rng = np.random.default_rng(seed)
     rings = [
-        codec.encode(u, float(rng.uniform(0, 1)), os.urandom(32)).ring for u in _updates(rng, n, d)
+        codec.encode(u, float(rng.uniform(0, 1)), os.urandom(32)).ring
+        for u in _updates(rng, n, spec.dim)
     ]
+    for r in rings:
+        codec.check_input(r)
     ring_sum = np.zeros(codec.length, dtype=np.uint64)
     for r in rings:
         ring_sum += r.astype(np.uint64)
     ring_sum &= np.uint64((1 << spec.ring_bits) - 1)
     total, weight = codec.decode_sum(ring_sum.astype(spec.quant_spec().dtype), n)
     singles = [codec.decode_one(r) for r in rings]
-    assert total.shape == (d,)
+    assert total.shape == (spec.dim,)
     np.testing.assert_allclose(total, sum(s[0] for s in singles), rtol=1e-9, atol=1e-9)
     assert weight == pytest.approx(sum(s[1] for s in singles), abs=1e-9)
+    return ring_sum
 
 
 def test_a_compressed_encoding_is_unbiased_and_near_the_update() -> None:
@@ -242,20 +254,7 @@ def test_a_wrapping_ring_decodes_every_sum_that_stays_inside_it(
     codec = codec_for(spec)
     assert codec.wraps and spec.ring_bits == bits + headroom
     assert codec.length == codec.keep + codec.weight_elements
-    rng = np.random.default_rng(seed)
-    rings = [
-        codec.encode(u, float(rng.uniform(0, 1)), os.urandom(32)).ring for u in _updates(rng, n, d)
-    ]
-    for r in rings:
-        codec.check_input(r)
-    ring_sum = np.zeros(codec.length, dtype=np.uint64)
-    for r in rings:
-        ring_sum += r.astype(np.uint64)
-    ring_sum &= np.uint64((1 << spec.ring_bits) - 1)
-    total, weight = codec.decode_sum(ring_sum.astype(spec.quant_spec().dtype), n)
-    singles = [codec.decode_one(r) for r in rings]
-    np.testing.assert_allclose(total, sum(s[0] for s in singles), rtol=1e-9, atol=1e-9)
-    assert weight == pytest.approx(sum(s[1] for s in singles), abs=1e-9)
+    ring_sum = _assert_the_sum_decodes_as_the_inputs(spec, n, seed)
     if n < 8:  # ±3.5·L is short of the edge region, beyond 7/8 of 4·(L + 1)
         assert codec.edge_count(ring_sum, n) == 0
 
