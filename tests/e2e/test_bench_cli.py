@@ -88,6 +88,23 @@ def test_bench_secagg_with_a_codec_sums_exactly_and_counts_every_upload_byte() -
     assert 0 < record["codec_relative_error"] < 10
 
 
+def test_bench_secagg_with_fewer_headroom_bits_masks_in_the_smaller_ring() -> None:
+    """12 members at 2 bits need 4 headroom bits; with 2 the ring has 4 bits, which SecAgg+
+    masks and unmasks exactly, and the weight travels as two 1-bit digits (12 < 16)."""
+    args = ["bench", "secagg", "--clients", "12", "--dim", "3000", "--neighbors", "6"]
+    args += ["--bits", "2", "--rotation", "hadamard", "--sparsity", "0.25", "--json"]
+    result = CliRunner().invoke(main, [*args, "--headroom-bits", "2"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.strip().splitlines()[-1])
+    assert record["exact"] is True
+    assert (record["ring_bits"], record["headroom_bits"]) == (4, 2)
+    kept = round(0.25 * 3000)
+    assert record["bytes_per_param"] == pytest.approx((kept + 2) * 4 / 8 / 3000, abs=1 / 3000)
+    refused = CliRunner().invoke(main, [*args, "--headroom-bits", "1"])  # 12 weights > 7
+    assert refused.exit_code != 0
+    assert "cannot hold the weights of 12 members" in refused.output
+
+
 def test_bench_secagg_refuses_a_codec_with_distributed_noise() -> None:
     args = ["bench", "secagg", "--clients", "6", "--dim", "100", "--ddp-noise", "1"]
     result = CliRunner().invoke(main, [*args, "--rotation", "hadamard"])
