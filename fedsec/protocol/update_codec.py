@@ -298,16 +298,16 @@ class UpdateCodec:
         """
         return self.decode_sum(vector, 1)
 
-    def edge_count(self, ring_sum: RingVector, members: int = 0) -> int:
-        """Coordinates of the sum near the edge of the ring, likely wraps; 0 for kinds
-        that never wrap.
+    def edge_count(self, ring_sum: RingVector, members: int) -> int:
+        """Coordinates of the ring sum of ``members`` inputs near the edge of the ring,
+        likely wraps; 0 for kinds that never wrap.
 
         Distributed kind: within 1/k of the ring's half range of either edge.  A
         coordinate that wrapped by less than one worst-case standard deviation lands
         there, so this counts every likely wrap (and, rarely, a value that came close
-        without wrapping).  Wrapping compressed kind: the centred sum of ``members``
-        inputs within :data:`WRAP_EDGE_FRACTION` of the half range of either edge
-        (an upper estimate: sums that came close without wrapping count too)."""
+        without wrapping).  Wrapping compressed kind: the centred sum within
+        :data:`WRAP_EDGE_FRACTION` of the half range of either edge (an upper estimate:
+        sums that came close without wrapping count too)."""
         values = np.asarray(ring_sum).reshape(-1)
         half = 1 << (self.quant.ring_bits - 1)
         if self.ddp is not None:
@@ -331,7 +331,12 @@ class UpdateCodec:
     def _decode_centred(
         self, values: RingVector, members: int
     ) -> tuple[npt.NDArray[np.float64], float]:
-        """The wrapping codec's (Σ of the kept rounded values, Σ w) from the ring sum."""
+        """The wrapping codec's ring sum back to (the kept coordinates' sums in update
+        units, Σ w), before scattering.
+
+        Raises:
+            QuantizationError: more members than the cohort whose weights the ring holds.
+        """
         if not 1 <= members <= self.cohort:
             raise QuantizationError(
                 f"{members} members: this round's ring holds the sums of 1..{self.cohort}"
@@ -420,7 +425,7 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
             "record's gradient into rounds its privacy accounting does not cover; turn "
             "one of them off"
         )
-    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0 or c.headroom_bits
+    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0 or c.headroom_bits > 0
     if is_distributed(spec):
         if compressed:
             raise ProtocolError(

@@ -222,7 +222,7 @@ def test_a_distributed_codec_sums_noise_shares_and_weights() -> None:
     total, weight = codec.decode_sum(ring_sum & np.uint64((1 << spec.ring_bits) - 1), n)
     assert weight == 60.0  # the integer weights, summed exactly
     np.testing.assert_allclose(total, np.sum(xs, axis=0), atol=0.05)
-    assert codec.edge_count(ring_sum) == 0
+    assert codec.edge_count(ring_sum, n) == 0
     with pytest.raises(QuantizationError, match="distributed-DP weight"):
         codec.encode(xs[0], -1.0, os.urandom(32))
 
