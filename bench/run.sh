@@ -119,11 +119,30 @@ for args in "--bits 8" "--bits 2 --rotation hadamard --sparsity 0.4" \
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
     $args --repeat 2 --json | tee -a "$out/compression.jsonl"
 done
+echo "== compression: at d=1e6 with fewer ring headroom bits, beside its no-wrap baseline"
+for args in "--bits 2 --rotation hadamard --sparsity 0.4" \
+  "--bits 2 --rotation hadamard --sparsity 0.57 --range-stddevs 1 --headroom-bits 5"; do
+  $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
+    $args --repeat 2 --json | tee -a "$out/compression.jsonl"
+done
 echo "== compression: fewer ring headroom bits at the same 8.4x payload, in-process (docs/compression.md)"
 for seed in 0 1; do
   $PY bench/headroom_check.py --seed $seed --headroom 6 5 4 3 --keep 0.38 0.42 0.475 0.543 \
     | tee -a "$out/compression.jsonl"
   $PY bench/headroom_check.py --seed $seed --bits 8 --headroom 6 --keep 1 | tee -a "$out/compression.jsonl"
+done
+echo "== compression: 2 bits at range 1 with 4 headroom bits (a ring that may wrap), in-process"
+for seed in 0 1; do
+  $PY bench/headroom_check.py --seed $seed --bits 2 --range-stddevs 1 --headroom 6 4 6 4 \
+    --keep 0.24 0.332 0.49 0.666 | tee -a "$out/compression.jsonl"
+  $PY bench/headroom_check.py --seed $seed --bits 8 --headroom 6 --keep 1 | tee -a "$out/compression.jsonl"
+done
+echo "== compression: codec.headroom_bits = 4 through the real round (8x and 16x payload)"
+for seed in 0 1 2 3 4 5; do
+  C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
+  C="$C --rotation hadamard --quant-bits 2 --range-stddevs 1 --headroom-bits 4"
+  $C --sparsity 0.332 | tee -a "$out/compression.jsonl"
+  $C --sparsity 0.666 | tee -a "$out/compression.jsonl"
 done
 echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"

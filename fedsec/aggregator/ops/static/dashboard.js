@@ -416,8 +416,9 @@
     return bar;
   }
 
-  // A distributed-DP sum's coordinates at the ring's edge (likely wrapped, so corrupted in
-  // the aggregate) of those summed; "—" for a round that summed no such coordinates.
+  // A sum's coordinates at the ring's edge (likely wrapped, so corrupted in the aggregate)
+  // of those summed, for sums that can wrap (distributed DP, fewer codec headroom bits);
+  // "—" for a round that summed no such coordinates.
   function wrapCell(r) {
     const wrapped = r.edge_count > 0;
     const attrs = { class: "n" + (wrapped ? " fail" : ""), "data-col": "wraps" };
