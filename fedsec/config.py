@@ -669,6 +669,21 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             f"round.max_agents = {cfg.round.max_agents} members",
             c.headroom_bits,
         )
+    # the same refusals as the round's codec (fedsec.protocol.update_codec.codec_for), at
+    # load time, so such a federation never opens a round that cannot close
+    compressed = c.rotation != "none" or c.keep < 1 or c.range_stddevs > 0 or c.headroom_bits > 0
+    if compressed and d.enabled and d.mode == "distributed":
+        p.fail(
+            "codec",
+            "compression cannot be on with distributed DP, which rotates and discretises on "
+            "its own terms (round.quant_bits sizes its ring)",
+        )
+    if compressed and cfg.round.secure_sum == "he":
+        p.fail(
+            "codec",
+            "compression cannot be on with round.secure_sum = 'he': a ciphertext's size does "
+            "not depend on the bits; use 'secagg' or 'none'",
+        )
     if c.error_feedback and d.mode == "distributed" and d.unit == "record":
         p.fail(
             "codec.error_feedback",

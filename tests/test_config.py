@@ -95,6 +95,14 @@ def test_defaults() -> None:
         ('[alerts]\nwrap_rate_max = "0"', "alerts.wrap_rate_max: expected a number, got '0'"),
         ("[codec]\nheadroom_bits = 17", "codec.headroom_bits: expected an integer in 0..16"),
         (
+            '[codec]\nkeep = 0.5\n[dp]\nenabled = true\nmode = "distributed"',
+            "codec: compression cannot be on with distributed DP",
+        ),
+        (
+            '[round]\nsecure_sum = "he"\n[codec]\nrotation = "hadamard"',
+            "codec: compression cannot be on with round.secure_sum = 'he'",
+        ),
+        (
             "[codec]\nheadroom_bits = 4",
             "codec.headroom_bits: expected codec.rotation = 'hadamard', got 'none'",
         ),
