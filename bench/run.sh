@@ -144,6 +144,13 @@ for seed in 0 1 2 3 4 5; do
   $C --sparsity 0.332 | tee -a "$out/compression.jsonl"
   $C --sparsity 0.666 | tee -a "$out/compression.jsonl"
 done
+echo "== compression: four more seeds for the 8x codec with 4 headroom bits, each beside its 8-bit run"
+for seed in 6 7 8 9; do
+  C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 150 --secure-sum secagg --seed $seed --json"
+  $C --quant-bits 8 | tee -a "$out/compression.jsonl"
+  $C --rotation hadamard --quant-bits 2 --range-stddevs 1 --headroom-bits 4 --sparsity 0.666 \
+    | tee -a "$out/compression.jsonl"
+done
 echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"
 ROBUST="$FEDSEC bench robust --task mnist1d --agents 50 --bad 0.2 --rounds 20 --json"
