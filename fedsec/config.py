@@ -32,7 +32,7 @@ from fedsec.learning import robust
 from fedsec.protocol import wire
 from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.roster import ID_PATTERN
-from fedsec.protocol.update_codec import MAX_HEADROOM_BITS
+from fedsec.protocol.update_codec import MAX_HEADROOM_BITS, weight_digit_bits
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 _PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
@@ -356,6 +356,10 @@ class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     error_feedback: bool = False
     headroom_bits: int = 0
 
+    def spec(self) -> wire.CodecSpec:
+        """The round spec's codec with these settings."""
+        return wire.CodecSpec(**msgspec.structs.asdict(self))
+
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
@@ -661,9 +665,9 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             "codec.rotation = 'hadamard'",
             c.rotation,
         )
-        # the weight's digits must fit the ring: n·(2^q − 1) < 2^m with q ≥ 1
+        bits = cfg.round.quant_bits
         p.require(
-            cfg.round.max_agents < 1 << (cfg.round.quant_bits + c.headroom_bits),
+            weight_digit_bits(max(cfg.round.max_agents, 1), bits, bits + c.headroom_bits) >= 1,
             "codec.headroom_bits",
             f"a ring of quant_bits + headroom_bits bits that holds the weights of "
             f"round.max_agents = {cfg.round.max_agents} members",
@@ -671,7 +675,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         )
     # the same refusals as the round's codec (fedsec.protocol.update_codec.codec_for), at
     # load time, so such a federation never opens a round that cannot close
-    compressed = c.rotation != "none" or c.keep < 1 or c.range_stddevs > 0 or c.headroom_bits > 0
+    compressed = c.spec().compresses
     if compressed and d.enabled and d.mode == "distributed":
         p.fail(
             "codec",

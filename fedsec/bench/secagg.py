@@ -101,7 +101,12 @@ def run_secagg(
     """
     if dropout_stage not in STAGES:
         raise ValueError(f"dropout stage must be one of {STAGES}")
-    compressed = rotation != "none" or keep < 1.0 or range_stddevs > 0
+    compressed = wire.CodecSpec(
+        rotation=rotation,  # type: ignore[arg-type]
+        keep=keep,
+        range_stddevs=range_stddevs,
+        headroom_bits=headroom_bits,
+    ).compresses
     if compressed and ddp_noise > 0:
         raise ValueError("distributed noise discretises on its own terms: no codec options")
     if neighbors == 0:

@@ -119,9 +119,9 @@ class UpdateCodec:
         ddp: the distributed-DP discretisation (distributed kind only).
         error_feedback: members carry what was not sent into the next round.
         cohort: n, the members whose sum the ring holds (compressed kind).
-        wraps: the ring has fewer headroom bits than n needs; sums decode centred.
-        weight_digit_bits: q, bits of each weight element when the weight travels as
-            digits (wrapping codec), so n·(2^q − 1) fits the ring; 0: one element.
+        weight_digit_bits: q, bits of each weight element when the ring has fewer
+            headroom bits than n needs (:attr:`wraps`) and the weight travels as digits,
+            so n·(2^q − 1) fits the ring; 0: no wrapping, the weight is one element.
     """
 
     kind: str
@@ -135,8 +135,12 @@ class UpdateCodec:
     ddp: DdpSpec | None
     error_feedback: bool
     cohort: int = 0
-    wraps: bool = False
     weight_digit_bits: int = 0
+
+    @property
+    def wraps(self) -> bool:
+        """The ring has fewer headroom bits than the cohort needs: sums decode centred."""
+        return self.weight_digit_bits > 0
 
     @property
     def may_wrap(self) -> bool:
@@ -425,7 +429,7 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
             "record's gradient into rounds its privacy accounting does not cover; turn "
             "one of them off"
         )
-    compressed = c.rotation != "none" or c.keep < 1.0 or c.range_stddevs > 0 or c.headroom_bits > 0
+    compressed = c.compresses
     if is_distributed(spec):
         if compressed:
             raise ProtocolError(
@@ -476,7 +480,6 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
         None,
         c.error_feedback,
         len(spec.cohort),
-        wraps,
         _weight_digit_bits(spec, where) if wraps else 0,
     )
 
@@ -519,15 +522,21 @@ def _check_headroom(spec: RoundSpec, where: str) -> bool:
     return ring < default_ring_bits(b, len(spec.cohort))
 
 
+def weight_digit_bits(members: int, bits: int, ring_bits: int) -> int:
+    """q: the widest weight digit whose sum over ``members``, n·(2^q − 1), still fits a
+    ring of ``ring_bits`` bits, at most the weight's own ``bits``; 0 where not even a
+    1-bit digit fits (``members`` ≥ 2^ring_bits)."""
+    return min(bits, (((1 << ring_bits) - 1) // members + 1).bit_length() - 1)
+
+
 def _weight_digit_bits(spec: RoundSpec, where: str) -> int:
-    """q for a wrapping ring: the widest digit whose sum over the cohort, n·(2^q − 1),
-    still fits the ring, at most the weight's own b bits.
+    """:func:`weight_digit_bits` of a wrapping round, which needs at least one bit.
 
     Raises:
         ProtocolError: a ring too small for the cohort's weights.
     """
-    n, b, m = len(spec.cohort), spec.quant_bits, spec.ring_bits
-    q = min(b, (((1 << m) - 1) // n + 1).bit_length() - 1)
+    n, m = len(spec.cohort), spec.ring_bits
+    q = weight_digit_bits(n, spec.quant_bits, m)
     if q < 1:
         raise ProtocolError(
             f"{where}: a ring of {m} bits cannot hold the weights of {n} members; "

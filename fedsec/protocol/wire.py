@@ -123,6 +123,17 @@ class CodecSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     # let a coordinate's sum wrap: it is decoded centred and likely wraps are counted
     headroom_bits: int = 0
 
+    @property
+    def compresses(self) -> bool:
+        """Whether any stage beyond plain rounding is on (the codec's compressed kind;
+        error feedback alone keeps plain rounding)."""
+        return (
+            self.rotation != "none"
+            or self.keep < 1.0
+            or self.range_stddevs > 0
+            or self.headroom_bits > 0
+        )
+
 
 #: The plain pipeline.  RoundSpec's default is this very object: msgspec omits a struct
 #: field holding its default only when it *is* the default, so a spec built from an

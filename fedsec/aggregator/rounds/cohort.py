@@ -263,7 +263,7 @@ class CohortDesk:
 def _codec_spec(section: CodecSection) -> wire.CodecSpec:
     """The spec's codec; the plain pipeline as ``wire.PLAIN_CODEC`` itself, so specs
     without compression keep the fields, and the signatures, they had before."""
-    codec = wire.CodecSpec(**msgspec.structs.asdict(section))
+    codec = section.spec()
     return wire.PLAIN_CODEC if codec == wire.PLAIN_CODEC else codec
 
 
