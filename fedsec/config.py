@@ -658,7 +658,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             c.rotation,
         )
     p.int_range("codec.headroom_bits", c.headroom_bits, 0, MAX_HEADROOM_BITS)
-    if c.headroom_bits:
+    if 0 < c.headroom_bits <= MAX_HEADROOM_BITS and cfg.round.quant_bits > 0:
         p.require(
             c.rotation == "hadamard",
             "codec.headroom_bits",

@@ -94,6 +94,7 @@ def test_defaults() -> None:
         ),
         ('[alerts]\nwrap_rate_max = "0"', "alerts.wrap_rate_max: expected a number, got '0'"),
         ("[codec]\nheadroom_bits = 17", "codec.headroom_bits: expected an integer in 0..16"),
+        ("[codec]\nheadroom_bits = -20", "codec.headroom_bits: expected an integer in 0..16"),
         (
             '[codec]\nkeep = 0.5\n[dp]\nenabled = true\nmode = "distributed"',
             "codec: compression cannot be on with distributed DP",
