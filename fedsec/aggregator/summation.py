@@ -342,14 +342,14 @@ class SecAggPlusSession(SummationSession):
         )
         result = s.finalize()
         encoding = codec_for(self.spec)
-        weighted, weight = encoding.decode_sum(result.ring_sum, len(result.survivors))
+        weighted, weight, edges = encoding.decode_counted(result.ring_sum, len(result.survivors))
         return SummationResult(
             weighted_sum=weighted,
             weight_sum=weight,
             survivors=list(result.survivors),
             dropped=list(result.dropped),
             sum_sha256=hashlib.sha256(result.ring_sum.tobytes()).hexdigest(),
-            edge_count=encoding.edge_count(result.ring_sum, len(result.survivors)),
+            edge_count=edges,
         )
 
     def participant_count(self) -> int:

@@ -275,24 +275,19 @@ class UpdateCodec:
             QuantizationError: a ring sum of the wrong length, or more members than the
                 ring holds.
         """
-        values = np.asarray(ring_sum).reshape(-1)
-        if values.size != self.length:
-            raise QuantizationError(
-                f"a ring sum of this round has {self.length} elements, got {values.size}"
-            )
-        if self.kind == "plain":
-            return dequantize_sum(values, members, self.quant)
-        if self.kind == "distributed":
-            assert self.ddp is not None and self.rotation_seed is not None
-            centred = recentre(values, self.quant.ring_bits).astype(np.float64)
-            weight = float(centred[-1])
-            body = centred[:-1] * (1.0 / self.ddp.scale)
-            return rotation.unrotate(body, self.rotation_seed, self.dim), weight
-        if self.wraps:
-            total, weight = self._decode_centred(values, members)
-        else:
-            total, weight = dequantize_sum(values, members, self._range_quant())
-        return self._scatter(total, self.rescale), weight
+        total, weight, _ = self._decode(ring_sum, members, count=False)
+        return total, weight
+
+    def decode_counted(
+        self, ring_sum: RingVector, members: int
+    ) -> tuple[npt.NDArray[np.float64], float, int]:
+        """:meth:`decode_sum` and :meth:`edge_count` of one ring sum, from one pass
+        over it (the aggregator's, as it closes a round).
+
+        Raises:
+            QuantizationError: see :meth:`decode_sum`.
+        """
+        return self._decode(ring_sum, members, count=True)
 
     def decode_one(self, vector: RingVector) -> tuple[npt.NDArray[np.float64], float]:
         """One member's input back to (w·Δ, w), e.g. for a trusted-mode rule or an audit.
@@ -313,15 +308,48 @@ class UpdateCodec:
         :data:`WRAP_EDGE_FRACTION` of the half range of either edge (an upper estimate:
         sums that came close without wrapping count too)."""
         values = np.asarray(ring_sum).reshape(-1)
-        half = 1 << (self.quant.ring_bits - 1)
         if self.ddp is not None:
-            centred = recentre(values[:-1], self.quant.ring_bits)
-            edge = half * (1.0 - 1.0 / self.ddp.wrap_stddevs)
-            return int(np.count_nonzero(np.abs(centred) > edge))
+            return self._count_edges(recentre(values[:-1], self.quant.ring_bits))
         if not self.wraps:
             return 0
-        twice = self._twice_centred(values[: self.keep], members)
-        return int(np.count_nonzero(np.abs(twice) > 2 * half * (1.0 - WRAP_EDGE_FRACTION)))
+        return self._count_edges(self._twice_centred(values[: self.keep], members))
+
+    def _decode(
+        self, ring_sum: RingVector, members: int, count: bool
+    ) -> tuple[npt.NDArray[np.float64], float, int]:
+        """(Σ w·Δ, Σ w, and with ``count`` the edge count, else 0)."""
+        values = np.asarray(ring_sum).reshape(-1)
+        if values.size != self.length:
+            raise QuantizationError(
+                f"a ring sum of this round has {self.length} elements, got {values.size}"
+            )
+        if self.kind == "plain":
+            return (*dequantize_sum(values, members, self.quant), 0)
+        if self.kind == "distributed":
+            assert self.ddp is not None and self.rotation_seed is not None
+            centred = recentre(values, self.quant.ring_bits)
+            edges = self._count_edges(centred[:-1]) if count else 0
+            body = centred[:-1].astype(np.float64) * (1.0 / self.ddp.scale)
+            total = rotation.unrotate(body, self.rotation_seed, self.dim)
+            return total, float(centred[-1]), edges
+        edges = 0
+        if self.wraps:
+            twice = self._twice_centred(values[: self.keep], members)
+            kept, weight = self._decode_centred(values, members, twice)
+            edges = self._count_edges(twice) if count else 0
+        else:
+            kept, weight = dequantize_sum(values, members, self._range_quant())
+        return self._scatter(kept, self.rescale), weight, edges
+
+    def _count_edges(self, centred: npt.NDArray[np.int64]) -> int:
+        """How many of a may-wrap kind's centred sums lie in the ring's edge region: in
+        ring units (distributed) or half levels (:meth:`_twice_centred`)."""
+        half = 1 << (self.quant.ring_bits - 1)
+        if self.ddp is not None:
+            edge = half * (1.0 - 1.0 / self.ddp.wrap_stddevs)
+        else:
+            edge = 2 * half * (1.0 - WRAP_EDGE_FRACTION)
+        return int(np.count_nonzero(np.abs(centred) > edge))
 
     def _twice_centred(self, body: RingVector, members: int) -> npt.NDArray[np.int64]:
         """Twice the centred sums Σ(v − L/2) of ``members`` inputs, as the ring shows
@@ -333,10 +361,11 @@ class UpdateCodec:
         return twice
 
     def _decode_centred(
-        self, values: RingVector, members: int
+        self, values: RingVector, members: int, twice: npt.NDArray[np.int64] | None = None
     ) -> tuple[npt.NDArray[np.float64], float]:
         """The wrapping codec's ring sum back to (the kept coordinates' sums in update
-        units, Σ w), before scattering.
+        units, Σ w), before scattering; ``twice``: :meth:`_twice_centred` of it, where
+        the caller has it already.
 
         Raises:
             QuantizationError: more members than the cohort whose weights the ring holds.
@@ -345,7 +374,8 @@ class UpdateCodec:
             raise QuantizationError(
                 f"{members} members: this round's ring holds the sums of 1..{self.cohort}"
             )
-        twice = self._twice_centred(values[: self.keep], members)
+        if twice is None:
+            twice = self._twice_centred(values[: self.keep], members)
         # a level is 2s/L wide, so half a level (one unit of ``twice``) is s/L
         total = twice.astype(np.float64) * (self.range / self.quant.levels)
         digits = np.asarray(values[self.keep :]).astype(np.int64) & self.quant.ring_mask
