@@ -15,6 +15,15 @@ codec as the aggregator does.  A coordinate whose centred sum lies outside the s
 ring's half range wraps and is counted; the weight element is summed exactly (it would
 travel with full headroom).  The server applies FedAvg with the task's server lr.
 
+Three variations screen other ways to the 16x target, none of them a product setting:
+``--server-momentum β`` applies an exponential average of the mean updates
+(v ← βv + (1 − β)·mean, the model moves by server_lr·v), ``--drop-edges`` decodes every
+sum the aggregator would count as a likely wrap (the outer
+:data:`~fedsec.protocol.update_codec.WRAP_EDGE_FRACTION` of the ring) as an unsent
+coordinate, and ``--local-epochs`` / ``--server-lr`` replace the task's settings.
+``--server-optimizer fedadam`` applies the product's FedAdam
+(:func:`fedsec.learning.optimizers.server_step`, ``[server]``'s default moments).
+
 Prints one JSON object per run: the settings, the payload bytes per member and round,
 the wrap rate, the largest centred |sum| in levels and the bits it needed, and the final
 test accuracy.  Run: ``.venv/bin/python bench/headroom_check.py --headroom 6 5 4``.
@@ -33,9 +42,15 @@ import torch
 
 from fedsec.bench.secagg import codec_round_spec
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits
+from fedsec.learning.optimizers import AdamMoments, server_rule, server_step
 from fedsec.learning.training import train_local
-from fedsec.protocol.update_codec import UpdateCodec, codec_for, default_range_stddevs
-from fedsec.simulation import SIM_DEFAULTS
+from fedsec.protocol.update_codec import (
+    WRAP_EDGE_FRACTION,
+    UpdateCodec,
+    codec_for,
+    default_range_stddevs,
+)
+from fedsec.simulation import FEDADAM_LR, SIM_DEFAULTS
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params, load_flat_params
@@ -60,12 +75,17 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     torch.manual_seed(args.seed)
     defaults = SIM_DEFAULTS[args.task]
     params = TrainingParams(
-        local_epochs=defaults["local_epochs"],
+        local_epochs=args.local_epochs or defaults["local_epochs"],
         batch_size=defaults["batch_size"],
         lr=defaults["lr"],
         optimizer=defaults["optimizer"],
     )
-    clip, server_lr = defaults["clip"], defaults.get("server_lr", 1.0)
+    clip = defaults["clip"]
+    fedadam = args.server_optimizer == "fedadam"
+    server_lr = args.server_lr or (FEDADAM_LR if fedadam else defaults.get("server_lr", 1.0))
+    rule = server_rule(args.server_optimizer, server_lr, 0.9, 0.99, 1e-3)  # [server]'s defaults
+    moments: AdamMoments | None = None
+    velocity: np.ndarray | None = None  # --server-momentum's average of mean updates
     task = get_task(args.task)
     data = task.load()
     parts = parse_partition("iid").apply(data.y_train, args.agents, args.seed)
@@ -109,10 +129,21 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
         seen = np.mod(body, modulus)
         centred2 = np.mod(2 * seen - offset2, 2 * modulus)
         centred2[centred2 >= modulus] -= 2 * modulus
+        if args.drop_edges:  # a likely wrap becomes an unsent coordinate (centred sum 0)
+            centred2[np.abs(centred2) > 2 * half * (1 - WRAP_EDGE_FRACTION)] = 0
         recovered = (centred2 + offset2) // 2
         ring_sum = np.concatenate([np.mod(recovered, 1 << full), total[-1:]])
         update, weight = codec.decode_sum(ring_sum.astype(np.uint64), n)
-        g = g + server_lr * update / weight
+        mean = update / weight
+        if args.server_momentum:
+            beta = args.server_momentum
+            velocity = mean if velocity is None else beta * velocity + (1 - beta) * mean
+            mean = velocity
+        if fedadam:
+            new, moments = server_step(rule, g.astype(np.float32), mean.astype(np.float32), moments)
+            g = new.astype(np.float64)
+        else:
+            g = g + server_lr * mean
     final = task.build_model(0)
     load_flat_params(final, g.astype(np.float32))
     accuracy = float(evaluate(final, data.x_test, data.y_test)[0])
@@ -135,6 +166,11 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
         "wrap_rate": wrapped / coords,
         "peak_centred_levels": peak,
         "peak_needs_ring_bits": math.ceil(math.log2(peak + 1)) + 1,
+        "local_epochs": params.local_epochs,
+        "server_optimizer": args.server_optimizer,
+        "server_lr": server_lr,
+        "server_momentum": args.server_momentum,
+        "drop_edges": args.drop_edges,
         "final_accuracy": accuracy,
         "wall_s": round(time.perf_counter() - started, 1),
     }
@@ -151,7 +187,14 @@ def main() -> None:
     parser.add_argument("--keep", type=float, nargs="+", default=[0.38])  # 1: plain
     parser.add_argument("--range-stddevs", type=float, default=None)  # None: the default
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local-epochs", type=int, default=0)  # 0: the task's
+    parser.add_argument("--server-lr", type=float, default=0.0)  # 0: the task's
+    parser.add_argument("--server-momentum", type=float, default=0.0)  # 0: plain FedAvg
+    parser.add_argument("--server-optimizer", choices=["fedavg", "fedadam"], default="fedavg")
+    parser.add_argument("--drop-edges", action="store_true")
     args = parser.parse_args()
+    if args.server_momentum and args.server_optimizer == "fedadam":
+        parser.error("--server-momentum averages FedAvg's updates; FedAdam has its own moments")
     torch.set_num_threads(1)
     for headroom, keep in zip(args.headroom, args.keep, strict=True):
         print(json.dumps(run(args, headroom, keep)), flush=True)

@@ -151,6 +151,22 @@ for seed in 6 7 8 9; do
   $C --rotation hadamard --quant-bits 2 --range-stddevs 1 --headroom-bits 4 --sparsity 0.666 \
     | tee -a "$out/compression.jsonl"
 done
+echo "== compression: other ways to 16x, screened in-process beside the 4-headroom-bit run above"
+for seed in 0 1; do
+  H="$PY bench/headroom_check.py --seed $seed --bits 2 --range-stddevs 1 --headroom 4 --keep 0.332"
+  for extra in "--server-momentum 0.5" "--server-momentum 0.7" "--server-momentum 0.9" \
+    "--server-momentum 0.8 --server-lr 2" "--drop-edges"; do
+    $H $extra | tee -a "$out/compression.jsonl"
+  done
+  $PY bench/headroom_check.py --seed $seed --bits 2 --range-stddevs 1 --headroom 5 --keep 0.284 \
+    | tee -a "$out/compression.jsonl"
+  $H --local-epochs 4 | tee -a "$out/compression.jsonl"
+  if [ "$seed" = 0 ]; then $H --server-optimizer fedadam | tee -a "$out/compression.jsonl"; fi
+  for range in 1.25 1.5; do
+    $PY bench/headroom_check.py --seed $seed --bits 2 --range-stddevs $range --headroom 4 \
+      --keep 0.332 | tee -a "$out/compression.jsonl"
+  done
+done
 echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"
 ROBUST="$FEDSEC bench robust --task mnist1d --agents 50 --bad 0.2 --rounds 20 --json"
