@@ -167,6 +167,13 @@ for seed in 0 1; do
       --keep 0.332 | tee -a "$out/compression.jsonl"
   done
 done
+echo "== compression: the 16x codec with 4 headroom bits over 200 rounds, and 8-bit over 200"
+for seed in 0 1 2 3 4 5; do
+  C="$FEDSEC simulate --task mnist1d --agents 50 --rounds 200 --secure-sum secagg --seed $seed --json"
+  $C --rotation hadamard --quant-bits 2 --range-stddevs 1 --headroom-bits 4 --sparsity 0.332 \
+    | tee -a "$out/compression.jsonl"
+  $C --quant-bits 8 | tee -a "$out/compression.jsonl"
+done
 echo "== robust: 7 aggregation rules x 6 attacks (+ none), 50 MNIST-1D members, 20 % attackers;"
 echo "   in-process with the real training, rule and control-check code (docs/robustness.md)"
 ROBUST="$FEDSEC bench robust --task mnist1d --agents 50 --bad 0.2 --rounds 20 --json"
