@@ -81,8 +81,11 @@ def setup() -> Iterator[Setup]:
         torch.set_num_threads(threads)
 
 
-def _reveal(s: Setup, delta: np.ndarray, round: int = 2, weight: float = 1.0) -> RevealedUpdate:
-    q = quantize(delta, weight, s.spec, os.urandom(32))
+def _reveal(
+    s: Setup, delta: np.ndarray, round: int = 2, weight: float = 1.0, seed: bytes | None = None
+) -> RevealedUpdate:
+    """``delta`` as member alice reveals it; ``seed``: its rounding seed (None: fresh)."""
+    q = quantize(delta, weight, s.spec, os.urandom(32) if seed is None else seed)
     return RevealedUpdate.from_quantized("alice", round, q, s.spec)
 
 
@@ -244,6 +247,9 @@ def test_the_loss_test_tolerates_the_rise_the_members_rounding_adds(setup: Setup
     # at this untrained model only coarse rounding moves the loss: weight 0.02, 50x the step
     coarse = honest_loss_changes(setup.task, ref, control, setup.spec.step() / 0.02)
     assert np.mean(coarse) > np.mean(fine) + 0.01, (coarse, fine)
-    verdict = _check(setup, _reveal(setup, setup.honest, weight=0.02))
+    # A fixed rounding seed: the tolerance is μ + 3 s of the reference runs, which an
+    # honest update at this weight exceeds about once in a hundred draws (6 of 600 fresh
+    # seeds), so a fresh seed would fail this test at that rate.
+    verdict = _check(setup, _reveal(setup, setup.honest, weight=0.02, seed=bytes(32)))
     assert verdict.scores["loss_max_increase"] >= np.mean(coarse)
     assert "loss" not in verdict.failed, verdict
