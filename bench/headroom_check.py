@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import time
+from typing import Literal
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from fedsec.protocol.update_codec import (
     codec_for,
     default_range_stddevs,
 )
+from fedsec.protocol.wire import CodecSpec
 from fedsec.simulation import FEDADAM_LR, SIM_DEFAULTS
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.evaluation import evaluate
@@ -62,12 +64,13 @@ def _codec(
     """The codec a round spec with these settings prescribes (``fedsec.simulate``'s
     choices): rotated when keep < 1, over ``stddevs`` (None: the tool's default range),
     plain 8-bit-style else."""
-    rotation = "hadamard" if keep < 1.0 else "none"
+    rotation: Literal["none", "hadamard"] = "hadamard" if keep < 1.0 else "none"
     quant = QuantSpec(bits, clip, default_ring_bits(bits, members))
     cohort = [f"member-{i}" for i in range(members)]
     if stddevs is None or rotation == "none":
         stddevs = default_range_stddevs(rotation)
-    return codec_for(codec_round_spec(cohort, quant, d, rotation, keep, stddevs, seed))
+    codec = CodecSpec(rotation=rotation, keep=keep, range_stddevs=stddevs)
+    return codec_for(codec_round_spec(cohort, quant, d, codec, seed))
 
 
 def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, object]:

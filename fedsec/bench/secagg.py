@@ -101,12 +101,13 @@ def run_secagg(
     """
     if dropout_stage not in STAGES:
         raise ValueError(f"dropout stage must be one of {STAGES}")
-    compressed = wire.CodecSpec(
+    codec_spec = wire.CodecSpec(
         rotation=rotation,  # type: ignore[arg-type]
         keep=keep,
         range_stddevs=range_stddevs,
         headroom_bits=headroom_bits,
-    ).compresses
+    )
+    compressed = codec_spec.compresses
     if compressed and ddp_noise > 0:
         raise ValueError("distributed noise discretises on its own terms: no codec options")
     if neighbors == 0:
@@ -124,13 +125,7 @@ def run_secagg(
     if ddp_noise > 0:
         ddp = DdpSpec(dim, ring_bits, clip, clip, ddp_noise, clients - n_drop, clients)
     shared = os.urandom(32)  # the round's rotation (from the signed spec in a round)
-    codec = (
-        codec_for(
-            codec_round_spec(members, spec, dim, rotation, keep, range_stddevs, None, headroom_bits)
-        )
-        if compressed
-        else None
-    )
+    codec = codec_for(codec_round_spec(members, spec, dim, codec_spec)) if compressed else None
     subset_s = None
     if codec is not None:
         start = time.perf_counter()
@@ -315,11 +310,8 @@ def codec_round_spec(
     members: list[str],
     quant: QuantSpec,
     dim: int,
-    rotation: str,
-    keep: float,
-    stddevs: float,
+    codec: wire.CodecSpec,
     seed: bytes | None = None,
-    headroom_bits: int = 0,
 ) -> wire.RoundSpec:
     """The fields of a round spec that decide its codec (unsigned: nothing here is
     verified, and the codec depends on no signature); ``seed`` (32 bytes) is the
@@ -347,12 +339,7 @@ def codec_round_spec(
         training=wire.TrainingSpec(local_epochs=1, batch_size=1, lr=0.0, optimizer="sgd"),
         dp=wire.DPSpec(enabled=False, noise_multiplier=0.0, max_grad_norm=0.0, delta=0.0),
         deadlines={},
-        codec=wire.CodecSpec(
-            rotation=rotation,  # type: ignore[arg-type]
-            keep=keep,
-            range_stddevs=stddevs,
-            headroom_bits=headroom_bits,
-        ),
+        codec=codec,
     )
 
 
