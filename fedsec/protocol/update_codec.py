@@ -306,13 +306,14 @@ class UpdateCodec:
         there, so this counts every likely wrap (and, rarely, a value that came close
         without wrapping).  Wrapping compressed kind: the centred sum within
         :data:`WRAP_EDGE_FRACTION` of the half range of either edge (an upper estimate:
-        sums that came close without wrapping count too)."""
-        values = np.asarray(ring_sum).reshape(-1)
-        if self.ddp is not None:
-            return self._count_edges(recentre(values[:-1], self.quant.ring_bits))
-        if not self.wraps:
-            return 0
-        return self._count_edges(self._twice_centred(values[: self.keep], members))
+        sums that came close without wrapping count too).  The count is
+        :meth:`decode_counted`'s, so it decodes the sum too; a caller that needs both
+        takes them from there.
+
+        Raises:
+            QuantizationError: see :meth:`decode_sum`.
+        """
+        return self._decode(ring_sum, members, count=True)[2]
 
     def _decode(
         self, ring_sum: RingVector, members: int, count: bool
