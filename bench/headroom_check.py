@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from fedsec.bench.secagg import codec_round_spec
+from fedsec.config import ServerSection
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits
 from fedsec.learning.optimizers import AdamMoments, server_rule, server_step
 from fedsec.learning.training import train_local
@@ -86,7 +87,10 @@ def run(args: argparse.Namespace, headroom: int, keep: float) -> dict[str, objec
     clip = defaults["clip"]
     fedadam = args.server_optimizer == "fedadam"
     server_lr = args.server_lr or (FEDADAM_LR if fedadam else defaults.get("server_lr", 1.0))
-    rule = server_rule(args.server_optimizer, server_lr, 0.9, 0.99, 1e-3)  # [server]'s defaults
+    server = ServerSection()  # [server]'s default FedAdam moments
+    rule = server_rule(
+        args.server_optimizer, server_lr, server.adam_beta1, server.adam_beta2, server.adam_tau
+    )
     moments: AdamMoments | None = None
     velocity: np.ndarray | None = None  # --server-momentum's average of mean updates
     task = get_task(args.task)

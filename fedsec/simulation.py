@@ -55,6 +55,7 @@ from fedsec.bench.common import (
     free_port,
     with_environment,
 )
+from fedsec.config import ServerSection
 from fedsec.crypto.discretize import DdpSpec
 from fedsec.crypto.discretize import decode_sum as ddp_decode
 from fedsec.crypto.discretize import encode as ddp_encode
@@ -412,7 +413,10 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
         else float("nan")
     )
     if record_level:
-        rule = server_rule(optimizer, server_lr, 0.9, 0.99, 1e-3)  # [server]'s defaults
+        server = ServerSection()  # [server]'s default FedAdam moments
+        rule = server_rule(
+            optimizer, server_lr, server.adam_beta1, server.adam_beta2, server.adam_tau
+        )
         extra["centralized_dp_accuracy"] = (
             central_dp_accuracy(
                 task,
