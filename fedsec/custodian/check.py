@@ -13,15 +13,29 @@ steps, the I/O between them being the caller's:
    masked inputs, each a cohort member on the roster whose signed statement names the
    bytes; then :attr:`SumCheck.wanted` lists the archive objects to fetch;
 2. :meth:`SumCheck.add` for each fetched object: its bytes hash to the logged digest and
-   it adds to the re-computed sum (streaming, memory O(d));
-3. :meth:`SumCheck.release`: the re-added sum's digest is the offer's; only then is it
-   decrypted, rounded to integers (a value more than 0.25 from one, or outside what the
-   members' quantized vectors can sum to, is a malformed contribution and nothing is
+   it adds to the re-computed sum (streaming, memory O(d)); then the contribution alone
+   is decrypted, privately, and must be what an honest member encrypts: integers (within
+   0.25) in the codec's range [0, 2^b - 1], and not the vector another contribution of
+   the sum decrypts to;
+3. :meth:`SumCheck.release`: the re-added sum's digest is the offer's; only then is the
+   sum decrypted, rounded to integers (a value more than 0.25 from one, or outside what
+   the members' quantized vectors can sum to, is a malformed contribution and nothing is
    released), and the unsigned :class:`~fedsec.protocol.wire.DecryptionStatement` made.
 
-Any failure raises :class:`Refused` with a machine ``reason``; nothing is decrypted before
-step 3's digest comparison passed.  :func:`decide` runs the three steps with a
-synchronous archive reader.
+Why each contribution is opened: the log proves which signed ciphertexts are summed, not
+what each encrypts.  A member colluding with the aggregator, which holds every ciphertext,
+can upload ``Enc(0) - Σ`` of the other honest members' ciphertexts; the sum is then the
+victim's ciphertext alone, with any number of honest members in it.  Such a contribution
+decrypts to negative values and is refused; one within the range can cancel at most the
+colluder's own share of the sum (docs/threat-model.md).
+
+Any failure raises :class:`Refused` with a machine ``reason``.  Nothing is decrypted
+before the log decided the offer's contributors and a contribution's bytes are the logged
+ones; the sum is decrypted only after step 3's digest comparison passed.  A refusal that
+follows a decryption says which rule and whose contribution, never a decrypted value nor
+how far one is from an integer: such output is what the IND-CPA-D attacks on CKKS (Li and
+Micciancio, 2021) feed on.  :func:`decide` runs the three steps with a synchronous
+archive reader.
 """
 
 from __future__ import annotations
@@ -46,6 +60,9 @@ from fedsec.protocol.wire import (
 )
 
 __all__ = [
+    "DECRYPTION_REASONS",
+    "MAX_DECRYPTION_REFUSALS",
+    "MIN_CONTRIBUTORS",
     "ROUNDING_TOLERANCE",
     "Custody",
     "LogFollower",
@@ -83,8 +100,19 @@ Reason = Literal[
     "bad_ciphertext",
     "not_integral",
     "out_of_range",
+    "repeated_contribution",
     "bad_parent",
 ]
+#: The refusals a decryption decided: each tells whoever made the offer one fact about
+#: plaintexts it cannot read, so the service stops after a few (IND-CPA-D).
+DECRYPTION_REASONS: Final[frozenset[Reason]] = frozenset(
+    {"not_integral", "out_of_range", "repeated_contribution"}
+)
+#: Refusals decided by a decryption tolerated before the service stops: honest members
+#: never cause one (a refusal means a buggy or hostile member, or an aggregator probing
+#: the key), a retry after one honest mistake still fits, and an attacker gets a handful
+#: of one-bit answers where the IND-CPA-D attacks on CKKS need many decryption outputs.
+MAX_DECRYPTION_REFUSALS: Final = 3
 
 
 class Refused(FedsecError):
@@ -184,13 +212,19 @@ class SumCheck:
                 )
         self._sum = he.CiphertextSum(custody.public_ctx, params, self.dim)
         self._added: set[str] = set()
+        self._levels = (1 << self.spec.quant_bits) - 1
+        # member by the SHA-256 of the integer vector its contribution decrypts to
+        self._vectors: dict[str, str] = {}
 
     def add(self, logged: LoggedContribution, raw: bytes) -> None:
-        """Add one fetched archive object, the contribution ``logged`` names.
+        """Add one fetched archive object, the contribution ``logged`` names, and check
+        what it encrypts (see the module docstring).
 
         Raises:
             Refused: ``logged`` is not wanted or already added, the bytes are not the
-                logged ones, or they are not an encrypted update under the context.
+                logged ones, they are not an encrypted update under the context, or it
+                does not decrypt to an integer vector in the codec's range that no other
+                contribution of the sum decrypts to.
         """
         if logged not in self.wanted or logged.member in self._added:
             raise Refused("counted_twice", f"{logged.member}'s contribution is added twice")
@@ -201,12 +235,47 @@ class SumCheck:
                 f"{logged.index}) is not the logged bytes {logged.sha256[:16]}…",
             )
         try:
-            self._sum.add(he.unframe_chunks(raw, self._custody.params, self.dim))
+            chunks = he.unframe_chunks(raw, self._custody.params, self.dim)
+            self._sum.add(chunks)
         except FedsecError as exc:
             raise Refused(
                 "bad_ciphertext", f"{logged.member}'s contribution does not add: {exc.detail}"
             ) from None
         self._added.add(logged.member)
+        self._check_contribution(logged.member, chunks)
+
+    def _check_contribution(self, member: str, chunks: list[bytes]) -> None:
+        """Decrypt one contribution privately: an honest member's is its quantized
+        vector, integers in [0, 2^b - 1] (the weight slot included).
+
+        Raises:
+            Refused: a value off an integer or out of the range, or the vector of another
+                contribution.  The detail names the member, never a value.
+        """
+        values = decrypt_contribution(self._custody.secret_ctx, chunks, self.dim)
+        rounded: he.FloatVector = np.rint(values)
+        if not float(np.max(np.abs(values - rounded))) <= ROUNDING_TOLERANCE:  # NaN too
+            raise Refused(
+                "not_integral",
+                f"{member}'s contribution does not decrypt to an integer vector: it is "
+                "not a quantized update",
+            )
+        if float(rounded.min()) < 0 or float(rounded.max()) > self._levels:
+            raise Refused(
+                "out_of_range",
+                f"{member}'s contribution decrypts to values outside [0, {self._levels}], "
+                f"the range of a {self.spec.quant_bits}-bit quantized update: it cancels "
+                "or inflates other contributions",
+            )
+        digest = hashlib.sha256(rounded.astype("<i8").tobytes()).hexdigest()
+        earlier = self._vectors.get(digest)
+        if earlier is not None:
+            raise Refused(
+                "repeated_contribution",
+                f"{member}'s contribution decrypts to the same vector as {earlier}'s: "
+                "a copy counts one member's update twice",
+            )
+        self._vectors[digest] = member
 
     def release(self) -> Release:
         """Compare the re-added sum with the offer; only then decrypt and round it.
@@ -246,12 +315,11 @@ class SumCheck:
             Refused: a value off an integer, or beyond what the contributions can sum to.
         """
         rounded: he.FloatVector = np.rint(values)
-        error = float(np.max(np.abs(values - rounded)))
-        if not error <= ROUNDING_TOLERANCE:  # also refuses NaN
-            raise Refused(
+        if not float(np.max(np.abs(values - rounded))) <= ROUNDING_TOLERANCE:  # NaN too
+            raise Refused(  # how far, never: IND-CPA-D feeds on decryption output
                 "not_integral",
-                f"the decrypted sum has a value {error:.3g} from an integer (over "
-                f"{ROUNDING_TOLERANCE}): a contribution was not an integer vector",
+                f"the decrypted sum has a value further than {ROUNDING_TOLERANCE} from an "
+                "integer: a contribution was not an integer vector",
             )
         top = len(self.wanted) * ((1 << self.spec.quant_bits) - 1)
         if float(rounded.min()) < 0 or float(rounded.max()) > top:
@@ -261,6 +329,19 @@ class SumCheck:
                 f"vectors of {self.spec.quant_bits} bits sum to",
             )
         return rounded.astype(np.int64)
+
+
+def decrypt_contribution(
+    secret_ctx: he.SecretContext, chunks: Sequence[bytes], dim: int
+) -> he.FloatVector:
+    """One member's contribution, decrypted for :class:`SumCheck` alone (a ciphertext
+    decrypts alike whether it is one or a sum; kept apart from :func:`decrypt_sum`, the
+    release's decryption, so each use of the secret context is named).
+
+    Raises:
+        PayloadError, CryptoError: see :func:`~fedsec.crypto.he.decrypt_sum`.
+    """
+    return he.decrypt_sum(secret_ctx, chunks, dim)
 
 
 def _check_log(offer: HeSumOffer, follower: LogFollower, custody: Custody) -> None:
@@ -405,8 +486,8 @@ def decide(
         The plaintext and the unsigned decryption statement.
 
     Raises:
-        Refused: a rule failed; nothing was decrypted (or, for ``not_integral`` and
-            ``out_of_range``, nothing released).
+        Refused: a rule failed; nothing was released (nothing was decrypted unless the
+            log decided the contributors and their bytes were the logged ones).
     """
     check = SumCheck(offer, follower, custody, released)
     for logged in check.wanted:

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from fedsec.crypto import he
-from fedsec.custodian.check import MIN_CONTRIBUTORS
+from fedsec.custodian.check import MAX_DECRYPTION_REFUSALS, MIN_CONTRIBUTORS
 from fedsec.custodian.store import IDENTITY_PUB, create_custodian
 from fedsec.errors import ConfigError
 from fedsec.protocol.roster import ID_PATTERN
@@ -145,6 +145,14 @@ def init_command(
     show_default=True,
     help="never decrypt a sum of fewer contributions, whatever the federation says",
 )
+@click.option(
+    "--max-decryption-refusals",
+    type=int,
+    default=MAX_DECRYPTION_REFUSALS,
+    show_default=True,
+    help="stop (and alert) after this many refusals decided by decrypting a contribution "
+    "(over the whole decision log): each answers a question about plaintexts",
+)
 @click.option("--verbose", is_flag=True, help="debug logging")
 def serve_command(
     directory: Path,
@@ -153,6 +161,7 @@ def serve_command(
     aggregator_public_key: str,
     admin_public_key: str | None,
     min_contributors: int,
+    max_decryption_refusals: int,
     verbose: bool,
 ) -> None:
     """Publish the public context and decrypt, round by round, the logged sums."""
@@ -177,6 +186,7 @@ def serve_command(
                 aggregator_key,
                 admin_key=admin_key,
                 min_contributors=min_contributors,
+                max_decryption_refusals=max_decryption_refusals,
                 stop=stop,
             )
         finally:

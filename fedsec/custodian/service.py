@@ -9,6 +9,15 @@ refused (the aggregator aborts it at its deadline and retries without the lost m
 an attempt released by an earlier run and still in decrypt is answered again with the
 same plaintext, since the post may never have arrived.  A log that does not verify ends
 the service: nothing the aggregator serves afterwards can be trusted.
+
+Refusals decided by a decryption (:data:`~fedsec.custodian.check.DECRYPTION_REASONS`)
+are answers about plaintexts nobody else can read: each tells the aggregator whether
+contributions it chose decrypt to in-range integers.  Against CKKS such answers are the
+raw material of the IND-CPA-D attacks (Li and Micciancio, 2021), and honest members never
+cause one, so after :data:`MAX_DECRYPTION_REFUSALS` of them in the decision log the
+service stops with an alert (a CRITICAL ``alert=custodian_halted`` line and
+:class:`DecryptionHalted`), and refuses to start again until its operator raises
+``--max-decryption-refusals``.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from fedsec.aio import cancel_and_wait, unless_stopped
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.custodian import hidden
 from fedsec.custodian.check import (
+    DECRYPTION_REASONS,
+    MAX_DECRYPTION_REFUSALS,
     MIN_CONTRIBUTORS,
     Custody,
     Refused,
@@ -57,7 +68,7 @@ from fedsec.protocol.wire import (
     RoundState,
 )
 
-__all__ = ["Aggregator", "CustodianService", "context_statement"]
+__all__ = ["Aggregator", "CustodianService", "DecryptionHalted", "context_statement"]
 
 log = logging.getLogger("fedsec.custodian")
 
@@ -77,6 +88,13 @@ FETCH_AHEAD: Final = 4
 T = TypeVar("T")
 # Failures a later request may not meet: the transport gave up on them for now.
 _TEMPORARY: Final = (RetryLater, RequestTimeout, AggregatorUnreachable)
+
+
+class DecryptionHalted(FedsecError):
+    """The custodian stopped decrypting after too many refusals a decryption decided."""
+
+    code = "decryption_halted"
+    http_status = 409
 
 
 class Aggregator(hidden.ModelSource, Protocol):
@@ -122,6 +140,8 @@ class CustodianService:
         decisions: its append-only decision log.
         stop: set to stop (SIGINT / SIGTERM).
         poll_timeout_s: the long-poll wait asked of the aggregator.
+        max_decryption_refusals: refusals decided by a decryption, over the whole
+            decision log, after which the service stops.
     """
 
     def __init__(
@@ -135,6 +155,7 @@ class CustodianService:
         *,
         stop: asyncio.Event | None = None,
         poll_timeout_s: float = LONG_POLL_S,
+        max_decryption_refusals: int = MAX_DECRYPTION_REFUSALS,
     ) -> None:
         self.client = client
         self.custody = custody
@@ -144,6 +165,7 @@ class CustodianService:
         self.decisions = decisions
         self.stop = stop or asyncio.Event()
         self.poll_timeout_s = poll_timeout_s
+        self.max_decryption_refusals = max_decryption_refusals
         # decided by this process, or refused ever; an attempt released by an earlier
         # process and still in decrypt is answered again (the post may not have arrived)
         self.handled = decisions.refused()
@@ -153,10 +175,13 @@ class CustodianService:
         finishes or :attr:`stop` is set.
 
         Raises:
+            DecryptionHalted: the decision log holds :attr:`max_decryption_refusals`
+                refusals decided by a decryption (at start, or after one more).
             IntegrityError: the aggregator holds another context, or the log does not
                 verify.
             FedsecError: a refusal no retry can change (the custodian is not enrolled).
         """
+        self._check_halt()
         await self.publish_context()
         state = await self._guarded(lambda: self.client.get_round())
         while state is not None and not state.finished:
@@ -215,6 +240,8 @@ class CustodianService:
                 statement, rest = await self._seal(check.spec, release)
         except Refused as refusal:
             self._refuse(offer, refusal)
+            if refusal.reason in DECRYPTION_REASONS:
+                self._check_halt()
             return
         statement = statement.sign(self.identity)
         self.decisions.record_release(offer, release)
@@ -318,6 +345,26 @@ class CustodianService:
             refusal.detail,
         )
 
+    def _check_halt(self) -> None:
+        """Raises DecryptionHalted: the decision log holds too many refusals decided by
+        a decryption (see the module docstring)."""
+        count = self.decisions.decryption_refusals()
+        if count < self.max_decryption_refusals:
+            return
+        log.critical(
+            "alert=custodian_halted decryption_refusals=%d limit=%d federation=%s",
+            count,
+            self.max_decryption_refusals,
+            self.custody.federation_id,
+        )
+        raise DecryptionHalted(
+            f"the custodian refused {count} offers on what their contributions decrypt to "
+            f"(limit {self.max_decryption_refusals}; see {self.decisions.path}): crafted "
+            "ciphertexts may be probing the federation's secret key (IND-CPA-D), so it "
+            "decrypts nothing more; investigate, then restart it with a higher "
+            "--max-decryption-refusals"
+        )
+
     async def _guarded(self, ask: Callable[[], Awaitable[T]]) -> T | None:
         """``ask()``'s answer, asked anew after a temporary failure (the transport has
         already retried it); None once stopped."""
@@ -347,14 +394,15 @@ async def serve_directory(
     *,
     admin_key: bytes | None = None,
     min_contributors: int = MIN_CONTRIBUTORS,
+    max_decryption_refusals: int = MAX_DECRYPTION_REFUSALS,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve the federation as the custodian whose directory is ``directory`` (what
     ``fedsec custodian serve`` runs; the simulation runs it as a task).
 
     Raises:
-        ConfigError: ``min_contributors`` is below :data:`MIN_CONTRIBUTORS`, or the
-            directory is not a custodian's.
+        ConfigError: ``min_contributors`` is below :data:`MIN_CONTRIBUTORS`,
+            ``max_decryption_refusals`` below 1, or the directory is not a custodian's.
         FedsecError: see :meth:`CustodianService.run`.
     """
     from fedsec.aggregator_client import AggregatorClient
@@ -362,6 +410,8 @@ async def serve_directory(
 
     if min_contributors < MIN_CONTRIBUTORS:
         raise ConfigError(f"--min-contributors must be at least {MIN_CONTRIBUTORS}")
+    if max_decryption_refusals < 1:
+        raise ConfigError("--max-decryption-refusals must be at least 1")
     opened = open_custodian(directory)
     params = opened.manifest.params
     custody = Custody(
@@ -387,5 +437,6 @@ async def serve_directory(
             follower,
             opened.decisions,
             stop=stop,
+            max_decryption_refusals=max_decryption_refusals,
         )
         await service.run()

@@ -31,7 +31,7 @@ import msgspec
 
 from fedsec.crypto import he
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.custodian.check import Refused, Release, Released
+from fedsec.custodian.check import DECRYPTION_REASONS, Refused, Release, Released
 from fedsec.errors import ConfigError, IntegrityError, KeyFileError
 from fedsec.fsio import atomic_write, fsync_dir
 from fedsec.keys import load_identity, load_public_key, save_identity, save_public_key
@@ -236,6 +236,13 @@ class DecisionLog:
     def refused(self) -> set[tuple[int, int]]:
         """The attempts refused so far (a refusal stands: the attempt is not decided again)."""
         return {(d.round, d.attempt) for d in self.read() if d.outcome == "refused"}
+
+    def decryption_refusals(self) -> int:
+        """How many refusals a decryption decided (``not_integral``, ``out_of_range``,
+        ``repeated_contribution``): answers about plaintexts, which the service bounds."""
+        return sum(
+            1 for d in self.read() if d.outcome == "refused" and d.reason in DECRYPTION_REASONS
+        )
 
     def record_release(self, offer: HeSumOffer, release: Release) -> Decision:
         """Append a release (before the plaintext leaves the custodian)."""

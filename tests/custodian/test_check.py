@@ -37,7 +37,8 @@ class DecryptSpy:
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[DecryptSpy]:
-    """Counts every use of the secret context: check.decrypt_sum is its only use."""
+    """Counts every decryption of a sum: check.decrypt_sum is the release's only use of
+    the secret context (each contribution is opened apart, by check.decrypt_contribution)."""
     recorder = DecryptSpy()
     monkeypatch.setattr(check, "decrypt_sum", recorder)
     yield recorder
@@ -412,7 +413,8 @@ def test_refuses_a_non_integral_sum(federation: Federation, spy: DecryptSpy) -> 
     with pytest.raises(Refused) as caught:
         decide(offer, federation.follower(), federation.fetch(), federation.custody())
     assert caught.value.reason == "not_integral"
-    assert spy.calls == 1  # decrypted, checked, and nothing released
+    assert "dave" in caught.value.detail  # its contribution, opened alone
+    assert spy.calls == 0  # the sum was never decrypted
 
 
 def test_refuses_a_sum_out_of_range(federation: Federation, spy: DecryptSpy) -> None:
