@@ -38,6 +38,7 @@ from fedsec.aggregator.rounds.events import EventBus, ModelProblem
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
+from fedsec.aggregator.rounds.open_archive import OpenAttemptObjects
 from fedsec.aggregator.rounds.quarantine import QuarantineDesk
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
@@ -126,6 +127,7 @@ class Coordinator:
         self._reports = PrivacyReports(ctx)
         self._intake = Intake(ctx, self._lifecycle, self._refusals, self._reports)
         self._quarantine = QuarantineDesk(ctx)
+        self._open_objects = OpenAttemptObjects(workspace.state)
         self._lifecycle.resume()
 
     def _changed(self) -> None:
@@ -307,8 +309,20 @@ class Coordinator:
         return self.live.summing().share_relay(member)
 
     def unmask_request(self, member: str, round_: int, attempt: int) -> wire.UnmaskRequestBody:
-        self.live.expect_at_least(member, round_, attempt, "unmask")
+        self.live.expect_at_least(member, round_, attempt, "consistency")
         return self.live.summing().unmask_request(member, self.token)
+
+    def consistency(
+        self, member: str, round_: int, attempt: int, body: wire.ConsistencyBody
+    ) -> None:
+        """Take a survivor's signature on the survivor sets it was told."""
+        self._intake.consistency(member, round_, attempt, body)
+
+    def consistency_proof(
+        self, member: str, round_: int, attempt: int
+    ) -> wire.ConsistencyProofBody:
+        self.live.expect_at_least(member, round_, attempt, "unmask")
+        return self.live.summing().consistency_proof(member, self.token)
 
     # -- homomorphic summation ---------------------------------------------------------------
 
@@ -358,10 +372,14 @@ class Coordinator:
         sees an update only through a reveal it challenged, and audits a copy of the
         workspace for the rest.
 
+        The messages of the attempt in progress are withheld until it ends
+        (:mod:`.rounds.open_archive`), except from the key custodian in stage decrypt.
+
         Raises:
             ForbiddenError: a custodian, and the federation does not sum homomorphically;
                 an auditor, and the federation sums in the clear.
             PayloadError: not a lowercase SHA-256 hex digest.
+            WrongStage: a message of the attempt in progress (409).
             NotFound: not in the archive (never archived, or pruned past retention).
         """
         entry = self.ws.roster.get(member)
@@ -381,6 +399,18 @@ class Coordinator:
             )
         if not _SHA256_HEX.fullmatch(sha256):
             raise PayloadError(f"{sha256[:70]!r} is not a SHA-256 hex digest")
+        live = self.live
+        custodian_reads = entry is not None and entry.role == "custodian"
+        if (
+            live.stage in ACTIVE_STAGES
+            and not (custodian_reads and live.stage == "decrypt")
+            and self._open_objects.holds(live.round, live.attempt, sha256)
+        ):
+            raise WrongStage(
+                f"{sha256[:16]}… is a message of round {live.round} attempt {live.attempt}, "
+                f"which is still open (stage {live.stage}): an attempt's messages are served "
+                "once it has ended"
+            )
         return self.trail.archive.get(sha256)
 
     # -- quarantine ------------------------------------------------------------------------------

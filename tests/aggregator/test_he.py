@@ -728,9 +728,12 @@ async def test_the_he_endpoints_over_http_with_their_roles(
     assert status == 400
     accepted = [e for e in log_entries(fed.ws) if e["kind"] == "accepted"]
     digest = accepted[0]["body"]["sha256"]
-    status, raw = await _http(served, "aud", "GET", f"/v1/audit/archive/{digest}")
+    # the custodian re-adds the ciphertexts in decrypt; an auditor waits for the end
+    status, raw = await _http(served, CUSTODIAN, "GET", f"/v1/audit/archive/{digest}")
     assert status == 200 and hashlib.sha256(raw).hexdigest() == digest
     assert raw == members.raw[accepted[0]["body"]["member"]]
+    status, raw = await _http(served, "aud", "GET", f"/v1/audit/archive/{digest}")
+    assert status == 409 and "still open" in json.loads(raw)["detail"]
     status, raw = await _http(served, "a0", "GET", f"/v1/audit/archive/{digest}")
     assert status == 403
     status, raw = await _http(served, CUSTODIAN, "GET", f"/v1/audit/archive/{'e' * 64}")
@@ -747,3 +750,5 @@ async def test_the_he_endpoints_over_http_with_their_roles(
     status, raw = await _http(served, CUSTODIAN, "POST", "/v1/rounds/1/decryption?attempt=0", body)
     assert (status, json.loads(raw)) == (200, {"accepted": True})
     assert coord.live.round == 2 and fed.ws.models.latest().version == 2
+    status, raw = await _http(served, "aud", "GET", f"/v1/audit/archive/{digest}")
+    assert status == 200 and hashlib.sha256(raw).hexdigest() == digest
