@@ -15,6 +15,11 @@ core, interleaved with the pooled runs), and ``encrypt_speedup`` their ratio.  T
 pooled encryption of the process also starts the forkserver its workers fork from; it is
 reported apart as ``client_encrypt_first_s`` (the medians include it).
 NVIDIA FLARE's reference (TenSEAL CKKS ``[60, 40, 40]`` at N = 8192) is carried as fields.
+
+``custodian_open_s_per_contribution`` is what the key custodian spends on each
+contribution before it releases a sum (issue 32): decrypting it alone and checking it is
+an integer vector in the quantizer's range (:func:`fedsec.custodian.check.open_contribution`),
+timed on a ``quant_bits``-bit integer vector, the median of :data:`OPEN_REPEATS` runs.
 """
 
 from __future__ import annotations
@@ -37,14 +42,22 @@ NVFLARE_WALL_TIME_VS_PLAIN = 2.7
 #: Per-poly defaults: one 60-bit data prime plus the special prime, the largest second
 #: prime N = 4096 allows at 128-bit security (109 bits in all).
 DEFAULT_COEFF_BITS = {4096: (60, 49), 8192: (60, 60), 16384: (60, 60)}
-#: Issue 15's targets, echoed so a result line can be read on its own.
+#: Issue 15's targets (and issue 32's for the custodian's check of each contribution),
+#: echoed so a result line can be read on its own.
 TARGETS = {
     "bytes_per_param": 33,
     "client_encrypt_1core_s": 1.5,
     "server_add_s_per_client": 0.05,
     "decrypt_s": 0.5,
     "max_abs_err": 1e-6,
+    "custodian_open_s_per_contribution": 0.15,
 }
+#: The custodian's check of one contribution, timed this many times (median reported):
+#: one run is 0.1 s at d = 1M, and three outlast a neighbour's burst on a shared machine.
+OPEN_REPEATS = 3
+#: Bits of the integer vector the custodian's check is timed on: round.quant_bits' largest
+#: value, the widest range the check compares against.
+OPEN_QUANT_BITS = 16
 
 
 def run_he(
@@ -100,6 +113,7 @@ def run_he(
     start = time.perf_counter()
     decrypted = he.decrypt_sum(secret, aggregate, dim)
     decrypt_s = time.perf_counter() - start
+    open_s = _open_contribution_s(public, secret, dim, rng, workers)
 
     replay = he.CiphertextSum(public, params, dim)
     for chunks in reversed(archive):
@@ -134,6 +148,8 @@ def run_he(
             "server_add_s_per_client": round(statistics.median(add_s), 4),
             "server_serialize_s": round(serialize_s, 4),
             "decrypt_s": round(decrypt_s, 4),
+            "custodian_open_s_per_contribution": round(statistics.median(open_s), 4),
+            "custodian_open_runs_s": [round(t, 4) for t in open_s],
             "floor_sum_s_per_client": round(floor_s / clients, 6),
             "server_add_over_floor": round(statistics.median(add_s) * clients / floor_s, 1),
             "max_abs_err": float(np.max(np.abs(decrypted - expected))),
@@ -144,6 +160,23 @@ def run_he(
             "tenseal": ts.__version__,
         }
     )
+
+
+def _open_contribution_s(
+    public: Any, secret: Any, dim: int, rng: np.random.Generator, workers: int
+) -> list[float]:
+    """Seconds of each of :data:`OPEN_REPEATS` custodian checks of one integer vector."""
+    from fedsec.crypto import he
+    from fedsec.custodian.check import open_contribution
+
+    ints = rng.integers(0, 1 << OPEN_QUANT_BITS, dim).astype(np.float64)  # test data only
+    chunks = he.encrypt(public, ints, workers)
+    times = []
+    for _ in range(OPEN_REPEATS):
+        start = time.perf_counter()
+        open_contribution(secret, chunks, dim, OPEN_QUANT_BITS, "bench")
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _plain_sum_s(updates: list[np.ndarray], out: np.ndarray) -> float:

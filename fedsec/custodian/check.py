@@ -72,6 +72,7 @@ __all__ = [
     "Released",
     "SumCheck",
     "decide",
+    "open_contribution",
 ]
 
 #: A decrypted value further than this from an integer was not a sum of integers: CKKS's
@@ -212,7 +213,6 @@ class SumCheck:
                 )
         self._sum = he.CiphertextSum(custody.public_ctx, params, self.dim)
         self._added: set[str] = set()
-        self._levels = (1 << self.spec.quant_bits) - 1
         # member by the SHA-256 of the integer vector its contribution decrypts to
         self._vectors: dict[str, str] = {}
 
@@ -245,29 +245,13 @@ class SumCheck:
         self._check_contribution(logged.member, chunks)
 
     def _check_contribution(self, member: str, chunks: list[bytes]) -> None:
-        """Decrypt one contribution privately: an honest member's is its quantized
-        vector, integers in [0, 2^b - 1] (the weight slot included).
+        """:func:`open_contribution`, then the vector must be no other contribution's.
 
         Raises:
-            Refused: a value off an integer or out of the range, or the vector of another
-                contribution.  The detail names the member, never a value.
+            Refused: see :func:`open_contribution`; ``repeated_contribution``.
         """
-        values = decrypt_contribution(self._custody.secret_ctx, chunks, self.dim)
-        rounded: he.FloatVector = np.rint(values)
-        if not float(np.max(np.abs(values - rounded))) <= ROUNDING_TOLERANCE:  # NaN too
-            raise Refused(
-                "not_integral",
-                f"{member}'s contribution does not decrypt to an integer vector: it is "
-                "not a quantized update",
-            )
-        if float(rounded.min()) < 0 or float(rounded.max()) > self._levels:
-            raise Refused(
-                "out_of_range",
-                f"{member}'s contribution decrypts to values outside [0, {self._levels}], "
-                f"the range of a {self.spec.quant_bits}-bit quantized update: it cancels "
-                "or inflates other contributions",
-            )
-        digest = hashlib.sha256(rounded.astype("<i8").tobytes()).hexdigest()
+        secret = self._custody.secret_ctx
+        digest = open_contribution(secret, chunks, self.dim, self.spec.quant_bits, member)
         earlier = self._vectors.get(digest)
         if earlier is not None:
             raise Refused(
@@ -329,6 +313,44 @@ class SumCheck:
                 f"vectors of {self.spec.quant_bits} bits sum to",
             )
         return rounded.astype(np.int64)
+
+
+def open_contribution(
+    secret_ctx: he.SecretContext,
+    chunks: Sequence[bytes],
+    dim: int,
+    quant_bits: int,
+    member: str,
+) -> str:
+    """Decrypt ``member``'s contribution privately and check it is what an honest member
+    encrypts: its quantized vector, integers in [0, 2^b - 1] (the weight slot included).
+
+    Returns:
+        The SHA-256 of the integer vector (``<i8``), to tell a repeat; never the vector.
+
+    Raises:
+        Refused: ``not_integral`` (a value further than :data:`ROUNDING_TOLERANCE` from an
+            integer, or NaN) or ``out_of_range``.  The detail names the member, never a
+            value nor a distance.
+        PayloadError, CryptoError: the chunks are not ciphertexts of the context.
+    """
+    values = decrypt_contribution(secret_ctx, chunks, dim)
+    rounded: he.FloatVector = np.rint(values)
+    if not float(np.max(np.abs(values - rounded))) <= ROUNDING_TOLERANCE:  # NaN too
+        raise Refused(
+            "not_integral",
+            f"{member}'s contribution does not decrypt to an integer vector: it is not a "
+            "quantized update",
+        )
+    levels = (1 << quant_bits) - 1
+    if float(rounded.min()) < 0 or float(rounded.max()) > levels:
+        raise Refused(
+            "out_of_range",
+            f"{member}'s contribution decrypts to values outside [0, {levels}], the range "
+            f"of a {quant_bits}-bit quantized update: it cancels or inflates other "
+            "contributions",
+        )
+    return hashlib.sha256(rounded.astype("<i8").tobytes()).hexdigest()
 
 
 def decrypt_contribution(
