@@ -329,4 +329,7 @@ def warm() -> int:
 
 
 if __name__ == "__main__":
+    from fedsec.crypto import packing
+
     print(f"fedsec.crypto.kernels: {warm()} loop variants compiled or loaded")
+    print(f"fedsec.crypto.packing: {packing.warm()} width loops compiled or loaded")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from fedsec.crypto import prg
+from fedsec.crypto import packing, prg
 from fedsec.crypto.errors import BadVector, QuantizationError
 
 MIN_BITS, MAX_BITS = 2, 16
@@ -202,30 +202,38 @@ def packed_size(count: int, ring_bits: int) -> int:
 
 
 def pack(vector: RingVector, ring_bits: int) -> bytes:
-    """Pack ring elements at exactly ``ring_bits`` bits each, little-endian bit order.
+    """Pack ring elements at exactly ``ring_bits`` bits each, little-endian bit order
+    (element i at bits [i·m, (i + 1)·m) of one little-endian bit string), each value
+    reduced mod 2^m.
 
-    Widths of 8/16/32/64 bits are a plain little-endian copy.  Other widths are
-    packed eight elements at a time into ``ring_bits`` bytes, column by column,
-    which keeps the cost to a few vector operations per element (about 5 ms per
-    million elements here; numpy's bit-level unpackbits route took 75 ms, more
-    than the bandwidth it saves on a LAN).
+    Widths of 8/16/32/64 bits are a plain little-endian copy.  Other widths run the
+    width's compiled loop (:mod:`fedsec.crypto.packing`), about the time of that copy.
     """
     dt = ring_dtype(ring_bits)
     arr = np.ascontiguousarray(vector, dtype=dt)
     if ring_bits == dt.itemsize * 8:
         return arr.tobytes()
-    count = arr.size
-    groups = -(-count // 8)
-    flat = np.zeros(groups * 8, dtype=np.uint64)
-    flat[:count] = arr
-    values = flat.reshape(groups, 8)
-    out = np.zeros((groups, ring_bits), dtype=np.uint8)
-    for j in range(8):
-        first, shift = divmod(j * ring_bits, 8)
-        word = values[:, j] << np.uint64(shift)
-        for k in range((shift + ring_bits + 7) // 8):
-            out[:, first + k] |= (word >> np.uint64(8 * k)).astype(np.uint8)
-    return out.tobytes()[: packed_size(count, ring_bits)]
+    raw = np.zeros(packed_size(arr.size, ring_bits), dtype=np.uint8)
+    packing.pack_into(arr.reshape(-1), raw, ring_bits)
+    return raw.tobytes()
+
+
+def _packed_bytes(raw: bytes, count: int, ring_bits: int) -> npt.NDArray[np.uint8]:
+    """``raw`` as bytes, checked to be exactly ``count`` elements of ``ring_bits`` bits
+    with zero padding.
+
+    Raises:
+        BadVector: wrong byte length, or non-zero padding (a non-canonical encoding).
+    """
+    expected = packed_size(count, ring_bits)
+    if len(raw) != expected:
+        raise BadVector(
+            f"vector must be {expected} bytes ({count} elements x {ring_bits} bits), got {len(raw)}"
+        )
+    used = (count * ring_bits) % 8
+    if used and raw[-1] >> used:
+        raise BadVector("vector has non-zero padding bits after the last element")
+    return np.frombuffer(raw, dtype=np.uint8)
 
 
 def unpack(raw: bytes, count: int, ring_bits: int) -> RingVector:
@@ -235,26 +243,29 @@ def unpack(raw: bytes, count: int, ring_bits: int) -> RingVector:
         BadVector: wrong byte length, or non-zero padding (a non-canonical encoding).
     """
     dt = ring_dtype(ring_bits)
-    expected = packed_size(count, ring_bits)
-    if len(raw) != expected:
-        raise BadVector(
-            f"vector must be {expected} bytes ({count} elements x {ring_bits} bits), got {len(raw)}"
-        )
+    data = _packed_bytes(raw, count, ring_bits)
     if ring_bits == dt.itemsize * 8:
         return np.frombuffer(raw, dtype=dt, count=count)
-    used = (count * ring_bits) % 8
-    if used and raw[-1] >> used:
-        raise BadVector("vector has non-zero padding bits after the last element")
-    groups = -(-count // 8)
-    padded = np.zeros(groups * ring_bits, dtype=np.uint8)
-    padded[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    cols = padded.reshape(groups, ring_bits)
-    mask = np.uint64((1 << ring_bits) - 1)
-    out = np.empty((groups, 8), dtype=dt)
-    for j in range(8):
-        first, shift = divmod(j * ring_bits, 8)
-        word = np.zeros(groups, dtype=np.uint64)
-        for k in range((shift + ring_bits + 7) // 8):
-            word |= cols[:, first + k].astype(np.uint64) << np.uint64(8 * k)
-        out[:, j] = (word >> np.uint64(shift)) & mask
-    return out.reshape(-1)[:count]
+    out = np.zeros(count, dtype=dt)
+    packing.unpack_add(out, data, ring_bits)
+    return out
+
+
+def unpack_add(total: RingVector, raw: bytes, ring_bits: int) -> None:
+    """total += :func:`unpack` (raw, total.size, ring_bits) in place, wrapping in
+    total's dtype (the ring's), in one pass: how a running sum takes a packed vector
+    without unpacking it into a buffer of its own first.  ``total`` is unchanged when
+    ``raw`` is refused.
+
+    Raises:
+        BadVector: wrong byte length or non-zero padding; or ``total`` is not a
+            contiguous vector of the ring's dtype.
+    """
+    dt = ring_dtype(ring_bits)
+    if total.dtype != dt or total.ndim != 1 or not total.flags.c_contiguous:
+        raise BadVector(f"a running sum must be a contiguous vector of {dt}, got {total.dtype}")
+    data = _packed_bytes(raw, total.size, ring_bits)
+    if ring_bits == dt.itemsize * 8:
+        np.add(total, np.frombuffer(raw, dtype=dt, count=total.size), out=total)
+    else:
+        packing.unpack_add(total, data, ring_bits)
