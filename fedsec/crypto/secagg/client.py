@@ -257,10 +257,10 @@ class ClientSession:
         if q.size and int(q.max()) > p.quant.ring_mask:
             raise BadVector("input has values outside the ring")
         acc = q.astype(p.quant.dtype, copy=True)
-        masks.apply(acc, masks.self_mask(self._self_seed, p), add=True)
+        masks.apply_self_mask(acc, self._self_seed, p, add=True)
         for peer in self.graph.live_neighbors(self.member, self._participants):
             seed = masks.pair_seed(self._mask_key.secret_bytes, self._keys[peer].mask_public, p)
-            masks.apply(acc, masks.pair_mask(seed, p), masks.adds_pair_mask(self.member, peer))
+            masks.apply_pair_mask(acc, seed, p, masks.adds_pair_mask(self.member, peer))
         acc &= p.quant.dtype.type(p.quant.ring_mask)
         self.stage = ClientStage.UNMASK
         return MaskedInput(self.member, pack(acc, p.quant.ring_bits))

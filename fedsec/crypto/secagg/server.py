@@ -46,7 +46,7 @@ from fedsec.crypto.errors import (
     UnknownMember,
     WrongStage,
 )
-from fedsec.crypto.quantize import RingVector, unpack
+from fedsec.crypto.quantize import RingVector, unpack_add
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
 from fedsec.crypto.secagg.graph import member_x, prune, round_graph
@@ -266,8 +266,8 @@ class ServerSession:
             raise UnknownMember(f"{msg.member!r} is not a participant of round {self.params.round}")
         if msg.member in self.contributed:
             raise DuplicateMessage(f"{msg.member!r} already sent its masked input")
-        vector = unpack(msg.vector, self.params.vector_length, self.params.quant.ring_bits)
-        np.add(self._sum, vector, out=self._sum)
+        # checked whole (length, padding) before any element is added
+        unpack_add(self._sum, msg.vector, self.params.quant.ring_bits)
         self.contributed.append(msg.member)
 
     def close_masked_input(self) -> UnmaskRequest:
@@ -378,12 +378,12 @@ class ServerSession:
                 )
         total = self._sum.copy()
         for seed in seeds.values():
-            masks.apply(total, masks.self_mask(seed, p), add=False)
+            masks.apply_self_mask(total, seed, p, add=False)
         for member, secret in keys.items():
             for peer in self.graph.live_neighbors(member, self.survivors):
                 seed = masks.pair_seed(secret, self.advertised[peer].mask_public, p)
                 # the survivor added the mask if its id sorts first; undo what it did
-                masks.apply(total, masks.pair_mask(seed, p), not masks.adds_pair_mask(peer, member))
+                masks.apply_pair_mask(total, seed, p, not masks.adds_pair_mask(peer, member))
         total &= p.quant.dtype.type(p.quant.ring_mask)
         self.stage = ServerStage.DONE
         return RoundResult(
