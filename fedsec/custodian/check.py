@@ -71,8 +71,9 @@ __all__ = [
     "Release",
     "Released",
     "SumCheck",
+    "check_quantized",
     "decide",
-    "open_contribution",
+    "decrypt_contribution",
 ]
 
 #: A decrypted value further than this from an integer was not a sum of integers: CKKS's
@@ -236,22 +237,21 @@ class SumCheck:
             )
         try:
             chunks = he.unframe_chunks(raw, self._custody.params, self.dim)
-            self._sum.add(chunks)
+            values = decrypt_contribution(self._sum, chunks, self._custody.secret_ctx)
         except FedsecError as exc:
             raise Refused(
                 "bad_ciphertext", f"{logged.member}'s contribution does not add: {exc.detail}"
             ) from None
         self._added.add(logged.member)
-        self._check_contribution(logged.member, chunks)
+        self._check_contribution(logged.member, values)
 
-    def _check_contribution(self, member: str, chunks: list[bytes]) -> None:
-        """:func:`open_contribution`, then the vector must be no other contribution's.
+    def _check_contribution(self, member: str, values: he.FloatVector) -> None:
+        """:func:`check_quantized`, then the vector must be no other contribution's.
 
         Raises:
-            Refused: see :func:`open_contribution`; ``repeated_contribution``.
+            Refused: see :func:`check_quantized`; ``repeated_contribution``.
         """
-        secret = self._custody.secret_ctx
-        digest = open_contribution(secret, chunks, self.dim, self.spec.quant_bits, member)
+        digest = check_quantized(values, self.spec.quant_bits, member)
         earlier = self._vectors.get(digest)
         if earlier is not None:
             raise Refused(
@@ -315,26 +315,31 @@ class SumCheck:
         return rounded.astype(np.int64)
 
 
-def open_contribution(
-    secret_ctx: he.SecretContext,
-    chunks: Sequence[bytes],
-    dim: int,
-    quant_bits: int,
-    member: str,
-) -> str:
-    """Decrypt ``member``'s contribution privately and check it is what an honest member
-    encrypts: its quantized vector, integers in [0, 2^b - 1] (the weight slot included).
+def decrypt_contribution(
+    total: he.CiphertextSum, chunks: Sequence[bytes], secret_ctx: he.SecretContext
+) -> he.FloatVector:
+    """Re-add one member's contribution to ``total`` and decrypt it alone, for
+    :class:`SumCheck` only (kept apart from :func:`decrypt_sum`, the release's decryption,
+    so that each use of the secret context is named).
+
+    Raises:
+        PayloadError, CryptoError: see :meth:`~fedsec.crypto.he.CiphertextSum.add`.
+    """
+    return total.add_and_decrypt(chunks, secret_ctx)
+
+
+def check_quantized(values: he.FloatVector, quant_bits: int, member: str) -> str:
+    """Check that ``member``'s decrypted contribution is what an honest member encrypts:
+    its quantized vector, integers in [0, 2^b - 1] (the weight slot included).
 
     Returns:
-        The SHA-256 of the integer vector (``<i8``), to tell a repeat; never the vector.
+        A SHA-256 of the integer vector, to tell a repeat; never the vector.
 
     Raises:
         Refused: ``not_integral`` (a value further than :data:`ROUNDING_TOLERANCE` from an
             integer, or NaN) or ``out_of_range``.  The detail names the member, never a
             value nor a distance.
-        PayloadError, CryptoError: the chunks are not ciphertexts of the context.
     """
-    values = decrypt_contribution(secret_ctx, chunks, dim)
     rounded: he.FloatVector = np.rint(values)
     if not float(np.max(np.abs(values - rounded))) <= ROUNDING_TOLERANCE:  # NaN too
         raise Refused(
@@ -350,20 +355,11 @@ def open_contribution(
             f"of a {quant_bits}-bit quantized update: it cancels or inflates other "
             "contributions",
         )
-    return hashlib.sha256(rounded.astype("<i8").tobytes()).hexdigest()
-
-
-def decrypt_contribution(
-    secret_ctx: he.SecretContext, chunks: Sequence[bytes], dim: int
-) -> he.FloatVector:
-    """One member's contribution, decrypted for :class:`SumCheck` alone (a ciphertext
-    decrypts alike whether it is one or a sum; kept apart from :func:`decrypt_sum`, the
-    release's decryption, so each use of the secret context is named).
-
-    Raises:
-        PayloadError, CryptoError: see :func:`~fedsec.crypto.he.decrypt_sum`.
-    """
-    return he.decrypt_sum(secret_ctx, chunks, dim)
+    # in range, so exact in 16 bits (a spec's quant_bits is at most 16, checked on
+    # construction): a quarter of the bytes int64 would hash
+    return hashlib.sha256(
+        rounded.astype("<u2" if quant_bits <= 16 else "<u4").tobytes()
+    ).hexdigest()
 
 
 def _check_log(offer: HeSumOffer, follower: LogFollower, custody: Custody) -> None:
@@ -415,6 +411,12 @@ def _check_spec(offer: HeSumOffer, follower: LogFollower, custody: Custody) -> R
             f"{what} encrypts under context {spec.he_context_sha256[:16]}…, not this "
             f"custodian's {custody.context_sha256[:16]}…",
         )
+    try:
+        spec.quant_spec()  # the range each contribution is checked against
+    except FedsecError as exc:
+        raise Refused(
+            "not_he_round", f"{what} quantizes in no way members do: {exc.detail}"
+        ) from None
     if not any(_is_ours(s, custody) for s in follower.contexts):
         raise Refused(
             "wrong_context", "the log holds no he_context statement of this custodian's context"

@@ -189,6 +189,23 @@ def _assert_refused(
     assert total.digest() == before
 
 
+def test_add_and_decrypt_adds_like_add_and_opens_the_contribution_alone(keys: Keys) -> None:
+    xs, _ = _updates(2, DIM, seed=6)
+    first, second = (he.encrypt(keys.public, x) for x in xs)
+    total, alike = _summed(keys, [first], DIM), _summed(keys, [first, second], DIM)
+    values = total.add_and_decrypt(second, keys.secret)
+    assert total.count == 2 and total.digest() == alike.digest()
+    assert values.shape == (DIM,) and np.max(np.abs(values - xs[1])) < 1e-6
+    # a refused contribution changes nothing, as with add
+    with pytest.raises(PayloadError, match="got 1"):
+        total.add_and_decrypt(second[:1], keys.secret)
+    with pytest.raises(CryptoError, match="chunk 1"):
+        total.add_and_decrypt([second[0], b"\x00" * 100], keys.secret)
+    with pytest.raises(CryptoError, match="parameters differ"):
+        total.add_and_decrypt(second, _SMALL_KEYS.secret)
+    assert total.count == 2 and total.digest() == alike.digest()
+
+
 def test_wrong_chunk_count_is_refused(running: tuple[he.CiphertextSum, str, list[bytes]]) -> None:
     total, before, good = running
     _assert_refused(total, before, good[:1], PayloadError, "2 ciphertexts.*got 1")
