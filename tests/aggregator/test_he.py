@@ -332,6 +332,29 @@ def test_fewer_ciphertexts_than_min_agents_abort_and_retry(
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 1, "open")
 
 
+def test_an_open_attempts_ciphertexts_are_withheld_until_it_ends(
+    tmp_path: Path, clock: FakeClock, keys: tuple[bytes, bytes]
+) -> None:
+    """A colluding member handed the honest ciphertexts of an open attempt could upload
+    Enc(0) - Σ of them (tests/custodian/test_cancellation_live.py): the archive serves
+    them to nobody before the attempt ends, except the custodian in decrypt."""
+    fed = he_federation(tmp_path / "ws", readers=True)
+    coord, members = _start(fed, clock, keys)
+    _upload_all(coord, members, ("a0", "a1"))
+    digest = hashlib.sha256(members.raw["a0"]).hexdigest()
+    for who in ("aud", CUSTODIAN):
+        error = _refused(fed, coord, WrongStage, coord.archived, who, digest)
+        assert "still open (stage masked_input)" in error.detail
+    # a restarted aggregator reads the log afresh and withholds them alike
+    coord = Coordinator(fed.ws, clock=clock)
+    with pytest.raises(WrongStage, match="still open"):
+        coord.archived("aud", digest)
+    clock.advance(MASKED_DEADLINE)
+    coord.tick()  # two of three: the attempt aborts, the next one opens
+    assert (coord.live.round, coord.live.attempt) == (1, 1)
+    assert coord.archived("aud", digest) == members.raw["a0"]
+
+
 def test_ciphertexts_that_are_not_the_federations_are_refused_unchanged(
     tmp_path: Path, clock: FakeClock, keys: tuple[bytes, bytes]
 ) -> None:
