@@ -96,6 +96,12 @@ def bench() -> None:
     help="distributed DP: members add Skellam noise shares of this noise multiplier",
 )
 @codec_options
+@click.option(
+    "--ring-bits",
+    default=0,
+    show_default=True,
+    help="a ring wider than the cohort needs (a larger cohort's); 0 = the round's rule",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_secagg(
     clients: int,
@@ -111,6 +117,7 @@ def bench_secagg(
     sparsity: float,
     range_stddevs: float,
     headroom_bits: int,
+    ring_bits: int,
     as_json: bool,
 ) -> None:
     """One full SecAgg+ round in one process."""
@@ -131,6 +138,7 @@ def bench_secagg(
             keep=sparsity,
             range_stddevs=range_stddevs or default_range_stddevs(rotation),
             headroom_bits=headroom_bits,
+            ring_bits=ring_bits,
         )
         click.echo(json.dumps(result))
 

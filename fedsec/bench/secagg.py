@@ -12,9 +12,14 @@ its input, lost before answering unmask.
 
 ``floor_s`` is measured in the same run with the same primitives: expanding
 every mask the server had to remove (one self mask per survivor, one pairwise
-mask per survivor-dropped edge) and adding up the survivors' vectors.  It is
-what any server doing this work must spend, so ``server_s / floor_s`` is the
-overhead of everything else, robust to a noisy machine.
+mask per survivor-dropped edge) into a reused buffer and subtracting it, and adding
+up the survivors' vectors, in the ring's dtype.  It is what any server doing this
+work must spend, so ``server_s / floor_s`` is the overhead of everything else
+(signatures, Shamir, key agreement, and unpacking a ring narrower than its dtype),
+robust to a noisy machine.  ``client_floor_s`` is the same for the median
+survivor: drawing its rounding words (4 bytes a coordinate) and its self and pairwise
+masks, and adding the masks; ``client_s / client_floor_s`` is what quantizing,
+sharing keys and packing cost on top.
 
 ``ddp_noise`` > 0: members discretise for distributed DP instead of quantizing
 (:func:`fedsec.crypto.discretize.encode`: rotation, scaling, conditional rounding and a
@@ -25,6 +30,10 @@ busy machine two runs differ by more than that cost, so the run also times
 :func:`~fedsec.crypto.quantize.quantize` on every member's same vector (outside the
 member's time) and reports ``ddp_member_ratio``: the median over members of their time
 over that time with ``encode`` replaced by ``quantize``, both measured in this run.
+
+``ring_bits`` > 0 runs the round in a ring wider than its cohort needs: the ring a
+larger cohort would use (up to 32 bits and beyond), whose server and member work per
+member is what the ring's width decides, without simulating that many members.
 
 Codec options (``rotation``, ``keep``, ``range_stddevs``): members encode with the
 round's :func:`~fedsec.protocol.update_codec.codec_for` codec (shared Hadamard rotation,
@@ -92,11 +101,13 @@ def run_secagg(
     keep: float = 1.0,
     range_stddevs: float = 0.0,
     headroom_bits: int = 0,
+    ring_bits: int = 0,
 ) -> dict[str, Any]:
     """Run one round and return the result record (see module docstring).
 
     Raises:
-        ValueError: an unknown drop-out stage, or distributed noise with codec options.
+        ValueError: an unknown drop-out stage, distributed noise with codec options, or
+            a ``ring_bits`` narrower than the round's ring.
         ProtocolError: codec options the round spec refuses (see ``codec_for``).
     """
     if dropout_stage not in STAGES:
@@ -118,7 +129,12 @@ def run_secagg(
     members = [f"m{i:05d}" for i in range(clients)]
     identities = {m: SigningIdentity.generate() for m in members}
     roster = {m: ident.public_bytes for m, ident in identities.items()}
-    ring_bits = ring_bits_for(bits, clients, headroom_bits)
+    rule_bits = ring_bits_for(bits, clients, headroom_bits)
+    # a wider ring than the cohort needs: the ring a larger cohort would use, timed
+    # without its members (the server's work per member depends on the ring, not on n)
+    if ring_bits and ring_bits < rule_bits:
+        raise ValueError(f"ring bits must be at least {rule_bits} here, got {ring_bits}")
+    ring_bits = ring_bits or rule_bits
     spec = QuantSpec(bits, clip, ring_bits)
     n_drop = round(dropout * clients)
     ddp = None
@@ -250,6 +266,13 @@ def run_secagg(
 
     floor_s = _floor(params, len(survivors), _dropped_edges(server, result.dropped))
     client_totals = [ct[m].total for m in survivors]
+    client_s = statistics.median(client_totals)
+    neighbours = int(
+        statistics.median(
+            len(server.graph.live_neighbors(m, server.participants)) for m in survivors
+        )
+    )
+    client_floor_s = _client_floor(params, neighbours)
     client_stage = {
         stage: round(statistics.median(ct[m].stages.get(stage, 0.0) for m in survivors), 6)
         for stage in SECAGG_STAGES
@@ -275,7 +298,9 @@ def run_secagg(
             "ddp_encode_s": _median_of(encode_s, survivors) if ddp else None,
             "ddp_quantize_s": _median_of(quantize_s, survivors),
             "ddp_member_ratio": round(ddp_ratio, 3) if ddp_ratio is not None else None,
-            "client_s": round(statistics.median(client_totals), 6),
+            "client_s": round(client_s, 6),
+            "client_floor_s": round(client_floor_s, 6),
+            "client_over_floor": round(client_s / client_floor_s, 3) if client_floor_s else None,
             "client_stage_s": client_stage,
             "server_s": round(st.total, 6),
             "server_stage_s": {k: round(v, 6) for k, v in st.stages.items()},
@@ -352,15 +377,31 @@ def _dropped_edges(server: ServerSession, dropped: tuple[str, ...]) -> int:
 
 
 def _floor(params: SecAggParams, survivors: int, dropped_edges: int) -> float:
-    """PRG output the server had to generate, plus adding up the survivors' vectors."""
+    """PRG output the server had to generate and subtract, plus adding up the
+    survivors' vectors."""
     dtype = params.quant.dtype
     acc = np.zeros(params.vector_length, dtype=dtype)
+    mask = np.empty(params.vector_length, dtype=dtype)
     vector = prg.expand(os.urandom(32), b"floor/vector", params.vector_length, dtype)
     start = time.perf_counter()
     for _ in range(survivors):
         np.add(acc, vector, out=acc)
     for i in range(survivors + dropped_edges):
-        np.subtract(
-            acc, prg.expand(os.urandom(32), b"floor/%d" % i, params.vector_length, dtype), out=acc
-        )
+        prg.expand_into(os.urandom(32), b"floor/%d" % i, mask)
+        np.subtract(acc, mask, out=acc)
+    return time.perf_counter() - start
+
+
+def _client_floor(params: SecAggParams, neighbours: int) -> float:
+    """A member's PRG output: its rounding words and its 1 + ``neighbours`` masks,
+    each mask added to its vector."""
+    dtype = params.quant.dtype
+    acc = np.zeros(params.vector_length, dtype=dtype)
+    mask = np.empty(params.vector_length, dtype=dtype)
+    words = np.empty(params.vector_length, dtype="<u4")
+    start = time.perf_counter()
+    prg.expand_into(os.urandom(32), b"floor/rounding", words)
+    for i in range(1 + neighbours):
+        prg.expand_into(os.urandom(32), b"floor/%d" % i, mask)
+        np.add(acc, mask, out=acc)
     return time.perf_counter() - start
