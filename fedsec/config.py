@@ -154,6 +154,12 @@ DOCS: dict[str, str] = {
     "server.max_connections": "Open connections at once; more are closed on accept. A member "
     "holds one or two (a long-poll and a request), so 512 serves a few hundred members below "
     "the common 1024 file-descriptor limit.",
+    "server.max_connections_per_peer": "Unauthenticated connections one peer (an IPv4 address, "
+    "an IPv6 /64) may hold open at once; more are closed on accept. A connection stops "
+    "counting once it carries a signed request or an observer's token, so members behind one "
+    "NAT are not held to it; 64 lets that many connect at the same instant, while a host with "
+    "no key holds an eighth of the default max_connections. When max_connections are open, a "
+    "new connection displaces the oldest idle unauthenticated one, so members always get in.",
     "server.max_concurrent_uploads": "Authenticated binary bodies (larger than max_json_bytes) "
     "read at once; others wait for a slot, so request bodies in memory stay under this times "
     "max_body_bytes.",
@@ -370,6 +376,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     header_timeout_s: float = 10.0
     body_timeout_s: float = 120.0
     max_connections: int = 512
+    max_connections_per_peer: int = 64
     max_concurrent_uploads: int = 8
     upload_queue_s: float = 30.0
     member_rate_per_s: float = 50.0
@@ -703,6 +710,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.positive("server.header_timeout_s", s.header_timeout_s)
     p.positive("server.body_timeout_s", s.body_timeout_s)
     p.int_range("server.max_connections", s.max_connections, 1)
+    p.int_range("server.max_connections_per_peer", s.max_connections_per_peer, 1)
     p.int_range("server.max_concurrent_uploads", s.max_concurrent_uploads, 1)
     p.positive("server.upload_queue_s", s.upload_queue_s)
     p.positive("server.member_rate_per_s", s.member_rate_per_s)

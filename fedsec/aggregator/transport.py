@@ -38,6 +38,8 @@ connection; :data:`PARSER_REJECTIONS_NOTE` says so in the OpenAPI description.
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 import logging
 import math
 import ssl
@@ -129,26 +131,79 @@ class ThrottledLog:
 
 
 class _ConnectionGate:
-    """Counts open connections and refuses those over the limit."""
+    """Admits connections within the limits, and says which to close to make room.
 
-    def __init__(self, limit: int) -> None:
+    Every connection counts against ``server.max_connections``.  Until it has carried an
+    authenticated request (:func:`mark_authenticated`) it is *unauthenticated*, and
+    counts against its peer's ``server.max_connections_per_peer`` too.  When the listener
+    is full, a new connection takes the place of the oldest unauthenticated one that is
+    idle (no request in progress); only when there is none is the new one refused.  So a
+    flood from one address holds at most its peer's share, a flood from many addresses
+    holds only connections any newcomer may displace, and members' authenticated
+    connections (their long polls and keep-alives) are never displaced by either.
+    """
+
+    def __init__(self, limit: int, per_peer: int) -> None:
         self.limit = limit
-        self.open = 0
+        self.per_peer = per_peer
+        self._open: dict[_GuardedHandler, str] = {}  # connection -> its peer's key
+        # unauthenticated connections, oldest first (dicts keep insertion order)
+        self._unauthenticated: dict[_GuardedHandler, None] = {}
+        self._per_peer: collections.Counter[str] = collections.Counter()
         self._refusals = ThrottledLog(log)
+        self._evictions = ThrottledLog(log)
 
-    def admit(self, transport: asyncio.BaseTransport) -> bool:
-        if self.open >= self.limit:
-            self._refusals.info(
-                "event=connection_refused reason=max_connections limit=%d peer=%s",
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def admit(self, conn: _GuardedHandler, transport: asyncio.BaseTransport) -> bool:
+        """Count ``conn`` in, making room if needed; False when it must be closed."""
+        peer = peer_key(transport.get_extra_info("peername"))
+        if self._per_peer[peer] >= self.per_peer:
+            return self._refuse("max_connections_per_peer", self.per_peer, transport)
+        if len(self._open) >= self.limit:
+            idle = next((c for c in self._unauthenticated if c.idle), None)
+            if idle is None:
+                return self._refuse("max_connections", self.limit, transport)
+            self._evictions.info(
+                "event=connection_evicted reason=max_connections limit=%d peer=%s for=%s",
                 self.limit,
+                _address(idle.peername),
                 _peer(transport),
             )
-            return False
-        self.open += 1
+            self.release(idle)
+            idle.force_close()
+        self._open[conn] = peer
+        self._unauthenticated[conn] = None
+        self._per_peer[peer] += 1
         return True
 
-    def release(self) -> None:
-        self.open -= 1
+    def authenticated(self, conn: _GuardedHandler) -> None:
+        """``conn`` carried an authenticated request: it no longer counts against its
+        peer's share, and is never displaced."""
+        if self._unauthenticated.pop(conn, 0) is None:
+            self._uncount(self._open[conn])
+
+    def release(self, conn: _GuardedHandler) -> None:
+        """``conn`` is closed (or closing); idempotent."""
+        peer = self._open.pop(conn, None)
+        if peer is not None and self._unauthenticated.pop(conn, 0) is None:
+            self._uncount(peer)
+
+    def _uncount(self, peer: str) -> None:
+        self._per_peer[peer] -= 1
+        if self._per_peer[peer] <= 0:
+            del self._per_peer[peer]
+
+    def _refuse(self, reason: str, limit: int, transport: asyncio.BaseTransport) -> bool:
+        self._refusals.info(
+            "event=connection_refused reason=%s limit=%d peer=%s",
+            reason,
+            limit,
+            _peer(transport),
+        )
+        return False
 
 
 @dataclass(frozen=True)
@@ -174,7 +229,7 @@ class _GuardedHandler(RequestHandler):
         self._first_head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._rules.gate.admit(transport):
+        if not self._rules.gate.admit(self, transport):
             transport.close()
             return
         self._admitted = True
@@ -187,10 +242,19 @@ class _GuardedHandler(RequestHandler):
         if not self._admitted:  # refused (aiohttp never saw it), or already released
             return
         self._admitted = False
-        self._rules.gate.release()
+        self._rules.gate.release(self)
         if self._first_head_timer is not None:
             self._first_head_timer.cancel()
         super().connection_lost(exc)
+
+    @property
+    def idle(self) -> bool:
+        """No request is being handled: the connection waits for (the rest of) a head."""
+        return not self._request_in_progress
+
+    def authenticated(self) -> None:
+        """This connection carried an authenticated request (see :class:`_ConnectionGate`)."""
+        self._rules.gate.authenticated(self)
 
     def _first_head_overdue(self) -> None:
         # aiohttp counts the request heads its parser has completed on this connection;
@@ -253,8 +317,35 @@ def _closing(response: web.Response) -> web.Response:
     return response
 
 
+def peer_key(peername: object) -> str:
+    """The address a peer's connections are counted under: its IPv4 address, or the /64
+    of its IPv6 address (one host is commonly given a whole /64, so counting per address
+    would let it open connections from as many addresses as it likes)."""
+    host = peername[0] if isinstance(peername, tuple) and peername else peername
+    try:
+        address = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return str(host)  # a Unix socket: one peer
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+def mark_authenticated(request: web.BaseRequest) -> None:
+    """The request was authenticated (a signed member request, an observer's token): its
+    connection no longer counts against its peer's share and is never displaced."""
+    conn = request.protocol
+    if isinstance(conn, _GuardedHandler) and conn.transport is not None:
+        conn.authenticated()
+
+
 def _peer(transport: asyncio.BaseTransport) -> str:
-    peer = transport.get_extra_info("peername")
+    return _address(transport.get_extra_info("peername"))
+
+
+def _address(peer: object) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
 
@@ -317,7 +408,7 @@ async def start_server(
     await runner.setup()
     server = runner.server
     assert server is not None  # setup() made it
-    gate = _ConnectionGate(server_cfg.max_connections)
+    gate = _ConnectionGate(server_cfg.max_connections, server_cfg.max_connections_per_peer)
     rules = _Rules(server_cfg.header_timeout_s, gate, ThrottledLog(log), ThrottledLog(log))
     loop = asyncio.get_running_loop()
 

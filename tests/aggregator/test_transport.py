@@ -31,6 +31,7 @@ from fedsec.aggregator.transport import (
     PARSER_REJECTIONS_NOTE,
     RunningServer,
     ThrottledLog,
+    peer_key,
     start_server,
 )
 from fedsec.config import ServerSection
@@ -284,28 +285,80 @@ async def test_over_tls_a_stalled_handshake_is_closed_at_the_header_deadline(
 
 
 @pytest.mark.asyncio
-async def test_a_connection_over_the_limit_is_closed_on_accept(
+async def test_a_connection_over_the_limit_is_closed_on_accept_when_none_is_idle(
     start: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="fedsec.aggregator.transport")
     # a long header deadline, so a prompt close can only be the limit's
     server = await start(max_connections=3, header_timeout_s=30.0)
-    admitted = [await _connect(server) for _ in range(3)]
-    for conn in admitted:
-        assert await _get_ok(conn) == 200
-    assert server.open_connections == 3
+    busy = [await _connect(server) for _ in range(3)]
+    for _, writer in busy:  # each in a request: none may be displaced
+        writer.write(b"GET /hold HTTP/1.1\r\nHost: test\r\n\r\n")
+    await _wait_until(lambda: server.open_connections == 3)
 
     reader, _ = await _connect(server)
     elapsed, received = await _closed_after(reader, PROMPT_S)
     assert received == b"" and elapsed < PROMPT_S
     assert server.open_connections == 3
-    assert any("event=connection_refused" in r.getMessage() for r in caplog.records)
+    assert any("reason=max_connections " in r.getMessage() for r in caplog.records)
 
-    for conn in admitted:  # the first three are untouched
-        assert await _get_ok(conn) == 200
-    admitted[0][1].close()
+    for reader, _ in busy:  # the first three are untouched: their answers come
+        status, _, body = await _response(reader, within=HOLD_S + PROMPT_S)
+        assert (status, json.loads(body)) == (200, {"held_s": HOLD_S})
+    busy[0][1].close()
     await _wait_until(lambda: server.open_connections == 2)
     assert await _get_ok(await _connect(server)) == 200  # the freed slot is usable
+
+
+@pytest.mark.asyncio
+async def test_at_the_limit_a_new_connection_displaces_the_oldest_idle_one(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fedsec.aggregator.transport")
+    server = await start(max_connections=3, header_timeout_s=30.0)
+    idle = [await _connect(server) for _ in range(3)]
+    assert await _get_ok(idle[1]) == 200  # answered, now idle in keep-alive
+    await _wait_until(lambda: server.open_connections == 3)
+
+    newcomer = await _connect(server)
+    assert await _get_ok(newcomer) == 200
+    elapsed, received = await _closed_after(idle[0][0], PROMPT_S)  # the oldest went
+    assert received == b"" and elapsed < PROMPT_S
+    assert server.open_connections == 3
+    assert await _get_ok(idle[1]) == 200 and await _get_ok(idle[2]) == 200
+    assert any("event=connection_evicted" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.asyncio
+async def test_one_peers_unauthenticated_connections_are_capped(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fedsec.aggregator.transport")
+    server = await start(max_connections=10, max_connections_per_peer=2, header_timeout_s=30.0)
+    kept = [await _connect(server) for _ in range(2)]
+    reader, _ = await _connect(server)
+    elapsed, received = await _closed_after(reader, PROMPT_S)
+    assert received == b"" and elapsed < PROMPT_S
+    assert server.open_connections == 2
+    assert any("reason=max_connections_per_peer" in r.getMessage() for r in caplog.records)
+    kept[0][1].close()
+    await _wait_until(lambda: server.open_connections == 1)
+    assert await _get_ok(await _connect(server)) == 200  # its share is free again
+
+
+@pytest.mark.parametrize(
+    ("peername", "key"),
+    [
+        (("192.0.2.7", 4711), "192.0.2.7"),
+        (("2001:db8:1:2:3:4:5:6", 4711, 0, 0), "2001:db8:1:2::/64"),
+        (("2001:db8:1:2:ffff::1", 1, 0, 0), "2001:db8:1:2::/64"),  # one host's /64
+        (("::ffff:192.0.2.7", 4711, 0, 0), "192.0.2.7"),
+        (("fe80::1%eth0", 1, 0, 2), "fe80::/64"),
+        ("/run/fedsec.sock", "/run/fedsec.sock"),
+    ],
+)
+def test_a_peer_is_an_ipv4_address_or_an_ipv6_64(peername: object, key: str) -> None:
+    assert peer_key(peername) == key
 
 
 # -- parser rejections and logs -------------------------------------------------------

@@ -34,6 +34,8 @@ from fedsec.aggregator.http.keys import (
     WORKSPACE,
     Handler,
 )
+from fedsec.aggregator.transport import mark_authenticated
+from fedsec.config import ServerSection
 from fedsec.errors import (
     AuthError,
     FedsecError,
@@ -62,8 +64,9 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
     _check_framing(request, limit)
     member, _keyid = _authorised(request, endpoint.roles)
     async with _upload_slot(request, limit):
-        body = await _read_body(request, limit)
+        body = await _read_body(request, limit, _config(request).body_timeout_s)
     request.app[VERIFIER].verify_body(request[SIGNED], body)
+    mark_authenticated(request)
     coord = request.app[COORDINATOR]
     key = coord.current_attempt()
     request[MEMBER] = key
@@ -218,30 +221,35 @@ async def _upload_slot(request: web.Request, limit: int) -> AsyncIterator[None]:
 
 async def read_unsigned_body(request: web.Request, limit: int) -> bytes:
     """The body of a request that carries no signature (an alert acknowledgement), read
-    with the same framing checks and bounds as a signed one's.
+    with the same framing checks as a signed one's, within ``server.header_timeout_s``.
 
     Raises:
         UnsupportedEncoding, PayloadTooLarge, RequestTimeout: see :func:`_check_framing`
             and :func:`_read_body`.
     """
     _check_framing(request, limit)
-    return await _read_body(request, limit)
+    # a small body from anyone: it gets the head's deadline, not an upload's, so no
+    # unauthenticated request holds its connection busy (undisplaceable) for long
+    return await _read_body(request, limit, _config(request).header_timeout_s)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes, within ``server.body_timeout_s``.
+def _config(request: web.Request) -> ServerSection:
+    return request.app[WORKSPACE].config.server
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The body, at most ``limit`` bytes, within ``timeout_s`` seconds.
 
     Raises:
         PayloadTooLarge: more than ``limit`` bytes arrive.
         RequestTimeout: the body did not arrive in time.
     """
-    cfg = request.app[WORKSPACE].config.server
     # StreamReader.read(n) returns what has arrived so far (up to n), not n bytes: a body
     # that comes in several pieces (slow link, chunked encoding) must be read in a loop.
     chunks: list[bytes] = []
     size = 0
     try:
-        async with asyncio.timeout(cfg.body_timeout_s):
+        async with asyncio.timeout(timeout_s):
             while chunk := await request.content.read(limit + 1 - size):
                 chunks.append(chunk)
                 size += len(chunk)
@@ -249,8 +257,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
                     raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     except TimeoutError:
         raise RequestTimeout(
-            f"the request body did not arrive within {cfg.body_timeout_s:g} s "
-            f"({size} bytes received)"
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes received)"
         ) from None
     request[BODY_READ] = True
     return b"".join(chunks)

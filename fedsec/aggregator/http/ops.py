@@ -34,6 +34,7 @@ from fedsec.aggregator.http.params import decode_json
 from fedsec.aggregator.ops import tokens
 from fedsec.aggregator.ops.metrics import CONTENT_TYPE
 from fedsec.aggregator.rounds.alerts import alert_view
+from fedsec.aggregator.transport import mark_authenticated
 from fedsec.errors import AuthError, NotFound, PayloadError, ServerBusy
 from fedsec.protocol import wire
 from fedsec.protocol.endpoints import TokenScope
@@ -139,7 +140,9 @@ def require_access(request: web.Request, scope: TokenScope) -> str:
     token = _bearer(request, scope)
     if token is not None:
         ws = request.app[WORKSPACE]
-        return tokens.check(ws.state.tokens, ws.roster, token, scope, time.time())
+        observer = tokens.check(ws.state.tokens, ws.roster, token, scope, time.time())
+        mark_authenticated(request)
+        return observer
     if scope == "metrics" and cfg.metrics.access == "open":
         return "anyone"
     open_on_loopback = (
