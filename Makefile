@@ -49,6 +49,11 @@ bench: $(STAMP)
 	mkdir -p bench/results
 	bash bench/run.sh
 
+# What moved since the recorded benchmark rows (fedsec bench compare); not part of test.
+.PHONY: bench-check
+bench-check: $(STAMP)
+	$(BIN)/fedsec bench compare
+
 demo: $(STAMP)
 	$(BIN)/fedsec demo
 

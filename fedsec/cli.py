@@ -171,6 +171,7 @@ def _register_optional() -> None:
         ("fedsec.bench.inventory", "bench_inventory", "inventory"),
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
         ("fedsec.bench.robust", "bench_robust", "robust"),
+        ("fedsec.bench.compare", "bench_compare", "compare"),
     ):
         try:
             mod = importlib.import_module(module)

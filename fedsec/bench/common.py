@@ -4,6 +4,7 @@ benchmarks that run an aggregator as its own process."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import platform
 import resource
 import socket
@@ -35,8 +36,13 @@ def peak_rss_mb() -> float:
 
 
 def with_environment(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with its peak memory, the software versions and ``recorded_at`` (UTC,
+    ISO 8601): ``fedsec bench compare`` takes the newest recorded row as its baseline."""
     result["peak_rss_mb"] = round(peak_rss_mb(), 1)
     result["versions"] = versions()
+    result.setdefault(
+        "recorded_at", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    )
     return result
 
 

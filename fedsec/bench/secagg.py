@@ -16,10 +16,10 @@ mask per survivor-dropped edge) into a reused buffer and subtracting it, and add
 up the survivors' vectors, in the ring's dtype.  It is what any server doing this
 work must spend, so ``server_s / floor_s`` is the overhead of everything else
 (signatures, Shamir, key agreement, and unpacking a ring narrower than its dtype),
-robust to a noisy machine.  ``client_floor_s`` is the same for the median
-survivor: drawing its rounding words (4 bytes a coordinate) and its self and pairwise
-masks, and adding the masks; ``client_s / client_floor_s`` is what quantizing,
-sharing keys and packing cost on top.
+robust to a noisy machine (the median of three measurements).  ``client_floor_s`` is
+the same (the median of five) for the median survivor: drawing its rounding words
+(4 bytes a coordinate) and its self and pairwise masks, and adding the masks;
+``client_s / client_floor_s`` is what quantizing, sharing keys and packing cost on top.
 
 ``ddp_noise`` > 0: members discretise for distributed DP instead of quantizing
 (:func:`fedsec.crypto.discretize.encode`: rotation, scaling, conditional rounding and a
@@ -264,7 +264,10 @@ def run_secagg(
         mean = weighted / weights
         max_abs_err = float(np.max(np.abs(mean - exact_float / len(survivors))))
 
-    floor_s = _floor(params, len(survivors), _dropped_edges(server, result.dropped))
+    # the median of three: a floor measured once moved with the machine's load by more
+    # than the overhead it is there to show
+    edges = _dropped_edges(server, result.dropped)
+    floor_s = statistics.median(_floor(params, len(survivors), edges) for _ in range(3))
     client_totals = [ct[m].total for m in survivors]
     client_s = statistics.median(client_totals)
     neighbours = int(
@@ -272,7 +275,7 @@ def run_secagg(
             len(server.graph.live_neighbors(m, server.participants)) for m in survivors
         )
     )
-    client_floor_s = _client_floor(params, neighbours)
+    client_floor_s = statistics.median(_client_floor(params, neighbours) for _ in range(5))
     client_stage = {
         stage: round(statistics.median(ct[m].stages.get(stage, 0.0) for m in survivors), 6)
         for stage in SECAGG_STAGES
