@@ -3,7 +3,9 @@
 A file's name is the SHA-256 of its bytes, so anyone holding the archive and the
 transparency log can re-run every aggregation and detect a swapped file.  Masked
 inputs reveal nothing on their own; unmask reveals only what the aggregator was
-entitled to learn.  Writes are atomic (temp file, fsync, rename).
+entitled to learn; in trusted mode (``round.secure_sum = "none"``) the objects are
+members' updates in plaintext, so every object is 0600 in 0700 directories.  Writes are
+atomic (temp file, fsync, rename).
 
 Retention (``audit.archive_retention_rounds``) may delete the objects of old rounds.
 A deletion is never silent: it is announced first by an ``archive_pruned`` log entry
@@ -31,6 +33,12 @@ from fedsec.protocol.log_entries import (
     RoundOpenEntry,
 )
 
+# Objects are readable by the aggregator's user only: with round.secure_sum = "none"
+# they are members' updates in plaintext, which nobody else on the machine may read
+# (auditors get them through GET /v1/audit/archive, which checks who asks).
+OBJECT_MODE = 0o600
+DIR_MODE = 0o700
+
 # Log entry bodies that name an archive object (``sha256``) of a round (``round``).
 REFERRING_ENTRIES = (AcceptedEntry, RevealEntry)
 
@@ -56,7 +64,7 @@ class Archive:
         target = self.path(digest)
         if target.exists():
             return digest
-        atomic_write(target, data, parents_mode=0o777)
+        atomic_write(target, data, mode=OBJECT_MODE, parents_mode=DIR_MODE)
         return digest
 
     def get(self, digest: str) -> bytes:

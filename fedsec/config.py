@@ -15,10 +15,12 @@ configuration means the same thing whatever directory a service is started from.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import re
 import tomllib
 import typing
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -206,7 +208,9 @@ DOCS: dict[str, str] = {
     "alerts.epsilon_budget": "Budget assumed for members whose reports declare none; 0 = only "
     "members that declare a budget are checked.",
     "alerts.webhooks": "URLs each alert is POSTed to as JSON, signed with the aggregator's key "
-    "(RFC 9421, like members' requests); empty = none. Delivery never blocks a round.",
+    "(RFC 9421, like members' requests); empty = none. Delivery never blocks a round. https:// "
+    "only (http:// to localhost or a loopback address): each delivery carries the capability "
+    "that acknowledges its alert.",
     "alerts.webhook_timeout_s": "Seconds one webhook delivery may take; 5 s.",
     "alerts.webhook_attempts": "Deliveries tried per alert and URL before giving up (logged); "
     "8 with the backoff below (1+2+4+8+16+32+60 s) spans about 2 minutes of receiver outage.",
@@ -806,9 +810,10 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     )
     for i, url in enumerate(al.webhooks):
         p.require(
-            url.startswith(("http://", "https://")) and len(url) > 8,
+            _webhook_url_ok(url),
             f"alerts.webhooks[{i}]",
-            "an http:// or https:// URL",
+            "an https:// URL (http:// only to localhost or a loopback address: each "
+            "delivery carries the capability that acknowledges its alert)",
             url,
         )
     p.positive("alerts.webhook_timeout_s", al.webhook_timeout_s)
@@ -818,6 +823,26 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.positive("dashboard.push_interval_s", cfg.dashboard.push_interval_s)
     _validate_aggregation(p, cfg)
     return p.items
+
+
+def _webhook_url_ok(url: str) -> bool:
+    """An https URL with a host, or an http one whose host is this machine."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+        parts.port  # noqa: B018 - a malformed port raises here
+    except ValueError:
+        return False
+    if not host or parts.scheme not in ("http", "https"):
+        return False
+    if parts.scheme == "https":
+        return True
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:

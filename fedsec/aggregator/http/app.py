@@ -130,6 +130,8 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
             _HANDLERS[endpoint.name],
             expect_handler=expect_continue,
         )
+    # load balancers probe liveness with HEAD (aiohttp answers it with GET's headers)
+    app.router.add_route("HEAD", BY_NAME["health"].template, handlers.health)
     app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_replay_store)
     app.cleanup_ctx.append(_webhooks)

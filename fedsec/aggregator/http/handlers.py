@@ -8,6 +8,8 @@ serves which route, and so its roles and body limit, is the table in
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 from aiohttp import web
 
@@ -41,14 +43,19 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     # alerts and round history are the consortium's, not the public's: any enrolled role
-    await authenticate(request)
+    caller, _ = await authenticate(request)
     coord = request.app[COORDINATOR]
     ws = request.app[WORKSPACE]
     now = coord.round_state()
+    entry = ws.roster.get(caller)
+    sees_all = entry is not None and entry.role in REFUSAL_READERS
     history = [
-        msgspec.json.decode(r.summary, type=wire.RoundSummary)
-        for r in ws.state.rounds.history(200)
-        if r.summary is not None
+        summary if sees_all else own_refusal_only(summary, caller)
+        for summary in (
+            msgspec.json.decode(r.summary, type=wire.RoundSummary)
+            for r in ws.state.rounds.history(200)
+            if r.summary is not None
+        )
     ]
     return json_response(
         wire.FederationStatus(
@@ -65,6 +72,25 @@ async def status(request: web.Request) -> web.Response:
             alerts=coord.alerts[-50:],
         )
     )
+
+
+#: Roles that read why the aggregation rule refused each member (its norm, its cosine
+#: with the reference): the operator's observers, and the checkers, who read the same
+#: sentences in the transparency log's refused entries anyway.  A member reads its own.
+REFUSAL_READERS: Final[frozenset[str]] = frozenset({"observer", "auditor", "custodian"})
+
+
+def own_refusal_only(summary: wire.RoundSummary, member: str) -> wire.RoundSummary:
+    """``summary`` as ``member`` may read it: of the aggregation rule's refusals, only its
+    own reason; of the others, their count (who was dropped stays in ``dropped``)."""
+    if not summary.refused:
+        return summary
+    own = {member: summary.refused[member]} if member in summary.refused else {}
+    others = len(summary.refused) - len(own)
+    detail = f"the aggregation rule kept {len(summary.refused)} accepted updates out"
+    if own:
+        detail += f", yours among them ({others} others): {own[member]}"
+    return msgspec.structs.replace(summary, refused=own, detail=detail)
 
 
 # -- agent endpoints ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import re
 import time
 from importlib import resources
 from typing import Final
@@ -60,6 +61,10 @@ ASSETS: Final = {
 #: Live-event streams open at once; more are answered 503.  A few operators with a tab
 #: or two each; the bound keeps a forgotten script from holding hundreds of streams.
 MAX_STREAMS: Final = 32
+#: Live-event streams one viewer (an observer's token, or the loopback operator) may hold
+#: at once: a person with a few tabs open.  Without it one observer could hold all
+#: MAX_STREAMS and lock every other operator out; another person gets their own token.
+MAX_STREAMS_PER_VIEWER: Final = 4
 #: A stream is ended after this many seconds; the browser's EventSource reconnects (and
 #: is authenticated again, so a revoked or expired token stops working within this).
 STREAM_S: Final = 300.0
@@ -71,7 +76,9 @@ LIVENESS_S: Final = 1.0
 HEARTBEAT_S: Final = 15.0
 #: An acknowledgement is {"token": 64 hex digits}: 80 bytes; 1 KiB leaves room for spaces.
 ACK_BODY_BYTES: Final = 1024
-_LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+#: A ``Host`` header: a bracketed IPv6 address or a name (no brackets or colons), then
+#: an optional port (RFC 9110 section 7.2, RFC 3986 section 3.2.2).
+_HOST: Final = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^\[\]:]+))(?::[0-9]{1,5})?")
 
 
 # -- access ----------------------------------------------------------------------------------------
@@ -96,14 +103,25 @@ def is_loopback(request: web.Request) -> bool:
         peer = ipaddress.ip_address((request.remote or "").split("%", 1)[0])
     except ValueError:
         return False
-    if not peer.is_loopback:
+    return peer.is_loopback and _names_loopback(request.headers.get("Host"))
+
+
+def _names_loopback(host: str | None) -> bool:
+    """True when ``host`` (a ``Host`` header) is, as a whole, ``localhost`` or a
+    loopback address, with or without a port.  Parsed, not matched by prefix: neither
+    ``[::1]evil.example`` nor ``127.0.0.1.evil.example`` is loopback, nor is a request
+    with no ``Host``."""
+    match = _HOST.fullmatch(host or "")
+    if match is None:
         return False
-    host = request.host.lower()
-    if host.startswith("["):
-        host = host.split("]", 1)[0] + "]"
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    return host in _LOOPBACK_HOSTS
+    name = match["v6"] or match["name"]
+    if name.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return address.is_loopback and (match["v6"] is None) == (address.version == 4)
 
 
 def _bearer(request: web.Request, scope: TokenScope) -> str | None:
@@ -211,15 +229,24 @@ async def dashboard_snapshot(request: web.Request) -> web.Response:
 
 async def dashboard_events(request: web.Request) -> web.StreamResponse:
     _only_params(request)
-    require_access(request, "dashboard")
+    viewer = require_access(request, "dashboard")
     ops = request.app[OPS]
+    if ops.streams_of[viewer] >= MAX_STREAMS_PER_VIEWER:
+        raise ServerBusy(
+            f"{viewer} has {MAX_STREAMS_PER_VIEWER} live dashboards open already; close one",
+            retry_after=STREAM_S / 10,
+        )
     if ops.streams >= MAX_STREAMS:
         raise ServerBusy(f"{MAX_STREAMS} live dashboards are open; retry shortly", retry_after=5)
     ops.streams += 1
+    ops.streams_of[viewer] += 1
     try:
         return await _stream(request)
     finally:
         ops.streams -= 1
+        ops.streams_of[viewer] -= 1
+        if ops.streams_of[viewer] <= 0:
+            del ops.streams_of[viewer]
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:

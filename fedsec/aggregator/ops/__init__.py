@@ -14,6 +14,7 @@ bus, never allowed to fail a round).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from fedsec.aggregator.coordinator import Coordinator
@@ -61,6 +62,7 @@ class Operations:
         ):
             coord.events.subscribe(listener, replay=True)  # start-up's events too
         self.streams = 0  # live dashboard streams open now
+        self.streams_of: Counter[str] = Counter()  # viewer (observer, loopback) -> its streams
         self.closing = False  # the server is shutting down: live streams end
         latest = ws.models.latest().metrics
         self.live.accuracy, self.live.loss = latest.get("accuracy"), latest.get("loss")

@@ -12,6 +12,7 @@ comparison is of digests and leaks nothing about the token through timing.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from typing import Final
 
@@ -28,6 +29,9 @@ TOKEN_CHARS: Final = len(PREFIX) + 2 * TOKEN_BYTES
 #: belong in the roster (a key), not in a browser.
 MAX_TTL_S: Final = 30 * 24 * 3600.0
 SCOPES: Final[tuple[TokenScope, ...]] = ("dashboard", "metrics")
+#: The one spelling of a token: checked before anything else touches it, so a header
+#: carrying any other byte (not ASCII, not UTF-8) is refused as malformed (401).
+_SHAPE: Final = re.compile(rf"{PREFIX}[0-9a-f]{{{2 * TOKEN_BYTES}}}")
 
 
 def digest(token: str) -> str:
@@ -79,7 +83,7 @@ def check(store: TokenStore, roster: Roster, token: str, scope: TokenScope, now:
             is no longer an active observer.
         ForbiddenError: the token is valid but of another scope.
     """
-    if len(token) != TOKEN_CHARS or not token.startswith(PREFIX):
+    if len(token) != TOKEN_CHARS or _SHAPE.fullmatch(token) is None:
         raise AuthError("the token is not a fedsec dashboard token (fdt_ and 64 hex digits)")
     row = store.get(digest(token))
     if row is None or row.revoked:
