@@ -31,6 +31,16 @@ then dropped out of.
 Charge a round *before* training it (:meth:`PrivacyLedger.charge`, or
 :meth:`~PrivacyLedger.check_can_train` then :meth:`~PrivacyLedger.record`): a crash
 after training but before recording would otherwise spend privacy off the books.
+
+Releases: the accountant composes one mechanism per charge, so a charge may be released
+once.  Before an update goes into a SecAgg+ sum the agent records the attempt it is
+released to (:meth:`PrivacyLedger.record_release`, durable like every change), and the
+ledger refuses to release the same charge to a second attempt: an aggregator that takes
+an attempt to its unmask, aborts it and sums the same updates again without one member
+would otherwise subtract that member's update out of the two sums, and under
+distributed DP every sum carries fresh noise that one charge does not pay for.  A
+retried attempt after a release is trained and charged anew
+(:meth:`fedsec.agent.charging.Carryover.reusable`).
 """
 
 from __future__ import annotations
@@ -86,6 +96,8 @@ class RoundCharge:
     sample_rate: float
     steps: int
     recorded_at: str = ""
+    # (round, attempt) whose SecAgg+ sum took the update trained on this charge
+    released_to: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,23 @@ def _round_charge(item: dict[str, Any]) -> RoundCharge:
         sample_rate=float(item["sample_rate"]),
         steps=int(item["steps"]),
         recorded_at=str(item.get("recorded_at", "")),
+        released_to=_released_to(item),
     )
+
+
+def _released_to(item: dict[str, Any]) -> tuple[int, int] | None:
+    """The (round, attempt) a history item's update was released to, if any.
+
+    Raises:
+        ValueError / TypeError: not a pair of integers >= 0.
+    """
+    raw = item.get("released_to")
+    if raw is None:
+        return None
+    round_, attempt = (int(v) for v in raw)
+    if round_ < 0 or attempt < 0 or int(item["round"]) != round_:
+        raise ValueError(f"'released_to' {raw!r} does not name an attempt of the charged round")
+    return round_, attempt
 
 
 @lru_cache(maxsize=1024)
@@ -314,6 +342,7 @@ class PrivacyLedger:
                     float(item["noise_multiplier"]), float(item["sample_rate"]), int(item["steps"])
                 )
                 int(item["round"])
+                _released_to(item)
             if not 0 <= int(entry.get("reported_through", 0)) <= len(entry["history"]):
                 raise ValueError("'reported_through' must be within the history")
             for item in entry.get("pure", []):
@@ -416,6 +445,49 @@ class PrivacyLedger:
                 return
             datasets = json.loads(json.dumps(self._datasets))
             datasets[dataset_id]["reported_through"] = index + 1
+            self._write(datasets)
+
+    def releases(self, dataset_id: str) -> dict[int, tuple[int, int]]:
+        """Charge index -> the (round, attempt) its update was released to, for every
+        released charge of ``dataset_id`` (none for a dataset without a budget)."""
+        entry = self._datasets.get(dataset_id)
+        if entry is None:
+            return {}
+        released = ((i, _released_to(item)) for i, item in enumerate(entry["history"]))
+        return {i: to for i, to in released if to is not None}
+
+    def record_release(self, dataset_id: str, index: int, round: int, attempt: int) -> None:
+        """Record that the update trained on charge ``index`` goes into the sum of
+        ``round``'s ``attempt``; durable on return.  The same attempt again (a retried
+        upload) changes nothing.
+
+        Raises:
+            ConfigError: no budget for the dataset, or ``index`` is not a charge of it.
+            IntegrityError: the charge was already released to another attempt, or
+                charged for another round; the ledger is unchanged.
+        """
+        with self._locked():
+            entry = self._entry(dataset_id)
+            if not 0 <= index < len(entry["history"]):
+                raise ConfigError(f"dataset '{dataset_id}' has no charge {index} to release")
+            item = entry["history"][index]
+            if int(item["round"]) != round:
+                raise IntegrityError(
+                    f"dataset '{dataset_id}': charge {index} paid for round {item['round']}, "
+                    f"not round {round}; refusing to release it there"
+                )
+            earlier = _released_to(item)
+            if earlier == (round, attempt):
+                return
+            if earlier is not None:
+                raise IntegrityError(
+                    f"dataset '{dataset_id}': the update of charge {index} was already "
+                    f"released to round {earlier[0]} attempt {earlier[1]}; sending it to "
+                    f"attempt {attempt} too would let the aggregator difference the two sums "
+                    "and would be a second release on one charge, so it is refused"
+                )
+            datasets = json.loads(json.dumps(self._datasets))
+            datasets[dataset_id]["history"][index]["released_to"] = [int(round), int(attempt)]
             self._write(datasets)
 
     def set_budget(self, dataset_id: str, epsilon: float, delta: float) -> None:
