@@ -372,7 +372,8 @@ def encrypt(public_ctx: PublicContext, values: FloatVector, workers: int = 1) ->
 
     Raises:
         CryptoError: ``workers`` is not a positive integer; ``values`` is empty, not
-            finite, or exceeds the parameters' headroom; or a worker process died.
+            finite, or exceeds the parameters' headroom; or a worker process could not
+            load ``public_ctx``, could not start, or died.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise CryptoError(f"encryption workers must be an integer >= 1, got {workers!r}")
@@ -429,25 +430,45 @@ def _encrypt_in_pool(public_ctx: PublicContext, x: FloatVector, workers: int) ->
     public = _public_bytes(public_ctx.context)
     out: list[bytes] = []
     pending: deque[Future[list[bytes]]] = deque()
-    with ProcessPoolExecutor(
-        workers,
-        mp_context=_worker_processes(),
-        initializer=_start_worker,
-        initargs=(public, params),
-    ) as pool:  # shuts the pool down and waits for its processes on every path
-        try:
-            for start in range(0, x.size, step):
-                if len(pending) >= workers * _TASKS_IN_FLIGHT_PER_WORKER:
+    try:
+        with ProcessPoolExecutor(
+            workers,
+            mp_context=_worker_processes(),
+            initializer=_start_worker,
+            initargs=(public, params),
+        ) as pool:  # shuts the pool down and waits for its processes on every path
+            try:
+                for start in range(0, x.size, step):
+                    if len(pending) >= workers * _TASKS_IN_FLIGHT_PER_WORKER:
+                        out += pending.popleft().result()
+                    pending.append(_submit(pool, x[start : start + step]))
+                while pending:
                     out += pending.popleft().result()
-                pending.append(pool.submit(_encrypt_task, x[start : start + step]))
-            while pending:
-                out += pending.popleft().result()
-        except BrokenProcessPool as exc:
-            raise CryptoError(f"an encryption worker process died: {exc}") from None
-        finally:
-            for future in pending:  # after an error: start none of the remaining tasks
-                future.cancel()
+            finally:
+                for future in pending:  # after an error: start none of the remaining tasks
+                    future.cancel()
+    except BrokenProcessPool as exc:
+        raise CryptoError(f"an encryption worker process died: {exc}") from None
     return out
+
+
+def _submit(pool: ProcessPoolExecutor, x: FloatVector) -> Future[list[bytes]]:
+    """``pool.submit`` of one task, its failures to start a worker as a broken pool.
+
+    Each submit may start a worker.  CPython's executor thread marks a pool broken when a
+    worker dies (``terminate_broken``) without the lock ``submit`` holds, and closes the
+    queue the workers read, so a submit that passed the broken check meanwhile fails on
+    that queue: ``OSError: handle is closed`` while pickling it for the new worker, or
+    ``RuntimeError`` (shut down) between the two flags (CPython 3.11 to 3.14).  Starting a
+    worker can also fail on its own (``OSError``: no processes or descriptors left).
+    """
+    try:
+        return pool.submit(_encrypt_task, x)
+    except (OSError, RuntimeError) as exc:
+        raise BrokenProcessPool(
+            f"could not start an encryption worker ({type(exc).__name__}: {exc}); "
+            "a worker process died or none could start"
+        ) from None
 
 
 @lru_cache(maxsize=1)
@@ -487,17 +508,33 @@ def _main_script_imports() -> list[str]:
     return sorted(found - {"builtins"})
 
 
-# A worker process's public context, loaded once by _start_worker.
+# A worker process's public context, loaded once by _start_worker, or why it did not load.
 _worker_context: PublicContext | None = None
+_worker_context_refused: str | None = None
 
 
 def _start_worker(public: bytes, params: HeParams) -> None:
-    """Pool initializer: load the public context with :func:`load_public_context`'s checks."""
-    global _worker_context
-    _worker_context = load_public_context(public, params, params.context_max_bytes(secret=False))
+    """Pool initializer: load the public context with :func:`load_public_context`'s checks.
+
+    A refused context is kept as the reason each task then fails with, not raised: an
+    initializer that raises ends its worker, which breaks the pool (every task fails
+    with "terminated abruptly", the reason lost) and races the caller still starting the
+    other workers (see :func:`_submit`).
+    """
+    global _worker_context, _worker_context_refused
+    try:
+        _worker_context = load_public_context(
+            public, params, params.context_max_bytes(secret=False)
+        )
+    except (CryptoError, PayloadError) as exc:
+        _worker_context_refused = str(exc)
 
 
 def _encrypt_task(x: FloatVector) -> list[bytes]:
+    if _worker_context_refused is not None:
+        raise CryptoError(
+            f"an encryption worker could not load the public context: {_worker_context_refused}"
+        )
     if _worker_context is None:
         raise AssertionError("an encryption task ran in a process the pool did not start")
     return _encrypt_chunks(_worker_context.context, x, _worker_context.params.slots)

@@ -4,6 +4,9 @@ ciphertexts (each refusal leaves the running sum as it was)."""
 from __future__ import annotations
 
 import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -443,13 +446,58 @@ def test_a_worker_that_cannot_load_the_context_fails_the_call_and_leaves_no_proc
     import multiprocessing
 
     # N = 8192 keys labelled with N = 4096 parameters: each worker's load_public_context
-    # refuses them, so the worker exits before its first task
+    # refuses them (too large for N = 4096), and each task fails with that reason
     mislabelled = he.PublicContext(SMALL, keys.public.context)
     x = np.full(he.POOL_MIN_CHUNKS * SMALL.slots, 0.5)
-    with pytest.raises(CryptoError, match="encryption worker process died"):
+    with pytest.raises(
+        CryptoError,
+        match=r"could not load the public context: the public CKKS context is \d+ bytes",
+    ):
         he.encrypt(mislabelled, x, workers=2)
     assert multiprocessing.active_children() == []
     # the next pool starts afresh
+    assert len(he.encrypt(small_keys.public, x, workers=2)) == he.POOL_MIN_CHUNKS
+
+
+def _until(condition: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {within_s:.0f} s")
+        time.sleep(0.001)
+
+
+class _FirstWorkerDiesWhileTheSecondStarts(ProcessPoolExecutor):
+    """The interleaving CI met once under load, forced: the first worker dies, and
+    CPython's executor thread marks the pool broken and closes the workers' queue, while
+    ``submit`` (past its broken check) is starting the second worker.  Reaches into
+    CPython 3.11's executor internals, the only way to order two of its threads."""
+
+    def _spawn_process(self) -> None:
+        processes = self._processes
+        if processes:
+            first = next(iter(processes.values()))
+            first.kill()
+            first.join(30)
+            reader = self._call_queue._reader  # type: ignore[attr-defined]
+            _until(lambda: reader.closed, "the executor thread closing the broken pool")
+        super()._spawn_process()  # type: ignore[misc]
+
+
+def test_a_worker_dying_while_the_pool_starts_fails_the_call_and_leaves_no_process(
+    small_keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import multiprocessing
+
+    internals = ("_spawn_process", "_processes", "_call_queue")
+    if not all(hasattr(ProcessPoolExecutor(1), name) for name in internals):
+        pytest.skip("this Python's ProcessPoolExecutor starts its workers another way")
+    x = np.full(he.POOL_MIN_CHUNKS * SMALL.slots, 0.5)
+    monkeypatch.setattr(he, "ProcessPoolExecutor", _FirstWorkerDiesWhileTheSecondStarts)
+    with pytest.raises(CryptoError, match=r"encryption worker process died: .*handle is closed"):
+        he.encrypt(small_keys.public, x, workers=2)
+    assert multiprocessing.active_children() == []
+    monkeypatch.undo()
     assert len(he.encrypt(small_keys.public, x, workers=2)) == he.POOL_MIN_CHUNKS
 
 
