@@ -1,4 +1,5 @@
-"""Compiled loops (numba) for the rotation and the distributed-DP encoder.
+"""Compiled loops (numba) for the rotation, the distributed-DP encoder and the plain
+quantizer's rounding.
 
 numpy makes one pass over memory per operation, and at d = 2^20 a pass costs 0.5-1 ms;
 written in numpy, the member's encoder (rotate, scale, round, add noise, wrap) makes
@@ -231,6 +232,29 @@ def _add_noise_and_wrap(
     return count
 
 
+@_jit
+def _quantize_round(x: Any, words: Any, scale: Any, offset: Any, levels: Any, out: Any) -> None:
+    """out[i] ← clip(⌊x[i]·scale + offset + u_i⌋, 0, levels), u_i = (words[i] >> 8)·2^-24:
+    the plain quantizer's stochastic rounding in one pass.
+
+    Every operation is float32 (x, scale, offset, levels are float32) in the order
+    numpy's passes take them (multiply, add the offset, add the uniform, floor, clip),
+    so the result is bit for bit what those passes give; u_i is exact (a 24-bit
+    integer times a power of two)."""
+    step = np.float32(1.0 / 16777216.0)
+    zero = np.float32(0.0)
+    for i in range(x.size):
+        y = x[i] * scale
+        y = y + offset
+        y = y + np.float32(words[i] >> np.uint32(8)) * step
+        y = np.floor(y)
+        if y < zero:
+            y = zero
+        elif y > levels:
+            y = levels
+        out[i] = y
+
+
 Vector = npt.NDArray[Any]
 
 
@@ -290,11 +314,19 @@ def add_noise_and_wrap(
     )
 
 
+def quantize_round(
+    x: Vector, words: Vector, scale: np.float32, offset: np.float32, levels: int, out: Vector
+) -> None:
+    """The plain quantizer's rounding pass into ``out``; see :func:`_quantize_round`."""
+    _quantize_round(_ro(x), _ro(words), scale, offset, np.float32(levels), out)
+
+
 def warm() -> int:
     """Compile (or load from the cache) every type combination fedsec calls these loops
     with, so that no process pays a compilation at its first round: the float32 and
-    float64 transforms, the decoder's sign flip, the rounding pass, and the noise pass
-    for both guide dtypes and every ring dtype.  Returns how many combinations it ran.
+    float64 transforms, the decoder's sign flip, the rounding pass, the plain
+    quantizer's rounding into every ring dtype, and the noise pass for both guide dtypes
+    and every ring dtype.  Returns how many combinations it ran.
     ``make`` runs it once after installing (``python -m fedsec.crypto.kernels``)."""
     count = 0
     signs = np.zeros(2, dtype=np.uint8)
@@ -317,6 +349,12 @@ def warm() -> int:
     opens = np.empty(16, dtype=np.int64)
     round_draw(y, words, ints)
     count += 2
+    for ring_code in ("<u1", "<u2", "<u4", "<u8"):
+        x32 = y.astype(np.float32)
+        quantize_round(
+            x32, words, np.float32(1.0), np.float32(3.0), 7, np.empty(16, dtype=ring_code)
+        )
+        count += 1
     for guide_dtype in (np.int16, np.int32):
         guide = np.zeros(1 << 12, dtype=guide_dtype)
         for ring_code in ("<u1", "<u2", "<u4", "<u8"):

@@ -23,12 +23,13 @@ weighted members within 2C/L (typically ~2C/(L·√n)).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from fedsec.crypto import packing, prg
+from fedsec.crypto import kernels, packing, prg
 from fedsec.crypto.errors import BadVector, QuantizationError
 
 MIN_BITS, MAX_BITS = 2, 16
@@ -120,6 +121,19 @@ def clip_l2(delta: npt.NDArray[np.floating], clip: float) -> npt.NDArray[np.floa
     return vec
 
 
+# One buffer of rounding words per thread, reused: a fresh 4·d-byte array each update
+# faulted its pages in on first write, as long as the rounding pass itself.
+_words = threading.local()
+
+
+def _rounding_words(count: int) -> npt.NDArray[np.uint32]:
+    buf: npt.NDArray[np.uint32] | None = getattr(_words, "buf", None)
+    if buf is None or buf.size != count:
+        buf = np.empty(count, dtype="<u4")
+        _words.buf = buf
+    return buf
+
+
 def quantize(
     delta: npt.NDArray[np.floating], weight: float, spec: QuantSpec, seed: bytes
 ) -> RingVector:
@@ -144,15 +158,22 @@ def quantize(
     norm = _l2_norm(x)
     shrink = spec.clip / norm if norm > spec.clip else 1.0
     scale = spec.levels / (2.0 * spec.clip)
-    # y = (w·clip(x) + C)·L/(2C) ∈ [0, L], in one fresh buffer (the caller's array is kept);
-    # clipping is folded into the scale so the update is read once.
-    y = np.multiply(x, np.float32(shrink * weight * scale), dtype=np.float32)
-    y += np.float32(spec.clip * scale)
-    y += prg.uniform01(seed, _ROUNDING_DOMAIN, d)
-    np.floor(y, out=y)
-    np.clip(y, 0, spec.levels, out=y)  # float32 rounding at the edges must not leave [0, L]
+    # ⌊(w·clip(x) + C)·L/(2C) + u⌋ clipped to [0, L] (float32 rounding at the edges must not
+    # leave it), u uniform on [0, 1) from 24 bits of each keystream word as prg.uniform01
+    # takes them; clipping is folded into the scale so the update is read once, and the
+    # rounding is one compiled float32 pass, bit for bit numpy's multiply, add, add,
+    # floor and clip.
+    words = _rounding_words(d)
+    prg.expand_into(seed, _ROUNDING_DOMAIN, words)
     out = np.empty(d + 1, dtype=spec.dtype)
-    out[:d] = y
+    kernels.quantize_round(
+        x,
+        words,
+        np.float32(shrink * weight * scale),
+        np.float32(spec.clip * scale),
+        spec.levels,
+        out[:d],
+    )
     wy = weight * spec.levels
     wfloor = math.floor(wy)
     u = float(prg.uniform01(seed, _ROUNDING_DOMAIN + b"/weight", 1)[0])

@@ -300,3 +300,42 @@ def test_quantized_packed_and_summed(bits: int, n: int, d: int, seed: int) -> No
     rng = np.random.default_rng(seed)
     q = quantize(rng.normal(size=d).astype(np.float32), 0.5, spec, _seed(seed))
     np.testing.assert_array_equal(unpack(pack(q, spec.ring_bits), d + 1, spec.ring_bits), q)
+
+
+def _quantize_in_numpy_passes(
+    delta: np.ndarray, weight: float, spec: QuantSpec, seed: bytes
+) -> np.ndarray:
+    """The quantizer as numpy passes (how it was written before the compiled pass):
+    the compiled rounding must give the same ring vector bit for bit."""
+    from fedsec.crypto import prg
+    from fedsec.crypto.quantize import _l2_norm
+
+    x = np.asarray(delta, dtype=np.float32).reshape(-1)
+    norm = _l2_norm(x)
+    shrink = spec.clip / norm if norm > spec.clip else 1.0
+    scale = spec.levels / (2.0 * spec.clip)
+    y = np.multiply(x, np.float32(shrink * weight * scale), dtype=np.float32)
+    y += np.float32(spec.clip * scale)
+    y += prg.uniform01(seed, b"stochastic-rounding", x.size)
+    np.floor(y, out=y)
+    np.clip(y, 0, spec.levels, out=y)
+    return y.astype(spec.dtype)
+
+
+@settings(max_examples=120, deadline=None)
+@given(updates, weights, specs, st.binary(min_size=32, max_size=32))
+def test_the_compiled_rounding_is_numpys_passes_bit_for_bit(
+    delta: np.ndarray, weight: float, spec: QuantSpec, seed: bytes
+) -> None:
+    q = quantize(delta, weight, spec, seed)
+    np.testing.assert_array_equal(q[:-1], _quantize_in_numpy_passes(delta, weight, spec, seed))
+
+
+@pytest.mark.parametrize("bits", [2, 8, 16])
+def test_the_compiled_rounding_matches_on_a_long_update_in_every_ring_dtype(bits: int) -> None:
+    delta = np.random.default_rng(bits).standard_normal(20_000).astype(np.float32)
+    for ring_bits in (bits + 1, 16 if bits < 16 else 17, 32, 40):
+        spec = QuantSpec(bits, 150.0, ring_bits)  # the norm (about 141) below the clip
+        for weight in (1.0, 0.37, 0.0):
+            expected = _quantize_in_numpy_passes(delta, weight, spec, _seed(bits))
+            np.testing.assert_array_equal(quantize(delta, weight, spec, _seed(bits))[:-1], expected)

@@ -9,6 +9,7 @@ import numpy as np
 
 from fedsec.crypto import discretize as dz
 from fedsec.crypto import kernels
+from fedsec.crypto.quantize import QuantSpec, quantize
 from fedsec.crypto.rotation import rotate, rotate_single, unrotate
 
 SEED = hashlib.sha256(b"kernels").digest()
@@ -19,6 +20,7 @@ _LOOPS = (
     kernels._round_draw,
     kernels._add_noise_and_wrap,
     kernels._apply_signs,
+    kernels._quantize_round,
 )
 
 
@@ -27,7 +29,7 @@ def _signatures() -> list[int]:
 
 
 def test_warm_compiles_every_variant_the_encoders_and_decoders_use() -> None:
-    assert kernels.warm() == 17
+    assert kernels.warm() == 21
     before = _signatures()
     x = np.random.default_rng(0).standard_normal(300)
     spec = dz.DdpSpec(300, 24, 5.0, 1.0, 1.0, 3, 4)
@@ -41,4 +43,6 @@ def test_warm_compiles_every_variant_the_encoders_and_decoders_use() -> None:
     unrotate(y, SEED, 300)
     unrotate(rotate_single(x.astype(np.float32), SEED), SEED, 300)
     dz.skellam(SEED, 9.0, 10)
+    for ring_bits in (7, 12, 20, 40):  # the plain quantizer into every ring dtype
+        quantize(x, 0.5, QuantSpec(6, 1.0, ring_bits), SEED)
     assert _signatures() == before
