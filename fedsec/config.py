@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from fedsec.crypto.secagg.graph import DEFAULT_TOLERATED_CORRUPT, default_threshold
 from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
@@ -59,8 +60,10 @@ DOCS: dict[str, str] = {
     "the bundled tasks, raise it for real ones.",
     "round.neighbors": "SecAgg+ neighbours k per member; 0 = auto (the coordinator picks "
     "O(log n) from the cohort size; n-1, classic SecAgg, for small cohorts).",
-    "round.threshold": "Shamir threshold t (shares needed to unmask); 0 = auto (the "
-    "coordinator picks just over half of the neighbours, the SecAgg+ security bound).",
+    "round.threshold": "Shamir threshold t (shares needed to unmask); 0 = auto.  The "
+    "coordinator never goes below t = floor((d + 1)/2) + 1 for a member's d neighbours: "
+    "members refuse a smaller one, which an aggregator and one colluding neighbour could "
+    "get around by telling neighbours different survivor sets (docs/threat-model.md).",
     "round.quant_bits": "Bits per coordinate after stochastic rounding (2..16); 8 bits is a "
     "quarter of float32's size with rounding error well below typical DP noise.",
     "round.clip_norm": "L2 bound C on each member's update; caps any one member's influence "
@@ -299,6 +302,9 @@ DOCS: dict[str, str] = {
     "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
     "privacy.require_dp": "Refuse rounds that ask for training without DP-SGD; turn off only "
     "for simulations on public data, never for real records.",
+    "privacy.tolerated_corrupt_neighbours": "SecAgg+: colluding neighbours (with the "
+    "aggregator) this member's update must stay hidden from; it refuses a round whose "
+    "threshold t has 2t <= neighbours + this (default 1; docs/threat-model.md).",
     "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
     "a share of the noise and the guarantee rests on the other members adding theirs; off, "
     "because that trust is the data owner's decision (docs/privacy.md).",
@@ -537,6 +543,9 @@ class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     delta: float = 1e-5
     require_dp: bool = True
     allow_distributed: bool = False
+    # γ: colluding neighbours (with the aggregator) a SecAgg+ round must withstand; the
+    # member refuses a threshold with 2t ≤ degree + γ (fedsec.crypto.secagg.graph)
+    tolerated_corrupt_neighbours: int = DEFAULT_TOLERATED_CORRUPT
 
 
 class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -615,7 +624,10 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         p.int_range("round.neighbors", r.neighbors, 2, max(r.max_agents - 1, 2))
     if r.threshold:
         upper = r.neighbors + 1 if r.neighbors else r.max_agents
-        p.int_range("round.threshold", r.threshold, 2, max(upper, 2))
+        # the most neighbours a member can get with these k (one more for odd n·k)
+        degree = r.neighbors + r.neighbors % 2 if r.neighbors else 0
+        floor = min(default_threshold(degree), r.neighbors) if r.neighbors else 2
+        p.int_range("round.threshold", r.threshold, max(floor, 2), max(upper, 2))
     p.int_range("round.quant_bits", r.quant_bits, 2, 16)
     p.positive("round.clip_norm", r.clip_norm)
     p.int_range("round.buffer_size", r.buffer_size, 1, 100_000)
@@ -932,6 +944,9 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p.int_range("data.seed", d.seed, 0)
     p.positive("privacy.epsilon", cfg.privacy.epsilon)
     p.open_unit("privacy.delta", cfg.privacy.delta)
+    p.int_range(
+        "privacy.tolerated_corrupt_neighbours", cfg.privacy.tolerated_corrupt_neighbours, 0, 1000
+    )
     n = cfg.network
     p.int_range("network.retry_max", n.retry_max, 0, 1000)
     p.positive("network.backoff_initial_s", n.backoff_initial_s)

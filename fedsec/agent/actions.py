@@ -25,6 +25,8 @@ from fedsec.errors import FedsecError, WrongStage
 from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
+    ConsistencyBody,
+    ConsistencyProofBody,
     ContributionStatement,
     FederationStatus,
     JoinRequest,
@@ -153,6 +155,11 @@ class SharesFetched(Event):
 @dataclass(frozen=True)
 class UnmaskFetched(Event):
     body: UnmaskRequestBody
+
+
+@dataclass(frozen=True)
+class ProofFetched(Event):
+    body: ConsistencyProofBody
 
 
 @dataclass(frozen=True)
@@ -380,6 +387,23 @@ class Record(Action):
 @dataclass(frozen=True)
 class FetchUnmask(Action):
     answer: ClassVar[type[Event]] = UnmaskFetched
+    round: int
+    attempt: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class SendConsistency(Action):
+    answer: ClassVar[type[Event]] = UploadAnswered
+    round: int
+    attempt: int
+    body: ConsistencyBody
+    wait: float  # ... for our consistency proof
+
+
+@dataclass(frozen=True)
+class FetchProof(Action):
+    answer: ClassVar[type[Event]] = ProofFetched
     round: int
     attempt: int
     wait: float

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.crypto.secagg.graph import DEFAULT_TOLERATED_CORRUPT
 from fedsec.protocol.wire import DataSummary
 from fedsec.tasks import Task
 
@@ -25,6 +26,8 @@ class Member:
     privacy_epsilon: float = 0.0  # the budget for this dataset (privacy.epsilon); 0 = unsaid
     # privacy.allow_distributed: rounds where the noise is shared with the other members
     allow_distributed: bool = False
+    # privacy.tolerated_corrupt_neighbours: γ the SecAgg+ threshold must hold against
+    tolerated_corrupt: int = DEFAULT_TOLERATED_CORRUPT
     # task "table": the unsigned data summary; signed for the federation at each join
     data_summary: DataSummary | None = None
     # epsilon of this dataset's pure releases (noised summary counts) in the ledger

@@ -147,6 +147,12 @@ class ActionPerformer:
             act.FetchUnmask: lambda a: _as(
                 act.UnmaskFetched, guard(c.get_unmask(a.round, a.attempt, a.wait))
             ),
+            act.SendConsistency: lambda a: _as(
+                act.UploadAnswered, guard(c.consistency(a.round, a.attempt, a.body, a.wait))
+            ),
+            act.FetchProof: lambda a: _as(
+                act.ProofFetched, guard(c.get_consistency(a.round, a.attempt, a.wait))
+            ),
             act.Unmask: lambda a: _as(
                 act.UploadAnswered, guard(c.unmask(a.round, a.attempt, a.body, a.wait))
             ),

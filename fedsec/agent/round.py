@@ -275,7 +275,11 @@ class AgentRound:
                 serial = self._attempt.state.roster_serial
                 roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
                 session = ClientSession(
-                    spec.secagg_params(), member.id, member.identity, roster.keys
+                    spec.secagg_params(),
+                    member.id,
+                    member.identity,
+                    roster.keys,
+                    tolerated_corrupt=member.tolerated_corrupt,
                 )
                 floor = spec.dp.min_survivors if is_distributed(spec) else 0
                 secagg = SecAggSteps(session, self._attempt, spec.dim, floor)

@@ -3,8 +3,8 @@
 
 Bodies go through :mod:`fedsec.protocol.codec`.  Each upload asks the aggregator to
 hold its answer until the next stage and carry that stage's data (key list, share
-relay, unmask request, the round state once the attempt is over): one request per
-stage instead of an upload, a long poll of the round state and a fetch.
+relay, unmask request, consistency proof, the round state once the attempt is over):
+one request per stage instead of an upload, a long poll of the round state and a fetch.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from fedsec.agent.actions import (
     Advertise,
     FaultPoint,
     FetchKeys,
+    FetchProof,
     FetchShares,
     FetchUnmask,
     KeysFetched,
     Mask,
     Masked,
     Passed,
+    ProofFetched,
+    SendConsistency,
     SendShares,
     SharesFetched,
     Step,
@@ -34,11 +37,12 @@ from fedsec.agent.actions import (
 )
 from fedsec.agent.attempt import AttemptTracker, upload
 from fedsec.agent.contribution import Contribution
-from fedsec.crypto.secagg import ClientSession, UnmaskRequest
+from fedsec.crypto.secagg import ClientSession
 from fedsec.errors import ProtocolError
 from fedsec.protocol import codec
 from fedsec.protocol.wire import (
     Accepted,
+    ConsistencyProofBody,
     PrivacyReport,
     Receipt,
     ShareRelayBody,
@@ -106,7 +110,7 @@ class SecAggSteps:
     def finish(
         self, c: Contribution, relay: ShareRelayBody | None, send_vector: SendVector
     ) -> Step[Receipt]:
-        """Masked input and unmask stages, after the key stages."""
+        """Masked input, consistency and unmask stages, after the key stages."""
         session, attempt = self.session, self.attempt
         (r, a), wait = attempt.key, attempt.long_poll_s
         if relay is None:
@@ -125,7 +129,7 @@ class SecAggSteps:
             request = held
         else:
             asked = yield from attempt.stage_data(
-                "unmask", lambda w: FetchUnmask(r, a, w), UnmaskFetched
+                "consistency", lambda w: FetchUnmask(r, a, w), UnmaskFetched
             )
             request = asked.body
         if len(request.survivors) < self.min_survivors:
@@ -134,7 +138,8 @@ class SecAggSteps:
                 f"{self.min_survivors} whose noise shares make the round's distributed-DP "
                 "noise; refusing to unmask a sum that would carry less noise"
             )
-        answer = session.unmask(UnmaskRequest(tuple(request.survivors), tuple(request.dropped)))
+        proof = yield from self._consistency(request)
+        answer = session.unmask(codec.consistency_proof(proof, session.member))
         # held until the attempt is over; the answer carries the round state then
         accepted = yield from upload(Unmask(r, a, codec.unmask_body(answer), wait))
         log.info(
@@ -146,6 +151,23 @@ class SecAggSteps:
         )
         self._after_unmask(accepted, request)
         return receipt
+
+    def _consistency(self, request: UnmaskRequestBody) -> Step[ConsistencyProofBody]:
+        """Sign the survivor sets we were told, then get our neighbours' signatures on
+        the sets they were told: :meth:`ClientSession.unmask` reveals nothing unless
+        ``threshold`` of them match ours."""
+        session, attempt = self.session, self.attempt
+        (r, a), wait = attempt.key, attempt.long_poll_s
+        signature = session.sign_survivors(codec.unmask_request(request))
+        answer = yield from upload(SendConsistency(r, a, codec.consistency_body(signature), wait))
+        log.info("secagg_signed_survivors round=%d attempt=%d", r, a)
+        yield from ask(FaultPoint(r, "consistency"), Passed)
+        if answer is not None and answer.proof is not None:
+            return answer.proof
+        fetched = yield from attempt.stage_data(
+            "unmask", lambda w: FetchProof(r, a, w), ProofFetched
+        )
+        return fetched.body
 
     def _after_unmask(self, accepted: Accepted | None, request: UnmaskRequestBody) -> None:
         current = self.attempt.state

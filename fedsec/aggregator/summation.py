@@ -9,7 +9,7 @@ complete, closes each stage but the last, and finalizes the last one into a
 
 - :class:`SecAggPlusSession` (``secure_sum = "secagg"``): the SecAgg+ server state
   machine of :mod:`fedsec.crypto.secagg`; stages advertise, share_keys, masked_input,
-  unmask.
+  consistency, unmask.
 - :class:`PlainSession` (``secure_sum = "none"``): signed quantized updates summed in
   the clear, or combined by the spec's robust rule (:mod:`fedsec.learning.robust`); one
   stage, masked_input.
@@ -35,6 +35,8 @@ import numpy as np
 from fedsec.crypto.quantize import ring_from_integers, unpack
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
+    ConsistencyProof,
+    ConsistencySignature,
     MaskedInput,
     ServerSession,
     ShareKeys,
@@ -96,7 +98,9 @@ def decode_decryption(custodian: str, raw: bytes, max_json_bytes: int) -> Decryp
 
 
 #: A decoded stage message, as the member sent it.
-StageMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskResponse | Decryption
+StageMessage = (
+    AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature | UnmaskResponse | Decryption
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,12 +229,20 @@ class SummationSession(ABC):
         raise UnknownMember(f"{member} is not a participant of round {self.spec.round}")
 
     def unmask_request(self, member: str, state_token: int) -> wire.UnmaskRequestBody:
-        """Who survived and who dropped, fetched in unmask.
+        """Who survived and who dropped, fetched in consistency (and signed there).
 
         Raises:
             UnknownMember: ``member`` is not a survivor.
         """
         raise UnknownMember(f"{member} is not a survivor of round {self.spec.round}")
+
+    def consistency_proof(self, member: str, state_token: int) -> wire.ConsistencyProofBody:
+        """``member``'s neighbours' signatures on the survivor sets, fetched in unmask.
+
+        Raises:
+            UnknownMember: ``member`` did not sign the survivor sets.
+        """
+        raise UnknownMember(f"{member} did not sign the survivor sets of round {self.spec.round}")
 
 
 def open_session(
@@ -284,6 +296,7 @@ class SecAggPlusSession(SummationSession):
         self.server = ServerSession(spec.secagg_params(), roster_keys)
         self._min_survivors = spec.dp.min_survivors if is_distributed(spec) else 0
         self._relays: dict[str, ShareRelay] = {}
+        self._proofs: dict[str, ConsistencyProof] = {}
         # the key list every live member fetches, built once (fixed from share_keys on)
         self._key_list: wire.KeyListBody | None = None
 
@@ -294,6 +307,8 @@ class SecAggPlusSession(SummationSession):
             self.server.receive_share_keys(message)
         elif stage == "masked_input" and isinstance(message, MaskedInput):
             self.server.receive_masked_input(message)
+        elif stage == "consistency" and isinstance(message, ConsistencySignature):
+            self.server.receive_consistency(message)
         elif stage == "unmask" and isinstance(message, UnmaskResponse):
             self.server.receive_unmask(message)
         else:
@@ -310,9 +325,11 @@ class SecAggPlusSession(SummationSession):
             return s.shared == s.live
         if stage == "masked_input":
             return len(s.contributed) == len(s.participants)
+        if stage == "consistency":
+            return len(s.signatures) == len(s.survivors)
         if stage == "unmask":
-            # every survivor answered, or the answers so far already decide the sum
-            return s.answered == s.survivors or s.ready_to_finalize()
+            # every signer answered, or the answers so far already decide the sum
+            return s.answered == frozenset(s.signatures) or s.ready_to_finalize()
         return False
 
     def close(self, stage: str) -> None:
@@ -328,6 +345,8 @@ class SecAggPlusSession(SummationSession):
                     f"the {floor} survivors the distributed-DP noise is sized for"
                 )
             self.server.close_masked_input()
+        elif stage == "consistency":
+            self._proofs = self.server.close_consistency()
         else:
             raise ValueError(f"stage {stage!r} is not closed by close()")
 
@@ -377,6 +396,11 @@ class SecAggPlusSession(SummationSession):
         return wire.UnmaskRequestBody(
             survivors=sorted(s.survivors), dropped=sorted(s.dropped), state_token=state_token
         )
+
+    def consistency_proof(self, member: str, state_token: int) -> wire.ConsistencyProofBody:
+        if member not in self._proofs:
+            return super().consistency_proof(member, state_token)
+        return codec.consistency_proof_body(self._proofs[member], state_token)
 
 
 class PlainSession(SummationSession):

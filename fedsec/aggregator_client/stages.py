@@ -16,6 +16,8 @@ from fedsec.protocol import compact
 from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
+    ConsistencyBody,
+    ConsistencyProofBody,
     ContributionStatement,
     HeContext,
     KeyListBody,
@@ -26,6 +28,7 @@ from fedsec.protocol.wire import (
     UnmaskRequestBody,
     UnmaskResponseBody,
     decode,
+    encode,
 )
 
 T = TypeVar("T")
@@ -128,7 +131,8 @@ class StageCalls(Calls):
 
         Args:
             wait: seconds the aggregator may hold the answer until the round reaches
-                the unmask stage (SecAgg+); the answer then carries our unmask request.
+                the consistency stage (SecAgg+); the answer then carries our unmask
+                request (the survivor sets we sign).
 
         Returns:
             The verified receipt, and the unmask request when one came with it.
@@ -168,6 +172,40 @@ class StageCalls(Calls):
         ``wait`` s)."""
         return await self._stage_json(
             route("get_unmask", round=round), UnmaskRequestBody, attempt, wait, "unmask request"
+        )
+
+    async def consistency(
+        self, round: int, attempt: int, body: ConsistencyBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/consistency``: our signature on the survivor sets.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                unmask; the answer then carries our consistency proof (``proof``).
+        """
+        what = "consistency answer"
+        raw = await self._transport.request(
+            route("post_consistency", round=round),
+            query=self._stage_query(attempt, wait),
+            body=encode(body),
+            content_type="application/json",
+            max_bytes=MAX_JSON_BYTES,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
+        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
+
+    async def get_consistency(
+        self, round: int, attempt: int, wait: float = 0.0
+    ) -> ConsistencyProofBody:
+        """``GET /rounds/{r}/consistency``: the survivor sets and our neighbours'
+        signatures on them (long-polled up to ``wait`` s)."""
+        return await self._stage_json(
+            route("get_consistency", round=round),
+            ConsistencyProofBody,
+            attempt,
+            wait,
+            "consistency proof",
         )
 
     async def unmask(

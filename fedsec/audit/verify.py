@@ -1097,6 +1097,8 @@ def _close(session: ServerSession, stage: str) -> None:
         session.close_share_keys()
     elif stage == "masked_input":
         session.close_masked_input()
+    elif stage == "consistency":
+        session.close_consistency()
 
 
 def verify_log(

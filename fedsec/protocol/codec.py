@@ -15,21 +15,28 @@ from collections.abc import Iterable
 
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
+    ConsistencyProof,
+    ConsistencySignature,
     EncryptedShare,
     KeyList,
     ShareKeys,
     ShareRelay,
+    UnmaskRequest,
     UnmaskResponse,
 )
 from fedsec.protocol.wire import (
     AdvertiseKeysBody,
+    ConsistencyBody,
+    ConsistencyProofBody,
     IncomingShare,
     KeyEntry,
     KeyListBody,
+    MemberSignature,
     OutgoingShare,
     PrivacyReport,
     ShareKeysBody,
     ShareRelayBody,
+    UnmaskRequestBody,
     UnmaskResponseBody,
     unhex,
 )
@@ -132,4 +139,40 @@ def unmask_message(member: str, body: UnmaskResponseBody) -> UnmaskResponse:
         member,
         tuple((m, unhex(s, "seed share")) for m, s in sorted(body.seed_shares.items())),
         tuple((m, unhex(s, "key share")) for m, s in sorted(body.key_shares.items())),
+    )
+
+
+def consistency_body(msg: ConsistencySignature) -> ConsistencyBody:
+    return ConsistencyBody(msg.signature.hex())
+
+
+def consistency_message(member: str, body: ConsistencyBody) -> ConsistencySignature:
+    """Raises PayloadError: the signature is not 64 bytes of hex."""
+    return ConsistencySignature(member, unhex(body.signature, "signature", _SIGNATURE_BYTES))
+
+
+def unmask_request(body: UnmaskRequestBody) -> UnmaskRequest:
+    return UnmaskRequest(tuple(body.survivors), tuple(body.dropped))
+
+
+def consistency_proof_body(proof: ConsistencyProof, state_token: int) -> ConsistencyProofBody:
+    return ConsistencyProofBody(
+        survivors=list(proof.request.survivors),
+        dropped=list(proof.request.dropped),
+        signatures=[MemberSignature(s.member, s.signature.hex()) for s in proof.signatures],
+        state_token=state_token,
+    )
+
+
+def consistency_proof(body: ConsistencyProofBody, member: str) -> ConsistencyProof:
+    """Raises PayloadError: a signature is not 64 bytes of hex."""
+    return ConsistencyProof(
+        member,
+        UnmaskRequest(tuple(body.survivors), tuple(body.dropped)),
+        tuple(
+            ConsistencySignature(
+                s.member, unhex(s.signature, f"signature of {s.member!r}", _SIGNATURE_BYTES)
+            )
+            for s in body.signatures
+        ),
     )

@@ -285,8 +285,8 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "POST",
         f"{_R}/masked-input",
         "masked, packed input vector; answered with the signed Receipt, or, when "
-        "?wait is given, with MaskedInputAnswer (the receipt, held until the unmask "
-        "stage, and the caller's unmask request)",
+        "?wait is given, with MaskedInputAnswer (the receipt, held until the consistency "
+        "stage, and the caller's unmask request: the survivor sets it signs)",
         AGENT,
         request=_VECTOR_BYTES,
         response=wire.Receipt,
@@ -294,7 +294,7 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         answer_note="Receipt; MaskedInputAnswer when ?wait is given",
         params=(
             *_ROUND_ATTEMPT,
-            _wait("the round reaches unmask"),
+            _wait("the round reaches consistency"),
             # the member's signed ContributionStatement over the vector
             _hex("commitment", 64),
             _hex("signature", 128),
@@ -305,9 +305,30 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "get_unmask",
         "GET",
         f"{_R}/unmask",
-        "survivors and dropped members",
+        "survivors and dropped members: the sets each survivor signs in consistency",
         AGENT,
         response=wire.UnmaskRequestBody,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches consistency")),
+    ),
+    Endpoint(
+        "post_consistency",
+        "POST",
+        f"{_R}/consistency",
+        "the caller's signature on the survivor sets; with ?wait the answer is held "
+        "until the unmask stage and carries the caller's consistency proof (proof): "
+        "its neighbours' signatures, on which alone it unmasks",
+        AGENT,
+        request=wire.ConsistencyBody,
+        response=wire.Accepted,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches unmask")),
+    ),
+    Endpoint(
+        "get_consistency",
+        "GET",
+        f"{_R}/consistency",
+        "the survivor sets and the caller's neighbours' signatures on them",
+        AGENT,
+        response=wire.ConsistencyProofBody,
         params=(*_ROUND_ATTEMPT, _wait("the round reaches unmask")),
     ),
     Endpoint(

@@ -7,8 +7,18 @@ from __future__ import annotations
 import msgspec
 
 from fedsec.crypto.secagg import MaskedInput, ServerSession
-from fedsec.protocol.codec import advertise_message, share_keys_message, unmask_message
-from fedsec.protocol.wire import AdvertiseKeysBody, ShareKeysBody, UnmaskResponseBody
+from fedsec.protocol.codec import (
+    advertise_message,
+    consistency_message,
+    share_keys_message,
+    unmask_message,
+)
+from fedsec.protocol.wire import (
+    AdvertiseKeysBody,
+    ConsistencyBody,
+    ShareKeysBody,
+    UnmaskResponseBody,
+)
 
 
 def feed_accepted(session: ServerSession, stage: str, member: str, raw: bytes) -> None:
@@ -30,6 +40,10 @@ def feed_accepted(session: ServerSession, stage: str, member: str, raw: bytes) -
         )
     elif stage == "masked_input":
         session.receive_masked_input(MaskedInput(member, raw))
+    elif stage == "consistency":
+        session.receive_consistency(
+            consistency_message(member, msgspec.json.decode(raw, type=ConsistencyBody))
+        )
     elif stage == "unmask":
         session.receive_unmask(
             unmask_message(member, msgspec.json.decode(raw, type=UnmaskResponseBody))

@@ -18,6 +18,7 @@ Stage = Literal[
     "advertise",  # cohort fixed, spec signed: agents train, then advertise keys
     "share_keys",
     "masked_input",
+    "consistency",  # SecAgg+: survivors sign the survivor sets before any unmasking
     "unmask",
     "decrypt",  # homomorphic summation: the key custodian decrypts the sum of ciphertexts
     "closed",  # aggregated: new model version written

@@ -437,6 +437,28 @@ class UnmaskRequestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     state_token: Count | None = None
 
 
+class ConsistencyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A survivor's signature (hex) on the survivor sets of its unmask request."""
+
+    signature: str
+
+
+class MemberSignature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    member: MemberId
+    signature: str
+
+
+class ConsistencyProofBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The survivor sets and the caller's neighbours' signatures on them: a survivor
+    unmasks only on ``threshold`` valid ones for the sets it signed itself."""
+
+    survivors: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)]
+    dropped: Annotated[list[MemberId], msgspec.Meta(max_length=MAX_COHORT)]
+    signatures: Annotated[list[MemberSignature], msgspec.Meta(max_length=MAX_COHORT)]
+    # as in UnmaskRequestBody: the round-state token when this was answered
+    state_token: Count | None = None
+
+
 class Accepted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Answer to a SecAgg+ upload: accepted, and, when the request asked to ``wait``
     and the round reached the next stage in time, that stage's data for the caller
@@ -445,6 +467,7 @@ class Accepted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     accepted: bool
     keys: KeyListBody | None = None  # POST advertise: the relayed key list
     relay: ShareRelayBody | None = None  # POST shares: the shares addressed to the caller
+    proof: ConsistencyProofBody | None = None  # POST consistency: the caller's proof
     state: RoundState | None = None  # POST unmask: the round state once the attempt is over
 
 

@@ -686,6 +686,7 @@ class OtherMembers:
         self.key_list: KeyList | None = None
         self.relays: dict[str, Any] = {}
         self.request: UnmaskRequest | None = None
+        self.proofs: dict[str, Any] = {}
         self.alice_input: Any = None
 
     def advertise(self, a: act.Advertise) -> act.Event:
@@ -714,12 +715,20 @@ class OtherMembers:
         body = UnmaskRequestBody(list(self.request.survivors), list(self.request.dropped), 5)
         return act.MaskedInputAnswered(receipt_for(a), body)
 
-    def unmask(self, a: act.Unmask) -> act.Event:
+    def consistency(self, a: act.SendConsistency) -> act.Event:
         assert self.request is not None
-        self.server.receive_unmask(codec.unmask_message("alice", a.body))
+        self.server.receive_consistency(codec.consistency_message("alice", a.body))
         for s in self.others.values():
-            self.server.receive_unmask(s.unmask(self.request))
-        return act.UploadAnswered(Accepted(True, state=state("closed", self.spec, token=6)))
+            self.server.receive_consistency(s.sign_survivors(self.request))
+        self.proofs = self.server.close_consistency()
+        proof = codec.consistency_proof_body(self.proofs["alice"], 6)
+        return act.UploadAnswered(Accepted(True, proof=proof))
+
+    def unmask(self, a: act.Unmask) -> act.Event:
+        self.server.receive_unmask(codec.unmask_message("alice", a.body))
+        for m, s in self.others.items():
+            self.server.receive_unmask(s.unmask(self.proofs[m]))
+        return act.UploadAnswered(Accepted(True, state=state("closed", self.spec, token=7)))
 
     def keep(self, a: act.KeepUpdate) -> act.Event:
         self.alice_input = a.quantized
@@ -733,6 +742,7 @@ class OtherMembers:
             act.Mask: lambda a: act.Masked(a.compute()),
             act.KeepUpdate: self.keep,
             act.SendMaskedInput: self.masked_input,
+            act.SendConsistency: self.consistency,
             act.Unmask: self.unmask,
         }
 

@@ -65,11 +65,12 @@ from fedsec.errors import (
 )
 from fedsec.keys import load_identity, save_identity, save_public_key
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
-from fedsec.protocol import compact
+from fedsec.protocol import codec, compact
 from fedsec.protocol.roster import sign_roster_entry
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.wire import (
     AdvertiseKeysBody,
+    ConsistencyBody,
     ContributionStatement,
     DPSpec,
     FederationStatus,
@@ -184,6 +185,7 @@ class FakeAggregator:
         self.relays: dict[str, Any] = {}
         self.key_list: Any = None
         self.unmask_request: Any = None
+        self.proofs: dict[str, Any] = {}
         self.roster_admin = ADMIN
         if spec.secure_sum == "secagg":
             roster = {m: IDENTITIES[m].public_bytes for m in self.cohort}
@@ -307,7 +309,7 @@ class FakeAggregator:
                     self.advance(stage="closed")
                 else:
                     self.unmask_request = self.secagg.close_masked_input()
-                    self.advance(stage="unmask")
+                    self.advance(stage="consistency")
             return _json(receipt)
         return await self.secagg_route(route, member, body)
 
@@ -367,9 +369,19 @@ class FakeAggregator:
                 )
             )
         if route == ("GET", f"/v1/rounds/{r}/unmask"):
-            self.reached("unmask")
+            self.reached("consistency")
             req = self.unmask_request
             return _json(UnmaskRequestBody(list(req.survivors), list(req.dropped)))
+        if route == ("POST", f"/v1/rounds/{r}/consistency"):
+            signed = msgspec.json.decode(body, type=ConsistencyBody)
+            self.secagg.receive_consistency(codec.consistency_message(member, signed))
+            if len(self.secagg.signatures) == len(self.cohort):
+                self.proofs = self.secagg.close_consistency()
+                self.advance(stage="unmask")
+            return web.json_response({"accepted": True})
+        if route == ("GET", f"/v1/rounds/{r}/consistency"):
+            self.reached("unmask")
+            return _json(codec.consistency_proof_body(self.proofs[member], self.state.token))
         if route == ("POST", f"/v1/rounds/{r}/unmask"):
             answer = compact.to_body(body, UnmaskResponseBody, max_bytes=1 << 20, what="upload")
             self.secagg.receive_unmask(

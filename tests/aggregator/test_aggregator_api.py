@@ -10,13 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
 
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.http.app import make_app
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.modelfile import ModelManifest, verify_manifest
 from fedsec.protocol import compact, wire
@@ -25,6 +30,7 @@ from tests.support.aggregator import (
     FED,
     FakeClock,
     expected_params,
+    make_federation,
     model_params,
     snapshot,
 )
@@ -67,7 +73,7 @@ async def test_health_status_and_openapi_cover_every_route(api: Api) -> None:
     }
     # 18 protocol routes, 6 audit (challenges, reveals, verdicts, quarantine), 6
     # operations, 6 of homomorphic summation
-    assert len(routes) == 36
+    assert len(routes) == 38
     for path, method in routes:
         assert path in paths, path
         assert method in paths[path], (path, method)
@@ -303,26 +309,46 @@ async def test_masked_input_statement_signed_by_another_member_is_refused(api: A
 # -- a whole secure round over HTTP ----------------------------------------------------------------
 
 
+@pytest_asyncio.fixture
+async def api5(
+    tmp_path: Path, clock: FakeClock, aiohttp_client: Callable[..., Awaitable[TestClient]]
+) -> Api:
+    # four members cannot lose one: t = 3 of 3 neighbours (2t > 3 + 1 colluder)
+    fed = make_federation(tmp_path / "ws5", agents=FIVE)
+    coord = Coordinator(fed.ws, clock=clock)
+    return Api(await aiohttp_client(make_app(fed.ws, coord)), fed, coord)
+
+
+FIVE = (*AGENTS, "a4")
+
+
 async def test_secure_round_over_http_survives_a_member_lost_after_share_keys(
-    api: Api, clock: FakeClock
+    api5: Api, clock: FakeClock
 ) -> None:
-    cohort = await _to_masked_input(api)
+    api = api5
+    cohort = await _to_masked_input(api, FIVE)
     spec = cohort.spec
     spec.verify(api.fed.ws.signer.public_bytes)
-    assert (spec.cohort, spec.neighbors, spec.threshold) == (list(AGENTS), 3, 2)
-    survivors = AGENTS[:3]  # a3 stops after share keys
+    assert (spec.cohort, spec.neighbors, spec.threshold) == (list(FIVE), 4, 3)
+    survivors = FIVE[:4]  # a4 stops after share keys
     receipts = {}
     for m in survivors:
         path, raw = _upload(cohort, m)
         receipts[m] = msgspec.convert(await api.ok(m, "POST", path, raw), wire.Receipt)
     clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])  # the ticker closes the stage
-    await api.wait_stage("unmask")
+    await api.wait_stage("consistency")
     for m in survivors:
         request = msgspec.convert(
             await api.ok(m, "GET", "/v1/rounds/1/unmask"), wire.UnmaskRequestBody
         )
-        assert (request.survivors, request.dropped) == (list(survivors), ["a3"])
-        await api.ok(m, "POST", "/v1/rounds/1/unmask", cohort.unmask(m, request))
+        assert (request.survivors, request.dropped) == (list(survivors), ["a4"])
+        await api.ok(m, "POST", "/v1/rounds/1/consistency", cohort.sign(m, request))
+    await api.wait_stage("unmask")
+    for m in survivors:
+        proof = msgspec.convert(
+            await api.ok(m, "GET", "/v1/rounds/1/consistency"), wire.ConsistencyProofBody
+        )
+        await api.ok(m, "POST", "/v1/rounds/1/unmask", cohort.unmask(m, proof))
     state = await api.wait_stage("open")
     assert (state.round, state.rounds_completed, state.model_version) == (2, 1, 2)
 
@@ -340,10 +366,10 @@ async def test_secure_round_over_http_survives_a_member_lost_after_share_keys(
         receipt = msgspec.convert(await api.ok(m, "GET", "/v1/rounds/1/receipt"), wire.Receipt)
         assert receipt == receipts[m]
         receipt.verify(api.fed.ws.signer.public_bytes)
-    await api.refused(404, "not_found", lambda: api.call("a3", "GET", "/v1/rounds/1/receipt"))
+    await api.refused(404, "not_found", lambda: api.call("a4", "GET", "/v1/rounds/1/receipt"))
     status_body = msgspec.convert(await api.ok("a0", "GET", "/v1/status"), wire.FederationStatus)
     assert [(h.round, h.stage, h.survivors, h.dropped) for h in status_body.history] == [
-        (1, "closed", 3, ["a3"])
+        (1, "closed", 4, ["a4"])
     ]
 
 

@@ -70,6 +70,9 @@ from tests.support.aggregator import (
     share_all as _share,
 )
 from tests.support.aggregator import (
+    sign_all as _sign,
+)
+from tests.support.aggregator import (
     unmask_all as _unmask,
 )
 
@@ -170,6 +173,9 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
     assert coord.live.stage == "masked_input"
     _fetch_shares(coord, cohort, MEMBERS)
     receipts = _masked(coord, cohort, MEMBERS)
+    assert coord.live.stage == "consistency"
+    assert fed.ws.state.rounds.get(1, 0).stage == "consistency"  # type: ignore[union-attr]
+    _sign(coord, cohort)
     assert coord.live.stage == "unmask"
     assert fed.ws.state.rounds.get(1, 0).stage == "unmask"  # type: ignore[union-attr]
     _unmask(coord, cohort, MEMBERS)
@@ -276,7 +282,7 @@ def test_member_lost_after_share_keys_is_unmasked_out_of_the_sum(
     assert coord.live.stage == "masked_input"  # a4 may still send until the deadline
     clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])
     coord.tick()
-    assert coord.live.stage == "unmask"
+    assert coord.live.stage == "consistency"
     request = coord.unmask_request("a0", 1, 0)
     assert (request.survivors, request.dropped) == (list(survivors), ["a4"])
     _refused(fed, coord, UnknownMember, coord.unmask_request, "a4", 1, 0)
@@ -362,8 +368,9 @@ def test_unmask_closes_once_the_answers_decide_the_sum(tmp_path: Path, clock: Fa
     clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])
     coord.tick()
     r, a = _ra(coord)
+    _sign(coord, cohort)
     assert coord.live.stage == "unmask"
-    answers = {m: cohort.unmask(m, coord.unmask_request(m, r, a)) for m in members[:8]}
+    answers = {m: cohort.unmask(m, coord.consistency_proof(m, r, a)) for m in members[:8]}
     for m in members[:6]:
         assert coord.unmask(m, r, a, answers[m])
     # a0's seed: shares from a1..a5, 5 of the t + 1 = 6 wanted
@@ -508,6 +515,8 @@ RESTART_POINTS = [
     ("share_keys", 3),
     ("masked_input", 0),
     ("masked_input", 2),
+    ("consistency", 0),
+    ("consistency", 3),
     ("unmask", 0),
     ("unmask", 2),
 ]
@@ -538,7 +547,7 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
 
     def both(method: str, *args: object) -> object:
         answers = [getattr(c, method)(*args) for c in coords.values()]
-        if isinstance(answers[0], wire.UnmaskRequestBody):
+        if isinstance(answers[0], wire.UnmaskRequestBody | wire.ConsistencyProofBody):
             # the long-poll token is per process (random start), not round state
             answers = [msgspec.structs.replace(a, state_token=None) for a in answers]
         assert answers[0] == answers[1]
@@ -562,12 +571,16 @@ def test_restarted_coordinator_finishes_the_round_with_the_same_model(
     for c in coords.values():
         c.tick()
     for i, m in enumerate(survivors):
-        point("unmask", i)
+        point("consistency", i)
         if i:  # a retry of an input accepted before the restart gets the same receipt
             last = survivors[i - 1]
             assert coords["b"].receipt(last, 1) == receipts[last]
         request = both("unmask_request", m, 1, 0)
-        both("unmask", m, 1, 0, cohort.unmask(m, request))  # type: ignore[arg-type]
+        both("consistency", m, 1, 0, cohort.sign(m, request))  # type: ignore[arg-type]
+    for i, m in enumerate(survivors):
+        point("unmask", i)
+        proof = both("consistency_proof", m, 1, 0)
+        both("unmask", m, 1, 0, cohort.unmask(m, proof))  # type: ignore[arg-type]
 
     assert restarted == [stage]
     fed_b = Federation(spaces["b"], fed.identities)
@@ -761,7 +774,7 @@ def test_forged_unmask_share_aborts_instead_of_wedging_the_round(
     _fetch_shares(coord, cohort, MEMBERS)
     _masked(coord, cohort, MEMBERS)
     _unmask(coord, cohort, MEMBERS[:4])
-    honest = cohort.unmask("a4", coord.unmask_request("a4", 1, 0))
+    honest = cohort.unmask("a4", coord.consistency_proof("a4", 1, 0))
     owner, share = sorted(honest.seed_shares.items())[0]
     forged_share = share[:-2] + format(int(share[-2:], 16) ^ 1, "02x")
     forged = wire.UnmaskResponseBody(

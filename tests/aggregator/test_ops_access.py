@@ -690,7 +690,9 @@ def _full_round(fed: Federation, coord: Coordinator, out: RoundSecrets) -> None:
         out.hex_strings += [commitment, signature]
         coord.masked_input(m, r, a, raw, commitment, signature)
     for m in AGENTS:
-        answer = cohort.unmask(m, coord.unmask_request(m, r, a))
+        coord.consistency(m, r, a, cohort.sign(m, coord.unmask_request(m, r, a)))
+    for m in AGENTS:
+        answer = cohort.unmask(m, coord.consistency_proof(m, r, a))
         out.hex_strings += [*answer.seed_shares.values(), *answer.key_shares.values()]
         coord.unmask(m, r, a, answer)
     assert coord.live.round == r + 1

@@ -44,7 +44,9 @@ def _round(coord: Coordinator, fed: Federation, members: tuple[str, ...]) -> Non
     for m in members:
         coord.masked_input(m, r, a, *cohort.upload(m))
     for m in members:
-        coord.unmask(m, r, a, cohort.unmask(m, coord.unmask_request(m, r, a)))
+        coord.consistency(m, r, a, cohort.sign(m, coord.unmask_request(m, r, a)))
+    for m in members:
+        coord.unmask(m, r, a, cohort.unmask(m, coord.consistency_proof(m, r, a)))
     assert coord.live.round == r + 1
 
 

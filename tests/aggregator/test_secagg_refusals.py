@@ -14,6 +14,8 @@ from fedsec.crypto.secagg import (
     AdvertiseKeys,
     ClientSession,
     ClientStage,
+    ConsistencyProof,
+    ConsistencySignature,
     EncryptedShare,
     KeyList,
     MaskedInput,
@@ -73,10 +75,20 @@ def _at_masked_input(r: Round) -> None:
     r.share_keys()
 
 
-def _at_unmask(r: Round, lost_masked: set[str] | None = None) -> UnmaskRequest:
+def _at_consistency(r: Round, lost_masked: set[str] | None = None) -> UnmaskRequest:
     r.advertise()
     r.share_keys()
     return r.masked_input(lost=lost_masked or set())
+
+
+def _at_unmask(r: Round, lost_masked: set[str] | None = None) -> UnmaskRequest:
+    request = _at_consistency(r, lost_masked)
+    r.consistency()
+    return request
+
+
+def _answer(r: Round, member: str) -> UnmaskResponse:
+    return r.clients[member].unmask(r.proofs[member])
 
 
 def _neighbour_and_stranger(r: Round, member: str) -> tuple[str, str]:
@@ -94,7 +106,9 @@ def test_duplicate_advertise(r: Round) -> None:
     r.server.receive_advertise(msg)
     _server_refuses(r, DuplicateMessage, lambda: r.server.receive_advertise(msg))
     # a second, different advertisement from the same member is just as refused
-    other = ClientSession(r.params, "m00", identity_for("m00"), r.roster).advertise()
+    other = ClientSession(
+        r.params, "m00", identity_for("m00"), r.roster, tolerated_corrupt=None
+    ).advertise()
     _server_refuses(r, DuplicateMessage, lambda: r.server.receive_advertise(other))
     assert r.server.advertised["m00"] == msg
 
@@ -118,8 +132,8 @@ def test_duplicate_masked_input(r: Round) -> None:
 
 
 def test_duplicate_unmask(r: Round) -> None:
-    request = _at_unmask(r)
-    answer = r.clients["m00"].unmask(request)
+    _at_unmask(r)
+    answer = _answer(r, "m00")
     r.server.receive_unmask(answer)
     _server_refuses(r, DuplicateMessage, lambda: r.server.receive_unmask(answer))
 
@@ -167,8 +181,8 @@ def test_late_masked_input_after_close(r: Round) -> None:
 
 
 def test_late_unmask_after_finalize(r: Round) -> None:
-    request = _at_unmask(r)
-    late = r.clients["m05"].unmask(request)
+    _at_unmask(r)
+    late = _answer(r, "m05")
     r.unmask(lost={"m05"})
     r.server.finalize()
     _server_refuses(r, WrongStage, lambda: r.server.receive_unmask(late))
@@ -191,7 +205,9 @@ def test_client_message_of_wrong_stage(r: Round) -> None:
     client = r.clients["m00"]
     _client_refuses(client, WrongStage, lambda: client.masked_input(r.inputs["m00"]))
     _client_refuses(client, WrongStage, lambda: client.share_keys(KeyList(())))
-    _client_refuses(client, WrongStage, lambda: client.unmask(UnmaskRequest((), ())))
+    _client_refuses(client, WrongStage, lambda: client.sign_survivors(UnmaskRequest((), ())))
+    proof = ConsistencyProof("m00", UnmaskRequest((), ()), ())
+    _client_refuses(client, WrongStage, lambda: client.unmask(proof))
     _client_refuses(client, WrongStage, lambda: client.receive_shares(ShareRelay("m00", (), ())))
     client.advertise()
     _client_refuses(client, WrongStage, client.advertise)
@@ -214,7 +230,9 @@ def test_unknown_member_advertise(r: Round) -> None:
 
 def test_unknown_member_client_session(r: Round) -> None:
     with pytest.raises(UnknownMember):
-        ClientSession(r.params, "mallory", SigningIdentity.generate(), r.roster)
+        ClientSession(
+            r.params, "mallory", SigningIdentity.generate(), r.roster, tolerated_corrupt=None
+        )
 
 
 def test_member_excluded_at_advertise_cannot_send_later(r: Round) -> None:
@@ -238,8 +256,15 @@ def test_non_participant_masked_input_and_non_survivor_unmask(r: Round) -> None:
     )
     request = r.masked_input(lost={"m01"})
     assert "m01" in request.dropped
+    signature = ConsistencySignature("m01", b"\x00" * 64)
+    _server_refuses(r, UnknownMember, lambda: r.server.receive_consistency(signature))
+    r.consistency(lost={"m02"})
     _server_refuses(
         r, UnknownMember, lambda: r.server.receive_unmask(UnmaskResponse("m01", (), ()))
+    )
+    # a survivor that did not sign the survivor sets gets no say in unmasking
+    _server_refuses(
+        r, UnknownMember, lambda: r.server.receive_unmask(UnmaskResponse("m02", (), ()))
     )
     _server_refuses(
         r, UnknownMember, lambda: r.server.receive_unmask(UnmaskResponse("m06", (), ()))
@@ -263,7 +288,9 @@ def test_server_refuses_forged_advertisement(r: Round) -> None:
     _server_refuses(r, InvalidKeyList, lambda: r.server.receive_advertise(forged))
     # signed for another round: the params digest differs
     other_round = dataclasses.replace(params, round=params.round + 1)
-    replay = ClientSession(other_round, "m00", identity_for("m00"), r.roster).advertise()
+    replay = ClientSession(
+        other_round, "m00", identity_for("m00"), r.roster, tolerated_corrupt=None
+    ).advertise()
     _server_refuses(r, InvalidKeyList, lambda: r.server.receive_advertise(replay))
     r.server.receive_advertise(genuine)  # the genuine one is still accepted
     assert r.server.advertised == {"m00": genuine}
@@ -469,14 +496,17 @@ def test_client_refuses_bad_input_vector(r: Round) -> None:
 
 
 def test_client_never_reveals_both_shares_of_one_member(r: Round) -> None:
-    request = _at_unmask(r, lost_masked={"m03"})
+    request = _at_consistency(r, lost_masked={"m03"})
     client = r.clients["m00"]
     both = UnmaskRequest(request.survivors, (*request.dropped, request.survivors[-1]))
-    _client_refuses(client, ProtocolError, lambda: client.unmask(both))
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(both))
     overlap = UnmaskRequest((*request.survivors, "m03"), request.dropped)
-    _client_refuses(client, ProtocolError, lambda: client.unmask(overlap))
-    assert client.stage is ClientStage.UNMASK
-    answer = client.unmask(request)
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(overlap))
+    twice = UnmaskRequest((*request.survivors, "m00"), request.dropped)
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(twice))
+    assert client.stage is ClientStage.CONSISTENCY
+    r.consistency()
+    answer = _answer(r, "m00")
     seeds = {m for m, _ in answer.seed_shares}
     keys = {m for m, _ in answer.key_shares}
     assert not seeds & keys
@@ -484,16 +514,16 @@ def test_client_never_reveals_both_shares_of_one_member(r: Round) -> None:
 
 
 def test_client_refuses_request_without_it_or_not_partitioning(r: Round) -> None:
-    request = _at_unmask(r)
+    request = _at_consistency(r)
     client = r.clients["m00"]
     without = UnmaskRequest(
         tuple(m for m in request.survivors if m != "m00"), (*request.dropped, "m00")
     )
-    _client_refuses(client, ProtocolError, lambda: client.unmask(without))
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(without))
     partial = UnmaskRequest(request.survivors[:-1], request.dropped)  # one participant unnamed
-    _client_refuses(client, ProtocolError, lambda: client.unmask(partial))
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(partial))
     extra = UnmaskRequest((*request.survivors, "mallory"), request.dropped)
-    _client_refuses(client, ProtocolError, lambda: client.unmask(extra))
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(extra))
 
 
 def test_client_refuses_request_with_fewer_survivors_than_threshold() -> None:
@@ -505,26 +535,31 @@ def test_client_refuses_request_with_fewer_survivors_than_threshold() -> None:
     survivors = ("m00", next(m for m in participants if m != "m00"))
     request = UnmaskRequest(survivors, tuple(m for m in participants if m not in survivors))
     client.masked_input(r.inputs["m00"])
-    _client_refuses(client, ProtocolError, lambda: client.unmask(request))
+    _client_refuses(client, ProtocolError, lambda: client.sign_survivors(request))
 
 
 def test_second_unmask_request_refused(r: Round) -> None:
     request = _at_unmask(r, lost_masked={"m03"})
     client = r.clients["m00"]
-    client.unmask(request)
+    _answer(r, "m00")
     # a second, different request (e.g. now calling m04 dropped) would expose m04's key share
     second = UnmaskRequest(
         tuple(m for m in request.survivors if m != "m04"), (*request.dropped, "m04")
     )
-    _client_refuses(client, WrongStage, lambda: client.unmask(second))
-    _client_refuses(client, WrongStage, lambda: client.unmask(request))
+    _client_refuses(client, WrongStage, lambda: client.sign_survivors(second))
+    _client_refuses(
+        client,
+        WrongStage,
+        lambda: client.unmask(dataclasses.replace(r.proofs["m00"], request=second)),
+    )
+    _client_refuses(client, WrongStage, lambda: _answer(r, "m00"))
     assert client.stage is ClientStage.DONE
 
 
 def test_server_refuses_unmask_answer_with_extra_or_missing_shares(r: Round) -> None:
     request = _at_unmask(r, lost_masked={"m03"})
     member = next(m for m in request.survivors if "m03" in r.server.graph.neighbors(m))
-    answer = r.clients[member].unmask(request)
+    answer = _answer(r, member)
     assert answer.seed_shares and answer.key_shares
     _, stranger = _neighbour_and_stranger(r, member)
     fake = answer.seed_shares[0][1]
@@ -545,9 +580,9 @@ def test_server_refuses_unmask_answer_with_extra_or_missing_shares(r: Round) -> 
 
 
 def test_server_refuses_unmask_share_with_wrong_x_or_bad_bytes(r: Round) -> None:
-    request = _at_unmask(r)
-    answer = r.clients["m00"].unmask(request)
-    other = r.clients["m01"].unmask(request)
+    _at_unmask(r)
+    answer = _answer(r, "m00")
+    other = _answer(r, "m01")
     owner, raw = answer.seed_shares[0]
     # right owner, but the share is another holder's point
     foreign = next((raw2 for o, raw2 in other.seed_shares if o == owner), None)

@@ -142,12 +142,26 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
         fetched = await api.ok(m, "GET", f"{ROUND}/unmask?attempt=0")
         assert held.unmask == msgspec.convert(fetched, wire.UnmaskRequestBody)
 
-    async def unmask(m: str) -> Any:
+    async def consistency(m: str) -> Any:
         request = inputs[m].unmask
         assert request is not None
         return await api.ok(
-            m, "POST", f"{ROUND}/unmask?attempt=0&wait=5", cohort.unmask(m, request)
+            m, "POST", f"{ROUND}/consistency?attempt=0&wait=5", cohort.sign(m, request)
         )
+
+    signed = {m: _accepted(raw) for m, raw in (await _held_until_last(api, consistency)).items()}
+    for m, answer in signed.items():
+        assert answer.proof is not None and answer.keys is None and answer.state is None
+        assert (answer.proof.survivors, answer.proof.dropped) == (list(AGENTS), [])
+        # classic SecAgg at 4 members: every other member's signature
+        assert sorted(s.member for s in answer.proof.signatures) == sorted(set(AGENTS) - {m})
+        fetched = await api.ok(m, "GET", f"{ROUND}/consistency?attempt=0")
+        assert answer.proof == msgspec.convert(fetched, wire.ConsistencyProofBody)
+
+    async def unmask(m: str) -> Any:
+        proof = signed[m].proof
+        assert proof is not None
+        return await api.ok(m, "POST", f"{ROUND}/unmask?attempt=0&wait=5", cohort.unmask(m, proof))
 
     closed = {m: _accepted(raw) for m, raw in (await _held_until_last(api, unmask)).items()}
     for answer in closed.values():
@@ -167,7 +181,7 @@ async def test_upload_without_wait_answers_at_once_without_data(api: Api) -> Non
     """No ``wait`` (or ``wait=0``): an upload is answered at once with its data fields
     null (the bare-Receipt masked-input answer is covered by test_aggregator_api)."""
     cohort = await _fix_cohort(api)
-    empty = {"accepted": True, "keys": None, "relay": None, "state": None}
+    empty = {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
     assert (
         await _bounded(api.ok("a0", "POST", f"{ROUND}/advertise", cohort.advertise("a0"))) == empty
     )
@@ -187,7 +201,7 @@ async def test_held_answers_come_back_empty_when_the_wait_runs_out(api: Api) -> 
         api.ok("a0", "POST", f"{ROUND}/advertise?attempt=0&wait=1", cohort.advertise("a0"))
     )
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "state": None}
+    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
     assert 0.9 <= elapsed < 3.0, elapsed
     session = api.coord.live.session
     assert session is not None and set(session.advertised) == {"a0"}  # it was accepted
@@ -223,21 +237,25 @@ async def test_held_unmask_times_out_with_no_state(api: Api, clock: FakeClock) -
     """``unmask?wait`` while another survivor has not answered: after the wait, accepted
     with ``state`` null and the attempt still unmasking."""
     cohort = await _to_masked_input(api)
-    survivors = AGENTS[:3]
-    for m in survivors:
+    for m in AGENTS:
         path, raw = _upload(cohort, m)
         await api.ok(m, "POST", path, raw)
-    clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])  # a3 is dropped
+    await api.wait_stage("consistency")
+    for m in AGENTS:
+        request = msgspec.convert(
+            await api.ok(m, "GET", f"{ROUND}/unmask?attempt=0"), wire.UnmaskRequestBody
+        )
+        await api.ok(m, "POST", f"{ROUND}/consistency?attempt=0", cohort.sign(m, request))
     await api.wait_stage("unmask")
-    request = msgspec.convert(
-        await api.ok("a0", "GET", f"{ROUND}/unmask?attempt=0"), wire.UnmaskRequestBody
+    proof = msgspec.convert(
+        await api.ok("a0", "GET", f"{ROUND}/consistency?attempt=0"), wire.ConsistencyProofBody
     )
     start = _now()
     answer = await _bounded(
-        api.ok("a0", "POST", f"{ROUND}/unmask?attempt=0&wait=0.5", cohort.unmask("a0", request))
+        api.ok("a0", "POST", f"{ROUND}/unmask?attempt=0&wait=0.5", cohort.unmask("a0", proof))
     )
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "state": None}
+    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
     assert 0.4 <= elapsed < 3.0, elapsed
     assert (api.coord.live.round, api.coord.live.stage) == (1, "unmask")
 
@@ -261,7 +279,7 @@ async def test_abort_releases_held_requests_at_once_without_data(
     answer = await _bounded(post, 3.0)
     status, raw, _ = await _bounded(get, 3.0)
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "state": None}
+    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
     assert status == 409 and json.loads(raw)["error"] == "wrong_stage", raw
     assert elapsed < 1.5, elapsed  # released by the abort, not by the 20 s wait
     live = api.coord.live
@@ -287,7 +305,7 @@ async def test_abort_at_share_keys_releases_a_held_shares_upload(
     clock.advance(FAST_ROUND["share_s"])
     answer = await _bounded(held, 3.0)
     assert _now() - start < 1.5
-    assert answer == {"accepted": True, "keys": None, "relay": None, "state": None}
+    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
     assert (api.coord.live.attempt, api.coord.live.stage) == (1, "open")
 
 
@@ -340,13 +358,22 @@ async def test_bad_wait_is_refused_before_anything_is_accepted(api: Api, clock: 
         session = api.coord.live.session
         assert session is not None and m not in session.contributed
         await api.ok(m, "POST", path, raw)
-    await api.wait_stage("unmask")
+    await api.wait_stage("consistency")
     await _refuse_bad_waits(api, "a0", "GET", f"{ROUND}/unmask?attempt=0", b"")
     for m in AGENTS:
         request = msgspec.convert(
             await api.ok(m, "GET", f"{ROUND}/unmask?attempt=0"), wire.UnmaskRequestBody
         )
-        body = wire.encode(cohort.unmask(m, request))
+        body = wire.encode(cohort.sign(m, request))
+        await _refuse_bad_waits(api, m, "POST", f"{ROUND}/consistency?attempt=0", body)
+        await api.ok(m, "POST", f"{ROUND}/consistency?attempt=0", body)
+    await api.wait_stage("unmask")
+    await _refuse_bad_waits(api, "a0", "GET", f"{ROUND}/consistency?attempt=0", b"")
+    for m in AGENTS:
+        proof = msgspec.convert(
+            await api.ok(m, "GET", f"{ROUND}/consistency?attempt=0"), wire.ConsistencyProofBody
+        )
+        body = wire.encode(cohort.unmask(m, proof))
         await _refuse_bad_waits(api, m, "POST", f"{ROUND}/unmask?attempt=0", body)
         await api.ok(m, "POST", f"{ROUND}/unmask?attempt=0", body)
     state = await api.wait_stage("open")
@@ -452,40 +479,40 @@ async def test_openapi_documents_wait_and_the_held_answers(api: Api) -> None:
     def ok_schema(path: str, method: str) -> str:
         return json.dumps(paths[path][method]["responses"]["200"]["content"])
 
-    for path in (f"{r}/advertise", f"{r}/shares", f"{r}/unmask"):
+    for path in (f"{r}/advertise", f"{r}/shares", f"{r}/consistency", f"{r}/unmask"):
         assert "#/components/schemas/Accepted" in ok_schema(path, "post"), path
     assert "#/components/schemas/MaskedInputAnswer" in ok_schema(f"{r}/masked-input", "post")
 
 
 # -- the unmask stage closes once the answers decide the sum --------------------------------------
 
-SIX = tuple(f"a{i}" for i in range(6))
+EIGHT = tuple(f"a{i}" for i in range(8))
 
 
 @pytest_asyncio.fixture
-async def api6(
+async def api8(
     tmp_path: Path, clock: FakeClock, aiohttp_client: Callable[..., Awaitable[TestClient]]
 ) -> Api:
-    # classic SecAgg for 6 with t = 2: each seed has 5 holders and t + 1 = 3 of them
-    # decide it, so a0..a3's answers decide the sum without a4's and a5's
-    fed = make_federation(tmp_path / "ws6", agents=SIX, round={"threshold": 2}, validation=False)
+    # classic SecAgg for 8 with t = 5: each seed has 7 holders and t + 1 = 6 of them
+    # decide it, so a0..a6's answers decide the sum without a7's
+    fed = make_federation(tmp_path / "ws8", agents=EIGHT, validation=False)
     coord = Coordinator(fed.ws, clock=clock)
     return Api(await aiohttp_client(make_app(fed.ws, coord)), fed, coord)
 
 
-async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api6: Api) -> None:
-    api = api6
-    for m in SIX:
+async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api8: Api) -> None:
+    api = api8
+    for m in EIGHT:
         await api.ok(m, "POST", f"{ROUND}/join?attempt=0", join_request())
     state = await api.wait_stage("advertise")
-    assert state.spec is not None and (state.spec.neighbors, state.spec.threshold) == (5, 2)
+    assert state.spec is not None and (state.spec.neighbors, state.spec.threshold) == (7, 5)
     cohort = Cohort(state.spec, api.fed.identities)
-    for m in SIX:
+    for m in EIGHT:
         await api.ok(m, "POST", f"{ROUND}/advertise?attempt=0", cohort.advertise(m))
     keys = msgspec.convert(await api.ok("a0", "GET", f"{ROUND}/keys?attempt=0"), wire.KeyListBody)
-    for m in SIX:
+    for m in EIGHT:
         await api.ok(m, "POST", f"{ROUND}/shares?attempt=0", cohort.share_keys(m, keys))
-    for m in SIX:
+    for m in EIGHT:
         relay = await api.ok(m, "GET", f"{ROUND}/shares?attempt=0")
         cohort.receive_shares(m, msgspec.convert(relay, wire.ShareRelayBody))
 
@@ -494,26 +521,35 @@ async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api6: A
         answer = await api.ok(m, "POST", f"{path}&wait=5", raw)
         return msgspec.convert(answer, wire.MaskedInputAnswer)
 
-    held = await _bounded(asyncio.gather(*(masked(m) for m in SIX)))
-    requests = {m: answer.unmask for m, answer in zip(SIX, held, strict=True)}
-    answers = {m: cohort.unmask(m, request) for m, request in requests.items() if request}
-    assert set(answers) == set(SIX)
+    held = await _bounded(asyncio.gather(*(masked(m) for m in EIGHT)))
+    requests = {m: answer.unmask for m, answer in zip(EIGHT, held, strict=True)}
+
+    async def consistency(m: str) -> wire.Accepted:
+        request = requests[m]
+        assert request is not None
+        path = f"{ROUND}/consistency?attempt=0&wait=5"
+        return _accepted(await _bounded(api.ok(m, "POST", path, cohort.sign(m, request))))
+
+    signed = await _bounded(asyncio.gather(*(consistency(m) for m in EIGHT)))
+    proofs = {m: answer.proof for m, answer in zip(EIGHT, signed, strict=True)}
+    answers = {m: cohort.unmask(m, proof) for m, proof in proofs.items() if proof}
+    assert set(answers) == set(EIGHT)
 
     async def unmask(m: str) -> wire.Accepted:
         path = f"{ROUND}/unmask?attempt=0&wait=5"
         return _accepted(await _bounded(api.ok(m, "POST", path, answers[m])))
 
-    # a0..a3 decide the sum: their held answers are released by the close
-    decided = await _bounded(asyncio.gather(*(unmask(m) for m in SIX[:4])))
+    # a0..a6 decide the sum: their held answers are released by the close
+    decided = await _bounded(asyncio.gather(*(unmask(m) for m in EIGHT[:7])))
     for answer in decided:
         assert answer.state is not None and (answer.state.round, answer.state.stage) == (2, "open")
     logged = len(log_entries(api.fed.ws))
-    # a4 and a5 come late: answered at once with the state, nothing stored or logged
-    for m in SIX[4:]:
+    # a7 comes late: answered at once with the state, nothing stored or logged
+    for m in EIGHT[7:]:
         late = await unmask(m)
         assert late.state is not None and (late.state.round, late.state.stage) == (2, "open")
         assert api.fed.ws.state.messages.get(1, 0, "unmask", m) is None
     assert len(log_entries(api.fed.ws)) == logged
     old, new = model_params(api.fed.ws, 1), model_params(api.fed.ws, 2)
-    exact = expected_params(old, [cohort.quantized[m] for m in SIX], cohort.spec)
+    exact = expected_params(old, [cohort.quantized[m] for m in EIGHT], cohort.spec)
     np.testing.assert_array_equal(new, exact)

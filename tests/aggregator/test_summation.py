@@ -97,7 +97,11 @@ class Members:
             shares = c.share_keys(member, session.key_list(member))
             self.stored.append((stage, member, wire.encode(shares)))
             return codec.share_keys_message(member, shares)
-        answer = c.unmask(member, session.unmask_request(member, state_token=7))
+        if stage == "consistency":
+            signed = c.sign(member, session.unmask_request(member, state_token=7))
+            self.stored.append((stage, member, wire.encode(signed)))
+            return codec.consistency_message(member, signed)
+        answer = c.unmask(member, session.consistency_proof(member, state_token=7))
         self.stored.append((stage, member, wire.encode(answer)))
         return codec.unmask_message(member, answer)
 
@@ -252,6 +256,8 @@ def test_stage_data_is_refused_to_a_member_outside_the_stage(mode: str) -> None:
         session.share_relay("a0")
     with pytest.raises(UnknownMember, match="not a survivor of round 3"):
         session.unmask_request("a0", state_token=1)
+    with pytest.raises(UnknownMember, match="did not sign the survivor sets of round 3"):
+        session.consistency_proof("a0", state_token=1)
     _run(session, members)
     with pytest.raises(UnknownMember):
         session.share_relay("outsider")

@@ -318,7 +318,9 @@ def _damage_a_model(fed: Federation, clock: FakeClock) -> None:
     for m in AGENTS:
         coord.masked_input(m, 1, 0, *cohort.upload(m))
     for m in AGENTS:
-        coord.unmask(m, 1, 0, cohort.unmask(m, coord.unmask_request(m, 1, 0)))
+        coord.consistency(m, 1, 0, cohort.sign(m, coord.unmask_request(m, 1, 0)))
+    for m in AGENTS:
+        coord.unmask(m, 1, 0, cohort.unmask(m, coord.consistency_proof(m, 1, 0)))
     newest = fed.ws.models.latest()
     assert newest.version == 2
     path = fed.root / "models" / f"{newest.sha256}.safetensors"

@@ -8,9 +8,12 @@ import itertools
 import pytest
 
 from fedsec.crypto.secagg.graph import (
+    DEFAULT_TOLERATED_CORRUPT,
     NeighbourGraph,
+    check_threshold,
     default_neighbors,
     default_threshold,
+    max_degree,
     member_x,
     prune,
     unrecoverable_bound,
@@ -154,13 +157,19 @@ def test_member_x_is_one_based_cohort_position() -> None:
 def test_default_neighbors_meets_target(n: int) -> None:
     k, t = default_neighbors(n)
     assert 2 <= k <= n - 1
-    assert t == k // 2 + 1 == default_threshold(k)
+    d = max_degree(n, k)
+    assert t == default_threshold(d) == (d + DEFAULT_TOLERATED_CORRUPT) // 2 + 1
+    assert 2 * t > d + DEFAULT_TOLERATED_CORRUPT  # holds against one colluding neighbour
+    check_threshold(n, k, t)
+    if k == n - 1:  # classic SecAgg: the most holders a secret can have
+        return
     assert unrecoverable_bound(n, k, t, 0.10) < 1e-4
     if k < n - 1:
         assert k < n // 2  # sparse: that is the point of SecAgg+
     # smallest such k
     for smaller in range(2, k):
-        assert unrecoverable_bound(n, smaller, default_threshold(smaller), 0.10) >= 1e-4
+        t_smaller = default_threshold(max_degree(n, smaller))
+        assert t_smaller > smaller or unrecoverable_bound(n, smaller, t_smaller, 0.10) >= 1e-4
 
 
 def test_default_neighbors_grows_slowly() -> None:
@@ -173,7 +182,8 @@ def test_default_neighbors_small_cohorts_fall_back_to_classic() -> None:
     for n in (3, 4, 5):
         k, t = default_neighbors(n)
         assert k == n - 1
-        assert t == k // 2 + 1
+        assert t == min(default_threshold(k), k)
+        check_threshold(n, k, t)
     with pytest.raises(ProtocolError):
         default_neighbors(2)
 
@@ -183,3 +193,24 @@ def test_unrecoverable_bound_values() -> None:
     assert unrecoverable_bound(1, 2, 2, 0.1) == pytest.approx(0.19)
     assert unrecoverable_bound(100, 2, 2, 0.1) == 1.0  # capped
     assert unrecoverable_bound(10, 5, 1, 0.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "t", "tolerated"),
+    [(10, 7, 4, 1), (10, 7, 4, 0), (10, 9, 5, 1), (9, 3, 2, 0), (50, 21, 11, 1)],
+)
+def test_a_threshold_an_equivocating_aggregator_can_split_is_refused(
+    n: int, k: int, t: int, tolerated: int
+) -> None:
+    d = max_degree(n, k)
+    if 2 * t > d + tolerated:
+        check_threshold(n, k, t, tolerated)
+        return
+    with pytest.raises(ProtocolError, match=f"2t must exceed {d + tolerated}"):
+        check_threshold(n, k, t, tolerated)
+
+
+def test_max_degree_counts_the_extra_chord_of_an_odd_graph() -> None:
+    for n, k in ((9, 3), (11, 5), (10, 4), (9, 8)):
+        graph = NeighbourGraph([f"m{i}" for i in range(n)], k, SEED)
+        assert max(len(graph.neighbors(m)) for m in graph.cohort) == max_degree(n, k)

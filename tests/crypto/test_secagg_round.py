@@ -49,7 +49,9 @@ class Expected:
             self.aborted_at = "masked"
             return
         self.dropped = self.participants - self.survivors
-        responders = self.survivors - lost["unmask"]
+        # a survivor unmasks only on t of its neighbours' consistency signatures
+        self.refusers = {m for m in self.survivors if len(graph.neighbors(m) & self.survivors) < t}
+        responders = self.survivors - lost["unmask"] - self.refusers
         # secrets that must be reconstructed, with the holders that did not answer
         self.short: dict[str, frozenset[str]] = {}
         needed = list(self.survivors) + [
@@ -110,12 +112,13 @@ def test_round_sums_exactly_or_fails_with_a_protocol_error(
         assert expected.short, "the server gave up on a round that could complete"
         # the missing members are exactly the silent holders of one secret that is short
         assert frozenset(exc.missing) in expected.short.values()
-        assert set(exc.missing) <= lost["unmask"]
+        assert set(exc.missing) <= lost["unmask"] | expected.refusers
         assert r.server.stage is ServerStage.UNMASK  # still open: late answers may rescue it
         event("recovery impossible")
         return
     assert expected.aborted_at is None
     assert not expected.short
+    assert r.refused == expected.refusers - lost["unmask"]
     assert set(result.survivors) == expected.survivors
     assert set(result.dropped) == expected.dropped
     # the core property: exactly the plain sum of the survivors' quantized inputs
@@ -248,8 +251,7 @@ def test_too_many_unmask_losses_names_who_is_missing() -> None:
     assert set(info.value.missing) == {"m01", "m02", "m03"}
     assert r.server.stage is ServerStage.UNMASK  # still open
     # a late answer from one of them rescues the round
-    assert r.request is not None
-    r.server.receive_unmask(r.clients["m01"].unmask(r.request))
+    r.server.receive_unmask(r.clients["m01"].unmask(r.proofs["m01"]))
     result = r.server.finalize()
     assert result.survivors == params.cohort
     assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
@@ -314,12 +316,13 @@ def test_unmask_is_decided_once_every_secret_has_t_plus_one_shares() -> None:
     r.advertise()
     r.share_keys()
     request = r.masked_input(lost={"m08"})
+    proofs = r.consistency()
     assert not r.server.ready_to_finalize()
     answered: list[str] = []
     for m in request.survivors:
         if r.server.ready_to_finalize():
             break
-        r.server.receive_unmask(r.clients[m].unmask(request))
+        r.server.receive_unmask(r.clients[m].unmask(proofs[m]))
         answered.append(m)
     # a seed's holders are the other survivors; t + 1 = 4 of them hold a share of each
     # seed once m00..m04 answered (m00's seed: m01..m04)
@@ -336,17 +339,18 @@ def test_unmask_is_not_decided_while_a_secret_lacks_its_check_share() -> None:
     r.advertise()
     r.share_keys()
     request = r.masked_input()
+    proofs = r.consistency()
     graph = r.server.graph
     # everyone answers but two neighbours of m00: m00's seed has 2 shares, fewer than t
     silent = sorted(graph.neighbors("m00"))[:2]
     for m in request.survivors:
         if m not in silent:
-            r.server.receive_unmask(r.clients[m].unmask(request))
+            r.server.receive_unmask(r.clients[m].unmask(proofs[m]))
     assert not r.server.ready_to_finalize()
     # one more answer gives m00's seed t = 3 shares but not the fourth that checks them
-    r.server.receive_unmask(r.clients[silent[0]].unmask(request))
+    r.server.receive_unmask(r.clients[silent[0]].unmask(proofs[silent[0]]))
     assert not r.server.ready_to_finalize()
-    r.server.receive_unmask(r.clients[silent[1]].unmask(request))
+    r.server.receive_unmask(r.clients[silent[1]].unmask(proofs[silent[1]]))
     assert r.server.ready_to_finalize()
     result = r.server.finalize()
     assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)

@@ -35,7 +35,7 @@ from fedsec.protocol import wire
 from tests.support.aggregator import Cohort, FakeClock, join_request, make_federation
 
 AGENTS = 6
-ROUNDS = 5
+ROUNDS = 6  # one round per aggregator crash point
 
 
 def _log(workspace: Path) -> list[dict[str, object]]:
@@ -50,14 +50,18 @@ def test_aggregator_killed_at_every_stage_gives_the_uninterrupted_model(tmp_path
         "1:advertise",
         "2:share_keys",
         "3:masked_input:2",
-        "4:unmask",
-        "5:model_write",
+        "4:consistency",
+        "5:unmask",
+        "6:model_write",
     )
     reference, crashed = run_concurrently(
         [
-            (ChaosPlan(agents=AGENTS, rounds=ROUNDS), tmp_path / "reference"),
+            # two federations at once, six restarts: room for a loaded 2-core machine
+            (ChaosPlan(agents=AGENTS, rounds=ROUNDS, timeout_s=300.0), tmp_path / "reference"),
             (
-                ChaosPlan(agents=AGENTS, rounds=ROUNDS, aggregator_crashes=schedule),
+                ChaosPlan(
+                    agents=AGENTS, rounds=ROUNDS, aggregator_crashes=schedule, timeout_s=300.0
+                ),
                 tmp_path / "crashed",
             ),
         ]
@@ -129,7 +133,7 @@ def test_two_agents_killed_at_random_stages(tmp_path: Path) -> None:
     for name, point in dead.items():
         died = int(point.split(":")[0])
         stage = point.split(":")[1]
-        if stage == "masked_input":
+        if stage in ("masked_input", "consistency"):
             # its input was accepted before it died: counted, then never seen again
             assert name in survivors[died]
         else:
@@ -175,15 +179,20 @@ def test_retry_of_the_message_that_moved_the_round_on_gets_its_answer(tmp_path: 
         cohort.receive_shares(m, coord.share_relay(m, 1, 0))
     receipts = {m: coord.masked_input(m, 1, 0, *cohort.upload(m)) for m in members}
     coord = restart()
-    assert coord.live.stage == "unmask"
+    assert coord.live.stage == "consistency"
     assert coord.masked_input("a4", 1, 0, *cohort.upload("a4")) == receipts["a4"]
     for m in members:
-        coord.unmask(m, 1, 0, cohort.unmask(m, coord.unmask_request(m, 1, 0)))
+        coord.consistency(m, 1, 0, cohort.sign(m, coord.unmask_request(m, 1, 0)))
+    coord = restart()
+    assert coord.live.stage == "unmask"
+    # the last signature, retried after the restart, gets the same answer
+    coord.consistency("a4", 1, 0, cohort.sign("a4", coord.unmask_request("a4", 1, 0)))
+    for m in members:
+        coord.unmask(m, 1, 0, cohort.unmask(m, coord.consistency_proof(m, 1, 0)))
     coord = restart()
     assert coord.live.round == 2
     # the round closed; its last unmask answer, retried, is still taken
-    request = wire.UnmaskRequestBody(survivors=list(members), dropped=[])
-    coord.unmask("a4", 1, 0, cohort.unmask("a4", request))
+    coord.unmask("a4", 1, 0, cohort.unmask("a4", wire.ConsistencyProofBody([], [], [])))
     assert [(r.round, r.stage) for r in fed.ws.state.rounds.history()][-2:] == [
         (1, "closed"),
         (2, "open"),

@@ -79,11 +79,11 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_36_distinct_routes() -> None:
-    # 18 protocol routes, 6 audit (challenges, reveals, verdicts, quarantine), 6
-    # operations, 6 of homomorphic summation (context, sum, decryption; the log and its
-    # archive)
-    assert len(ENDPOINTS) == 36
+def test_the_table_lists_38_distinct_routes() -> None:
+    # 20 protocol routes (SecAgg+ consistency: a signature up, a proof down), 6 audit
+    # (challenges, reveals, verdicts, quarantine), 6 operations, 6 of homomorphic
+    # summation (context, sum, decryption; the log and its archive)
+    assert len(ENDPOINTS) == 38
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
     # only the browser's and the scraper's routes live outside the API prefix

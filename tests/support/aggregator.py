@@ -33,10 +33,9 @@ from fedsec.crypto.secagg import (
     KeyList,
     SecAggParams,
     ShareRelay,
-    UnmaskRequest,
 )
 from fedsec.modelfile import decode_model
-from fedsec.protocol import wire
+from fedsec.protocol import codec, wire
 from fedsec.protocol.roster import sign_roster_entry
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
@@ -250,6 +249,7 @@ class Cohort:
         self._advertised: dict[str, wire.AdvertiseKeysBody] = {}
         self._shares: dict[str, wire.ShareKeysBody] = {}
         self._masked: dict[str, bytes] = {}
+        self._signed: dict[str, wire.ConsistencyBody] = {}
         self._unmask: dict[str, wire.UnmaskResponseBody] = {}
         self.quantized: dict[str, RingVector] = {}
 
@@ -319,15 +319,17 @@ class Cohort:
         )
         return raw, statement.commitment, statement.signature
 
-    def unmask(self, member: str, request: wire.UnmaskRequestBody) -> wire.UnmaskResponseBody:
+    def sign(self, member: str, request: wire.UnmaskRequestBody) -> wire.ConsistencyBody:
+        """The member's consistency signature on the survivor sets it was told."""
+        if member not in self._signed:
+            signature = self.sessions[member].sign_survivors(codec.unmask_request(request))
+            self._signed[member] = codec.consistency_body(signature)
+        return self._signed[member]
+
+    def unmask(self, member: str, proof: wire.ConsistencyProofBody) -> wire.UnmaskResponseBody:
         if member not in self._unmask:
-            resp = self.sessions[member].unmask(
-                UnmaskRequest(tuple(request.survivors), tuple(request.dropped))
-            )
-            self._unmask[member] = wire.UnmaskResponseBody(
-                seed_shares={m: s.hex() for m, s in resp.seed_shares},
-                key_shares={m: s.hex() for m, s in resp.key_shares},
-            )
+            resp = self.sessions[member].unmask(codec.consistency_proof(proof, member))
+            self._unmask[member] = codec.unmask_body(resp)
         return self._unmask[member]
 
 
@@ -364,10 +366,22 @@ def mask_all(
     return {m: coord.masked_input(m, r, a, *cohort.upload(m)) for m in members}
 
 
+def sign_all(coord: Coordinator, cohort: Cohort, members: Iterable[str] | None = None) -> None:
+    """Every survivor (or ``members``) signs the survivor sets, while the attempt is in
+    the consistency stage; the stage closes once every survivor signed."""
+    if coord.live.stage != "consistency":
+        return
+    r, a = attempt_of(coord)
+    survivors = sorted(coord.live.summing().server.survivors)  # type: ignore[attr-defined]
+    for m in survivors if members is None else members:
+        coord.consistency(m, r, a, cohort.sign(m, coord.unmask_request(m, r, a)))
+
+
 def unmask_all(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
     r, a = attempt_of(coord)
+    sign_all(coord, cohort)
     for m in members:
-        coord.unmask(m, r, a, cohort.unmask(m, coord.unmask_request(m, r, a)))
+        coord.unmask(m, r, a, cohort.unmask(m, coord.consistency_proof(m, r, a)))
 
 
 def privacy_report(member: str, epsilon: float = 1.5, **changes: Any) -> wire.PrivacyReport:

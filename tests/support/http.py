@@ -108,24 +108,24 @@ def _join_body(**changes: Any) -> bytes:
     return wire.encode(msgspec.structs.replace(join_request(), **changes))
 
 
-async def _fix_cohort(api: Api) -> Cohort:
-    for m in AGENTS:
+async def _fix_cohort(api: Api, members: tuple[str, ...] = AGENTS) -> Cohort:
+    for m in members:
         await api.ok(m, "POST", JOIN, join_request())
     state = await api.wait_stage("advertise")
     assert state.spec is not None
     return Cohort(state.spec, api.fed.identities)
 
 
-async def _to_masked_input(api: Api) -> Cohort:
-    cohort = await _fix_cohort(api)
-    for m in AGENTS:
+async def _to_masked_input(api: Api, members: tuple[str, ...] = AGENTS) -> Cohort:
+    cohort = await _fix_cohort(api, members)
+    for m in members:
         await api.ok(m, "POST", "/v1/rounds/1/advertise", cohort.advertise(m))
     await api.wait_stage("share_keys")
-    for m in AGENTS:
+    for m in members:
         keys = msgspec.convert(await api.ok(m, "GET", "/v1/rounds/1/keys"), wire.KeyListBody)
         await api.ok(m, "POST", "/v1/rounds/1/shares", cohort.share_keys(m, keys))
     await api.wait_stage("masked_input")
-    for m in AGENTS:
+    for m in members:
         relay = await api.ok(m, "GET", "/v1/rounds/1/shares")
         cohort.receive_shares(m, msgspec.convert(relay, wire.ShareRelayBody))
     return cohort

@@ -13,11 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from fedsec.crypto.errors import ProtocolError
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     ClientSession,
+    ConsistencyProof,
+    ConsistencySignature,
     KeyList,
     MaskedInput,
     RoundResult,
@@ -94,14 +97,27 @@ class Round:
     relays: dict[str, ShareRelay] = field(default_factory=dict)
     masked: dict[str, MaskedInput] = field(default_factory=dict)
     request: UnmaskRequest | None = None
+    signatures: dict[str, ConsistencySignature] = field(default_factory=dict)
+    proofs: dict[str, ConsistencyProof] = field(default_factory=dict)
+    # γ each member's session checks the threshold against; None: any threshold
+    tolerated_corrupt: int | None = None
     responses: dict[str, UnmaskResponse] = field(default_factory=dict)
+    # survivors that refused to unmask (too few neighbours signed their sets)
+    refused: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         cohort = self.params.cohort
         identities = {m: identity_for(m) for m in cohort}
         self.roster = {m: identities[m].public_bytes for m in cohort}
         self.clients = {
-            m: ClientSession(self.params, m, identities[m], self.roster) for m in cohort
+            m: ClientSession(
+                self.params,
+                m,
+                identities[m],
+                self.roster,
+                tolerated_corrupt=self.tolerated_corrupt,
+            )
+            for m in cohort
         }
         self.server = ServerSession(self.params, self.roster)
         self.updates = raw_updates(self.params)
@@ -140,12 +156,27 @@ class Round:
         self.request = self.server.close_masked_input()
         return self.request
 
-    def unmask(self, lost: Iterable[str] = ()) -> None:
+    def consistency(self, lost: Iterable[str] = ()) -> dict[str, ConsistencyProof]:
         assert self.request is not None
         lost = set(lost)
         for m in self.request.survivors:
             if m not in lost:
-                self.responses[m] = self.clients[m].unmask(self.request)
+                self.signatures[m] = self.clients[m].sign_survivors(self.request)
+                self.server.receive_consistency(self.signatures[m])
+        self.proofs = self.server.close_consistency()
+        return self.proofs
+
+    def unmask(self, lost: Iterable[str] = ()) -> None:
+        if not self.proofs:
+            self.consistency()
+        lost = set(lost)
+        for m, proof in self.proofs.items():
+            if m not in lost:
+                try:
+                    self.responses[m] = self.clients[m].unmask(proof)
+                except ProtocolError:
+                    self.refused.add(m)
+                    continue
                 self.server.receive_unmask(self.responses[m])
 
     def run(
@@ -178,6 +209,7 @@ def server_state(server: ServerSession) -> tuple[Any, ...]:
         server._sum.tobytes(),
         server.survivors,
         server.dropped,
+        dict(server.signatures),
         frozenset(server._responses),
         {m: tuple(v) for m, v in server._seed_shares.items()},
         {m: tuple(v) for m, v in server._key_shares.items()},
@@ -191,4 +223,5 @@ def client_state(client: ClientSession) -> tuple[Any, ...]:
         client._live,
         client._participants,
         dict(client._held),
+        client._signed,
     )

@@ -62,6 +62,8 @@ _HANDLERS: dict[str, Handler] = {
     "get_shares": handlers.get_shares,
     "masked_input": handlers.masked_input,
     "get_unmask": handlers.get_unmask,
+    "post_consistency": handlers.post_consistency,
+    "get_consistency": handlers.get_consistency,
     "post_unmask": handlers.post_unmask,
     "receipt": handlers.receipt,
     "post_challenge": handlers.post_challenge,

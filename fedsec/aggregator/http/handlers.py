@@ -188,10 +188,10 @@ async def masked_input(request: web.Request) -> web.Response:
     receipt = coord.masked_input(member, r, a, body, commitment, signature)
     if "wait" not in request.query:
         return json_response(receipt)
-    # a plain round has no unmask stage to hold for (another attempt is never held)
-    held = wait if coord.has_stage("unmask") else 0.0
+    # a plain round has no consistency stage to hold for (another attempt is never held)
+    held = wait if coord.has_stage("consistency") else 0.0
     unmask = await next_stage_data(
-        request, r, a, "unmask", held, lambda: coord.unmask_request(member, r, a)
+        request, r, a, "consistency", held, lambda: coord.unmask_request(member, r, a)
     )
     return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
 
@@ -199,8 +199,28 @@ async def masked_input(request: web.Request) -> web.Response:
 async def get_unmask(request: web.Request) -> web.Response:
     member, _ = await authenticate(request)
     r, a = round_args(request)
-    await hold_until(request, r, a, "unmask", wait_seconds(request))
+    await hold_until(request, r, a, "consistency", wait_seconds(request))
     return json_response(request.app[COORDINATOR].unmask_request(member, r, a))
+
+
+async def post_consistency(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.ConsistencyBody, request, "consistency signature")
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.consistency(member, r, a, msg)
+    proof = await next_stage_data(
+        request, r, a, "unmask", wait, lambda: coord.consistency_proof(member, r, a)
+    )
+    return json_response(wire.Accepted(accepted=True, proof=proof))
+
+
+async def get_consistency(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "unmask", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].consistency_proof(member, r, a))
 
 
 async def post_unmask(request: web.Request) -> web.Response:

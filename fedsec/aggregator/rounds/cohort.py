@@ -15,7 +15,7 @@ from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection, CodecSection, DPSection
 from fedsec.crypto.secagg import default_neighbors
-from fedsec.crypto.secagg.graph import default_threshold
+from fedsec.crypto.secagg.graph import default_threshold, max_degree
 from fedsec.errors import PayloadError, StaleUpdate, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.update_codec import ring_bits_for
@@ -199,9 +199,12 @@ class CohortDesk:
             return 0, 0
         auto_k, auto_t = default_neighbors(n)
         k = min(cfg.neighbors, n - 1) if cfg.neighbors else auto_k
+        # the least t members accept by default (2t > degree + γ): a configured or
+        # derived t below it would only have every member refuse the round
+        floor = min(default_threshold(max_degree(n, k)), k)
         if cfg.threshold:
-            return k, min(cfg.threshold, k)
-        return k, auto_t if not cfg.neighbors else default_threshold(k)
+            return k, min(max(cfg.threshold, floor), k)
+        return k, auto_t if not cfg.neighbors else floor
 
     def build_spec(
         self, live: Attempt, cohort: list[str], staleness: dict[str, int]

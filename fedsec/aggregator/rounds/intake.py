@@ -91,6 +91,11 @@ class Intake:
         if report is not None and checked is not None:
             self._reports.store(report, checked)
 
+    def consistency(self, member: str, r: int, a: int, body: wire.ConsistencyBody) -> None:
+        self._accept(
+            member, r, a, "consistency", wire.encode(body), body, codec.consistency_message
+        )
+
     def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> bool:
         """Take a survivor's unmask answer; False when it came after the attempt closed
         without needing it (the other answers already decided the sum, see

@@ -56,6 +56,8 @@ STAGE_SECONDS: dict[str, Callable[[RoundSection, bool], float]] = {
     "advertise": lambda r, buffered: r.advertise_s,
     "share_keys": lambda r, buffered: r.share_s,
     "masked_input": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
+    # two short exchanges of signatures and shares: each gets the unmask window
+    "consistency": lambda r, buffered: r.unmask_s,
     "unmask": lambda r, buffered: r.unmask_s,
     "decrypt": lambda r, buffered: r.decrypt_s,
 }

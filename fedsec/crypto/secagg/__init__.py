@@ -4,6 +4,8 @@ from fedsec.crypto.secagg.client import ClientSession, ClientStage
 from fedsec.crypto.secagg.graph import NeighbourGraph, default_neighbors, prune
 from fedsec.crypto.secagg.messages import (
     AdvertiseKeys,
+    ConsistencyProof,
+    ConsistencySignature,
     EncryptedShare,
     KeyList,
     MaskedInput,
@@ -19,6 +21,8 @@ __all__ = [
     "AdvertiseKeys",
     "ClientSession",
     "ClientStage",
+    "ConsistencyProof",
+    "ConsistencySignature",
     "EncryptedShare",
     "KeyList",
     "MaskedInput",

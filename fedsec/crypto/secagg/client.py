@@ -1,7 +1,8 @@
 """A member's side of one SecAgg+ round, as a sans-I/O state machine.
 
 Stages: ``advertise`` -> ``share_keys`` (on the key list) -> ``await_shares``
--> ``masked_input`` -> ``unmask`` -> ``done``.  Each method consumes the
+-> ``masked_input`` -> ``consistency`` (sign the survivor set) -> ``unmask`` (on
+``threshold`` neighbours' signatures of the identical set) -> ``done``.  Each method consumes the
 server's message for that stage and returns the member's answer; calling one
 out of order raises :class:`WrongStage` and changes nothing.
 """
@@ -30,10 +31,19 @@ from fedsec.crypto.errors import (
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.crypto.quantize import RingVector, pack
 from fedsec.crypto.secagg import masks
-from fedsec.crypto.secagg.graph import member_x, prune, round_graph
+from fedsec.crypto.secagg.graph import (
+    DEFAULT_TOLERATED_CORRUPT,
+    check_threshold,
+    member_x,
+    prune,
+    round_graph,
+)
 from fedsec.crypto.secagg.messages import (
     ADVERTISE_DOMAIN,
+    CONSISTENCY_DOMAIN,
     AdvertiseKeys,
+    ConsistencyProof,
+    ConsistencySignature,
     EncryptedShare,
     KeyList,
     MaskedInput,
@@ -52,6 +62,7 @@ class ClientStage(enum.Enum):
     SHARE_KEYS = "share_keys"
     AWAIT_SHARES = "await_shares"
     MASKED_INPUT = "masked_input"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
     DONE = "done"
 
@@ -90,7 +101,16 @@ class ClientSession:
         params: the round's parameters (from the signed round spec).
         member: this member's id; must be in the cohort.
         identity: this member's signing identity (matches its roster key).
-        roster: member id -> Ed25519 public key, for checking relayed keys.
+        roster: member id -> Ed25519 public key, for checking relayed keys and
+            consistency signatures.
+        tolerated_corrupt: γ, the colluding neighbours this member's secrets must stay
+            safe against (:func:`~fedsec.crypto.secagg.graph.check_threshold`).  None
+            skips the check: only for exercising the summation with any threshold
+            (tests, benchmarks); a member always passes its configured γ.
+
+    Raises:
+        UnknownMember: ``member`` is not in the cohort.
+        ProtocolError: the round's threshold does not hold against γ colluders.
     """
 
     def __init__(
@@ -99,9 +119,15 @@ class ClientSession:
         member: str,
         identity: SigningIdentity,
         roster: Mapping[str, bytes],
+        *,
+        tolerated_corrupt: int | None = DEFAULT_TOLERATED_CORRUPT,
     ) -> None:
         if member not in params.cohort:
             raise UnknownMember(f"{member!r} is not in the cohort of round {params.round}")
+        if tolerated_corrupt is not None:
+            check_threshold(
+                len(params.cohort), params.neighbors, params.threshold, tolerated_corrupt
+            )
         self.params = params
         self.member = member
         self._identity = identity
@@ -119,6 +145,7 @@ class ClientSession:
         self._participants: frozenset[str] = frozenset()
         # neighbour -> (share of its self-mask seed, share of its mask key)
         self._held: dict[str, tuple[bytes, bytes]] = {}
+        self._signed: UnmaskRequest | None = None  # the one survivor set this member signs
 
     def _expect(self, stage: ClientStage) -> None:
         if self.stage is not stage:
@@ -262,20 +289,31 @@ class ClientSession:
             seed = masks.pair_seed(self._mask_key.secret_bytes, self._keys[peer].mask_public, p)
             masks.apply_pair_mask(acc, seed, p, masks.adds_pair_mask(self.member, peer))
         acc &= p.quant.dtype.type(p.quant.ring_mask)
-        self.stage = ClientStage.UNMASK
+        self.stage = ClientStage.CONSISTENCY
         return MaskedInput(self.member, pack(acc, p.quant.ring_bits))
 
-    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
-        """Stage 5: reveal, per neighbour, the seed share (survivor) or key share (dropped).
+    def sign_survivors(self, request: UnmaskRequest) -> ConsistencySignature:
+        """Stage 5: sign the (survivors, dropped) sets the server announced.
 
-        Never both for one member: the request must partition the participants,
-        and this answers only once.
+        This member signs one set per attempt and later unmasks for that set only, so
+        the server cannot show its neighbours different sets without it being caught.
 
         Raises:
             ProtocolError: the survivor/dropped sets overlap, do not cover the
                 participants, omit us, or leave fewer survivors than the threshold.
         """
-        self._expect(ClientStage.UNMASK)
+        self._expect(ClientStage.CONSISTENCY)
+        self._check_request(request)
+        signature = self._identity.sign(
+            CONSISTENCY_DOMAIN, ConsistencySignature.signed_bytes(self.params.digest(), request)
+        )
+        self._signed = UnmaskRequest(
+            tuple(sorted(request.survivors)), tuple(sorted(request.dropped))
+        )
+        self.stage = ClientStage.UNMASK
+        return ConsistencySignature(self.member, signature)
+
+    def _check_request(self, request: UnmaskRequest) -> None:
         survivors, dropped = frozenset(request.survivors), frozenset(request.dropped)
         if survivors & dropped:
             raise ProtocolError(
@@ -291,7 +329,61 @@ class ClientSession:
                 f"only {len(survivors)} survivors, fewer than the threshold "
                 f"{self.params.threshold}; refusing to unmask"
             )
+        if len(survivors) + len(dropped) != len(request.survivors) + len(request.dropped):
+            raise ProtocolError("unmask request names a member twice")
+
+    def unmask(self, proof: ConsistencyProof) -> UnmaskResponse:
+        """Stage 6: reveal, per neighbour, the seed share (survivor) or key share (dropped).
+
+        Only for the sets this member signed, and only once ``threshold`` of its
+        neighbours proved, by their signatures, that they were told the identical sets.
+        Never both shares for one member: the sets partition the participants, and
+        this answers only once.
+
+        Raises:
+            ProtocolError: the proof is for other sets, is addressed to another member,
+                or carries fewer than ``threshold`` valid neighbour signatures.
+        """
+        self._expect(ClientStage.UNMASK)
+        signed = self._signed
+        assert signed is not None  # set with the stage
+        if proof.recipient != self.member:
+            raise ProtocolError(f"consistency proof for {proof.recipient!r} sent to {self.member}")
+        told = UnmaskRequest(
+            tuple(sorted(proof.request.survivors)), tuple(sorted(proof.request.dropped))
+        )
+        if told != signed:
+            raise ProtocolError(
+                "consistency proof is for other survivor sets than the ones this member "
+                "signed; the aggregator told members different things; refusing to unmask"
+            )
+        valid = self._valid_signers(proof.signatures, signed)
+        if len(valid) < self.params.threshold:
+            raise ProtocolError(
+                f"only {len(valid)} of this member's neighbours signed the survivor sets it "
+                f"was told, fewer than the threshold {self.params.threshold}; refusing to unmask"
+            )
+        survivors, dropped = frozenset(signed.survivors), frozenset(signed.dropped)
         seed_shares = tuple((m, s[0]) for m, s in sorted(self._held.items()) if m in survivors)
         key_shares = tuple((m, s[1]) for m, s in sorted(self._held.items()) if m in dropped)
         self.stage = ClientStage.DONE
         return UnmaskResponse(self.member, seed_shares, key_shares)
+
+    def _valid_signers(
+        self, signatures: tuple[ConsistencySignature, ...], signed: UnmaskRequest
+    ) -> frozenset[str]:
+        """Neighbours of this member whose signature on ``signed`` verifies; a forged,
+        misattributed or repeated signature counts for nothing."""
+        neighbours = self.graph.neighbors(self.member)
+        message = ConsistencySignature.signed_bytes(self.params.digest(), signed)
+        valid: set[str] = set()
+        for entry in signatures:
+            public = self._roster.get(entry.member)
+            if entry.member not in neighbours or entry.member in valid or public is None:
+                continue
+            try:
+                PublicIdentity(public).verify(CONSISTENCY_DOMAIN, message, entry.signature)
+            except SignatureError:
+                continue
+            valid.add(entry.member)
+        return frozenset(valid)

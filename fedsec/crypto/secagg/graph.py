@@ -15,10 +15,23 @@ surviving neighbours could never be unmasked if it dropped later, so
 :func:`prune` removes such members (repeatedly, since a removal can leave a
 neighbour short too).  Server and members apply the same rule to the same sets.
 
-Default neighbours and threshold (:func:`default_neighbors`): t = ⌊k/2⌋ + 1, a
-majority of a member's neighbours, so no minority coalition of them can
-reconstruct its secrets; k is the smallest value for which, with each member
-independently lost with probability ``dropout`` (10 %) by the end of the
+Threshold against an equivocating aggregator (:func:`check_threshold`): an
+aggregator may tell some of a member's neighbours "it survived" (collecting
+shares of its self-mask seed) and the others "it dropped" (collecting shares of
+its mask key).  Each honest neighbour answers one unmask request only, and a
+corrupt one hands over both of its shares, so with γ corrupt neighbours among
+the d holders of a member's secrets the aggregator gets t of each kind only if
+2(t − γ) ≤ d − γ.  Members therefore refuse a round unless 2t > d + γ for the
+largest degree d of the graph and the γ they tolerate
+(:data:`DEFAULT_TOLERATED_CORRUPT` unless their config says otherwise); the
+consistency round (every survivor signs the survivor set it was told, and
+unmasks only on t of its neighbours' signatures on the identical set) keeps the
+honest members' views of that set the same where the aggregator cannot split it.
+
+Default neighbours and threshold (:func:`default_neighbors`): t = ⌊(d + γ)/2⌋ + 1
+with γ = :data:`DEFAULT_TOLERATED_CORRUPT`, the least threshold that holds
+against an aggregator with γ colluding neighbours; k is the smallest value for
+which, with each member independently lost with probability ``dropout`` (10 %) by the end of the
 round, the union bound n · P[Binomial(k, 1 − dropout) < t] on "some member's
 secret has too few surviving holders" is below ``target`` (10⁻⁴).  Where no
 k < n − 1 achieves it, classic SecAgg (k = n − 1) is used.
@@ -35,6 +48,11 @@ from fedsec.crypto.errors import ProtocolError
 
 DEFAULT_DROPOUT = 0.10
 DEFAULT_FAILURE_TARGET = 1e-4
+#: Corrupt neighbours a member tolerates by default, γ: one, so that an aggregator and
+#: one colluding member together cannot open a member's input by equivocation.  Every
+#: further colluder tolerated raises t by about one half, and with it the neighbours a
+#: round needs for the same dropout tolerance.
+DEFAULT_TOLERATED_CORRUPT = 1
 
 
 class NeighbourGraph:
@@ -127,9 +145,35 @@ def binomial_cdf_below(k: int, p_survive: float, t: int) -> float:
     )
 
 
-def default_threshold(neighbors: int) -> int:
-    """A majority of a member's neighbours."""
-    return neighbors // 2 + 1
+def max_degree(members: int, neighbors: int) -> int:
+    """The most neighbours any member has: k, or k + 1 for one member when n·k is odd."""
+    return neighbors + 1 if members * neighbors % 2 and neighbors < members - 1 else neighbors
+
+
+def default_threshold(neighbors: int, tolerated: int = DEFAULT_TOLERATED_CORRUPT) -> int:
+    """The least t with 2t > d + γ, for d = ``neighbors`` holders and γ = ``tolerated``."""
+    return (neighbors + tolerated) // 2 + 1
+
+
+def check_threshold(
+    members: int, neighbors: int, threshold: int, tolerated: int = DEFAULT_TOLERATED_CORRUPT
+) -> None:
+    """Refuse a threshold an aggregator with ``tolerated`` colluding neighbours of a
+    member could get around by equivocation (see the module docstring).
+
+    Raises:
+        ProtocolError: 2t ≤ d + γ for the graph's largest degree d.
+    """
+    if tolerated < 0:
+        raise ProtocolError(f"tolerated corrupt neighbours must be ≥ 0, got {tolerated}")
+    d = max_degree(members, neighbors)
+    if 2 * threshold <= d + tolerated:
+        raise ProtocolError(
+            f"threshold {threshold} with up to {d} neighbours lets an equivocating aggregator "
+            f"with {tolerated} colluding neighbour(s) collect both shares of a member: "
+            f"2t must exceed {d + tolerated}, so t must be at least "
+            f"{default_threshold(d, tolerated)}; refusing the round"
+        )
 
 
 def unrecoverable_bound(members: int, neighbors: int, threshold: int, dropout: float) -> float:
@@ -146,8 +190,8 @@ def default_neighbors(
     if members < 3:
         raise ProtocolError(f"a secure round needs at least 3 members, got {members}")
     for k in range(2, members - 1):
-        t = default_threshold(k)
-        if unrecoverable_bound(members, k, t, dropout) < target:
+        t = default_threshold(max_degree(members, k))
+        if t <= k and unrecoverable_bound(members, k, t, dropout) < target:
             return k, t
     k = members - 1
-    return k, default_threshold(k)
+    return k, min(default_threshold(k), k)

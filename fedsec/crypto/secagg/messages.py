@@ -1,10 +1,11 @@
 """Round parameters and the typed messages of one SecAgg+ round.
 
 Messages are plain immutable values; the transport (fedsec.protocol.wire) turns them
-into JSON and binary bodies.  Only :class:`AdvertiseKeys` carries a signature
-of its own: it is relayed to other members, who must be able to check that the
-aggregator did not substitute keys.  Every other message is authenticated by
-the transport's request signature (agent -> aggregator) or by AEAD (shares).
+into JSON and binary bodies.  :class:`AdvertiseKeys` and :class:`ConsistencySignature`
+carry signatures of their own: they are relayed to other members, who must be able to
+check that the aggregator did not substitute keys or invent a member's view of the
+survivors.  Every other message is authenticated by the transport's request signature
+(agent -> aggregator) or by AEAD (shares).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fedsec.crypto.identity import canonical_json
 from fedsec.crypto.quantize import QuantSpec, packed_size
 
 ADVERTISE_DOMAIN = "secagg-advertise-keys"
+CONSISTENCY_DOMAIN = "secagg-consistency"
 SEED_BYTES = 32
 MAX_COHORT = 65535  # Shamir x-coordinates are 2 bytes
 MAX_MEMBER_ID = 128
@@ -166,3 +168,30 @@ class UnmaskResponse:
     member: str
     seed_shares: tuple[tuple[str, bytes], ...]
     key_shares: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsistencySignature:
+    """A survivor's signature on the (survivors, dropped) sets it was told, made before it
+    reveals any share (Bonawitz et al. 2017's consistency check)."""
+
+    member: str
+    signature: bytes
+
+    @staticmethod
+    def signed_bytes(params_digest: bytes, request: UnmaskRequest) -> bytes:
+        """What a survivor signs: the round's parameter digest (federation, round, cohort and
+        the attempt's fresh seed) and both sets, each sorted."""
+        return canonical_json(
+            [params_digest.hex(), sorted(request.survivors), sorted(request.dropped)]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsistencyProof:
+    """The sets a survivor signed, with the signatures its neighbours made on them, relayed
+    by the server: the survivor unmasks only on ``threshold`` valid ones."""
+
+    recipient: str
+    request: UnmaskRequest
+    signatures: tuple[ConsistencySignature, ...]

@@ -1,7 +1,7 @@
 """The aggregator's side of one SecAgg+ round, as a sans-I/O state machine.
 
-Stages: ``advertise`` -> ``share_keys`` -> ``masked_input`` -> ``unmask`` ->
-``done``.  ``receive_*`` methods validate one member's message completely
+Stages: ``advertise`` -> ``share_keys`` -> ``masked_input`` -> ``consistency`` ->
+``unmask`` -> ``done``.  ``receive_*`` methods validate one member's message completely
 before changing any state, so a refused message leaves the session exactly as
 it was.  ``close_*`` methods end a stage (on deadline or when everyone has
 answered) and return what must be sent to the members for the next one.
@@ -13,6 +13,9 @@ Dropouts at every stage:
   nobody masks with them;
 - masked input: a participant whose input never arrived is *dropped*; its
   neighbours reveal shares of its mask key so its pairwise masks can be removed;
+- consistency: a survivor that does not sign stays a survivor (its input is in the
+  sum); its neighbours may lack the signatures they need, and then unmask names
+  the secrets that went short;
 - unmask: fine while every needed secret still has t shares; otherwise
   :class:`RecoveryImpossible` names the members whose secrets are short and the
   holders that did not answer.  The stage need not wait for every survivor:
@@ -43,15 +46,20 @@ from fedsec.crypto.errors import (
     RecoveryImpossible,
     RoundAborted,
     ShamirError,
+    SignatureError,
     UnknownMember,
     WrongStage,
 )
+from fedsec.crypto.identity import PublicIdentity
 from fedsec.crypto.quantize import RingVector, unpack_add
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
 from fedsec.crypto.secagg.graph import member_x, prune, round_graph
 from fedsec.crypto.secagg.messages import (
+    CONSISTENCY_DOMAIN,
     AdvertiseKeys,
+    ConsistencyProof,
+    ConsistencySignature,
     EncryptedShare,
     KeyList,
     MaskedInput,
@@ -69,6 +77,7 @@ class ServerStage(enum.Enum):
     ADVERTISE = "advertise"
     SHARE_KEYS = "share_keys"
     MASKED_INPUT = "masked_input"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
     DONE = "done"
 
@@ -108,6 +117,8 @@ class ServerSession:
         self._sum = np.zeros(params.vector_length, dtype=params.quant.dtype)
         self.survivors: frozenset[str] = frozenset()
         self.dropped: frozenset[str] = frozenset()
+        # survivor -> its signature on (survivors, dropped), checked on arrival
+        self.signatures: dict[str, ConsistencySignature] = {}
         self._responses: set[str] = set()
         # owner -> shares revealed so far, filled as unmask answers arrive
         self._seed_shares: dict[str, list[shamir.Share]] = {}
@@ -293,10 +304,60 @@ class ServerSession:
                     continue  # dropped with no surviving neighbour: it left no pairwise mask
                 needed.append((key_share, owner, max(t, min(t + 1, holders))))
         self._needed = tuple(needed)
-        self.stage = ServerStage.UNMASK
-        return UnmaskRequest(tuple(sorted(survivors)), tuple(sorted(self.dropped)))
+        self.stage = ServerStage.CONSISTENCY
+        return self.unmask_request()
 
-    # -- stage 4: unmask ---------------------------------------------------------------------
+    def unmask_request(self) -> UnmaskRequest:
+        """The survivor sets every survivor is told and signs (fixed from consistency on)."""
+        return UnmaskRequest(tuple(sorted(self.survivors)), tuple(sorted(self.dropped)))
+
+    # -- stage 4: consistency ----------------------------------------------------------------
+
+    def receive_consistency(self, msg: ConsistencySignature) -> None:
+        """Accept one survivor's signature on the survivor sets.
+
+        Raises:
+            WrongStage, UnknownMember, DuplicateMessage, SignatureError: the signature
+                is not the member's on this attempt's sets.
+        """
+        self._expect(ServerStage.CONSISTENCY, msg.member)
+        if msg.member not in self.survivors:
+            raise UnknownMember(f"{msg.member!r} is not a survivor of round {self.params.round}")
+        if msg.member in self.signatures:
+            raise DuplicateMessage(f"{msg.member!r} already signed the survivor sets")
+        message = ConsistencySignature.signed_bytes(self.params.digest(), self.unmask_request())
+        try:
+            PublicIdentity(self._roster[msg.member]).verify(
+                CONSISTENCY_DOMAIN, message, msg.signature
+            )
+        except SignatureError:
+            raise SignatureError(
+                f"consistency signature of {msg.member!r} does not verify on the survivor "
+                f"sets of round {self.params.round}"
+            ) from None
+        self.signatures[msg.member] = msg
+
+    def close_consistency(self) -> dict[str, ConsistencyProof]:
+        """End stage 4: each survivor's proof carries its neighbours' signatures.
+
+        Raises:
+            RoundAborted: fewer survivors signed than a threshold of shares needs.
+        """
+        self._expect(ServerStage.CONSISTENCY, "(close)")
+        self._abort_if_short(frozenset(self.signatures), "consistency")
+        self.stage = ServerStage.UNMASK
+        return {m: self.consistency_proof(m) for m in sorted(self.signatures)}
+
+    def consistency_proof(self, member: str) -> ConsistencyProof:
+        """The signatures of ``member``'s neighbours on the survivor sets, for unmask."""
+        neighbours = self.graph.neighbors(member)
+        return ConsistencyProof(
+            member,
+            self.unmask_request(),
+            tuple(sig for m, sig in sorted(self.signatures.items()) if m in neighbours),
+        )
+
+    # -- stage 5: unmask ---------------------------------------------------------------------
 
     def receive_unmask(self, msg: UnmaskResponse) -> None:
         """Accept one survivor's shares: exactly those the request asked of it.
@@ -305,8 +366,10 @@ class ServerSession:
             WrongStage, UnknownMember, DuplicateMessage, ProtocolError.
         """
         self._expect(ServerStage.UNMASK, msg.member)
-        if msg.member not in self.survivors:
-            raise UnknownMember(f"{msg.member!r} is not a survivor of round {self.params.round}")
+        if msg.member not in self.signatures:
+            raise UnknownMember(
+                f"{msg.member!r} did not sign the survivor sets of round {self.params.round}"
+            )
         if msg.member in self._responses:
             raise DuplicateMessage(f"{msg.member!r} already answered unmask")
         neighbours = self.graph.neighbors(msg.member)
