@@ -50,3 +50,42 @@ def atomic_write(
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_create(
+    path: Path, body: bytes, *, mode: int = 0o644, parents_mode: int | None = None
+) -> None:
+    """Write ``body`` to ``path`` durably with permission ``mode``, only if no file is there.
+
+    The temp file is published with a hard link, which the kernel refuses atomically
+    when the name exists (a check before :func:`atomic_write` leaves a window in which
+    a concurrent writer's file is replaced); where the filesystem has no hard links, the
+    file is created in place with ``O_EXCL``: still exclusive, though a crash mid-write
+    can leave it short.
+
+    Raises:
+        FileExistsError: ``path`` exists, or another writer created it first.
+    """
+    path = Path(path)
+    if parents_mode is not None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=parents_mode)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        _write_synced(fd, body)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # EPERM, ENOTSUP, EMLINK...: no hard link here
+            _write_synced(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), body)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def _write_synced(fd: int, body: bytes) -> None:
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(body)
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -1,10 +1,11 @@
 """Key files: a signing identity's secret key (mode 0600) and public keys (hex text).
 
 The I/O half of :mod:`fedsec.crypto.identity`, which only turns keys into bytes and
-back.  A secret key file is written atomically (temp file, fsync, rename) with mode
-0600 whatever the umask, never over an existing key, and refused on reading when
-group or others may access it: a key others could read must be treated as leaked,
-so fedsec names the problem rather than "fixing" the mode silently.
+back.  A secret key file is written atomically (temp file, fsync, hard link) with mode
+0600 whatever the umask, never over an existing key (the link refuses one atomically,
+so of two concurrent writers one wins), and refused on reading when group or others
+may access it: a key others could read must be treated as leaked, so fedsec names the
+problem rather than "fixing" the mode silently.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from fedsec.crypto.identity import PUBLIC_KEY_BYTES, SigningIdentity
 from fedsec.errors import KeyFileError
-from fedsec.fsio import atomic_write
+from fedsec.fsio import atomic_create
 
 __all__ = ["load_identity", "load_public_key", "save_identity", "save_public_key"]
 
@@ -27,12 +28,14 @@ def save_identity(identity: SigningIdentity, path: Path) -> None:
     """Write ``identity``'s secret key to ``path`` with mode 0600, atomically.
 
     Raises:
-        KeyFileError: ``path`` already exists (a key is never overwritten).
+        KeyFileError: ``path`` already exists, or another writer created it first (a key
+            is never overwritten: of two concurrent writers exactly one succeeds).
     """
     path = Path(path)
-    if path.exists():
-        raise KeyFileError(f"{path} already exists; refusing to overwrite a key")
-    atomic_write(path, identity.to_secret_bytes(), mode=0o600, parents_mode=_KEY_DIR_MODE)
+    try:
+        atomic_create(path, identity.to_secret_bytes(), mode=0o600, parents_mode=_KEY_DIR_MODE)
+    except FileExistsError:
+        raise KeyFileError(f"{path} already exists; refusing to overwrite a key") from None
 
 
 def load_identity(path: Path) -> SigningIdentity:

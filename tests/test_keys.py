@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,64 @@ def test_save_refuses_overwrite(tmp_path: Path) -> None:
         save_identity(SigningIdentity.generate(), path)
     assert path.read_bytes() == before
     assert load_identity(path).public_bytes == first.public_bytes
+
+
+def _save_at_once(identities: list[SigningIdentity], path: Path) -> list[BaseException | None]:
+    """Each identity saved to ``path`` by its own thread, all released together: what
+    each call raised, or None where it returned."""
+    start = threading.Barrier(len(identities))
+    outcomes: list[BaseException | None] = [None] * len(identities)
+
+    def write(index: int) -> None:
+        start.wait()
+        try:
+            save_identity(identities[index], path)
+        except BaseException as exc:
+            outcomes[index] = exc
+
+    writers = [threading.Thread(target=write, args=(i,)) for i in range(len(identities))]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    return outcomes
+
+
+def test_two_writers_racing_for_one_key_path_one_wins_the_other_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Both writers start together, so both find no key before either has published one:
+    # an existence check before the write lets the second silently replace the first's
+    # key, and the first then hands out a public key whose secret is gone.
+    for trial in range(20):
+        path = tmp_path / f"race-{trial}" / "agent.key"
+        identities = [SigningIdentity.generate(), SigningIdentity.generate()]
+        outcomes = _save_at_once(identities, path)
+        winners = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        assert len(winners) == 1, f"trial {trial}: {len(winners)} writers saved a key"
+        refused = outcomes[1 - winners[0]]
+        assert isinstance(refused, KeyFileError)
+        assert "refusing to overwrite" in str(refused)
+        stored = load_identity(path)
+        assert stored.public_bytes == identities[winners[0]].public_bytes
+        assert sorted(os.listdir(path.parent)) == ["agent.key"]  # no temp file left
+
+
+def test_without_hard_links_the_key_is_still_created_exclusively(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_hard_links(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)
+    path = tmp_path / "agent.key"
+    first = SigningIdentity.generate()
+    save_identity(first, path)
+    with pytest.raises(KeyFileError, match="refusing to overwrite"):
+        save_identity(SigningIdentity.generate(), path)
+    assert load_identity(path).public_bytes == first.public_bytes
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(tmp_path) == ["agent.key"]
 
 
 def test_load_missing_file(tmp_path: Path) -> None:
