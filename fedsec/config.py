@@ -34,6 +34,7 @@ from fedsec.fsio import atomic_write
 from fedsec.learning import robust
 from fedsec.protocol import wire
 from fedsec.protocol.data_schema import DataSchema
+from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
 from fedsec.protocol.roster import ID_PATTERN
 from fedsec.protocol.update_codec import MAX_HEADROOM_BITS, weight_digit_bits
 
@@ -305,6 +306,10 @@ DOCS: dict[str, str] = {
     "privacy.tolerated_corrupt_neighbours": "SecAgg+: colluding neighbours (with the "
     "aggregator) this member's update must stay hidden from; it refuses a round whose "
     "threshold t has 2t <= neighbours + this (default 1; docs/threat-model.md).",
+    "privacy.min_survivors": "Distributed DP: refuse, before training, a round whose noise "
+    "is sized for fewer survivors (its dp.min_survivors).  Each member adds 1/min_survivors "
+    "of the noise, which a member colluding with the aggregator can remove; 2 is the "
+    "smallest sum; 10 lets one colluder remove at most 10 % (docs/privacy.md).",
     "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
     "a share of the noise and the guarantee rests on the other members adding theirs; off, "
     "because that trust is the data owner's decision (docs/privacy.md).",
@@ -543,6 +548,9 @@ class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     delta: float = 1e-5
     require_dp: bool = True
     allow_distributed: bool = False
+    # distributed DP: the fewest survivors a round's noise may be sized for (its
+    # dp.min_survivors); each adds 1/min_survivors of the noise (fedsec.protocol.ddp)
+    min_survivors: int = DEFAULT_MIN_SURVIVORS
     # γ: colluding neighbours (with the aggregator) a SecAgg+ round must withstand; the
     # member refuses a threshold with 2t ≤ degree + γ (fedsec.crypto.secagg.graph)
     tolerated_corrupt_neighbours: int = DEFAULT_TOLERATED_CORRUPT
@@ -944,6 +952,7 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p.int_range("data.seed", d.seed, 0)
     p.positive("privacy.epsilon", cfg.privacy.epsilon)
     p.open_unit("privacy.delta", cfg.privacy.delta)
+    p.int_range("privacy.min_survivors", cfg.privacy.min_survivors, 1, 100_000)
     p.int_range(
         "privacy.tolerated_corrupt_neighbours", cfg.privacy.tolerated_corrupt_neighbours, 0, 1000
     )

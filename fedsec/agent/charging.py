@@ -128,14 +128,19 @@ class Carryover:
 
 
 def plan_charge(
-    spec: RoundSpec, task: Task, samples: int, require_dp: bool, allow_distributed: bool = False
+    spec: RoundSpec,
+    task: Task,
+    samples: int,
+    require_dp: bool,
+    allow_distributed: bool = False,
+    min_survivors: int = 1,
 ) -> ChargeRequest:
     """What training on ``spec`` will cost.
 
     Raises:
         ConfigError: the round trains without DP and this agent requires it, asks for
-            distributed DP and this agent does not allow it, or asks for an unknown
-            optimiser.
+            distributed DP and this agent does not allow it (or with noise sized for
+            fewer than ``min_survivors`` members), or asks for an unknown optimiser.
         ProtocolError / QuantizationError: a distributed-DP spec that contradicts itself
             or whose bit budget cannot be met (:func:`fedsec.protocol.ddp.ddp_spec`).
     """
@@ -147,7 +152,7 @@ def plan_charge(
             "dp.enabled = true)"
         )
     if is_distributed(spec):
-        check_distributed(spec, allow_distributed)
+        check_distributed(spec, allow_distributed, min_survivors)
         # one DP-SGD step per round over the union (record), or one release of the
         # member's clipped update with no sampling the member could check (member)
         rate = spec.dp.sample_rate if spec.dp.unit == "record" else 1.0
@@ -158,11 +163,18 @@ def plan_charge(
     )
 
 
-def check_distributed(spec: RoundSpec, allowed: bool) -> None:
-    """Refuse a distributed-DP round unless this member's agent.toml allows it.
+def check_distributed(spec: RoundSpec, allowed: bool, min_survivors: int = 1) -> None:
+    """Refuse a distributed-DP round unless this member's agent.toml allows it, and
+    unless its noise is sized for at least ``min_survivors`` members
+    (``privacy.min_survivors``).
+
+    Each member adds 1/``dp.min_survivors`` of the noise's variance: a member who
+    colludes with the aggregator and knows its own share removes that much of it from
+    the sum, so a small ``dp.min_survivors`` lets few colluders take most of the noise
+    away (with m = 2, one colluder removes half).
 
     Raises:
-        ConfigError: not allowed.
+        ConfigError: not allowed, or noise sized for too few survivors.
         ProtocolError / QuantizationError: see :func:`fedsec.protocol.ddp.ddp_spec`.
     """
     if not allowed:
@@ -171,6 +183,14 @@ def check_distributed(spec: RoundSpec, allowed: bool) -> None:
             f"a share of the noise and its privacy would rest on at least "
             f"{spec.dp.min_survivors} other members adding theirs; this agent's agent.toml "
             "does not allow that (privacy.allow_distributed = false), so it refuses"
+        )
+    if spec.dp.min_survivors < min_survivors:
+        raise ConfigError(
+            f"round {spec.round} asks for distributed DP with the noise sized for "
+            f"{spec.dp.min_survivors} survivors, fewer than the {min_survivors} this "
+            f"agent's agent.toml accepts (privacy.min_survivors = {min_survivors}): each "
+            f"member would add 1/{spec.dp.min_survivors} of the noise, so each member "
+            "colluding with the aggregator could remove that much of it; it refuses"
         )
     codec_for(spec)  # a bit budget the ring cannot meet is refused here, with the reason
 
@@ -190,7 +210,12 @@ def charge_step(
     if reused is not None:
         return reused
     request = plan_charge(
-        spec, member.task, member.samples, member.require_dp, member.allow_distributed
+        spec,
+        member.task,
+        member.samples,
+        member.require_dp,
+        member.allow_distributed,
+        member.min_survivors,
     )
     carry.last_cost = request.cost
     answer = yield from ask(Charge(request), Charged)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.secagg.graph import DEFAULT_TOLERATED_CORRUPT
+from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
 from fedsec.protocol.wire import DataSummary
 from fedsec.tasks import Task
 
@@ -26,6 +27,8 @@ class Member:
     privacy_epsilon: float = 0.0  # the budget for this dataset (privacy.epsilon); 0 = unsaid
     # privacy.allow_distributed: rounds where the noise is shared with the other members
     allow_distributed: bool = False
+    # privacy.min_survivors: the fewest survivors a distributed round's noise may be sized for
+    min_survivors: int = DEFAULT_MIN_SURVIVORS
     # privacy.tolerated_corrupt_neighbours: γ the SecAgg+ threshold must hold against
     tolerated_corrupt: int = DEFAULT_TOLERATED_CORRUPT
     # task "table": the unsigned data summary; signed for the federation at each join

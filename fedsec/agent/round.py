@@ -252,7 +252,7 @@ class AgentRound:
             return self._early_end("missed", detail)
         check_spec_task(spec, self.member.task, self.member.dim)
         if is_distributed(spec):  # before the roster is fetched or anything is spent
-            check_distributed(spec, self.member.allow_distributed)
+            check_distributed(spec, self.member.allow_distributed, self.member.min_survivors)
         return None
 
     def _early_end(self, status: OutcomeStatus, detail: str) -> Finish:

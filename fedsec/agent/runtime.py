@@ -241,6 +241,7 @@ class AgentRuntime:
             require_dp=self.config.privacy.require_dp,
             privacy_epsilon=self.config.privacy.epsilon,
             allow_distributed=self.config.privacy.allow_distributed,
+            min_survivors=self.config.privacy.min_survivors,
             tolerated_corrupt=self.config.privacy.tolerated_corrupt_neighbours,
             data_summary=local.summary,
             extra_epsilon=self.ledger.pure_spent(self.dataset_id),

@@ -26,6 +26,14 @@ from fedsec.protocol.wire import RoundSpec
 
 _ROTATION_DOMAIN = b"fedsec/v1/ddp/rotation"
 
+#: A member's floor on ``dp.min_survivors`` (agent.toml ``privacy.min_survivors``).
+#: Each member adds 1/min_survivors of the noise's variance, so a member colluding with
+#: the aggregator, who knows its own share, removes that much.  2: the smallest sum that
+#: is a sum, and every distributed spec fedsec itself derives for a cohort of two or
+#: more (``dp.min_survivors_fraction`` x cohort, rounded up) passes it; a member that
+#: wants one colluder to remove at most 10 % of the variance sets 10.
+DEFAULT_MIN_SURVIVORS = 2
+
 
 def is_distributed(spec: RoundSpec) -> bool:
     """Whether ``spec`` asks for distributed DP."""
