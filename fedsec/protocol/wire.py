@@ -737,6 +737,14 @@ class AuditVerdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     passed: bool
     failed: Annotated[list[CheckName], msgspec.Meta(max_length=32)] = []
 
+    def __post_init__(self) -> None:
+        # one reading for the dashboard, the alerts and the quarantine rules alike
+        if self.passed and self.failed:
+            raise ValueError(
+                f"verdict on {self.member} round {self.round}.{self.attempt} says passed but "
+                f"lists failed checks: {', '.join(self.failed)}"
+            )
+
 
 class QuarantineOrder(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """An order to suspend a member from future cohorts after the control-sample audit

@@ -53,6 +53,7 @@ from tests.support.hostile import (
     signed_headers,
     signed_request,
 )
+from tests.support.http import Api, _to_masked_input, _upload
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
@@ -751,3 +752,57 @@ async def test_durable_state_covers_every_table(tmp_path: Path) -> None:
     assert {"rounds", "joins", "messages", "log", "server_state"} <= set(state.counts)
     assert state.log_lines == state.counts["log"] > 0
     fed.ws.close()
+
+
+# -- 12. strictness: one value per query parameter, verdicts that agree with themselves ----------
+
+
+async def test_a_query_parameter_given_twice_on_a_signed_route_is_refused(api: Api) -> None:
+    """The signature covers the whole target, so ``?attempt=1&attempt=0`` is signed; a
+    reader taking the first value and another taking the last would act on different
+    attempts.  Refused before the body is read or the nonce is spent, naming it."""
+    body = wire.encode(join_request())
+    twice = [
+        ("POST", "/v1/rounds/1/join?attempt=0&attempt=1", body),
+        ("GET", "/v1/rounds/1/keys?attempt=0&wait=0&wait=5", b""),
+        ("GET", "/v1/round?wait=0&timeout=0&wait=1", b""),
+        ("GET", "/v1/audit/log?from=0&from=5", b""),
+        ("GET", "/v1/rounds/1/keys?unknown=1&unknown=2", b""),
+    ]
+    for method, target, payload in twice:
+        who = "aud" if target.startswith("/v1/audit") else "a0"
+        detail = await api.refused(
+            400, "bad_request", lambda m=method, t=target, p=payload, w=who: api.call(w, m, t, p)
+        )
+        name = target.split("&")[-1].split("=")[0]
+        assert f"query parameter {name!r}" in detail and "more than once" in detail, detail
+    assert api.fed.ws.state.joins.samples(1, 0) == {}
+    await api.ok("a0", "POST", "/v1/rounds/1/join?attempt=0", body)  # one value: accepted
+
+
+async def test_a_passed_verdict_listing_failed_checks_is_refused(api: Api) -> None:
+    """``passed: true`` with ``failed: ["magnitude"]`` says two things; the dashboard and
+    the quarantine rules would read it as passed.  Refused as a whole submission."""
+    cohort = await _to_masked_input(api)
+    path, raw = _upload(cohort, "a0")
+    await api.ok("a0", "POST", path, raw)
+    contradictory = {"round": 1, "attempt": 0, "member": "a0", "passed": True}
+    bodies = [
+        {"verdicts": [{**contradictory, "failed": ["magnitude"]}]},
+        {
+            "verdicts": [
+                {**contradictory, "passed": False, "failed": ["norm_bound"]},
+                {**contradictory, "failed": ["magnitude"]},
+            ]
+        },
+    ]
+    for doc in bodies:
+        body = json.dumps(doc).encode()
+        detail = await api.refused(
+            400, "bad_request", lambda b=body: api.call("aud", "POST", "/v1/audit/verdicts", b)
+        )
+        assert "passed" in detail and "magnitude" in detail, detail
+    assert api.fed.ws.state.verdicts.count() == 0
+    honest = {"verdicts": [{**contradictory, "passed": False, "failed": ["magnitude"]}]}
+    receipt = await api.ok("aud", "POST", "/v1/audit/verdicts", json.dumps(honest).encode())
+    assert receipt["stored"] == 1

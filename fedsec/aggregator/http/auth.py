@@ -34,6 +34,7 @@ from fedsec.aggregator.http.keys import (
     WORKSPACE,
     Handler,
 )
+from fedsec.aggregator.http.params import refuse_repeated_params
 from fedsec.aggregator.transport import mark_authenticated
 from fedsec.config import ServerSection
 from fedsec.errors import (
@@ -56,12 +57,14 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
 
     Raises:
         FedsecError: the first check the request fails (see :func:`_check_framing`,
+            :func:`~fedsec.aggregator.http.params.refuse_repeated_params`,
             :func:`_authorised`, :func:`_upload_slot`, :func:`_read_body` and
             :meth:`RequestVerifier.verify_body`).
     """
     endpoint = _endpoint(request)
     limit = _body_limit(request, endpoint)
     _check_framing(request, limit)
+    refuse_repeated_params(request)
     member, _keyid = _authorised(request, endpoint.roles)
     async with _upload_slot(request, limit):
         body = await _read_body(request, limit, _config(request).body_timeout_s)
@@ -92,6 +95,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return refusal(request, "expectation_failed", 417, "only Expect: 100-continue is known")
     try:
         _check_framing(request, _body_limit(request, _endpoint(request)))
+        refuse_repeated_params(request)
         request.app[VERIFIER].verify_headers(request.method, request.raw_path, request.headers)
     except FedsecError as exc:
         return refusal(request, exc.code, exc.http_status, exc.detail)

@@ -1,7 +1,8 @@
 """What a request names, decoded with its bounds: path and query parameters, JSON bodies
 and the compact (msgpack) form of the SecAgg+ uploads.
 
-Integers are canonical ASCII decimal (:func:`fedsec.protocol.wire.parse_uint`), seconds
+Each query parameter is given once (:func:`refuse_repeated_params`, for every signed
+route).  Integers are canonical ASCII decimal (:func:`fedsec.protocol.wire.parse_uint`), seconds
 are plain decimals capped at the long-poll limit, and a JSON body is decoded within
 ``server.max_json_bytes`` (a compact upload too), so one resource has one spelling and
 nothing a client sends is parsed without a bound.
@@ -25,6 +26,24 @@ B = TypeVar("B", wire.AdvertiseKeysBody, wire.ShareKeysBody, wire.UnmaskResponse
 
 # plain decimal only: float() would also take "nan", "inf", "1e999", "1_0" and " 5"
 _SECONDS_RE = re.compile(r"[0-9]{1,12}(\.[0-9]{1,6})?")
+
+
+def refuse_repeated_params(request: web.Request) -> None:
+    """Refuse a query parameter given more than once.
+
+    The request signature covers the whole target, ``?attempt=0&attempt=1`` included:
+    a reader taking the first value and one taking the last would act on different
+    attempts, so a signed target must name each parameter once.  Checked before the
+    body is read or the nonce spent.
+
+    Raises:
+        PayloadError: naming the first parameter given twice.
+    """
+    seen: set[str] = set()
+    for name, _ in request.query.items():  # every occurrence (iterating keys skips repeats)
+        if name in seen:
+            raise PayloadError(f"query parameter {quote(name, 32)!r} is given more than once")
+        seen.add(name)
 
 
 def round_args(request: web.Request) -> tuple[int, int]:
