@@ -377,6 +377,16 @@ class FetchStatus(Action):
 
 
 @dataclass(frozen=True)
+class Release(Action):
+    """Record in the ledger, before the masked input is sent, that the update trained
+    on charge ``index`` (-1: none) goes into this attempt's SecAgg+ sum."""
+
+    round: int
+    attempt: int
+    index: int
+
+
+@dataclass(frozen=True)
 class Record(Action):
     """Store the checked receipt and the agent's own record of the contribution."""
 

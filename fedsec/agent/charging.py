@@ -4,6 +4,20 @@ The ledger is charged *before* training, so a crash can never spend privacy off 
 books.  A retried attempt of the same round reuses the update already trained on the
 same model with the same settings; a charge whose training produced no update yet (the
 model download refused, the attempt dropped) is reused rather than charged again.
+
+Except after a release: once an update went into a SecAgg+ attempt's sum (its masked
+input sent), a later attempt never gets it again; it is trained anew on a fresh charge.
+Otherwise an aggregator could take attempt 0 to its unmask, abort it, sum the same
+updates again without one member and subtract the two sums: that member's update comes
+out.  A fresh training draws fresh DP noise for every member, so the difference of the
+sums is the member's update plus more noise than the member's own; and each sum a
+member's update entered is one charge in the ledger.  Released charges are durable in
+the ledger (:meth:`fedsec.agent.ledger.PrivacyLedger.record_release`), which also
+refuses a second release of one charge, so a restarted agent refuses too.  The mark is
+set before the masked input leaves, not when the member answers unmask: once the
+aggregator holds the masked input, the member's neighbours can reveal its self-mask
+shares without the member answering anything.
+
 :class:`Carryover` holds what crosses attempts; :func:`charge_step` is the decision,
 for both round machines, written as a step that yields the Charge action when the
 ledger must be asked.
@@ -12,6 +26,7 @@ ledger must be asked.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,10 +95,16 @@ class TrainedUpdate:
 
 class Carryover:
     """What one attempt leaves to the next: the last update (until it is sent in
-    buffered mode or refused as stale), a charge not yet trained on, the last cost,
-    and the attempts already joined and handled (round, attempt)."""
+    buffered mode, refused as stale, or released to a SecAgg+ sum), a charge not yet
+    trained on, the last cost, and the attempts already joined and handled (round,
+    attempt).
 
-    def __init__(self) -> None:
+    Args:
+        released: the ledger's released charges (index -> round, attempt), so that a
+            restarted agent never reuses their updates either.
+    """
+
+    def __init__(self, released: Mapping[int, tuple[int, int]] | None = None) -> None:
         self.update: TrainedUpdate | None = None
         self.unused_charge: PrivacyCharge | None = None
         self.last_cost: Cost | None = None
@@ -91,9 +112,24 @@ class Carryover:
         self.handled: set[tuple[int, int]] = set()
         # error feedback: what the codec left out of the last update the aggregator took
         self.residual: npt.NDArray[np.float32] | None = None
+        # charge index -> (round, attempt) its update was released to (the ledger's
+        # record, read at start), and the last release of this run (charged or not)
+        self.released: dict[int, tuple[int, int]] = dict(released or {})
+        self.last_release: tuple[int, int] | None = None
+
+    def release(self, update: TrainedUpdate, round_: int, attempt: int) -> None:
+        """``update`` goes into the sum of ``round_``'s ``attempt`` (its release is
+        durable in the ledger already): no later attempt gets it."""
+        if update.index >= 0:
+            self.released[update.index] = (round_, attempt)
+        self.last_release = (round_, attempt)
+        if self.update is update:
+            self.update = None
 
     def reusable(self, spec: RoundSpec, member: str) -> TrainedUpdate | PrivacyCharge | None:
-        """The update or charge a retried attempt (or a buffered member) reuses."""
+        """The update or charge a retried attempt (or a buffered member) reuses; never
+        one released to another attempt's sum (the member's log says so)."""
+        self._drop_released(spec)
         key = update_key(spec)
         if self.update is not None and self.update.key == key:
             log.info("round_update_reused round=%d attempt=%d", spec.round, spec.attempt)
@@ -106,7 +142,23 @@ class Carryover:
         if self.unused_charge is not None and self.unused_charge.key == key:
             log.info("privacy_charge_reused round=%d attempt=%d", spec.round, spec.attempt)
             return self.unused_charge
+        last = self.last_release
+        if last is not None and last[0] == spec.round and last[1] != spec.attempt:
+            _not_reused(spec, last)
         return None
+
+    def _drop_released(self, spec: RoundSpec) -> None:
+        """Forget a kept update or charge the ledger records as released (a restarted
+        agent's, or one kept by mistake): this attempt trains anew."""
+        for kept in (self.update, self.unused_charge):
+            if kept is None or kept.index < 0 or kept.index not in self.released:
+                continue
+            released = self.released[kept.index]
+            _not_reused(spec, released)
+            if kept is self.update:
+                self.update = None
+            else:
+                self.unused_charge = None
 
     def trained(
         self, spec: RoundSpec, charge: PrivacyCharge, delta: npt.NDArray[np.float32]
@@ -125,6 +177,17 @@ class Carryover:
             unreported=charge.unreported,
         )
         return self.update
+
+
+def _not_reused(spec: RoundSpec, released: tuple[int, int]) -> None:
+    log.warning(
+        "round_update_not_reused round=%d attempt=%d released_round=%d released_attempt=%d "
+        "reason=%r",
+        spec.round,
+        spec.attempt,
+        *released,
+        "the update went into that attempt's sum; training anew on a fresh charge",
+    )
 
 
 def plan_charge(

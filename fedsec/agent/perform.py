@@ -138,6 +138,7 @@ class ActionPerformer:
                 act.SharesFetched, guard(c.get_shares(a.round, a.attempt, a.wait))
             ),
             act.KeepUpdate: self._keep_update,
+            act.Release: self._release,
             act.Encrypt: self._encrypt,
             # not cut short by a stop: the receipt of an accepted contribution is kept
             act.SendMaskedInput: self._send_masked_input,
@@ -269,6 +270,25 @@ class ActionPerformer:
         return act.UpdateKept(
             self.vault.keep_update_once(action.round, action.attempt, action.quantized)
         )
+
+    async def _release(self, action: act.Release) -> act.Passed:
+        if action.index >= 0:  # -1: trained without DP, nothing charged to release
+            try:
+                self.ledger.record_release(
+                    self.dataset_id, action.index, action.round, action.attempt
+                )
+            except IntegrityError as exc:
+                log.error(
+                    "update_release_refused dataset=%s reason=%r", self.dataset_id, exc.detail
+                )
+                raise
+        log.info(
+            "update_released round=%d attempt=%d charge_index=%d",
+            action.round,
+            action.attempt,
+            action.index,
+        )
+        return act.Passed()
 
     async def _encrypt(self, action: act.Encrypt) -> act.Encrypted:
         context = await self._he.for_spec(self.client, action.spec)

@@ -14,7 +14,9 @@ never awaits.  From a round state whose signed spec has us in the cohort::
 SecAgg+'s key stages run while local training does: they do not need the update.
 If the key stages end the attempt, training is still awaited so the update is kept
 for a retried attempt and the privacy it cost is not spent twice; if training fails,
-the attempt ends at once with training's error.
+the attempt ends at once with training's error.  Just before its masked input leaves,
+the update is released to the attempt (Release, durable in the ledger): no later
+attempt gets it, a retry trains anew on a fresh charge (:mod:`fedsec.agent.charging`).
 
 The steps are generators: each ``yield`` is an action, the value sent back its
 answer; a refusal is raised inside the step that asked, and the step decides what it
@@ -55,6 +57,7 @@ from fedsec.agent.actions import (
     ReceiptFetched,
     Record,
     Refused,
+    Release,
     Report,
     ReportTaken,
     RosterFetched,
@@ -481,6 +484,8 @@ class AgentRound:
         """
         spec, (r, a) = self.spec, self._key
         salt = (yield from ask(KeepUpdate(r, a, c.quantized), UpdateKept)).salt
+        if spec.secure_sum == "secagg":
+            yield from self._release(c.trained)
         digest = hashlib.sha256(vector).hexdigest()
         statement = contribution_statement(spec, self.member, c.quantized, salt, vector)
         request: UnmaskRequestBody | None = None
@@ -507,6 +512,14 @@ class AgentRound:
             receipt.log_index,
         )
         return receipt, request
+
+    def _release(self, trained: TrainedUpdate) -> Step[None]:
+        """Record, durably and before the masked input leaves, that ``trained`` goes
+        into this attempt's sum: no later attempt gets it (:mod:`fedsec.agent.charging`).
+        The ledger refuses a charge already released to another attempt."""
+        r, a = self._key
+        yield from ask(Release(r, a, trained.index), Passed)
+        self._carry.release(trained, r, a)
 
 
 def _with(

@@ -169,7 +169,8 @@ class AgentRuntime:
         self._trainer: LocalTrainer | None = None
         self._roster = PinnedRoster(self.state_dir, self.member, identity)
         self._pin = FederationPin()
-        self._carry = Carryover()  # across attempts and runs
+        # across attempts and runs; released updates are the ledger's, across restarts
+        self._carry = Carryover(self.ledger.releases(self.dataset_id))
 
     # -- set-up ---------------------------------------------------------------------
 
