@@ -136,7 +136,7 @@ def test_the_command_prints_what_moved_exits_1_and_records_a_baseline(
 ) -> None:
     results = tmp_path / "results"
     _write(results, "secagg.jsonl", [_secagg_row()])
-    measured = [_secagg_row(server_over_floor=3.0)]
+    measured = [_secagg_row(server_over_floor=3.0) for _ in range(3)]  # --repeat 3
 
     def fake_run(argv: Sequence[str]) -> list[dict[str, Any]]:
         assert argv[:2] == ("bench", "secagg")
@@ -153,7 +153,7 @@ def test_the_command_prints_what_moved_exits_1_and_records_a_baseline(
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (results / "secagg.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and rows[-1]["recorded_at"]
+    assert len(rows) == 4 and rows[-1]["recorded_at"]
 
 
 def test_a_failed_benchmark_is_said_and_the_other_checks_still_run(tmp_path: Path) -> None:
@@ -169,3 +169,11 @@ def test_a_failed_benchmark_is_said_and_the_other_checks_still_run(tmp_path: Pat
     assert findings[0].failed and "boom" in findings[0].line()
     assert [f.metric for f in findings[1:]] == list(SECAGG.metrics)
     assert not any(f.moved for f in findings)
+
+
+def test_a_timing_is_compared_with_the_median_of_the_newest_three_rows() -> None:
+    # one lucky round among the newest three is not the baseline
+    recorded = [_secagg_row(server_over_floor=v) for v in (9.0, 1.6, 1.0, 1.5)]
+    found = _by_metric(cmp.compare(SECAGG, [_secagg_row(server_over_floor=1.5)], recorded))
+    assert found["server_over_floor"].recorded == 1.5
+    assert not found["server_over_floor"].moved
