@@ -281,7 +281,16 @@ class Verifier:
             self.archived.observe(entry.index, body)
         except VerificationFailed:
             raise
-        except (FedsecError, KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
+        # whatever an entry's content makes a check raise (ArithmeticError: numbers the
+        # schema let through that the accountant cannot use) is that entry's fault
+        except (
+            FedsecError,
+            KeyError,
+            ValueError,
+            TypeError,
+            ArithmeticError,
+            msgspec.ValidationError,
+        ) as exc:
             detail = exc.detail if isinstance(exc, FedsecError) else repr(exc)
             raise self._fail(entry, detail) from None
 

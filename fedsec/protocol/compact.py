@@ -20,6 +20,10 @@ verify`` are the same whichever encoding a member chose.  The request signature
 covers the body's digest, whatever its media type; a body cannot decode both ways
 (JSON text starts with ``{``, a msgpack positive integer, not an array).
 
+msgpack carries NaN and infinity, which JSON cannot: a compact upload holding one is
+refused by the same check as every decoded message (:func:`~fedsec.protocol.wire.check_finite`),
+so nothing a member sends can put one into the transparency log.
+
 Positional fields leave nothing to repeat: a member named twice in an unmask answer is
 refused here, before it could collapse into one dictionary entry; every other check
 (who the shares go to, their number and lengths) is the session's, on the converted
@@ -108,8 +112,9 @@ def to_body(raw: bytes, kind: type[B], *, max_bytes: int, what: str) -> B:
     Raises:
         PayloadTooLarge: more than ``max_bytes``.
         PayloadError: not msgpack, not the upload's shape (wrong types, a key or
-            signature of the wrong length, unknown report fields), a member named twice
-            among an unmask answer's shares, or ``kind`` has no compact form.
+            signature of the wrong length, unknown report fields), a number that is not
+            finite or out of its field's range, a member named twice among an unmask
+            answer's shares, or ``kind`` has no compact form.
     """
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
@@ -128,6 +133,7 @@ def to_body(raw: bytes, kind: type[B], *, max_bytes: int, what: str) -> B:
     else:
         raise PayloadError(f"{what} has no compact ({MEDIA_TYPE}) form; send JSON")
     assert isinstance(body, kind)
+    wire.check_finite(body, what)  # msgpack, unlike JSON, carries NaN and infinity
     return body
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from fedsec.protocol.log_entries import (
     ENTRY_TYPES,
     HeadEntry,
     LogBody,
+    check_finite_body,
     decode_body,
     encode_body,
     kind_of,
@@ -69,8 +71,21 @@ class LogEntry:
 
 
 def make_entry(index: int, prev: str, time: float, body: LogBody) -> LogEntry:
-    """Build the entry carrying ``body`` that follows ``prev``."""
+    """Build the entry carrying ``body`` that follows ``prev``.
+
+    Raises:
+        ValueError: the line would be over :data:`MAX_LINE_BYTES`, or would hold NaN or
+            an infinity, which standard JSON has no place for (a bug: what the
+            aggregator logs was checked when it arrived).
+    """
     kind, fields = kind_of(body), encode_body(body)
+    # canonical_json, being json's encoder, writes NaN and Infinity where it meets them
+    if not math.isfinite(time):
+        raise ValueError(f"log entry {index}: time {time} is not finite")
+    try:
+        check_finite_body(kind, fields)
+    except IntegrityError as exc:
+        raise ValueError(f"log entry {index}: {exc.detail}") from None
     line = canonical_json(
         {"index": index, "prev": prev, "time": time, "kind": kind, "body": fields}
     )
@@ -161,6 +176,13 @@ def parse_line(raw: bytes, lineno: int, source: str) -> LogEntry:
         raise IntegrityError(f"{where}: index must be an integer and body an object")
     if not isinstance(doc["time"], int | float) or not isinstance(doc["prev"], str):
         raise IntegrityError(f"{where}: time must be a number and prev a string")
+    # json.loads takes NaN and Infinity, which standard JSON (docs/audit-log.md) has not
+    if isinstance(doc["time"], float) and not math.isfinite(doc["time"]):
+        raise IntegrityError(f"{where}: log entry {doc['index']}: time is not a finite number")
+    try:
+        check_finite_body(doc["kind"], doc["body"])
+    except IntegrityError as exc:
+        raise IntegrityError(f"{where}: log entry {doc['index']}: {exc.detail}") from None
     if canonical_json(doc) != raw:
         raise IntegrityError(f"{where}: not in canonical form (the line was altered)")
     return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], raw)

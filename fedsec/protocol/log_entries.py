@@ -36,8 +36,10 @@ from fedsec.protocol.wire import (
     DecryptionStatement,
     HeContextStatement,
     PrivacyReport,
+    Probability,
     QuarantineOrder,
     RoundSpec,
+    non_finite,
 )
 
 
@@ -177,7 +179,7 @@ class ChallengeEntry(_Body, frozen=True):
     auditor: str
     beacon_index: int
     beacon: str  # sha256 hex of the head line at beacon_index
-    rate: float
+    rate: Probability
 
 
 class RevealEntry(_Body, frozen=True):
@@ -286,17 +288,39 @@ def encode_body(body: LogBody) -> dict[str, Any]:
     return encoded
 
 
+def check_finite_body(kind: str, body: Mapping[str, Any]) -> None:
+    """Refuse a body holding NaN or an infinity, which standard JSON, and so the log, has
+    no place for (docs/audit-log.md): the aggregator refuses them on arrival, so one in
+    the log was written by hand or by an aggregator without that check.
+
+    Raises:
+        IntegrityError: naming the kind, the member the body is about (if it names
+            one) and the field.
+    """
+    found = non_finite(dict(body))
+    if found is not None:
+        path, number = found
+        member = body.get("member")
+        whose = f" of {str(member)[:64]}" if isinstance(member, str) else ""
+        raise IntegrityError(
+            f"{kind} body{whose} holds {number} at `{path}`, not a finite number (a log "
+            "line is standard JSON, which has no NaN or Infinity)"
+        )
+
+
 def decode_body(kind: str, body: Mapping[str, Any]) -> LogBody:
     """The struct of a logged ``body`` of ``kind``.
 
     Raises:
-        IntegrityError: an unknown kind, or a body that is not exactly what the
-            aggregator writes for it (unknown, missing or mistyped fields, an optional
-            field given at its default).
+        IntegrityError: an unknown kind, a number that is not finite
+            (:func:`check_finite_body`), or a body that is not exactly what the
+            aggregator writes for it (unknown, missing or mistyped fields, a value out
+            of its field's range, an optional field given at its default).
     """
     cls = ENTRY_TYPES.get(kind)
     if cls is None:
         raise IntegrityError(f"unknown entry kind {kind!r}")
+    check_finite_body(kind, body)
     try:
         decoded = cast(LogBody, msgspec.convert(body, cls))
     except msgspec.ValidationError as exc:

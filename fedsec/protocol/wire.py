@@ -12,6 +12,17 @@ The endpoints that carry these messages (method, path, body and answer, roles,
 body limit) are declared once, in :mod:`fedsec.protocol.endpoints`; ``docs/api.md``
 holds the table generated from it.
 
+Numbers: every float of every message is finite, whichever the encoding.  JSON has
+no NaN or infinity (msgspec refuses them, and literals that overflow), msgpack
+(:mod:`fedsec.protocol.compact`) carries both, and the transparency log that stores
+members' signed objects is standard JSON (``docs/audit-log.md``).  :func:`check_finite`
+is the one check: every decoder of outside input runs it (:func:`decode`,
+:func:`fedsec.protocol.compact.to_body`, :func:`fedsec.protocol.log_entries.decode_body`),
+so a new ``float`` field is covered by declaring it.  A field's range beyond that is
+declared with its type (:data:`NonNegative`, :data:`Probability`, or a ``msgspec.Meta``);
+a rule between fields is the struct's ``__post_init__`` (it runs on decoding too, and
+its ``ValueError`` becomes the decoder's refusal).
+
 Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 """
 
@@ -21,6 +32,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
@@ -40,6 +52,10 @@ Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 #: A count, index or token.
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+#: A float >= 0 (finite, as every float: :func:`check_finite`).
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+#: A float in [0, 1]: a rate, share or probability.
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 # Canonical ASCII decimal only: int() also takes "+1", " 1", "1_0" and non-ASCII digits,
 # which would give one resource many spellings.
 _UINT_RE: Final = re.compile(r"0|[1-9][0-9]{0,15}")
@@ -338,10 +354,10 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     attempt: Id
     member: str
     dataset_id: str
-    epsilon: float  # total spent on this dataset after this round, all rounds included
-    delta: float
-    noise_multiplier: float
-    sample_rate: float
+    epsilon: NonNegative  # total spent on this dataset after this round, all rounds included
+    delta: Annotated[float, msgspec.Meta(ge=0, lt=1)]
+    noise_multiplier: NonNegative  # 0: trained without DP
+    sample_rate: Probability
     steps: Count
     samples: Count
     signature: str = ""
@@ -350,10 +366,10 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
     trained_round: Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)] = -1
     # the member's total budget for this dataset (privacy.epsilon); 0 = not said.  Lets
     # the operator see a member nearing its budget before it stops contributing.
-    epsilon_budget: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    epsilon_budget: NonNegative = 0.0
     # the part of ``epsilon`` spent on pure ε-DP releases of the dataset (noised counts of
     # its data summaries), added by basic composition; the rest is DP-SGD's
-    extra_epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    extra_epsilon: NonNegative = 0.0
     # the mode ``epsilon`` holds in, and, distributed, the fewest members who must add
     # their noise share honestly for it to hold against the aggregator
     dp_mode: Literal["local", "distributed"] = "local"
@@ -537,7 +553,7 @@ class ChallengeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempt: Id
     member: str
     beacon_index: Count
-    rate: float
+    rate: Probability
 
 
 class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -547,7 +563,7 @@ class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     auditor: str
     beacon_index: Count
     beacon: str
-    rate: float
+    rate: Probability
     log_index: Count
 
 
@@ -875,6 +891,56 @@ def parse_uint(raw: str, what: str, max_value: int = MAX_ID) -> int:
     return int(raw)
 
 
+def non_finite(value: Any) -> tuple[str, float] | None:
+    """The first float in ``value`` that is NaN or infinite, with its path in msgspec's
+    notation (``$.report.delta``); None when every float is finite.
+
+    ``value`` is a struct or what ``json.loads``, ``msgspec.to_builtins`` or an untyped
+    msgspec decoder gives; structs, lists, tuples and dicts are searched through.
+    """
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ("$", value)
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, msgspec.Struct):
+        items = ((name, getattr(value, name)) for name in value.__struct_fields__)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = non_finite(item)
+        if found is not None:
+            # the path is built only for the one bad value, not for every good one
+            return "$" + _step(key) + found[0][1:], found[1]
+    return None
+
+
+def check_finite(value: Any, what: str) -> None:
+    """Refuse a decoded message holding a float that is NaN or infinite (see the module's
+    *Numbers*).
+
+    Raises:
+        PayloadError: naming ``what`` and the field.
+    """
+    found = non_finite(value)
+    if found is not None:
+        path, number = found
+        raise PayloadError(
+            f"{what} is invalid: {number} is not a finite number - at `{path}` "
+            "(fedsec messages carry finite numbers only)"
+        )
+
+
+def _step(key: Any) -> str:
+    """One step of a path: ``.name`` for a field or an identifier key, else ``[key]``."""
+    if isinstance(key, str) and key.isidentifier():
+        return f".{key[:64]}"
+    text = repr(key[:64]) if isinstance(key, str) else str(key)
+    return f"[{text}]"
+
+
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key, value in pairs:
@@ -900,7 +966,8 @@ def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str, unique_keys:
     Raises:
         PayloadTooLarge: more than ``max_bytes``.
         PayloadError: malformed JSON, a key given twice in one object, wrong types,
-            numbers out of range or unknown fields (named).
+            numbers out of range or not finite, a rule between fields broken
+            (``__post_init__``), or unknown fields (named).
     """
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
@@ -910,6 +977,7 @@ def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str, unique_keys:
         raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
     except msgspec.DecodeError as exc:
         raise PayloadError(f"{what} is not valid JSON: {str(exc)[:300]}") from None
+    check_finite(value, what)  # JSON cannot carry one (msgspec refuses it): one rule for all
     if not unique_keys:
         return value
     try:

@@ -16,6 +16,7 @@ import gc
 import gzip
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -28,14 +29,17 @@ import pytest_asyncio
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.workspace import Workspace
-from fedsec.protocol import wire
+from fedsec.protocol import compact, wire
 from tests.support.aggregator import (
     FED,
+    Cohort,
     FakeClock,
     Federation,
     join_request,
+    log_entries,
     make_federation,
     plain_upload,
+    privacy_report,
 )
 from tests.support.hostile import (
     HOST,
@@ -53,7 +57,7 @@ from tests.support.hostile import (
     signed_headers,
     signed_request,
 )
-from tests.support.http import Api, _to_masked_input, _upload
+from tests.support.http import Api, _fix_cohort, _to_masked_input, _upload
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
@@ -806,3 +810,55 @@ async def test_a_passed_verdict_listing_failed_checks_is_refused(api: Api) -> No
     honest = {"verdicts": [{**contradictory, "passed": False, "failed": ["magnitude"]}]}
     receipt = await api.ok("aud", "POST", "/v1/audit/verdicts", json.dumps(honest).encode())
     assert receipt["stored"] == 1
+
+
+# -- 13. non-finite numbers in the compact encoding (issue 32 item 6) ------------------------------
+
+
+async def _at_share_keys(api: Api) -> tuple[Cohort, wire.KeyListBody]:
+    """The cohort fixed and advertised: a0's key list, to address its shares."""
+    cohort = await _fix_cohort(api)
+    for m in AGENTS:
+        await api.ok(m, "POST", "/v1/rounds/1/advertise", cohort.advertise(m))
+    await api.wait_stage("share_keys")
+    keys = msgspec.convert(await api.ok("a0", "GET", "/v1/rounds/1/keys"), wire.KeyListBody)
+    return cohort, keys
+
+
+NON_FINITE_REPORTS = (
+    {"delta": math.nan, "noise_multiplier": math.inf, "sample_rate": math.nan},
+    {"epsilon_budget": math.inf},
+    {"epsilon": -math.inf},
+    {"extra_epsilon": math.nan},
+)
+
+
+@pytest.mark.parametrize("changes", NON_FINITE_REPORTS, ids=lambda c: ",".join(c))
+async def test_a_compact_report_with_non_finite_numbers_is_refused(
+    api: Api, changes: dict[str, float]
+) -> None:
+    """msgpack carries NaN and ±inf, which JSON cannot: a member's shares, compact, with
+    its privacy report signed over those values is refused before anything is stored or
+    logged, with a sentence naming the field."""
+    cohort, keys = await _at_share_keys(api)
+    path = "/v1/rounds/1/shares"
+    shares = cohort.share_keys("a0", keys)
+    report = privacy_report("a0", **changes).sign(api.fed.identities["a0"])
+    raw = compact.encode(msgspec.structs.replace(shares, report=report))
+
+    def send() -> Awaitable[tuple[int, bytes, str]]:
+        headers = api.headers("a0", "POST", path, raw)
+        headers["Content-Type"] = compact.MEDIA_TYPE
+        return api.send("POST", path, raw, headers)
+
+    logged = log_entries(api.fed.ws)
+    detail = await api.refused(400, "bad_request", send)
+    # NaN fails a field's range (msgspec names it); an infinity in range is not finite
+    assert f".{next(iter(changes))}`" in detail, detail
+    assert log_entries(api.fed.ws) == logged
+    assert api.fed.ws.state.reports.get(1, 0, "a0") is None
+    # the same member's honest shares and report still go through
+    honest = msgspec.structs.replace(
+        shares, report=privacy_report("a0").sign(api.fed.identities["a0"])
+    )
+    await api.ok("a0", "POST", path, honest)

@@ -10,6 +10,7 @@ file at fault, never with a traceback.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -616,3 +617,32 @@ def test_a_receipt_that_is_not_a_receipt_fails(workspace_copy: Path) -> None:
     path.write_bytes(b'{"hello": "world"}')
     problem = fails(workspace_copy, path)
     assert str(path) in problem and "unreadable" in problem, problem
+
+
+# -- numbers the log's standard JSON cannot hold (issue 32 item 6) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"delta": math.nan, "noise_multiplier": math.inf, "sample_rate": math.nan},
+        {"epsilon_budget": math.inf},
+        {"noise_multiplier": math.inf},
+        {"sample_rate": math.nan},
+    ],
+    ids=lambda c: ",".join(c),
+)
+def test_a_privacy_report_with_non_finite_numbers_is_named(
+    workspace_copy: Path, changes: dict[str, float]
+) -> None:
+    """An aggregator that let NaN or infinity through (as before issue 32) wrote them into
+    the log; the member signed them, the operator re-signs every head.  Verification names
+    the entry and the member instead of stopping on an exception."""
+    index = _redeclare(
+        workspace_copy, lambda r: msgspec.structs.replace(r, **changes, signature="")
+    )
+    line = read_lines(workspace_copy)[index]
+    assert b"NaN" in line or b"Infinity" in line
+    problem = fails(workspace_copy)
+    assert names_entry(problem, index), problem
+    assert "agent-3" in problem and next(iter(changes)) in problem, problem
