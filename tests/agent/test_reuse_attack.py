@@ -31,9 +31,9 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.cli import main as fedsec_cli
-from fedsec.crypto.quantize import dequantize_sum
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
 from fedsec.protocol import wire
+from fedsec.protocol.update_codec import codec_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,25 +84,34 @@ class DifferencingAggregator:
 
 
 def _victim_update(root: Path, spec: wire.RoundSpec) -> np.ndarray:
-    """The victim's weighted update as it sent it (its vault's quantized vector)."""
+    """The victim's weighted update as it sent it: its vault's ring vector, decoded by
+    the round's codec as the aggregator decodes a sum."""
     ring = Vault(root / VICTIM).load_update(1, 0).update
-    quant = spec.quant_spec()
-    weighted, _ = dequantize_sum((ring & quant.ring_mask).astype(quant.dtype), 1, quant)
+    weighted, _ = codec_for(spec).decode_one(ring)
     return np.asarray(weighted, dtype=np.float64)
 
 
-def run_attack(root: Path) -> tuple[float, float, DifferencingAggregator]:
-    """Run the attack; return the correlation of the recovered vector with the
-    victim's update, its relative error, and the hook (with both sums)."""
+#: distributed DP, record level: one DP-SGD step over the union, noise shared out.
+#: With 5 members, attempt 1's 4 size the noise for the same ceil(0.8 n) = 4 survivors
+#: as attempt 0's 5: the same spec settings, which the old code reused an update for.
+DISTRIBUTED = {"mode": "distributed", "unit": "record", "sample_rate": 0.2}
+
+
+def run_attack(
+    root: Path, dp: dict[str, Any] | None = None, members: int = AGENTS
+) -> tuple[float, float, DifferencingAggregator]:
+    """Run the attack (with ``dp`` overriding the [dp] section); return the correlation
+    of the recovered vector with the victim's update, its relative error, and the hook
+    (with both sums)."""
     text = federation_toml(
         "fed",
         TASK,
         # 16 bits: the rounding error is far below the update, as in the review
         round_={"rounds": 1, "min_agents": 3, "secure_sum": "secagg", "quant_bits": 16},
-        dp={"noise_multiplier": NOISE},
+        dp={"noise_multiplier": NOISE, **(dp or {})},
     )
     ws = create_federation(root, "fed", TASK, text)
-    agents = enrol_agents(ws, root, AGENTS)
+    agents = enrol_agents(ws, root, members)
     coordinator = Coordinator(ws)
     hook = DifferencingAggregator(coordinator)
 
@@ -119,11 +128,12 @@ def run_attack(root: Path) -> tuple[float, float, DifferencingAggregator]:
                         aggregator_public=ws.signer.public_bytes,
                         task=TASK,
                         part_index=i,
-                        parts=AGENTS,
+                        parts=members,
                         partition="iid",
                         seed=0,
                         epsilon=8.0,
                         device="cpu",
+                        allow_distributed=dp is not None and dp.get("mode") == "distributed",
                     ),
                     a.identity,
                     poll_timeout_s=2.0,
@@ -164,11 +174,17 @@ def test_differencing_two_attempts_does_not_recover_a_members_update(
     assert all("training anew on a fresh charge" in m for m in retrained)
 
 
-def test_every_release_is_a_charge_in_the_ledger(tmp_path: Path) -> None:
-    _, _, hook = run_attack(tmp_path)
+@pytest.mark.parametrize(
+    ("dp", "members"), [(None, AGENTS), (DISTRIBUTED, 5)], ids=["local", "distributed"]
+)
+def test_every_release_is_a_charge_in_the_ledger(
+    tmp_path: Path, dp: dict[str, Any] | None, members: int
+) -> None:
+    """Distributed DP: each sum carries fresh noise shares, so each is a release."""
+    _, _, hook = run_attack(tmp_path, dp, members)
 
     assert len(hook.sums) == 2  # two sums were released: attempts 0 and 1
-    for i in range(1, AGENTS + 1):
+    for i in range(1, members + 1):
         member = f"agent-{i}"
         ledger = PrivacyLedger(tmp_path / member)
         (dataset,) = ledger.datasets()
@@ -187,7 +203,7 @@ def test_every_release_is_a_charge_in_the_ledger(tmp_path: Path) -> None:
 
     # the auditor, from the log alone, finds the same ε: two releases, two charges
     args = ["audit", "verify", "--workspace", str(tmp_path), "--json"]
-    for i in range(1, AGENTS + 1):
+    for i in range(1, members + 1):
         args += ["--receipts", str(tmp_path / f"agent-{i}" / "receipts")]
     result = CliRunner().invoke(fedsec_cli, args)
     doc = json.loads(result.stdout.strip().splitlines()[-1])
