@@ -28,6 +28,7 @@ Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -902,7 +903,7 @@ def non_finite(value: Any) -> tuple[str, float] | None:
         return None if math.isfinite(value) else ("$", value)
     items: Iterable[tuple[Any, Any]]
     if isinstance(value, msgspec.Struct):
-        items = ((name, getattr(value, name)) for name in value.__struct_fields__)
+        items = ((name, getattr(value, name)) for name in _float_fields(type(value)))
     elif isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list | tuple):
@@ -915,6 +916,36 @@ def non_finite(value: Any) -> tuple[str, float] | None:
             # the path is built only for the one bad value, not for every good one
             return "$" + _step(key) + found[0][1:], found[1]
     return None
+
+
+@functools.cache
+def _float_fields(cls: type[msgspec.Struct]) -> tuple[str, ...]:
+    """The fields of ``cls`` whose type can hold a float, at any depth: the only ones
+    :func:`non_finite` looks into (a share list of 100 members then costs nothing)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return tuple(f.name for f in info.fields if _may_hold_float(f.type, set()))
+
+
+def _may_hold_float(t: msgspec.inspect.Type, seen: set[type]) -> bool:
+    ins = msgspec.inspect
+    if isinstance(t, ins.FloatType):
+        return True
+    if isinstance(t, ins.StructType):
+        if t.cls in seen:  # a recursive struct: its floats are found where first met
+            return False
+        seen.add(t.cls)
+        return any(_may_hold_float(f.type, seen) for f in t.fields)
+    if isinstance(t, ins.UnionType):
+        return any(_may_hold_float(u, seen) for u in t.types)
+    if isinstance(t, ins.ListType | ins.SetType | ins.FrozenSetType | ins.VarTupleType):
+        return _may_hold_float(t.item_type, seen)
+    if isinstance(t, ins.TupleType):
+        return any(_may_hold_float(u, seen) for u in t.item_types)
+    if isinstance(t, ins.DictType):
+        return _may_hold_float(t.key_type, seen) or _may_hold_float(t.value_type, seen)
+    no_float = (ins.StrType, ins.IntType, ins.BoolType, ins.BytesType, ins.LiteralType)
+    return not isinstance(t, (*no_float, ins.NoneType, ins.ByteArrayType, ins.EnumType))
 
 
 def check_finite(value: Any, what: str) -> None:
