@@ -283,7 +283,11 @@ def dashboard_token(workspace: Path, observer: str, scope: str, ttl_s: float | N
             err=True,
         )
         if scope == "dashboard":
-            click.echo(f"open: {_served_url(ws)}/dashboard?token={token}", err=True)
+            # the token goes into the sign-in form, never into an address (history, logs)
+            click.echo(
+                f"open {_served_url(ws)}/dashboard and paste the token into its sign-in form",
+                err=True,
+            )
         else:
             click.echo("scrape with the header  Authorization: Bearer <token>", err=True)
     finally:

@@ -484,12 +484,25 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "dashboard",
         "GET",
         "/dashboard",
-        "the operator dashboard (HTML); ?token= exchanges a dashboard token for a "
-        "session cookie and redirects",
+        "the operator dashboard (HTML); a browser without a session gets the sign-in form "
+        "(401)",
         PUBLIC,
         response=Opaque("HTML page"),
-        answer_note="the page, or 303 to it",
-        params=(Param("token", "query", {"type": "string", "maxLength": 128}),),
+        answer_note="the page",
+        scope="dashboard",
+        prefixed=False,
+    ),
+    Endpoint(
+        "dashboard_session",
+        "POST",
+        "/dashboard",
+        "the sign-in form: trades a dashboard token, sent form-encoded in the body "
+        "(token=...), for a session cookie and redirects (303) to the dashboard; the token "
+        "is never in an address",
+        PUBLIC,
+        request=Opaque("form: token=<dashboard token>"),
+        response=Opaque("303 to /dashboard, Set-Cookie"),
+        answer_note="303 to the dashboard",
         scope="dashboard",
         prefixed=False,
     ),

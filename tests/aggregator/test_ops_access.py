@@ -2,7 +2,7 @@
 the aggregator's own machine (a loopback peer *and* a loopback ``Host``, so a page
 elsewhere cannot reach them by DNS rebinding) and otherwise need an observer's token of
 the right scope, which stops working when it expires, is revoked, or its observer is;
-the dashboard trades a token in its address for an HttpOnly, SameSite=Strict cookie;
+the dashboard's sign-in form trades a posted token for an HttpOnly, SameSite=Strict cookie;
 query parameters are checked; a turned-off dashboard is not there.  Every refusal
 leaves the durable state as it was and never echoes the token.  The dashboard is served
 with a strict Content-Security-Policy, and its snapshot carries no key, share or vector.
@@ -418,21 +418,36 @@ def _cookie(answer: RawAnswer) -> Any:
     return jar[COOKIE], header
 
 
+async def sign_in(
+    site: Site, body: bytes, headers: tuple[tuple[str, str], ...] = (), host: str | None = None
+) -> RawAnswer:
+    """``POST /dashboard`` as the sign-in form sends it (form-encoded ``token=...``)."""
+    items = [
+        ("Host", host or site.loopback),
+        ("Content-Type", "application/x-www-form-urlencoded"),
+        *headers,
+    ]
+    head = request_head("POST", "/dashboard", items, content_length=len(body))
+    answer = await exchange(site.port, head + body, timeout=5.0)
+    assert answer.status < 500, answer
+    return answer
+
+
 @pytest.mark.asyncio
-async def test_a_token_in_the_address_becomes_a_strict_session_cookie(sites: StartSite) -> None:
+async def test_a_posted_token_becomes_a_strict_session_cookie(sites: StartSite) -> None:
     site = await sites(**CLOSED)
     token = site.issue()
     before = durable_state(site.fed.ws)
-    answer = await site.get(f"/dashboard?token={token}")
+    answer = await sign_in(site, f"token={token}".encode())
     assert answer.status == 303, answer
-    assert answer.headers["Location"] == "/dashboard"  # the token leaves the address bar
+    assert answer.headers["Location"] == "/dashboard"
     morsel, header = _cookie(answer)
     assert morsel.value == token
     assert morsel["path"] == "/dashboard"
     assert morsel["httponly"] is True
     assert morsel["samesite"] == "Strict"
     assert morsel["max-age"] == str(int(site.fed.ws.config.dashboard.token_ttl_s))
-    assert "Secure" not in header  # plain HTTP on loopback; set when served over TLS
+    assert "Secure" not in header  # plain HTTP on loopback (peer and Host)
     assert token not in answer.body.decode()
     assert_unchanged(before, durable_state(site.fed.ws))
 
@@ -451,19 +466,24 @@ async def test_a_token_in_the_address_becomes_a_strict_session_cookie(sites: Sta
 
 
 @pytest.mark.asyncio
-async def test_a_bad_token_in_the_address_sets_no_cookie(sites: StartSite) -> None:
+async def test_a_bad_posted_token_sets_no_cookie(sites: StartSite) -> None:
     site = await sites(**CLOSED)
     bad = "fdt_" + "ab" * 32
-    error, detail = await site.refused(401, f"/dashboard?token={bad}")
-    assert error == "unauthenticated" and "ab" * 8 not in detail
-    await site.refused(401, "/dashboard?token=not-a-token")
-    await site.refused(401, "/dashboard?token=")
     expired = site.issue(now=time.time() - 2 * HOUR)
-    _, detail = await site.refused(401, f"/dashboard?token={expired}")
-    assert "expired" in detail
-    # a scrape token does not open the dashboard
-    error, _ = await site.refused(403, f"/dashboard?token={site.issue('metrics')}")
-    assert error == "forbidden"
+    for body, status, code in (
+        (f"token={bad}", 401, "unauthenticated"),
+        ("token=not-a-token", 401, "unauthenticated"),
+        ("token=", 401, "unauthenticated"),
+        (f"token={expired}", 401, "unauthenticated"),
+        (f"token={site.issue('metrics')}", 403, "forbidden"),  # a scrape token
+    ):
+        before = durable_state(site.fed.ws)
+        answer = await sign_in(site, body.encode())
+        assert answer.status == status, (body, answer)
+        error, detail = answer.error()
+        assert error == code and "ab" * 8 not in detail
+        assert "Set-Cookie" not in answer.headers
+        assert_unchanged(before, durable_state(site.fed.ws))
     # a cookie holding a bad token is refused like the header
     await site.refused(401, "/dashboard/api/snapshot", headers=(("Cookie", f"{COOKIE}={bad}"),))
 
@@ -527,7 +547,8 @@ async def test_a_turned_off_dashboard_is_not_there(sites: StartSite) -> None:
         assert error == "not_found" and "dashboard.enabled = false" in detail
         await site.refused(404, target, token=token)
     # nor a token traded for a cookie, nor its files
-    await site.refused(404, f"/dashboard?token={token}")
+    answer = await sign_in(site, f"token={token}".encode())
+    assert answer.status == 404 and "Set-Cookie" not in answer.headers
     await site.refused(404, "/dashboard/assets/dashboard.js")
     # the scrape is another matter
     assert (await site.get("/metrics")).status == 200
@@ -573,7 +594,8 @@ def test_dashboard_tokens_are_issued_listed_and_revoked_from_the_command_line(
     (row,) = ws.state.tokens.all()
     assert row.expires_at - row.issued_at == ws.config.dashboard.token_ttl_s
     assert f"dashboard token for obs, id {row.sha256[:12]}" in result.stderr
-    assert f"/dashboard?token={token}" in result.stderr
+    assert "/dashboard and paste the token into its sign-in form" in result.stderr
+    assert token not in result.stderr  # never in an address to open
 
     result = _aggregator(
         "dashboard-token", "--workspace", root, "--observer", "obs2", "--scope", "metrics",
@@ -638,7 +660,7 @@ async def test_every_dashboard_answer_carries_a_strict_content_security_policy(
     token = site.issue()
     answers = [
         await site.get("/dashboard"),
-        await site.get(f"/dashboard?token={token}"),
+        await sign_in(site, f"token={token}".encode()),
         await site.get("/dashboard/api/snapshot"),
         await site.get("/dashboard/api/events"),
         await site.get("/dashboard/assets/dashboard.js"),

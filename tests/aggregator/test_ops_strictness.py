@@ -28,7 +28,7 @@ from fedsec.archive import Archive
 from fedsec.config import parse_federation_config
 from fedsec.errors import ConfigError
 from fedsec.protocol import wire
-from tests.aggregator.test_ops_access import Site, _federation
+from tests.aggregator.test_ops_access import Site, _federation, sign_in
 from tests.support.aggregator import FakeClock, Federation, config_text, make_federation
 from tests.support.hostile import (
     HOST,
@@ -347,3 +347,105 @@ def test_a_request_with_no_host_is_not_loopback() -> None:
     request = make_mocked_request("GET", "/metrics", headers={}, transport=transport)
     assert request.remote == "127.0.0.1" and request.host.startswith("127.0.0.1")
     assert not is_loopback(request)
+
+
+# -- item 5: the dashboard's token is posted, never put in an address --------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_token_in_the_address_opens_no_session(sites: StartSite) -> None:
+    site = await sites(**CLOSED)
+    token = site.issue()
+    before = durable_state(site.fed.ws)
+    answer = await site.get(f"/dashboard?token={token}")
+    assert answer.status == 400 and answer.error()[0] == "bad_request"
+    assert "Set-Cookie" not in answer.headers and token not in answer.body.decode()
+    assert_unchanged(before, durable_state(site.fed.ws))
+
+
+@pytest.mark.asyncio
+async def test_a_browser_without_a_session_gets_the_sign_in_form(sites: StartSite) -> None:
+    site = await sites(**CLOSED)
+    answer = await site.get("/dashboard", headers=(("Accept", "text/html,*/*;q=0.8"),))
+    assert answer.status == 401 and answer.headers["Content-Type"].startswith("text/html")
+    page = answer.body.decode()
+    assert re.search(r'<form method="post" action="/dashboard"', page), page
+    assert 'name="token" type="password"' in page
+    assert "<script" not in page
+    csp = answer.headers["Content-Security-Policy"]
+    assert "form-action 'self'" in csp and "script-src 'self'" in csp
+    # the same form again after a refused sign-in, and no cookie
+    refused = await sign_in(site, b"token=fdt_" + b"0" * 64, headers=(("Accept", "text/html"),))
+    assert refused.status == 401 and b'action="/dashboard"' in refused.body
+    assert "Set-Cookie" not in refused.headers
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("host", "secure"),
+    [
+        ("{loopback}", False),  # the operator on the aggregator's machine
+        ("localhost:{port}", False),
+        ("dashboard.example.org", True),  # a TLS-terminating proxy forwarding its Host
+        ("10.0.0.7:{port}", True),
+    ],
+)
+async def test_the_session_cookie_is_secure_unless_plain_loopback(
+    sites: StartSite, host: str, secure: bool
+) -> None:
+    site = await sites(**CLOSED)
+    host = host.format(loopback=site.loopback, port=site.port)
+    answer = await sign_in(site, f"token={site.issue()}".encode(), host=host)
+    assert answer.status == 303, answer
+    (header,) = answer.headers.getall("Set-Cookie")
+    assert ("Secure" in header.split("; ")) == secure, header
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "headers",
+    [
+        (("Origin", "https://evil.example"),),
+        (("Sec-Fetch-Site", "cross-site"),),
+        (("Sec-Fetch-Site", "same-site"),),
+    ],
+)
+async def test_a_sign_in_posted_from_another_site_is_refused(
+    sites: StartSite, headers: tuple[tuple[str, str], ...]
+) -> None:
+    site = await sites(**CLOSED)
+    token = site.issue()
+    before = durable_state(site.fed.ws)
+    answer = await sign_in(site, f"token={token}".encode(), headers=headers)
+    assert answer.status == 403 and answer.error()[0] == "forbidden"
+    assert "Set-Cookie" not in answer.headers
+    assert_unchanged(before, durable_state(site.fed.ws))
+    same = (("Origin", f"http://{site.loopback}"), ("Sec-Fetch-Site", "same-origin"))
+    assert (await sign_in(site, f"token={token}".encode(), headers=same)).status == 303
+    # our own form, sent under Referrer-Policy: no-referrer, posts "Origin: null"
+    ours = (("Origin", "null"), ("Sec-Fetch-Site", "same-origin"))
+    assert (await sign_in(site, f"token={token}".encode(), headers=ours)).status == 303
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("body", "content_type", "status"),
+    [
+        (b"token=fdt_" + b"a" * 64, "application/json", 400),
+        (b"token=a&token=b", None, 400),
+        (b"token=a&other=b", None, 400),
+        (b"tok=a", None, 400),
+        (b"token=fdt_\xff" + b"a" * 63, None, 400),
+        (b"token=" + b"a" * 2000, None, 413),
+    ],
+)
+async def test_a_malformed_sign_in_is_a_4xx_and_sets_no_cookie(
+    sites: StartSite, body: bytes, content_type: str | None, status: int
+) -> None:
+    site = await sites(**CLOSED)
+    before = durable_state(site.fed.ws)
+    headers = (("Content-Type", content_type),) if content_type else ()
+    answer = await sign_in(site, body, headers=headers)
+    assert answer.status == status, answer
+    assert "Set-Cookie" not in answer.headers
+    assert_unchanged(before, durable_state(site.fed.ws))

@@ -8,8 +8,9 @@ participation_dropped alert; every view must render its rows; and the page must 
 under its Content-Security-Policy without one console error.  Distributed-DP rounds in
 the history show their realised noise and wraps, and a round whose sum had coordinates
 at the ring's edge is flagged.  With loopback closed
-(``[dashboard] loopback_open = false``) the page is refused without a token and opens
-with one, which then lives only in an HttpOnly cookie.
+(``[dashboard] loopback_open = false``) the page is refused without a token, offering
+its sign-in form, and opens with one posted there, which then lives only in an
+HttpOnly cookie and never in an address.
 """
 
 from __future__ import annotations
@@ -150,19 +151,28 @@ def test_dashboard_needs_a_token_when_loopback_is_closed(tmp_path: Path) -> None
         chromium(tmp_path / "profile") as browser,
     ):
         page = browser.new_page()
+        addresses: list[str] = []
+        page.on("request", lambda request: addresses.append(request.url))
         refused = page.goto(f"{fed.url}/dashboard")
-        assert refused is not None and refused.status == 401
+        assert refused is not None and refused.status == 401  # the sign-in form
         assert page.get_by_test_id("now-round").count() == 0
         assert browser.request.get(f"{fed.url}/dashboard/api/snapshot").status == 401
-        forged = page.goto(f"{fed.url}/dashboard?token=fdt_{'0' * 64}")
-        assert forged is not None and forged.status == 401
+        page.get_by_test_id("sign-in-token").fill(f"fdt_{'0' * 64}")
+        with page.expect_navigation() as forged:
+            page.get_by_test_id("sign-in").click()
+        assert forged.value is not None and forged.value.status == 401
         assert browser.cookies() == []
 
         token = _issue_dashboard_token(fed.workspace)
-        opened = page.goto(f"{fed.url}/dashboard?token={token}")
+        page.get_by_test_id("sign-in-token").fill(token)
+        with page.expect_navigation(url=f"{fed.url}/dashboard") as signed_in:
+            page.get_by_test_id("sign-in").click()
+        opened = signed_in.value
         assert opened is not None and opened.status == 200
         assert opened.request.redirected_from is not None  # the 303 that set the cookie
-        assert page.url == f"{fed.url}/dashboard"  # the token left the address bar
+        assert opened.request.redirected_from.method == "POST"
+        assert page.url == f"{fed.url}/dashboard"
+        assert not any(token in address for address in addresses)  # never in an address
         (cookie,) = browser.cookies()
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert cookie["value"] == token

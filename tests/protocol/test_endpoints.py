@@ -79,11 +79,11 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_38_distinct_routes() -> None:
+def test_the_table_lists_39_distinct_routes() -> None:
     # 20 protocol routes (SecAgg+ consistency: a signature up, a proof down), 6 audit
-    # (challenges, reveals, verdicts, quarantine), 6 operations, 6 of homomorphic
+    # (challenges, reveals, verdicts, quarantine), 7 operations, 6 of homomorphic
     # summation (context, sum, decryption; the log and its archive)
-    assert len(ENDPOINTS) == 38
+    assert len(ENDPOINTS) == 39
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
     # only the browser's and the scraper's routes live outside the API prefix
@@ -121,6 +121,7 @@ def test_only_health_openapi_and_the_dashboard_code_are_public() -> None:
     tokens = {ep.name: ep.scope for ep in ENDPOINTS if ep.auth == "token"}
     assert tokens == {
         "dashboard": "dashboard",
+        "dashboard_session": "dashboard",  # the token in the sign-in form's body
         "dashboard_snapshot": "dashboard",
         "dashboard_events": "dashboard",
         "metrics": "metrics",

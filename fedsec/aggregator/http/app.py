@@ -80,6 +80,7 @@ _HANDLERS: dict[str, Handler] = {
     "post_quarantine": handlers.post_quarantine,
     "ack_alert": ops.ack_alert,
     "dashboard": ops.dashboard,
+    "dashboard_session": ops.dashboard_session,
     "dashboard_asset": ops.dashboard_asset,
     "dashboard_snapshot": ops.dashboard_snapshot,
     "dashboard_events": ops.dashboard_events,

@@ -3,11 +3,12 @@
 
 Browsers and Prometheus cannot sign requests, so the dashboard and the scrape take an
 observer's bearer token (:mod:`fedsec.aggregator.ops.tokens`) in ``Authorization:
-Bearer``, or, for the dashboard, in the session cookie that ``GET /dashboard?token=``
-sets (HttpOnly, SameSite=Strict, scoped to ``/dashboard``; the redirect drops the token
-from the address bar and history).  Where the configuration allows, a loopback request
-needs no token: both the peer address and the ``Host`` header must be loopback, so a web
-page elsewhere cannot reach it through DNS rebinding.
+Bearer``, or, for the dashboard, in the session cookie that the sign-in form's
+``POST /dashboard`` sets (HttpOnly, SameSite=Strict, scoped to ``/dashboard``, Secure
+but on plain loopback); the token travels in the form's body, never in an address.
+Where the configuration allows, a loopback request needs no token: both the peer
+address and the ``Host`` header must be loopback, so a web page elsewhere cannot reach
+it through DNS rebinding.
 
 Every answer of these endpoints is read-only, and every page is served with a strict
 Content-Security-Policy: the dashboard runs only its own script and talks only to its
@@ -21,6 +22,7 @@ import contextlib
 import ipaddress
 import re
 import time
+import urllib.parse
 from importlib import resources
 from typing import Final
 
@@ -28,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 from fedsec.aggregator.http.auth import authenticate, read_unsigned_body
-from fedsec.aggregator.http.errors import json_response, quote
+from fedsec.aggregator.http.errors import json_response, log, quote
 from fedsec.aggregator.http.keys import COORDINATOR, OPS, WORKSPACE
 from fedsec.aggregator.http.longpoll import CHANGED
 from fedsec.aggregator.http.params import decode_json
@@ -36,7 +38,13 @@ from fedsec.aggregator.ops import tokens
 from fedsec.aggregator.ops.metrics import CONTENT_TYPE
 from fedsec.aggregator.rounds.alerts import alert_view
 from fedsec.aggregator.transport import mark_authenticated
-from fedsec.errors import AuthError, NotFound, PayloadError, ServerBusy
+from fedsec.errors import (
+    AuthError,
+    ForbiddenError,
+    NotFound,
+    PayloadError,
+    ServerBusy,
+)
 from fedsec.protocol import wire
 from fedsec.protocol.endpoints import TokenScope
 
@@ -52,6 +60,13 @@ _HEADERS: Final = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
     "X-Frame-Options": "DENY",
+}
+#: The sign-in form's headers: the dashboard's, but its form may post to its own origin.
+_SIGN_IN_HEADERS: Final = {
+    **_HEADERS,
+    "Content-Security-Policy": _HEADERS["Content-Security-Policy"].replace(
+        "form-action 'none'", "form-action 'self'"
+    ),
 }
 #: The dashboard's files, by the name in its URL, and their content types.
 ASSETS: Final = {
@@ -74,6 +89,11 @@ LIVENESS_S: Final = 1.0
 #: With no change, a snapshot is still pushed this often (the countdown and "last
 #: seen" stay current; proxies see traffic and keep the stream open).
 HEARTBEAT_S: Final = 15.0
+#: A sign-in body is token=fdt_ and 64 hex digits, form-encoded: 74 bytes; 1 KiB leaves
+#: room for what a browser may add, and bounds what anyone can make us read.
+SIGN_IN_BODY_BYTES: Final = 1024
+#: What an HTML form posts.
+FORM: Final = "application/x-www-form-urlencoded"
 #: An acknowledgement is {"token": 64 hex digits}: 80 bytes; 1 KiB leaves room for spaces.
 ACK_BODY_BYTES: Final = 1024
 #: A ``Host`` header: a bracketed IPv6 address or a name (no brackets or colons), then
@@ -181,27 +201,114 @@ def _asset(name: str) -> bytes:
 
 
 async def dashboard(request: web.Request) -> web.StreamResponse:
-    _only_params(request, ("token",))
+    _only_params(request)
     _dashboard_on(request)
-    token = request.query.get("token")
-    if token is not None:
-        ws = request.app[WORKSPACE]
-        tokens.check(ws.state.tokens, ws.roster, token, "dashboard", time.time())
-        answer = web.HTTPSeeOther("/dashboard", headers=_HEADERS)
-        answer.set_cookie(
-            COOKIE,
-            token,
-            path="/dashboard",
-            httponly=True,
-            samesite="Strict",
-            secure=request.secure,
-            max_age=int(ws.config.dashboard.token_ttl_s),
-        )
-        raise answer
-    require_access(request, "dashboard")
+    try:
+        require_access(request, "dashboard")
+    except AuthError as exc:
+        if not _from_browser(request) or isinstance(exc, ForbiddenError):
+            raise
+        return _sign_in(status=401)
     return web.Response(
         body=_asset("dashboard.html"), content_type="text/html", charset="utf-8", headers=_HEADERS
     )
+
+
+async def dashboard_session(request: web.Request) -> web.StreamResponse:
+    """The sign-in form's POST: trade a dashboard token, sent in the body, for the
+    session cookie, and go to the dashboard (303).  The token is never in an address,
+    so neither the browser's history nor a proxy's access log holds it."""
+    _only_params(request)
+    _dashboard_on(request)
+    _same_site(request)
+    # unauthenticated until the token is checked: a small bound, the header deadline
+    body = await read_unsigned_body(request, SIGN_IN_BODY_BYTES)
+    token = _form_token(request, body)
+    ws = request.app[WORKSPACE]
+    try:
+        tokens.check(ws.state.tokens, ws.roster, token, "dashboard", time.time())
+    except AuthError as exc:
+        if not _from_browser(request):
+            raise
+        log.info("event=dashboard_sign_in_refused reason=%s peer=%s", exc.code, request.remote)
+        return _sign_in(status=exc.http_status)
+    answer = web.HTTPSeeOther("/dashboard", headers=_HEADERS)
+    answer.set_cookie(
+        COOKIE,
+        token,
+        path="/dashboard",
+        httponly=True,
+        samesite="Strict",
+        secure=secure_cookie(request),
+        max_age=int(ws.config.dashboard.token_ttl_s),
+    )
+    raise answer
+
+
+def secure_cookie(request: web.Request) -> bool:
+    """Whether the session cookie is ``Secure``: always, but for a plain-HTTP request
+    that is loopback by both peer and ``Host`` (the operator on the aggregator's own
+    machine).  A plain-HTTP request from anywhere else came through a TLS-terminating
+    proxy (the browser speaks HTTPS to it), or crossed a network in the clear, where a
+    browser then refuses the cookie: either way no token travels unencrypted.  A proxy
+    on the same machine that forwards the public ``Host`` gets ``Secure`` too; one that
+    rewrites ``Host`` to loopback should not be run with ``dashboard.loopback_open``."""
+    return request.secure or not is_loopback(request)
+
+
+def _from_browser(request: web.Request) -> bool:
+    """A browser navigating (it asks for HTML): it gets the sign-in form, not JSON."""
+    return "text/html" in request.headers.get("Accept", "")
+
+
+def _sign_in(status: int) -> web.Response:
+    return web.Response(
+        body=_asset("sign-in.html"),
+        status=status,
+        content_type="text/html",
+        charset="utf-8",
+        headers=_SIGN_IN_HEADERS,
+    )
+
+
+def _same_site(request: web.Request) -> None:
+    """Refuse a sign-in posted by a page of another site (login CSRF: it would sign the
+    operator's browser into the poster's session).
+
+    Raises:
+        ForbiddenError: ``Sec-Fetch-Site`` or ``Origin`` says another site posted it.
+    """
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    origin = request.headers.get("Origin")
+    host = (request.headers.get("Host") or "").lower()
+    cross = fetch_site not in (None, "same-origin", "none")
+    # a page sent with Referrer-Policy: no-referrer (ours) posts "Origin: null"; there
+    # Sec-Fetch-Site, which every current browser sends, says where the post came from
+    if origin is not None and origin != "null":
+        cross = cross or urllib.parse.urlsplit(origin).netloc.lower() != host
+    if cross:
+        raise ForbiddenError("a dashboard sign-in posted from another site is refused")
+
+
+def _form_token(request: web.Request, body: bytes) -> str:
+    """The ``token`` field of a form-encoded sign-in body.
+
+    Raises:
+        PayloadError: the body is not ``application/x-www-form-urlencoded``, or not one
+            ``token`` field of ASCII.
+    """
+    if request.content_type != FORM:
+        raise PayloadError(f"a dashboard sign-in is a form ({FORM})")
+    try:
+        fields = urllib.parse.parse_qs(
+            body.decode("ascii"), keep_blank_values=True, strict_parsing=True, max_num_fields=1
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise PayloadError("a dashboard sign-in is one field, token=<dashboard token>") from None
+    values = fields.get("token", [])
+    if len(fields) != 1 or len(values) != 1:
+        raise PayloadError("a dashboard sign-in is one field, token=<dashboard token>")
+    return values[0]
 
 
 async def dashboard_asset(request: web.Request) -> web.Response:

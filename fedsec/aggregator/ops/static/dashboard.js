@@ -236,7 +236,8 @@
             "The aggregator refused this session (HTTP " +
               resp.status +
               "): open the " +
-              "dashboard again with a fresh token (fedsec aggregator dashboard-token).",
+              "dashboard again (reload) and sign in with a fresh token (fedsec aggregator " +
+              "dashboard-token).",
           );
         } else if (!resp.ok) {
           report("disconnected", "the aggregator answered HTTP " + resp.status);
