@@ -9,6 +9,14 @@ mkdir -p "$out"
 echo "== secagg (SecAgg+ n=100 d=1e6 k=7 t=4 b=8, 10% lost after share keys)"
 $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
   --neighbors 7 --threshold 4 --bits 8 --repeat 3 --json | tee "$out/secagg.jsonl"
+echo "== secagg ring widths (bit packing): b = 2, 4, 6 (9-13-bit rings), then --ring-bits 16-32"
+for args in "--bits 2" "--bits 4" "--bits 6" "--bits 8 --ring-bits 16" "--bits 8 --ring-bits 20" \
+    "--bits 8 --ring-bits 23" "--bits 8 --ring-bits 24" "--bits 8 --ring-bits 27" \
+    "--bits 8 --ring-bits 32"; do
+  # shellcheck disable=SC2086  # $args is several options
+  $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
+    --neighbors 7 --threshold 4 $args --repeat 3 --json | tee -a "$out/secagg.jsonl"
+done
 echo "== secagg classic (k = n-1, n=100 d=1e5)"
 $FEDSEC bench secagg --clients 100 --dim 100000 --dropout 0.1 --dropout-stage masked \
   --neighbors 99 --bits 8 --repeat 3 --json | tee "$out/secagg-classic.jsonl"
@@ -21,6 +29,11 @@ done
 # for rounds x local_epochs epochs (SIM_DEFAULTS in fedsec/simulation.py).  The IID runs
 # with and without SecAgg+ give the secure-summation wall-time overhead.
 SIM="$FEDSEC simulate --task mnist1d --agents 50 --quant-bits 8 --seed 0 --json"
+echo "== simulate mnist1d, 10 agents, 15 rounds, seeds 0-2: make bench-check's accuracy baseline"
+for seed in 0 1 2; do
+  $FEDSEC simulate --task mnist1d --agents 10 --rounds 15 --secure-sum secagg --dp-epsilon none \
+    --seed $seed --json | tee -a "$out/simulate.jsonl"
+done
 echo "== simulate mnist1d, 50 agents, IID, SecAgg+"
 $SIM --rounds 150 --partition iid --secure-sum secagg --dp-epsilon none | tee -a "$out/simulate.jsonl"
 echo "== simulate mnist1d, 50 agents, IID, no secure summation"
