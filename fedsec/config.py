@@ -157,7 +157,8 @@ DOCS: dict[str, str] = {
     "server.body_timeout_s": "A request body must arrive within this many seconds of its "
     "headers, else the request is refused (408) and the connection closed; 120 s carries a "
     "64 MiB body over a 5 Mbit/s link.",
-    "server.max_connections": "Open connections at once; more are closed on accept. A member "
+    "server.max_connections": "Open connections at once; at the limit a new one displaces the "
+    "oldest idle unauthenticated connection, or is closed on accept if there is none. A member "
     "holds one or two (a long-poll and a request), so 512 serves a few hundred members below "
     "the common 1024 file-descriptor limit.",
     "server.max_connections_per_peer": "Unauthenticated connections one peer (an IPv4 address, "

@@ -19,8 +19,14 @@ arms its own deadline for the first request.  With TLS, the handshake has the sa
 allowance (``ssl_handshake_timeout``) before the connection counts.  The body has its own
 deadline, ``server.body_timeout_s``, enforced by the application.
 
-**Connection limit.**  At most ``server.max_connections`` connections are open at once; one
-more is closed as soon as it is accepted, logged at INFO (throttled).
+**Connection limits.**  At most ``server.max_connections`` connections are open at once,
+and at most ``server.max_connections_per_peer`` unauthenticated ones from one peer (an IPv4
+address, an IPv6 /64); a connection is unauthenticated until it carries a signed request or
+an observer's token (:func:`mark_authenticated`).  At the limit, a new connection displaces
+the oldest idle unauthenticated one, so a flood of idle connections from any number of
+addresses never keeps a member out; one that can displace none, or is over its peer's
+share, is closed as soon as it is accepted.  Each is logged at INFO (throttled).  The rules
+are :class:`_ConnectionGate`'s.
 
 **Logs.**  A request aiohttp's parser refuses, or a client that disconnects mid-request, is
 the client's doing: one INFO line, no traceback, at most :data:`LOG_LINES_PER_WINDOW` of
@@ -83,8 +89,10 @@ PARSER_REJECTIONS_NOTE = (
     f'400, the usual JSON error body with error "{BAD_HTTP}" and the parser\'s reason as '
     f"detail (at most {DETAIL_CHARS} characters), and the connection is closed. A "
     "connection that has not sent a complete request head within server.header_timeout_s "
-    "of opening, or of its previous answer, is closed without an answer, as is every "
-    "connection beyond server.max_connections."
+    "of opening, or of its previous answer, is closed without an answer, as is a "
+    "connection beyond server.max_connections_per_peer unauthenticated ones from one "
+    "address; at server.max_connections, a new connection displaces the oldest idle "
+    "unauthenticated one, or is closed on accept when there is none."
 )
 
 # What a client did wrong, as opposed to our bugs: refused by aiohttp's parser, or a body
@@ -394,8 +402,8 @@ async def start_server(
         host: address to listen on.
         port: TCP port; 0 picks a free one (see :attr:`RunningServer.port`).
         ssl_context: serve HTTPS with it; None serves plain HTTP.
-        server_cfg: ``[server]`` of ``federation.toml``; uses ``header_timeout_s`` and
-            ``max_connections``.
+        server_cfg: ``[server]`` of ``federation.toml``; uses ``header_timeout_s``,
+            ``max_connections`` and ``max_connections_per_peer``.
 
     Returns:
         The running server, with its URL and bound port.
