@@ -4,7 +4,9 @@
 coverage, missing-value rate, score) that the data summary carries and that quality
 weights may be derived from.  :func:`data_summary` builds the summary the member signs
 and sends at join; with ``count_epsilon`` > 0 its counts carry Laplace noise drawn from
-the operating system's CSPRNG.
+the operating system's CSPRNG, and its rates (missing rates, label coverage, quality
+score) are computed from noised counts only: an exact rate k/n with small numbers gives
+back the n the noise hides, and whether a rare class is present at all.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from fedsec.data.table import TrainingTable
 from fedsec.protocol import wire
 from fedsec.protocol.data_schema import DataSchema
 
-#: L1 sensitivity of (records, label counts): one record changes the total and one
-#: label's count by 1 each.
-COUNT_SENSITIVITY = 2.0
+#: L1 sensitivity of (records, label counts, rows read), before the missing counts: one
+#: row read changes the rows read by 1 and, when kept, the records and its label's count
+#: by 1 each.  Each used column's missing count adds 1 more (see count_sensitivity).
+COUNT_SENSITIVITY = 3.0
+
+
+def count_sensitivity(used_columns: int) -> float:
+    """L1 sensitivity of everything a noised summary is computed from: the records, the
+    label counts, the rows read and the missing count of each of ``used_columns``."""
+    return COUNT_SENSITIVITY + used_columns
 
 
 @dataclass(frozen=True)
@@ -61,22 +70,72 @@ def data_summary(
     """The unsigned summary of this member's data (sign it with ``.sign(identity)``).
 
     Args:
-        count_epsilon: > 0 adds Laplace(2/ε) noise to the record and label counts
-            (rounded, floored at 0); the caller charges ε to the ledger.
+        count_epsilon: > 0 adds Laplace(:func:`count_sensitivity` / ε) noise to the
+            record and label counts, the rows read and each used column's missing count
+            (rounded, floored at 0), one ε-DP release; the rates are then computed from
+            these noised counts alone (post-processing, no further ε).  The caller
+            charges ε to the ledger.
     """
-    quality = data_quality(table, schema)
-    counts = {c: int((table.y == i).sum()) for i, c in enumerate(schema.classes)}
-    records = quality.records
-    if count_epsilon > 0:
-        scale = COUNT_SENSITIVITY / count_epsilon
-        records = _noisy(records, scale)
-        counts = {c: _noisy(n, scale) for c, n in counts.items()}
+    if count_epsilon <= 0:
+        quality = data_quality(table, schema)
+        return _summary(
+            table,
+            schema,
+            member,
+            federation_id,
+            0.0,
+            quality,
+            _label_counts(table, schema),
+            {k: round(v, 6) for k, v in table.missing_rate.items()},
+        )
+    read = table.selection.read
+    missing = {k: round(v * read) for k, v in table.missing_rate.items()}
+    scale = count_sensitivity(len(missing)) / count_epsilon
+    records = _noisy(len(table.y), scale)
+    counts = {c: _noisy(n, scale) for c, n in _label_counts(table, schema).items()}
+    noisy_read = max(1, _noisy(read, scale))
+    rates = {k: min(1.0, _noisy(n, scale) / noisy_read) for k, n in missing.items()}
+    present = sum(1 for n in counts.values() if n > 0)
+    coverage = present / len(schema.classes) if schema.classes else 0.0
+    mean_rate = sum(rates.values()) / len(rates) if rates else 0.0
+    quality = DataQuality(
+        records=records,
+        label_coverage=coverage,
+        missing_rate=mean_rate,
+        score=max(0.0, min(1.0, coverage * (1.0 - mean_rate))),
+    )
+    return _summary(
+        table,
+        schema,
+        member,
+        federation_id,
+        count_epsilon,
+        quality,
+        counts,
+        {k: round(v, 6) for k, v in rates.items()},
+    )
+
+
+def _label_counts(table: TrainingTable, schema: DataSchema) -> dict[str, int]:
+    return {c: int((table.y == i).sum()) for i, c in enumerate(schema.classes)}
+
+
+def _summary(
+    table: TrainingTable,
+    schema: DataSchema,
+    member: str,
+    federation_id: str,
+    count_epsilon: float,
+    quality: DataQuality,
+    counts: dict[str, int],
+    missing_rate: dict[str, float],
+) -> wire.DataSummary:
     return wire.DataSummary(
         federation_id=federation_id,
         member=member,
-        records=records,
+        records=quality.records,
         label_counts=counts,
-        missing_rate={k: round(v, 6) for k, v in table.missing_rate.items()},
+        missing_rate=missing_rate,
         schema_fingerprint=schema.fingerprint(),
         observed=table.observed,
         label_coverage=round(quality.label_coverage, 6),

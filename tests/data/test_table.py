@@ -154,6 +154,37 @@ def test_noisy_counts_spread_like_laplace_and_stay_counts(tmp_path: Path) -> Non
     table = build_table(source(tmp_path), SCHEMA, RULES, None)
     noisy = [data_summary(table, SCHEMA, "h1", count_epsilon=0.5).records for _ in range(400)]
     assert min(noisy) >= 0 and all(isinstance(n, int) for n in noisy)
-    # Laplace(2/0.5 = 4) around 3, floored at 0: spread, not the exact count every time
+    # Laplace((3 + 5 used columns) / 0.5 = 16) around 3, floored at 0: spread, not the
+    # exact count every time
     assert len(set(noisy)) > 5 and noisy.count(3) < 100
     assert data_summary(table, SCHEMA, "h1").records == 3
+
+
+def _denominator(rates: dict[str, float], largest: int = 10_000) -> int | None:
+    """The smallest n for which every rate is some k/n to the summary's six digits: the
+    row count an exact rate gives away."""
+    for n in range(1, largest + 1):
+        if all(abs(rate * n - round(rate * n)) < 1e-6 * n for rate in rates.values()):
+            return n
+    return None
+
+
+def test_a_noised_summary_s_rates_do_not_give_back_its_counts(tmp_path: Path) -> None:
+    # Five rows read (3 kept), rates 1/5, 2/5, 1/5: exact rates name the row count, and
+    # exact label coverage says covid is absent, whatever noise the counts carry.
+    table = build_table(source(tmp_path), SCHEMA, RULES, None)
+    assert _denominator(table.missing_rate) == table.selection.read == 5
+    summaries = [data_summary(table, SCHEMA, "h1", count_epsilon=0.5) for _ in range(100)]
+    recovered = [_denominator(s.missing_rate) for s in summaries]
+    assert recovered.count(5) < 30, f"the row count came back {recovered.count(5)} times"
+    assert len({s.label_coverage for s in summaries}) > 1
+    assert len({s.quality_score for s in summaries}) > 1
+    for s in summaries:
+        assert all(0.0 <= r <= 1.0 for r in s.missing_rate.values())
+        assert set(s.missing_rate) == set(table.missing_rate)
+        assert 0.0 <= s.label_coverage <= 1.0 and 0.0 <= s.quality_score <= 1.0
+        assert s.count_epsilon == 0.5
+    # the exact summary is unchanged
+    exact = data_summary(table, SCHEMA, "h1")
+    assert exact.missing_rate == {k: round(v, 6) for k, v in table.missing_rate.items()}
+    assert exact.label_coverage == pytest.approx(2 / 3, abs=1e-6)
