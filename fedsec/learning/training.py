@@ -9,11 +9,21 @@ model, which only receives the trained weights.
 The seed decides batch sampling and DP noise. In production it must be secret to the
 member (use :func:`fresh_seed` each round): anyone who knows it can regenerate the noise
 and subtract it from the update. Fixed seeds are for tests and simulations.
+
+The noise is what Opacus' ``secure_mode`` would draw, from fedsec's own CSPRNG: each
+parameter's noise at each step comes from the AES-256-CTR keystream of :mod:`fedsec.crypto.prg`
+(keyed by a hash of the whole seed, one stream per step and parameter), turned into
+Gaussians by Box-Muller on 53-bit uniforms, and is the sum of four such draws halved,
+Opacus' defence against floating-point attacks on the Gaussian mechanism (Holohan and
+Braghin, 2021: 2n draws, n = 2).  Opacus' ``secure_mode`` itself needs ``torchcsprng``,
+whose last release (0.2.1, 2021) is built for torch 1.8 and Python <= 3.9 only; torch's
+own generator (Mersenne Twister, a 64-bit seed) is predictable from its output.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import secrets
 import time
@@ -27,10 +37,13 @@ import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.validators.errors import UnsupportedModuleError
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedsec.crypto import prg
 from fedsec.errors import ConfigError
 from fedsec.tasks.base import Dataset, Task, TrainingParams
 from fedsec.tasks.evaluation import evaluate
@@ -44,6 +57,18 @@ __all__ = [
     "train_centralized",
     "train_local",
 ]
+
+
+#: Bits of a production seed: the DP noise key is a hash of the whole seed, so its
+#: strength is the seed's, and 256 bits match the AES-256 keystream it keys.
+_FRESH_SEED_BITS = 256
+#: Domain separation of the DP noise key from any other hash of the seed, and the PRG
+#: domain of its streams (one per optimiser step and parameter).
+_NOISE_KEY_DOMAIN = b"fedsec/v1/dp-sgd-noise-key\x00"
+_NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
+#: Standard normals summed per noise value: Opacus' secure_mode (2n draws with n = 2, the
+#: least that defeats the floating-point attack on the Gaussian mechanism).
+_NOISE_DRAWS = 4
 
 
 @dataclass(frozen=True)
@@ -84,8 +109,9 @@ class LocalTrainResult:
 
 
 def fresh_seed() -> int:
-    """A secret 63-bit seed from the OS CSPRNG, for production training rounds."""
-    return secrets.randbits(63)
+    """A secret 256-bit seed from the OS CSPRNG, for production training rounds: the DP
+    noise key is a hash of all of it (batch sampling takes 63 bits of it)."""
+    return secrets.randbits(_FRESH_SEED_BITS)
 
 
 def plan_round(n_samples: int, params: TrainingParams) -> tuple[float, int]:
@@ -113,10 +139,89 @@ def _make_optimizer(
     return torch.optim.SGD(parameters, lr=params.lr, momentum=params.momentum)
 
 
-def _seeds(seed: int) -> tuple[int, int]:
-    # Independent streams for sampling and noise, so changing one use never shifts the other.
-    sampling, noise = np.random.SeedSequence(seed).generate_state(2, dtype=np.uint64)
-    return int(sampling) >> 1, int(noise) >> 1
+def _seeds(seed: int) -> tuple[int, bytes]:
+    """Independent seeds for sampling and noise, so changing one use never shifts the other:
+    a 63-bit torch seed for batch sampling, the 32-byte CSPRNG seed of the DP noise."""
+    (sampling,) = np.random.SeedSequence(seed).generate_state(1, dtype=np.uint64)
+    whole = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "big")
+    return int(sampling) >> 1, hashlib.sha256(_NOISE_KEY_DOMAIN + whole).digest()
+
+
+class _CsprngPrivacyEngine(PrivacyEngine):  # type: ignore[misc]  # opacus is untyped
+    """Opacus' ``PrivacyEngine`` whose optimiser is :class:`_CsprngNoiseOptimizer`."""
+
+    def __init__(self, noise_seed: bytes) -> None:
+        super().__init__(accountant="rdp")
+        self._noise_seed = noise_seed
+
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: int,
+        loss_reduction: str = "mean",
+        distributed: bool = False,
+        clipping: str = "flat",
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> DPOptimizer:
+        if distributed or clipping != "flat" or grad_sample_mode != "hooks" or noise_generator:
+            raise ConfigError(  # train_local asks for none of these
+                "CSPRNG noise covers flat clipping in one process, with no noise generator"
+            )
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        return _CsprngNoiseOptimizer(
+            optimizer,
+            self._noise_seed,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            **kwargs,
+        )
+
+
+class _CsprngNoiseOptimizer(DPOptimizer):  # type: ignore[misc]  # opacus is untyped
+    """Opacus' ``DPOptimizer`` (flat clipping, one process) whose Gaussian noise comes from
+    the AES-CTR keystream instead of a torch generator (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, noise_seed: bytes, **kwargs: Any):
+        super().__init__(optimizer, **kwargs)
+        self._noise_seed = noise_seed
+        self._noise_draws = 0
+
+    def add_noise(self) -> None:
+        """Opacus' ``add_noise`` with the noise of :func:`_secure_gaussian`."""
+        std = self.noise_multiplier * self.max_grad_norm
+        for index, p in enumerate(self.params):
+            _check_processed_flag(p.summed_grad)
+            domain = b"%s/%d/%d" % (_NOISE_STREAM_DOMAIN, self._noise_draws, index)
+            noise = _secure_gaussian(self._noise_seed, domain, std, p.summed_grad)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+        self._noise_draws += 1
+
+
+def _secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:
+    """N(0, std²) noise shaped like ``like``: the sum of 4 standard normals from the
+    AES-CTR stream of ``(seed, domain)``, times ``std / 2`` (Opacus' secure_mode shape)."""
+    if std == 0:
+        return torch.zeros_like(like)
+    count = like.numel()
+    half = (count * _NOISE_DRAWS + 1) // 2
+    # 53-bit uniforms on (0, 1]: log never sees 0
+    words = prg.expand(seed, domain, 2 * half, np.uint64) >> np.uint64(11)
+    u = (words.astype(np.float64) + 1.0) * 2.0**-53
+    radius = np.sqrt(-2.0 * np.log(u[:half]))
+    angle = (2.0 * math.pi) * u[half:]
+    normals = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])
+    summed = normals[: count * _NOISE_DRAWS].reshape(_NOISE_DRAWS, count).sum(axis=0)
+    summed *= std / math.sqrt(_NOISE_DRAWS)
+    return torch.from_numpy(summed).to(dtype=like.dtype, device=like.device).view_as(like)
 
 
 @contextmanager
@@ -206,9 +311,7 @@ def _train_copy(
     engine: PrivacyEngine | None = None
     trained: torch.nn.Module = work
     if dp is not None:
-        engine, trained, optimizer, loader = _make_private(
-            work, optimizer, loader, dp, target, noise_seed
-        )
+        engine, trained, optimizer, loader = _make_private(work, optimizer, loader, dp, noise_seed)
         sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
     try:
         with _progress(progress, planned_steps, "local training") as advance:
@@ -245,15 +348,14 @@ def _make_private(
     optimizer: torch.optim.Optimizer,
     loader: DataLoader[tuple[torch.Tensor, ...]],
     dp: DPParams,
-    target: torch.device,
-    noise_seed: int,
+    noise_seed: bytes,
 ) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
     """Opacus' private model, optimiser and Poisson-sampling loader for ``work``."""
     with warnings.catch_warnings():
-        # Opacus warns that secure_mode is off; the noise seed policy is ours (see
-        # the module docstring) and the warning would repeat every round.
+        # Opacus warns that secure_mode is off; the noise is drawn from a CSPRNG here
+        # instead (see the module docstring) and the warning would repeat every round.
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        engine = PrivacyEngine(accountant="rdp")
+        engine = _CsprngPrivacyEngine(noise_seed)
     try:
         trained, private_optimizer, private_loader = engine.make_private(
             module=work,
@@ -262,7 +364,6 @@ def _make_private(
             noise_multiplier=dp.noise_multiplier,
             max_grad_norm=dp.max_grad_norm,
             poisson_sampling=True,
-            noise_generator=torch.Generator(device=target).manual_seed(noise_seed),
         )
     except UnsupportedModuleError as exc:
         raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc

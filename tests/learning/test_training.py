@@ -15,6 +15,7 @@ from fedsec.errors import ConfigError
 from fedsec.learning.training import (
     DPParams,
     TrainingParams,
+    _secure_gaussian,
     plan_round,
     train_centralized,
     train_local,
@@ -104,6 +105,55 @@ def test_dp_training_survives_empty_poisson_batches() -> None:
     result = train_local(model, data.x_train[:3], data.y_train[:3], params, DP, "cpu", seed=3)
     assert result.steps == 30
     assert np.all(np.isfinite(flatten_params(model)))
+
+
+def test_dp_noise_never_comes_from_torch_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's generator is a Mersenne Twister keyed by 64 bits: predictable from its output
+    task = get_task("breast_cancer")
+    data = task.load()
+    model = task.build_model(0)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("DP noise drawn from a torch generator")
+
+    for name in ("normal", "randn", "randn_like", "normal_"):
+        monkeypatch.setattr(torch, name, refused, raising=False)
+    monkeypatch.setattr(torch.Tensor, "normal_", refused)
+    before = flatten_params(model)
+    train_local(model, data.x_train, data.y_train, task.defaults, DP, "cpu", seed=4)
+    assert not np.array_equal(flatten_params(model), before)
+
+
+def test_dp_noise_has_the_configured_standard_deviation() -> None:
+    # Zero features give zero weight gradients, so one SGD step at lr 1 moves each
+    # weight by the noise alone: N(0, (sigma * C)^2) / B
+    dp = DPParams(noise_multiplier=1.5, max_grad_norm=2.0, delta=1e-5)
+    batch = 8
+    model = torch.nn.Linear(1000, 4)
+    before = model.weight.detach().clone()
+    x = np.zeros((batch, 1000), dtype=np.float32)
+    y = np.arange(batch, dtype=np.int64) % 4
+    params = TrainingParams(lr=1.0, batch_size=batch, local_epochs=1)
+    result = train_local(model, x, y, params, dp, "cpu", seed=7)
+    assert result.steps == 1
+    moved = (model.weight.detach() - before).numpy().ravel() * batch
+    assert abs(moved.mean()) < 4 * 3.0 / math.sqrt(moved.size)
+    assert moved.std() == pytest.approx(dp.noise_multiplier * dp.max_grad_norm, rel=0.06)
+
+
+def test_secure_gaussian_is_normal_and_one_stream_per_domain() -> None:
+    seed = bytes(range(32))
+    like = torch.zeros(200_000, dtype=torch.float64)
+    a = _secure_gaussian(seed, b"a", 3.0, like).numpy()
+    assert abs(a.mean()) < 4 * 3.0 / math.sqrt(a.size)
+    assert a.std() == pytest.approx(3.0, rel=0.01)
+    kurtosis = float(np.mean((a / a.std()) ** 4))
+    assert kurtosis == pytest.approx(3.0, abs=0.05)
+    np.testing.assert_array_equal(_secure_gaussian(seed, b"a", 3.0, like).numpy(), a)
+    b = _secure_gaussian(seed, b"b", 3.0, like).numpy()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.02
+    as_float32 = _secure_gaussian(seed, b"a", 3.0, like.to(torch.float32))
+    assert as_float32.dtype == torch.float32 and as_float32.shape == like.shape
 
 
 def test_batchnorm_model_is_refused_under_dp() -> None:
