@@ -484,8 +484,7 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "dashboard",
         "GET",
         "/dashboard",
-        "the operator dashboard (HTML); a browser without a session gets the sign-in form "
-        "(401)",
+        "the operator dashboard (HTML); a browser without a session gets the sign-in form (401)",
         PUBLIC,
         response=Opaque("HTML page"),
         answer_note="the page",
