@@ -6,16 +6,16 @@ FEDSEC=.venv/bin/fedsec
 PY=.venv/bin/python
 out=bench/results
 mkdir -p "$out"
-echo "== secagg (SecAgg+ n=100 d=1e6 k=7 t=4 b=8, 10% lost after share keys)"
+echo "== secagg (SecAgg+ n=100 d=1e6 k=7 t=5 b=8, 10% lost after share keys)"
 $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
-  --neighbors 7 --threshold 4 --bits 8 --repeat 3 --json | tee "$out/secagg.jsonl"
+  --neighbors 7 --threshold 5 --bits 8 --repeat 3 --json | tee "$out/secagg.jsonl"
 echo "== secagg ring widths (bit packing): b = 2, 4, 6 (9-13-bit rings), then --ring-bits 16-32"
 for args in "--bits 2" "--bits 4" "--bits 6" "--bits 8 --ring-bits 16" "--bits 8 --ring-bits 20" \
     "--bits 8 --ring-bits 23" "--bits 8 --ring-bits 24" "--bits 8 --ring-bits 27" \
     "--bits 8 --ring-bits 32"; do
   # shellcheck disable=SC2086  # $args is several options
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage masked \
-    --neighbors 7 --threshold 4 $args --repeat 3 --json | tee -a "$out/secagg.jsonl"
+    --neighbors 7 --threshold 5 $args --repeat 3 --json | tee -a "$out/secagg.jsonl"
 done
 echo "== secagg classic (k = n-1, n=100 d=1e5)"
 $FEDSEC bench secagg --clients 100 --dim 100000 --dropout 0.1 --dropout-stage masked \
@@ -23,7 +23,7 @@ $FEDSEC bench secagg --clients 100 --dim 100000 --dropout 0.1 --dropout-stage ma
 for stage in advertise share unmask; do
   echo "== secagg, 10% lost at $stage"
   $FEDSEC bench secagg --clients 100 --dim 1000000 --dropout 0.1 --dropout-stage $stage \
-    --neighbors 7 --threshold 4 --bits 8 --json | tee "$out/secagg-drop-$stage.jsonl"
+    --neighbors 7 --threshold 5 --bits 8 --json | tee "$out/secagg-drop-$stage.jsonl"
 done
 # fedsec simulate: 50 MNIST-1D agents over loopback HTTP vs the same model trained centrally
 # for rounds x local_epochs epochs (SIM_DEFAULTS in fedsec/simulation.py).  The IID runs

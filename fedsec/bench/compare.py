@@ -142,7 +142,7 @@ CHECKS: tuple[Check, ...] = (
                 "--neighbors",
                 "7",
                 "--threshold",
-                "4",
+                "5",
                 "--bits",
                 "8",
                 "--repeat",

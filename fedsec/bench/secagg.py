@@ -8,7 +8,8 @@ Drop-out stages (``--dropout-stage``): ``advertise`` = lost before advertising
 keys; ``share`` = advertised, lost before sending shares; ``masked`` = lost after
 share keys, before the masked input (the default, the costly case for the
 server, which must remove the dropped members' pairwise masks); ``unmask`` = sent
-its input, lost before answering unmask.
+its input and signed the survivor sets (the consistency stage), lost before answering
+unmask.
 
 ``floor_s`` is measured in the same run with the same primitives: expanding
 every mask the server had to remove (one self mask per survivor, one pairwise
@@ -41,9 +42,9 @@ shared random subset, rounding over a shared range), as an agent does; the aggre
 decode of the unmasked sum is timed too (``codec_decode_s``), and ``codec_subset_s`` is
 deriving the round's subset once (each member and the aggregator pay it once a round).
 Bytes: ``bytes_up_per_client`` is everything a surviving member uploads in the round's
-messages (keys, signature, encrypted shares, masked vector, unmask shares) as binary
-fields; HTTP request heads come on top (about 4 KB a round, measured by ``fedsec
-simulate``).  Both ratios are against float32 (4·d bytes).
+messages (keys, signature, encrypted shares, masked vector, the consistency signature,
+unmask shares) as binary fields; HTTP request heads come on top (about 4 KB a round,
+measured by ``fedsec simulate``).  Both ratios are against float32 (4·d bytes).
 """
 
 from __future__ import annotations
@@ -227,9 +228,15 @@ def run_secagg(
         norm = float(np.linalg.norm(delta.astype(np.float64)))
         exact_float += delta * (min(1.0, clip / norm) if norm > 0 else 1.0) * weight
     request = st.run("masked_input", server.close_masked_input)
-    responders = [m for m in request.survivors if m in active("unmask")]
+    # every survivor signs the survivor sets, those lost at "unmask" too (they left after)
+    for m in request.survivors:
+        signature = ct[m].run("consistency", sessions[m].sign_survivors, request)
+        up[m] += len(signature.signature)
+        st.run("consistency", server.receive_consistency, signature)
+    proofs = st.run("consistency", server.close_consistency)
+    responders = [m for m in proofs if m in active("unmask")]
     for m in responders:
-        msg = ct[m].run("unmask", sessions[m].unmask, request)
+        msg = ct[m].run("unmask", sessions[m].unmask, proofs[m])
         up[m] += sum(len(who) + len(share) for who, share in msg.seed_shares + msg.key_shares)
         st.run("unmask", server.receive_unmask, msg)
     result = st.run("unmask", server.finalize)
