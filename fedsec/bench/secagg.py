@@ -61,6 +61,7 @@ import numpy as np
 from fedsec.bench.common import with_environment
 from fedsec.crypto import prg
 from fedsec.crypto.discretize import DdpSpec, decode_sum, encode
+from fedsec.crypto.errors import ProtocolError
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, dequantize_sum, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
@@ -235,8 +236,15 @@ def run_secagg(
         st.run("consistency", server.receive_consistency, signature)
     proofs = st.run("consistency", server.close_consistency)
     responders = [m for m in proofs if m in active("unmask")]
+    refused = 0
     for m in responders:
-        msg = ct[m].run("unmask", sessions[m].unmask, proofs[m])
+        try:
+            msg = ct[m].run("unmask", sessions[m].unmask, proofs[m])
+        except ProtocolError:
+            # fewer than t of its neighbours signed (they dropped): it reveals nothing,
+            # as a member would, and the round completes if the others' shares suffice
+            refused += 1
+            continue
         up[m] += sum(len(who) + len(share) for who, share in msg.seed_shares + msg.key_shares)
         st.run("unmask", server.receive_unmask, msg)
     result = st.run("unmask", server.finalize)
@@ -299,6 +307,7 @@ def run_secagg(
             "dropout": dropout,
             "dropout_stage": dropout_stage,
             "dropped": len(result.dropped),
+            "refused_unmask": refused,
             "survivors": len(survivors),
             "exact": exact,
             "max_abs_err": max_abs_err,
