@@ -18,9 +18,10 @@ up the survivors' vectors, in the ring's dtype.  It is what any server doing thi
 work must spend, so ``server_s / floor_s`` is the overhead of everything else
 (signatures, Shamir, key agreement, and unpacking a ring narrower than its dtype),
 robust to a noisy machine (the median of three measurements).  ``client_floor_s`` is
-the same (the median of five) for the median survivor: drawing its rounding words
-(4 bytes a coordinate) and its self and pairwise masks, and adding the masks;
-``client_s / client_floor_s`` is what quantizing, sharing keys and packing cost on top.
+the same for a member, measured right after each member's masked input and the median
+taken: drawing its rounding words (4 bytes a coordinate) and its self and pairwise
+masks, and adding the masks; ``client_s / client_floor_s`` is what quantizing, sharing
+keys and packing cost on top.
 
 ``ddp_noise`` > 0: members discretise for distributed DP instead of quantizing
 (:func:`fedsec.crypto.discretize.encode`: rotation, scaling, conditional rounding and a
@@ -198,6 +199,7 @@ def run_secagg(
     plain = np.zeros(params.vector_length, dtype=np.int64)
     exact_float = np.zeros(dim, dtype=np.float64)
     vector_bytes = 0
+    client_floors: list[float] = []
     for m in active("masked"):
         if m not in relays:
             continue
@@ -222,6 +224,10 @@ def run_secagg(
         else:
             q = ct[m].run("masked_input", quantize, delta, weight, spec, os.urandom(32))
         msg = ct[m].run("masked_input", sessions[m].masked_input, q)
+        # the member's floor, right after its own work (outside every timer): on a busy
+        # machine floor and member then see the same load
+        peers = len(server.graph.live_neighbors(m, server.participants))
+        client_floors.append(_client_floor(params, peers))
         vector_bytes = len(msg.vector)
         up[m] += vector_bytes
         st.run("masked_input", server.receive_masked_input, msg)
@@ -285,12 +291,7 @@ def run_secagg(
     floor_s = statistics.median(_floor(params, len(survivors), edges) for _ in range(3))
     client_totals = [ct[m].total for m in survivors]
     client_s = statistics.median(client_totals)
-    neighbours = int(
-        statistics.median(
-            len(server.graph.live_neighbors(m, server.participants)) for m in survivors
-        )
-    )
-    client_floor_s = statistics.median(_client_floor(params, neighbours) for _ in range(5))
+    client_floor_s = statistics.median(client_floors)
     client_stage = {
         stage: round(statistics.median(ct[m].stages.get(stage, 0.0) for m in survivors), 6)
         for stage in SECAGG_STAGES
