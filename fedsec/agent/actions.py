@@ -25,6 +25,8 @@ from fedsec.errors import FedsecError, WrongStage
 from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
+    CommitBody,
+    CommitmentSetBody,
     ConsistencyBody,
     ConsistencyProofBody,
     ContributionStatement,
@@ -160,6 +162,11 @@ class UnmaskFetched(Event):
 @dataclass(frozen=True)
 class ProofFetched(Event):
     body: ConsistencyProofBody
+
+
+@dataclass(frozen=True)
+class CommitmentsFetched(Event):
+    body: CommitmentSetBody
 
 
 @dataclass(frozen=True)
@@ -414,6 +421,25 @@ class SendConsistency(Action):
 @dataclass(frozen=True)
 class FetchProof(Action):
     answer: ClassVar[type[Event]] = ProofFetched
+    round: int
+    attempt: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class SendCommit(Action):
+    """Homomorphic summation: commit to our ciphertext's hash before any is sent."""
+
+    answer: ClassVar[type[Event]] = UploadAnswered
+    round: int
+    attempt: int
+    body: CommitBody
+    wait: float  # ... for the attempt's commitment set
+
+
+@dataclass(frozen=True)
+class FetchCommitments(Action):
+    answer: ClassVar[type[Event]] = CommitmentsFetched
     round: int
     attempt: int
     wait: float

@@ -55,9 +55,15 @@ def privacy_report(
 
 
 def contribution_statement(
-    spec: RoundSpec, member: Member, quantized: RingVector, salt: bytes, vector: bytes
+    spec: RoundSpec,
+    member: Member,
+    quantized: RingVector,
+    salt: bytes,
+    vector: bytes,
+    commitments_sha256: str = "",
 ) -> ContributionStatement:
-    """The signed statement binding ``vector`` to the commitment H(salt ‖ quantized)."""
+    """The signed statement binding ``vector`` to the commitment H(salt ‖ quantized)
+    (and, in homomorphic summation, to the commitment set's digest we were shown)."""
     commitment = commit(
         quantized,
         salt,
@@ -70,6 +76,7 @@ def contribution_statement(
         member=member.id,
         vector_sha256=hashlib.sha256(vector).hexdigest(),
         commitment=commitment.hex(),
+        commitments_sha256=commitments_sha256,
     ).sign(member.identity)
 
 

@@ -154,6 +154,12 @@ class ActionPerformer:
             act.FetchProof: lambda a: _as(
                 act.ProofFetched, guard(c.get_consistency(a.round, a.attempt, a.wait))
             ),
+            act.SendCommit: lambda a: _as(
+                act.UploadAnswered, guard(c.commit(a.round, a.attempt, a.body, a.wait))
+            ),
+            act.FetchCommitments: lambda a: _as(
+                act.CommitmentsFetched, guard(c.get_commit(a.round, a.attempt, a.wait))
+            ),
             act.Unmask: lambda a: _as(
                 act.UploadAnswered, guard(c.unmask(a.round, a.attempt, a.body, a.wait))
             ),

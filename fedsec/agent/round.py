@@ -87,6 +87,7 @@ from fedsec.agent.contribution import (
     privacy_report,
     round_record,
 )
+from fedsec.agent.he_steps import commit_ciphertext
 from fedsec.agent.member import Member
 from fedsec.agent.refusals import is_round_local
 from fedsec.agent.secagg_steps import SecAggSteps
@@ -462,18 +463,21 @@ class AgentRound:
 
     def _he_finish(self, c: Contribution) -> Step[Receipt]:
         """The quantized update a plain round would send, encrypted: the aggregator adds
-        the ciphertexts, and only their sum is ever decrypted (by the key custodian)."""
-        yield from self._attempt.wait_for(("masked_input",))
+        the ciphertexts, and only their sum is ever decrypted (by the key custodian).
+        Their hash is committed to first (:mod:`fedsec.agent.he_steps`)."""
+        yield from self._attempt.wait_for(("commit",))
         body = (yield from ask(Encrypt(self.spec, c.quantized), Encrypted)).body
         # chaos tests: a member lost after training, before its ciphertexts go out
         yield from ask(FaultPoint(self.spec.round, "encrypted"), Passed)
-        receipt, _ = yield from self._send_vector(c, body)
+        bound = yield from commit_ciphertext(self._attempt, self.spec, self.member, body)
+        receipt, _ = yield from self._send_vector(c, body, commitments_sha256=bound)
         return receipt
 
     def _send_vector(
-        self, c: Contribution, vector: bytes, wait: float = 0.0
+        self, c: Contribution, vector: bytes, wait: float = 0.0, commitments_sha256: str = ""
     ) -> Step[tuple[Receipt, UnmaskRequestBody | None]]:
-        """Keep the update for audits, send ``vector``, check and store the receipt.
+        """Keep the update for audits, send ``vector``, check and store the receipt
+        (``commitments_sha256``: he, the commitment set's digest our statement binds).
 
         Returns:
             The receipt, and the unmask request when the answer was held for it
@@ -487,7 +491,9 @@ class AgentRound:
         if spec.secure_sum == "secagg":
             yield from self._release(c.trained)
         digest = hashlib.sha256(vector).hexdigest()
-        statement = contribution_statement(spec, self.member, c.quantized, salt, vector)
+        statement = contribution_statement(
+            spec, self.member, c.quantized, salt, vector, commitments_sha256
+        )
         request: UnmaskRequestBody | None = None
         try:
             answer = yield from ask(

@@ -326,6 +326,15 @@ class Coordinator:
 
     # -- homomorphic summation ---------------------------------------------------------------
 
+    def commit(self, member: str, round_: int, attempt: int, body: wire.CommitBody) -> None:
+        """Take a member's signed commitment to the hash of the ciphertext it will send."""
+        self._intake.commit(member, round_, attempt, body)
+
+    def commitment_set(self, member: str, round_: int, attempt: int) -> wire.CommitmentSetBody:
+        """The attempt's commitments, once commit closed, for a member that committed."""
+        self.live.expect_at_least(member, round_, attempt, "masked_input")
+        return self.live.summing().commitment_set(member)
+
     def publish_he_context(self, member: str, published: wire.HeContext) -> bool:
         """The key custodian publishes the federation's public CKKS context (once; an
         identical repeat is accepted, returning False).  See

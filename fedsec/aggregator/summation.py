@@ -14,8 +14,9 @@ complete, closes each stage but the last, and finalizes the last one into a
   the clear, or combined by the spec's robust rule (:mod:`fedsec.learning.robust`); one
   stage, masked_input.
 - :class:`HeSession` (``secure_sum = "he"``): CKKS ciphertexts of the quantized updates
-  added without being opened (:mod:`fedsec.crypto.he`); stages masked_input, then
-  decrypt, where the key custodian releases the integer sum.
+  added without being opened (:mod:`fedsec.crypto.he`); stages commit (each member's
+  signed hash of its ciphertext), masked_input, then decrypt, where the key custodian
+  releases the integer sum.
 
 Later modes (distributed-DP noise, sparse encodings) are new subclasses.
 Sessions are sans-I/O: nothing here touches the state store or the log.
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from fedsec.crypto.quantize import ring_from_integers, unpack
@@ -99,7 +101,13 @@ def decode_decryption(custodian: str, raw: bytes, max_json_bytes: int) -> Decryp
 
 #: A decoded stage message, as the member sent it.
 StageMessage = (
-    AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature | UnmaskResponse | Decryption
+    AdvertiseKeys
+    | ShareKeys
+    | MaskedInput
+    | ConsistencySignature
+    | UnmaskResponse
+    | Decryption
+    | wire.CiphertextCommitment
 )
 
 
@@ -244,6 +252,14 @@ class SummationSession(ABC):
         """
         raise UnknownMember(f"{member} did not sign the survivor sets of round {self.spec.round}")
 
+    def commitment_set(self, member: str) -> wire.CommitmentSetBody:
+        """The attempt's ciphertext commitments, fetched in masked_input (homomorphic).
+
+        Raises:
+            UnknownMember: ``member`` did not commit.
+        """
+        raise UnknownMember(f"{member} did not commit to a ciphertext in round {self.spec.round}")
+
 
 def open_session(
     spec: wire.RoundSpec,
@@ -282,8 +298,22 @@ def open_session(
                 f"round {spec.round}: a homomorphic sum needs the published context and the "
                 f"key custodian {spec.custodian!r} on the roster"
             )
-        return HeSession(spec, he_context, key, min_agents, max_json_bytes)
+        return HeSession(spec, he_context, key, min_agents, max_json_bytes, roster_keys)
     return PlainSession(spec, min_agents, reference)
+
+
+def ciphertext_commitment(
+    spec: wire.RoundSpec, member: str, body: wire.CommitBody
+) -> wire.CiphertextCommitment:
+    """The signed commitment ``member`` sent for ``spec``'s attempt (``body``: as posted)."""
+    return wire.CiphertextCommitment(
+        federation_id=spec.federation_id,
+        round=spec.round,
+        attempt=spec.attempt,
+        member=member,
+        vector_sha256=body.vector_sha256,
+        signature=body.signature,
+    )
 
 
 class SecAggPlusSession(SummationSession):
@@ -554,6 +584,7 @@ class HeSession(SummationSession):
         custodian_key: the Ed25519 key of the custodian the spec names (roster).
         min_agents: fewest ciphertexts a sum may hold (the custodian checks it too).
         max_json_bytes: bound on a stored decryption statement, for :meth:`replay`.
+        member_keys: member id -> Ed25519 key, for the cohort: commitments verify under it.
     """
 
     stages = HE_STAGES
@@ -565,11 +596,17 @@ class HeSession(SummationSession):
         custodian_key: bytes,
         min_agents: int,
         max_json_bytes: int = 1 << 20,
+        member_keys: Mapping[str, bytes] | None = None,
     ) -> None:
         from fedsec.crypto import he
 
         super().__init__(spec)
         self.min_agents = min_agents
+        self._member_keys = dict(member_keys or {})
+        self.commitments: dict[str, wire.CiphertextCommitment] = {}
+        # fixed when commit closes: the set every member binds into its statement
+        self._commitment_set: wire.CommitmentSetBody | None = None
+        self.commitments_sha256 = ""
         self.params = context.params
         self._custodian_key = custodian_key
         self._max_json_bytes = max_json_bytes
@@ -580,13 +617,56 @@ class HeSession(SummationSession):
         self.sum_sha256 = ""
         self.decryption: Decryption | None = None
 
+    # -- commit: the ciphertexts' hashes, before any ciphertext ---------------------------------
+
+    def _receive_commitment(self, message: wire.CiphertextCommitment) -> None:
+        """Raises: WrongStage (commit closed), DuplicateMessage, UnknownMember (not in
+        the cohort), ProtocolError (another attempt), SignatureError, PayloadError."""
+        spec, member = self.spec, message.member
+        if self._commitment_set is not None:
+            raise WrongStage(f"{member}: the commitments of round {spec.round} closed")
+        if member in self.commitments:
+            raise DuplicateMessage(f"{member} already committed to its ciphertext")
+        key = self._member_keys.get(member)
+        if member not in spec.cohort or key is None:
+            raise UnknownMember(f"{member} is not in the cohort of round {spec.round}")
+        ours = (spec.federation_id, spec.round, spec.attempt)
+        if (message.federation_id, message.round, message.attempt) != ours:
+            raise ProtocolError(f"{member}'s commitment is for another round attempt")
+        message.verify(key)
+        self.commitments[member] = message
+
+    def commitment_set(self, member: str) -> wire.CommitmentSetBody:
+        if self._commitment_set is None or member not in self.commitments:
+            return super().commitment_set(member)
+        return self._commitment_set
+
+    def _close_commit(self) -> None:
+        if len(self.commitments) < self.min_agents:
+            raise RoundAborted(
+                f"round {self.spec.round}: {len(self.commitments)} members committed to a "
+                f"ciphertext, need {self.min_agents}; missing: {self._uncommitted()}"
+            )
+        ordered = sorted(self.commitments.items())
+        self._commitment_set = wire.CommitmentSetBody(
+            [wire.MemberCommitment(m, c.vector_sha256, c.signature) for m, c in ordered]
+        )
+        self.commitments_sha256 = wire.commitments_digest((m, c.vector_sha256) for m, c in ordered)
+
+    def _uncommitted(self) -> list[str]:
+        return sorted(set(self.spec.cohort) - set(self.commitments))
+
     # -- masked_input: ciphertexts ----------------------------------------------------------------
 
     def receive(self, stage: str, message: StageMessage) -> None:
-        """Raises: DuplicateMessage, WrongStage; PayloadError, CryptoError (a ciphertext
-        that is not one of the federation's, checked before anything is added); for
-        decrypt, see :meth:`_check_decryption`."""
-        if stage == "masked_input" and isinstance(message, MaskedInput):
+        """Raises: DuplicateMessage, WrongStage; for commit, see
+        :meth:`_receive_commitment`; for masked_input, ProtocolError (the member did
+        not commit), IntegrityError (not the committed bytes), PayloadError, CryptoError
+        (a ciphertext that is not one of the federation's, checked before anything is
+        added); for decrypt, see :meth:`_check_decryption`."""
+        if stage == "commit" and isinstance(message, wire.CiphertextCommitment):
+            self._receive_commitment(message)
+        elif stage == "masked_input" and isinstance(message, MaskedInput):
             self._receive_ciphertexts(message)
         elif stage == "decrypt" and isinstance(message, Decryption):
             self._check_decryption(message)
@@ -602,6 +682,19 @@ class HeSession(SummationSession):
             raise DuplicateMessage(f"{member} already sent its encrypted update")
         if self.contributors is not None:
             raise WrongStage(f"{member}: the encrypted updates of round {self.spec.round} closed")
+        if self._commitment_set is None:
+            raise WrongStage(f"{member}: the commitments of round {self.spec.round} are open")
+        committed = self.commitments.get(member)
+        if committed is None:
+            raise ProtocolError(
+                f"{member} did not commit to a ciphertext in round {self.spec.round}: only "
+                "committed ciphertexts are summed"
+            )
+        if hashlib.sha256(message.vector).hexdigest() != committed.vector_sha256:
+            raise IntegrityError(
+                f"{member}'s ciphertext is not the one it committed to "
+                f"({committed.vector_sha256[:16]}…)"
+            )
         # unframe_chunks checks count and lengths before copying; add() checks every
         # chunk against the federation's context before any is added
         self._sum.add(he.unframe_chunks(message.vector, self.params, self.spec.dim + 1))
@@ -610,20 +703,29 @@ class HeSession(SummationSession):
     def replay(self, stage: str, member: str, raw: bytes) -> None:
         if stage == "decrypt":
             self.receive(stage, decode_decryption(member, raw, self._max_json_bytes))
+        elif stage == "commit":
+            body = msgspec.json.decode(raw, type=wire.CommitBody)
+            self.receive(stage, ciphertext_commitment(self.spec, member, body))
         else:
             self.receive(stage, MaskedInput(member, raw))
 
     def complete(self, stage: str) -> bool:
-        if stage == "masked_input":
-            return len(self.members) == len(self.spec.cohort)
+        if stage == "commit":
+            return len(self.commitments) == len(self.spec.cohort)
+        if stage == "masked_input":  # only a member that committed can upload
+            return len(self.members) == len(self.commitments)
         return stage == "decrypt" and self.decryption is not None
 
     def close(self, stage: str) -> None:
-        """Close masked_input: the contributors and the sum's digest are fixed.
+        """Close commit (the commitment set is fixed) or masked_input (the contributors
+        and the sum's digest are fixed).
 
         Raises:
-            RoundAborted: fewer than ``min_agents`` ciphertexts arrived.
+            RoundAborted: fewer than ``min_agents`` commitments or ciphertexts arrived.
         """
+        if stage == "commit":
+            self._close_commit()
+            return
         if stage != "masked_input":
             raise ValueError(f"stage {stage!r} is not closed by close()")
         if len(self.members) < self.min_agents:

@@ -16,6 +16,8 @@ from fedsec.protocol import compact
 from fedsec.protocol.wire import (
     Accepted,
     AdvertiseKeysBody,
+    CommitBody,
+    CommitmentSetBody,
     ConsistencyBody,
     ConsistencyProofBody,
     ContributionStatement,
@@ -206,6 +208,35 @@ class StageCalls(Calls):
             attempt,
             wait,
             "consistency proof",
+        )
+
+    async def commit(
+        self, round: int, attempt: int, body: CommitBody, wait: float = 0.0
+    ) -> Accepted:
+        """``POST /rounds/{r}/commit`` (homomorphic summation): our signed commitment
+        to the hash of the ciphertext we will upload.
+
+        Args:
+            wait: seconds the aggregator may hold the answer until the round reaches
+                masked_input; the answer then carries the commitment set (``commitments``).
+        """
+        what = "commit answer"
+        raw = await self._transport.request(
+            route("post_commit", round=round),
+            query=self._stage_query(attempt, wait),
+            body=encode(body),
+            content_type="application/json",
+            max_bytes=MAX_JSON_BYTES,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
+        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
+
+    async def get_commit(self, round: int, attempt: int, wait: float = 0.0) -> CommitmentSetBody:
+        """``GET /rounds/{r}/commit``: the attempt's commitment set (long-polled up to
+        ``wait`` s until stage commit closes)."""
+        return await self._stage_json(
+            route("get_commit", round=round), CommitmentSetBody, attempt, wait, "commitment set"
         )
 
     async def unmask(

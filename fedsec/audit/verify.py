@@ -176,6 +176,8 @@ class _Attempt:
     # (None without the archive, or pruned), the ring sum's sha256 and (Σ w·Δ, Σ w)
     decryption: wire.DecryptionStatement | None = None
     he_sums: tuple[str, Any] | None = None
+    # homomorphic rounds: member -> the ciphertext sha256 it committed to (stage commit)
+    commitments: dict[str, str] = field(default_factory=dict)
 
 
 class Verifier:
@@ -423,6 +425,8 @@ class Verifier:
         public = self._member_key(entry, member)
         if self.archive is not None:
             self._check_archived(entry, attempt.spec.round, f"{stage} from {member}", digest)
+        if stage == "commit" and spec.secure_sum == "he":
+            self._on_commitment(entry, body, attempt, public)
         if stage == "masked_input":
             if body.commitment is None or body.signature is None:
                 raise self._fail(entry, "a masked input without its contribution statement")
@@ -434,10 +438,43 @@ class Verifier:
                 vector_sha256=digest,
                 commitment=body.commitment,
                 signature=body.signature,
+                commitments_sha256=self._committed(entry, attempt, member, digest),
             ).verify(public)
             self.contributions[entry.index] = body
             attempt.inputs.append((entry.index, member, digest))
         attempt.messages.append((stage, member, digest))
+
+    def _on_commitment(
+        self, entry: LogEntry, body: AcceptedEntry, attempt: _Attempt, public: bytes
+    ) -> None:
+        """A member's signed commitment to its ciphertext's hash, logged before any
+        ciphertext of the attempt (a later one could be made from them)."""
+        if attempt.inputs:
+            raise self._fail(entry, "a ciphertext commitment logged after a ciphertext")
+        if body.member in attempt.commitments:
+            raise self._fail(entry, f"a second ciphertext commitment of {body.member}")
+        if body.commitment is None or body.signature is None:
+            raise self._fail(entry, "a ciphertext commitment without its hash and signature")
+        wire.CiphertextCommitment(
+            federation_id=self.federation_id,
+            round=body.round,
+            attempt=body.attempt,
+            member=body.member,
+            vector_sha256=body.commitment,
+            signature=body.signature,
+        ).verify(public)
+        attempt.commitments[body.member] = body.commitment
+
+    def _committed(self, entry: LogEntry, attempt: _Attempt, member: str, digest: str) -> str:
+        """he: the commitment set's digest a masked input's statement binds, once its
+        ciphertext is the one its member committed to ("" in the other modes)."""
+        if attempt.spec.secure_sum != "he":
+            return ""
+        if attempt.commitments.get(member) != digest:
+            raise self._fail(
+                entry, f"{member}'s ciphertext is not one it committed to before the ciphertexts"
+            )
+        return wire.commitments_digest(attempt.commitments.items())
 
     def _check_archived(self, entry: LogEntry, round_: int, what: str, digest: str) -> None:
         """The object exists and hashes to ``digest``, or a signed pruning deleted it."""

@@ -11,7 +11,9 @@ steps, the I/O between them being the caller's:
    by this custodian is in the log; the offer's contributors are distinct, at least
    ``max(min_agents, the custodian's own floor)``, and exactly the attempt's accepted
    masked inputs, each a cohort member on the roster whose signed statement names the
-   bytes; then :attr:`SumCheck.wanted` lists the archive objects to fetch;
+   bytes; each the ciphertext its member committed to in stage commit, and each
+   statement binding the digest of the attempt's whole logged commitment set; then
+   :attr:`SumCheck.wanted` lists the archive objects to fetch;
 2. :meth:`SumCheck.add` for each fetched object: its bytes hash to the logged digest and
    it adds to the re-computed sum (streaming, memory O(d)); then the contribution alone
    is decrypted, privately, and must be what an honest member encrypts: integers (within
@@ -27,7 +29,11 @@ what each encrypts.  A member colluding with the aggregator, which holds every c
 can upload ``Enc(0) - Σ`` of the other honest members' ciphertexts; the sum is then the
 victim's ciphertext alone, with any number of honest members in it.  Such a contribution
 decrypts to negative values and is refused; one within the range can cancel at most the
-colluder's own share of the sum (docs/threat-model.md).
+colluder's own share of the sum (docs/threat-model.md).  A shifted cancellation
+``Enc(c) − Σ`` that stays in the range needs the others' ciphertexts before the colluder's
+own is fixed: the commit step rules that out (every member commits to its ciphertext's
+hash before any ciphertext is accepted or served, and binds the digest of the commitment
+set it was shown, so a commitment logged after the honest ciphertexts is refused).
 
 Any failure raises :class:`Refused` with a machine ``reason``.  Nothing is decrypted
 before the log decided the offer's contributors and a contribution's bytes are the logged
@@ -50,13 +56,14 @@ import numpy.typing as npt
 
 from fedsec.crypto import he
 from fedsec.crypto.he import decrypt_sum
-from fedsec.custodian.follow import LogFollower, LoggedContribution
+from fedsec.custodian.follow import LogFollower, LoggedCommitment, LoggedContribution
 from fedsec.errors import FedsecError
 from fedsec.protocol.wire import (
     DecryptionStatement,
     HeContextStatement,
     HeSumOffer,
     RoundSpec,
+    commitments_digest,
 )
 
 __all__ = [
@@ -97,6 +104,8 @@ Reason = Literal[
     "counted_twice",
     "unknown_contributor",
     "forged_contribution",
+    "not_committed",
+    "commitments_differ",
     "not_logged_sum",
     "archive_mismatch",
     "bad_ciphertext",
@@ -201,6 +210,9 @@ class SumCheck:
         self.floor = max(follower.min_agents, custody.min_contributors)
         self.wanted: tuple[LoggedContribution, ...] = _check_contributors(
             offer, follower, self.floor
+        )
+        _check_commitments(
+            self.wanted, follower.commitments_of(offer.round, offer.attempt, offer.log_index)
         )
         self.dim = self.spec.dim + 1  # the quantized update and its weight
         params = custody.params
@@ -483,6 +495,33 @@ def _check_contributors(
                 f"log entry {contribution.index}: {contribution.detail}",
             )
     return wanted
+
+
+def _check_commitments(
+    wanted: Sequence[LoggedContribution], commitments: Sequence[LoggedCommitment]
+) -> None:
+    """Every commitment of the attempt is its member's, once; every contribution's
+    statement binds the digest of that whole set.  A commitment logged after some
+    ciphertexts (a colluder's, made from them) changes the digest the later statements
+    bind, so the earlier ones disagree with it.  (That each contribution is the
+    committed ciphertext, the follower checked as it read it: ``not_committed``.)"""
+    members = [c.member for c in commitments]
+    twice = sorted({m for m in members if members.count(m) > 1})
+    if twice:
+        raise Refused("counted_twice", f"the log holds more than one commitment of {twice}")
+    for commitment in commitments:
+        if commitment.problem is not None:
+            raise Refused(commitment.problem, f"log entry {commitment.index}: {commitment.detail}")
+    digest = commitments_digest((c.member, c.vector_sha256) for c in commitments)
+    for contribution in wanted:
+        if contribution.commitments_sha256 != digest:
+            raise Refused(
+                "commitments_differ",
+                f"log entry {contribution.index}: {contribution.member}'s statement binds "
+                f"commitment set {contribution.commitments_sha256[:16] or 'none'}…, not the "
+                f"attempt's logged set {digest[:16]}… (a commitment was logged after a "
+                "ciphertext, or members were shown different sets)",
+            )
 
 
 def _check_distinct(logged: Collection[LoggedContribution]) -> None:

@@ -3,9 +3,11 @@
 :class:`LogFollower` takes the log's lines as the aggregator serves them, in as many
 pieces as it likes, and keeps what the custodian's check needs: the genesis (the
 federation's ``min_agents``), the roster, the ``he_context`` statements, the signed round
-specs, the accepted masked inputs of every attempt (with each member's contribution
-statement checked against its admin-signed roster key as of that point of the log), the
-attempts already closed, and the decryption statements.
+specs, the ciphertext commitments and accepted masked inputs of every attempt (each
+member's commitment and contribution statement checked against its admin-signed roster
+key as of that point of the log, the statement with the digest of the attempt's
+commitments logged before it), the attempts already closed, and the decryption
+statements.
 
 Every line must chain to the one before it, across calls (the follower remembers the last
 hash, so a line it has seen cannot be served differently later), and every ``head``
@@ -38,17 +40,21 @@ from fedsec.protocol.log_entries import (
 )
 from fedsec.protocol.roster import RosterEntry, verify_roster_entry
 from fedsec.protocol.wire import (
+    CiphertextCommitment,
     ContributionStatement,
     DecryptionStatement,
     HeContextStatement,
     RoundSpec,
+    commitments_digest,
 )
 
-__all__ = ["LogFollower", "LoggedContribution", "Problem"]
+__all__ = ["LogFollower", "LoggedCommitment", "LoggedContribution", "Problem"]
 
-#: Why an accepted entry cannot be counted: a member the round does not know, or a
-#: statement its member did not sign.
-Problem = Literal["unknown_contributor", "forged_contribution"]
+#: Why an accepted entry cannot be counted: a member the round does not know, a
+#: statement (or commitment) its member did not sign (with, in he, the commitments
+#: logged before it), or a homomorphic contribution that is not the ciphertext its
+#: member committed to.
+Problem = Literal["unknown_contributor", "forged_contribution", "not_committed"]
 # A line still waiting for its newline across calls is a line: bounded like one.
 _MAX_PENDING_BYTES: Final = 1 << 20
 
@@ -61,6 +67,19 @@ class LoggedContribution:
     member: str
     sha256: str  # of the uploaded (framed ciphertext) body: the archive object's name
     bytes: int
+    problem: Problem | None = None
+    detail: str = ""
+    # he: the digest of the attempt's commitments logged before it, which its statement binds
+    commitments_sha256: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedCommitment:
+    """A member's signed commitment to its ciphertext's hash (he stage commit)."""
+
+    index: int
+    member: str
+    vector_sha256: str
     problem: Problem | None = None
     detail: str = ""
 
@@ -97,6 +116,7 @@ class LogFollower:
         self.contexts: list[HeContextStatement] = []
         self.specs: dict[tuple[int, int], RoundSpec] = {}
         self.accepted: dict[tuple[int, int], list[LoggedContribution]] = {}
+        self.commitments: dict[tuple[int, int], list[LoggedCommitment]] = {}
         self.closed: dict[tuple[int, int], str] = {}  # attempt -> the kind that closed it
         self.decryptions: dict[tuple[int, int], DecryptionStatement] = {}
         self.last_head = -1
@@ -226,14 +246,28 @@ class LogFollower:
         self.specs[(spec.round, spec.attempt)] = spec
 
     def _on_accepted(self, index: int, body: AcceptedEntry) -> None:
+        key = (body.round, body.attempt)
+        if body.stage == "commit":
+            problem, detail = self._commitment_problem(body)
+            committed = LoggedCommitment(index, body.member, body.commitment or "", problem, detail)
+            self.commitments.setdefault(key, []).append(committed)
+            return
         if body.stage != "masked_input":
             return
-        problem, detail = self._contribution_problem(body)
-        logged = LoggedContribution(index, body.member, body.sha256, body.bytes, problem, detail)
-        self.accepted.setdefault((body.round, body.attempt), []).append(logged)
+        spec = self.specs.get(key)
+        bound = ""
+        if spec is not None and spec.secure_sum == "he":
+            bound = commitments_digest(
+                (c.member, c.vector_sha256) for c in self.commitments.get(key, ())
+            )
+        problem, detail = self._contribution_problem(body, bound)
+        logged = LoggedContribution(
+            index, body.member, body.sha256, body.bytes, problem, detail, bound
+        )
+        self.accepted.setdefault(key, []).append(logged)
 
-    def _contribution_problem(self, body: AcceptedEntry) -> tuple[Problem | None, str]:
-        """What makes ``body`` something other than its member's genuine contribution."""
+    def _member_problem(self, body: AcceptedEntry) -> tuple[Problem | None, str]:
+        """What makes ``body``'s member one that cannot send it."""
         spec = self.specs.get((body.round, body.attempt))
         member = self.roster.get(body.member)
         if spec is None:
@@ -244,6 +278,41 @@ class LogFollower:
             return "unknown_contributor", f"{body.member} is not an active agent of the roster"
         if body.commitment is None or body.signature is None:
             return "forged_contribution", f"{body.member}'s entry carries no signed statement"
+        return None, ""
+
+    def _commitment_problem(self, body: AcceptedEntry) -> tuple[Problem | None, str]:
+        """What makes ``body`` something other than its member's signed commitment."""
+        problem, detail = self._member_problem(body)
+        if problem is not None:
+            return problem, detail
+        assert body.commitment is not None and body.signature is not None
+        try:
+            CiphertextCommitment(
+                federation_id=self.federation_id,
+                round=body.round,
+                attempt=body.attempt,
+                member=body.member,
+                vector_sha256=body.commitment,
+                signature=body.signature,
+            ).verify(self.roster[body.member].public_key_bytes)
+        except FedsecError:
+            return "forged_contribution", (
+                f"{body.member}'s ciphertext commitment does not verify under its roster key"
+            )
+        return None, ""
+
+    def _contribution_problem(self, body: AcceptedEntry, bound: str) -> tuple[Problem | None, str]:
+        """What makes ``body`` something other than its member's genuine contribution
+        (``bound``: he, the digest of the commitments logged before it)."""
+        problem, detail = self._member_problem(body)
+        if problem is not None:
+            return problem, detail
+        assert body.commitment is not None and body.signature is not None
+        member = self.roster[body.member]
+        if bound:
+            problem, detail = self._committed(body)
+            if problem is not None:
+                return problem, detail
         statement = ContributionStatement(
             federation_id=self.federation_id,
             round=body.round,
@@ -252,12 +321,35 @@ class LogFollower:
             vector_sha256=body.sha256,
             commitment=body.commitment,
             signature=body.signature,
+            commitments_sha256=bound,
         )
         try:
             statement.verify(member.public_key_bytes)
         except FedsecError:
+            shown = (
+                f", binding the commitment set logged before it ({bound[:16]}…)" if bound else ""
+            )
             return "forged_contribution", (
-                f"{body.member}'s contribution statement does not verify under its roster key"
+                f"{body.member}'s contribution statement does not verify under its roster "
+                f"key{shown}: not its statement, or it was shown another set"
+            )
+        return None, ""
+
+    def _committed(self, body: AcceptedEntry) -> tuple[Problem | None, str]:
+        """he: ``body``'s ciphertext is the one its member committed to, before it."""
+        mine = [
+            c
+            for c in self.commitments.get((body.round, body.attempt), ())
+            if c.member == body.member
+        ]
+        if len(mine) != 1 or mine[0].problem is not None:
+            return "not_committed", (
+                f"no signed commitment of {body.member} to its ciphertext precedes it"
+            )
+        if mine[0].vector_sha256 != body.sha256:
+            return "not_committed", (
+                f"{body.member}'s ciphertext {body.sha256[:16]}… is not the one it committed to "
+                f"(log entry {mine[0].index})"
             )
         return None, ""
 
@@ -274,3 +366,7 @@ class LogFollower:
     def contributions(self, round: int, attempt: int, below: int) -> Iterator[LoggedContribution]:
         """The attempt's accepted masked inputs logged before entry ``below``."""
         return (c for c in self.accepted.get((round, attempt), ()) if c.index < below)
+
+    def commitments_of(self, round: int, attempt: int, below: int) -> list[LoggedCommitment]:
+        """The attempt's ciphertext commitments logged before entry ``below``."""
+        return [c for c in self.commitments.get((round, attempt), ()) if c.index < below]

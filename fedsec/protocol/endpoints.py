@@ -281,6 +281,28 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         params=(*_ROUND_ATTEMPT, _wait("the round reaches masked_input")),
     ),
     Endpoint(
+        "post_commit",
+        "POST",
+        f"{_R}/commit",
+        "homomorphic summation: the caller's signed commitment to the SHA-256 of the "
+        "ciphertext it will upload; with ?wait the answer is held until masked_input "
+        "and carries the attempt's commitment set (commitments), whose digest the "
+        "caller's contribution statement binds",
+        AGENT,
+        request=wire.CommitBody,
+        response=wire.Accepted,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches masked_input")),
+    ),
+    Endpoint(
+        "get_commit",
+        "GET",
+        f"{_R}/commit",
+        "the attempt's commitment set, once stage commit closed (to members that committed)",
+        AGENT,
+        response=wire.CommitmentSetBody,
+        params=(*_ROUND_ATTEMPT, _wait("the round reaches masked_input")),
+    ),
+    Endpoint(
         "masked_input",
         "POST",
         f"{_R}/masked-input",

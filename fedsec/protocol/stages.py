@@ -3,8 +3,9 @@
 The SecAgg+ message stages are the crypto server's own (:class:`ServerStage`); a round
 adds ``open`` before them (the cohort forms) and ends ``closed`` (aggregated, a new
 model version written) or ``aborted`` (too few members remain; another attempt of the
-same round follows).  A homomorphic-summation round passes through ``masked_input``
-(ciphertexts) and ``decrypt`` (the key custodian's decryption of their sum).
+same round follows).  A homomorphic-summation round passes through ``commit`` (each
+member's signed hash of the ciphertext it will send), ``masked_input`` (ciphertexts)
+and ``decrypt`` (the key custodian's decryption of their sum).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ Stage = Literal[
     "open",  # cohort forming: agents join
     "advertise",  # cohort fixed, spec signed: agents train, then advertise keys
     "share_keys",
+    "commit",  # homomorphic summation: members commit to their ciphertexts' hashes
     "masked_input",
     "consistency",  # SecAgg+: survivors sign the survivor sets before any unmasking
     "unmask",
@@ -32,11 +34,14 @@ SECAGG_STAGES: Final[tuple[Stage, ...]] = tuple(
 )
 #: The SecAgg+ key-agreement stages, which a round without secure summation skips.
 KEY_STAGES: Final[tuple[Stage, ...]] = SECAGG_STAGES[:2]
-#: The stages of a homomorphic-summation attempt after open: members upload ciphertexts,
-#: then the key custodian decrypts their sum.
-HE_STAGES: Final[tuple[Stage, ...]] = ("masked_input", "decrypt")
-#: The stages an attempt may be in while it still accepts messages.
-ACTIVE_STAGES: Final[tuple[Stage, ...]] = ("open", *SECAGG_STAGES, "decrypt")
+#: The stages of a homomorphic-summation attempt after open: members commit to their
+#: ciphertexts' hashes (so none is built from another's), upload the ciphertexts, then
+#: the key custodian decrypts their sum.
+HE_STAGES: Final[tuple[Stage, ...]] = ("commit", "masked_input", "decrypt")
+#: The stages an attempt may be in while it still accepts messages, in order.
+ACTIVE_STAGES: Final[tuple[Stage, ...]] = tuple(
+    s for s in STAGES if s == "open" or s in SECAGG_STAGES or s in HE_STAGES
+)
 #: The stages that end an attempt.
 FINAL_STAGES: Final[tuple[Stage, ...]] = ("closed", "aborted")
 

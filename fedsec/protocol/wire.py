@@ -29,6 +29,7 @@ Errors: 4xx with ErrorBody ``{"error": code, "detail": sentence}``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -65,6 +66,7 @@ ROUND_SPEC_DOMAIN = "round-spec"
 PRIVACY_REPORT_DOMAIN = "privacy-report"
 RECEIPT_DOMAIN = "contribution-receipt"
 CONTRIBUTION_DOMAIN = "contribution-statement"
+HE_COMMITMENT_DOMAIN = "he-ciphertext-commitment"
 
 SecureSum = Literal["secagg", "none", "he"]
 #: How a trusted-mode attempt combines its members' updates (fedsec.learning.robust).
@@ -485,6 +487,8 @@ class Accepted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys: KeyListBody | None = None  # POST advertise: the relayed key list
     relay: ShareRelayBody | None = None  # POST shares: the shares addressed to the caller
     proof: ConsistencyProofBody | None = None  # POST consistency: the caller's proof
+    # POST commit (homomorphic summation): the attempt's commitment set, once fixed
+    commitments: CommitmentSetBody | None = None
     state: RoundState | None = None  # POST unmask: the round state once the attempt is over
 
 
@@ -511,11 +515,69 @@ class ContributionStatement(_Signed, frozen=True, forbid_unknown_fields=True, om
     vector_sha256: str
     commitment: str
     signature: str = ""
+    # homomorphic summation: the digest of the attempt's commitment set the member was
+    # shown (:func:`commitments_digest`); empty, and so omitted, in the other modes
+    commitments_sha256: str = ""
 
     def verify(self, public_key: bytes) -> None:
         """Raises SignatureError (or PayloadError for a malformed commitment)."""
         unhex(self.commitment, "commitment", 32)
+        if self.commitments_sha256:
+            unhex(self.commitments_sha256, "commitments_sha256", 32)
         super().verify(public_key)
+
+
+class CiphertextCommitment(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A member's signed commitment, in stage ``commit`` of a homomorphic attempt, to the
+    SHA-256 of the exact ciphertext bytes it will upload in ``masked_input``.
+
+    Every commitment is fixed before any ciphertext is accepted or served, so no member
+    can upload a ciphertext made from another's (``Enc(c) − Σ others`` cancels them).
+    Logged as the ``commit`` accepted entry's ``commitment`` and ``signature``.
+    """
+
+    DOMAIN: ClassVar[str] = HE_COMMITMENT_DOMAIN
+
+    federation_id: str
+    round: Id
+    attempt: Id
+    member: str
+    vector_sha256: str
+    signature: str = ""
+
+    def verify(self, public_key: bytes) -> None:
+        """Raises SignatureError (or PayloadError for a malformed hash)."""
+        unhex(self.vector_sha256, "vector_sha256", 32)
+        super().verify(public_key)
+
+
+class CommitBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST commit``: the SHA-256 (hex) of the ciphertext the member will upload and
+    its signature (hex) of the :class:`CiphertextCommitment` binding it."""
+
+    vector_sha256: str
+    signature: str
+
+
+class MemberCommitment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    member: MemberId
+    vector_sha256: str
+    signature: str
+
+
+class CommitmentSetBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An attempt's commitments once stage commit closed, sorted by member: each member
+    binds their :func:`commitments_digest` into its contribution statement."""
+
+    commitments: Annotated[list[MemberCommitment], msgspec.Meta(max_length=MAX_COHORT)]
+
+
+def commitments_digest(commitments: Iterable[tuple[str, str]]) -> str:
+    """SHA-256 (hex) of a commitment set: the canonical JSON of its (member,
+    vector_sha256) pairs, sorted.  The same for every member shown the same set, so an
+    aggregator that shows members different sets makes their statements disagree."""
+    pairs = sorted([member, digest] for member, digest in commitments)
+    return hashlib.sha256(canonical_json({"commitments": pairs})).hexdigest()
 
 
 class Receipt(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -56,6 +56,7 @@ from tests.support.aggregator import (
     Federation,
     Upload,
     expected_params,
+    he_commit_body,
     join_request,
     log_entries,
     make_federation,
@@ -132,6 +133,22 @@ class HeMembers:
         self.public = he.load_public_context(keys[1], PARAMS, PARAMS.context_max_bytes(False))
         self.secret = he.load_secret_context(keys[0], PARAMS, PARAMS.context_max_bytes(True))
         self.raw: dict[str, bytes] = {}
+        self.bound = ""  # the commitment set's digest the statements bind
+
+    def commit(self, coord: Coordinator, who: tuple[str, ...] = MEMBERS) -> None:
+        """Each of ``who`` commits to its ciphertext; once commit closed, the set's
+        digest is read as a member reads it."""
+        r, a = self.spec.round, self.spec.attempt
+        for m in who:
+            coord.commit(m, r, a, self.commit_body(m))
+        if coord.live.stage == "masked_input":
+            shown = coord.commitment_set(who[0], r, a)
+            self.bound = wire.commitments_digest(
+                (c.member, c.vector_sha256) for c in shown.commitments
+            )
+
+    def commit_body(self, member: str, raw: bytes | None = None) -> wire.CommitBody:
+        return he_commit_body(member, self.spec, self.identities[member], raw or self.body(member))
 
     def body(self, member: str) -> bytes:
         if member not in self.raw:
@@ -142,7 +159,13 @@ class HeMembers:
     def upload(self, member: str, raw: bytes | None = None) -> Upload:
         """(raw, commitment, signature): the statement over sha256(raw), the commitment
         over the quantized vector, as the member's agent makes them."""
-        return plain_upload(member, self.spec, self.identities, raw or self.body(member))
+        return plain_upload(
+            member,
+            self.spec,
+            self.identities,
+            raw or self.body(member),
+            commitments_sha256=self.bound,
+        )
 
     def sum_of(self, members: list[str]) -> list[bytes]:
         total = he.CiphertextSum(self.public, PARAMS, self.spec.dim + 1)
@@ -188,14 +211,18 @@ def _publish(fed: Federation, coord: Coordinator, keys: tuple[bytes, bytes]) -> 
 def _start(
     fed: Federation, clock: FakeClock, keys: tuple[bytes, bytes], members: tuple[str, ...] = MEMBERS
 ) -> tuple[Coordinator, HeMembers]:
-    """A coordinator with the context published and round 1's cohort fixed."""
+    """A coordinator with the context published, round 1's cohort fixed and every
+    member's commitment taken (the attempt in masked_input)."""
     coord = Coordinator(fed.ws, clock=clock)
     _publish(fed, coord, keys)
     for m in members:
         assert coord.join(m, 1, 0, join_request()).accepted
     coord.tick()
-    assert coord.live.stage == "masked_input" and coord.live.spec is not None
-    return coord, HeMembers(coord.live.spec, fed.identities, keys)
+    assert coord.live.stage == "commit" and coord.live.spec is not None
+    he_members = HeMembers(coord.live.spec, fed.identities, keys)
+    he_members.commit(coord, members)
+    assert coord.live.stage == "masked_input"
+    return coord, he_members
 
 
 def _upload_all(coord: Coordinator, members: HeMembers, who: tuple[str, ...]) -> None:
@@ -252,11 +279,13 @@ def test_he_round_closes_with_the_exact_model_of_the_same_quantized_vectors(
     _publish(fed, coord, keys)
     coord.tick()
     spec = coord.live.spec
-    assert spec is not None and coord.live.stage == "masked_input"
+    assert spec is not None and coord.live.stage == "commit"
     assert spec.secure_sum == "he" and spec.custodian == CUSTODIAN
     assert spec.he_context_sha256 == hashlib.sha256(keys[1]).hexdigest()
     assert spec.deadlines["decrypt_s"] == DECRYPT_S
     members = HeMembers(spec, fed.identities, keys)
+    members.commit(coord)
+    assert coord.live.stage == "masked_input"  # every member committed
     receipts = {m: coord.masked_input(m, 1, 0, *members.upload(m)) for m in MEMBERS}
     # a retry gets the same receipt
     assert coord.masked_input("a0", 1, 0, *members.upload("a0")) == receipts["a0"]
@@ -358,9 +387,22 @@ def test_an_open_attempts_ciphertexts_are_withheld_until_it_ends(
 def test_ciphertexts_that_are_not_the_federations_are_refused_unchanged(
     tmp_path: Path, clock: FakeClock, keys: tuple[bytes, bytes]
 ) -> None:
-    fed = he_federation(tmp_path / "ws")
-    coord, members = _start(fed, clock, keys)
-    coord.masked_input("a0", 1, 0, *members.upload("a0"))
+    # b0..b4 commit to malformed ciphertexts: only a committed ciphertext is parsed
+    spares = tuple(f"b{i}" for i in range(5))
+    fed = make_federation(
+        tmp_path / "ws",
+        (*MEMBERS, *spares),
+        custodians=(CUSTODIAN,),
+        round={"secure_sum": "he", "min_agents": 3, "decrypt_s": DECRYPT_S},
+        sections={"he": {"custodian": CUSTODIAN}},
+    )
+    coord = Coordinator(fed.ws, clock=clock)
+    _publish(fed, coord, keys)
+    for m in (*MEMBERS, *spares):
+        assert coord.join(m, 1, 0, join_request()).accepted
+    coord.tick()
+    assert coord.live.spec is not None and coord.live.stage == "commit"
+    members = HeMembers(coord.live.spec, fed.identities, keys)
     values = quantized_input("a1", members.spec).astype(np.float64)
     other_params = he.HeParams(8192, (50, 60), 30)
     other = he.load_public_context(
@@ -374,16 +416,27 @@ def test_ciphertexts_that_are_not_the_federations_are_refused_unchanged(
         "two chunks": (he.frame_chunks(chunks * 2), PayloadError),
         "trailing bytes": (he.frame_chunks(chunks) + b"\x00", PayloadError),
     }
-    for name, (raw, exc) in bad.items():
+    for spare, (raw, _) in zip(spares, bad.values(), strict=True):
+        members.raw[spare] = raw
+    members.commit(coord, (*MEMBERS, *spares))
+    assert coord.live.stage == "masked_input"
+    coord.masked_input("a0", 1, 0, *members.upload("a0"))
+    for spare, (name, (raw, exc)) in zip(spares, bad.items(), strict=True):
         error = _refused(
-            fed, coord, exc, coord.masked_input, "a1", 1, 0, *members.upload("a1", raw)
+            fed, coord, exc, coord.masked_input, spare, 1, 0, *members.upload(spare, raw)
         )
         assert error.detail, name
+    # a well-formed ciphertext, but not the one its member committed to
+    other_bytes = members.upload("a1", he.frame_chunks(chunks))
+    error = _refused(fed, coord, IntegrityError, coord.masked_input, "a1", 1, 0, *other_bytes)
+    assert "not the one it committed to" in error.detail
     # a second, different upload of a member already in the sum
     again = members.upload("a0", he.frame_chunks(chunks))
     _refused(fed, coord, DuplicateMessage, coord.masked_input, "a0", 1, 0, *again)
     # the sum is intact: the round still closes with the exact model
     _upload_all(coord, members, MEMBERS[1:])
+    clock.advance(MASKED_DEADLINE)  # the spares never upload what they committed to
+    coord.tick()
     coord.decryption(CUSTODIAN, 1, 0, members.decryption(coord.he_sum(CUSTODIAN, 1, 0)))
     old, new = model_params(fed.ws, 1), model_params(fed.ws, 2)
     quantized = [quantized_input(m, members.spec) for m in MEMBERS]
@@ -498,7 +551,7 @@ def test_no_decryption_by_the_deadline_aborts_and_the_next_attempt_opens(
     for m in MEMBERS:
         coord.join(m, 1, 1, join_request())
     coord.tick()
-    assert coord.live.stage == "masked_input"
+    assert coord.live.stage == "commit"
     assert coord.live.spec is not None and coord.live.spec.attempt == 1
 
 
@@ -720,6 +773,32 @@ async def test_the_he_endpoints_over_http_with_their_roles(
         coord.join(m, 1, 0, join_request())
     assert coord.live.spec is not None
     members = HeMembers(coord.live.spec, fed.identities, keys)
+    # stage commit: no ciphertext is taken, no commitment set served, until it closes
+    raw_vec, commitment, signature = members.upload("a0")
+    path = f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}&signature={signature}"
+    status, raw = await _http(served, "a0", "POST", path, raw_vec)
+    assert status == 409 and json.loads(raw)["error"] == "wrong_stage", raw
+    status, raw = await _http(served, "a0", "GET", "/v1/rounds/1/commit?attempt=0")
+    assert status == 409 and json.loads(raw)["error"] == "wrong_stage", raw
+    for who in ("aud", "obs", CUSTODIAN):
+        body = wire.encode(members.commit_body("a0"))
+        status, raw = await _http(served, who, "POST", "/v1/rounds/1/commit?attempt=0", body)
+        assert status == 403, raw
+    for i, m in enumerate(MEMBERS):
+        wait = "&wait=1" if i == len(MEMBERS) - 1 else ""
+        path = f"/v1/rounds/1/commit?attempt=0{wait}"
+        status, raw = await _http(served, m, "POST", path, wire.encode(members.commit_body(m)))
+        assert status == 200, raw
+    answer = msgspec.json.decode(raw, type=wire.Accepted)  # the last one waited for the set
+    assert answer.commitments is not None
+    assert [c.member for c in answer.commitments.commitments] == sorted(MEMBERS)
+    status, raw = await _http(served, "a0", "GET", "/v1/rounds/1/commit?attempt=0")
+    assert status == 200 and msgspec.json.decode(raw, type=wire.CommitmentSetBody) == (
+        answer.commitments
+    )
+    members.bound = wire.commitments_digest(
+        (c.member, c.vector_sha256) for c in answer.commitments.commitments
+    )
     for m in MEMBERS:
         raw_vec, commitment, signature = members.upload(m)
         path = f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}&signature={signature}"
@@ -749,7 +828,11 @@ async def test_the_he_endpoints_over_http_with_their_roles(
     assert (status, raw) == (200, b"")
     status, raw = await _http(served, CUSTODIAN, "GET", "/v1/audit/log?from=-1")
     assert status == 400
-    accepted = [e for e in log_entries(fed.ws) if e["kind"] == "accepted"]
+    accepted = [
+        e
+        for e in log_entries(fed.ws)
+        if e["kind"] == "accepted" and e["body"]["stage"] == "masked_input"
+    ]
     digest = accepted[0]["body"]["sha256"]
     # the custodian re-adds the ciphertexts in decrypt; an auditor waits for the end
     status, raw = await _http(served, CUSTODIAN, "GET", f"/v1/audit/archive/{digest}")

@@ -49,6 +49,17 @@ BOUND = 8.0  # no single step of these tests may take longer than this
 T = TypeVar("T")
 
 
+#: An accepted upload's answer that carries no next-stage data.
+EMPTY_ANSWER = {
+    "accepted": True,
+    "keys": None,
+    "relay": None,
+    "proof": None,
+    "commitments": None,
+    "state": None,
+}
+
+
 def _now() -> float:
     return asyncio.get_running_loop().time()
 
@@ -181,7 +192,7 @@ async def test_upload_without_wait_answers_at_once_without_data(api: Api) -> Non
     """No ``wait`` (or ``wait=0``): an upload is answered at once with its data fields
     null (the bare-Receipt masked-input answer is covered by test_aggregator_api)."""
     cohort = await _fix_cohort(api)
-    empty = {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
+    empty = EMPTY_ANSWER
     assert (
         await _bounded(api.ok("a0", "POST", f"{ROUND}/advertise", cohort.advertise("a0"))) == empty
     )
@@ -201,7 +212,7 @@ async def test_held_answers_come_back_empty_when_the_wait_runs_out(api: Api) -> 
         api.ok("a0", "POST", f"{ROUND}/advertise?attempt=0&wait=1", cohort.advertise("a0"))
     )
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
+    assert answer == EMPTY_ANSWER
     assert 0.9 <= elapsed < 3.0, elapsed
     session = api.coord.live.session
     assert session is not None and set(session.advertised) == {"a0"}  # it was accepted
@@ -255,7 +266,7 @@ async def test_held_unmask_times_out_with_no_state(api: Api, clock: FakeClock) -
         api.ok("a0", "POST", f"{ROUND}/unmask?attempt=0&wait=0.5", cohort.unmask("a0", proof))
     )
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
+    assert answer == EMPTY_ANSWER
     assert 0.4 <= elapsed < 3.0, elapsed
     assert (api.coord.live.round, api.coord.live.stage) == (1, "unmask")
 
@@ -279,7 +290,7 @@ async def test_abort_releases_held_requests_at_once_without_data(
     answer = await _bounded(post, 3.0)
     status, raw, _ = await _bounded(get, 3.0)
     elapsed = _now() - start
-    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
+    assert answer == EMPTY_ANSWER
     assert status == 409 and json.loads(raw)["error"] == "wrong_stage", raw
     assert elapsed < 1.5, elapsed  # released by the abort, not by the 20 s wait
     live = api.coord.live
@@ -305,7 +316,7 @@ async def test_abort_at_share_keys_releases_a_held_shares_upload(
     clock.advance(FAST_ROUND["share_s"])
     answer = await _bounded(held, 3.0)
     assert _now() - start < 1.5
-    assert answer == {"accepted": True, "keys": None, "relay": None, "proof": None, "state": None}
+    assert answer == EMPTY_ANSWER
     assert (api.coord.live.attempt, api.coord.live.stage) == (1, "open")
 
 

@@ -121,6 +121,8 @@ def build(
     rounds: int = 1,
     retention_rounds: int = 0,
     decrypt_message: bool = False,
+    late_committer: str | None = None,
+    recommitter: str | None = None,
 ) -> Built:
     """HE rounds' records in ``root``; the keyword arguments bend one thing (in every round).
 
@@ -136,8 +138,20 @@ def build(
         retention_rounds: the archive retention the aggregator prunes with at each close.
         decrypt_message: also log the custodian's upload as an ``accepted`` message of
             stage decrypt (what the aggregator stores to replay it on resume).
+        late_committer: an uploader whose commitment is logged after the others'
+            ciphertexts (as a colluder's, made from them, would be).
+        recommitter: an uploader whose ciphertext is not the one it committed to.
     """
-    bend = Bend(uploaders, contributors, sum_sha256, decryption_signer, applied, decrypt_message)
+    bend = Bend(
+        uploaders,
+        contributors,
+        sum_sha256,
+        decryption_signer,
+        applied,
+        decrypt_message,
+        late_committer,
+        recommitter,
+    )
     ws = init_workspace(root, FID, config_text=_config())
     try:
         federation = _Federation(ws, keys)
@@ -155,6 +169,8 @@ class Bend:
     decryption_signer: Callable[[dict[str, SigningIdentity]], SigningIdentity] | None
     applied: Callable[[IntVector], IntVector]
     decrypt_message: bool
+    late_committer: str | None = None
+    recommitter: str | None = None
 
 
 class _Federation:
@@ -206,8 +222,33 @@ class _Federation:
         self.public = he.load_public_context(public_bytes, PARAMS, PARAMS.context_max_bytes(False))
         self.rng = np.random.default_rng(7)
 
+    def commit(self, round_: int, member: str, body: bytes, bend: Bend) -> None:
+        """Log ``member``'s signed commitment to ``body``'s hash (to another encryption's,
+        for ``bend.recommitter``)."""
+        if member == bend.recommitter:
+            body = body + b"another encryption"
+        digest = hashlib.sha256(body).hexdigest()
+        signed = wire.CiphertextCommitment(
+            federation_id=FID, round=round_, attempt=ATTEMPT, member=member, vector_sha256=digest
+        ).sign(self.ids[member])
+        raw = wire.encode(wire.CommitBody(digest, signed.signature))
+        self.trail.append(
+            AcceptedEntry(
+                round=round_,
+                attempt=ATTEMPT,
+                stage="commit",
+                member=member,
+                sha256=self.trail.keep(raw),
+                bytes=len(raw),
+                commitment=digest,
+                signature=signed.signature,
+            )
+        )
+        self.commits.append((member, digest))
+
     def round(self, round_: int, bend: Bend, retention_rounds: int) -> Built:
         ws, trail, ids, task = self.ws, self.trail, self.ids, self.task
+        self.commits: list[tuple[str, str]] = []
         cfg = ws.config
         parent = ws.models.latest()
         model = task.build_model(0)
@@ -216,15 +257,25 @@ class _Federation:
         spec = _spec(ws, task, round_, parent.version, parent.sha256, dim, self.context_sha)
         trail.append(spec)
 
-        # members: quantize as a plain round does, encrypt, upload, get accepted
+        # members: quantize as a plain round does, encrypt, commit to the ciphertexts'
+        # hashes, then upload them and get accepted
         quant = spec.quant_spec()
         total = he.CiphertextSum(self.public, PARAMS, dim + 1)
         integer_sum = np.zeros(dim + 1, dtype=np.int64)
+        encrypted: dict[str, tuple[IntVector, bytes]] = {}
         for member in bend.uploaders:
             delta = self.rng.normal(0.0, 0.02, dim).astype(np.float32)
             weight = 0.5 + 0.1 * AGENTS.index(member)
             quantized = quantize(delta, weight, quant, os.urandom(32))
             body = he.frame_chunks(he.encrypt(self.public, quantized.astype(np.float64)))
+            encrypted[member] = (quantized, body)
+        on_time = [m for m in bend.uploaders if m != bend.late_committer]
+        for member in on_time:
+            self.commit(round_, member, encrypted[member][1], bend)
+        for member in bend.uploaders:
+            if member == bend.late_committer:
+                self.commit(round_, member, encrypted[member][1], bend)
+            quantized, body = encrypted[member]
             statement = wire.ContributionStatement(
                 federation_id=FID,
                 round=round_,
@@ -232,6 +283,7 @@ class _Federation:
                 member=member,
                 vector_sha256=hashlib.sha256(body).hexdigest(),
                 commitment=hashlib.sha256(b"salt" + quantized.tobytes()).hexdigest(),
+                commitments_sha256=wire.commitments_digest(self.commits),
             ).sign(ids[member])
             trail.append(
                 AcceptedEntry(
@@ -452,6 +504,24 @@ def test_member_counted_twice_is_reported(tmp_path: Path, keys: tuple[Any, bytes
     problem = built.problem()
     assert f"log entry {built.entry_index('he_decryption')} (he_decryption)" in problem
     assert "it counts agent-2 more than once" in problem
+
+
+def test_a_commitment_logged_after_ciphertexts_is_reported(
+    tmp_path: Path, keys: tuple[Any, bytes]
+) -> None:
+    """A colluder that had the honest ciphertexts before committing (to build
+    ``Enc(c) − Σ`` of them) could only have its commitment logged after them."""
+    built = build(tmp_path / "ws", keys, uploaders=AGENTS, late_committer="agent-4")
+    problem = built.problem()
+    assert "a ciphertext commitment logged after a ciphertext" in problem
+
+
+def test_a_ciphertext_not_the_committed_one_is_reported(
+    tmp_path: Path, keys: tuple[Any, bytes]
+) -> None:
+    built = build(tmp_path / "ws", keys, recommitter="agent-2")
+    problem = built.problem()
+    assert "agent-2's ciphertext is not one it committed to" in problem
 
 
 def test_fewer_than_min_agents_is_reported(tmp_path: Path, keys: tuple[Any, bytes]) -> None:

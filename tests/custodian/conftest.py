@@ -1,12 +1,14 @@
 """A real homomorphic-summation round as the custodian sees it: a transparency log built with
 :mod:`fedsec.protocol.log` (genesis, roster, he_context, a signed he round spec, accepted
 masked inputs with their members' signed statements, heads by the aggregator key) and the
-archive of real framed TenSEAL ciphertexts those entries name."""
+archive of real framed TenSEAL ciphertexts those entries name.  As the aggregator logs
+it, each member's signed commitment to its ciphertext's hash (stage commit) precedes
+every ciphertext, and each statement binds the digest of the commitment set."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,10 @@ class Federation:
     entries: list[LogEntry] = field(default_factory=list)
     archive: dict[str, bytes] = field(default_factory=dict)
     plain: dict[str, np.ndarray] = field(default_factory=dict)
+    # the attempt under construction: each member's own ciphertext, and the commitments
+    # logged so far as (member, sha256), whose digest the next statements bind
+    bodies: dict[str, bytes] = field(default_factory=dict)
+    commits: list[tuple[str, str]] = field(default_factory=list)
     min_agents: int = 3
     dim: int = DIM
 
@@ -74,6 +80,8 @@ class Federation:
     # -- building the log ----------------------------------------------------------------
 
     def append(self, body: LogBody) -> LogEntry:
+        if isinstance(body, wire.RoundSpec):  # a new attempt: nothing committed yet
+            self.bodies, self.commits = {}, []
         prev = self.entries[-1].hash if self.entries else GENESIS_PREV
         entry = make_entry(len(self.entries), prev, 1_700_000_000.0 + len(self.entries), body)
         self.entries.append(entry)
@@ -158,14 +166,63 @@ class Federation:
     def encrypted(self, values: np.ndarray) -> bytes:
         return he.frame_chunks(he.encrypt(self.public_ctx, values.astype(np.float64)))
 
-    def accept(
-        self, member: str, body: bytes | None = None, *, signer: SigningIdentity | None = None
-    ) -> AcceptedEntry:
-        """Log ``member``'s masked input (its own encryption of its update by default),
-        with the statement ``signer`` (the member by default) signs; archive the bytes."""
-        if body is None:
+    def prepared(self, member: str) -> bytes:
+        """``member``'s own encryption of its update in this attempt (made once)."""
+        if member not in self.bodies:
             self.plain[member] = quantized_update(MEMBERS.index(member) + 100 * ROUND, self.dim)
-            body = self.encrypted(self.plain[member])
+            self.bodies[member] = self.encrypted(self.plain[member])
+        return self.bodies[member]
+
+    def commit(
+        self,
+        members: Sequence[str] = MEMBERS,
+        bodies: Mapping[str, bytes] | None = None,
+        *,
+        signer: SigningIdentity | None = None,
+    ) -> None:
+        """Log each member's signed commitment to the hash of the ciphertext it will
+        upload (``bodies``, else its own encryption), signed by ``signer`` (the member)."""
+        for member in members:
+            body = (bodies or {}).get(member) or self.prepared(member)
+            self.bodies[member] = body
+            digest = hashlib.sha256(body).hexdigest()
+            signed = wire.CiphertextCommitment(
+                federation_id=FID, round=ROUND, attempt=ATTEMPT, member=member, vector_sha256=digest
+            ).sign(signer or self.members.get(member) or self.custodian)
+            raw = wire.encode(wire.CommitBody(digest, signed.signature))
+            self.archive[hashlib.sha256(raw).hexdigest()] = raw
+            self.append(
+                AcceptedEntry(
+                    round=ROUND,
+                    attempt=ATTEMPT,
+                    stage="commit",
+                    member=member,
+                    sha256=hashlib.sha256(raw).hexdigest(),
+                    bytes=len(raw),
+                    commitment=digest,
+                    signature=signed.signature,
+                )
+            )
+            self.commits.append((member, digest))
+
+    @property
+    def bound(self) -> str:
+        """The digest of the commitments logged so far, which a statement binds."""
+        return wire.commitments_digest(self.commits)
+
+    def accept(
+        self,
+        member: str,
+        body: bytes | None = None,
+        *,
+        signer: SigningIdentity | None = None,
+        bound: str | None = None,
+    ) -> AcceptedEntry:
+        """Log ``member``'s masked input (the ciphertext it committed to, or its own
+        encryption, by default), with the statement ``signer`` (the member by default)
+        signs, binding ``bound`` (the commitments logged so far); archive the bytes."""
+        if body is None:
+            body = self.prepared(member)
         digest = hashlib.sha256(body).hexdigest()
         statement = wire.ContributionStatement(
             federation_id=FID,
@@ -174,6 +231,7 @@ class Federation:
             member=member,
             vector_sha256=digest,
             commitment="cd" * 32,
+            commitments_sha256=self.bound if bound is None else bound,
         ).sign(signer or self.members[member])
         self.archive[digest] = body
         entry = AcceptedEntry(
@@ -190,8 +248,10 @@ class Federation:
         return entry
 
     def honest_round(self, members: Sequence[str] = MEMBERS) -> wire.HeSumOffer:
-        """Spec, every member's accepted contribution, a head; the honest offer."""
+        """Spec, every member's commitment, then its accepted contribution, a head; the
+        honest offer."""
         self.append(self.spec())
+        self.commit(members)
         for member in members:
             self.accept(member)
         offer = self.offer(members)
@@ -207,7 +267,7 @@ class Federation:
             by_member = {
                 e.body["member"]: e.body["sha256"]
                 for e in self.entries
-                if e.kind == "accepted" and e.body["round"] == ROUND
+                if e.kind == "accepted" and e.body["stage"] == "masked_input"
             }
             bodies = [self.archive[by_member[m]] for m in members]
         total = he.CiphertextSum(self.public_ctx, PARAMS, self.dim + 1)

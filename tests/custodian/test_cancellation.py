@@ -4,16 +4,21 @@ The aggregator holds every member's ciphertext; a member colluding with it uploa
 ``Enc(0) − Σ`` of the other honest members' ciphertexts, signed as its own.  The sum the
 custodian is offered is then the victim's ciphertext alone, although the log shows four
 distinct, signed contributions: a custodian that checks only the sum releases the
-victim's exact vector.  The custodian decrypts each contribution privately and refuses
-one that is not an integer vector in the codec's range, or that repeats another; what a
-colluder can still do within the range is the bound ``docs/threat-model.md`` states.
+victim's exact vector.  Two layers refuse it.  The commit step: every member commits to
+its ciphertext's hash before any ciphertext is accepted or served, and binds the digest of
+the commitment set into its statement, so a ciphertext made from the others' is either
+not the one its member committed to, or committed after them, which the honest
+statements' digest shows.  And the custodian decrypts each contribution privately and
+refuses one that is not an integer vector in the codec's range, or that repeats another.
+Most tests here log the colluder's commitment as if it had the honest ciphertexts in
+advance (the harness holds every key), to test the second layer alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +54,27 @@ def cancelling(federation: Federation, bodies: Sequence[bytes], plus: np.ndarray
     return he.frame_chunks(out)
 
 
+def with_foreknowledge(
+    federation: Federation, colluding: Callable[[Mapping[str, bytes]], bytes]
+) -> None:
+    """A round in which the colluder committed to ``colluding(honest ciphertexts)`` as if
+    it had them before committing, which the commit step rules out (see
+    :func:`test_a_shifted_cancellation_of_concentrated_updates_is_refused`): the log
+    passes every check but the opening of each contribution."""
+    federation.append(federation.spec())
+    honest = {m: federation.prepared(m) for m in (VICTIM, *HONEST_OTHERS)}
+    federation.commit(bodies={COLLUDER: colluding(honest)})
+    for member in MEMBERS:
+        federation.accept(member)
+
+
 def cancelling_round(federation: Federation, plus: np.ndarray | None = None) -> Any:
     """The honest members upload; the colluder uploads ``Enc(plus) − Σ`` of the honest
     others' ciphertexts (``plus`` zero by default), signed with its own key."""
-    federation.append(federation.spec())
-    for member in (VICTIM, *HONEST_OTHERS):
-        federation.accept(member)
-    others = [federation.archive[_digest(federation, m)] for m in HONEST_OTHERS]
     zero = np.zeros(federation.dim + 1) if plus is None else plus
-    federation.accept(COLLUDER, cancelling(federation, others, zero))
+    with_foreknowledge(
+        federation, lambda honest: cancelling(federation, [honest[m] for m in HONEST_OTHERS], zero)
+    )
     offer = federation.offer(MEMBERS)
     federation.head()
     return offer
@@ -67,7 +84,7 @@ def _digest(federation: Federation, member: str) -> str:
     return next(
         e.body["sha256"]
         for e in federation.entries
-        if e.kind == "accepted" and e.body["member"] == member
+        if e.kind == "accepted" and e.body["stage"] == "masked_input" and e.body["member"] == member
     )
 
 
@@ -94,12 +111,9 @@ def test_without_the_check_the_sum_is_the_victims_vector(federation: Federation)
 def test_a_contribution_off_the_integers_is_refused_without_its_error(
     federation: Federation,
 ) -> None:
-    federation.append(federation.spec())
-    for member in ("alice", "bob", "carol"):
-        federation.accept(member)
     off = np.full(DIM + 1, 7.0)
     off[2] += 0.4  # one value 0.4 from an integer; alone it is in range
-    federation.accept("dave", federation.encrypted(off))
+    with_foreknowledge(federation, lambda honest: federation.encrypted(off))
     with pytest.raises(Refused) as caught:
         decide(
             federation.offer(MEMBERS),
@@ -116,10 +130,7 @@ def test_a_contribution_repeating_another_is_refused(federation: Federation) -> 
     """A fresh encryption of a vector another member sent (here the victim's, which a
     colluder could only copy by rerandomising its ciphertext) doubles that member's
     weight in the sum: refused, although the ciphertexts differ."""
-    federation.append(federation.spec())
-    for member in ("alice", "bob", "carol"):
-        federation.accept(member)
-    federation.accept("dave", federation.encrypted(federation.plain[VICTIM]))
+    with_foreknowledge(federation, lambda honest: federation.encrypted(federation.plain[VICTIM]))
     with pytest.raises(Refused) as caught:
         decide(
             federation.offer(MEMBERS),
@@ -137,13 +148,10 @@ def test_a_cancellation_of_one_member_within_the_range_is_released(
     """What the range check cannot see: ``Enc(L) − Enc(x_victim)`` decrypts to
     ``L − x_victim``, an in-range vector, so the sum is released without the victim's
     share (here the honest others' values are spread over the whole range, so one
-    colluder cancels one member, no more)."""
-    federation.append(federation.spec())
-    for member in (VICTIM, *HONEST_OTHERS):
-        federation.accept(member)
-    victim = federation.archive[_digest(federation, VICTIM)]
+    colluder cancels one member, no more).  Only with the victim's ciphertext in hand
+    before committing, which the commit step rules out."""
     full = np.full(DIM + 1, float(LEVELS))
-    federation.accept(COLLUDER, cancelling(federation, [victim], full))
+    with_foreknowledge(federation, lambda honest: cancelling(federation, [honest[VICTIM]], full))
     release = decide(
         federation.offer(MEMBERS),
         federation.follower(),
@@ -154,35 +162,53 @@ def test_a_cancellation_of_one_member_within_the_range_is_released(
     assert np.array_equal(total, federation.expected_sum(HONEST_OTHERS) + LEVELS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the commit step of issue 32 item 1: a colluder that sees the honest "
-    "ciphertexts before its own is fixed can shift its cancellation into the range",
-)
+@pytest.mark.parametrize("colluder_committed", ["before", "after"])
 def test_a_shifted_cancellation_of_concentrated_updates_is_refused(
-    federation: Federation,
+    federation: Federation, colluder_committed: str
 ) -> None:
     """Clipped updates quantize near the middle of the range, so ``Enc(c) − Σ others``
     with ``c`` = the others' expected total plus half the range stays in range: the sum
-    is the victim's vector plus ``c``, which the aggregator knows."""
+    is the victim's vector plus ``c``, which the aggregator knows.  The range check
+    cannot see it; the commit step does.  The colluder has the honest ciphertexts only
+    once they are uploaded, after every honest commitment: its own commitment came
+    before them (to other bytes: ``not_committed``), or the aggregator logs it after
+    them, and the honest statements bind the set without it (``commitments_differ``)."""
     federation.append(federation.spec())
     middle = LEVELS // 2
     rng = np.random.default_rng(7)
+    honest = {}
     for member in (VICTIM, *HONEST_OTHERS):
         near = middle + rng.integers(-3, 4, DIM + 1)
         federation.plain[member] = near
-        federation.accept(member, federation.encrypted(near))
-    others = [federation.archive[_digest(federation, m)] for m in HONEST_OTHERS]
+        honest[member] = federation.encrypted(near)
+    federation.commit(list(honest), honest)
+    if colluder_committed == "before":
+        federation.commit([COLLUDER])  # an honest-looking commitment, made blind
+    for member, body in honest.items():
+        federation.accept(member, body)
     shift = np.full(DIM + 1, float(middle * len(HONEST_OTHERS) + middle))
-    federation.accept(COLLUDER, cancelling(federation, others, shift))
+    shifted = cancelling(federation, [honest[m] for m in HONEST_OTHERS], shift)
+    if colluder_committed == "after":
+        federation.commit([COLLUDER], {COLLUDER: shifted})
+    federation.accept(COLLUDER, shifted)
     offer = federation.offer(MEMBERS)
-    try:
-        release = decide(offer, federation.follower(), federation.fetch(), federation.custody())
-    except Refused:
-        return
-    total = np.frombuffer(release.plaintext, "<i8")
-    assert np.array_equal(total - shift.astype(np.int64), federation.plain[VICTIM])
-    raise AssertionError("the custodian released the victim's vector (shifted by c)")
+    with pytest.raises(Refused) as caught:
+        decide(offer, federation.follower(), federation.fetch(), federation.custody())
+    if colluder_committed == "before":
+        assert caught.value.reason == "not_committed"
+        assert COLLUDER in caught.value.detail
+    else:
+        assert caught.value.reason == "commitments_differ"
+        assert VICTIM in caught.value.detail  # the first honest statement disagrees
+
+    # the harness bites: the offered sum is the victim's vector shifted by c, in range
+    total = he.CiphertextSum(federation.public_ctx, PARAMS, DIM + 1)
+    for body in [*honest.values(), shifted]:
+        total.add(he.unframe_chunks(body, PARAMS, DIM + 1))
+    assert total.digest() == offer.sum_sha256
+    values = np.rint(he.decrypt_sum(federation.secret_ctx, total.serialize(), DIM + 1))
+    assert np.array_equal(values - shift, federation.plain[VICTIM])
+    assert values.min() >= 0 and values.max() <= len(MEMBERS) * LEVELS
 
 
 # -- the service: the refusal named, and a stop after repeated ones ------------------------------

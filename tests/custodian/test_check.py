@@ -169,9 +169,11 @@ def test_refuses_the_same_ciphertext_accepted_twice(
     federation: Federation, spy: DecryptSpy
 ) -> None:
     federation.append(federation.spec())
+    # dave (a real member, signing) commits to alice's ciphertext's hash, which the
+    # aggregator told it, and re-uploads her ciphertext: alice counted twice
+    federation.commit(bodies={"dave": federation.prepared("alice")})
     for member in ("alice", "bob", "carol"):
         federation.accept(member)
-    # dave (a real member, signing) re-uploads alice's ciphertext: alice counted twice
     federation.accept("dave", federation.archive[_logged(federation)["alice"]])
     offer = federation.offer(MEMBERS)
     assert refused(federation, offer, spy).reason == "counted_twice"
@@ -179,6 +181,7 @@ def test_refuses_the_same_ciphertext_accepted_twice(
 
 def test_refuses_a_member_accepted_twice(federation: Federation, spy: DecryptSpy) -> None:
     federation.append(federation.spec())
+    federation.commit()
     for member in MEMBERS:
         federation.accept(member)
     federation.accept("alice", federation.encrypted(quantized_update(7)))
@@ -200,6 +203,7 @@ def test_refuses_a_contributor_not_accepted_in_the_log(
 
 def test_refuses_a_contribution_outside_the_cohort(federation: Federation, spy: DecryptSpy) -> None:
     federation.append(federation.spec(cohort=["alice", "bob", "carol"]))
+    federation.commit()
     for member in MEMBERS:
         federation.accept(member)
     error = refused(federation, federation.offer(MEMBERS), spy)
@@ -211,10 +215,12 @@ def test_refuses_a_contribution_its_member_did_not_sign(
     federation: Federation, spy: DecryptSpy
 ) -> None:
     federation.append(federation.spec())
+    # the aggregator makes up dave's contribution: it cannot sign as dave
+    made_up = federation.encrypted(np.zeros(DIM + 1))
+    federation.commit(bodies={"dave": made_up})
     for member in ("alice", "bob", "carol"):
         federation.accept(member)
-    # the aggregator makes up dave's contribution: it cannot sign as dave
-    federation.accept("dave", federation.encrypted(np.zeros(DIM + 1)), signer=federation.aggregator)
+    federation.accept("dave", made_up, signer=federation.aggregator)
     error = refused(federation, federation.offer(MEMBERS), spy)
     assert error.reason == "forged_contribution"
 
@@ -223,11 +229,12 @@ def test_refuses_a_contribution_of_a_custodian_role(
     federation: Federation, spy: DecryptSpy
 ) -> None:
     federation.append(federation.spec(cohort=[*MEMBERS, CUSTODIAN]))
+    zeros = federation.encrypted(np.zeros(DIM + 1))
+    federation.commit(["alice", "bob"])
+    federation.commit([CUSTODIAN], {CUSTODIAN: zeros}, signer=federation.custodian)
     for member in ("alice", "bob"):
         federation.accept(member)
-    federation.accept(
-        CUSTODIAN, federation.encrypted(np.zeros(DIM + 1)), signer=federation.custodian
-    )
+    federation.accept(CUSTODIAN, zeros, signer=federation.custodian)
     error = refused(federation, federation.offer(["alice", "bob", CUSTODIAN]), spy)
     assert error.reason == "unknown_contributor"
 
@@ -290,6 +297,7 @@ def test_refuses_a_log_rewritten_between_reads(federation: Federation, spy: Decr
 
 def test_refuses_a_head_signed_by_another_key(federation: Federation, spy: DecryptSpy) -> None:
     federation.append(federation.spec())
+    federation.commit()
     for member in MEMBERS:
         federation.accept(member)
     offer = federation.offer(MEMBERS)
@@ -360,6 +368,7 @@ def test_refuses_a_round_not_under_this_context(
     federation: Federation, spy: DecryptSpy, changes: dict[str, Any], reason: str
 ) -> None:
     federation.append(federation.spec(**changes))
+    federation.commit()
     for member in MEMBERS:
         federation.accept(member)
     assert refused(federation, federation.offer(MEMBERS), spy).reason == reason
@@ -405,10 +414,11 @@ def test_refuses_no_spec(federation: Federation, spy: DecryptSpy) -> None:
 
 def test_refuses_a_non_integral_sum(federation: Federation, spy: DecryptSpy) -> None:
     federation.append(federation.spec())
+    halves = federation.encrypted(quantized_update(3).astype(np.float64) + 0.5)
+    federation.commit(bodies={"dave": halves})
     for member in ("alice", "bob", "carol"):
         federation.accept(member)
-    halves = quantized_update(3).astype(np.float64) + 0.5
-    federation.accept("dave", federation.encrypted(halves))
+    federation.accept("dave", halves)
     offer = federation.offer(MEMBERS)
     with pytest.raises(Refused) as caught:
         decide(offer, federation.follower(), federation.fetch(), federation.custody())
@@ -419,9 +429,9 @@ def test_refuses_a_non_integral_sum(federation: Federation, spy: DecryptSpy) -> 
 
 def test_refuses_a_sum_out_of_range(federation: Federation, spy: DecryptSpy) -> None:
     federation.append(federation.spec())
-    for member in ("alice", "bob", "carol"):
+    federation.commit(bodies={"dave": federation.encrypted(np.full(DIM + 1, -5000.0))})
+    for member in MEMBERS:
         federation.accept(member)
-    federation.accept("dave", federation.encrypted(np.full(DIM + 1, -5000.0)))
     with pytest.raises(Refused) as caught:
         decide(
             federation.offer(MEMBERS),
@@ -436,5 +446,5 @@ def _logged(federation: Federation) -> dict[str, str]:
     return {
         e.body["member"]: e.body["sha256"]
         for e in federation.entries
-        if e.kind == "accepted" and e.body["round"] == ROUND
+        if e.kind == "accepted" and e.body["stage"] == "masked_input"
     }

@@ -166,7 +166,9 @@ def scenario(he_keys: tuple[bytes, bytes]) -> tuple[Federation, AggregatorView, 
     logged = {
         e.body["member"]: e.body["sha256"]
         for e in federation.entries
-        if e.kind == "accepted" and e.body["member"] in MEMBERS
+        if e.kind == "accepted"
+        and e.body["stage"] == "masked_input"
+        and e.body["member"] in MEMBERS
     }
     view = AggregatorView(
         public_context=federation.public,

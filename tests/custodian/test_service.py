@@ -131,7 +131,9 @@ def test_a_refusal_is_logged_and_nothing_is_sent(
     alice = next(
         federation.archive[e.body["sha256"]]
         for e in federation.entries
-        if e.kind == "accepted" and e.body["member"] == "alice"
+        if e.kind == "accepted"
+        and e.body["stage"] == "masked_input"
+        and e.body["member"] == "alice"
     )
     forged = federation.offer(MEMBERS, bodies=[alice])
     monkeypatch.setattr(check, "decrypt_sum", _never)
@@ -186,6 +188,7 @@ def test_a_forged_log_is_fatal_and_logged(
     federation: Federation, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     federation.append(federation.spec())
+    federation.commit()
     for member in MEMBERS:
         federation.accept(member)
     offer = federation.offer(MEMBERS)
@@ -265,7 +268,7 @@ def _archived_sha256(federation: Federation, member: str) -> str:
     return next(
         e.body["sha256"]
         for e in federation.entries
-        if e.kind == "accepted" and e.body["member"] == member
+        if e.kind == "accepted" and e.body["stage"] == "masked_input" and e.body["member"] == member
     )
 
 

@@ -194,9 +194,11 @@ def contribution_statement(
     raw: bytes,
     quantized: RingVector,
     signer: SigningIdentity,
+    commitments_sha256: str = "",
 ) -> wire.ContributionStatement:
-    """``member``'s statement binding the uploaded ``raw`` bytes to its commitment,
-    signed by ``signer`` (the member's own identity unless a test forges one)."""
+    """``member``'s statement binding the uploaded ``raw`` bytes to its commitment (and,
+    he, to ``commitments_sha256``, the commitment set's digest), signed by ``signer``
+    (the member's own identity unless a test forges one)."""
     return wire.ContributionStatement(
         federation_id=spec.federation_id,
         round=spec.round,
@@ -204,6 +206,7 @@ def contribution_statement(
         member=member,
         vector_sha256=hashlib.sha256(raw).hexdigest(),
         commitment=commitment_for(member, spec, quantized),
+        commitments_sha256=commitments_sha256,
     ).sign(signer)
 
 
@@ -217,18 +220,40 @@ def plain_upload(
     raw: bytes | None = None,
     *,
     signer: str | None = None,
+    commitments_sha256: str = "",
 ) -> Upload:
     """(raw, commitment, signature) of a plain (``secure_sum = "none"``) input.
 
     ``raw`` replaces the uploaded bytes (the statement is then signed over them);
-    ``signer`` names another member whose key signs the statement.
+    ``signer`` names another member whose key signs the statement;
+    ``commitments_sha256``: he, the commitment set's digest the statement binds.
     """
     if raw is None:
         raw = plain_input(member, spec)
     statement = contribution_statement(
-        member, spec, raw, quantized_input(member, spec), identities[signer or member]
+        member,
+        spec,
+        raw,
+        quantized_input(member, spec),
+        identities[signer or member],
+        commitments_sha256,
     )
     return raw, statement.commitment, statement.signature
+
+
+def he_commit_body(
+    member: str, spec: wire.RoundSpec, identity: SigningIdentity, raw: bytes
+) -> wire.CommitBody:
+    """``member``'s signed commitment (he stage commit) to the ciphertext ``raw``."""
+    digest = hashlib.sha256(raw).hexdigest()
+    signed = wire.CiphertextCommitment(
+        federation_id=spec.federation_id,
+        round=spec.round,
+        attempt=spec.attempt,
+        member=member,
+        vector_sha256=digest,
+    ).sign(identity)
+    return wire.CommitBody(digest, signed.signature)
 
 
 class Cohort:

@@ -60,6 +60,8 @@ _HANDLERS: dict[str, Handler] = {
     "keys": handlers.keys,
     "post_shares": handlers.post_shares,
     "get_shares": handlers.get_shares,
+    "post_commit": handlers.post_commit,
+    "get_commit": handlers.get_commit,
     "masked_input": handlers.masked_input,
     "get_unmask": handlers.get_unmask,
     "post_consistency": handlers.post_consistency,

@@ -173,6 +173,26 @@ async def get_shares(request: web.Request) -> web.Response:
     return json_response(request.app[COORDINATOR].share_relay(member, r, a))
 
 
+async def post_commit(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.CommitBody, request, "ciphertext commitment")
+    wait = wait_seconds(request)  # checked before anything is accepted
+    coord = request.app[COORDINATOR]
+    coord.commit(member, r, a, msg)
+    commitments = await next_stage_data(
+        request, r, a, "masked_input", wait, lambda: coord.commitment_set(member, r, a)
+    )
+    return json_response(wire.Accepted(accepted=True, commitments=commitments))
+
+
+async def get_commit(request: web.Request) -> web.Response:
+    member, _ = await authenticate(request)
+    r, a = round_args(request)
+    await hold_until(request, r, a, "masked_input", wait_seconds(request))
+    return json_response(request.app[COORDINATOR].commitment_set(member, r, a))
+
+
 async def masked_input(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)

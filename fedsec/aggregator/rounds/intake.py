@@ -23,7 +23,12 @@ from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRe
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
-from fedsec.aggregator.summation import HeSession, StageMessage, decode_decryption
+from fedsec.aggregator.summation import (
+    HeSession,
+    StageMessage,
+    ciphertext_commitment,
+    decode_decryption,
+)
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import DuplicateMessage, FedsecError, NotFound, UnknownMember, WrongStage
 from fedsec.protocol import codec, wire
@@ -96,6 +101,28 @@ class Intake:
             member, r, a, "consistency", wire.encode(body), body, codec.consistency_message
         )
 
+    def commit(self, member: str, r: int, a: int, body: wire.CommitBody) -> None:
+        """Take a member's signed commitment to its ciphertext's hash (homomorphic
+        summation), logged with the hash and signature so anyone can check it."""
+        spec = self._live.spec
+
+        def decode(member: str, body: wire.CommitBody) -> StageMessage:
+            if spec is None:  # pragma: no cover - expect() refused a spec-less attempt
+                raise WrongStage(f"round {r} has no spec yet")
+            return ciphertext_commitment(spec, member, body)
+
+        self._accept(
+            member,
+            r,
+            a,
+            "commit",
+            wire.encode(body),
+            body,
+            decode,
+            commitment=body.vector_sha256,
+            signature=body.signature,
+        )
+
     def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> bool:
         """Take a survivor's unmask answer; False when it came after the attempt closed
         without needing it (the other answers already decided the sum, see
@@ -115,11 +142,14 @@ class Intake:
         raw: bytes,
         body: Any,
         decode: Callable[[str, Any], StageMessage],
+        commitment: str | None = None,
+        signature: str | None = None,
     ) -> None:
         """Accept one control message (``raw``: its canonical JSON, as stored): an
         identical retry gets the same answer; anything else is decoded once from
-        ``body``, validated by the session, stored, archived and logged; the stage
-        closes once complete."""
+        ``body``, validated by the session, stored, archived and logged (with
+        ``commitment`` and ``signature``, a commit's, in the entry); the stage closes
+        once complete."""
         if self._accepted_before(member, r, a, stage, raw):
             return
         live = self._live
@@ -128,7 +158,7 @@ class Intake:
         if self._idempotent(live, stage, member, raw):
             return
         live.summing().receive(stage, decode(member, body))
-        self._record(live, stage, member, raw)
+        self._record(live, stage, member, raw, commitment=commitment, signature=signature)
         self._lifecycle.close_if_complete()
 
     # -- masked input --------------------------------------------------------------------------
@@ -157,6 +187,7 @@ class Intake:
         if self._idempotent(live, "masked_input", member, raw):
             return self.receipt(member, r)
         digest = hashlib.sha256(raw).hexdigest()
+        session = live.summing()
         statement = wire.ContributionStatement(
             federation_id=self._ctx.ws.federation_id,
             round=r,
@@ -165,11 +196,14 @@ class Intake:
             vector_sha256=digest,
             commitment=commitment,
             signature=signature,
+            # he: the member binds the commitment set it was shown; a member shown
+            # another set signed another digest, and its statement does not verify
+            commitments_sha256=session.commitments_sha256 if isinstance(session, HeSession) else "",
         )
         entry = self._ctx.ws.roster.get(member)
         assert entry is not None
         statement.verify(entry.public_key_bytes)
-        live.summing().receive("masked_input", MaskedInput(member, raw))
+        session.receive("masked_input", MaskedInput(member, raw))
         receipt = self._record(
             live,
             "masked_input",

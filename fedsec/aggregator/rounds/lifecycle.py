@@ -55,6 +55,8 @@ from fedsec.protocol.update_codec import codec_for
 STAGE_SECONDS: dict[str, Callable[[RoundSection, bool], float]] = {
     "advertise": lambda r, buffered: r.advertise_s,
     "share_keys": lambda r, buffered: r.share_s,
+    # homomorphic summation: members train and encrypt before they commit to the hash
+    "commit": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
     "masked_input": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
     # two short exchanges of signatures and shares: each gets the unmask window
     "consistency": lambda r, buffered: r.unmask_s,
