@@ -151,14 +151,26 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "secagg-codec-8x",
-        ((*_SECAGG, "--bits", "4", "--rotation", "hadamard", "--sparsity", "0.36"),),
+        (
+            (
+                *_SECAGG,
+                "--bits",
+                "4",
+                "--rotation",
+                "hadamard",
+                "--sparsity",
+                "0.36",
+                "--repeat",
+                "2",
+            ),
+        ),
         "compression.jsonl",
         _SECAGG_PARAMS,
         ("server_over_floor", "bytes_per_param"),
     ),
     Check(
         "secagg-ddp",
-        ((*_SECAGG, "--bits", "9", "--ddp-noise", "1.0"),),
+        ((*_SECAGG, "--bits", "9", "--ddp-noise", "1.0", "--repeat", "2"),),
         "ddp.jsonl",
         _SECAGG_PARAMS,
         ("ddp_member_ratio", "server_over_floor", "bytes_per_param"),
