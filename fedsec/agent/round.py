@@ -247,7 +247,8 @@ class AgentRound:
                 spec.attempt,
             )
             return self._early_end("dropped", "spec names another round")
-        first_stage = "advertise" if spec.secure_sum == "secagg" else "masked_input"
+        # he: a member that has not committed to its ciphertext cannot send one
+        first_stage = {"secagg": "advertise", "he": "commit"}.get(spec.secure_sum, "masked_input")
         if stage_index(state.stage) > stage_index(first_stage):
             # Joined before a restart, back too late: training now would spend privacy
             # on an update that can no longer be sent.

@@ -376,7 +376,12 @@ def test_spec_naming_another_attempt_is_dropped_without_charging() -> None:
 
 @pytest.mark.parametrize(
     ("secure_sum", "stage", "first"),
-    [("secagg", "share_keys", "advertise"), ("none", "unmask", "masked_input")],
+    [
+        ("secagg", "share_keys", "advertise"),
+        ("none", "unmask", "masked_input"),
+        # he: too late to commit to a ciphertext is too late to send one
+        ("he", "masked_input", "commit"),
+    ],
 )
 def test_back_too_late_for_the_first_stage_misses_without_charging(
     secure_sum: str, stage: str, first: str
