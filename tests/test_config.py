@@ -71,7 +71,9 @@ def test_defaults() -> None:
         ("[rounds]\nx = 1", "rounds: unknown key"),
         ("[round]\nmin_agents = 2", "round.min_agents: expected an integer in 3..100000, got 2"),
         ("[round]\nmin_agents = 20\nmax_agents = 10", "round.max_agents"),
-        ("[round]\nneighbors = 4\nthreshold = 9", "round.threshold: expected an integer in 2..5"),
+        # k = 4: t must beat an equivocating aggregator with one colluder, 2t > 4 + 1
+        ("[round]\nneighbors = 4\nthreshold = 9", "round.threshold: expected an integer in 3..5"),
+        ("[round]\nneighbors = 4\nthreshold = 2", "round.threshold: expected an integer in 3..5"),
         ("[server]\nport = 70000", "server.port: expected an integer in 0..65535, got 70000"),
         ('[server]\noptimizer = "sgd"', "server.optimizer: expected one of 'fedavg', 'fedadam'"),
         ("[server]\nadam_beta2 = 1.0", "server.adam_beta2: expected a number in [0, 1)"),

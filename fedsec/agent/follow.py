@@ -18,6 +18,7 @@ version to start from and the agent downloads exactly that one.
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 
@@ -49,6 +50,7 @@ from fedsec.agent.member import Member
 from fedsec.agent.refusals import is_round_local, is_temporary
 from fedsec.agent.round import AgentRound
 from fedsec.agent.spec import check_spec_task, verify_round_spec
+from fedsec.crypto.secagg.messages import GRAPH_NONCE_BYTES, graph_commitment
 from fedsec.errors import DuplicateMessage, FedsecError, StaleUpdate, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.wire import DataSummary, JoinRequest, RoundState
@@ -84,6 +86,8 @@ class Follower:
         self._max_rounds = max_rounds
         self._seeded_bytes = seeded_bytes
         self._joined = carry.joined
+        # (round, attempt) -> the graph nonce committed to when joining it, until used
+        self._graph_nonces: dict[tuple[int, int], bytes] = {}
         self._summary: DataSummary | None = None  # signed once per federation
         # the round state's challenges_issued when the member last looked for open
         # challenges (None: not yet this run, so challenges left from before are found)
@@ -168,6 +172,7 @@ class Follower:
             self.carry,
             long_poll_s=self._long_poll_s,
             seeded_bytes=self._seeded_bytes,
+            graph_nonce=self._graph_nonces.pop((state.round, state.attempt), b""),
         )
         done = yield from ask(Participate(round_), Participated)
         self.outcomes.append(done.outcome)
@@ -200,6 +205,9 @@ class Follower:
             # seat that the budget could not pay for.
             yield from ask(CheckBudget(state.round, self.carry.last_cost), BudgetChecked)
         update = self.carry.update
+        nonce = os.urandom(GRAPH_NONCE_BYTES)  # our share of the SecAgg+ graph's randomness
+        self._graph_nonces[key] = nonce
+        commitment = graph_commitment(state.federation_id, state.round, self.member.id, nonce)
         request = JoinRequest(
             dataset_schema=self.member.task.schema.fingerprint(),
             task_version=self.member.task.version,
@@ -208,6 +216,7 @@ class Follower:
                 update.base_version if state.mode == "buffered" and update is not None else None
             ),
             data_summary=self._signed_summary(state.federation_id),
+            graph_commitment=commitment.hex(),
         )
         try:
             answer = (yield from ask(Join(*key, request), JoinAnswered)).answer

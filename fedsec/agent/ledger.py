@@ -139,8 +139,10 @@ def _released_to(item: dict[str, Any]) -> tuple[int, int] | None:
     if raw is None:
         return None
     round_, attempt = (int(v) for v in raw)
-    if round_ < 0 or attempt < 0 or int(item["round"]) != round_:
-        raise ValueError(f"'released_to' {raw!r} does not name an attempt of the charged round")
+    if round_ < 0 or attempt < 0 or int(item["round"]) > round_:
+        raise ValueError(
+            f"'released_to' {raw!r} names an attempt before the round the charge paid for"
+        )
     return round_, attempt
 
 
@@ -464,17 +466,18 @@ class PrivacyLedger:
         Raises:
             ConfigError: no budget for the dataset, or ``index`` is not a charge of it.
             IntegrityError: the charge was already released to another attempt, or
-                charged for another round; the ledger is unchanged.
+                charged for a later round; the ledger is unchanged.  (A buffered member
+                may send an update trained for an earlier round.)
         """
         with self._locked():
             entry = self._entry(dataset_id)
             if not 0 <= index < len(entry["history"]):
                 raise ConfigError(f"dataset '{dataset_id}' has no charge {index} to release")
             item = entry["history"][index]
-            if int(item["round"]) != round:
+            if int(item["round"]) > round:
                 raise IntegrityError(
                     f"dataset '{dataset_id}': charge {index} paid for round {item['round']}, "
-                    f"not round {round}; refusing to release it there"
+                    f"after round {round}; refusing to release it there"
                 )
             earlier = _released_to(item)
             if earlier == (round, attempt):

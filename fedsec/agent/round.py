@@ -143,6 +143,7 @@ class AgentRound:
         long_poll_s: float,
         clock: Callable[[], float] = time.time,
         seeded_bytes: SeededBytes = NO_FAULTS.seeded_bytes,
+        graph_nonce: bytes = b"",
     ) -> None:
         spec = state.spec
         if spec is None:
@@ -152,6 +153,7 @@ class AgentRound:
         self._carry = carry
         self._clock = clock
         self._seeded_bytes = seeded_bytes
+        self._graph_nonce = graph_nonce  # SecAgg+: committed to when joining this attempt
         self._attempt = AttemptTracker(state, long_poll_s)
         self._key = self._attempt.key
         self._base = RoundOutcome(*self._key, "dropped", spec.model_version, samples=member.samples)
@@ -285,6 +287,7 @@ class AgentRound:
                     member.identity,
                     roster.keys,
                     tolerated_corrupt=member.tolerated_corrupt,
+                    graph_nonce=self._graph_nonce,
                 )
                 floor = spec.dp.min_survivors if is_distributed(spec) else 0
                 secagg = SecAggSteps(session, self._attempt, spec.dim, floor)

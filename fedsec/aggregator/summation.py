@@ -409,9 +409,8 @@ class SecAggPlusSession(SummationSession):
         if member not in s.live:
             return super().key_list(member)
         if self._key_list is None:
-            self._key_list = codec.key_list_body(
-                a for m, a in sorted(s.advertised.items()) if m in s.live
-            )
+            # every advertisement: members derive the graph from all revealed nonces
+            self._key_list = codec.key_list_body(a for _, a in sorted(s.advertised.items()))
         return self._key_list
 
     def share_relay(self, member: str) -> wire.ShareRelayBody:

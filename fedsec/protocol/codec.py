@@ -24,6 +24,7 @@ from fedsec.crypto.secagg import (
     UnmaskRequest,
     UnmaskResponse,
 )
+from fedsec.crypto.secagg.messages import GRAPH_NONCE_BYTES
 from fedsec.protocol.wire import (
     AdvertiseKeysBody,
     ConsistencyBody,
@@ -46,7 +47,13 @@ _SIGNATURE_BYTES = 64
 
 
 def advertise_body(msg: AdvertiseKeys) -> AdvertiseKeysBody:
-    return AdvertiseKeysBody(msg.enc_public.hex(), msg.mask_public.hex(), msg.signature.hex())
+    return AdvertiseKeysBody(
+        msg.enc_public.hex(), msg.mask_public.hex(), msg.signature.hex(), msg.graph_nonce.hex()
+    )
+
+
+def _graph_nonce(raw: str, what: str) -> bytes:
+    return unhex(raw, what, GRAPH_NONCE_BYTES) if raw else b""
 
 
 def advertise_message(member: str, body: AdvertiseKeysBody) -> AdvertiseKeys:
@@ -56,6 +63,7 @@ def advertise_message(member: str, body: AdvertiseKeysBody) -> AdvertiseKeys:
         unhex(body.enc_public, "enc_public", _KEY_BYTES),
         unhex(body.mask_public, "mask_public", _KEY_BYTES),
         unhex(body.signature, "signature", _SIGNATURE_BYTES),
+        _graph_nonce(body.graph_nonce, "graph_nonce"),
     )
 
 
@@ -67,6 +75,7 @@ def key_list_body(entries: Iterable[AdvertiseKeys]) -> KeyListBody:
                 enc_public=a.enc_public.hex(),
                 mask_public=a.mask_public.hex(),
                 signature=a.signature.hex(),
+                graph_nonce=a.graph_nonce.hex(),
             )
             for a in entries
         ]
@@ -82,6 +91,7 @@ def key_list(body: KeyListBody) -> KeyList:
                 unhex(e.enc_public, f"encryption key of {e.member!r}", _KEY_BYTES),
                 unhex(e.mask_public, f"mask key of {e.member!r}", _KEY_BYTES),
                 unhex(e.signature, f"key signature of {e.member!r}", _SIGNATURE_BYTES),
+                _graph_nonce(e.graph_nonce, f"graph nonce of {e.member!r}"),
             )
             for e in body.entries
         )

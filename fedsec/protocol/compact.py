@@ -48,12 +48,15 @@ _Signature = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
 _Pair: TypeAlias = tuple[wire.MemberId, bytes]
 
 
-class AdvertiseUpload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+class AdvertiseUpload(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, omit_defaults=True
+):
     """:class:`~fedsec.protocol.wire.AdvertiseKeysBody`, compact."""
 
     enc_public: _Key
     mask_public: _Key
     signature: _Signature
+    graph_nonce: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class SharesUpload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -91,6 +94,7 @@ def encode(body: Body) -> bytes:
                 wire.unhex(body.enc_public, "enc_public"),
                 wire.unhex(body.mask_public, "mask_public"),
                 wire.unhex(body.signature, "signature"),
+                wire.unhex(body.graph_nonce, "graph_nonce"),
             )
         case wire.ShareKeysBody():
             upload = SharesUpload(
@@ -121,7 +125,9 @@ def to_body(raw: bytes, kind: type[B], *, max_bytes: int, what: str) -> B:
     body: Body
     if kind is wire.AdvertiseKeysBody:
         a = _decode(raw, AdvertiseUpload, what)
-        body = wire.AdvertiseKeysBody(a.enc_public.hex(), a.mask_public.hex(), a.signature.hex())
+        body = wire.AdvertiseKeysBody(
+            a.enc_public.hex(), a.mask_public.hex(), a.signature.hex(), a.graph_nonce.hex()
+        )
     elif kind is wire.ShareKeysBody:
         s = _decode(raw, SharesUpload, what)
         body = wire.ShareKeysBody([wire.OutgoingShare(m, c.hex()) for m, c in s.shares], s.report)

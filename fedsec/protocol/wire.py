@@ -235,6 +235,9 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     aggregation: AggregationSpec | None = None
     # the update codec between clipping and masking; the default is the plain pipeline
     codec: CodecSpec = PLAIN_CODEC
+    # SecAgg+: each cohort member's commitment (hex) to its graph nonce, in cohort order;
+    # the neighbour graph comes from the nonces they reveal when they advertise
+    graph_commitments: list[str] = msgspec.field(default_factory=list)
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
@@ -271,6 +274,9 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
             dim=self.encoded_dim(),
             seed=unhex(self.seed, "round seed", 32),
             wraps=self.codec.headroom_bits > 0,
+            graph_commitments=tuple(
+                unhex(c, "graph commitment", 32) for c in self.graph_commitments
+            ),
         )
 
 
@@ -329,6 +335,8 @@ class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base_version: Id | None = None  # buffered mode: the model version the update is from
     # federations with a [schema]: the member's signed data summary
     data_summary: DataSummary | None = None
+    # SecAgg+: hex SHA-256 commitment to the member's graph nonce (secagg.messages)
+    graph_commitment: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
 
 
 class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -407,17 +415,21 @@ class PrivacyReport(_Signed, frozen=True, forbid_unknown_fields=True, omit_defau
             )
 
 
-class AdvertiseKeysBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class AdvertiseKeysBody(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
     enc_public: str
     mask_public: str
     signature: str
+    graph_nonce: str = ""  # hex: opens the member's graph commitment in the spec
 
 
-class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     member: str
     enc_public: str
     mask_public: str
     signature: str
+    graph_nonce: str = ""
 
 
 class KeyListBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

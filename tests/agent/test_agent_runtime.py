@@ -40,7 +40,6 @@ from fedsec.crypto.httpsig import NonceCache, RequestVerifier
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import dequantize_one, unpack
 from fedsec.crypto.secagg import (
-    AdvertiseKeys,
     EncryptedShare,
     MaskedInput,
     ServerSession,
@@ -77,8 +76,6 @@ from fedsec.protocol.wire import (
     IncomingShare,
     JoinRequest,
     JoinResponse,
-    KeyEntry,
-    KeyListBody,
     PrivacyReport,
     Receipt,
     RoundSpec,
@@ -230,6 +227,14 @@ class FakeAggregator:
         if route == ("POST", f"/v1/rounds/{r}/join"):
             self.joined[member] = msgspec.json.decode(body, type=JoinRequest)
             if set(self.joined) == set(self.cohort):
+                if self.secagg is not None:  # the graph commitments the members joined with
+                    commitments = [self.joined[m].graph_commitment for m in self.spec.cohort]
+                    unsigned = msgspec.structs.replace(
+                        self.spec, graph_commitments=commitments, signature=""
+                    )
+                    self.spec = unsigned.sign(AGGREGATOR)
+                    roster = {m: IDENTITIES[m].public_bytes for m in self.cohort}
+                    self.secagg = ServerSession(self.spec.secagg_params(), roster)
                 self.advance(stage="advertise", spec=self.spec)
             return _json(JoinResponse(True, "joined"))
         if route == ("GET", "/v1/models/1/manifest"):
@@ -320,14 +325,7 @@ class FakeAggregator:
         r = self.spec.round
         if route == ("POST", f"/v1/rounds/{r}/advertise"):
             adv = compact.to_body(body, AdvertiseKeysBody, max_bytes=1 << 20, what="upload")
-            self.secagg.receive_advertise(
-                AdvertiseKeys(
-                    member,
-                    bytes.fromhex(adv.enc_public),
-                    bytes.fromhex(adv.mask_public),
-                    bytes.fromhex(adv.signature),
-                )
-            )
+            self.secagg.receive_advertise(codec.advertise_message(member, adv))
             if len(self.secagg.advertised) == len(self.cohort):
                 self.key_list = self.secagg.close_advertise()
                 self.advance(stage="share_keys")
@@ -335,11 +333,7 @@ class FakeAggregator:
             return web.json_response({"accepted": True})
         if route == ("GET", f"/v1/rounds/{r}/keys"):
             self.reached("share_keys")
-            entries = [
-                KeyEntry(e.member, e.enc_public.hex(), e.mask_public.hex(), e.signature.hex())
-                for e in self.key_list.entries
-            ]
-            return _json(KeyListBody(entries))
+            return _json(codec.key_list_body(self.key_list.entries))
         if route == ("POST", f"/v1/rounds/{r}/shares"):
             shares = compact.to_body(body, ShareKeysBody, max_bytes=1 << 20, what="upload")
             if shares.report is not None:

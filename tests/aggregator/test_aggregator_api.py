@@ -71,9 +71,9 @@ async def test_health_status_and_openapi_cover_every_route(api: Api) -> None:
         for route in api.client.server.app.router.routes()  # type: ignore[union-attr]
         if route.method != "HEAD" and route.resource is not None
     }
-    # 18 protocol routes, 6 audit (challenges, reveals, verdicts, quarantine), 6
-    # operations, 6 of homomorphic summation
-    assert len(routes) == 38
+    # 20 protocol routes (with SecAgg+ consistency), 6 audit (challenges, reveals,
+    # verdicts, quarantine), 7 operations (dashboard sign-in), 6 of homomorphic summation
+    assert len(routes) == 39
     for path, method in routes:
         assert path in paths, path
         assert method in paths[path], (path, method)

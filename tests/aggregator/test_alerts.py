@@ -170,7 +170,7 @@ def _start(desk: Desk, members: tuple[str, ...] = MEMBERS) -> Cohort:
     coord = desk.coord
     r, a = coord.live.round, coord.live.attempt
     for m in members:
-        assert coord.join(m, r, a, join_request()).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     coord.tick()
     assert coord.live.spec is not None and coord.live.stage == "advertise"
     return Cohort(coord.live.spec, desk.fed.identities)
@@ -219,7 +219,7 @@ def test_a_stage_unchanged_for_stall_s_raises_round_stalled_once(
     )
     desk = _desk(fed, clock)
     coord, ops = desk.coord, desk.ops
-    assert coord.join("a0", 1, 0, join_request()).accepted  # one of three: no cohort yet
+    assert coord.join("a0", 1, 0, join_request("a0", 1)).accepted  # one of three: no cohort yet
     clock.advance(119.0)
     coord.tick()
     ops.tick()
@@ -243,7 +243,7 @@ def test_a_stage_unchanged_for_stall_s_raises_round_stalled_once(
 
     # the stage moves on, and stalls again: a new alert about the new stage
     for m in MEMBERS[1:]:
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
     assert coord.live.stage == "advertise"
     clock.advance(60.0)
@@ -296,7 +296,7 @@ def test_an_attempt_closed_with_too_few_of_its_cohort_raises_participation_dropp
     _masked(coord, cohort, survivors)  # a4 is lost after sharing its keys
     clock.advance(FAST_ROUND["masked_s"] + FAST_ROUND["open_s"])  # training time included
     coord.tick()
-    assert coord.live.stage == "unmask"
+    assert coord.live.stage == "consistency"
     _unmask(coord, cohort, survivors)
     assert _ra(coord) == (2, 0)  # the round closed, with a new model
     assert fed.ws.models.latest().version == 2
@@ -712,7 +712,7 @@ def _full_round(coord: Coordinator, fed: Federation) -> None:
     """Round ``coord.live.round`` closed with every member's contribution."""
     r, a = _ra(coord)
     for m in MEMBERS:
-        assert coord.join(m, r, a, join_request()).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     coord.tick()
     assert coord.live.spec is not None
     cohort = Cohort(coord.live.spec, fed.identities)

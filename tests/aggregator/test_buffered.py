@@ -97,7 +97,12 @@ def test_stale_or_missing_base_versions_are_refused(tmp_path: Path) -> None:
 
     def join(base: int | None) -> wire.JoinResponse:
         return coord.join(
-            "agent-1", 1, 0, wire.JoinRequest(schema, coord.task.version, 10, base_version=base)
+            "agent-1",
+            1,
+            0,
+            wire.JoinRequest(
+                schema, coord.task.version, 10, base_version=base, graph_commitment="00" * 32
+            ),
         )
 
     with pytest.raises(PayloadError, match="buffered rounds need the model version"):

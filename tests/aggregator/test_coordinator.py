@@ -98,7 +98,7 @@ def _start(
     """A coordinator whose round 1 cohort is fixed with ``members``."""
     coord = Coordinator(fed.ws, clock=clock)
     for m in members:
-        assert coord.join(m, 1, 0, join_request()).accepted
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
     coord.tick()
     assert coord.live.spec is not None
     return coord, Cohort(coord.live.spec, fed.identities)
@@ -152,10 +152,10 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
     coord = Coordinator(fed.ws, clock=clock)
     assert (coord.live.round, coord.live.attempt, coord.live.stage) == (1, 0, "open")
     for m in MEMBERS[:-1]:
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
     assert coord.live.stage == "open"  # a4 is enrolled and the join window is still open
-    coord.join("a4", 1, 0, join_request())
+    coord.join("a4", 1, 0, join_request("a4", 1))
     coord.tick()  # every active agent joined: no need to wait for the deadline
     assert coord.live.stage == "advertise"
     assert fed.ws.state.rounds.get(1, 0).stage == "advertise"  # type: ignore[union-attr]
@@ -223,17 +223,17 @@ def test_cohort_fixed_at_the_join_deadline_with_enough_members(
     # before the deadline, enough members do not fix the cohort while enrolled agents may come
     early = Coordinator(make_federation(fed.root.parent / "early").ws, clock=clock)
     for m in ("a0", "a1", "a2"):
-        early.join(m, 1, 0, join_request())
+        early.join(m, 1, 0, join_request(m, 1))
     early.tick()
     assert early.live.stage == "open"
 
     coord = Coordinator(fed.ws, clock=clock)
-    coord.join("a3", 1, 0, join_request())
-    coord.join("a1", 1, 0, join_request())
+    coord.join("a3", 1, 0, join_request("a3", 1))
+    coord.join("a1", 1, 0, join_request("a1", 1))
     clock.advance(FAST_ROUND["advertise_s"] + 1)
     coord.tick()
     assert coord.live.stage == "open"  # deadline passed, but 2 < min_agents
-    coord.join("a0", 1, 0, join_request())
+    coord.join("a0", 1, 0, join_request("a0", 1))
     coord.tick()
     assert coord.live.stage == "open"  # the join window starts at the min_agents-th join
     clock.advance(FAST_ROUND["advertise_s"] + 1)
@@ -241,7 +241,7 @@ def test_cohort_fixed_at_the_join_deadline_with_enough_members(
     assert coord.live.stage == "advertise"
     assert coord.live.spec is not None and coord.live.spec.cohort == ["a0", "a1", "a3"]
     # the join window is closed: a late member is refused and nothing is recorded
-    _refused(fed, coord, WrongStage, coord.join, "a2", 1, 0, join_request())
+    _refused(fed, coord, WrongStage, coord.join, "a2", 1, 0, join_request("a2", 1))
 
 
 def test_member_lost_at_advertise_is_left_out(fed: Federation, clock: FakeClock) -> None:
@@ -316,11 +316,11 @@ def test_too_few_members_abort_the_attempt_and_the_next_attempt_completes(
     assert any("aborted" in alert for alert in coord.alerts)
     assert fed.ws.models.latest().version == 1
     # messages for the aborted attempt are refused
-    _refused(fed, coord, WrongStage, coord.join, "a0", 1, 0, join_request())
+    _refused(fed, coord, WrongStage, coord.join, "a0", 1, 0, join_request("a0", 1))
     _refused(fed, coord, WrongStage, coord.advertise, "a3", 1, 0, cohort.advertise("a3"))
 
     for m in MEMBERS:
-        coord.join(m, 1, 1, join_request())
+        coord.join(m, 1, 1, join_request(m, 1))
     coord.tick()
     spec = coord.live.spec
     assert spec is not None and (spec.round, spec.attempt) == (1, 1)
@@ -608,7 +608,7 @@ def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) 
     )
     coord = Coordinator(fed.ws, clock=clock)
     for m in ("a0", "a1", "a2"):
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
     assert coord.live.stage == "masked_input"  # no key stages
     spec = coord.live.spec
@@ -645,7 +645,7 @@ def test_plain_round_without_secure_summation(tmp_path: Path, clock: FakeClock) 
     assert np.linalg.norm(error) < 0.5 * np.linalg.norm(signal)
     verify_manifest(fed.ws.models.get(2), fed.ws.signer.public_bytes, fed.ws.models.read(2))
     # the federation finished its one round: nothing more is accepted
-    _refused(fed, coord, WrongStage, coord.join, "a0", 2, 0, join_request())
+    _refused(fed, coord, WrongStage, coord.join, "a0", 2, 0, join_request("a0", 2))
 
 
 # -- privacy reports -------------------------------------------------------------------------------
@@ -659,7 +659,7 @@ def test_privacy_report_is_verified_and_stored_once(fed: Federation, clock: Fake
     ids = fed.identities
     _refused(fed, coord, WrongStage, coord.report, "a0", 1, 0, _report("a0").sign(ids["a0"]))
     for m in MEMBERS:
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
 
     good = _report("a0").sign(ids["a0"])
@@ -747,7 +747,7 @@ def test_shares_carry_the_privacy_report_checked_first_and_stored_apart(
 
 def test_join_refuses_another_task_version_or_schema(fed: Federation, clock: FakeClock) -> None:
     coord = Coordinator(fed.ws, clock=clock)
-    good = join_request()
+    good = join_request("a0")
     wrong_version = msgspec.structs.replace(good, task_version=good.task_version + ".x")
     wrong_schema = msgspec.structs.replace(good, dataset_schema="0" * 64)
     err = _refused(fed, coord, TaskMismatch, coord.join, "a0", 1, 0, wrong_version)
@@ -756,6 +756,10 @@ def test_join_refuses_another_task_version_or_schema(fed: Federation, clock: Fak
     assert "schema" in err.detail
     no_data = msgspec.structs.replace(good, samples=0)
     _refused(fed, coord, PayloadError, coord.join, "a0", 1, 0, no_data)
+    # SecAgg+: no commitment to a graph nonce, no seat (the graph would be the aggregator's)
+    uncommitted = msgspec.structs.replace(good, graph_commitment="")
+    err = _refused(fed, coord, PayloadError, coord.join, "a0", 1, 0, uncommitted)
+    assert "graph commitment" in err.detail
     _refused(fed, coord, WrongStage, coord.join, "a0", 1, 1, good)
     _refused(fed, coord, WrongStage, coord.join, "a0", 2, 0, good)
 
@@ -858,7 +862,7 @@ def test_refusals_for_made_up_rounds_or_from_outside_the_cohort_are_not_logged(
     # attempt 1/0 exists but has no cohort yet
     _refused_unlogged(fed, coord, WrongStage, "a1", 1, 0, *junk)
     for m in MEMBERS:  # the fifth join fills the cohort: a5 is left out
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     assert coord.live.spec is not None and coord.live.spec.cohort == list(MEMBERS)
     cohort = Cohort(coord.live.spec, fed.identities)
     _advertise(coord, cohort, MEMBERS)
@@ -987,7 +991,7 @@ def test_refusals_for_an_aborted_attempt_stay_bounded_across_a_restart(
 
     # the next abort (of attempt 1/1) aggregates what was counted since the restart
     for m in MEMBERS:
-        coord.join(m, 1, 1, join_request())
+        coord.join(m, 1, 1, join_request(m, 1))
     assert coord.live.stage == "advertise"
     clock.advance(ADVERTISE_DEADLINE)
     coord.tick()

@@ -85,6 +85,7 @@ def join(member: str, data: wire.DataSummary | None) -> wire.JoinRequest:
         task_version=task.version,
         samples=96,
         data_summary=data,
+        graph_commitment="00" * 32,
     )
 
 

@@ -177,7 +177,7 @@ async def hostile(tmp_path: Path) -> AsyncIterator[Hostile]:
 
 
 def _join_body(**changes: Any) -> bytes:
-    return wire.encode(msgspec.structs.replace(join_request(), **changes))
+    return wire.encode(msgspec.structs.replace(join_request("a0"), **changes))
 
 
 def _join_doc(**changes: Any) -> bytes:
@@ -765,7 +765,7 @@ async def test_a_query_parameter_given_twice_on_a_signed_route_is_refused(api: A
     """The signature covers the whole target, so ``?attempt=1&attempt=0`` is signed; a
     reader taking the first value and another taking the last would act on different
     attempts.  Refused before the body is read or the nonce is spent, naming it."""
-    body = wire.encode(join_request())
+    body = wire.encode(join_request("a0"))
     twice = [
         ("POST", "/v1/rounds/1/join?attempt=0&attempt=1", body),
         ("GET", "/v1/rounds/1/keys?attempt=0&wait=0&wait=5", b""),

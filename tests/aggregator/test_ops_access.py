@@ -692,7 +692,7 @@ class RoundSecrets:
 def _full_round(fed: Federation, coord: Coordinator, out: RoundSecrets) -> None:
     r, a = coord.live.round, coord.live.attempt
     for m in AGENTS:
-        assert coord.join(m, r, a, join_request()).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     coord.tick()
     assert coord.live.spec is not None
     cohort = Cohort(coord.live.spec, fed.identities)

@@ -55,7 +55,7 @@ def _round(fed: Federation, coord: Coordinator, members: tuple[str, ...]) -> Non
     """Run the current round with ``members`` to its close."""
     live = coord.live
     for m in members:
-        coord.join(m, live.round, live.attempt, join_request())
+        coord.join(m, live.round, live.attempt, join_request(m, live.round))
     coord.tick()
     spec = coord.live.spec
     assert spec is not None and coord.live.stage == "masked_input"
@@ -122,10 +122,10 @@ def test_an_auditor_order_suspends_the_member_logs_alerts_and_offers_the_rollbac
     # round 3: a3's join is refused with a sentence; the others' cohort does not wait
     live = coord.live
     with pytest.raises(Quarantined, match="a3 is quarantined: the control-sample audit failed"):
-        coord.join("a3", live.round, live.attempt, join_request())
+        coord.join("a3", live.round, live.attempt, join_request("a3", live.round))
     assert Quarantined.http_status == 403 and Quarantined.code == "quarantined"
     for m in AGENTS[:3]:
-        coord.join(m, live.round, live.attempt, join_request())
+        coord.join(m, live.round, live.attempt, join_request(m, live.round))
     coord.tick()
     spec = coord.live.spec
     assert spec is not None and spec.cohort == list(AGENTS[:3])
@@ -141,7 +141,7 @@ def test_an_auditor_order_suspends_the_member_logs_alerts_and_offers_the_rollbac
     restarted = Coordinator(ws, clock=clock)
     live = restarted.live
     with pytest.raises(Quarantined):
-        restarted.join("a3", live.round, live.attempt, join_request())
+        restarted.join("a3", live.round, live.attempt, join_request("a3", live.round))
 
     # the audit checks the order's signature and the report lists the quarantine
     audit = fed.root / "audit"
@@ -180,7 +180,7 @@ def test_a_refused_order_changes_nothing(
     assert log_entries(fed.ws) == before
     assert coord.context.quarantined == {}
     live = coord.live
-    coord.join("a3", live.round, live.attempt, join_request())  # still welcome
+    coord.join("a3", live.round, live.attempt, join_request("a3", live.round))  # still welcome
 
 
 def test_an_admin_order_dropped_in_the_workspace_is_carried_out_at_the_next_tick(
@@ -206,8 +206,8 @@ def test_an_admin_order_dropped_in_the_workspace_is_carried_out_at_the_next_tick
     assert (entry.issuer, entry.round, entry.rollback_to) == (ADMIN, 2, 2)
     live = coord.live
     with pytest.raises(Quarantined, match="ordered by admin"):
-        coord.join("a3", live.round, live.attempt, join_request())
-    coord.join("a2", live.round, live.attempt, join_request())
+        coord.join("a3", live.round, live.attempt, join_request("a3", live.round))
+    coord.join("a2", live.round, live.attempt, join_request("a2", live.round))
     audit = fed.root / "audit"
     assert verify_log(audit / "log.jsonl", audit / "archive", fed.root).ok
 
@@ -271,7 +271,7 @@ async def test_over_http_the_order_is_answered_and_the_join_refused_with_code_an
         )
         assert refused.status == 403
         live = coord.live
-        join = wire.encode(join_request())
+        join = wire.encode(join_request("a3", live.round))
         target = f"/v1/rounds/{live.round}/join?attempt={live.attempt}"
         answer = await exchange(
             srv.port, signed_request(fed.identities["a3"], "POST", target, join)

@@ -31,7 +31,7 @@ def _round(coord: Coordinator, fed: Federation, members: tuple[str, ...]) -> Non
     """Run the current round to its close with ``members``."""
     r, a = coord.live.round, coord.live.attempt
     for m in members:
-        assert coord.join(m, r, a, join_request()).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     coord.tick()
     assert coord.live.spec is not None and coord.live.stage == "advertise"
     cohort = Cohort(coord.live.spec, fed.identities)

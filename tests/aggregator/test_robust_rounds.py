@@ -49,7 +49,7 @@ KRUM = wire.AggregationSpec(rule="multi_krum", byzantine=1)
 def _open_round(fed: Federation, clock: FakeClock, members: tuple[str, ...]) -> Coordinator:
     coord = Coordinator(fed.ws, clock=clock)
     for m in members:
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
     assert coord.live.stage == "masked_input"
     return coord

@@ -514,7 +514,7 @@ async def api8(
 async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api8: Api) -> None:
     api = api8
     for m in EIGHT:
-        await api.ok(m, "POST", f"{ROUND}/join?attempt=0", join_request())
+        await api.ok(m, "POST", f"{ROUND}/join?attempt=0", join_request(m))
     state = await api.wait_stage("advertise")
     assert state.spec is not None and (state.spec.neighbors, state.spec.threshold) == (7, 5)
     cohort = Cohort(state.spec, api.fed.identities)

@@ -305,7 +305,7 @@ def _damage_a_model(fed: Federation, clock: FakeClock) -> None:
     """Close round 1 (version 2), then damage version 2's file on disk."""
     coord = Coordinator(fed.ws, clock=clock)
     for m in AGENTS:
-        assert coord.join(m, 1, 0, join_request()).accepted
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
     coord.tick()
     assert coord.live.spec is not None
     cohort = Cohort(coord.live.spec, fed.identities)

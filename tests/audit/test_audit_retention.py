@@ -174,7 +174,7 @@ def _plain_round(
     """One ``secure_sum = "none"`` round: a member's upload is the same bytes every round."""
     r, a = coord.live.round, coord.live.attempt
     for m in members:
-        assert coord.join(m, r, a, join_request()).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     clock.advance(FAST_ROUND["open_s"] + 1)  # past the join deadline: the cohort is fixed
     coord.tick()
     assert coord.live.spec is not None and coord.live.stage == "masked_input"

@@ -161,7 +161,7 @@ def test_retry_of_the_message_that_moved_the_round_on_gets_its_answer(tmp_path: 
 
     coord = Coordinator(fed.ws, clock=clock)
     for m in members:
-        coord.join(m, 1, 0, join_request())
+        coord.join(m, 1, 0, join_request(m, 1))
     coord.tick()
     assert coord.live.spec is not None
     cohort = Cohort(coord.live.spec, fed.identities)

@@ -60,7 +60,8 @@ def test_dashboard_follows_a_live_federation_and_shows_a_dropped_member(
     from playwright.sync_api import expect
 
     with (
-        running_federation(tmp_path / "fed", alerts={"participation_min": 1.0}) as fed,
+        # five members: one can die (t = 3 of 4 neighbours holds against one colluder)
+        running_federation(tmp_path / "fed", agents=5, alerts={"participation_min": 1.0}) as fed,
         chromium(tmp_path / "profile") as browser,
     ):
         page = browser.new_page()

@@ -27,13 +27,12 @@ from fedsec.crypto.commitment import CommitmentContext, commit
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_sum, pack, quantize
 from fedsec.crypto.secagg import (
-    AdvertiseKeys,
     ClientSession,
     EncryptedShare,
-    KeyList,
     SecAggParams,
     ShareRelay,
 )
+from fedsec.crypto.secagg.messages import graph_commitment
 from fedsec.modelfile import decode_model
 from fedsec.protocol import codec, wire
 from fedsec.protocol.roster import sign_roster_entry
@@ -138,10 +137,25 @@ def make_federation(
     return Federation(ws, identities)
 
 
-def join_request(samples: int = 50) -> wire.JoinRequest:
+def graph_nonce_for(member: str, round_: int) -> bytes:
+    """The graph nonce a test member commits to when it joins ``round_``: fixed, so the
+    test's Cohort can reveal it."""
+    return hashlib.sha256(f"graph-nonce/{member}/{round_}".encode()).digest()
+
+
+def join_request(member: str = "", round_: int = 1, samples: int = 50) -> wire.JoinRequest:
+    """A join of ``member`` (its SecAgg+ graph commitment included when named)."""
     task = get_task(TASK)
+    commitment = (
+        graph_commitment(FED, round_, member, graph_nonce_for(member, round_)).hex()
+        if member
+        else ""
+    )
     return wire.JoinRequest(
-        dataset_schema=task.schema.fingerprint(), task_version=task.version, samples=samples
+        dataset_schema=task.schema.fingerprint(),
+        task_version=task.version,
+        samples=samples,
+        graph_commitment=commitment,
     )
 
 
@@ -269,7 +283,14 @@ class Cohort:
         self.params = params_from_spec(spec)
         roster = {m: identities[m].public_bytes for m in spec.cohort}
         self.sessions = {
-            m: ClientSession(self.params, m, identities[m], roster) for m in spec.cohort
+            m: ClientSession(
+                self.params,
+                m,
+                identities[m],
+                roster,
+                graph_nonce=graph_nonce_for(m, spec.round) if spec.graph_commitments else b"",
+            )
+            for m in spec.cohort
         }
         self._advertised: dict[str, wire.AdvertiseKeysBody] = {}
         self._shares: dict[str, wire.ShareKeysBody] = {}
@@ -280,28 +301,12 @@ class Cohort:
 
     def advertise(self, member: str) -> wire.AdvertiseKeysBody:
         if member not in self._advertised:
-            a = self.sessions[member].advertise()
-            self._advertised[member] = wire.AdvertiseKeysBody(
-                enc_public=a.enc_public.hex(),
-                mask_public=a.mask_public.hex(),
-                signature=a.signature.hex(),
-            )
+            self._advertised[member] = codec.advertise_body(self.sessions[member].advertise())
         return self._advertised[member]
 
     def share_keys(self, member: str, keys: wire.KeyListBody) -> wire.ShareKeysBody:
         if member not in self._shares:
-            key_list = KeyList(
-                tuple(
-                    AdvertiseKeys(
-                        e.member,
-                        bytes.fromhex(e.enc_public),
-                        bytes.fromhex(e.mask_public),
-                        bytes.fromhex(e.signature),
-                    )
-                    for e in keys.entries
-                )
-            )
-            out = self.sessions[member].share_keys(key_list)
+            out = self.sessions[member].share_keys(codec.key_list(keys))
             self._shares[member] = wire.ShareKeysBody(
                 shares=[
                     wire.OutgoingShare(recipient=s.recipient, ciphertext=s.ciphertext.hex())

@@ -104,13 +104,13 @@ def _upload(cohort: Cohort, member: str, raw: bytes | None = None, **kw: Any) ->
     return _masked_path(commitment, signature), body
 
 
-def _join_body(**changes: Any) -> bytes:
-    return wire.encode(msgspec.structs.replace(join_request(), **changes))
+def _join_body(member: str = "a0", **changes: Any) -> bytes:
+    return wire.encode(msgspec.structs.replace(join_request(member), **changes))
 
 
 async def _fix_cohort(api: Api, members: tuple[str, ...] = AGENTS) -> Cohort:
     for m in members:
-        await api.ok(m, "POST", JOIN, join_request())
+        await api.ok(m, "POST", JOIN, join_request(m))
     state = await api.wait_stage("advertise")
     assert state.spec is not None
     return Cohort(state.spec, api.fed.identities)

@@ -32,6 +32,7 @@ from fedsec.crypto.secagg import (
     UnmaskResponse,
     default_neighbors,
 )
+from fedsec.crypto.secagg.messages import graph_commitment
 
 
 def member_ids(n: int) -> tuple[str, ...]:
@@ -53,12 +54,23 @@ def make_params(
     federation: str = "fed-test",
     round_: int = 1,
     seed: bytes = b"\x07" * 32,
+    graph_nonces: dict[str, bytes] | None = None,
 ) -> SecAggParams:
+    """``graph_nonces``: each member's graph nonce, committed to in the parameters (the
+    graph then comes from the nonces revealed at advertise); None: from ``seed`` alone."""
     k_default, t_default = default_neighbors(n)
     k = k_default if neighbors is None else neighbors
     t = (k // 2 + 1 if neighbors is not None else t_default) if threshold is None else threshold
     quant = QuantSpec(bits, clip, default_ring_bits(bits, n))
-    return SecAggParams(federation, round_, member_ids(n), k, t, quant, dim, seed)
+    cohort = member_ids(n)
+    commitments = (
+        tuple(graph_commitment(federation, round_, m, graph_nonces[m]) for m in cohort)
+        if graph_nonces is not None
+        else ()
+    )
+    return SecAggParams(
+        federation, round_, cohort, k, t, quant, dim, seed, graph_commitments=commitments
+    )
 
 
 def raw_updates(params: SecAggParams, salt: int = 0) -> dict[str, tuple[np.ndarray, float]]:
@@ -101,6 +113,8 @@ class Round:
     proofs: dict[str, ConsistencyProof] = field(default_factory=dict)
     # γ each member's session checks the threshold against; None: any threshold
     tolerated_corrupt: int | None = None
+    # the members' graph nonces, when the parameters carry their commitments
+    graph_nonces: dict[str, bytes] = field(default_factory=dict)
     responses: dict[str, UnmaskResponse] = field(default_factory=dict)
     # survivors that refused to unmask (too few neighbours signed their sets)
     refused: set[str] = field(default_factory=set)
@@ -116,6 +130,7 @@ class Round:
                 identities[m],
                 self.roster,
                 tolerated_corrupt=self.tolerated_corrupt,
+                graph_nonce=self.graph_nonces.get(m, b""),
             )
             for m in cohort
         }

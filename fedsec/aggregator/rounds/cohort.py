@@ -82,8 +82,20 @@ class CohortDesk:
         if len(joins) >= self.cap:
             full = "cohort is full; try the next round"
             return wire.JoinResponse(accepted=False, detail=full), False
+        secagg = self._ctx.cfg.round.secure_sum == "secagg"
+        if secagg and not req.graph_commitment:
+            raise PayloadError(
+                f"{member} sent no graph commitment: a SecAgg+ member commits to its share "
+                "of the neighbour graph's randomness when it joins"
+            )
         state.joins.add(
-            live.round, live.attempt, member, req.samples, self._ctx.clock(), req.base_version
+            live.round,
+            live.attempt,
+            member,
+            req.samples,
+            self._ctx.clock(),
+            req.base_version,
+            req.graph_commitment if secagg else "",
         )
         self.summaries.record(member, req.data_summary)
         return wire.JoinResponse(accepted=True, detail="joined"), True
@@ -175,6 +187,13 @@ class CohortDesk:
             staleness = {m: current - (bases.get(m) or current) for m in cohort}
         return self.build_spec(live, cohort, staleness)
 
+    def _graph_commitments(self, live: Attempt, cohort: list[str]) -> list[str]:
+        """SecAgg+: the cohort's graph commitments, in cohort order (none otherwise)."""
+        if self._ctx.cfg.round.secure_sum != "secagg" or not cohort:
+            return []
+        joined = self._ctx.ws.state.joins.commitments(live.round, live.attempt)
+        return [joined[m] for m in cohort]
+
     def roster_keys(self, cohort: list[str]) -> dict[str, bytes]:
         """Member id -> Ed25519 public key, for the members of ``cohort`` on the roster."""
         keys = {}
@@ -258,6 +277,7 @@ class CohortDesk:
             he_context_sha256=self._he.sha256 if he else "",
             custodian=self._he.custodian if he else "",
             he_model_hidden=he and not cfg.he.model_visible_to_aggregator,
+            graph_commitments=self._graph_commitments(live, cohort),
             aggregation=_aggregation_spec(cfg.aggregation),
             codec=_codec_spec(cfg.codec),
         ).sign(ctx.ws.signer)

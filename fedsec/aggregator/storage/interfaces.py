@@ -130,8 +130,14 @@ class JoinStore(Protocol):
         samples: int,
         now: float,
         base_version: int | None = None,
+        graph_commitment: str = "",
     ) -> None:
-        """Record ``member`` joining at ``now`` (``base_version``: the model it trained on)."""
+        """Record ``member`` joining at ``now`` (``base_version``: the model it trained on;
+        ``graph_commitment``: SecAgg+, hex of its commitment to its graph nonce)."""
+        ...
+
+    def commitments(self, round_: int, attempt: int) -> dict[str, str]:
+        """Member -> the graph commitment it joined with ('' for none)."""
         ...
 
     def samples(self, round_: int, attempt: int) -> dict[str, int]:

@@ -10,6 +10,7 @@ out of order raises :class:`WrongStage` and changes nothing.
 from __future__ import annotations
 
 import enum
+import hmac
 import os
 from collections.abc import Mapping
 
@@ -41,6 +42,7 @@ from fedsec.crypto.secagg.graph import (
 from fedsec.crypto.secagg.messages import (
     ADVERTISE_DOMAIN,
     CONSISTENCY_DOMAIN,
+    GRAPH_NONCE_BYTES,
     AdvertiseKeys,
     ConsistencyProof,
     ConsistencySignature,
@@ -52,6 +54,7 @@ from fedsec.crypto.secagg.messages import (
     ShareRelay,
     UnmaskRequest,
     UnmaskResponse,
+    graph_commitment,
 )
 
 _PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES
@@ -70,11 +73,14 @@ class ClientStage(enum.Enum):
 def verify_advertisement(
     entry: AdvertiseKeys, params: SecAggParams, roster: Mapping[str, bytes]
 ) -> None:
-    """Check an advertisement's signature against the member's roster key.
+    """Check an advertisement's signature against the member's roster key, and its graph
+    nonce against the member's commitment in the round's parameters.
 
     Raises:
-        InvalidKeyList: the member is unknown or the signature does not verify.
+        InvalidKeyList: the member is unknown, the signature does not verify, or the
+            graph nonce does not open the member's commitment.
     """
+    check_graph_nonce(entry, params)
     public = roster.get(entry.member)
     if public is None:
         raise InvalidKeyList(f"keys advertised for {entry.member!r}, who is not on the roster")
@@ -84,7 +90,11 @@ def verify_advertisement(
         PublicIdentity(public).verify(
             ADVERTISE_DOMAIN,
             AdvertiseKeys.signed_bytes(
-                params.digest(), entry.member, entry.enc_public, entry.mask_public
+                params.digest(),
+                entry.member,
+                entry.enc_public,
+                entry.mask_public,
+                entry.graph_nonce,
             ),
             entry.signature,
         )
@@ -92,6 +102,29 @@ def verify_advertisement(
         raise InvalidKeyList(
             f"key advertisement of {entry.member!r} does not verify against its roster key"
         ) from None
+
+
+def check_graph_nonce(entry: AdvertiseKeys, params: SecAggParams) -> None:
+    """The advertised graph nonce opens the member's commitment (none in a round without
+    commitments): the graph seed can then only be the one the cohort fixed.
+
+    Raises:
+        InvalidKeyList: the nonce is missing, unexpected, or does not open the commitment.
+    """
+    committed = params.commitment_of(entry.member) if entry.member in params.cohort else None
+    if committed is None:
+        if entry.graph_nonce:
+            raise InvalidKeyList(
+                f"{entry.member!r} revealed a graph nonce the round did not ask for"
+            )
+        return
+    if len(entry.graph_nonce) != GRAPH_NONCE_BYTES or not hmac.compare_digest(
+        graph_commitment(params.federation_id, params.round, entry.member, entry.graph_nonce),
+        committed,
+    ):
+        raise InvalidKeyList(
+            f"graph nonce of {entry.member!r} does not open its commitment in the round spec"
+        )
 
 
 class ClientSession:
@@ -107,10 +140,13 @@ class ClientSession:
             safe against (:func:`~fedsec.crypto.secagg.graph.check_threshold`).  None
             skips the check: only for exercising the summation with any threshold
             (tests, benchmarks); a member always passes its configured γ.
+        graph_nonce: the nonce whose commitment this member sent when it joined; needed
+            when the round's parameters carry graph commitments.
 
     Raises:
         UnknownMember: ``member`` is not in the cohort.
-        ProtocolError: the round's threshold does not hold against γ colluders.
+        ProtocolError: the round's threshold does not hold against γ colluders, or its
+            parameters do not carry this member's commitment to ``graph_nonce``.
     """
 
     def __init__(
@@ -121,6 +157,7 @@ class ClientSession:
         roster: Mapping[str, bytes],
         *,
         tolerated_corrupt: int | None = DEFAULT_TOLERATED_CORRUPT,
+        graph_nonce: bytes = b"",
     ) -> None:
         if member not in params.cohort:
             raise UnknownMember(f"{member!r} is not in the cohort of round {params.round}")
@@ -128,6 +165,24 @@ class ClientSession:
             check_threshold(
                 len(params.cohort), params.neighbors, params.threshold, tolerated_corrupt
             )
+        committed = params.commitment_of(member)
+        if committed is None and graph_nonce:
+            raise ProtocolError(
+                "the round's parameters carry no graph commitments: the aggregator alone "
+                "would choose the neighbour graph; refusing the round"
+            )
+        if committed is not None and not (
+            len(graph_nonce) == GRAPH_NONCE_BYTES
+            and hmac.compare_digest(
+                graph_commitment(params.federation_id, params.round, member, graph_nonce),
+                committed,
+            )
+        ):
+            raise ProtocolError(
+                f"the round's parameters do not carry {member}'s commitment to its graph "
+                "nonce: the aggregator changed it, or this member did not join this attempt"
+            )
+        self._graph_nonce = graph_nonce if committed is not None else b""
         self.params = params
         self.member = member
         self._identity = identity
@@ -162,22 +217,26 @@ class ClientSession:
         """Stage 1: publish two fresh X25519 public keys, signed."""
         self._expect(ClientStage.ADVERTISE)
         enc, mask = self._enc_key.public_bytes, self._mask_key.public_bytes
+        nonce = self._graph_nonce
         signature = self._identity.sign(
             ADVERTISE_DOMAIN,
-            AdvertiseKeys.signed_bytes(self.params.digest(), self.member, enc, mask),
+            AdvertiseKeys.signed_bytes(self.params.digest(), self.member, enc, mask, nonce),
         )
         self.stage = ClientStage.SHARE_KEYS
-        return AdvertiseKeys(self.member, enc, mask, signature)
+        return AdvertiseKeys(self.member, enc, mask, signature, nonce)
 
     def share_keys(self, key_list: KeyList) -> ShareKeys:
-        """Stage 2: check the relayed keys, Shamir-share both secrets to live neighbours.
+        """Stage 2: check the relayed keys, derive the neighbour graph from the revealed
+        graph nonces, Shamir-share both secrets to live neighbours.
 
-        Only the neighbours' advertisements (and our own) are verified: they are
-        the only keys this member encrypts to or agrees masks with.
+        Every revealed nonce is checked against its commitment (the graph depends on
+        all of them); only the neighbours' signatures (and our own keys) are verified:
+        they are the only keys this member encrypts to or agrees masks with.
 
         Raises:
-            InvalidKeyList: a neighbour's key is forged, ours was replaced, or the
-                list names members outside the cohort or twice.
+            InvalidKeyList: a neighbour's key is forged, ours was replaced, a graph
+                nonce does not open its commitment, or the list names members outside
+                the cohort or twice.
             ProtocolError: this member was excluded for having too few live neighbours.
         """
         self._expect(ClientStage.SHARE_KEYS)
@@ -194,10 +253,17 @@ class ClientSession:
             self._mask_key.public_bytes,
         ):
             raise InvalidKeyList(f"key list does not carry {self.member}'s own advertised keys")
-        live = prune(self.graph, keys, self.params.threshold)
-        if live != frozenset(keys):
-            raise InvalidKeyList("key list includes members with too few live neighbours")
-        neighbours = self.graph.live_neighbors(self.member, live)
+        for entry in keys.values():
+            check_graph_nonce(entry, self.params)
+        p = self.params
+        graph = round_graph(p.cohort, p.neighbors, p.graph_seed(keys.values()))
+        live = prune(graph, keys, p.threshold)
+        if self.member not in live:
+            raise ProtocolError(
+                f"{self.member} has fewer than {p.threshold} advertised neighbours: "
+                "excluded from the round"
+            )
+        neighbours = graph.live_neighbors(self.member, live)
         for peer in neighbours:
             verify_advertisement(keys[peer], self.params, self._roster)
         seed_shares = shamir.split(
@@ -212,6 +278,7 @@ class ClientSession:
             plaintext = s_seed.to_bytes() + s_key.to_bytes()
             sealed = seal(envelope_keys[peer], plaintext, self._context(self.member, peer))
             out.append(EncryptedShare(self.member, peer, sealed))
+        self.graph = graph
         self._keys = keys
         self._envelope_keys = envelope_keys
         self._live = live

@@ -11,6 +11,7 @@ survivors.  Every other message is authenticated by the transport's request sign
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fedsec.crypto.errors import ProtocolError
@@ -20,6 +21,26 @@ from fedsec.crypto.quantize import QuantSpec, packed_size
 ADVERTISE_DOMAIN = "secagg-advertise-keys"
 CONSISTENCY_DOMAIN = "secagg-consistency"
 SEED_BYTES = 32
+#: A member's share of the neighbour graph's randomness: committed when it joins (before
+#: the aggregator signs the spec), revealed in its signed advertisement.
+GRAPH_NONCE_BYTES = 32
+_GRAPH_COMMITMENT_PREFIX = b"fedsec/secagg-graph-nonce/v1\x00"
+_GRAPH_SEED_PREFIX = b"fedsec/secagg-graph-seed/v1\x00"
+
+
+def graph_commitment(federation_id: str, round_: int, member: str, nonce: bytes) -> bytes:
+    """SHA-256 commitment to a member's graph nonce, bound to federation, round and member.
+
+    Raises:
+        ProtocolError: the nonce is not :data:`GRAPH_NONCE_BYTES` long.
+    """
+    if len(nonce) != GRAPH_NONCE_BYTES:
+        raise ProtocolError(f"graph nonce must be {GRAPH_NONCE_BYTES} bytes")
+    return hashlib.sha256(
+        _GRAPH_COMMITMENT_PREFIX + canonical_json([federation_id, round_, member, nonce.hex()])
+    ).digest()
+
+
 MAX_COHORT = 65535  # Shamir x-coordinates are 2 bytes
 MAX_MEMBER_ID = 128
 
@@ -39,6 +60,9 @@ class SecAggParams:
     # the codec sums modulo the ring on purpose (a centred decoding whose wraps it counts),
     # so the cohort may exceed what the ring holds without wrapping
     wraps: bool = False
+    # each cohort member's commitment to its graph nonce, in cohort order; empty: the
+    # graph comes from ``seed`` alone (rounds without the commit-reveal, tests, benchmarks)
+    graph_commitments: tuple[bytes, ...] = ()
     # computed once: a member checks ~k signatures and derives ~k pair seeds bound to it
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -63,6 +87,10 @@ class SecAggParams:
             raise ProtocolError(f"dimension must be positive, got {self.dim}")
         if len(self.seed) != SEED_BYTES:
             raise ProtocolError(f"round seed must be {SEED_BYTES} bytes")
+        if self.graph_commitments and (
+            len(self.graph_commitments) != n or any(len(c) != 32 for c in self.graph_commitments)
+        ):
+            raise ProtocolError("graph commitments must be one 32-byte hash per cohort member")
         object.__setattr__(self, "_digest", self._compute_digest())
 
     @property
@@ -76,6 +104,24 @@ class SecAggParams:
     def digest(self) -> bytes:
         """SHA-256 over every parameter: binds signatures and masks to this exact round."""
         return self._digest
+
+    def commitment_of(self, member: str) -> bytes | None:
+        """``member``'s graph-nonce commitment; None in a round without them."""
+        if not self.graph_commitments:
+            return None
+        return self.graph_commitments[self.cohort.index(member)]
+
+    def graph_seed(self, advertised: Iterable[AdvertiseKeys]) -> bytes:
+        """The seed of the neighbour graph: ``seed`` alone in a round without graph
+        commitments; otherwise a hash over the parameters and the graph nonces every
+        advertising member revealed, which nobody knew when the spec was signed and no
+        member could choose after seeing another's."""
+        if not self.graph_commitments:
+            return self.seed
+        revealed = sorted((a.member, a.graph_nonce.hex()) for a in advertised)
+        return hashlib.sha256(
+            _GRAPH_SEED_PREFIX + self.digest() + canonical_json(revealed)
+        ).digest()
 
     def _compute_digest(self) -> bytes:
         return hashlib.sha256(
@@ -92,8 +138,13 @@ class SecAggParams:
                     "dim": self.dim,
                     "seed": self.seed.hex(),
                 }
-                # only when set, so the digests of rounds without it stay what they were
+                # only when set, so the digests of rounds without them stay what they were
                 | ({"wraps": True} if self.wraps else {})
+                | (
+                    {"graph_commitments": [c.hex() for c in self.graph_commitments]}
+                    if self.graph_commitments
+                    else {}
+                )
             )
         ).digest()
 
@@ -106,10 +157,14 @@ class AdvertiseKeys:
     enc_public: bytes
     mask_public: bytes
     signature: bytes
+    graph_nonce: bytes = b""  # revealed: the round's graph commitment opens to it
 
     @staticmethod
-    def signed_bytes(params_digest: bytes, member: str, enc: bytes, mask: bytes) -> bytes:
-        return canonical_json([params_digest.hex(), member, enc.hex(), mask.hex()])
+    def signed_bytes(
+        params_digest: bytes, member: str, enc: bytes, mask: bytes, graph_nonce: bytes = b""
+    ) -> bytes:
+        fields = [params_digest.hex(), member, enc.hex(), mask.hex()]
+        return canonical_json([*fields, graph_nonce.hex()] if graph_nonce else fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,17 +196,22 @@ class ServerSession:
         self.advertised[msg.member] = msg
 
     def close_advertise(self) -> KeyList:
-        """End stage 1: keep members with enough live neighbours, return their keys.
+        """End stage 1: fix the neighbour graph from the advertised graph nonces, keep
+        members with enough live neighbours, return every advertisement (members derive
+        the same graph from them, and the same live members).
 
         Raises:
             RoundAborted: too few members remain.
         """
         self._expect(ServerStage.ADVERTISE, "(close)")
-        live = prune(self.graph, self.advertised, self.params.threshold)
+        p = self.params
+        graph = round_graph(p.cohort, p.neighbors, p.graph_seed(self.advertised.values()))
+        live = prune(graph, self.advertised, p.threshold)
         self._abort_if_short(live, "advertise keys")
+        self.graph = graph
         self.live = live
         self.stage = ServerStage.SHARE_KEYS
-        return KeyList(tuple(self.advertised[m] for m in sorted(live)))
+        return KeyList(tuple(self.advertised[m] for m in sorted(self.advertised)))
 
     # -- stage 2: share keys -----------------------------------------------------------------
 

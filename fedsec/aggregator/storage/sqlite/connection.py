@@ -13,6 +13,9 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+#: (table, column, definition) of each column added to a table after its first release.
+_ADDED_COLUMNS = (("joins", "graph_commitment", "TEXT NOT NULL DEFAULT ''"),)
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER NOT NULL,
@@ -34,6 +37,7 @@ CREATE TABLE IF NOT EXISTS joins (
     samples INTEGER NOT NULL,
     joined_at REAL NOT NULL,
     base_version INTEGER,
+    graph_commitment TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (round, attempt, member)
 );
 CREATE TABLE IF NOT EXISTS messages (
@@ -136,7 +140,16 @@ class SqliteConnection:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        self._add_missing_columns()
         self._after_commit: list[Callable[[], None]] = []
+
+    def _add_missing_columns(self) -> None:
+        """Columns added after a table was first created: a workspace made before them
+        gets them, with their default, the first time it is opened."""
+        for table, column, definition in _ADDED_COLUMNS:
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         self.db.close()

@@ -99,11 +99,20 @@ class SqliteJoins:
         samples: int,
         now: float,
         base_version: int | None = None,
+        graph_commitment: str = "",
     ) -> None:
         self._db.execute(
-            "INSERT INTO joins VALUES (?, ?, ?, ?, ?, ?)",
-            (round_, attempt, member, samples, now, base_version),
+            "INSERT INTO joins (round, attempt, member, samples, joined_at, base_version, "
+            "graph_commitment) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (round_, attempt, member, samples, now, base_version, graph_commitment),
         )
+
+    def commitments(self, round_: int, attempt: int) -> dict[str, str]:
+        rows = self._db.execute(
+            "SELECT member, graph_commitment FROM joins WHERE round=? AND attempt=?",
+            (round_, attempt),
+        ).fetchall()
+        return {m: c for m, c in rows}
 
     def samples(self, round_: int, attempt: int) -> dict[str, int]:
         rows = self._db.execute(
