@@ -18,9 +18,12 @@ Noise, per metric (the one place it is defined; :data:`METRICS`):
 - ``ddp_member_ratio`` (a member's time with distributed DP over its time without, both
   in the same process): 15 %; it is a median over members of a ratio of two timings
   taken back to back, steadier than a ratio to a floor measured once.
-- ``final_accuracy`` (the mean over the check's seeds): 2 points.  Seeds of the same
-  small simulation spread by about 1 point (standard deviation), so the mean of three
-  moves by more than 2 points about once in a thousand runs by chance.
+- ``final_accuracy`` (the mean over the check's seeds): 5 points.  The small simulation
+  (10 members, 15 rounds) is still climbing and its rounds' timing is not
+  deterministic: its three seeds gave 0.811, 0.817, 0.773 and then 0.76 on average in
+  the next run of the same code, one seed 0.779 and 0.811 in two runs, so the mean of
+  three moved by 3.9 points by chance.  5 points catches a broken model, not a subtle
+  regression.
 
 A recorded row matches a check's row when every parameter the check names is equal,
 a parameter missing from an older row counting as its default (:data:`DEFAULTS`); the
@@ -67,7 +70,7 @@ METRICS: dict[str, Metric] = {
     "client_over_floor": Metric("client_over_floor", relative=0.35),
     "bytes_per_param": Metric("bytes_per_param", absolute=5e-7),
     "ddp_member_ratio": Metric("ddp_member_ratio", relative=0.15),
-    "final_accuracy": Metric("final_accuracy", absolute=0.02),
+    "final_accuracy": Metric("final_accuracy", absolute=0.05),
 }
 
 BASELINE_ROWS = 3
