@@ -492,7 +492,9 @@ class AgentRound:
         """
         spec, (r, a) = self.spec, self._key
         salt = (yield from ask(KeepUpdate(r, a, c.quantized), UpdateKept)).salt
-        if spec.secure_sum == "secagg":
+        if spec.secure_sum in ("secagg", "he"):
+            # an aggregator holding this update's masked vector or ciphertext could
+            # difference it against a retry's sum (or, he, cancel it with a colluder)
             yield from self._release(c.trained)
         digest = hashlib.sha256(vector).hexdigest()
         statement = contribution_statement(

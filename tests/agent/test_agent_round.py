@@ -53,10 +53,12 @@ from fedsec.protocol.data_schema import ObservedSchema
 from fedsec.protocol.wire import (
     Accepted,
     ChargeRecord,
+    CommitmentSetBody,
     DataSummary,
     DPSpec,
     FederationStatus,
     JoinResponse,
+    MemberCommitment,
     Receipt,
     RoundSpec,
     RoundState,
@@ -1052,3 +1054,29 @@ def test_a_data_summary_scales_the_weight_by_its_quality() -> None:
     sent = next(a for a in asked if isinstance(a, act.SendMaskedInput))
     q = unpack(sent.vector, DIM + 1, spec.ring_bits)
     assert abs(int(q[-1]) / spec.quant_spec().levels - 0.06) <= 1 / spec.quant_spec().levels
+
+
+def test_an_he_member_releases_its_update_before_its_ciphertext_leaves() -> None:
+    """A retry of an HE attempt must not get the same update: the aggregator holds the
+    first attempt's ciphertexts, which a colluder's ``Enc(c) − Σ`` could cancel in the
+    retry's sum.  So the update is released (one attempt only) before it is sent."""
+    spec = make_spec(MEMBERS, secure_sum="he", he_context_sha256="cd" * 32, custodian="keys")
+    carry = Carryover()
+    round_ = start(spec, "commit", carry)
+    cipher = b"ciphertext"
+    digest = hashlib.sha256(cipher).hexdigest()
+
+    def commit(a: act.SendCommit) -> act.Event:
+        mine = MemberCommitment("alice", digest, a.body.signature)
+        return act.UploadAnswered(Accepted(True, commitments=CommitmentSetBody([mine])))
+
+    answers: dict[type[act.Action], Answer] = {
+        act.Encrypt: lambda a: act.Encrypted(cipher),
+        act.SendCommit: commit,
+    }
+    asked = drive(round_, [state("closed", spec)], answers)
+    names = kinds(asked)
+    assert names.index("Release") < names.index("SendMaskedInput"), names
+    released = next(a for a in asked if isinstance(a, act.Release))
+    assert (released.round, released.attempt) == (spec.round, spec.attempt)
+    assert carry.update is None and carry.last_release == (spec.round, spec.attempt)
