@@ -81,6 +81,27 @@ class StageCalls(Calls):
         )
         return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
 
+    async def _json_upload(
+        self,
+        stage: Route,
+        body: ConsistencyBody | CommitBody,
+        attempt: int,
+        wait: float,
+        what: str,
+    ) -> Accepted:
+        """A small stage upload without a compact form, sent as JSON; its answer may be
+        held ``wait`` s."""
+        raw = await self._transport.request(
+            stage,
+            query=self._stage_query(attempt, wait),
+            body=encode(body),
+            content_type="application/json",
+            max_bytes=MAX_JSON_BYTES,
+            what=what,
+            timeout_s=self._wait_timeout(wait),
+        )
+        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
+
     async def advertise(
         self, round: int, attempt: int, body: AdvertiseKeysBody, wait: float = 0.0
     ) -> Accepted:
@@ -185,17 +206,9 @@ class StageCalls(Calls):
             wait: seconds the aggregator may hold the answer until the round reaches
                 unmask; the answer then carries our consistency proof (``proof``).
         """
-        what = "consistency answer"
-        raw = await self._transport.request(
-            route("post_consistency", round=round),
-            query=self._stage_query(attempt, wait),
-            body=encode(body),
-            content_type="application/json",
-            max_bytes=MAX_JSON_BYTES,
-            what=what,
-            timeout_s=self._wait_timeout(wait),
+        return await self._json_upload(
+            route("post_consistency", round=round), body, attempt, wait, "consistency answer"
         )
-        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
 
     async def get_consistency(
         self, round: int, attempt: int, wait: float = 0.0
@@ -220,17 +233,9 @@ class StageCalls(Calls):
             wait: seconds the aggregator may hold the answer until the round reaches
                 masked_input; the answer then carries the commitment set (``commitments``).
         """
-        what = "commit answer"
-        raw = await self._transport.request(
-            route("post_commit", round=round),
-            query=self._stage_query(attempt, wait),
-            body=encode(body),
-            content_type="application/json",
-            max_bytes=MAX_JSON_BYTES,
-            what=what,
-            timeout_s=self._wait_timeout(wait),
+        return await self._json_upload(
+            route("post_commit", round=round), body, attempt, wait, "commit answer"
         )
-        return decode(raw, Accepted, max_bytes=MAX_JSON_BYTES, what=what, unique_keys=False)
 
     async def get_commit(self, round: int, attempt: int, wait: float = 0.0) -> CommitmentSetBody:
         """``GET /rounds/{r}/commit``: the attempt's commitment set (long-polled up to
