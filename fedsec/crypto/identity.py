@@ -38,18 +38,11 @@ def key_id(public_key: bytes) -> str:
 # One encoder for every call: json.dumps with non-default options builds a new
 # JSONEncoder each time, which was half the cost of encoding a SecAgg+ envelope's
 # associated data (~70 encodings per member and round).  The encoder keeps no state.
-# allow_nan=False: NaN and infinities are not JSON; what is signed must parse anywhere
-_CANONICAL_ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-)
+_CANONICAL_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def canonical_json(value: Any) -> bytes:
-    """Deterministic JSON encoding (sorted keys, no spaces, UTF-8) for signing and hashing.
-
-    Raises:
-        ValueError: ``value`` holds a NaN or an infinity, which standard JSON cannot carry.
-    """
+    """Deterministic JSON encoding (sorted keys, no spaces, UTF-8) for signing and hashing."""
     return _CANONICAL_ENCODER.encode(value).encode()
 
 
