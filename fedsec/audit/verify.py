@@ -907,8 +907,11 @@ class Verifier:
                 members.append(member)
             return members, plain.astype("<f8").tobytes(), (plain, weights)
         keys = {m: self._member_key(entry, m) for m in spec.cohort}
-        session = ServerSession(spec.secagg_params(), keys)
-        order = SECAGG_STAGES
+        # a round logged before the consistency stage existed carries no graph commitments
+        # (both came in one protocol change); its unmask followed masked input directly
+        legacy = not spec.graph_commitments
+        session = ServerSession(spec.secagg_params(), keys, consistency=not legacy)
+        order = tuple(s for s in SECAGG_STAGES if not (legacy and s == "consistency"))
         current = 0
         for stage, member, digest in attempt.messages:
             target = order.index(stage)

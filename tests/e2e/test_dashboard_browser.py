@@ -118,7 +118,7 @@ def test_dashboard_follows_a_live_federation_and_shows_a_dropped_member(
         expect(page.locator("section[data-view=alerts]")).to_be_visible()
         expect(page.locator("section[data-view=now]")).to_be_hidden()
         expect(open_alert.first).to_contain_text(f"round {died_in} ")
-        expect(open_alert.first).to_contain_text("3 of its 4")
+        expect(open_alert.first).to_contain_text("4 of its 5")
         expect(page.get_by_test_id("connection-state")).to_have_text("live", timeout=UI_MS)
 
         assert errors.messages == []

@@ -101,10 +101,18 @@ class ServerSession:
     Args:
         params: the round's parameters.
         roster: member id -> Ed25519 public key (to refuse forged advertisements early).
+        consistency: whether the round has the consistency stage.  False only to replay
+            a round logged before it existed (``fedsec audit verify`` of an old log):
+            unmask then follows masked input directly.  Members enforce the check
+            themselves (they unmask only on their neighbours' signatures), so this changes
+            nothing a live aggregator could exploit.
     """
 
-    def __init__(self, params: SecAggParams, roster: Mapping[str, bytes]) -> None:
+    def __init__(
+        self, params: SecAggParams, roster: Mapping[str, bytes], *, consistency: bool = True
+    ) -> None:
         self.params = params
+        self._consistency = consistency
         self._roster = roster
         self.graph = round_graph(params.cohort, params.neighbors, params.seed)
         self._x = member_x(params.cohort)
@@ -309,7 +317,7 @@ class ServerSession:
                     continue  # dropped with no surviving neighbour: it left no pairwise mask
                 needed.append((key_share, owner, max(t, min(t + 1, holders))))
         self._needed = tuple(needed)
-        self.stage = ServerStage.CONSISTENCY
+        self.stage = ServerStage.CONSISTENCY if self._consistency else ServerStage.UNMASK
         return self.unmask_request()
 
     def unmask_request(self) -> UnmaskRequest:
@@ -371,7 +379,7 @@ class ServerSession:
             WrongStage, UnknownMember, DuplicateMessage, ProtocolError.
         """
         self._expect(ServerStage.UNMASK, msg.member)
-        if msg.member not in self.signatures:
+        if msg.member not in (self.signatures if self._consistency else self.survivors):
             raise UnknownMember(
                 f"{msg.member!r} did not sign the survivor sets of round {self.params.round}"
             )
