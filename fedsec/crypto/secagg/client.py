@@ -10,7 +10,6 @@ out of order raises :class:`WrongStage` and changes nothing.
 from __future__ import annotations
 
 import enum
-import hmac
 import os
 from collections.abc import Mapping
 
@@ -42,7 +41,6 @@ from fedsec.crypto.secagg.graph import (
 from fedsec.crypto.secagg.messages import (
     ADVERTISE_DOMAIN,
     CONSISTENCY_DOMAIN,
-    GRAPH_NONCE_BYTES,
     AdvertiseKeys,
     ConsistencyProof,
     ConsistencySignature,
@@ -54,7 +52,6 @@ from fedsec.crypto.secagg.messages import (
     ShareRelay,
     UnmaskRequest,
     UnmaskResponse,
-    graph_commitment,
 )
 
 _PLAINTEXT_BYTES = 2 * shamir.SHARE_BYTES
@@ -111,17 +108,13 @@ def check_graph_nonce(entry: AdvertiseKeys, params: SecAggParams) -> None:
     Raises:
         InvalidKeyList: the nonce is missing, unexpected, or does not open the commitment.
     """
-    committed = params.commitment_of(entry.member) if entry.member in params.cohort else None
-    if committed is None:
+    if not params.graph_commitments or entry.member not in params.cohort:
         if entry.graph_nonce:
             raise InvalidKeyList(
                 f"{entry.member!r} revealed a graph nonce the round did not ask for"
             )
         return
-    if len(entry.graph_nonce) != GRAPH_NONCE_BYTES or not hmac.compare_digest(
-        graph_commitment(params.federation_id, params.round, entry.member, entry.graph_nonce),
-        committed,
-    ):
+    if not params.opens_commitment(entry.member, entry.graph_nonce):
         raise InvalidKeyList(
             f"graph nonce of {entry.member!r} does not open its commitment in the round spec"
         )
@@ -171,13 +164,7 @@ class ClientSession:
                 "the round's parameters carry no graph commitments: the aggregator alone "
                 "would choose the neighbour graph; refusing the round"
             )
-        if committed is not None and not (
-            len(graph_nonce) == GRAPH_NONCE_BYTES
-            and hmac.compare_digest(
-                graph_commitment(params.federation_id, params.round, member, graph_nonce),
-                committed,
-            )
-        ):
+        if committed is not None and not params.opens_commitment(member, graph_nonce):
             raise ProtocolError(
                 f"the round's parameters do not carry {member}'s commitment to its graph "
                 "nonce: the aggregator changed it, or this member did not join this attempt"

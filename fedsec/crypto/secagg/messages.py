@@ -11,6 +11,7 @@ survivors.  Every other message is authenticated by the transport's request sign
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -110,6 +111,18 @@ class SecAggParams:
         if not self.graph_commitments:
             return None
         return self.graph_commitments[self.cohort.index(member)]
+
+    def opens_commitment(self, member: str, nonce: bytes) -> bool:
+        """``nonce`` is the one ``member``'s commitment in these parameters was made to
+        (compared in constant time); False for a member without a commitment."""
+        committed = self.commitment_of(member) if member in self.cohort else None
+        return (
+            committed is not None
+            and len(nonce) == GRAPH_NONCE_BYTES
+            and hmac.compare_digest(
+                graph_commitment(self.federation_id, self.round, member, nonce), committed
+            )
+        )
 
     def graph_seed(self, advertised: Iterable[AdvertiseKeys]) -> bytes:
         """The seed of the neighbour graph: ``seed`` alone in a round without graph

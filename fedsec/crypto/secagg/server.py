@@ -127,6 +127,7 @@ class ServerSession:
         self.dropped: frozenset[str] = frozenset()
         # survivor -> its signature on (survivors, dropped), checked on arrival
         self.signatures: dict[str, ConsistencySignature] = {}
+        self._survivors_signed = b""  # set when masked input closes
         self._responses: set[str] = set()
         # owner -> shares revealed so far, filled as unmask answers arrive
         self._seed_shares: dict[str, list[shamir.Share]] = {}
@@ -318,6 +319,10 @@ class ServerSession:
                 needed.append((key_share, owner, max(t, min(t + 1, holders))))
         self._needed = tuple(needed)
         self.stage = ServerStage.CONSISTENCY if self._consistency else ServerStage.UNMASK
+        # what every survivor signs: built once, not once per signature (O(n) each)
+        self._survivors_signed = ConsistencySignature.signed_bytes(
+            self.params.digest(), self.unmask_request()
+        )
         return self.unmask_request()
 
     def unmask_request(self) -> UnmaskRequest:
@@ -338,10 +343,9 @@ class ServerSession:
             raise UnknownMember(f"{msg.member!r} is not a survivor of round {self.params.round}")
         if msg.member in self.signatures:
             raise DuplicateMessage(f"{msg.member!r} already signed the survivor sets")
-        message = ConsistencySignature.signed_bytes(self.params.digest(), self.unmask_request())
         try:
             PublicIdentity(self._roster[msg.member]).verify(
-                CONSISTENCY_DOMAIN, message, msg.signature
+                CONSISTENCY_DOMAIN, self._survivors_signed, msg.signature
             )
         except SignatureError:
             raise SignatureError(
