@@ -49,11 +49,13 @@ __all__ = [
     "ConfigError",
     "CryptoError",
     "DecryptionError",
+    "DpIncompatibleModel",
     "DuplicateMessage",
     "FedsecError",
     "ForbiddenError",
     "IntegrityError",
     "InvalidKeyList",
+    "InvalidTask",
     "KeyFileError",
     "MisaddressedShare",
     "NotFound",
@@ -73,8 +75,10 @@ __all__ = [
     "ShamirError",
     "SignatureError",
     "StaleUpdate",
+    "TaskDigestMismatch",
     "TaskMismatch",
     "UnknownMember",
+    "UnknownTask",
     "UnsupportedEncoding",
     "WrongStage",
 ]
@@ -158,6 +162,34 @@ class TaskMismatch(FedsecError):
 
     code = "task_mismatch"
     http_status = 409
+
+
+class UnknownTask(ConfigError):
+    """No installed distribution declares this task in the ``fedsec.tasks`` entry-point
+    group (or more than one does, so the name does not say whose code would run)."""
+
+    code = "unknown_task"
+
+
+class InvalidTask(FedsecError):
+    """A task package breaks the ``fedsec.task`` contract: a loss that is not a scalar,
+    an unknown primary metric, a distribution whose files cannot be digested."""
+
+    code = "invalid_task"
+
+
+class DpIncompatibleModel(InvalidTask):
+    """The task's model has layers Opacus cannot train with DP-SGD; the detail names
+    each layer and its fix."""
+
+    code = "dp_incompatible_model"
+
+
+class TaskDigestMismatch(TaskMismatch):
+    """The installed task package is not the one the federation pinned (entry point,
+    distribution version or digest of its files differ); the detail names which."""
+
+    code = "task_digest_mismatch"
 
 
 class AggregatorUnreachable(FedsecError):
