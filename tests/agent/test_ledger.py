@@ -190,3 +190,15 @@ def test_noise_for_budget_rejects_bad_arguments() -> None:
         noise_for_budget(1.0, 1e-5, Q, STEPS, rounds=0)
     more_rounds = noise_for_budget(1.0, 1e-5, Q, STEPS, rounds=20)
     assert more_rounds > noise_for_budget(1.0, 1e-5, Q, STEPS, rounds=2)
+
+
+def test_ledger_is_written_owner_only_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    import stat
+
+    ledger = _ledger(tmp_path)
+    ledger.record("clinic", 1, 1.0, Q, STEPS)
+    assert stat.S_IMODE((tmp_path / LEDGER_FILENAME).stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        LEDGER_FILENAME,
+        LEDGER_FILENAME + ".lock",
+    ]
