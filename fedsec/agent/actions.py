@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from fedsec.agent.charges import ChargeRequest, PrivacyCharge
 from fedsec.agent.vault import RoundRecord
 from fedsec.crypto.quantize import RingVector
 from fedsec.crypto.secagg import MaskedInput
@@ -43,10 +44,6 @@ from fedsec.protocol.wire import (
     UnmaskRequestBody,
     UnmaskResponseBody,
 )
-
-if TYPE_CHECKING:
-    from fedsec.agent.charging import ChargeRequest, PrivacyCharge
-    from fedsec.agent.round import AgentRound
 
 T = TypeVar("T")
 
@@ -462,12 +459,30 @@ class FaultPoint(Action):
     point: str
 
 
+class RoundMachine(Protocol):
+    """One attempt's machine as the runtime drives it
+    (:class:`fedsec.agent.round.AgentRound`): named here so that the actions, which
+    every machine imports, import no machine."""
+
+    spec: RoundSpec
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def finished(self) -> Finish | None: ...
+
+    def next(self) -> Action: ...
+
+    def receive(self, event: Event) -> None: ...
+
+
 @dataclass(frozen=True)
 class Participate(Action):
     """Run ``round`` to its end."""
 
     answer: ClassVar[type[Event]] = Participated
-    round: AgentRound = field(compare=False)
+    round: RoundMachine = field(compare=False)
 
 
 @dataclass(frozen=True)

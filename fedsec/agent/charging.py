@@ -20,77 +20,35 @@ shares without the member answering anything.
 
 :class:`Carryover` holds what crosses attempts; :func:`charge_step` is the decision,
 for both round machines, written as a step that yields the Charge action when the
-ledger must be asked.
+ledger must be asked.  The records it decides on (:class:`ChargeRequest`,
+:class:`PrivacyCharge`, :class:`TrainedUpdate`) are :mod:`fedsec.agent.charges`'s,
+re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from fedsec.agent.actions import Charge, Charged, Step, ask
+from fedsec.agent.charges import ChargeRequest as ChargeRequest
+from fedsec.agent.charges import Cost as Cost
+from fedsec.agent.charges import PrivacyCharge as PrivacyCharge
+from fedsec.agent.charges import TrainedUpdate as TrainedUpdate
 from fedsec.agent.member import Member
 from fedsec.agent.spec import training_params, update_key
 from fedsec.errors import ConfigError
 from fedsec.learning.training import plan_round
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.update_codec import codec_for
-from fedsec.protocol.wire import ChargeRecord, RoundSpec
+from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks import Task
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
 log = logging.getLogger("fedsec.agent.runtime")
-
-#: noise multiplier, sample rate, steps: what the ledger accounts for one training
-Cost = tuple[float, float, int]
-
-
-@dataclass(frozen=True)
-class ChargeRequest:
-    """A training the ledger is asked to pay for, before it starts."""
-
-    key: tuple[object, ...]
-    round: int
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
-    dp_enabled: bool  # False only with privacy.require_dp = false: nothing is charged
-
-    @property
-    def cost(self) -> Cost:
-        return (self.noise_multiplier, self.sample_rate, self.steps)
-
-
-@dataclass(frozen=True)
-class PrivacyCharge:
-    """What one training cost, charged to the privacy ledger before it starts."""
-
-    key: tuple[object, ...]
-    epsilon: float  # total spent on the dataset once this round was charged
-    steps: int
-    sample_rate: float
-    trained_round: int
-    index: int = -1  # its place in the dataset's charge history; -1: nothing was charged
-    unreported: tuple[ChargeRecord, ...] = ()  # earlier charges its report must declare
-
-
-@dataclass(frozen=True, eq=False)
-class TrainedUpdate:
-    """An update trained for one round, reusable by a retried attempt of that round."""
-
-    key: tuple[object, ...]
-    delta: npt.NDArray[np.float32]
-    epsilon: float  # total spent on the dataset once this round was charged
-    steps: int
-    sample_rate: float
-    base_version: int = 0  # the model version it was trained from
-    trained_round: int = -1  # the round the ledger charged for this training
-    index: int = -1  # see PrivacyCharge
-    unreported: tuple[ChargeRecord, ...] = ()
 
 
 class Carryover:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from fedsec.agent.charging import PrivacyCharge, TrainedUpdate
+from fedsec.agent.charges import PrivacyCharge, TrainedUpdate
 from fedsec.agent.member import Member
 from fedsec.agent.vault import RoundRecord
 from fedsec.crypto.commitment import CommitmentContext, commit

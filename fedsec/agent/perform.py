@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 from fedsec.agent import actions as act
-from fedsec.agent.charging import PrivacyCharge
+from fedsec.agent.charges import PrivacyCharge
 from fedsec.agent.he import HeContexts, encrypt_update
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.pinned_roster import PinnedRoster

@@ -72,7 +72,6 @@ from fedsec.agent.perform import (
 )
 from fedsec.agent.pinned_roster import ADMIN_KEY_FILE, PinnedRoster
 from fedsec.agent.refusals import is_round_local, is_temporary
-from fedsec.agent.round import AgentRound
 from fedsec.agent.spec import check_spec_task, member_weight, training_params, verify_round_spec
 from fedsec.agent.trainer import MODEL_HEADER_SLACK_BYTES, LocalTrainer
 from fedsec.agent.vault import Vault
@@ -314,7 +313,9 @@ class AgentRuntime:
                 event = await perform.perform(action)
             follower.receive(event)
 
-    async def _drive_round(self, perform: ActionPerformer, round_: AgentRound) -> act.Participated:
+    async def _drive_round(
+        self, perform: ActionPerformer, round_: act.RoundMachine
+    ) -> act.Participated:
         """Run one attempt's machine to its end, training in the background."""
         training: asyncio.Future[act.Event] | None = None
         try:
@@ -344,7 +345,7 @@ class AgentRuntime:
         self,
         perform: ActionPerformer,
         action: act.Action,
-        round_: AgentRound,
+        round_: act.RoundMachine,
         training: asyncio.Future[act.Event] | None,
     ) -> act.Event | None:
         """Perform ``action``; should training end first, hand its result to the round
