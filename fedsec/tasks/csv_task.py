@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsec.errors import ConfigError, TaskMismatch
-from fedsec.tasks.base import Dataset, Task, TaskSchema, TrainingParams
+from fedsec.task import DataSource, Task, TaskData, TaskSchema, TrainingParams
 from fedsec.tasks.models import TabularMLP
 from fedsec.tasks.preprocessing import split_and_standardize
 
@@ -152,8 +152,8 @@ def csv_task(
     if len(y_all) < 2:
         raise ConfigError(f"CSV file {csv_path} needs at least 2 rows to hold out a test split")
 
-    def load(seed: int) -> Dataset:
-        return split_and_standardize(x_all, y_all, test_fraction, seed, standardize=True)
+    def data(source: DataSource) -> TaskData:
+        return split_and_standardize(x_all, y_all, test_fraction, source.seed, standardize=True)
 
     n_features = len(features)
     n_classes = len(class_names)
@@ -169,6 +169,6 @@ def csv_task(
         defaults=TrainingParams(
             lr=0.05, batch_size=32, local_epochs=1, optimizer="sgd", momentum=0.9
         ),
-        loader=load,
-        model_factory=lambda: TabularMLP(n_features, n_classes, hidden=64),
+        model=lambda: TabularMLP(n_features, n_classes, hidden=64),
+        data=data,
     )

@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-from fedsec.tasks.base import Dataset, Task, TaskSchema, TrainingParams
+from fedsec.task import DataSource, Task, TaskData, TaskSchema, TrainingParams, tensor_data
 from fedsec.tasks.models import Mnist1dCNN
 
 SIGNAL_LENGTH = 40
@@ -45,17 +45,11 @@ def _generate() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 def mnist1d_task() -> Task:
     """MNIST-1D with the paper's CNN (about 94% test accuracy reported centrally)."""
 
-    def load(seed: int) -> Dataset:
-        # The paper's split is fixed by the generator; ``seed`` does not change it so that
-        # every member and every run evaluates on the same 1000 test signals.
-        del seed
+    def data(source: DataSource) -> TaskData:
+        # The paper's split is fixed by the generator; ``source.seed`` does not change it
+        # so that every member and every run evaluates on the same 1000 test signals.
         x_train, y_train, x_test, y_test = _generate()
-        return Dataset(
-            x_train=x_train.copy(),
-            y_train=y_train.copy(),
-            x_test=x_test.copy(),
-            y_test=y_test.copy(),
-        )
+        return tensor_data(x_train.copy(), y_train.copy(), x_test.copy(), y_test.copy())
 
     return Task(
         name="mnist1d",
@@ -68,6 +62,6 @@ def mnist1d_task() -> Task:
         ),
         # The paper trains with Adam, lr 1e-2, batch 100.
         defaults=TrainingParams(lr=0.01, batch_size=100, local_epochs=1, optimizer="adam"),
-        loader=load,
-        model_factory=lambda: Mnist1dCNN(10, length=SIGNAL_LENGTH),
+        model=lambda: Mnist1dCNN(10, length=SIGNAL_LENGTH),
+        data=data,
     )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from fedsec.tasks.base import Dataset
+from fedsec.task.definition import TaskData, tensor_data
 
 
 def split_and_standardize(
     x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, standardize: bool
-) -> Dataset:
+) -> TaskData:
     """Split ``x, y`` into train and test, optionally standardizing features.
 
     The split is stratified by label where every class has at least two samples (so
@@ -34,9 +34,9 @@ def split_and_standardize(
         std[std == 0] = 1.0
         x_tr = (x_tr - mean) / std
         x_te = (x_te - mean) / std
-    return Dataset(
-        x_train=np.ascontiguousarray(x_tr, dtype=np.float32),
-        y_train=np.ascontiguousarray(y_tr, dtype=np.int64),
-        x_test=np.ascontiguousarray(x_te, dtype=np.float32),
-        y_test=np.ascontiguousarray(y_te, dtype=np.int64),
+    return tensor_data(
+        np.ascontiguousarray(x_tr, dtype=np.float32),
+        np.ascontiguousarray(y_tr, dtype=np.int64),
+        np.ascontiguousarray(x_te, dtype=np.float32),
+        np.ascontiguousarray(y_te, dtype=np.int64),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn.datasets import load_breast_cancer, load_digits
 
-from fedsec.tasks.base import Dataset, Task, TaskSchema, TrainingParams
+from fedsec.task import DataSource, Task, TaskData, TaskSchema, TrainingParams
 from fedsec.tasks.models import DigitsCNN, TabularMLP
 from fedsec.tasks.preprocessing import split_and_standardize
 
@@ -17,11 +17,11 @@ def breast_cancer_task() -> Task:
     """Wisconsin breast cancer: 30 standardized features, malignant (0) vs benign (1)."""
     feature_names = tuple(str(n) for n in load_breast_cancer().feature_names)
 
-    def load(seed: int) -> Dataset:
+    def data(source: DataSource) -> TaskData:
         bunch = load_breast_cancer()
         x = np.asarray(bunch.data, dtype=np.float64)
         y = np.asarray(bunch.target, dtype=np.int64)
-        return split_and_standardize(x, y, TEST_FRACTION, seed, standardize=True)
+        return split_and_standardize(x, y, TEST_FRACTION, source.seed, standardize=True)
 
     return Task(
         name="breast_cancer",
@@ -37,20 +37,20 @@ def breast_cancer_task() -> Task:
         defaults=TrainingParams(
             lr=0.05, batch_size=32, local_epochs=1, optimizer="sgd", momentum=0.9
         ),
-        loader=load,
-        model_factory=lambda: TabularMLP(30, 2, hidden=32),
+        model=lambda: TabularMLP(30, 2, hidden=32),
+        data=data,
     )
 
 
 def digits_task() -> Task:
     """UCI handwritten digits: 1x8x8 images with pixel values scaled to [0, 1]."""
 
-    def load(seed: int) -> Dataset:
+    def data(source: DataSource) -> TaskData:
         bunch = load_digits()
         # Pixels are counts 0..16; dividing by 16 keeps the natural image scale.
         x = np.asarray(bunch.data, dtype=np.float64).reshape(-1, 1, 8, 8) / 16.0
         y = np.asarray(bunch.target, dtype=np.int64)
-        return split_and_standardize(x, y, TEST_FRACTION, seed, standardize=False)
+        return split_and_standardize(x, y, TEST_FRACTION, source.seed, standardize=False)
 
     return Task(
         name="digits",
@@ -64,6 +64,6 @@ def digits_task() -> Task:
         defaults=TrainingParams(
             lr=0.05, batch_size=32, local_epochs=1, optimizer="sgd", momentum=0.9
         ),
-        loader=load,
-        model_factory=lambda: DigitsCNN(10),
+        model=lambda: DigitsCNN(10),
+        data=data,
     )

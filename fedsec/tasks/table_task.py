@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedsec.errors import ConfigError, TaskMismatch
-from fedsec.tasks.base import Dataset, Task, TaskSchema, TrainingParams
+from fedsec.task import DataSource, Task, TaskData, TaskSchema, TrainingParams
 from fedsec.tasks.csv_task import DEFAULT_TEST_FRACTION
 from fedsec.tasks.models import TabularMLP
 from fedsec.tasks.preprocessing import split_and_standardize
@@ -33,7 +33,7 @@ def table_task(features: Sequence[str], classes: Sequence[str]) -> Task:
         raise ConfigError("task table needs at least two classes")
     n_features, n_classes = len(features), len(classes)
 
-    def no_records(seed: int) -> Dataset:
+    def no_records(source: DataSource) -> TaskData:
         raise ConfigError("task table holds no records here: the data stays with the members")
 
     return Task(
@@ -48,8 +48,8 @@ def table_task(features: Sequence[str], classes: Sequence[str]) -> Task:
         defaults=TrainingParams(
             lr=0.05, batch_size=32, local_epochs=1, optimizer="sgd", momentum=0.9
         ),
-        loader=no_records,
-        model_factory=lambda: TabularMLP(n_features, n_classes, hidden=64),
+        model=lambda: TabularMLP(n_features, n_classes, hidden=64),
+        data=no_records,
     )
 
 
@@ -87,7 +87,7 @@ def with_records(task: Task, x: np.ndarray, y: np.ndarray) -> Task:
             f"records have {x.shape[1:]} features, the schema {task.schema.input_shape}"
         )
 
-    def load(seed: int) -> Dataset:
-        return split_and_standardize(x, y, DEFAULT_TEST_FRACTION, seed, standardize=True)
+    def data(source: DataSource) -> TaskData:
+        return split_and_standardize(x, y, DEFAULT_TEST_FRACTION, source.seed, standardize=True)
 
-    return dataclasses.replace(task, loader=load)
+    return dataclasses.replace(task, data=data)
