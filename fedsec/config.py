@@ -32,9 +32,10 @@ from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
 from fedsec.learning import robust
-from fedsec.protocol import wire
+from fedsec.protocol import compat, wire
 from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
+from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
 from fedsec.protocol.roster import ID_PATTERN
 from fedsec.protocol.update_codec import MAX_HEADROOM_BITS, weight_digit_bits
 
@@ -364,7 +365,7 @@ class DPSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     enabled: bool = True
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
-    delta: float = 1e-5
+    delta: float = DEFAULT_DELTA
     mode: Literal["local", "distributed"] = "local"
     unit: Literal["record", "member"] = "record"
     sample_rate: float = 0.0
@@ -546,7 +547,7 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     epsilon: float = 8.0
-    delta: float = 1e-5
+    delta: float = DEFAULT_DELTA
     require_dp: bool = True
     allow_distributed: bool = False
     # distributed DP: the fewest survivors a round's noise may be sized for (its
@@ -623,11 +624,9 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.items.extend(_table_problems("federation", cfg.federation.task, cfg.schema))
     p.require(bool(cfg.federation.task), "federation.task", "a task name", cfg.federation.task)
     r = cfg.round
-    # a sum of two lets each member subtract its own update and read the other's; the HE
-    # custodian decrypts only sums of at least min_agents, so the same bound holds there
-    min_members = 3 if r.secure_sum in ("secagg", "he") else 1
-    p.int_range("round.min_agents", r.min_agents, min_members, 100_000)
-    p.int_range("round.max_agents", r.max_agents, max(r.min_agents, 1), 100_000)
+    least = compat.traits(r.secure_sum).min_contributors
+    p.int_range("round.min_agents", r.min_agents, least, MAX_COHORT)
+    p.int_range("round.max_agents", r.max_agents, max(r.min_agents, 1), MAX_COHORT)
     p.int_range("round.rounds", r.rounds, 1)
     if r.neighbors:
         p.int_range("round.neighbors", r.neighbors, 2, max(r.max_agents - 1, 2))
@@ -659,18 +658,6 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.open_unit("dp.delta", d.delta)
     if d.mode == "distributed":
         p.require(d.enabled, "dp.mode", "dp.enabled = true for distributed DP", d.enabled)
-        p.require(
-            r.secure_sum == "secagg",
-            "dp.mode",
-            "round.secure_sum = 'secagg' (the noise shares are summed in its ring)",
-            r.secure_sum,
-        )
-        p.require(
-            r.mode == "sync",
-            "dp.mode",
-            "round.mode = 'sync' (the noise is sized for the cohort fixed with the spec)",
-            r.mode,
-        )
         if d.unit == "record":
             p.require(0 < d.sample_rate <= 1, "dp.sample_rate", "a rate in (0, 1]", d.sample_rate)
         p.require(
@@ -705,27 +692,10 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             f"round.max_agents = {cfg.round.max_agents} members",
             c.headroom_bits,
         )
-    # the same refusals as the round's codec (fedsec.protocol.update_codec.codec_for), at
-    # load time, so such a federation never opens a round that cannot close
-    compressed = c.spec().compresses
-    if compressed and d.enabled and d.mode == "distributed":
-        p.fail(
-            "codec",
-            "compression cannot be on with distributed DP, which rotates and discretises on "
-            "its own terms (round.quant_bits sizes its ring)",
-        )
-    if compressed and cfg.round.secure_sum == "he":
-        p.fail(
-            "codec",
-            "compression cannot be on with round.secure_sum = 'he': a ciphertext's size does "
-            "not depend on the bits; use 'secagg' or 'none'",
-        )
-    if c.error_feedback and d.mode == "distributed" and d.unit == "record":
-        p.fail(
-            "codec.error_feedback",
-            "cannot be on with record-level distributed DP: a member would carry a record's "
-            "gradient into rounds its privacy accounting does not cover",
-        )
+    # the same refusals as the round's spec (fedsec.protocol.compat.check_spec), at load
+    # time, so such a federation never opens a round that cannot close
+    for conflict in compat.conflicts(_features(cfg)):
+        p.fail(conflict.key, conflict.reason)
     s = cfg.server
     p.require(bool(s.host), "server.host", "a host name or address", s.host)
     p.int_range("server.port", s.port, 0, 65535)
@@ -846,6 +816,19 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     return p.items
 
 
+def _features(cfg: FederationConfig) -> compat.Features:
+    """The features of ``cfg``'s rounds that constrain one another."""
+    d, ag = cfg.dp, cfg.aggregation
+    return compat.Features(
+        secure_sum=cfg.round.secure_sum,
+        round_mode=cfg.round.mode,
+        distributed_dp=d.enabled and d.mode == "distributed",
+        compressed=cfg.codec.spec().compresses,
+        error_feedback=cfg.codec.error_feedback,
+        robust=compat.robust_key(ag.rule) if ag != AggregationSection() else "",
+    )
+
+
 def _webhook_url_ok(url: str) -> bool:
     """An https URL with a host, or an http one whose host is this machine."""
     try:
@@ -878,13 +861,6 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
         elif value != getattr(default, name):
             readers = [rule for rule, names in robust.RULE_PARAMETERS.items() if name in names]
             p.fail(path, f"only rule {' and '.join(readers)} reads it, not {ag.rule}: remove it")
-    if ag != default and r.secure_sum != "none":
-        key = "aggregation.rule" if ag.rule != "fedavg" else "aggregation.max_norm_ratio"
-        p.fail(
-            key,
-            f'needs round.secure_sum = "none": with {r.secure_sum} the aggregator sees only the '
-            "sum of the updates, never one member's, so it cannot judge or refuse them one by one",
-        )
     if ag.rule in robust.LEAST_UPDATES:
         extra, why = robust.LEAST_UPDATES[ag.rule]
         least = 2 * ag.byzantine + extra

@@ -19,10 +19,14 @@ knows some members' noise shares can subtract them.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 from fedsec.crypto.discretize import DdpSpec
 from fedsec.errors import ProtocolError, QuantizationError
-from fedsec.protocol.wire import RoundSpec
+from fedsec.protocol.compat import traits
+
+if TYPE_CHECKING:
+    from fedsec.protocol.spec import RoundSpec
 
 _ROTATION_DOMAIN = b"fedsec/v1/ddp/rotation"
 
@@ -58,7 +62,7 @@ def ddp_spec(spec: RoundSpec) -> DdpSpec:
     where = f"round {spec.round} asks for distributed DP"
     if not is_distributed(spec):
         raise ProtocolError(f"round {spec.round} does not ask for distributed DP")
-    if spec.secure_sum != "secagg":
+    if not traits(spec.secure_sum).sums_in_ring:
         raise ProtocolError(
             f"{where} over secure_sum = {spec.secure_sum!r}; the noise shares must be "
             "summed inside the SecAgg+ ring, so it needs secure_sum = 'secagg'"

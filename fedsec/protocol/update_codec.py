@@ -49,6 +49,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -65,8 +66,11 @@ from fedsec.crypto.quantize import (
     quantize,
 )
 from fedsec.errors import BadVector, ProtocolError, QuantizationError
+from fedsec.protocol.compat import check_spec
 from fedsec.protocol.ddp import ddp_spec, is_distributed, rotation_seed
-from fedsec.protocol.wire import RoundSpec
+
+if TYPE_CHECKING:
+    from fedsec.protocol.spec import RoundSpec
 
 _SUBSET_DOMAIN = b"fedsec/v1/codec/subset"
 _ROUNDING_DOMAIN = b"codec/rounding"
@@ -83,7 +87,7 @@ DEFAULT_RANGE_STDDEVS = 3.0
 # A wrapped centred sum that overshot the ring's half range by less than this fraction
 # of it lands this close to the far edge; edge_count counts sums there as likely wraps.
 WRAP_EDGE_FRACTION = 1 / 8
-# Headroom bits a codec may ask for: ⌈log₂ n⌉ of the largest cohort (MAX_COHORT, 2^16)
+# Headroom bits a codec may ask for: ⌈log₂ n⌉ of the largest cohort (MAX_COHORT, < 2^16)
 # is all any ring needs for sums that never wrap.
 MAX_HEADROOM_BITS = 16
 
@@ -446,38 +450,34 @@ def codec_for(spec: RoundSpec) -> UpdateCodec:
     """The codec ``spec`` prescribes.
 
     Raises:
-        ProtocolError: stages that contradict one another or the spec (a keep fraction,
-            range or headroom out of bounds, a ring that does not match the headroom,
-            error feedback with record-level distributed DP, compression with distributed
-            DP or homomorphic summation).
+        ProtocolError: features that do not go together (:func:`fedsec.protocol.compat.
+            check_spec`: compression or error feedback with distributed DP, compression
+            under homomorphic summation, ...), or stages that contradict one another or
+            the spec (a keep fraction, range or headroom out of bounds, a ring that does
+            not match the headroom).
         QuantizationError: a bit budget the ring cannot meet.
     """
-    c, quant, d = spec.codec, spec.quant_spec(), spec.dim
-    where = f"round {spec.round}'s codec"
-    if c.error_feedback and is_distributed(spec):
-        raise ProtocolError(
-            f"{where} asks for error feedback with distributed DP: a member would carry a "
-            "record's gradient into rounds its privacy accounting does not cover; turn "
-            "one of them off"
-        )
-    compressed = c.compresses
+    check_spec(spec)
+    quant, d = spec.quant_spec(), spec.dim
     if is_distributed(spec):
-        if compressed:
-            raise ProtocolError(
-                f"{where} asks for compression with distributed DP; distributed DP "
-                "rotates and discretises on its own terms (quant_bits sizes its ring)"
-            )
         ddp = ddp_spec(spec)
         return UpdateCodec(
             "distributed", quant, d, rotation_seed(spec), ddp.padded, None, 0.0, 1.0, ddp, False
         )
-    if not compressed and not c.error_feedback:
+    if not spec.codec.compresses and not spec.codec.error_feedback:
         return UpdateCodec("plain", quant, d, None, d, None, quant.clip, 1.0, None, False)
-    if spec.secure_sum == "he":
-        raise ProtocolError(
-            f"{where} asks for compression under homomorphic summation, whose ciphertext "
-            "size does not depend on the bits; use secure_sum = 'secagg' or 'none'"
-        )
+    return _compressed(spec)
+
+
+def _compressed(spec: RoundSpec) -> UpdateCodec:
+    """The compressed kind's codec (or plain rounding with error feedback).
+
+    Raises:
+        ProtocolError: a keep fraction, range or headroom out of bounds, or a ring that
+            does not match the headroom.
+    """
+    c, quant, d = spec.codec, spec.quant_spec(), spec.dim
+    where = f"round {spec.round}'s codec"
     if not (math.isfinite(c.keep) and MIN_KEEP <= c.keep <= 1.0):
         raise ProtocolError(f"{where} keeps a fraction {c.keep} outside [{MIN_KEEP}, 1]")
     rotated = c.rotation == "hadamard"

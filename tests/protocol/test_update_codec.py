@@ -186,7 +186,10 @@ def test_the_plain_codec_is_todays_quantization() -> None:
         ({"codec": CodecSpec(keep=0.0)}, "outside"),
         ({"codec": CodecSpec(range_stddevs=3.0)}, "without rotation"),
         ({"codec": CodecSpec(rotation="hadamard", range_stddevs=0.5)}, "outside"),
-        ({"codec": CodecSpec(rotation="hadamard"), "secure_sum": "he"}, "homomorphic"),
+        (
+            {"codec": CodecSpec(rotation="hadamard"), "secure_sum": "he"},
+            "codec: compression cannot be on with round.secure_sum = 'he'",
+        ),
         (
             {
                 "codec": CodecSpec(error_feedback=True),
@@ -196,7 +199,7 @@ def test_the_plain_codec_is_todays_quantization() -> None:
                 "quant_bits": 16,
                 "ring_bits": 19,
             },
-            "error feedback with distributed DP",
+            "codec.error_feedback: cannot be on with distributed DP",
         ),
     ],
 )

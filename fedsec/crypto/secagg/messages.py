@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fedsec.crypto.errors import ProtocolError
 from fedsec.crypto.identity import canonical_json
 from fedsec.crypto.quantize import QuantSpec, packed_size
+from fedsec.crypto.shamir import MAX_X
 
 ADVERTISE_DOMAIN = "secagg-advertise-keys"
 CONSISTENCY_DOMAIN = "secagg-consistency"
@@ -42,7 +43,11 @@ def graph_commitment(federation_id: str, round_: int, member: str, nonce: bytes)
     ).digest()
 
 
-MAX_COHORT = 65535  # Shamir x-coordinates are 2 bytes
+#: Largest cohort of any round (fedsec.protocol.limits re-exports it for every mode):
+#: a member's Shamir x-coordinate is its 1-based place in the cohort and travels in 2
+#: bytes (:data:`fedsec.crypto.shamir.MAX_X`), so 65,535 members is the most SecAgg+ can
+#: address.
+MAX_COHORT = MAX_X
 MAX_MEMBER_ID = 128
 
 
