@@ -40,7 +40,7 @@ def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[In
             (site / package).mkdir(parents=True)
             (site / package / "__init__.py").write_text(source, encoding="utf-8")
             records.append(f"{package}/__init__.py,,")
-        info = site / f"{name}-{version}.dist-info"
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"  # as installers name it
         info.mkdir(parents=True)
         (info / "METADATA").write_text(
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"

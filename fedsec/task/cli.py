@@ -1,0 +1,91 @@
+"""``fedsec task``: list, inspect and start task packages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fedsec.errors import ConfigError
+
+
+@click.group()
+def task() -> None:
+    """Task packages: the model and data code every party installs and pins."""
+
+
+@task.command("list")
+def task_list() -> None:
+    """The installed tasks and the distribution that declares each."""
+    from fedsec.task.discovery import installed_tasks
+
+    for name, entries in sorted(installed_tasks().items()):
+        for entry in entries:
+            click.echo(f"{name}\t{entry.distribution_name} {entry.version}\t{entry.value}")
+
+
+@task.command("inspect")
+@click.argument("entry")
+@click.option(
+    "--option",
+    "options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="a task option; VALUE is read as JSON where it parses (lists, numbers)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def task_inspect(entry: str, options: tuple[str, ...], as_json: bool) -> None:
+    """Name, version, digest, parameter count and DP compatibility of task ENTRY."""
+    from fedsec.task.inspection import inspect_task
+
+    report = inspect_task(entry, **_parse_options(options))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+        return
+    click.echo(f"name:          {report.name} (task version {report.task_version})")
+    click.echo(f"distribution:  {report.distribution} {report.version}")
+    click.echo(f"digest:        {report.digest}")
+    click.echo(f"params:        {report.params:,} (buffers: {report.buffers:,})")
+    click.echo(f"input:         {tuple(report.input_shape)}, {report.num_classes} classes")
+    direction = "higher" if report.higher_is_better else "lower"
+    click.echo(f"primary metric: {report.primary_metric} ({direction} is better)")
+    if report.dp_compatible:
+        click.echo("DP-SGD:        compatible (Opacus validator)")
+    else:
+        click.echo("DP-SGD:        NOT compatible (Opacus validator):")
+        for problem in report.dp_problems:
+            click.echo(f"  - {problem}")
+
+
+@task.command("new")
+@click.argument("name")
+@click.option(
+    "--dir",
+    "parent",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="where to create the package directory",
+)
+def task_new(name: str, parent: Path) -> None:
+    """Write a task package skeleton NAME/ that passes its own test once installed."""
+    from fedsec.task.skeleton import write_skeleton
+
+    for path in write_skeleton(name, parent):
+        click.echo(str(path))
+    click.echo(f"next: pip install -e {parent / name} && python -m pytest {parent / name}/tests")
+
+
+def _parse_options(options: tuple[str, ...]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for item in options:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"task option {item!r} must be KEY=VALUE")
+        try:
+            parsed[key] = json.loads(raw)
+        except ValueError:
+            parsed[key] = raw
+    return parsed
