@@ -68,73 +68,74 @@ def _global_params(models_root: Path, closed: ClosedRound) -> npt.NDArray[np.flo
     return flatten_params(model)
 
 
-def check_reveals(
-    auditor: SigningIdentity,
-    reveals: list[wire.Reveal],
-    log_path: Path,
-    models_root: Path,
-    control_sample: Path,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """One verdict per reveal (see the module docstring)."""
-    rounds = closed_rounds(log_path)
-    reports = _reports(log_path)
-    contexts: dict[tuple[int, int], _RoundContext] = {}
-    references: dict[tuple[int, int, int], Reference] = {}
-    history: list[RevealedUpdate] = []
-    verdicts: list[dict[str, Any]] = []
-    for reveal in sorted(reveals, key=lambda r: (r.round, r.attempt, r.member)):
+def _round_training(spec: wire.RoundSpec) -> RoundTraining:
+    """The training the signed spec of a round sets, as the control checks replay it."""
+    task = get_task(spec.task)
+    return RoundTraining(
+        TrainingParams(
+            lr=spec.training.lr,
+            batch_size=spec.training.batch_size,
+            local_epochs=spec.training.local_epochs,
+            optimizer=spec.training.optimizer,  # type: ignore[arg-type]
+            momentum=task.defaults.momentum,
+        ),
+        (
+            DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
+            if spec.dp.enabled
+            else None
+        ),
+        spec.clip_norm,
+    )
+
+
+def _failed(base: dict[str, Any], test: str, detail: str) -> dict[str, Any]:
+    return {**base, "passed": False, "failed": [test], "detail": detail, "scores": {}}
+
+
+class _Judge:
+    """Judges reveals in order, each against the updates revealed before it."""
+
+    def __init__(
+        self,
+        auditor: SigningIdentity,
+        log_path: Path,
+        models_root: Path,
+        control_sample: Path,
+        seed: int,
+    ) -> None:
+        self.auditor = auditor
+        self.rounds = closed_rounds(log_path)
+        self.reports = _reports(log_path)
+        self.models_root = models_root
+        self.control_sample = control_sample
+        self.seed = seed
+        self.contexts: dict[tuple[int, int], _RoundContext] = {}
+        self.references: dict[tuple[int, int, int], Reference] = {}
+        self.history: list[RevealedUpdate] = []
+
+    def _context(self, key: tuple[int, int]) -> _RoundContext:
+        if key not in self.contexts:
+            closed = self.rounds[key]
+            training = _round_training(closed.spec)
+            self.contexts[key] = _RoundContext(
+                closed, training, _global_params(self.models_root, closed)
+            )
+        return self.contexts[key]
+
+    def verdict(self, reveal: wire.Reveal) -> dict[str, Any]:
+        """The verdict on one reveal (see the module docstring)."""
         base = {"member": reveal.member, "round": reveal.round, "attempt": reveal.attempt}
         try:
-            opened = open_reveal_checked(auditor, reveal, rounds)
+            opened = open_reveal_checked(self.auditor, reveal, self.rounds)
         except FedsecError as exc:
-            verdicts.append(
-                {
-                    **base,
-                    "passed": False,
-                    "failed": ["commitment"],
-                    "detail": exc.detail,
-                    "scores": {},
-                }
-            )
-            continue
-        key = (reveal.round, reveal.attempt)
-        if key not in contexts:
-            closed = rounds[key]
-            spec = closed.spec
-            task = get_task(spec.task)
-            training = RoundTraining(
-                TrainingParams(
-                    lr=spec.training.lr,
-                    batch_size=spec.training.batch_size,
-                    local_epochs=spec.training.local_epochs,
-                    optimizer=spec.training.optimizer,  # type: ignore[arg-type]
-                    momentum=task.defaults.momentum,
-                ),
-                (
-                    DPParams(spec.dp.noise_multiplier, spec.dp.max_grad_norm, spec.dp.delta)
-                    if spec.dp.enabled
-                    else None
-                ),
-                spec.clip_norm,
-            )
-            contexts[key] = _RoundContext(closed, training, _global_params(models_root, closed))
-        ctx = contexts[key]
+            return _failed(base, "commitment", exc.detail)
+        ctx = self._context((reveal.round, reveal.attempt))
         spec = ctx.closed.spec
         task = get_task(spec.task)
-        control = load_control_sample(control_sample, task)
-        report = reports.get((reveal.member, reveal.round, reveal.attempt))
+        control = load_control_sample(self.control_sample, task)
+        report = self.reports.get((reveal.member, reveal.round, reveal.attempt))
         if report is None:
-            verdicts.append(
-                {
-                    **base,
-                    "passed": False,
-                    "failed": ["claim"],
-                    "detail": "no signed privacy report for this round",
-                    "scores": {},
-                }
-            )
-            continue
+            return _failed(base, "claim", "no signed privacy report for this round")
         # the weight the signed record count allows; the exact quality weight needs the
         # member's signed data summary, which the log does not carry yet (weights.py)
         claim = MemberClaim(
@@ -145,9 +146,15 @@ def check_reveals(
             weight_cap=volume_weight(report.samples, spec, reveal.member),
         )
         ref_key = (reveal.round, reveal.attempt, report.samples)
-        if ref_key not in references:
-            references[ref_key] = build_reference(
-                task, ctx.global_params, ctx.training, control, report.samples, reveal.round, seed
+        if ref_key not in self.references:
+            self.references[ref_key] = build_reference(
+                task,
+                ctx.global_params,
+                ctx.training,
+                control,
+                report.samples,
+                reveal.round,
+                self.seed,
             )
         encoding = codec_for(spec)
         weighted, weight = encoding.decode_one(opened.quantized)
@@ -156,15 +163,36 @@ def check_reveals(
             reveal.member, reveal.round, weighted, weight, step, 1.0 / spec.quant_spec().levels
         )
         verdict = check_update(
-            task, references[ref_key], ctx.training, claim, revealed, history, control
+            task, self.references[ref_key], ctx.training, claim, revealed, self.history, control
         )
-        history.append(revealed)
-        verdicts.append(
-            {
-                **base,
-                "passed": verdict.passed,
-                "failed": list(verdict.failed),
-                "scores": {k: float(v) for k, v in verdict.scores.items()},
-            }
-        )
-    return verdicts
+        self.history.append(revealed)
+        return {
+            **base,
+            "passed": verdict.passed,
+            "failed": list(verdict.failed),
+            "scores": {k: float(v) for k, v in verdict.scores.items()},
+        }
+
+
+def check_reveals(
+    auditor: SigningIdentity,
+    reveals: list[wire.Reveal],
+    log_path: Path,
+    models_root: Path,
+    control_sample: Path,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One verdict per reveal (see the module docstring), in (round, attempt, member)
+    order.
+
+    Raises:
+        IntegrityError: the log is broken, or the model a round started from does not
+            match the hash its signed spec names.
+        TaskMismatch: the control sample is not the task's.
+        OSError: a model file cannot be read.
+    """
+    judge = _Judge(auditor, log_path, models_root, control_sample, seed)
+    return [
+        judge.verdict(reveal)
+        for reveal in sorted(reveals, key=lambda r: (r.round, r.attempt, r.member))
+    ]

@@ -318,7 +318,6 @@ def check_cmd(
     import asyncio
 
     from fedsec.audit.check import check_reveals
-    from fedsec.protocol import wire
 
     ws = find_workspace(workspace)
     identity, client = _auditor_client(url, key, aggregator_key)
@@ -336,35 +335,46 @@ def check_cmd(
     if out is not None:
         out.write_text(json.dumps({"verdicts": verdicts}, indent=1))
     if submit and verdicts:
-        submission = wire.VerdictSubmission(
-            verdicts=[
-                wire.AuditVerdict(
-                    round=v["round"],
-                    attempt=v["attempt"],
-                    member=v["member"],
-                    passed=v["passed"],
-                    failed=list(v["failed"]),
-                )
-                for v in verdicts
-            ]
-        )
-        _, sender = _auditor_client(url, key, aggregator_key)
-
-        async def send() -> wire.VerdictReceipt:
-            try:
-                answer: wire.VerdictReceipt = await sender.submit_verdicts(submission)
-                return answer
-            finally:
-                await sender.close()
-
-        receipt = asyncio.run(send())
-        click.echo(
-            f"submitted: {receipt.stored} new, {receipt.already} already held, "
-            f"{receipt.alerts} audit_failed alerts raised, {receipt.quarantined} quarantined"
-        )
+        _submit_verdicts(url, key, aggregator_key, verdicts)
     if quarantine:
         _order_quarantines(url, key, aggregator_key, ws, verdicts)
     sys.exit(0 if all(v["passed"] for v in verdicts) else 1)
+
+
+def _submit_verdicts(
+    url: str, key: Path, aggregator_key: str, verdicts: list[dict[str, Any]]
+) -> None:
+    """Send the verdicts, signed, to the aggregator, and say what it did with them."""
+    import asyncio
+
+    from fedsec.protocol import wire
+
+    submission = wire.VerdictSubmission(
+        verdicts=[
+            wire.AuditVerdict(
+                round=v["round"],
+                attempt=v["attempt"],
+                member=v["member"],
+                passed=v["passed"],
+                failed=list(v["failed"]),
+            )
+            for v in verdicts
+        ]
+    )
+    _, sender = _auditor_client(url, key, aggregator_key)
+
+    async def send() -> wire.VerdictReceipt:
+        try:
+            answer: wire.VerdictReceipt = await sender.submit_verdicts(submission)
+            return answer
+        finally:
+            await sender.close()
+
+    receipt = asyncio.run(send())
+    click.echo(
+        f"submitted: {receipt.stored} new, {receipt.already} already held, "
+        f"{receipt.alerts} audit_failed alerts raised, {receipt.quarantined} quarantined"
+    )
 
 
 def _order_quarantines(
