@@ -1,5 +1,8 @@
-"""The member's commit step of homomorphic summation, between encrypting its update and
-uploading it.
+"""This member's stages of homomorphic summation: encrypt the quantized update a plain
+round would send, commit to the ciphertext's hash, then upload it.  The aggregator adds
+the ciphertexts, and only their sum is ever decrypted (by the key custodian).
+
+The commit step, between encrypting the update and uploading it:
 
 A member colluding with the aggregator could upload ``Enc(c) − Σ`` of the honest
 members' ciphertexts, which cancels them in the sum the custodian decrypts.  So every
@@ -17,19 +20,63 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from fedsec.agent.actions import CommitmentsFetched, FetchCommitments, SendCommit, Step
+from fedsec.agent.actions import (
+    CommitmentsFetched,
+    Encrypt,
+    Encrypted,
+    FaultPoint,
+    FetchCommitments,
+    Passed,
+    SendCommit,
+    Step,
+    ask,
+)
 from fedsec.agent.attempt import AttemptTracker, upload
+from fedsec.agent.charges import TrainedUpdate
+from fedsec.agent.contribution import Contribution
 from fedsec.agent.member import Member
+from fedsec.agent.member_steps import MemberAttempt, charge_and_train
 from fedsec.errors import IntegrityError
+from fedsec.protocol.stages import Stage
 from fedsec.protocol.wire import (
     CiphertextCommitment,
     CommitBody,
     CommitmentSetBody,
+    Receipt,
     RoundSpec,
     commitments_digest,
 )
 
 log = logging.getLogger("fedsec.agent")
+
+
+class HeSteps:
+    """The homomorphic summation mode's member steps
+    (:class:`~fedsec.agent.member_steps.MemberSteps`)."""
+
+    # a member that has not committed to its ciphertext cannot send one
+    first_stage: Stage = "commit"
+    # an aggregator holding the ciphertext could difference it against a retry's sum, or
+    # cancel it with a colluder's
+    releases_update = True
+    judged_by_rule = False
+
+    def __init__(self, attempt: MemberAttempt) -> None:
+        self.attempt = attempt
+
+    def train(self) -> Step[tuple[TrainedUpdate, bool]]:
+        return (yield from charge_and_train(self.attempt)), False
+
+    def finish(self, c: Contribution) -> Step[Receipt]:
+        attempt = self.attempt
+        spec = attempt.spec
+        yield from attempt.tracker.wait_for(("commit",))
+        body = (yield from ask(Encrypt(spec, c.quantized), Encrypted)).body
+        # chaos tests: a member lost after training, before its ciphertexts go out
+        yield from ask(FaultPoint(spec.round, "encrypted"), Passed)
+        bound = yield from commit_ciphertext(attempt.tracker, spec, attempt.member, body)
+        receipt, _ = yield from attempt.send_vector(c, body, commitments_sha256=bound)
+        return receipt
 
 
 def commit_ciphertext(

@@ -4,18 +4,21 @@
 :mod:`fedsec.agent.actions`) and takes the answer (:meth:`AgentRound.receive`); it
 never awaits.  From a round state whose signed spec has us in the cohort::
 
-    verify spec and task ──► secagg: fetch roster ──► charge the ledger (or reuse a
-        retried round's update) ──► Train (in the background)
-    secagg:  advertise keys ─► share_keys + privacy report   (while training)
-             ─► masked_input (+ receipt) ─► unmask ─► wait for closed
-    none:    report ─► masked_input (plain quantized vector, + receipt) ─► wait for closed
-             ─► read the round summary: refused by the aggregation rule, and why?
+    verify spec and task ──► the mode's train: charge the ledger (or reuse a retried
+        round's update), Train (in the background) ──► privacy report ──► encode and
+        keep the update ──► the mode's finish: its stages up to the receipt
+        ──► wait for closed (trusted mode: read why the aggregation rule refused us)
 
-SecAgg+'s key stages run while local training does: they do not need the update.
-If the key stages end the attempt, training is still awaited so the update is kept
-for a retried attempt and the privacy it cost is not spent twice; if training fails,
-the attempt ends at once with training's error.  Just before its masked input leaves,
-the update is released to the attempt (Release, durable in the ledger): no later
+What differs by summation mode is a :class:`~fedsec.agent.member_steps.MemberSteps`
+object, looked up once in :data:`fedsec.agent.steps.MEMBER_STEPS` (SecAgg+: roster and
+key stages while training runs, then masked input, consistency and unmask; HE: encrypt,
+commit, upload; plain: upload).  This machine reads the mode nowhere else.
+
+If the mode's stages end the attempt during training, training is still awaited so the
+update is kept for a retried attempt and the privacy it cost is not spent twice; if
+training fails, the attempt ends at once with training's error.  Where the mode says so
+(:attr:`~fedsec.agent.member_steps.MemberSteps.releases_update`), the update is released
+to the attempt just before its vector leaves (Release, durable in the ledger): no later
 attempt gets it, a retry trains anew on a fresh charge (:mod:`fedsec.agent.charging`).
 
 The steps are generators: each ``yield`` is an action, the value sent back its
@@ -42,12 +45,8 @@ import numpy.typing as npt
 from fedsec.agent.actions import (
     Action,
     AwaitTraining,
-    Encrypt,
-    Encrypted,
     Event,
-    FaultPoint,
     FetchReceipt,
-    FetchRoster,
     FetchStatus,
     Finish,
     KeepUpdate,
@@ -60,7 +59,6 @@ from fedsec.agent.actions import (
     Release,
     Report,
     ReportTaken,
-    RosterFetched,
     RoundOutcome,
     SendMaskedInput,
     StatusFetched,
@@ -77,7 +75,6 @@ from fedsec.agent.charging import (
     Carryover,
     PrivacyCharge,
     TrainedUpdate,
-    charge_step,
     check_distributed,
 )
 from fedsec.agent.contribution import (
@@ -87,13 +84,11 @@ from fedsec.agent.contribution import (
     privacy_report,
     round_record,
 )
-from fedsec.agent.he_steps import commit_ciphertext
 from fedsec.agent.member import Member
 from fedsec.agent.refusals import is_round_local
-from fedsec.agent.secagg_steps import SecAggSteps
 from fedsec.agent.spec import check_spec_task, member_weight, staleness_discount, verify_round_spec
-from fedsec.crypto.quantize import clip_l2, pack
-from fedsec.crypto.secagg import ClientSession
+from fedsec.agent.steps import member_steps
+from fedsec.crypto.quantize import clip_l2
 from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.ddp import is_distributed
@@ -101,11 +96,9 @@ from fedsec.protocol.ddp import member_weight as ddp_member_weight
 from fedsec.protocol.stages import stage_index
 from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import (
-    PrivacyReport,
     Receipt,
     RoundSpec,
     RoundState,
-    ShareRelayBody,
     UnmaskRequestBody,
 )
 
@@ -156,6 +149,7 @@ class AgentRound:
         self._graph_nonce = graph_nonce  # SecAgg+: committed to when joining this attempt
         self._attempt = AttemptTracker(state, long_poll_s)
         self._key = self._attempt.key
+        self._mode = member_steps(self)  # the spec's summation mode: its own stages
         self._base = RoundOutcome(*self._key, "dropped", spec.model_version, samples=member.samples)
         self._receipt: Receipt | None = None
         self._residual: npt.NDArray[np.float32] | None = None  # error feedback, once taken
@@ -178,6 +172,18 @@ class AgentRound:
         if self._failed:
             raise WrongStage(f"round {self.spec.round} ended with an error")
         return self._pending
+
+    @property
+    def tracker(self) -> AttemptTracker:
+        return self._attempt
+
+    @property
+    def carry(self) -> Carryover:
+        return self._carry
+
+    @property
+    def graph_nonce(self) -> bytes:
+        return self._graph_nonce
 
     @property
     def training(self) -> bool:
@@ -249,8 +255,7 @@ class AgentRound:
                 spec.attempt,
             )
             return self._early_end("dropped", "spec names another round")
-        # he: a member that has not committed to its ciphertext cannot send one
-        first_stage = {"secagg": "advertise", "he": "commit"}.get(spec.secure_sum, "masked_input")
+        first_stage = self._mode.first_stage
         if stage_index(state.stage) > stage_index(first_stage):
             # Joined before a restart, back too late: training now would spend privacy
             # on an update that can no longer be sent.
@@ -276,44 +281,13 @@ class AgentRound:
         spec, member = self.spec, self.member
         weight = member_weight(member.samples, spec, member.id, member.data_summary)
         try:
-            if spec.secure_sum == "secagg":
-                # Before training: a roster or parameters that do not check out must not
-                # cost any privacy.
-                serial = self._attempt.state.roster_serial
-                roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
-                session = ClientSession(
-                    spec.secagg_params(),
-                    member.id,
-                    member.identity,
-                    roster.keys,
-                    tolerated_corrupt=member.tolerated_corrupt,
-                    graph_nonce=self._graph_nonce,
-                )
-                floor = spec.dp.min_survivors if is_distributed(spec) else 0
-                secagg = SecAggSteps(session, self._attempt, spec.dim, floor)
-                charge = yield from charge_step(spec, self._carry, member)
-                # the report rides with the shares: one request fewer than POST /report
-                report = privacy_report(spec, member, charge)
-                trained, relay, reported = yield from self._train_during_key_setup(
-                    secagg, charge, report
-                )
-            else:
-                secagg, relay, reported = None, None, False
-                charge = yield from charge_step(spec, self._carry, member)
-                yield from self._start_training(charge)
-                trained = yield from self._await_training()
+            trained, reported = yield from self._mode.train()
             self._base = _with(self._base, "dropped", None, trained.epsilon, weight)
             if not reported:
                 reported = yield from self._report(trained)
             if reported and trained.index >= 0:
                 yield from ask(ReportTaken(trained.index), Passed)
-            contribution = self._contribution(trained, weight)
-            if secagg is not None:
-                receipt = yield from secagg.finish(contribution, relay, self._send_vector)
-            elif spec.secure_sum == "he":
-                receipt = yield from self._he_finish(contribution)
-            else:
-                receipt = yield from self._plain_finish(contribution)
+            receipt = yield from self._mode.finish(self._contribution(trained, weight))
             return (yield from self._closed(receipt))
         except AttemptOver as over:
             outcome, now = self._attempt_over(over.state)
@@ -337,7 +311,7 @@ class AgentRound:
     def _judged(self, outcome: RoundOutcome) -> Step[RoundOutcome]:
         """A closed outcome, or ``refused`` with the reason when the trusted-mode round's
         aggregation rule kept our update out."""
-        if outcome.status != "closed" or self.spec.secure_sum != "none":
+        if outcome.status != "closed" or not self._mode.judged_by_rule:
             return outcome
         reason = yield from self._refusal_by_rule()
         if reason is None:
@@ -385,7 +359,7 @@ class AgentRound:
 
     def _contribution(self, trained: TrainedUpdate, weight: float) -> Contribution:
         """The update encoded by the round's codec; with error feedback, what the codec
-        drops this time is kept for the round after the receipt (:meth:`_send_vector`)."""
+        drops this time is kept for the round after the receipt (:meth:`send_vector`)."""
         spec = self.spec
         codec = codec_for(spec)
         discount = staleness_discount(spec, self.member.id)
@@ -416,35 +390,17 @@ class AgentRound:
 
     # -- privacy and training ------------------------------------------------------
 
-    def _start_training(self, charge: TrainedUpdate | PrivacyCharge) -> Step[None]:
+    def start_training(self, charge: TrainedUpdate | PrivacyCharge) -> Step[None]:
         if isinstance(charge, TrainedUpdate):
             self._trained = charge  # a retried attempt's update: nothing to train
             return
         self._training = charge
         yield from ask(Train(self.spec, charge), TrainingStarted)
 
-    def _await_training(self) -> Step[TrainedUpdate]:
+    def await_training(self) -> Step[TrainedUpdate]:
         while self._trained is None:
             yield AwaitTraining()  # receive() keeps the update, or ends the attempt
         return self._trained
-
-    def _train_during_key_setup(
-        self, secagg: SecAggSteps, charge: TrainedUpdate | PrivacyCharge, report: PrivacyReport
-    ) -> Step[tuple[TrainedUpdate, ShareRelayBody | None, bool]]:
-        """Train while advertising keys and sharing them (``report`` goes with the
-        shares); return the update, the share relay if it came with the shares'
-        answer, and whether the aggregator took the report.
-
-        If the key stages end the attempt, training is still awaited (the update is
-        kept for a retried attempt), then the key stages' ending applies.
-        """
-        yield from self._start_training(charge)
-        try:
-            relay, reported = yield from secagg.key_stages(report)
-        except (AttemptOver, StageMissed, FedsecError):
-            yield from self._await_training()
-            raise
-        return (yield from self._await_training()), relay, reported
 
     def _report(self, trained: TrainedUpdate) -> Step[bool]:
         """Send the privacy report on its own; whether the aggregator took this one
@@ -460,24 +416,7 @@ class AgentRound:
 
     # -- the contribution ----------------------------------------------------------
 
-    def _plain_finish(self, c: Contribution) -> Step[Receipt]:
-        yield from self._attempt.wait_for(("masked_input",))
-        receipt, _ = yield from self._send_vector(c, pack(c.quantized, self.spec.ring_bits))
-        return receipt
-
-    def _he_finish(self, c: Contribution) -> Step[Receipt]:
-        """The quantized update a plain round would send, encrypted: the aggregator adds
-        the ciphertexts, and only their sum is ever decrypted (by the key custodian).
-        Their hash is committed to first (:mod:`fedsec.agent.he_steps`)."""
-        yield from self._attempt.wait_for(("commit",))
-        body = (yield from ask(Encrypt(self.spec, c.quantized), Encrypted)).body
-        # chaos tests: a member lost after training, before its ciphertexts go out
-        yield from ask(FaultPoint(self.spec.round, "encrypted"), Passed)
-        bound = yield from commit_ciphertext(self._attempt, self.spec, self.member, body)
-        receipt, _ = yield from self._send_vector(c, body, commitments_sha256=bound)
-        return receipt
-
-    def _send_vector(
+    def send_vector(
         self, c: Contribution, vector: bytes, wait: float = 0.0, commitments_sha256: str = ""
     ) -> Step[tuple[Receipt, UnmaskRequestBody | None]]:
         """Keep the update for audits, send ``vector``, check and store the receipt
@@ -492,9 +431,7 @@ class AgentRound:
         """
         spec, (r, a) = self.spec, self._key
         salt = (yield from ask(KeepUpdate(r, a, c.quantized), UpdateKept)).salt
-        if spec.secure_sum in ("secagg", "he"):
-            # an aggregator holding this update's masked vector or ciphertext could
-            # difference it against a retry's sum (or, he, cancel it with a colluder)
+        if self._mode.releases_update:
             yield from self._release(c.trained)
         digest = hashlib.sha256(vector).hexdigest()
         statement = contribution_statement(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 
 import msgspec
 
@@ -20,6 +19,7 @@ from fedsec.agent.actions import (
     FaultPoint,
     FetchKeys,
     FetchProof,
+    FetchRoster,
     FetchShares,
     FetchUnmask,
     KeysFetched,
@@ -27,6 +27,7 @@ from fedsec.agent.actions import (
     Masked,
     Passed,
     ProofFetched,
+    RosterFetched,
     SendConsistency,
     SendShares,
     SharesFetched,
@@ -35,11 +36,16 @@ from fedsec.agent.actions import (
     UnmaskFetched,
     ask,
 )
-from fedsec.agent.attempt import AttemptTracker, upload
-from fedsec.agent.contribution import Contribution
+from fedsec.agent.attempt import AttemptOver, StageMissed, upload
+from fedsec.agent.charges import TrainedUpdate
+from fedsec.agent.charging import charge_step
+from fedsec.agent.contribution import Contribution, privacy_report
+from fedsec.agent.member_steps import MemberAttempt
 from fedsec.crypto.secagg import ClientSession
-from fedsec.errors import ProtocolError
+from fedsec.errors import FedsecError, ProtocolError, WrongStage
 from fedsec.protocol import codec
+from fedsec.protocol.ddp import is_distributed
+from fedsec.protocol.stages import Stage
 from fedsec.protocol.wire import (
     Accepted,
     ConsistencyProofBody,
@@ -52,29 +58,73 @@ from fedsec.protocol.wire import (
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
 log = logging.getLogger("fedsec.agent.runtime")
 
-#: Sends a packed vector (``wait`` > 0: held for the unmask request); returns the
-#: checked receipt and the unmask request if it came with it.
-SendVector = Callable[[Contribution, bytes, float], Step[tuple[Receipt, UnmaskRequestBody | None]]]
-
 
 class SecAggSteps:
-    """The SecAgg+ stages for ``member`` in the attempt ``attempt`` follows.
+    """The SecAgg+ member steps (:class:`~fedsec.agent.member_steps.MemberSteps`) of
+    ``attempt``: its roster and crypto session before anything is spent, the key stages
+    while training runs, then masked input, consistency and unmask.
 
-    Args:
-        session: the crypto session (its params from the signed spec).
-        attempt: the attempt's newest state; updated from held answers.
-        dim: the model's parameter count (how the runtime schedules masking).
-        min_survivors: distributed DP: the fewest survivors whose noise shares make the
-            full noise; the member refuses to unmask a sum of fewer (0: no bound).
+    Under distributed DP the member refuses to unmask a sum of fewer survivors than
+    ``dp.min_survivors``, whose noise shares make the full noise.
     """
 
-    def __init__(
-        self, session: ClientSession, attempt: AttemptTracker, dim: int, min_survivors: int = 0
-    ) -> None:
-        self.session = session
+    first_stage: Stage = "advertise"
+    # an aggregator holding the masked input could difference it against a retry's sum
+    releases_update = True
+    judged_by_rule = False
+
+    def __init__(self, attempt: MemberAttempt) -> None:
+        spec = attempt.spec
         self.attempt = attempt
-        self.dim = dim
-        self.min_survivors = min_survivors
+        self.dim = spec.dim  # how the runtime schedules masking
+        self.min_survivors = spec.dp.min_survivors if is_distributed(spec) else 0
+        self._session: ClientSession | None = None
+        self._relay: ShareRelayBody | None = None  # when it came with the shares' answer
+
+    @property
+    def session(self) -> ClientSession:
+        """The crypto session, opened by :meth:`train` from the verified roster.
+
+        Raises:
+            WrongStage: asked for before :meth:`train` opened it.
+        """
+        if self._session is None:
+            raise WrongStage("the SecAgg+ session is opened once the roster is fetched")
+        return self._session
+
+    def train(self) -> Step[tuple[TrainedUpdate, bool]]:
+        """Open the session, charge, and train while advertising keys and sharing them
+        (the privacy report goes with the shares).  If the key stages end the attempt,
+        training is still awaited (the update is kept for a retried attempt), then the
+        key stages' ending applies.
+
+        Returns:
+            The update, and whether the aggregator took the report with the shares.
+        """
+        attempt = self.attempt
+        spec, member = attempt.spec, attempt.member
+        # Before training: a roster or parameters that do not check out must not cost
+        # any privacy.
+        serial = attempt.tracker.state.roster_serial
+        roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
+        self._session = ClientSession(
+            spec.secagg_params(),
+            member.id,
+            member.identity,
+            roster.keys,
+            tolerated_corrupt=member.tolerated_corrupt,
+            graph_nonce=attempt.graph_nonce,
+        )
+        charge = yield from charge_step(spec, attempt.carry, member)
+        # the report rides with the shares: one request fewer than POST /report
+        report = privacy_report(spec, member, charge)
+        yield from attempt.start_training(charge)
+        try:
+            self._relay, reported = yield from self.key_stages(report)
+        except (AttemptOver, StageMissed, FedsecError):
+            yield from attempt.await_training()
+            raise
+        return (yield from attempt.await_training()), reported
 
     def key_stages(self, report: PrivacyReport) -> Step[tuple[ShareRelayBody | None, bool]]:
         """Advertise and share-keys stages; they do not need the update.  The privacy
@@ -84,7 +134,7 @@ class SecAggSteps:
             The share relay when it came with the shares' answer, and whether the
             shares (and so the report) were taken by this request.
         """
-        session, attempt = self.session, self.attempt
+        session, attempt = self.session, self.attempt.tracker
         (r, a), wait = attempt.key, attempt.long_poll_s
         yield from attempt.wait_for(("advertise",))
         body = codec.advertise_body(session.advertise())
@@ -107,11 +157,9 @@ class SecAggSteps:
             return None, False
         return answer.relay, True
 
-    def finish(
-        self, c: Contribution, relay: ShareRelayBody | None, send_vector: SendVector
-    ) -> Step[Receipt]:
+    def finish(self, c: Contribution) -> Step[Receipt]:
         """Masked input, consistency and unmask stages, after the key stages."""
-        session, attempt = self.session, self.attempt
+        session, attempt, relay = self.session, self.attempt.tracker, self._relay
         (r, a), wait = attempt.key, attempt.long_poll_s
         if relay is None:
             fetched = yield from attempt.stage_data(
@@ -122,7 +170,7 @@ class SecAggSteps:
         compute = functools.partial(session.masked_input, c.quantized)
         masked = (yield from ask(Mask(self.dim, compute), Masked)).masked
         # the receipt is held until the unmask stage and comes with our unmask request
-        receipt, held = yield from send_vector(c, masked.vector, wait)
+        receipt, held = yield from self.attempt.send_vector(c, masked.vector, wait)
         yield from ask(FaultPoint(r, "masked_input"), Passed)
 
         if held is not None:
@@ -156,7 +204,7 @@ class SecAggSteps:
         """Sign the survivor sets we were told, then get our neighbours' signatures on
         the sets they were told: :meth:`ClientSession.unmask` reveals nothing unless
         ``threshold`` of them match ours."""
-        session, attempt = self.session, self.attempt
+        session, attempt = self.session, self.attempt.tracker
         (r, a), wait = attempt.key, attempt.long_poll_s
         signature = session.sign_survivors(codec.unmask_request(request))
         answer = yield from upload(SendConsistency(r, a, codec.consistency_body(signature), wait))
@@ -170,13 +218,12 @@ class SecAggSteps:
         return fetched.body
 
     def _after_unmask(self, accepted: Accepted | None, request: UnmaskRequestBody) -> None:
-        current = self.attempt.state
+        tracker = self.attempt.tracker
+        current = tracker.state
         if accepted is not None and accepted.state is not None:
-            self.attempt.state = accepted.state
-        elif request.state_token is not None and (current.round, current.attempt) == (
-            self.attempt.key
-        ):
+            tracker.state = accepted.state
+        elif request.state_token is not None and (current.round, current.attempt) == (tracker.key):
             # the state as of the unmask request: the wait for the close starts there
-            self.attempt.state = msgspec.structs.replace(
+            tracker.state = msgspec.structs.replace(
                 current, stage="unmask", token=request.state_token
             )
