@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from fedsec.crypto.discretize import DdpSpec
 from fedsec.errors import ProtocolError, QuantizationError
-from fedsec.protocol.compat import traits
+from fedsec.protocol.compat import check_spec
 
 if TYPE_CHECKING:
     from fedsec.protocol.spec import RoundSpec
@@ -54,19 +54,17 @@ def ddp_spec(spec: RoundSpec) -> DdpSpec:
     """The discretisation ``spec`` prescribes.
 
     Raises:
-        ProtocolError: not a distributed-DP spec, or fields that contradict it (no
-            SecAgg+, no sampling rate, a survivor count outside the cohort).
+        ProtocolError: not a distributed-DP spec, features it does not go with
+            (:func:`fedsec.protocol.compat.check_spec`: a summation mode other than
+            SecAgg+, whose ring sums the noise shares), or fields that contradict it (no
+            sampling rate, a survivor count outside the cohort).
         QuantizationError: a bit budget the ring cannot meet; the message says why.
     """
     dp = spec.dp
     where = f"round {spec.round} asks for distributed DP"
     if not is_distributed(spec):
         raise ProtocolError(f"round {spec.round} does not ask for distributed DP")
-    if not traits(spec.secure_sum).sums_in_ring:
-        raise ProtocolError(
-            f"{where} over secure_sum = {spec.secure_sum!r}; the noise shares must be "
-            "summed inside the SecAgg+ ring, so it needs secure_sum = 'secagg'"
-        )
+    check_spec(spec)  # a summation mode whose sum is the SecAgg+ ring, the round sync, ...
     record = dp.unit == "record"
     if record and not 0.0 < dp.sample_rate <= 1.0:
         raise ProtocolError(f"{where} without a sampling rate in (0, 1]: {dp.sample_rate}")

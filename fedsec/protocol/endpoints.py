@@ -2,8 +2,8 @@
 
 :data:`ENDPOINTS` is the one list of routes: the aggregator's aiohttp router, its
 OpenAPI document (:mod:`fedsec.aggregator.openapi`) and the table in ``docs/api.md``
-(:func:`markdown_table`) are all generated from it, so none of them can drift from
-the others.  Each entry says who may call the route (roster roles), what its body and
+(:mod:`fedsec.protocol.api_table`) are all generated from it, so none of them can
+drift from the others.  Each entry says who may call the route (roster roles), what its body and
 answer are (a :mod:`fedsec.protocol.wire` struct, opaque JSON or raw bytes) and which
 configured limit bounds its body.
 """
@@ -586,54 +586,3 @@ def structs() -> tuple[type[msgspec.Struct], ...]:
             if isinstance(payload, type):
                 found[payload] = None
     return tuple(found)
-
-
-def _label(payload: Payload | None, alternatives: tuple[type[msgspec.Struct], ...] = ()) -> str:
-    if payload is None:
-        return "—"
-    first = payload.label if isinstance(payload, Opaque) else payload.__name__
-    return " \\| ".join([f"`{first}`", *(f"`{alt.__name__}`" for alt in alternatives)])
-
-
-def _who(ep: Endpoint) -> str:
-    """Who may call ``ep``, in words."""
-    match ep.auth:
-        case "signature":
-            return " or ".join(ep.roles)
-        case "token":
-            return f"observer's {ep.scope} token (or loopback)"
-        case "capability":
-            return "holder of the alert's capability"
-        case _:
-            return "anyone (unsigned)"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def markdown_table() -> str:
-    """The endpoint table of ``docs/api.md``: one row per endpoint, in table order.
-
-    Returns:
-        A GitHub-flavoured Markdown table, ending in a newline.
-    """
-    rows = [
-        "| method | path | query | request → answer | roles | body limit | what |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for ep in ENDPOINTS:
-        query = ", ".join(f"`{p.name}`" for p in ep.params if p.where == "query") or "—"
-        roles = _who(ep)
-        exchange = f"{_label(ep.request)} → {_label(ep.response, ep.alternatives)}"
-        cells = (
-            ep.method,
-            f"`{ep.template}`",
-            query,
-            exchange,
-            roles,
-            f"`{LIMIT_SETTINGS[ep.body_limit]}`",
-            _cell(ep.summary),
-        )
-        rows.append(f"| {' | '.join(cells)} |")
-    return "\n".join(rows) + "\n"

@@ -68,7 +68,7 @@ def test_an_impossible_bit_budget_is_refused_at_spec_time_with_the_reason() -> N
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"secure_sum": "none"}, "needs secure_sum = 'secagg'"),
+        ({"secure_sum": "none"}, "needs round.secure_sum = 'secagg'"),
         ({"dp": msgspec.structs.replace(DISTRIBUTED, sample_rate=0.0)}, "sampling rate"),
         ({"dp": msgspec.structs.replace(DISTRIBUTED, min_survivors=51)}, "must be 1..50"),
         ({"dp": DPSpec(True, 1.0, 1.0, 1e-5)}, "does not ask for distributed DP"),

@@ -19,7 +19,8 @@ from fedsec.aggregator.http import make_app
 from fedsec.aggregator.openapi import openapi_document
 from fedsec.crypto.httpsig import sign_request
 from fedsec.protocol import wire
-from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint, markdown_table
+from fedsec.protocol.api_table import markdown_table
+from fedsec.protocol.endpoints import BY_NAME, ENDPOINTS, Endpoint
 from fedsec.protocol.limits import MAX_COUNT, MAX_ID
 from tests.support.aggregator import Federation, make_federation, snapshot
 
@@ -197,7 +198,7 @@ def test_docs_api_md_holds_exactly_the_generated_table() -> None:
     found = re.search(r"<!-- endpoints:begin[^>]*-->\n(.*?)<!-- endpoints:end -->", text, re.S)
     assert found, "docs/api.md lost its endpoints:begin/end markers"
     assert found.group(1) == markdown_table(), (
-        "docs/api.md is stale: regenerate its table with fedsec.protocol.endpoints.markdown_table()"
+        "docs/api.md is stale: regenerate its table with fedsec.protocol.api_table.markdown_table()"
     )
     assert len(markdown_table().splitlines()) == 2 + len(ENDPOINTS)
 

@@ -63,7 +63,14 @@ class FederationMetrics:
     def __init__(self, live: LiveView, *, member_labels: bool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.live = live
-        r = self.registry
+        self._declare_rounds(self.registry)
+        self._declare_contributions(self.registry)
+        self._declare_http(self.registry)
+        self._declare_operations(self.registry)
+        self.registry.register(_StateCollector(live, member_labels))
+
+    def _declare_rounds(self, r: CollectorRegistry) -> None:
+        """Attempts opened, closed and aborted, and how long stages and rounds last."""
         self.rounds_opened = Counter("fedsec_rounds_opened", "Round attempts opened", registry=r)
         self.rounds_closed = Counter(
             "fedsec_rounds_closed", "Round attempts closed with a new model version", registry=r
@@ -93,6 +100,9 @@ class FederationMetrics:
             buckets=_AGGREGATION_BUCKETS,
             registry=r,
         )
+
+    def _declare_contributions(self, r: CollectorRegistry) -> None:
+        """Contributions accepted and refused, members joined and dropped, wrapped sums."""
         self.accepted = Counter(
             "fedsec_contributions_accepted", "Contributions (masked inputs) accepted", registry=r
         )
@@ -110,6 +120,22 @@ class FederationMetrics:
             "Cohort members whose input is not in their attempt's sum, summed over attempts",
             registry=r,
         )
+        # Distributed DP: a coordinate at the ring's edge likely wrapped modulo the ring,
+        # which corrupts it in the aggregate; the ratio of the two is the wrap rate.
+        self.ddp_wrapped = Counter(
+            "fedsec_ddp_wrapped_coordinates",
+            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom "
+            "bits) at the ring's edge (likely wrapped)",
+            registry=r,
+        )
+        self.ddp_summed = Counter(
+            "fedsec_ddp_summed_coordinates",
+            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom bits)",
+            registry=r,
+        )
+
+    def _declare_http(self, r: CollectorRegistry) -> None:
+        """Requests answered and the bytes they carried, by endpoint."""
         self.requests = Counter(
             "fedsec_http_requests",
             "HTTP requests answered, by endpoint and status",
@@ -132,19 +158,9 @@ class FederationMetrics:
             ["endpoint"],
             registry=r,
         )
-        # Distributed DP: a coordinate at the ring's edge likely wrapped modulo the ring,
-        # which corrupts it in the aggregate; the ratio of the two is the wrap rate.
-        self.ddp_wrapped = Counter(
-            "fedsec_ddp_wrapped_coordinates",
-            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom "
-            "bits) at the ring's edge (likely wrapped)",
-            registry=r,
-        )
-        self.ddp_summed = Counter(
-            "fedsec_ddp_summed_coordinates",
-            "Coordinates of closed sums that can wrap (distributed DP, fewer codec headroom bits)",
-            registry=r,
-        )
+
+    def _declare_operations(self, r: CollectorRegistry) -> None:
+        """Alerts raised and the live dashboard's pushes."""
         self.alerts = Counter(
             "fedsec_alerts_raised", "Operator alerts raised, by kind", ["kind"], registry=r
         )
@@ -156,7 +172,6 @@ class FederationMetrics:
             "Time spent building and writing live dashboard snapshots",
             registry=r,
         )
-        r.register(_StateCollector(live, member_labels))
 
     def on_event(self, event: Event) -> None:
         """The event-bus listener."""
@@ -219,8 +234,20 @@ class _StateCollector(Collector):
         return iter(())  # gauges appear and disappear with the state: never pre-declared
 
     def collect(self) -> Iterator[Metric]:
-        live = self._live
-        round_, attempt, stage, completed, version, left = live.attempt()
+        yield from self._progress()
+        yield from self._members()
+        yield from self._model()
+        yield from self._privacy()
+        open_alerts = GaugeMetricFamily(
+            "fedsec_alerts_open", "Unacknowledged alerts, by kind", labels=["kind"]
+        )
+        for kind, count in sorted(self._live.open_alerts().items()):
+            open_alerts.add_metric([kind], float(count))
+        yield open_alerts
+
+    def _progress(self) -> Iterator[Metric]:
+        """The round, attempt and stage in progress, and the rounds completed."""
+        round_, attempt, stage, completed, version, left = self._live.attempt()
         yield _gauge("fedsec_round", "The round in progress", round_)
         yield _gauge("fedsec_round_attempt", "The attempt of the round in progress", attempt)
         stages = GaugeMetricFamily(
@@ -237,6 +264,10 @@ class _StateCollector(Collector):
             )
         yield _gauge("fedsec_rounds_completed", "Rounds closed with a new model", completed)
         yield _gauge("fedsec_model_version", "The model version served", version)
+
+    def _members(self) -> Iterator[Metric]:
+        """Active members, and who joined and dropped in the latest attempt."""
+        live = self._live
         yield _gauge("fedsec_members_active", "Active agents in the roster", live.active_members())
         yield _gauge(
             "fedsec_round_members_joined", "Members in the latest fixed cohort", live.joined
@@ -246,6 +277,10 @@ class _StateCollector(Collector):
             "Cohort members left out of the latest ended attempt",
             live.dropped,
         )
+
+    def _model(self) -> Iterator[Metric]:
+        """The newest scored model's validation accuracy and loss, once there is one."""
+        live = self._live
         if live.accuracy is not None:
             yield _gauge(
                 "fedsec_model_validation_accuracy",
@@ -258,6 +293,10 @@ class _StateCollector(Collector):
                 "Validation loss of the newest scored model",
                 live.loss,
             )
+
+    def _privacy(self) -> Iterator[Metric]:
+        """The largest ε reported, and each member's where member labels are on."""
+        live = self._live
         if live.epsilon:
             yield _gauge(
                 "fedsec_epsilon_max",
@@ -273,12 +312,6 @@ class _StateCollector(Collector):
                 for member, eps in sorted(live.epsilon.items()):
                     per.add_metric([member], eps)
                 yield per
-        open_alerts = GaugeMetricFamily(
-            "fedsec_alerts_open", "Unacknowledged alerts, by kind", labels=["kind"]
-        )
-        for kind, count in sorted(live.open_alerts().items()):
-            open_alerts.add_metric([kind], float(count))
-        yield open_alerts
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
