@@ -11,6 +11,7 @@ from typing import Literal, cast
 from fedsec.errors import ConfigError, PayloadError, SignatureError, TaskMismatch
 from fedsec.protocol.weights import contribution_weight
 from fedsec.protocol.wire import RoundSpec
+from fedsec.task.digest import check_pin, loaded_task_pin
 from fedsec.tasks import Task, TrainingParams, check_schema
 
 
@@ -31,10 +32,11 @@ def verify_round_spec(spec: RoundSpec, aggregator_public: bytes) -> None:
 
 
 def check_spec_task(spec: RoundSpec, task: Task, dim: int) -> None:
-    """Refuse a round whose task, task version, data schema or model size differs from ours.
+    """Refuse a round whose task, task version, data schema, model size or pinned task
+    package (entry point, distribution, version, digest of its files) differs from ours.
 
     Raises:
-        TaskMismatch: naming the difference.
+        TaskMismatch: naming the difference (TaskDigestMismatch for the package).
     """
     if spec.task != task.name:
         raise TaskMismatch(
@@ -47,6 +49,8 @@ def check_spec_task(spec: RoundSpec, task: Task, dim: int) -> None:
             f"but this agent runs version {task.version!r}; upgrade fedsec on the older side"
         )
     check_schema(spec.schema_fingerprint, task)
+    if spec.task_pin is not None:
+        check_pin(spec.task_pin, loaded_task_pin(task.name), f"round {spec.round}")
     if spec.dim != dim:
         raise TaskMismatch(
             f"round {spec.round} has {spec.dim} model parameters but the local "

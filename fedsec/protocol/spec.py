@@ -15,7 +15,7 @@ import msgspec
 
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
-from fedsec.protocol.body import Count, Id, _Signed, unhex
+from fedsec.protocol.body import Count, HexDigest, Id, _Signed, unhex
 from fedsec.protocol.update_codec import codec_for
 
 ROUND_SPEC_DOMAIN = "round-spec"
@@ -25,6 +25,17 @@ SecureSum = Literal["secagg", "none", "he"]
 AggregationRule = Literal[
     "fedavg", "trimmed_mean", "median", "multi_krum", "centered_clipping", "dnc", "fltrust"
 ]
+
+
+class TaskPin(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The task package a federation runs, as every party computes it from its own
+    installation (``fedsec.task.digest``): no code crosses the network, so members
+    compare what they installed against this before training."""
+
+    entry_point: str  # the name in the "fedsec.tasks" entry-point group
+    distribution: str
+    version: str
+    digest: HexDigest  # sha256 of the distribution's files
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -159,6 +170,8 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     # SecAgg+: each cohort member's commitment (hex) to its graph nonce, in cohort order;
     # the neighbour graph comes from the nonces they reveal when they advertise
     graph_commitments: list[str] = msgspec.field(default_factory=list)
+    # the task package, pinned; None in specs made before pinning, which keep their bytes
+    task_pin: TaskPin | None = None
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""

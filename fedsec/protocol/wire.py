@@ -84,6 +84,7 @@ from fedsec.protocol.spec import (
     DPSpec,
     RoundSpec,
     SecureSum,
+    TaskPin,
     TrainingSpec,
 )
 from fedsec.protocol.stages import Stage
@@ -123,6 +124,7 @@ __all__ = [
     "RoundSpec",
     "RoundSummary",
     "SecureSum",
+    "TaskPin",
     "TrainingSpec",
     "VerdictReceipt",
     "VerdictSubmission",

@@ -21,14 +21,15 @@ whichever of the two metadata directories ``sys.path`` finds first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib.metadata import Distribution, PackagePath
 from pathlib import Path, PurePosixPath
 
-from fedsec.errors import InvalidTask
+from fedsec.errors import InvalidTask, TaskDigestMismatch
+from fedsec.protocol.spec import TaskPin
 from fedsec.task.discovery import ENTRY_POINT_GROUP as GROUP
 from fedsec.task.discovery import find_task
 
@@ -39,27 +40,38 @@ DIGEST_DOMAIN = b"fedsec/v1/task-distribution-digest\n"
 _PER_INSTALL = frozenset({"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"})
 
 
-@dataclass(frozen=True)
-class TaskPin:
-    """What a federation pins of a task: entry point, distribution, version, digest."""
+def pin_differences(expected: TaskPin, local: TaskPin) -> list[str]:
+    """What differs between the federation's pin and this party's, one phrase each."""
+    return [
+        f"{label} expected {want!r}, installed {have!r}"
+        for label, want, have in (
+            ("entry point", expected.entry_point, local.entry_point),
+            ("distribution", expected.distribution, local.distribution),
+            ("version", expected.version, local.version),
+            ("digest", expected.digest, local.digest),
+        )
+        if want != have
+    ]
 
-    entry_point: str
-    distribution: str
-    version: str
-    digest: str
 
-    def differences(self, local: TaskPin) -> list[str]:
-        """What differs between this (the federation's) pin and ``local``, in words."""
-        return [
-            f"{label} expected {want!r}, installed {have!r}"
-            for label, want, have in (
-                ("entry point", self.entry_point, local.entry_point),
-                ("distribution", self.distribution, local.distribution),
-                ("version", self.version, local.version),
-                ("digest", self.digest, local.digest),
-            )
-            if want != have
-        ]
+def check_pin(expected: TaskPin, local: TaskPin, who: str) -> None:
+    """Refuse a task installation that is not the one the federation pinned.
+
+    Args:
+        expected: the federation's pin (from the signed round spec).
+        local: the pin of what is installed here.
+        who: the party or round the refusal is about, for the message.
+
+    Raises:
+        TaskDigestMismatch: naming each field that differs.
+    """
+    diffs = pin_differences(expected, local)
+    if diffs:
+        raise TaskDigestMismatch(
+            f"{who}: the installed task package is not the one the federation pinned: "
+            + "; ".join(diffs)
+            + "; install the pinned version from your approved wheel or index"
+        )
 
 
 def task_pin(name: str) -> TaskPin:
@@ -76,6 +88,19 @@ def task_pin(name: str) -> TaskPin:
         version=entry.version,
         digest=distribution_digest(entry.distribution),
     )
+
+
+@functools.cache
+def loaded_task_pin(name: str) -> TaskPin:
+    """:func:`task_pin` computed once per process.
+
+    The code a process runs is what it imported when it started; a package upgraded
+    on disk afterwards is not what runs, so the first digest is the one to compare.
+
+    Raises:
+        UnknownTask, InvalidTask: see :func:`task_pin`.
+    """
+    return task_pin(name)
 
 
 def distribution_digest(dist: Distribution) -> str:

@@ -96,8 +96,8 @@ def load_task(name: str, **options: Any) -> Task:
     Raises:
         UnknownTask: see :func:`find_task`.
         ConfigError: an unknown or missing option, or a bad option value.
-        InvalidTask: the entry point does not name a Task or a factory of one, or
-            cannot be imported.
+        InvalidTask: the entry point does not name a Task or a factory of one, cannot
+            be imported, or gives a task whose name is not the entry-point name.
     """
     entry = find_task(name)
     try:
@@ -110,7 +110,7 @@ def load_task(name: str, **options: Any) -> Task:
     if isinstance(target, Task):
         if options:
             raise ConfigError(f"task '{name}' has no option(s) {sorted(options)}; accepted: none")
-        return target
+        return _named(name, target)
     if not callable(target):
         raise InvalidTask(
             f"task '{name}' entry point {entry.value} names a {type(target).__name__}, "
@@ -121,6 +121,17 @@ def load_task(name: str, **options: Any) -> Task:
         raise InvalidTask(
             f"task '{name}' factory {entry.value} returned {type(task).__name__}, "
             "expected a fedsec.task.Task"
+        )
+    return _named(name, task)
+
+
+def _named(name: str, task: Task) -> Task:
+    # Round specs name the task by Task.name and members pin it by entry point: the
+    # two must be one name, or a spec could name code other than what is pinned.
+    if task.name != name:
+        raise InvalidTask(
+            f"entry point '{name}' gives a task named '{task.name}'; "
+            "a task's name must be its entry-point name"
         )
     return task
 

@@ -38,7 +38,8 @@ task = Task(
 )
 
 def factory(width: int, scale: float = 1.0):
-    return task
+    import dataclasses
+    return dataclasses.replace(task, name="wide")
 
 def not_a_task():
     return "task"
@@ -91,7 +92,7 @@ def test_a_task_package_on_the_path_is_found_by_entry_point(install_dist: Instal
     assert (entry.distribution_name, entry.version) == ("toy-task", "2.0")
     task = load_task("toy")
     assert task.name == "toy" and task.load().x_train.shape == (4, 3)
-    assert get_task("wide", width=3) is task  # the old lookup goes through entry points
+    assert get_task("wide", width=3).name == "wide"  # the old lookup goes through entry points
 
 
 def test_unknown_entry_point_is_refused_naming_the_installed_tasks() -> None:
@@ -118,9 +119,12 @@ def test_entry_point_refusals_name_the_problem(install_dist: InstallDist) -> Non
             "text": "toy_pkg:not_a_task",
             "wide": "toy_pkg:factory",
             "toy": "toy_pkg:task",
+            "alias": "toy_pkg:task",
         },
         {"toy_pkg": TOY},
     )
+    with pytest.raises(InvalidTask, match="entry point 'alias' gives a task named 'toy'"):
+        load_task("alias")
     with pytest.raises(InvalidTask, match="cannot be imported"):
         load_task("missing")
     with pytest.raises(InvalidTask, match="cannot be imported"):

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsec.errors import InvalidTask
-from fedsec.task.digest import TaskPin, distribution_digest, task_pin
+from fedsec.errors import InvalidTask, TaskDigestMismatch
+from fedsec.protocol.wire import TaskPin
+from fedsec.task.digest import check_pin, distribution_digest, pin_differences, task_pin
 from tests.task.conftest import InstallDist
 
 TOY = "from fedsec.tasks.sklearn_tasks import digits_task as task\n"
@@ -60,12 +61,15 @@ def test_a_missing_file_is_refused(install_dist: InstallDist) -> None:
 
 def test_pin_differences_name_each_field() -> None:
     pin = TaskPin("xray", "xray-task", "1.0", "a" * 64)
-    assert pin.differences(pin) == []
+    assert pin_differences(pin, pin) == []
     other = TaskPin("xray", "xray-task", "1.1", "b" * 64)
-    assert pin.differences(other) == [
+    assert pin_differences(pin, other) == [
         "version expected '1.0', installed '1.1'",
         f"digest expected '{'a' * 64}', installed '{'b' * 64}'",
     ]
+    check_pin(pin, pin, "m1")
+    with pytest.raises(TaskDigestMismatch, match=r"m1: .* version expected '1.0', installed '1.1'"):
+        check_pin(pin, other, "m1")
 
 
 def test_bundled_tasks_are_pinned_by_fedsecs_own_files() -> None:
