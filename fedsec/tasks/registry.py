@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsec.task import Task, load_task
+from fedsec.errors import InvalidTask
+from fedsec.task import Task, cross_entropy, load_task
 
 #: The tasks fedsec itself declares in the ``fedsec.tasks`` entry-point group.
 TASKS: tuple[str, ...] = ("breast_cancer", "digits", "mnist1d", "csv", "table")
@@ -27,6 +28,36 @@ def get_task(name: str, **options: Any) -> Task:
     Raises:
         UnknownTask: no installed package declares ``name`` (a ConfigError).
         ConfigError: unknown or missing option, or bad option value.
-        InvalidTask: the entry point does not give a task.
+        InvalidTask: the entry point does not give a task, or the task declares a loss,
+            batch step or primary metric that the round runtime does not apply yet.
     """
-    return load_task(name, **options)
+    return runnable(load_task(name, **options))
+
+
+def runnable(task: Task) -> Task:
+    """``task`` if the round runtime trains and evaluates it as it declares.
+
+    The runtime's training loop, the aggregator's validation and the auditor's
+    re-training use cross-entropy on ``(x, y)`` batches and report accuracy; a task
+    declaring anything else is refused here rather than trained with a loss it did
+    not ask for.
+
+    Raises:
+        InvalidTask: a custom loss, a batch step, or a primary metric other than accuracy.
+    """
+    unsupported = [
+        what
+        for what, declared in (
+            ("its own loss", task.loss is not cross_entropy),
+            ("a batch step", task.batch_step is not None),
+            (f"primary metric '{task.primary_metric}'", task.primary_metric != "accuracy"),
+        )
+        if declared
+    ]
+    if unsupported:
+        raise InvalidTask(
+            f"task '{task.name}' declares {', '.join(unsupported)}; federated rounds train "
+            "with cross-entropy on (x, y) and report accuracy in this version, so it "
+            "cannot run in a federation yet (fedsec task inspect still reports it)"
+        )
+    return task

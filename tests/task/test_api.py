@@ -216,3 +216,14 @@ def test_dp_fix_replaces_batchnorm_with_groupnorm() -> None:
 
     assert isinstance(_task(model=net).build_model(0)[1], torch.nn.BatchNorm1d)
     assert isinstance(_task(model=net, dp_fix=True).build_model(0)[1], torch.nn.GroupNorm)
+
+
+def test_the_round_runtime_refuses_what_it_would_not_apply(install_dist: InstallDist) -> None:
+    source = TOY + (
+        "import dataclasses\n"
+        "own_loss = dataclasses.replace(task, name='own_loss', loss=lambda o, y: o.sum())\n"
+    )
+    install_dist("toy-task", "1.0", {"own_loss": "toy_pkg:own_loss"}, {"toy_pkg": source})
+    assert load_task("own_loss").name == "own_loss"  # the API takes it
+    with pytest.raises(InvalidTask, match="declares its own loss; federated rounds train"):
+        get_task("own_loss")  # the runtime would train it with cross-entropy: refused
