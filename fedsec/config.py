@@ -29,7 +29,7 @@ import msgspec
 
 from fedsec.crypto.secagg.graph import DEFAULT_TOLERATED_CORRUPT, default_threshold
 from fedsec.data.settings import ColumnRules, SourceSpec
-from fedsec.errors import ConfigError, FedsecError
+from fedsec.errors import ConfigError
 from fedsec.fsio import atomic_write
 from fedsec.learning import robust
 from fedsec.protocol import compat, wire
@@ -38,6 +38,7 @@ from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
 from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
 from fedsec.protocol.roster import ID_PATTERN
 from fedsec.protocol.update_codec import MAX_HEADROOM_BITS, weight_digit_bits
+from fedsec.summation import mode_named
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 _PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
@@ -718,49 +719,8 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
         missing = "server.tls_key" if s.tls_cert else "server.tls_cert"
         p.fail(missing, "must be set when the other of tls_cert/tls_key is set")
     p.int_range("audit.archive_retention_rounds", cfg.audit.archive_retention_rounds, 0)
-    he = cfg.he
-    if r.secure_sum == "he":
-        p.require(bool(he.custodian), "he.custodian", "the roster id of the key custodian", "")
-        if he.custodian:
-            p.identifier("he.custodian", he.custodian)
-        if not he.model_visible_to_aggregator:
-            # the aggregator never holds the model: it can neither score it, nor keep a
-            # server optimiser's state, nor pick a buffered round's newest base for it
-            p.require(
-                not cfg.validation.enabled,
-                "validation.enabled",
-                "false when he.model_visible_to_aggregator = false (the aggregator cannot "
-                "read the model to score it)",
-                cfg.validation.enabled,
-            )
-            p.require(
-                cfg.server.optimizer == "fedavg",
-                "server.optimizer",
-                "fedavg when he.model_visible_to_aggregator = false (the custodian derives "
-                "each hidden model and keeps no optimiser state)",
-                cfg.server.optimizer,
-            )
-            p.require(
-                r.mode == "sync",
-                "round.mode",
-                "sync when he.model_visible_to_aggregator = false (the custodian applies each "
-                "sum to the version its round trained on)",
-                r.mode,
-            )
-        p.require(
-            len(he.coeff_mod_bit_sizes) == 2,
-            "he.coeff_mod_bit_sizes",
-            "two moduli [data prime, special prime] (sums need no rescaling level)",
-            he.coeff_mod_bit_sizes,
-        )
-        try:  # the parameters' one definition of validity is the crypto layer's
-            from fedsec.crypto.he import HeParams
-
-            HeParams(he.poly_modulus_degree, tuple(he.coeff_mod_bit_sizes), he.scale_bits)
-        except ModuleNotFoundError:
-            p.fail("round.secure_sum", "he needs TenSEAL: install fedsec with the he extra")
-        except FedsecError as exc:
-            p.fail("he", exc.detail)
+    # the mode's own settings ([he] for homomorphic summation)
+    p.items.extend(mode_named(r.secure_sum).config_problems(cfg))
     al = cfg.alerts
     p.positive("alerts.stall_s", al.stall_s)
     p.int_range("alerts.degradation_window", al.degradation_window, 1, 1000)

@@ -44,6 +44,7 @@ from fedsec.federation import (
     write_agent_config,
 )
 from fedsec.protocol import wire
+from fedsec.summation import MODES
 
 # The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
 DEMO_TIMEOUT_S = 240.0
@@ -344,7 +345,7 @@ def _parse_dp(value: str) -> float | None:
 @click.option("--partition", default="iid", show_default=True)
 @click.option(
     "--secure-sum",
-    type=click.Choice(["secagg", "he", "none"]),
+    type=click.Choice(list(MODES)),
     default="secagg",
     show_default=True,
 )

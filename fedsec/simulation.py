@@ -75,6 +75,7 @@ from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.protocol.update_codec import default_range_stddevs
+from fedsec.summation import SummationMode, mode_named
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset, Task
 from fedsec.tasks.evaluation import evaluate
@@ -156,6 +157,16 @@ class SimulationSpec:
     slow_fraction: float = 0.0  # the first ceil(fraction * agents) members train slowly
     slowdown: float = 1.0  # ... this many times slower
     target_accuracy: float = 0.0  # report the wall time at which the model first reaches it
+
+    @property
+    def summation(self) -> SummationMode:
+        """The summation mode ``secure_sum`` names.
+
+        Raises:
+            ProtocolError: no such mode.
+        """
+        return mode_named(self.secure_sum)
+
     # members lost for good: this fraction of them, drawn at random, stops at a random
     # moment of round kill_round (its task is cancelled: no message, no goodbye)
     kill_fraction: float = 0.0
@@ -363,14 +374,14 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
         server={"optimizer": optimizer, "server_lr": server_lr, "port": 0},
         he=(
             {"custodian": CUSTODIAN_ID, "model_visible_to_aggregator": not spec.hide_model}
-            if spec.secure_sum == "he"
+            if spec.summation.custodian_decrypts
             else None
         ),
         validation={"enabled": False} if spec.hide_model else None,
     )
     ws = create_federation(root, "sim", spec.task, text)
     local = enrol_agents(ws, root, spec.agents)
-    if spec.secure_sum == "he":
+    if spec.summation.custodian_decrypts:
         _enrol_custodian(ws, root / CUSTODIAN_ID)
     aggregator_public = ws.signer.public_bytes
     if spec.aggregator_process:
@@ -609,7 +620,7 @@ async def _custodian(spec: SimulationSpec, root: Path, url: str, aggregator: byt
     Raises:
         ConfigError: the custodian's process failed (its log says why).
     """
-    if spec.secure_sum != "he":
+    if not spec.summation.custodian_decrypts:
         return
     home = root / CUSTODIAN_ID
     if not spec.aggregator_process:

@@ -35,7 +35,6 @@ SPLITTING = "being split in issue 34"
 
 #: Modules over MAX_MODULE_LINES (path under fedsec/ -> reason).
 LONG_MODULES: dict[str, str] = {
-    "aggregator/summation.py": SPLITTING,
     "audit/control.py": SPLITTING,
     "audit/report.py": SPLITTING,
 }
@@ -54,15 +53,6 @@ CIRCLES: dict[tuple[str, ...], str] = {}
 #: Modules allowed mode branch sites beyond MAX_MODE_BRANCHES (path -> (sites, reason)).
 MODE_BRANCHES: dict[str, tuple[int, str]] = {
     "agent/round.py": (4, SPLITTING),
-    "aggregator/coordinator.py": (1, SPLITTING),
-    "aggregator/rounds/cohort.py": (6, SPLITTING),
-    "aggregator/rounds/he_context.py": (1, SPLITTING),
-    "aggregator/rounds/lifecycle.py": (1, SPLITTING),
-    "aggregator/rounds/reference.py": (1, SPLITTING),
-    "aggregator/summation.py": (3, SPLITTING),
-    "custodian/check.py": (1, SPLITTING),
-    "custodian/follow.py": (1, SPLITTING),
-    "simulation.py": (3, SPLITTING),
 }
 
 

@@ -8,7 +8,7 @@ called periodically to close stages on deadlines.  Tests drive it directly.
 The engine is split by concern under :mod:`fedsec.aggregator.rounds` (lifecycle as a
 stage table, cohort, intake and receipts, privacy reports, refusals, model
 application, resume) over the summation-session interface of
-:mod:`fedsec.aggregator.summation`; this facade holds only what the HTTP layer, the
+:mod:`fedsec.summation`; this facade holds only what the HTTP layer, the
 audit-challenge desk and the CLI call, and answers their questions about the attempt
 in progress (:meth:`current_attempt`, :meth:`before_stage`, :meth:`has_reached`, ...).
 
@@ -48,7 +48,8 @@ from fedsec.errors import ForbiddenError, PayloadError, WrongStage
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol import wire
 from fedsec.protocol.log_entries import GenesisEntry
-from fedsec.protocol.stages import ACTIVE_STAGES, stage_index
+from fedsec.protocol.stages import ACTIVE_STAGES, Stage
+from fedsec.summation import mode_named, mode_of
 from fedsec.tasks import get_task
 from fedsec.tasks.base import Task
 
@@ -115,6 +116,7 @@ class Coordinator:
             events or EventBus(),
         )
         self._ctx = ctx
+        self._mode = mode_named(workspace.config.round.secure_sum)
         _start_log(self.trail, workspace, self.task)
         self._roster_serial = workspace.roster.serial
         _report_model_problems(ctx)
@@ -201,7 +203,7 @@ class Coordinator:
         return (
             live.is_current(round_, attempt)
             and live.stage in ACTIVE_STAGES
-            and stage_index(live.stage) < stage_index(stage)
+            and live.precedes(live.stage, stage)
         )
 
     def has_reached(self, round_: int, attempt: int, stage: str) -> bool:
@@ -219,6 +221,14 @@ class Coordinator:
         ``stage`` (e.g. unmask: SecAgg+ does, a plain sum does not)."""
         session = self.live.summation
         return session is not None and stage in session.stages
+
+    def held_answer_stage(self, upload: str) -> Stage | None:
+        """The stage whose data the answer to an ``upload`` stage's message may wait for
+        in the attempt in progress (its mode's ``held_answers``: SecAgg+ holds a masked
+        input's answer for the unmask request of stage consistency); None: answered at
+        once."""
+        spec = self.live.spec
+        return None if spec is None else mode_of(spec).held_answers.get(upload)
 
     def round_state(self) -> wire.RoundState:
         live, ws = self.live, self.ws
@@ -396,11 +406,7 @@ class Coordinator:
             raise ForbiddenError(
                 f"{member}: a key custodian reads the archive only where round.secure_sum = he"
             )
-        if (
-            entry is not None
-            and entry.role == "auditor"
-            and self.ws.config.round.secure_sum == "none"
-        ):
+        if entry is not None and entry.role == "auditor" and self._mode.sums_in_clear:
             raise ForbiddenError(
                 f"{member}: the archive of a federation without secure summation holds members' "
                 "updates in the clear; an auditor sees one through a reveal it challenged, "

@@ -56,7 +56,12 @@ import numpy.typing as npt
 
 from fedsec.crypto import he
 from fedsec.crypto.he import decrypt_sum
-from fedsec.custodian.follow import LogFollower, LoggedCommitment, LoggedContribution
+from fedsec.custodian.follow import (
+    LogFollower,
+    LoggedCommitment,
+    LoggedContribution,
+    custodian_decrypts,
+)
 from fedsec.errors import FedsecError
 from fedsec.protocol.wire import (
     DecryptionStatement,
@@ -65,6 +70,7 @@ from fedsec.protocol.wire import (
     RoundSpec,
     commitments_digest,
 )
+from fedsec.summation.he import CiphertextReplay
 
 __all__ = [
     "DECRYPTION_REASONS",
@@ -224,7 +230,8 @@ class SumCheck:
                     f"{logged.member}'s logged contribution is {logged.bytes} bytes; an "
                     f"encrypted update of {self.dim} values is at most {self._max_bytes}",
                 )
-        self._sum = he.CiphertextSum(custody.public_ctx, params, self.dim)
+        # the ciphertext sum as the aggregator's session adds it (fedsec.summation.he)
+        self._sum = CiphertextReplay(self.spec, custody.public_ctx)
         self._added: set[str] = set()
         # member by the SHA-256 of the integer vector its contribution decrypts to
         self._vectors: dict[str, str] = {}
@@ -248,8 +255,8 @@ class SumCheck:
                 f"{logged.index}) is not the logged bytes {logged.sha256[:16]}…",
             )
         try:
-            chunks = he.unframe_chunks(raw, self._custody.params, self.dim)
-            values = decrypt_contribution(self._sum, chunks, self._custody.secret_ctx)
+            chunks = self._sum.chunks(raw)
+            values = decrypt_contribution(self._sum.total, chunks, self._custody.secret_ctx)
         except FedsecError as exc:
             raise Refused(
                 "bad_ciphertext", f"{logged.member}'s contribution does not add: {exc.detail}"
@@ -413,7 +420,7 @@ def _check_spec(offer: HeSumOffer, follower: LogFollower, custody: Custody) -> R
     spec = follower.specs.get(key)
     if spec is None:
         raise Refused("not_he_round", f"the log holds no signed spec of {what}")
-    if spec.secure_sum != "he":
+    if not custodian_decrypts(spec):
         raise Refused("not_he_round", f"{what} sums with {spec.secure_sum!r}, not he")
     if spec.custodian != custody.custodian_id:
         raise Refused("wrong_context", f"{what} names custodian {spec.custodian!r}")

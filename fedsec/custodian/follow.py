@@ -47,6 +47,7 @@ from fedsec.protocol.wire import (
     RoundSpec,
     commitments_digest,
 )
+from fedsec.summation import mode_of
 
 __all__ = ["LogFollower", "LoggedCommitment", "LoggedContribution", "Problem"]
 
@@ -82,6 +83,15 @@ class LoggedCommitment:
     vector_sha256: str
     problem: Problem | None = None
     detail: str = ""
+
+
+def custodian_decrypts(spec: RoundSpec) -> bool:
+    """Whether ``spec``'s mode has a key custodian decrypt its sums (and its members bind
+    the attempt's commitment set into their statements); False for an unknown mode."""
+    try:
+        return mode_of(spec).custodian_decrypts
+    except FedsecError:
+        return False
 
 
 class LogFollower:
@@ -256,7 +266,7 @@ class LogFollower:
             return
         spec = self.specs.get(key)
         bound = ""
-        if spec is not None and spec.secure_sum == "he":
+        if spec is not None and custodian_decrypts(spec):
             bound = commitments_digest(
                 (c.member, c.vector_sha256) for c in self.commitments.get(key, ())
             )

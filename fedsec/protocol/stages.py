@@ -1,11 +1,16 @@
-"""The stages of a round attempt, in order: the one definition every layer uses.
+"""The stages of a round attempt: the one set of names every layer uses.
 
-The SecAgg+ message stages are the crypto server's own (:class:`ServerStage`); a round
-adds ``open`` before them (the cohort forms) and ends ``closed`` (aggregated, a new
-model version written) or ``aborted`` (too few members remain; another attempt of the
-same round follows).  A homomorphic-summation round passes through ``commit`` (each
-member's signed hash of the ciphertext it will send), ``masked_input`` (ciphertexts)
-and ``decrypt`` (the key custodian's decryption of their sum).
+An attempt starts in ``open`` (the cohort forms), passes through its summation mode's
+message stages, in the mode's order (``SummationMode.stages`` in
+:mod:`fedsec.summation`, which also gives each its deadline), and ends ``closed``
+(aggregated, a new model version written) or ``aborted`` (too few members remain;
+another attempt of the same round follows).  The SecAgg+ message stages are the crypto
+server's own (:class:`ServerStage`); a homomorphic-summation round passes through
+``commit`` (each member's signed hash of the ciphertext it will send), ``masked_input``
+(ciphertexts) and ``decrypt`` (the key custodian's decryption of their sum).
+
+:data:`STAGES` orders every stage of every mode in one list: the order the existing
+modes keep, and the one a stage a mode does not pass through is placed by.
 """
 
 from __future__ import annotations

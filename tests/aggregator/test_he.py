@@ -27,7 +27,6 @@ from aiohttp.test_utils import TestClient
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
-from fedsec.aggregator.summation import HeSession
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.verify import verify_log
 from fedsec.crypto import he
@@ -49,6 +48,7 @@ from fedsec.errors import (
 )
 from fedsec.protocol import wire
 from fedsec.protocol.he_release import frame as frame_decryption
+from fedsec.summation.he import HeSession
 from tests.support.aggregator import (
     FAST_ROUND,
     FED,

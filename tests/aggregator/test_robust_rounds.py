@@ -15,7 +15,6 @@ import pytest
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.rounds.reference import RootReference
-from fedsec.aggregator.summation import PlainSession, open_session
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.identity import canonical_json
@@ -26,6 +25,8 @@ from fedsec.learning import robust
 from fedsec.protocol import wire
 from fedsec.protocol.log import head_body, parse_line
 from fedsec.protocol.log_entries import encode_body
+from fedsec.summation import SessionInputs, open_session
+from fedsec.summation.plain import PlainSession
 from tests.support.aggregator import (
     FED,
     FakeClock,
@@ -305,7 +306,7 @@ def test_a_replayed_session_judges_the_same_updates_the_same_way(
 ) -> None:
     spec = _spec(rule)
     raws = _deltas(spec)
-    first = open_session(spec, {}, 3)
+    first = open_session(spec, SessionInputs({}, 3))
     for m, raw in raws.items():
         first.receive("masked_input", MaskedInput(m, raw))
     result = first.finalize()
@@ -313,7 +314,7 @@ def test_a_replayed_session_judges_the_same_updates_the_same_way(
     (refusal,) = result.refused
     assert refusal.member == "a4" and refusal.sha256 == hashlib.sha256(raws["a4"]).hexdigest()
     assert refusal.detail.startswith(f"aggregation rule {robust.describe(rule)} refused a4's")
-    again = open_session(spec, {}, 3)
+    again = open_session(spec, SessionInputs({}, 3))
     for m in reversed(list(raws)):  # stored order does not matter: the rule runs in id order
         again.replay("masked_input", m, raws[m])
     replayed = again.finalize()
@@ -323,7 +324,7 @@ def test_a_replayed_session_judges_the_same_updates_the_same_way(
 
 def test_fltrust_with_no_trusted_update_aborts_with_a_clear_error() -> None:
     spec = _spec(wire.AggregationSpec(rule="fltrust"))
-    session = open_session(spec, {}, 3, reference=lambda s: -np.ones(s.dim))
+    session = open_session(spec, SessionInputs({}, 3, reference=lambda s: -np.ones(s.dim)))
     for m, raw in _deltas(spec).items():
         if m != "a4":
             session.receive("masked_input", MaskedInput(m, raw))
@@ -333,6 +334,6 @@ def test_fltrust_with_no_trusted_update_aborts_with_a_clear_error() -> None:
 
 def test_a_rule_needs_trusted_mode_and_fltrust_its_reference() -> None:
     with pytest.raises(ProtocolError, match="no single update is visible"):
-        open_session(_spec(KRUM, secure_sum="secagg"), {}, 3)
+        open_session(_spec(KRUM, secure_sum="secagg"), SessionInputs({}, 3))
     with pytest.raises(ProtocolError, match="fltrust needs the aggregator's reference"):
         PlainSession(_spec(wire.AggregationSpec(rule="fltrust")), 3)

@@ -2,12 +2,15 @@
 
 Each test drives a session only through :class:`SummationSession` (receive, complete,
 close, finalize, replay, stage data), with real member-side messages: real SecAgg+
-``ClientSession``s for ``secagg``, packed quantized updates for ``none``.  A new mode
-joins the parametrization with a driver for its member side.
+``ClientSession``s for ``secagg``, packed quantized updates for ``none``, real CKKS
+ciphertexts, commitments and a custodian's signed decryption for ``he``.  A new mode
+joins the parametrization (every mode of :data:`fedsec.summation.MODES`) with a driver
+for its member side.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterable
@@ -15,28 +18,51 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from fedsec.aggregator.summation import (
-    PlainSession,
-    SecAggPlusSession,
-    StageMessage,
+from fedsec.crypto import he
+from fedsec.crypto.quantize import default_ring_bits, dequantize_one
+from fedsec.crypto.secagg import MaskedInput, default_neighbors
+from fedsec.errors import DuplicateMessage, ProtocolError, RoundAborted, UnknownMember
+from fedsec.protocol import codec, wire
+from fedsec.protocol.he_release import frame as frame_decryption
+from fedsec.summation import (
+    MODES,
+    SessionInputs,
+    StoredAttempt,
+    StoredMessage,
     SummationResult,
     SummationSession,
     open_session,
+    replay,
 )
-from fedsec.crypto.quantize import default_ring_bits, dequantize_one
-from fedsec.crypto.secagg import MaskedInput, default_neighbors
-from fedsec.errors import DuplicateMessage, RoundAborted, UnknownMember
-from fedsec.protocol import codec, wire
-from tests.support.aggregator import Cohort, identity_for, plain_input, quantized_input
+from fedsec.summation.he import HeSession, ciphertext_commitment
+from fedsec.summation.plain import PlainSession
+from fedsec.summation.secagg import SecAggPlusSession
+from fedsec.summation.session import StageMessage, decode_decryption
+from tests.support.aggregator import (
+    Cohort,
+    he_commit_body,
+    identity_for,
+    plain_input,
+    quantized_input,
+)
 
 MEMBERS = ("a0", "a1", "a2", "a3", "a4")
 DIM = 12
 MIN_AGENTS = 3
-MODES = ("secagg", "none")
+CUSTODIAN = "kh"
+HE_PARAMS = he.HeParams()  # [he]'s defaults
+SESSIONS = {"secagg": SecAggPlusSession, "none": PlainSession, "he": HeSession}
+
+
+@functools.cache
+def _he_keys() -> tuple[bytes, bytes]:
+    """(secret, public) context bytes of the custodian, made once."""
+    return he.generate_keys(HE_PARAMS)
 
 
 def _spec(secure_sum: str, cohort: tuple[str, ...] = MEMBERS) -> wire.RoundSpec:
     k, t = default_neighbors(len(cohort)) if secure_sum == "secagg" else (0, 0)
+    decrypts = MODES[secure_sum].custodian_decrypts
     return wire.RoundSpec(
         federation_id="fed-summation",
         round=3,
@@ -60,6 +86,8 @@ def _spec(secure_sum: str, cohort: tuple[str, ...] = MEMBERS) -> wire.RoundSpec:
         training=wire.TrainingSpec(local_epochs=1, batch_size=8, lr=0.1, optimizer="sgd"),
         dp=wire.DPSpec(enabled=False, noise_multiplier=0.0, max_grad_norm=1.0, delta=1e-5),
         deadlines={},
+        he_context_sha256=hashlib.sha256(_he_keys()[1]).hexdigest() if decrypts else "",
+        custodian=CUSTODIAN if decrypts else "",
     )
 
 
@@ -69,41 +97,92 @@ class Members:
 
     def __init__(self, spec: wire.RoundSpec) -> None:
         self.spec = spec
-        self.identities = {m: identity_for(m) for m in spec.cohort}
+        self.identities = {m: identity_for(m) for m in (*spec.cohort, CUSTODIAN)}
         self.cohort = Cohort(spec, self.identities) if spec.secure_sum == "secagg" else None
-        self.stored: list[tuple[str, str, bytes]] = []  # (stage, member, raw) as accepted
+        self.stored: list[StoredMessage] = []  # as accepted
+        self.he = spec.secure_sum == "he"
+        secret, public = _he_keys()
+        self.public = he.load_public_context(public, HE_PARAMS, HE_PARAMS.context_max_bytes(False))
+        self.secret = he.load_secret_context(secret, HE_PARAMS, HE_PARAMS.context_max_bytes(True))
+        self.ciphertexts: dict[str, bytes] = {}
+
+    def inputs(self) -> SessionInputs:
+        keys = {m: i.public_bytes for m, i in self.identities.items()}
+        sha = self.spec.he_context_sha256
+        return SessionInputs(keys, MIN_AGENTS, self.public if self.he else None, sha)
 
     def session(self) -> SummationSession:
-        keys = {m: i.public_bytes for m, i in self.identities.items()}
-        return open_session(self.spec, keys, MIN_AGENTS)
+        return open_session(self.spec, self.inputs())
+
+    def answering(self, stage: str, members: Iterable[str]) -> list[str]:
+        """Who sends a message in ``stage``: the custodian alone decrypts."""
+        return [CUSTODIAN] if stage == "decrypt" else list(members)
 
     def message(self, session: SummationSession, stage: str, member: str) -> StageMessage:
         """``member``'s message for ``stage``, recording what would be stored."""
         c = self.cohort
+        if self.he and stage != "masked_input":
+            return self._he_message(session, stage, member)
         if stage == "masked_input":
-            if c is None:
+            if self.he:
+                raw = self._ciphertext(member)
+            elif c is None:
                 raw = plain_input(member, self.spec)
             else:
                 c.receive_shares(member, session.share_relay(member))
                 raw = c.masked_input(member)
-            self.stored.append((stage, member, raw))
+            self.stored.append(StoredMessage(stage, member, raw))
             return MaskedInput(member, raw)
         assert c is not None, f"a plain round has no {stage} stage"
         if stage == "advertise":
             adv = c.advertise(member)
-            self.stored.append((stage, member, wire.encode(adv)))
+            self.stored.append(StoredMessage(stage, member, wire.encode(adv)))
             return codec.advertise_message(member, adv)
         if stage == "share_keys":
             shares = c.share_keys(member, session.key_list(member))
-            self.stored.append((stage, member, wire.encode(shares)))
+            self.stored.append(StoredMessage(stage, member, wire.encode(shares)))
             return codec.share_keys_message(member, shares)
         if stage == "consistency":
             signed = c.sign(member, session.unmask_request(member, state_token=7))
-            self.stored.append((stage, member, wire.encode(signed)))
+            self.stored.append(StoredMessage(stage, member, wire.encode(signed)))
             return codec.consistency_message(member, signed)
         answer = c.unmask(member, session.consistency_proof(member, state_token=7))
-        self.stored.append((stage, member, wire.encode(answer)))
+        self.stored.append(StoredMessage(stage, member, wire.encode(answer)))
         return codec.unmask_message(member, answer)
+
+    def _ciphertext(self, member: str) -> bytes:
+        """``member``'s CKKS ciphertexts of its quantized update, encrypted once."""
+        if member not in self.ciphertexts:
+            q = quantized_input(member, self.spec).astype(np.float64)
+            self.ciphertexts[member] = he.frame_chunks(he.encrypt(self.public, q))
+        return self.ciphertexts[member]
+
+    def _he_message(self, session: SummationSession, stage: str, member: str) -> StageMessage:
+        """he: a member's commitment, or the custodian's decryption of the offered sum."""
+        spec = self.spec
+        if stage == "commit":
+            body = he_commit_body(member, spec, self.identities[member], self._ciphertext(member))
+            self.stored.append(StoredMessage(stage, member, wire.encode(body)))
+            return ciphertext_commitment(spec, member, body)
+        assert stage == "decrypt" and isinstance(session, HeSession)
+        offer = session.offer(log_index=0)
+        total = he.CiphertextSum(self.public, HE_PARAMS, spec.dim + 1)
+        for m in offer.contributors:
+            total.add(he.unframe_chunks(self.ciphertexts[m], HE_PARAMS, spec.dim + 1))
+        values = he.decrypt_sum(self.secret, total.serialize(), spec.dim + 1)
+        clear = np.rint(values).astype("<i8").tobytes()
+        statement = wire.DecryptionStatement(
+            federation_id=spec.federation_id,
+            round=spec.round,
+            attempt=spec.attempt,
+            custodian=CUSTODIAN,
+            contributors=offer.contributors,
+            sum_sha256=offer.sum_sha256,
+            plaintext_sha256=hashlib.sha256(clear).hexdigest(),
+        ).sign(self.identities[CUSTODIAN])
+        raw = frame_decryption(statement, clear)
+        self.stored.append(StoredMessage(stage, member, raw))
+        return decode_decryption(member, raw, 1 << 20)
 
 
 def _run(
@@ -118,7 +197,7 @@ def _run(
     lost: set[str] = set()
     for stage in session.stages:
         lost |= {m for m, s in (lost_at or {}).items() if s == stage}
-        for member in send:
+        for member in members.answering(stage, send):
             if member not in lost:
                 session.receive(stage, members.message(session, stage, member))
         if session.next_stage(stage) is None:
@@ -144,8 +223,8 @@ def mode(request: pytest.FixtureRequest) -> str:
 def test_each_mode_has_its_session(mode: str) -> None:
     members = Members(_spec(mode))
     session = members.session()
-    assert isinstance(session, SecAggPlusSession if mode == "secagg" else PlainSession)
-    assert session.stages[-1] == ("masked_input" if mode == "none" else "unmask")
+    assert isinstance(session, SESSIONS[mode])
+    assert session.stages == MODES[mode].stages
     assert session.next_stage(session.stages[-1]) is None
     for earlier, later in zip(session.stages, session.stages[1:], strict=False):
         assert session.next_stage(earlier) == later
@@ -162,22 +241,25 @@ def test_the_sum_of_every_member_is_exact(mode: str) -> None:
     assert len(result.sum_sha256) == 64
 
 
-def test_both_modes_sum_the_same_inputs_to_the_same_result() -> None:
+def test_every_mode_sums_the_same_inputs_to_the_same_result() -> None:
     results = {}
     for mode in MODES:
         members = Members(_spec(mode))
         results[mode] = _run(members.session(), members)
-    secure, plain = results["secagg"], results["none"]
-    np.testing.assert_allclose(secure.weighted_sum, plain.weighted_sum, rtol=0, atol=1e-9)
-    assert secure.weight_sum == pytest.approx(plain.weight_sum, abs=1e-9)
-    assert secure.survivors == plain.survivors and secure.dropped == plain.dropped
+    plain = results["none"]
+    for mode, result in results.items():
+        np.testing.assert_allclose(result.weighted_sum, plain.weighted_sum, rtol=0, atol=1e-9)
+        assert result.weight_sum == pytest.approx(plain.weight_sum, abs=1e-9), mode
+        assert (result.survivors, result.dropped) == (plain.survivors, plain.dropped), mode
+    # the ring sum SecAgg+ unmasks and the one the custodian decrypts are the same bytes
+    assert results["he"].sum_sha256 == results["secagg"].sum_sha256
 
 
 def test_a_stage_is_complete_once_every_expected_member_answered(mode: str) -> None:
     members = Members(_spec(mode))
     session = members.session()
     for stage in session.stages:
-        for member in MEMBERS:
+        for member in members.answering(stage, MEMBERS):
             assert not session.complete(stage)
             session.receive(stage, members.message(session, stage, member))
         assert session.complete(stage)
@@ -211,7 +293,7 @@ def test_a_second_contribution_is_refused_and_changes_nothing(mode: str) -> None
     again = MaskedInput("a0", plain_input("a1", spec) if mode == "none" else os.urandom(8))
     result = None
     for stage in session.stages:
-        for member in MEMBERS:
+        for member in members.answering(stage, MEMBERS):
             session.receive(stage, members.message(session, stage, member))
             if (stage, member) == ("masked_input", "a1"):
                 with pytest.raises(DuplicateMessage):
@@ -245,6 +327,29 @@ def test_replaying_the_stored_messages_rebuilds_the_same_sum(mode: str) -> None:
     assert (again.survivors, again.dropped) == (result.survivors, result.dropped)
     np.testing.assert_array_equal(again.weighted_sum, result.weighted_sum)
     assert again.weight_sum == result.weight_sum
+
+
+def test_the_modes_replay_recomputes_the_sum_from_the_stored_messages(mode: str) -> None:
+    """``replay``: what crash resume, ``fedsec audit verify`` and the custodian call."""
+    spec = _spec(mode)
+    members = Members(spec)
+    result = _run(members.session(), members, lost_at={"a4": "masked_input"})
+    again = replay(spec, StoredAttempt(members.inputs(), list(members.stored)))
+    assert again.sum_sha256 == result.sum_sha256
+    assert (again.survivors, again.dropped) == (result.survivors, result.dropped)
+    np.testing.assert_array_equal(again.weighted_sum, result.weighted_sum)
+    assert again.weight_sum == result.weight_sum
+
+
+def test_replay_refuses_an_altered_stored_message_by_its_stage_and_member(mode: str) -> None:
+    spec = _spec(mode)
+    members = Members(spec)
+    _run(members.session(), members)
+    stored = list(members.stored)
+    at = next(i for i, m in enumerate(stored) if m.stage == "masked_input" and m.member == "a1")
+    stored[at] = stored[at]._replace(raw=stored[at].raw[:-8])  # truncated
+    with pytest.raises(ProtocolError, match="stored masked_input message from a1 no longer"):
+        replay(spec, StoredAttempt(members.inputs(), stored))
 
 
 def test_stage_data_is_refused_to_a_member_outside_the_stage(mode: str) -> None:

@@ -38,7 +38,6 @@ from aiohttp.test_utils import TestServer
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
-from fedsec.aggregator.summation import HeSession
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.crypto import he
 from fedsec.crypto.httpsig import sign_request
@@ -47,6 +46,7 @@ from fedsec.custodian.follow import LogFollower
 from fedsec.custodian.service import CustodianService
 from fedsec.custodian.store import DecisionLog
 from fedsec.protocol import wire
+from fedsec.summation.he import HeSession
 from tests.support.aggregator import (
     FED,
     FakeClock,

@@ -208,10 +208,12 @@ async def masked_input(request: web.Request) -> web.Response:
     receipt = coord.masked_input(member, r, a, body, commitment, signature)
     if "wait" not in request.query:
         return json_response(receipt)
-    # a plain round has no consistency stage to hold for (another attempt is never held)
-    held = wait if coord.has_stage("consistency") else 0.0
+    # the mode says what the answer waits for: SecAgg+ the unmask request, from stage
+    # consistency; the others nothing (another attempt is never held)
+    after = coord.held_answer_stage("masked_input")
+    held = wait if after is not None else 0.0
     unmask = await next_stage_data(
-        request, r, a, "consistency", held, lambda: coord.unmask_request(member, r, a)
+        request, r, a, after or "consistency", held, lambda: coord.unmask_request(member, r, a)
     )
     return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsec.aggregator.summation import PlainSession, SecAggPlusSession, SummationSession
 from fedsec.crypto.secagg import ServerSession
 from fedsec.errors import UnknownMember, WrongStage
 from fedsec.protocol import wire
 from fedsec.protocol.stages import ACTIVE_STAGES, stage_index
+from fedsec.summation.plain import PlainSession
+from fedsec.summation.secagg import SecAggPlusSession
+from fedsec.summation.session import SummationSession
 
 
 @dataclass
@@ -32,7 +34,20 @@ class Attempt:
 
     def reached(self, stage: str) -> bool:
         """True while the attempt accepts messages and is at or past ``stage``."""
-        return self.stage in ACTIVE_STAGES and stage_index(self.stage) >= stage_index(stage)
+        return self.stage in ACTIVE_STAGES and not self.precedes(self.stage, stage)
+
+    def precedes(self, first: str, then: str) -> bool:
+        """True when ``first`` comes before ``then`` in this attempt: open, then its
+        summation mode's stages in the mode's order.  A stage the mode does not pass
+        through is placed by the order of every stage (:data:`fedsec.protocol.stages.STAGES`).
+
+        Raises:
+            ValueError: either is not a stage.
+        """
+        order = ("open", *(self.summation.stages if self.summation is not None else ()))
+        if first in order and then in order:
+            return order.index(first) < order.index(then)
+        return stage_index(first) < stage_index(then)
 
     def expect(self, member: str, round_: int, attempt: int, stage: str) -> None:
         """Raises WrongStage: the message is not for this attempt, or not for its stage."""

@@ -14,11 +14,10 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection, CodecSection, DPSection
-from fedsec.crypto.secagg import default_neighbors
-from fedsec.crypto.secagg.graph import default_threshold, max_degree
 from fedsec.errors import PayloadError, StaleUpdate, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.update_codec import ring_bits_for
+from fedsec.summation import mode_named
 
 
 class CohortDesk:
@@ -28,22 +27,18 @@ class CohortDesk:
         self._ctx = ctx
         self._he = he
         self.summaries = DataSummaryDesk(ctx)
+        self._mode = mode_named(ctx.cfg.round.secure_sum)
         # (round, attempt) whose "not fixing the cohort" reason was logged already
         self._waiting_logged: set[tuple[int, int, str]] = set()
 
     @property
     def cap(self) -> int:
-        """Members per cohort: max_agents, or the buffer size K in buffered mode; with
-        homomorphic summation no more than the CKKS headroom holds (:meth:`he_capacity`)."""
+        """Members per cohort: max_agents, or the buffer size K in buffered mode; no more
+        than the mode's sum holds (homomorphic summation: the CKKS headroom)."""
         r = self._ctx.cfg.round
         cap = min(r.max_agents, r.buffer_size) if self._ctx.buffered else r.max_agents
-        return min(cap, self.he_capacity()) if r.secure_sum == "he" else cap
-
-    def he_capacity(self) -> int:
-        """The most members whose worst-case sum (each value up to the quantisation's
-        L levels) CKKS holds exactly: n·L below ``HeParams.headroom``."""
-        levels = (1 << self._ctx.cfg.round.quant_bits) - 1
-        return int((self._he.params().headroom - 1) // levels)
+        capacity = self._mode.capacity(self._ctx.cfg)
+        return cap if capacity is None else min(cap, capacity)
 
     def join(
         self, live: Attempt, member: str, req: wire.JoinRequest
@@ -82,8 +77,8 @@ class CohortDesk:
         if len(joins) >= self.cap:
             full = "cohort is full; try the next round"
             return wire.JoinResponse(accepted=False, detail=full), False
-        secagg = self._ctx.cfg.round.secure_sum == "secagg"
-        if secagg and not req.graph_commitment:
+        graph = self._mode.commits_graph
+        if graph and not req.graph_commitment:
             raise PayloadError(
                 f"{member} sent no graph commitment: a SecAgg+ member commits to its share "
                 "of the neighbour graph's randomness when it joins"
@@ -95,7 +90,7 @@ class CohortDesk:
             req.samples,
             self._ctx.clock(),
             req.base_version,
-            req.graph_commitment if secagg else "",
+            req.graph_commitment if graph else "",
         )
         self.summaries.record(member, req.data_summary)
         return wire.JoinResponse(accepted=True, detail="joined"), True
@@ -127,7 +122,7 @@ class CohortDesk:
         full, or the join window (``advertise_s``, counted from the ``min_agents``-th
         join) passed."""
         cfg, ws = self._ctx.cfg.round, self._ctx.ws
-        if cfg.secure_sum == "he" and not self._he_ready(live):
+        if not self._mode_ready(live):
             return False
         joins = ws.state.joins.samples(live.round, live.attempt)
         if len(joins) < cfg.min_agents:
@@ -135,15 +130,16 @@ class CohortDesk:
         active = {e.agent_id for e in ws.roster.active_agents()} - self._ctx.quarantined.keys()
         return len(joins) >= self.cap or active <= joins.keys() or now >= self.join_deadline(live)
 
-    def _he_ready(self, live: Attempt) -> bool:
-        """A homomorphic cohort is fixed only once the custodian published the context,
-        and only if the headroom holds a sum of ``min_agents``; else it stays open (the
-        reason logged once per attempt; the headroom also alerts the operator)."""
-        if not self._he.sha256:
+    def _mode_ready(self, live: Attempt) -> bool:
+        """Where a custodian decrypts, the cohort is fixed only once it published the
+        context; and only if the mode's sum holds ``min_agents`` (the CKKS headroom);
+        else it stays open (the reason logged once per attempt; the headroom also alerts
+        the operator)."""
+        if self._mode.custodian_decrypts and not self._he.sha256:
             self._waiting(live, "waiting_for_he_context", "")
             return False
-        capacity, need = self.he_capacity(), self._ctx.cfg.round.min_agents
-        if capacity < need:
+        capacity, need = self._mode.capacity(self._ctx.cfg), self._ctx.cfg.round.min_agents
+        if capacity is not None and capacity < need:
             detail = (
                 f"CKKS at [he] scale_bits holds sums of at most {capacity} members at "
                 f"quant_bits {self._ctx.cfg.round.quant_bits}, fewer than min_agents {need}: "
@@ -189,7 +185,7 @@ class CohortDesk:
 
     def _graph_commitments(self, live: Attempt, cohort: list[str]) -> list[str]:
         """SecAgg+: the cohort's graph commitments, in cohort order (none otherwise)."""
-        if self._ctx.cfg.round.secure_sum != "secagg" or not cohort:
+        if not self._mode.commits_graph or not cohort:
             return []
         joined = self._ctx.ws.state.joins.commitments(live.round, live.attempt)
         return [joined[m] for m in cohort]
@@ -211,37 +207,15 @@ class CohortDesk:
                 caps[m] = float(entry.max_weight)
         return caps
 
-    def _graph(self, n: int) -> tuple[int, int]:
-        """(neighbours k, threshold t) of a cohort of ``n``; (0, 0) without SecAgg+."""
-        cfg = self._ctx.cfg.round
-        if not (cfg.secure_sum == "secagg" and n >= 3):
-            return 0, 0
-        auto_k, auto_t = default_neighbors(n)
-        k = min(cfg.neighbors, n - 1) if cfg.neighbors else auto_k
-        # the least t members accept by default (2t > degree + γ): a configured or
-        # derived t below it would only have every member refuse the round
-        floor = min(default_threshold(max_degree(n, k)), k)
-        if cfg.threshold:
-            return k, min(max(cfg.threshold, floor), k)
-        return k, auto_t if not cfg.neighbors else floor
-
     def build_spec(
         self, live: Attempt, cohort: list[str], staleness: dict[str, int]
     ) -> wire.RoundSpec:
         """The signed spec of this attempt (with an empty cohort: the buffered-mode plan)."""
         ctx, cfg = self._ctx, self._ctx.cfg
-        k, t = self._graph(len(cohort))
+        mode = self._mode
+        k, t = mode.graph(len(cohort), cfg.round)
         manifest = ctx.ws.models.latest()
-        he = cfg.round.secure_sum == "he"
-        deadlines = {
-            "train_s": cfg.round.open_s,
-            "advertise_s": cfg.round.advertise_s,
-            "share_keys_s": cfg.round.share_s,
-            "masked_input_s": cfg.round.masked_s,
-            "unmask_s": cfg.round.unmask_s,
-        }
-        if he:  # other modes' specs keep their exact fields
-            deadlines["decrypt_s"] = cfg.round.decrypt_s
+        he = mode.custodian_decrypts
         return wire.RoundSpec(
             federation_id=ctx.ws.federation_id,
             round=live.round,
@@ -271,7 +245,7 @@ class CohortDesk:
                 optimizer=cfg.training.optimizer,
             ),
             dp=_dp_spec(cfg.dp, len(cohort)),
-            deadlines=deadlines,
+            deadlines=mode.spec_deadlines(cfg.round),
             mode=cfg.round.mode,
             staleness=staleness,
             he_context_sha256=self._he.sha256 if he else "",

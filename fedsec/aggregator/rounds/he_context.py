@@ -29,6 +29,7 @@ from fedsec.errors import (
 from fedsec.fsio import atomic_write
 from fedsec.protocol import wire
 from fedsec.protocol.log import entry_from_line
+from fedsec.summation import mode_named
 
 if TYPE_CHECKING:  # TenSEAL is the ``he`` extra's: only an he federation loads it
     from fedsec.crypto.he import HeParams, PublicContext
@@ -45,7 +46,7 @@ class HeContextDesk:
         self._ctx = ctx
         self._stored: wire.HeContext | None = None
         self._public: PublicContext | None = None
-        self._enabled = ctx.cfg.round.secure_sum == "he"
+        self._enabled = mode_named(ctx.cfg.round.secure_sum).custodian_decrypts
         if self._enabled:
             self._load()
 

@@ -23,17 +23,13 @@ from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRe
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
-from fedsec.aggregator.summation import (
-    HeSession,
-    StageMessage,
-    ciphertext_commitment,
-    decode_decryption,
-)
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import DuplicateMessage, FedsecError, NotFound, UnknownMember, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.log_entries import AcceptedEntry
 from fedsec.protocol.stages import Stage
+from fedsec.summation.he import HeSession, ciphertext_commitment
+from fedsec.summation.session import StageMessage, decode_decryption
 
 
 class Intake:

@@ -13,17 +13,16 @@ each summation stage    ``session.complete(stage)`` ``session.close(stage)``, it
                         or its deadline             (the last: ``finalize``, apply, closed)
 ======================  ==========================  ==========================================
 
-SecAgg+ passes through advertise, share_keys, masked_input and unmask; homomorphic
-summation through masked_input and decrypt; a round without secure summation through
-masked_input only (:mod:`fedsec.aggregator.summation`).  The
-deadline of each stage is :data:`STAGE_SECONDS`.
+Each summation mode owns its stages and their deadlines (:mod:`fedsec.summation`):
+SecAgg+ passes through advertise, share_keys, masked_input, consistency and unmask;
+homomorphic summation through commit, masked_input and decrypt; a round without secure
+summation through masked_input only.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 
 from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
@@ -40,29 +39,18 @@ from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.reference import RootReference
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.resume import rebuild
-from fedsec.aggregator.summation import SummationResult, SummationSession, open_session
-from fedsec.config import RoundSection
 from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, RoundAborted
 from fedsec.protocol import wire
 from fedsec.protocol.ddp import realised_noise_multiplier
 from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
 from fedsec.protocol.update_codec import codec_for
-
-#: Seconds each message stage may last from its start, given the round config and
-#: whether the mode is buffered.  Buffered members trained before joining; sync members
-#: train now, while (SecAgg+) they advertise and share keys, so training time is part of
-#: the masked-input stage in both modes.
-STAGE_SECONDS: dict[str, Callable[[RoundSection, bool], float]] = {
-    "advertise": lambda r, buffered: r.advertise_s,
-    "share_keys": lambda r, buffered: r.share_s,
-    # homomorphic summation: members train and encrypt before they commit to the hash
-    "commit": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
-    "masked_input": lambda r, buffered: r.masked_s + (0.0 if buffered else r.open_s),
-    # two short exchanges of signatures and shares: each gets the unmask window
-    "consistency": lambda r, buffered: r.unmask_s,
-    "unmask": lambda r, buffered: r.unmask_s,
-    "decrypt": lambda r, buffered: r.decrypt_s,
-}
+from fedsec.summation import (
+    SessionInputs,
+    SummationResult,
+    SummationSession,
+    mode_of,
+    open_session,
+)
 
 
 class Lifecycle:
@@ -107,10 +95,13 @@ class Lifecycle:
         return target > 0 and self.rounds_completed >= target
 
     def deadline(self, live: Attempt) -> float:
-        seconds = STAGE_SECONDS.get(live.stage)
-        if seconds is None:
+        """When ``live``'s stage closes at the latest (its mode's window for the stage)."""
+        if live.spec is None:
             return math.inf
-        return live.stage_started_at + seconds(self._ctx.cfg.round, self._ctx.buffered)
+        seconds = mode_of(live.spec).stage_seconds(
+            live.stage, self._ctx.cfg.round, self._ctx.buffered
+        )
+        return live.stage_started_at + seconds
 
     def tick(self) -> None:
         """Close the current stage if its deadline passed (or, for open, the cohort is ready)."""
@@ -171,23 +162,15 @@ class Lifecycle:
 
     def _open_summation(self, spec: wire.RoundSpec) -> SummationSession:
         members = [*spec.cohort, spec.custodian] if spec.custodian else spec.cohort
-        he_context = None
-        if spec.secure_sum == "he":
-            if spec.he_context_sha256 != self._he.sha256:
-                raise ProtocolError(
-                    f"round {spec.round}'s spec names CKKS context "
-                    f"{spec.he_context_sha256[:16]}…, the workspace holds "
-                    f"{self._he.sha256[:16] or 'none'}…"
-                )
-            he_context = self._he.public_context
-        return open_session(
-            spec,
-            self._cohort.roster_keys(members),
-            self._ctx.cfg.round.min_agents,
-            he_context,
-            self._ctx.cfg.server.max_json_bytes,
+        inputs = SessionInputs(
+            keys=self._cohort.roster_keys(members),
+            min_agents=self._ctx.cfg.round.min_agents,
+            he_context=self._he.public_context,
+            he_context_sha256=self._he.sha256,
+            max_json_bytes=self._ctx.cfg.server.max_json_bytes,
             reference=self._reference,
         )
+        return open_session(spec, inputs)
 
     # -- stage transitions ---------------------------------------------------------------------
 

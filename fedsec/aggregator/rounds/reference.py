@@ -1,5 +1,5 @@
 """FLTrust's reference update, as the trusted-mode summation session asks for it
-(:data:`fedsec.aggregator.summation.ReferenceUpdate`): the aggregator trains the round's
+(:data:`fedsec.summation.session.ReferenceUpdate`): the aggregator trains the round's
 model on its own root dataset with the members' training code
 (:mod:`fedsec.learning.reference`).  The model file read and the training happen here,
 so the session stays free of I/O.
@@ -40,7 +40,7 @@ class RootReference:
         self._ctx = ctx
         self._root: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # records -> (x, y)
         ag = ctx.cfg.aggregation
-        if ctx.cfg.round.secure_sum == "none" and ag.rule == "fltrust":
+        if ag.rule == "fltrust":  # fedsec.config allows a rule only where updates are seen
             self._root_dataset(ag.root_records)
 
     def _root_dataset(self, records: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,12 +18,12 @@ import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext, log
-from fedsec.aggregator.summation import RuleRefusal
 from fedsec.errors import FedsecError, RefusedByRule
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_ID
 from fedsec.protocol.log import entry_from_line
 from fedsec.protocol.log_entries import RefusedEntry, kind_of
+from fedsec.summation.session import RuleRefusal
 
 # `refused` entries written one by one per (member, round, attempt).  An honest agent meets
 # few refusals in an attempt: its client never retries a 4xx answer and an identical resend

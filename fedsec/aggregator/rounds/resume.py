@@ -1,7 +1,7 @@
 """Crash resume: the attempt in progress, rebuilt from the state store by replaying its
 accepted messages into a fresh summation session, stage by stage, exactly as they were
-accepted (through :func:`fedsec.protocol.replay.feed_accepted` for SecAgg+, the routine
-``fedsec audit verify`` re-aggregates with)."""
+accepted (:func:`fedsec.summation.feed`, the routine the mode's ``replay`` sums with
+for ``fedsec audit verify`` and the key custodian)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import msgspec
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import log
 from fedsec.aggregator.storage import MessageStore, RoundRow
-from fedsec.aggregator.summation import SummationSession
-from fedsec.errors import FedsecError, ProtocolError
+from fedsec.errors import ProtocolError
 from fedsec.protocol import wire
-from fedsec.protocol.stages import stage_index
+from fedsec.summation import StoredMessage, SummationSession, feed
 
 
 def rebuild(
@@ -38,24 +37,17 @@ def rebuild(
         return live
     spec = msgspec.json.decode(row.spec, type=wire.RoundSpec)
     live.spec, live.summation = spec, open_summation(spec)
-    reached = stage_index(row.stage)
-    for stage in live.summation.stages:
-        live.stage = stage
-        for member, body in messages.of_stage(row.round, row.attempt, stage):
-            _replay(live.summation, stage, member, body)
-        if stage_index(stage) >= reached:
-            break
-        live.summation.close(stage)
+    stages = live.summation.stages
+    reached = stages[: stages.index(row.stage) + 1]  # type: ignore[arg-type,unused-ignore]
+    stored = [
+        StoredMessage(stage, member, body)
+        for stage in reached
+        for member, body in messages.of_stage(row.round, row.attempt, stage)
+    ]
+    try:
+        feed(live.summation, stored, through=row.stage)
+    except ProtocolError as exc:  # pragma: no cover - stored messages were accepted once
+        raise ProtocolError(f"state database: {exc.detail}") from None
     live.stage, live.stage_started_at = row.stage, row.stage_started_at
     log.info("event=resumed round=%d attempt=%d stage=%s", live.round, live.attempt, live.stage)
     return live
-
-
-def _replay(session: SummationSession, stage: str, member: str, body: bytes) -> None:
-    try:
-        session.replay(stage, member, body)
-    except FedsecError as exc:  # pragma: no cover - stored messages were accepted once
-        raise ProtocolError(
-            f"state database holds a {stage} message from {member} that no longer "
-            f"verifies: {exc.detail}"
-        ) from None
