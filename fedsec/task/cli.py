@@ -44,19 +44,20 @@ def task_inspect(entry: str, options: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.to_dict()))
         return
-    click.echo(f"name:          {report.name} (task version {report.task_version})")
-    click.echo(f"distribution:  {report.distribution} {report.version}")
-    click.echo(f"digest:        {report.digest}")
-    click.echo(f"params:        {report.params:,} (buffers: {report.buffers:,})")
-    click.echo(f"input:         {tuple(report.input_shape)}, {report.num_classes} classes")
     direction = "higher" if report.higher_is_better else "lower"
-    click.echo(f"primary metric: {report.primary_metric} ({direction} is better)")
-    if report.dp_compatible:
-        click.echo("DP-SGD:        compatible (Opacus validator)")
-    else:
-        click.echo("DP-SGD:        NOT compatible (Opacus validator):")
-        for problem in report.dp_problems:
-            click.echo(f"  - {problem}")
+    for label, value in (
+        ("name", f"{report.name} (task version {report.task_version})"),
+        ("distribution", f"{report.distribution} {report.version}"),
+        ("digest", report.digest),
+        ("params", f"{report.params:,} (buffers: {report.buffers:,})"),
+        ("input", f"{tuple(report.input_shape)}, {report.num_classes} classes"),
+        ("primary metric", f"{report.primary_metric} ({direction} is better)"),
+        ("DP-SGD", "compatible (Opacus validator)" if report.dp_compatible else
+         "NOT compatible (Opacus validator):"),
+    ):  # fmt: skip
+        click.echo(f"{label + ':':<16}{value}")
+    for problem in report.dp_problems:
+        click.echo(f"  - {problem}")
 
 
 @task.command("new")

@@ -55,7 +55,7 @@ def test_inspect_prints_name_version_digest_params_and_dp() -> None:
     )
     assert len(report["digest"]) == 64 and report["dp_compatible"] is True
     text = runner.invoke(task_cli, ["inspect", "digits"])
-    assert "digest:" in text.output and "DP-SGD:        compatible" in text.output
+    assert "digest:" in text.output and "DP-SGD:         compatible" in text.output
 
 
 def test_inspect_takes_task_options() -> None:
