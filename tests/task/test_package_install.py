@@ -63,6 +63,20 @@ def _digest(python: Path) -> str:
     return str(report["digest"])
 
 
+#: What a member does with a round spec's pin: compare it with its own installation.
+_MEMBER_CHECK = f"""
+import sys
+from fedsec.errors import TaskDigestMismatch
+from fedsec.protocol.wire import TaskPin
+from fedsec.task.digest import check_pin, loaded_task_pin
+pinned = TaskPin("{NAME}", "{NAME}", "0.1.0", sys.argv[1])
+try:
+    check_pin(pinned, loaded_task_pin("{NAME}"), "round 3")
+except TaskDigestMismatch as exc:
+    print(exc.code, exc.detail)
+"""
+
+
 def test_new_package_installs_is_found_passes_its_test_and_is_pinned(tmp_path: Path) -> None:
     result = CliRunner().invoke(task_cli, ["new", NAME, "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -78,6 +92,10 @@ def test_new_package_installs_is_found_passes_its_test_and_is_pinned(tmp_path: P
     source.write_text(source.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
     changed = _digest(python)
     assert changed != editable
+    # A member whose source changed refuses a round pinned to the package as it was.
+    refusal = _run(python, "-c", _MEMBER_CHECK, editable)
+    assert "task_digest_mismatch round 3: " in refusal
+    assert f"digest expected '{editable}', installed '{changed}'" in refusal
 
     # Installed from a wheel, the digest covers the RECORD's files: tampering with an
     # installed module changes it too.
