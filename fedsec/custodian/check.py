@@ -63,6 +63,7 @@ from fedsec.custodian.follow import (
     custodian_decrypts,
 )
 from fedsec.errors import FedsecError
+from fedsec.protocol.limits import MIN_SECURE_SUM
 from fedsec.protocol.wire import (
     DecryptionStatement,
     HeContextStatement,
@@ -96,7 +97,7 @@ ROUNDING_TOLERANCE: Final = 0.25
 #: The custodian's own floor on contributors, whatever the genesis says: with two, each
 #: member reads the other's update from the aggregate; fedsec.config requires
 #: round.min_agents >= 3 for he, and a genesis the aggregator writes cannot lower it here.
-MIN_CONTRIBUTORS: Final = 3
+MIN_CONTRIBUTORS: Final = MIN_SECURE_SUM
 
 Reason = Literal[
     "bad_log",

@@ -455,7 +455,6 @@ class HeMode(SummationMode):
     name: str = "he"
     stages: tuple[Stage, ...] = HE_STAGES
     windows: Mapping[str, StageWindow] = field(default_factory=lambda: dict(_WINDOWS))
-    min_members: int = 3
     custodian_decrypts: bool = True
 
     def capacity(self, cfg: FederationSettings) -> int:

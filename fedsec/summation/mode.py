@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from fedsec.errors import FedsecError, ProtocolError
-from fedsec.protocol import wire
+from fedsec.protocol import compat, wire
+from fedsec.protocol.compat import SummationTraits
 from fedsec.protocol.stages import Stage
 from fedsec.summation.session import ReferenceUpdate, SummationResult, SummationSession
 from fedsec.summation.settings import FederationSettings, RoundSettings
@@ -95,10 +96,6 @@ class SummationMode(ABC):
         name: the ``secure_sum`` value (spec and ``round.secure_sum``).
         stages: its message stages after open, in order; the last ends in finalize.
         windows: each stage's deadline from its start (:func:`stage_seconds`).
-        min_members: the least ``round.min_agents`` it allows.
-        sums_in_clear: the aggregator sees each member's update (robust rules need it;
-            the archive then holds updates in the clear).
-        carries_ddp: members' distributed-DP noise shares sum in its ring.
         commits_graph: members commit to the neighbour graph's randomness when joining.
         custodian_decrypts: a key custodian publishes a public CKKS context before any
             cohort is fixed and decrypts each sum; members commit to their ciphertexts.
@@ -109,12 +106,37 @@ class SummationMode(ABC):
     name: str
     stages: tuple[Stage, ...]
     windows: Mapping[str, StageWindow]
-    min_members: int = 1
-    sums_in_clear: bool = False
-    carries_ddp: bool = False
     commits_graph: bool = False
     custodian_decrypts: bool = False
     held_answers: Mapping[str, Stage] = field(default_factory=dict)
+
+    # -- what the protocol's feature rules know of it (fedsec.protocol.compat) --------------
+
+    @property
+    def traits(self) -> SummationTraits:
+        """The mode's traits in the protocol's compatibility table (one definition, which
+        config and spec checks read too).
+
+        Raises:
+            ProtocolError: the table has no such mode.
+        """
+        return compat.traits(self.name)
+
+    @property
+    def min_members(self) -> int:
+        """The least ``round.min_agents`` (and contributions to one revealed sum) it allows."""
+        return self.traits.min_contributors
+
+    @property
+    def sums_in_clear(self) -> bool:
+        """The aggregator sees each member's update (robust rules need it; the archive then
+        holds updates in the clear)."""
+        return self.traits.sees_updates
+
+    @property
+    def carries_ddp(self) -> bool:
+        """Members' distributed-DP noise shares sum exactly in its ring."""
+        return self.traits.sums_in_ring
 
     # -- stages ------------------------------------------------------------------------------
 

@@ -177,7 +177,6 @@ class PlainMode(SummationMode):
     windows: Mapping[str, StageWindow] = field(
         default_factory=lambda: {"masked_input": upload_window}
     )
-    sums_in_clear: bool = True
 
     def _open(self, spec: wire.RoundSpec, inputs: SessionInputs) -> PlainSession:
         return PlainSession(spec, inputs.min_agents, inputs.reference)

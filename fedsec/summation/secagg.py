@@ -185,8 +185,6 @@ class SecAggMode(SummationMode):
     name: str = "secagg"
     stages: tuple[Stage, ...] = SECAGG_STAGES
     windows: Mapping[str, StageWindow] = field(default_factory=lambda: dict(_WINDOWS))
-    min_members: int = 3
-    carries_ddp: bool = True
     commits_graph: bool = True
     # the masked input's answer is the unmask request, served once consistency begins
     held_answers: Mapping[str, Stage] = field(
