@@ -129,6 +129,10 @@ class SummationSession(ABC):
 
     #: The message stages of this mode, in order; the last one ends in :meth:`finalize`.
     stages: tuple[Stage, ...]
+    #: The digest of the commitment set every contribution statement binds, once fixed
+    #: (homomorphic summation: :func:`fedsec.protocol.wire.commitments_digest`); "" in a
+    #: mode whose members commit to nothing before they upload.
+    commitments_sha256: str = ""
 
     def __init__(self, spec: wire.RoundSpec) -> None:
         self.spec = spec

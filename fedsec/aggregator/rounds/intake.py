@@ -194,7 +194,7 @@ class Intake:
             signature=signature,
             # he: the member binds the commitment set it was shown; a member shown
             # another set signed another digest, and its statement does not verify
-            commitments_sha256=session.commitments_sha256 if isinstance(session, HeSession) else "",
+            commitments_sha256=session.commitments_sha256,
         )
         entry = self._ctx.ws.roster.get(member)
         assert entry is not None
