@@ -11,17 +11,21 @@ import numpy as np
 import torch
 
 from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.derive import apply_mean
 from fedsec.errors import FedsecError, RoundAborted
+from fedsec.learning.optimizers import AdamMoments, ServerRule
 from fedsec.modelfile import ModelManifest, decode_model, encode_model
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks.evaluation import evaluate
-from fedsec.tasks.params import arrays_to_state, flatten_params, load_flat_params, state_to_arrays
+from fedsec.tasks.params import state_to_arrays
 
 
 class ServerStep(Protocol):
-    """The server optimiser (FedAvg, FedAdam) as model application uses it."""
+    """The server optimiser (FedAvg, FedAdam) as model application uses it: the rule,
+    its state before the next round (set after each), and saving that state."""
 
-    def step(self, current: np.ndarray, mean_update: np.ndarray) -> np.ndarray: ...
+    rule: ServerRule
+    state: AdamMoments | None
 
     def save(self) -> None: ...
 
@@ -61,18 +65,20 @@ class ModelApplier:
     def apply(self, round_: int, weighted_sum: np.ndarray, weight_sum: float) -> NewVersion:
         """Apply the mean ``weighted_sum / weight_sum`` of round ``round_``.
 
+        The step is :func:`fedsec.derive.apply_mean`, the one the auditor and the key
+        custodian re-derive versions with, so the version written here is the one they
+        derive, bit for bit.
+
         Raises:
             RoundAborted: the total weight is zero.
         """
-        if weight_sum <= 0:
+        if not weight_sum > 0:  # before the parent is read
             raise RoundAborted(f"round {round_}: the survivors' total weight is zero")
-        mean = (weighted_sum / weight_sum).astype(np.float32)
         models = self._ctx.ws.models
         parent = self._parent_model(round_)
         arrays = decode_model(models.read(parent.version), max_bytes=MAX_MODEL_BYTES)
-        arrays_to_state(self._model, arrays)
-        current = flatten_params(self._model)
-        load_flat_params(self._model, self.optimizer.step(current, mean))
+        opt = self.optimizer
+        opt.state = apply_mean(self._model, arrays, weighted_sum, weight_sum, opt.rule, opt.state)
         metrics: dict[str, float] = {}
         if self._validation is not None:
             acc, loss = evaluate(self._model, *self._validation)
