@@ -368,3 +368,16 @@ def test_stage_data_is_refused_to_a_member_outside_the_stage(mode: str) -> None:
         session.share_relay("outsider")
     with pytest.raises(UnknownMember):
         session.unmask_request("outsider", state_token=1)
+
+
+def test_replay_refuses_a_message_of_a_stage_already_closed(mode: str) -> None:
+    """Stages never interleave in the log: a message after a later stage's is refused."""
+    spec = _spec(mode)
+    members = Members(spec)
+    _run(members.session(), members)
+    first, last = members.stored[0], members.stored[-1]
+    if first.stage == last.stage:  # a one-stage mode: every order is its order
+        return
+    late = [*members.stored, first]  # the first stage's message again, after the last's
+    with pytest.raises(ProtocolError, match=f"stored {first.stage} message from {first.member}"):
+        replay(spec, StoredAttempt(members.inputs(), late))
