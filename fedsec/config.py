@@ -1,8 +1,9 @@
 """Configuration files: ``federation.toml`` (aggregator) and ``agent.toml`` (data owner).
 
 Each file is parsed with :mod:`tomllib` and validated into frozen msgspec Structs that
-refuse unknown keys.  Every default below carries a comment saying why it is that value;
-the same sentences are written into generated files (:func:`dump_federation_config`,
+refuse unknown keys.  Every key is documented by the docstring right below its field,
+saying why its default is that value; :func:`key_docs` reads them, and the same sentences are
+written into generated files (:func:`dump_federation_config`,
 :func:`default_federation_toml`) and into ``docs/config.md``.  A bad file is refused
 with a :class:`~fedsec.errors.ConfigError` naming the file, the key path and the
 reason, e.g. ``federation.toml: round.quant_bits: expected an integer in 2..16, got 40``.
@@ -14,8 +15,12 @@ configuration means the same thing whatever directory a service is started from.
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import inspect
 import ipaddress
+import itertools
 import math
 import re
 import tomllib
@@ -46,339 +51,143 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 MiB = 1024 * 1024
 
-# Key path -> why the default is what it is.  Written as comments into generated files.
-DOCS: dict[str, str] = {
-    # federation.toml
-    "federation.id": "Names the federation; bound into every signature so messages of one "
-    "federation can never be replayed in another.",
-    "federation.task": "Bundled task (model + data loader) every member trains; "
-    "breast_cancer is small enough to run anywhere.",
-    "federation.task_options": "Task-specific options passed to the task (e.g. hidden layer "
-    "sizes); empty means the task's own defaults.",
-    "round.min_agents": "Fewest members a round may close with. Secure summation reveals only a "
-    "sum: with 2 members each could subtract its own update and learn the other's, so 3.",
-    "round.max_agents": "Largest cohort per round; bounds the aggregator's per-round work "
-    "(key lists, shares) and memory.",
-    "round.rounds": "Rounds to run before the federation stops; 10 is a short first run on "
-    "the bundled tasks, raise it for real ones.",
-    "round.neighbors": "SecAgg+ neighbours k per member; 0 = auto (the coordinator picks "
-    "O(log n) from the cohort size; n-1, classic SecAgg, for small cohorts).",
-    "round.threshold": "Shamir threshold t (shares needed to unmask); 0 = auto.  The "
-    "coordinator never goes below t = floor((d + 1)/2) + 1 for a member's d neighbours: "
-    "members refuse a smaller one, which an aggregator and one colluding neighbour could "
-    "get around by telling neighbours different survivor sets (docs/threat-model.md).",
-    "round.quant_bits": "Bits per coordinate after stochastic rounding (2..16); 8 bits is a "
-    "quarter of float32's size with rounding error well below typical DP noise.",
-    "round.clip_norm": "L2 bound C on each member's update; caps any one member's influence "
-    "and fixes the quantisation range.",
-    "round.secure_sum": "secagg = SecAgg+ masking (the aggregator learns only the sum); he = "
-    "homomorphic summation (CKKS, TenSEAL): the aggregator adds ciphertexts and a key "
-    "custodian decrypts only their sum; none = trusted aggregator, plain signed updates.",
-    "round.decrypt_s": "Seconds the key custodian has to decrypt a homomorphic sum once the "
-    "masked-input stage closed (secure_sum = he); 60 s re-adds and decrypts a 1M-parameter "
-    "sum of a hundred members with room to spare.",
-    "he.custodian": "Roster id of the key custodian (role custodian) that holds the CKKS "
-    "secret key; required with secure_sum = he. Name a party outside the operator's "
-    "organisation: it sees the members' ciphertexts (to check each sum it decrypts), so it "
-    "alone could read one update if it broke its rules; the aggregator alone never can.",
-    "he.poly_modulus_degree": "CKKS ring degree N (4096, 8192 or 16384); 8192 packs 4096 "
-    "values per ciphertext at 32 bytes per parameter, the fewest bytes for sum-only use.",
-    "he.coeff_mod_bit_sizes": "CKKS coefficient moduli in bits; [60, 60]: one 60-bit data "
-    "prime (no rescaling is needed for additions) and the special prime, within SEAL's "
-    "128-bit security bound for N = 8192.",
-    "he.scale_bits": "CKKS scale 2^bits; 40 keeps the encryption error near 1e-8, far below "
-    "one quantisation level, and leaves 19 bits of headroom under the 60-bit prime.",
-    "he.model_visible_to_aggregator": "true: the custodian releases the decrypted sum to the "
-    "aggregator, which validates and publishes the model as in the other modes. false: the "
-    "custodian derives each model and seals it to the members, auditors and itself; the "
-    "aggregator stores it unread (no validation, fedavg only, sync rounds).",
-    "round.mode": "sync = rounds with a cohort and stage deadlines; buffered = FedBuff "
-    "asynchronous intake closing every buffer_size contributions.",
-    "round.buffer_size": "Contributions per aggregate in buffered mode; 10 balances freshness "
-    "against the per-aggregate overhead.",
-    "round.max_staleness": "Buffered mode refuses updates trained on a model more than this "
-    "many versions old; 4 keeps stale gradients from dragging the model back.",
-    "round.open_s": "Seconds members have to train once the cohort is fixed (added to the "
-    "masked-input deadline); 600 is generous "
-    "for one local epoch of a small task on a CPU.",
-    "round.advertise_s": "Seconds to upload signed ephemeral keys; a few requests, 30 s "
-    "tolerates slow links.",
-    "round.share_s": "Seconds to upload encrypted Shamir shares; 30 s as for advertise.",
-    "round.masked_s": "Seconds to upload the masked update; 60 s allows a model-sized upload "
-    "on a slow link.",
-    "round.unmask_s": "Seconds for survivors to return shares for unmasking; 30 s. The stage "
-    "closes earlier once the answers decide the sum.",
-    "round.max_weight_samples": "Sample count at which a member's weight w reaches 1.0 "
-    "(w = min(1, samples / this)); caps the pull of one very large member.",
-    "training.local_epochs": "Local passes over the member's data per round; 1 keeps the "
-    "privacy cost per round low and limits client drift.",
-    "training.batch_size": "Records per DP-SGD batch; 32 suits the small bundled datasets.",
-    "training.lr": "Local learning rate; 0.05 is stable for the bundled tasks with SGD.",
-    "training.optimizer": "Local optimiser (sgd or adam); sgd is the standard DP-SGD "
-    "setting and needs the least tuning.",
-    "dp.enabled": "Train with DP-SGD (per-record clipping + Gaussian noise); on unless every "
-    "member's data is public.",
-    "dp.noise_multiplier": "Noise std / max_grad_norm; 1.0 is the common DP-SGD starting "
-    "point; the accountant reports the epsilon it costs.",
-    "dp.max_grad_norm": "Per-record gradient clipping bound; 1.0 is the usual DP-SGD default.",
-    "dp.delta": "DP delta; must be well below 1/records, 1e-5 suits datasets up to ~10^4 records.",
-    "dp.mode": "local: every member adds all of its noise (holds against everyone). distributed: "
-    "each member adds a share inside the SecAgg+ ring and only the sum carries the full noise "
-    "(needs secure_sum = secagg and members' privacy.allow_distributed; docs/privacy.md).",
-    "dp.unit": "distributed: record (each round is one DP-SGD step over the union of the "
-    "members' records) or member (a member's whole clipped update, DP-FedAvg).",
-    "dp.sample_rate": "distributed, record unit: each member's Poisson sampling rate q per "
-    "round; the union's batch is q x all records.",
-    "dp.min_survivors_fraction": "distributed: share of the cohort whose noise shares make the "
-    "full noise; a round with fewer survivors is aborted before unmasking. 0.8 tolerates "
-    "20 % dropouts at 1/0.8 of the noise.",
-    "codec.rotation": "none or hadamard: a shared random rotation before rounding, so low bit "
-    "widths lose little (docs/compression.md).",
-    "codec.keep": "Fraction of the model's coordinates each member sends, the same random "
-    "subset for every member of a round; 1 sends all.",
-    "codec.range_stddevs": "With rotation: a coordinate's rounding range in standard "
-    "deviations of a clipped update's rotated coordinate; 0 = +-clip_norm.",
-    "codec.error_feedback": "Members add what the codec left out to their next update; not "
-    "with record-level distributed DP.",
-    "codec.headroom_bits": "With rotation: ring bits above quant_bits; 0 = enough that no "
-    "sum wraps (log2 of the cohort). Fewer let a coordinate's sum wrap (decoded centred, "
-    "likely wraps counted) so members send more coordinates in the same bytes; "
-    "docs/compression.md.",
-    "server.host": "Address the aggregator listens on; loopback by default so nothing is "
-    "exposed until the operator says so.",
-    "server.port": "TCP port; 8443 is the conventional unprivileged HTTPS port.",
-    "server.max_body_bytes": "Largest binary request body (models, masked vectors); 64 MiB "
-    "holds a float32 model of just under 16M parameters.",
-    "server.max_json_bytes": "Largest JSON control message; 1 MiB holds key lists and share "
-    "bundles for cohorts in the hundreds.",
-    "server.clock_skew_s": "Request signatures older or newer than this are refused; 300 s is "
-    "the usual window for unsynchronised clocks (as Kerberos).",
-    "server.header_timeout_s": "A connection must deliver a request's complete headers within "
-    "this many seconds of opening or of its previous answer, else it is closed; 10 s is ample "
-    "for a few hundred bytes on any link and bounds connections held by dribbled headers.",
-    "server.body_timeout_s": "A request body must arrive within this many seconds of its "
-    "headers, else the request is refused (408) and the connection closed; 120 s carries a "
-    "64 MiB body over a 5 Mbit/s link.",
-    "server.max_connections": "Open connections at once; at the limit a new one displaces the "
-    "oldest idle unauthenticated connection, or is closed on accept if there is none. A member "
-    "holds one or two (a long-poll and a request), so 512 serves a few hundred members below "
-    "the common 1024 file-descriptor limit.",
-    "server.max_connections_per_peer": "Unauthenticated connections one peer (an IPv4 address, "
-    "an IPv6 /64) may hold open at once; more are closed on accept. A connection stops "
-    "counting once it carries a signed request or an observer's token, so members behind one "
-    "NAT are not held to it; 64 lets that many connect at the same instant, while a host with "
-    "no key holds an eighth of the default max_connections. When max_connections are open, a "
-    "new connection displaces the oldest idle unauthenticated one, so members always get in.",
-    "server.max_concurrent_uploads": "Authenticated binary bodies (larger than max_json_bytes) "
-    "read at once; others wait for a slot, so request bodies in memory stay under this times "
-    "max_body_bytes.",
-    "server.upload_queue_s": "How long an upload waits for a slot before it is answered 503 "
-    "with Retry-After; 30 s rides out a round's burst of masked inputs.",
-    "server.member_rate_per_s": "Signed requests per second one member key may send, sustained "
-    "(token bucket); an honest member sends about 10 per round, so 50/s is 5x a one-second "
-    "round and no member can starve another. Over it: 429 with Retry-After.",
-    "server.member_burst": "Token-bucket depth of member_rate_per_s: requests one member may "
-    "send at once after being idle; 300 covers catching up on many rounds' models.",
-    "server.optimizer": "Server optimiser: fedavg applies the averaged update; fedadam applies "
-    "it through Adam (Reddi et al. 2021).",
-    "server.server_lr": "Server learning rate; 1.0 with fedavg is plain federated averaging.",
-    "server.adam_beta1": "FedAdam first-moment decay; 0.9 as in Reddi et al.",
-    "server.adam_beta2": "FedAdam second-moment decay; 0.99 as in Reddi et al.",
-    "server.adam_tau": "FedAdam adaptivity (epsilon); 1e-3 as in Reddi et al.",
-    "server.tls_cert": "PEM certificate for HTTPS; empty = plain HTTP (requests are still "
-    "signed; use only behind a TLS-terminating proxy or on loopback).",
-    "server.tls_key": "PEM private key matching tls_cert; set both or neither.",
-    "validation.enabled": "Score each new global model on the aggregator's validation split; "
-    "the scores feed the dashboard, /metrics and the degradation alert ([alerts]).",
-    "alerts.stall_s": "Raise round_stalled when the attempt in progress has not changed "
-    "stage for this many seconds; 900 s is past every default stage deadline (the longest, "
-    "masked input, is open_s + masked_s = 660 s), so only a stuck round trips it.",
-    "alerts.degradation_window": "Validation degradation compares the newest model version "
-    "with the best of the previous W scored versions; 5 rides out one noisy DP round.",
-    "alerts.accuracy_drop": "Raise validation_degraded when accuracy falls more than this "
-    "(absolute, 0.05 = 5 points) below the best of the window; DP noise moves it 1-2 points.",
-    "alerts.loss_rise": "Also raise it when the loss rises more than this fraction above the "
-    "lowest of the window (0.5 = 50 %); 0 turns the loss check off.",
-    "alerts.participation_min": "Raise participation_dropped when an attempt ends with fewer "
-    "accepted contributions than this share of its cohort; 0.5 = half the cohort fell away.",
-    "alerts.wrap_rate_max": "Raise ring_wrapped when more than this share of a closed "
-    "distributed-DP round's summed coordinates lay at the ring's edge (likely wrapped, so "
-    "corrupted in the new model); 0.5 %: a ring at its sizing limit puts about 0.3 % there "
-    "every round by design, one with room to spare (16 quant_bits in docs/privacy.md) none; "
-    "0 = any; 1 = off. It also watches rounds whose codec.headroom_bits let sums wrap, "
-    "which count sums in the ring's outer eighth (docs/compression.md).",
-    "alerts.refusals_per_member": "Raise member_refused when one member's contributions are "
-    "refused this many times within refusals_window_s; an honest member meets one or two.",
-    "alerts.refusals_window_s": "The window of refusals_per_member, in seconds.",
-    "alerts.budget_fraction": "Raise member_near_budget when a member's reported epsilon "
-    "reaches this share of its budget (declared in its signed report, else epsilon_budget).",
-    "alerts.epsilon_budget": "Budget assumed for members whose reports declare none; 0 = only "
-    "members that declare a budget are checked.",
-    "alerts.webhooks": "URLs each alert is POSTed to as JSON, signed with the aggregator's key "
-    "(RFC 9421, like members' requests); empty = none. Delivery never blocks a round. https:// "
-    "only (http:// to localhost or a loopback address): each delivery carries the capability "
-    "that acknowledges its alert.",
-    "alerts.webhook_timeout_s": "Seconds one webhook delivery may take; 5 s.",
-    "alerts.webhook_attempts": "Deliveries tried per alert and URL before giving up (logged); "
-    "8 with the backoff below (1+2+4+8+16+32+60 s) spans about 2 minutes of receiver outage.",
-    "alerts.webhook_backoff_s": "Delay before the first retry; doubles per retry up to 60 s.",
-    "dashboard.enabled": "Serve the read-only operator dashboard at /dashboard.",
-    "dashboard.loopback_open": "Let requests from loopback (127.0.0.1, ::1, with a loopback "
-    "Host) see the dashboard without a token, for the operator on the aggregator's machine; "
-    "turn off when a reverse proxy on the same machine forwards outside requests.",
-    "dashboard.token_ttl_s": "Default lifetime of a dashboard or scrape token issued by "
-    "`fedsec aggregator dashboard-token`; 8 h, one working day.",
-    "dashboard.push_interval_s": "Shortest interval between two live updates pushed to an open "
-    "dashboard; 1 s is live to the eye and bounds the aggregator's cost per viewer.",
-    "metrics.access": "Who may scrape /metrics: loopback (no token from 127.0.0.1/::1, a "
-    "token otherwise), token (always a metrics-scope token) or open (anyone).",
-    "metrics.member_labels": "Export per-member series (epsilon reported); turn off when member "
-    "ids must not reach the monitoring system.",
-    "audit.archive_retention_rounds": "Closed rounds whose archived protocol messages are kept; "
-    "0 = keep forever, so anyone holding the archive can re-run every aggregate. N keeps the "
-    "newest N; older rounds are pruned under a signed archive_pruned log entry.",
-    "audit.quarantine_on_failure": "A failed control-sample verdict (POST /v1/audit/verdicts) "
-    "quarantines its member at once: no future cohort, a quarantine log entry, a "
-    "member_quarantined alert offering the rollback (docs/robustness.md). Off by default, so "
-    "one false positive does not cost a member: then only an admin- or auditor-signed order "
-    "does. Sound only where the per-round DP noise is in the checks' calibrated range "
-    "(docs/robustness.md, measured).",
-    "aggregation.rule": "How a trusted aggregator (round.secure_sum = none) combines the "
-    "updates it sees one by one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, "
-    "centered_clipping, dnc or fltrust (docs/robustness.md). Refused in the secure modes, where "
-    "the aggregator sees only the sum. fedavg: with no attackers it loses nothing.",
-    "aggregation.trim_fraction": "trimmed_mean: share beta cut at each end of every coordinate, "
-    "[0, 0.5); 0.1 withstands up to a tenth of the cohort poisoning any one coordinate.",
-    "aggregation.byzantine": "multi_krum and dnc: members f assumed Byzantine; multi_krum needs "
-    "round.min_agents >= 2f + 3, dnc (which refuses f updates every round) >= 2f + 1. 1 suits "
-    "the small cohorts of the bundled tasks.",
-    "aggregation.krum_selected": "multi_krum: updates m averaged; 0 = n - f, Multi-Krum's usual "
-    "choice (at most round.min_agents - byzantine).",
-    "aggregation.clip_radius": "centered_clipping: radius tau, the most one update pulls the "
-    "centre per iteration; 0.5 is half the default clip_norm, so three iterations can reach "
-    "any honest mean.",
-    "aggregation.clip_iterations": "centered_clipping: passes from the zero update (1..100); 3, "
-    "as Karimireddy et al. find 1-3 enough.",
-    "aggregation.root_records": "fltrust: records of the aggregator's root dataset, drawn once "
-    "from the task's training split (never its validation split); about 100, as in FLTrust.",
-    "aggregation.min_trust_score": "fltrust: refuse updates whose trust score (cosine with the "
-    "aggregator's reference, clipped at 0) is below this, in [0, 1]; 0 refuses only updates "
-    "that do not point the reference's way.",
-    "aggregation.max_norm_ratio": "Any rule: refuse an update longer than this many times the "
-    "median update's norm (>= 1); 0 = off. A refused update is logged with the reason, never "
-    "silently dropped.",
-    # agent.toml
-    "agent.id": "This member's id in the roster; must match the id the admin enrolled.",
-    "agent.aggregator_url": "Base URL of the aggregator (http:// or https://).",
-    "agent.aggregator_public_key": "Aggregator's Ed25519 public key, 64 hex digits, from the "
-    "operator; pins every model manifest and receipt to it.",
-    "agent.state_dir": "Where the agent keeps its key, privacy ledger and audit vault; "
-    "relative to this file.",
-    "agent.device": "Training device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps.",
-    "data.task": "Bundled task to train; must equal the federation's task.",
-    "data.task_options": "Task-specific options; must match the federation's.",
-    "data.dataset_id": "Names this member's dataset in the privacy ledger (epsilon is "
-    "tracked per dataset); empty = derived from task, partition and csv.",
-    "data.partition": "How the bundled dataset is split among demo members: iid, or "
-    "dirichlet:ALPHA for label skew (smaller alpha = more skew).",
-    "data.part_index": "Which part this member gets (0-based, < parts).",
-    "data.parts": "Number of parts the bundled dataset is split into (1 = all of it).",
-    "data.seed": "Seed of the split, so every member computes the same partition.",
-    "data.csv": "CSV file with this member's own records instead of the bundled data; "
-    "relative to this file; empty = bundled data.",
-    "data.sources": "Task table: the owner's stores, [[data.sources]] entries of kind csv, "
-    "parquet or sql (SQLAlchemy url + query); see docs/data.md. A url holding a password "
-    "makes this file refuse to load unless its mode is 0600.",
-    "data.rules": "Task table: this member's column rules (rename, exclude, anonymise, "
-    "units, impute); see docs/data.md.",
-    "data.schema": "Task table: a copy of the federation's [schema]; the agent checks its "
-    "data against it before anything is sent.",
-    "data.summary_epsilon": "Task table: epsilon of Laplace noise on the counts of the data "
-    "summary sent at join, charged to the privacy ledger once per agent start; 0 = exact "
-    "counts (aggregate statistics, no noise, nothing charged).",
-    "schema.label": "Task table: the label column every member must have.",
-    "schema.classes": "Task table: the label's classes, fixed so every member maps them to "
-    "the same index; a member may lack some.",
-    "schema.columns": "Task table: the feature columns in model-input order, each with "
-    "kind, unit, missing-value rule and (categorical) fixed categories; see docs/data.md.",
-    "privacy.epsilon": "Total epsilon this member will spend on this dataset across all "
-    "rounds; training stops past it. 8 is a common upper bound for useful DP models.",
-    "privacy.delta": "DP delta for the ledger; must be well below 1/records.",
-    "privacy.require_dp": "Refuse rounds that ask for training without DP-SGD; turn off only "
-    "for simulations on public data, never for real records.",
-    "privacy.tolerated_corrupt_neighbours": "SecAgg+: colluding neighbours (with the "
-    "aggregator) this member's update must stay hidden from; it refuses a round whose "
-    "threshold t has 2t <= neighbours + this (default 1; docs/threat-model.md).",
-    "privacy.min_survivors": "Distributed DP: refuse, before training, a round whose noise "
-    "is sized for fewer survivors (its dp.min_survivors).  Each member adds 1/min_survivors "
-    "of the noise, which a member colluding with the aggregator can remove; 2 is the "
-    "smallest sum; 10 lets one colluder remove at most 10 % (docs/privacy.md).",
-    "privacy.allow_distributed": "Take part in distributed-DP rounds, where this member adds only "
-    "a share of the noise and the guarantee rests on the other members adding theirs; off, "
-    "because that trust is the data owner's decision (docs/privacy.md).",
-    "network.retry_max": "Retries of a failed request before giving up on the stage; 8 "
-    "spans about 45 s of outage with the backoff below (0.5+1+2+4+8+10+10+10).",
-    "network.backoff_initial_s": "First retry delay; doubles per retry up to backoff_max_s.",
-    "network.backoff_max_s": "Longest retry delay; 10 s keeps a member inside stage "
-    "deadlines of 30 s.",
-    "network.timeout_s": "Per-request timeout; 30 s allows a model download on a slow link.",
-}
-
-
 # -- federation.toml -----------------------------------------------------------------
 
 
 class FederationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     id: str
+    """Names the federation; bound into every signature so messages of one federation can never
+    be replayed in another."""
     task: str = "breast_cancer"
+    """Bundled task (model + data loader) every member trains; breast_cancer is small enough to
+    run anywhere."""
     task_options: dict[str, Any] = {}
+    """Task-specific options passed to the task (e.g. hidden layer sizes); empty means the task's
+    own defaults."""
 
 
 class RoundSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     min_agents: int = 3
+    """Fewest members a round may close with. Secure summation reveals only a sum: with 2 members
+    each could subtract its own update and learn the other's, so 3."""
     max_agents: int = 100
+    """Largest cohort per round; bounds the aggregator's per-round work (key lists, shares) and
+    memory."""
     rounds: int = 10
+    """Rounds to run before the federation stops; 10 is a short first run on the bundled tasks,
+    raise it for real ones."""
     neighbors: int = 0
+    """SecAgg+ neighbours k per member; 0 = auto (the coordinator picks O(log n) from the cohort
+    size; n-1, classic SecAgg, for small cohorts)."""
     threshold: int = 0
+    """Shamir threshold t (shares needed to unmask); 0 = auto. The coordinator never goes below
+    ⌊(d + 1)/2⌋ + 1 for a member's d neighbours: members refuse a smaller one, which an
+    aggregator and one colluding neighbour could get around by telling neighbours different
+    survivor sets (docs/threat-model.md)."""
     quant_bits: int = 8
+    """Bits per coordinate after stochastic rounding (2..16); 8 bits is a quarter of float32's
+    size with rounding error well below typical DP noise."""
     clip_norm: float = 1.0
+    """L2 bound C on each member's update; caps any one member's influence and fixes the
+    quantisation range."""
     secure_sum: Literal["secagg", "none", "he"] = "secagg"
+    """secagg = SecAgg+ masking (the aggregator learns only the sum); he = homomorphic summation
+    (CKKS, TenSEAL): the aggregator adds ciphertexts and a key custodian decrypts only their
+    sum; none = trusted aggregator, plain signed updates."""
     mode: Literal["sync", "buffered"] = "sync"
+    """sync = rounds with a cohort and stage deadlines; buffered = FedBuff asynchronous intake
+    closing every buffer_size contributions."""
     buffer_size: int = 10
+    """Contributions per aggregate in buffered mode; 10 balances freshness against the
+    per-aggregate overhead."""
     max_staleness: int = 4
+    """Buffered mode refuses updates trained on a model more than this many versions old; 4 keeps
+    stale gradients from dragging the model back."""
     open_s: float = 600.0
+    """Seconds members have to train once the cohort is fixed (added to the masked-input
+    deadline); 600 is generous for one local epoch of a small task on a CPU."""
     advertise_s: float = 30.0
+    """Seconds to upload signed ephemeral keys; a few requests, 30 s tolerates slow links."""
     share_s: float = 30.0
+    """Seconds to upload encrypted Shamir shares; 30 s as for advertise."""
     masked_s: float = 60.0
+    """Seconds to upload the masked update; 60 s allows a model-sized upload on a slow link."""
     unmask_s: float = 30.0
+    """Seconds for survivors to return shares for unmasking; 30 s. The stage closes earlier once
+    the answers decide the sum."""
     decrypt_s: float = 60.0
+    """Seconds the key custodian has to decrypt a homomorphic sum once the masked-input stage
+    closed (secure_sum = he); 60 s re-adds and decrypts a 1M-parameter sum of a hundred
+    members with room to spare."""
     max_weight_samples: int = 10000
+    """Sample count at which a member's weight w reaches 1.0 (w = min(1, samples / this)); caps
+    the pull of one very large member."""
 
 
 class TrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     local_epochs: int = 1
+    """Local passes over the member's data per round; 1 keeps the privacy cost per round low and
+    limits client drift."""
     batch_size: int = 32
+    """Records per DP-SGD batch; 32 suits the small bundled datasets."""
     lr: float = 0.05
+    """Local learning rate; 0.05 is stable for the bundled tasks with SGD."""
     optimizer: Literal["sgd", "adam"] = "sgd"
+    """Local optimiser (sgd or adam); sgd is the standard DP-SGD setting and needs the least
+    tuning."""
 
 
 class DPSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     enabled: bool = True
+    """Train with DP-SGD (per-record clipping + Gaussian noise); on unless every member's data is
+    public."""
     noise_multiplier: float = 1.0
+    """Noise std / max_grad_norm; 1.0 is the common DP-SGD starting point; the accountant reports
+    the epsilon it costs."""
     max_grad_norm: float = 1.0
+    """Per-record gradient clipping bound; 1.0 is the usual DP-SGD default."""
     delta: float = DEFAULT_DELTA
+    """DP delta; must be well below 1/records, 1e-5 suits datasets up to ~10^4 records."""
     mode: Literal["local", "distributed"] = "local"
+    """local: every member adds all of its noise (holds against everyone). distributed: each
+    member adds a share inside the SecAgg+ ring and only the sum carries the full noise;
+    members must allow it (`privacy.allow_distributed`). docs/privacy.md."""
     unit: Literal["record", "member"] = "record"
+    """distributed: record (each round is one DP-SGD step over the union of the members' records)
+    or member (a member's whole clipped update, DP-FedAvg)."""
     sample_rate: float = 0.0
+    """Distributed DP, record unit: each member's Poisson sampling rate q per round; the union's
+    batch is q × all records."""
     min_survivors_fraction: float = 0.8
+    """distributed: share of the cohort whose noise shares make the full noise; a round with
+    fewer survivors is aborted before unmasking, and members refuse to unmask it. 0.8
+    tolerates 20 % dropouts at 1/0.8 of the noise."""
 
 
 class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     rotation: Literal["none", "hadamard"] = "none"
+    """A shared random rotation before rounding, so low bit widths lose little. Any compression
+    (rotation, `keep` below 1, a range, headroom bits) is refused at load time with
+    distributed DP, which discretises on its own terms, and with `secure_sum = "he"`, whose
+    ciphertexts do not shrink with the bits."""
     keep: float = 1.0
+    """Fraction of the model's coordinates each member sends: the same random subset for every
+    member of a round, fresh every round."""
     range_stddevs: float = 0.0
+    """A rotated coordinate's rounding range in standard deviations of a clipped update's
+    coordinate; 0 = ±`round.clip_norm`. Coordinates beyond it are clamped and counted (members
+    log `codec_saturated`); where updates sit well inside the clip a lower value pays
+    (docs/compression.md)."""
     error_feedback: bool = False
+    """Members add what the codec left out to their next update; refused with distributed DP
+    (fedsec/protocol/compat.py)."""
     headroom_bits: int = 0
+    """Ring bits above `round.quant_bits`; 0 = ⌈log₂ n⌉, in which no sum wraps (a cohort that
+    needs no more than the value set gets that ring too). Fewer let a coordinate's sum over
+    the cohort wrap: it is decoded centred, the weight travels as digits that cannot wrap, and
+    sums in the ring's outer eighth are counted as likely wraps (`edge_count`, `wrap_rate` in
+    `fedsec simulate`, the `ring_wrapped` alert). Each bit cut lets members send more
+    coordinates in the same bytes (docs/compression.md)."""
 
     def spec(self) -> wire.CodecSpec:
         """The round spec's codec with these settings."""
@@ -387,44 +196,110 @@ class CodecSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
+    """Address the aggregator listens on; loopback by default so nothing is exposed until the
+    operator says so."""
     port: int = 8443
+    """TCP port; 8443 is the conventional unprivileged HTTPS port."""
     max_body_bytes: int = 64 * MiB
+    """Largest binary request body (models, masked vectors); 64 MiB holds a float32 model of just
+    under 16M parameters."""
     max_json_bytes: int = 1 * MiB
+    """Largest JSON control message; 1 MiB holds key lists and share bundles for cohorts in the
+    hundreds."""
     clock_skew_s: float = 300.0
+    """Request signatures older or newer than this are refused; 300 s is the usual window for
+    unsynchronised clocks (as Kerberos)."""
     header_timeout_s: float = 10.0
+    """A connection must deliver a request's complete headers within this many seconds of opening
+    or of its previous answer, else it is closed; 10 s is ample for a few hundred bytes on any
+    link and bounds connections held by dribbled headers."""
     body_timeout_s: float = 120.0
+    """A request body must arrive within this many seconds of its headers, else the request is
+    refused (408) and the connection closed; 120 s carries a 64 MiB body over a 5 Mbit/s link."""
     max_connections: int = 512
+    """Open connections at once; at the limit a new one displaces the oldest idle unauthenticated
+    connection, or is closed on accept if there is none. A member holds one or two (a
+    long-poll and a request), so 512 serves a few hundred members below the common 1024
+    file-descriptor limit."""
     max_connections_per_peer: int = 64
+    """Unauthenticated connections one peer (an IPv4 address, an IPv6 /64) may hold open at once;
+    more are closed on accept. A connection stops counting once it carries a signed request or
+    an observer's token, so members behind one NAT are not held to it; 64 lets that many
+    connect at the same instant, while a host with no key holds an eighth of the default
+    max_connections. When max_connections are open, a new connection displaces the oldest idle
+    unauthenticated one, so members always get in."""
     max_concurrent_uploads: int = 8
+    """Authenticated binary bodies (larger than max_json_bytes) read at once; others wait for a
+    slot, so request bodies in memory stay under this times max_body_bytes."""
     upload_queue_s: float = 30.0
+    """How long an upload waits for a slot before it is answered 503 with Retry-After; 30 s rides
+    out a round's burst of masked inputs."""
     member_rate_per_s: float = 50.0
+    """Signed requests per second one member key may send, sustained (token bucket); an honest
+    member sends about 10 per round, so 50/s is 5x a one-second round and no member can starve
+    another. Over it: 429 with Retry-After."""
     member_burst: int = 300
+    """Token-bucket depth of member_rate_per_s: requests one member may send at once after being
+    idle; 300 covers catching up on many rounds' models."""
     optimizer: Literal["fedavg", "fedadam"] = "fedavg"
+    """Server optimiser: fedavg applies the averaged update; fedadam applies it through Adam
+    (Reddi et al. 2021)."""
     server_lr: float = 1.0
+    """Server learning rate; 1.0 with fedavg is plain federated averaging."""
     adam_beta1: float = 0.9
+    """FedAdam first-moment decay; 0.9 as in Reddi et al."""
     adam_beta2: float = 0.99
+    """FedAdam second-moment decay; 0.99 as in Reddi et al."""
     adam_tau: float = 1e-3
+    """FedAdam adaptivity (epsilon); 1e-3 as in Reddi et al."""
     tls_cert: str = ""
+    """PEM certificate for HTTPS; empty = plain HTTP (requests are still signed; use only behind
+    a TLS-terminating proxy or on loopback)."""
     tls_key: str = ""
+    """PEM private key matching tls_cert; set both or neither."""
 
 
 class ValidationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     enabled: bool = True
+    """Score each new global model on the aggregator's validation split; the scores feed the
+    dashboard, /metrics and the degradation alert ([alerts])."""
 
 
 class AuditSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     archive_retention_rounds: int = 0
+    """Closed rounds whose archived protocol messages are kept; 0 = keep forever, so anyone
+    holding the archive can re-run every aggregate. N keeps the newest N; older rounds are
+    pruned under a signed archive_pruned log entry."""
     # a failed control-sample verdict quarantines its member at once (off: only on an
     # admin- or auditor-signed order, so a false positive costs no member by itself)
     quarantine_on_failure: bool = False
+    """A failed control-sample verdict (POST /v1/audit/verdicts) quarantines its member at once:
+    no future cohort, a quarantine log entry, a member_quarantined alert offering the rollback
+    (docs/robustness.md). Off by default, so one false positive does not cost a member: then
+    only an admin- or auditor-signed order does. Sound only where the per-round DP noise is in
+    the checks' calibrated range (docs/robustness.md, measured)."""
 
 
 class HeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     custodian: str = ""
+    """Roster id of the key custodian (role custodian) that holds the CKKS secret key; required
+    with secure_sum = he. Name a party outside the operator's organisation: it sees the
+    members' ciphertexts (to check each sum it decrypts), so it alone could read one update if
+    it broke its rules; the aggregator alone never can."""
     poly_modulus_degree: int = 8192
+    """CKKS ring degree N (4096, 8192 or 16384); 8192 packs 4096 values per ciphertext at 32
+    bytes per parameter, the fewest bytes for sum-only use."""
     coeff_mod_bit_sizes: list[int] = msgspec.field(default_factory=lambda: [60, 60])
+    """CKKS coefficient moduli in bits; [60, 60]: one 60-bit data prime (no rescaling is needed
+    for additions) and the special prime, within SEAL's 128-bit security bound for N = 8192."""
     scale_bits: int = 40
+    """CKKS scale 2^bits; 40 keeps the encryption error near 1e-8, far below one quantisation
+    level, and leaves 19 bits of headroom under the 60-bit prime."""
     model_visible_to_aggregator: bool = True
+    """true: the custodian releases the decrypted sum to the aggregator, which validates and
+    publishes the model as in the other modes. false: the custodian derives each model and
+    seals it to the members, auditors and itself; the aggregator stores it unread (no
+    validation, fedavg only, sync rounds)."""
 
 
 class AggregationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -433,43 +308,109 @@ class AggregationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     ``fedsec.learning.robust.PARAMETERS``'."""
 
     rule: wire.AggregationRule = "fedavg"
+    """How a trusted aggregator (round.secure_sum = none) combines the updates it sees one by
+    one: fedavg (the weighted mean), trimmed_mean, median, multi_krum, centered_clipping, dnc
+    or fltrust (docs/robustness.md). Refused in the secure modes, where the aggregator sees
+    only the sum. fedavg: with no attackers it loses nothing."""
     trim_fraction: float = 0.1
+    """trimmed_mean: share beta cut at each end of every coordinate, [0, 0.5); 0.1 withstands up
+    to a tenth of the cohort poisoning any one coordinate."""
     byzantine: int = 1
+    """multi_krum and dnc: members f assumed Byzantine; multi_krum needs round.min_agents >= 2f +
+    3, dnc (which refuses f updates every round) >= 2f + 1. 1 suits the small cohorts of the
+    bundled tasks."""
     krum_selected: int = 0
+    """multi_krum: updates m averaged; 0 = n - f, Multi-Krum's usual choice (at most
+    round.min_agents - byzantine)."""
     clip_radius: float = 0.5
+    """centered_clipping: radius tau, the most one update pulls the centre per iteration; 0.5 is
+    half the default clip_norm, so three iterations can reach any honest mean."""
     clip_iterations: int = 3
+    """centered_clipping: passes from the zero update (1..100); 3, as Karimireddy et al. find 1-3
+    enough."""
     root_records: int = 100
+    """fltrust: records of the aggregator's root dataset, drawn once from the task's training
+    split (never its validation split); about 100, as in FLTrust."""
     min_trust_score: float = 0.0
+    """fltrust: refuse updates whose trust score (cosine with the aggregator's reference, clipped
+    at 0) is below this, in [0, 1]; 0 refuses only updates that do not point the reference's
+    way."""
     max_norm_ratio: float = 0.0
+    """Any rule: refuse an update longer than this many times the median update's norm (>= 1); 0
+    = off. A refused update is logged with the reason, never silently dropped."""
 
 
 class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     stall_s: float = 900.0
+    """Raise round_stalled when the attempt in progress has not changed stage for this many
+    seconds; 900 s is past every default stage deadline (the longest, masked input, is open_s
+    + masked_s = 660 s), so only a stuck round trips it."""
     degradation_window: int = 5
+    """Validation degradation compares the newest model version with the best of the previous W
+    scored versions; 5 rides out one noisy DP round."""
     accuracy_drop: float = 0.05
+    """Raise validation_degraded when accuracy falls more than this (absolute, 0.05 = 5 points)
+    below the best of the window; DP noise moves it 1-2 points."""
     loss_rise: float = 0.5
+    """Also raise it when the loss rises more than this fraction above the lowest of the window
+    (0.5 = 50 %); 0 turns the loss check off."""
     participation_min: float = 0.5
+    """Raise participation_dropped when an attempt ends with fewer accepted contributions than
+    this share of its cohort; 0.5 = half the cohort fell away."""
     wrap_rate_max: float = 0.005
+    """Raise ring_wrapped when more than this share of a closed distributed-DP round's summed
+    coordinates lay at the ring's edge (likely wrapped, so corrupted in the new model); 0.5 %:
+    a ring at its sizing limit puts about 0.3 % there every round by design, one with room to
+    spare (16 quant_bits in docs/privacy.md) none; 0 = any; 1 = off. It also watches rounds
+    whose `codec.headroom_bits` let sums wrap, which count sums in the ring's outer eighth
+    (docs/compression.md)."""
     refusals_per_member: int = 10
+    """Raise member_refused when one member's contributions are refused this many times within
+    refusals_window_s; an honest member meets one or two."""
     refusals_window_s: float = 600.0
+    """The window of refusals_per_member, in seconds."""
     budget_fraction: float = 0.9
+    """Raise member_near_budget when a member's reported epsilon reaches this share of its budget
+    (declared in its signed report, else epsilon_budget)."""
     epsilon_budget: float = 0.0
+    """Budget assumed for members whose reports declare none; 0 = only members that declare a
+    budget are checked."""
     webhooks: list[str] = []
+    """URLs each alert is POSTed to as JSON, signed with the aggregator's key (RFC 9421, like
+    members' requests); empty = none. Delivery never blocks a round. https:// only (http:// to
+    localhost or a loopback address): each delivery carries the capability that acknowledges
+    its alert."""
     webhook_timeout_s: float = 5.0
+    """Seconds one webhook delivery may take; 5 s."""
     webhook_attempts: int = 8
+    """Deliveries tried per alert and URL before giving up (logged); 8 with the backoff below
+    (1+2+4+8+16+32+60 s) spans about 2 minutes of receiver outage."""
     webhook_backoff_s: float = 1.0
+    """Delay before the first retry; doubles per retry up to 60 s."""
 
 
 class DashboardSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     enabled: bool = True
+    """Serve the read-only operator dashboard at /dashboard."""
     loopback_open: bool = True
+    """Let requests from loopback (127.0.0.1, ::1, with a loopback Host) see the dashboard
+    without a token, for the operator on the aggregator's machine; turn off when a reverse
+    proxy on the same machine forwards outside requests."""
     token_ttl_s: float = 8 * 3600.0
+    """Default lifetime of a dashboard or scrape token issued by `fedsec aggregator
+    dashboard-token`; 8 h, one working day."""
     push_interval_s: float = 1.0
+    """Shortest interval between two live updates pushed to an open dashboard; 1 s is live to the
+    eye and bounds the aggregator's cost per viewer."""
 
 
 class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     access: Literal["loopback", "token", "open"] = "loopback"
+    """Who may scrape /metrics: loopback (no token from 127.0.0.1/::1, a token otherwise), token
+    (always a metrics-scope token) or open (anyone)."""
     member_labels: bool = True
+    """Export per-member series (epsilon reported); turn off when member ids must not reach the
+    monitoring system."""
 
 
 class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -496,10 +437,16 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 class AgentSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     id: str
+    """This member's id in the roster; must match the id the admin enrolled."""
     aggregator_url: str
+    """Base URL of the aggregator (http:// or https://)."""
     aggregator_public_key: str
+    """Aggregator's Ed25519 public key, 64 hex digits, from the operator; pins every model
+    manifest and receipt to it."""
     state_dir: str = "state"
+    """Where the agent keeps its key, privacy ledger and audit vault; relative to this file."""
     device: str = "auto"
+    """Training device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps."""
 
     @property
     def aggregator_public_key_bytes(self) -> bytes:
@@ -508,18 +455,39 @@ class AgentSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     task: str = "breast_cancer"
+    """Bundled task to train; must equal the federation's task."""
     task_options: dict[str, Any] = {}
+    """Task-specific options; must match the federation's."""
     dataset_id: str = ""
+    """Names this member's dataset in the privacy ledger (epsilon is tracked per dataset); empty
+    = derived from task, partition and csv."""
     partition: str = "iid"
+    """How the bundled dataset is split among demo members: iid, or dirichlet:ALPHA for label
+    skew (smaller alpha = more skew)."""
     part_index: int = 0
+    """Which part this member gets (0-based, < parts)."""
     parts: int = 1
+    """Number of parts the bundled dataset is split into (1 = all of it)."""
     seed: int = 0
+    """Seed of the split, so every member computes the same partition."""
     csv: str = ""
+    """CSV file with this member's own records instead of the bundled data; relative to this
+    file; empty = bundled data."""
     # task "table": the owner's stores, its column rules, and the federation's [schema]
     sources: list[SourceSpec] = []
+    """Task `table`: the owner's stores, entries of kind `csv`, `parquet` or `sql` (SQLAlchemy
+    `url` + `query`, or a `password_file` of mode 0600); see [data.md](data.md). A url holding
+    a password makes this file refuse to load unless its mode is 0600."""
     rules: ColumnRules | None = None
+    """Task `table`: this member's column rules (`rename`, `exclude`, `anonymise`, `units`,
+    `impute`, `hash_key_file`); see [data.md](data.md)."""
     schema: DataSchema | None = None
+    """Task `table`: a copy of the federation's `[schema]`; the agent checks its data against it
+    before anything is sent."""
     summary_epsilon: float = 0.0
+    """Task `table`: epsilon of Laplace noise on the counts of the data summary sent at join,
+    charged to the privacy ledger once per agent start; 0 = exact counts (aggregate
+    statistics, no noise, nothing charged)."""
 
     def effective_dataset_id(self) -> str:
         """``dataset_id``, or one derived from where the data comes from."""
@@ -548,22 +516,43 @@ class DataSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     epsilon: float = 8.0
+    """Total epsilon this member will spend on this dataset across all rounds; training stops
+    past it. 8 is a common upper bound for useful DP models."""
     delta: float = DEFAULT_DELTA
+    """DP delta for the ledger; must be well below 1/records."""
     require_dp: bool = True
+    """Refuse rounds that ask for training without DP-SGD; turn off only for simulations on
+    public data, never for real records."""
     allow_distributed: bool = False
+    """Take part in distributed-DP rounds, where this member adds only a share of the noise and
+    the guarantee rests on the other members adding theirs; off, because that trust is the
+    data owner's decision (docs/privacy.md)."""
     # distributed DP: the fewest survivors a round's noise may be sized for (its
     # dp.min_survivors); each adds 1/min_survivors of the noise (fedsec.protocol.ddp)
     min_survivors: int = DEFAULT_MIN_SURVIVORS
+    """Distributed DP: refuse, before training, a round whose noise is sized for fewer survivors
+    (its `dp.min_survivors`), naming both numbers. Each member adds 1/`dp.min_survivors` of
+    the noise's variance, which a member colluding with the aggregator (it knows its own
+    share) can remove: 2 is the smallest sum and lets one colluder remove half; 10 lets one
+    remove at most 10 %. docs/privacy.md."""
     # γ: colluding neighbours (with the aggregator) a SecAgg+ round must withstand; the
     # member refuses a threshold with 2t ≤ degree + γ (fedsec.crypto.secagg.graph)
     tolerated_corrupt_neighbours: int = DEFAULT_TOLERATED_CORRUPT
+    """SecAgg+: γ, members colluding with the aggregator against which this member's update must
+    stay hidden; it refuses a round whose threshold t has 2t ≤ d + γ for the most neighbours d
+    any member has (the equivocation bound, docs/threat-model.md)."""
 
 
 class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     retry_max: int = 8
+    """Retries of a failed request before giving up on the stage; 8 spans about 45 s of outage
+    with the backoff below (0.5+1+2+4+8+10+10+10)."""
     backoff_initial_s: float = 0.5
+    """First retry delay; doubles per retry up to backoff_max_s."""
     backoff_max_s: float = 10.0
+    """Longest retry delay; 10 s keeps a member inside stage deadlines of 30 s."""
     timeout_s: float = 30.0
+    """Per-request timeout; 30 s allows a model download on a slow link."""
 
 
 class AgentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -573,6 +562,48 @@ class AgentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     data: DataSection = msgspec.field(default_factory=DataSection)
     privacy: PrivacySection = msgspec.field(default_factory=PrivacySection)
     network: NetworkSection = msgspec.field(default_factory=NetworkSection)
+
+
+@functools.cache
+def key_docs() -> Mapping[str, str]:
+    """Key path -> why its default is what it is: the docstring right below each field of
+    ``federation.toml`` and ``agent.toml`` (the one place a key is documented), written as
+    comments into generated files and as the meaning column of ``docs/config.md``.
+
+    Read from the sections' source on first use, not at import.
+    """
+    docs: dict[str, str] = {}
+    for kind in (FederationConfig, AgentConfig):
+        for section in msgspec.structs.fields(kind):
+            # an optional section (X | None) is documented as X
+            cls = next(
+                (t for t in typing.get_args(section.type) if t is not type(None)), section.type
+            )
+            docs.update({f"{section.name}.{k}": v for k, v in _field_docs(cls).items()})
+    return docs
+
+
+def _field_docs(section: type) -> dict[str, str]:
+    """Each field of class ``section`` with the docstring right below it (whitespace
+    folded)."""
+    tree = _module_tree(inspect.getsourcefile(section) or "")
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == section.__name__)
+    docs: dict[str, str] = {}
+    for field, doc in itertools.pairwise(body.body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+@functools.cache
+def _module_tree(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -1193,7 +1224,7 @@ def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
         for key, value in table.items():
             if value is None:
                 continue
-            why = DOCS.get(f"{section}.{key}")
+            why = key_docs().get(f"{section}.{key}")
             if why:
                 lines.extend(_wrap_comment(why))
             lines.append(f"{_toml_key(key)} = {toml_value(value)}")

@@ -44,6 +44,7 @@ from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError
 from fedsec.keys import load_identity, save_identity, save_public_key
 from fedsec.protocol.data_schema import DataSchema
+from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.protocol.roster import Role, sign_roster_entry
 
 #: The roster id of the local operator that watches a federation's status.
@@ -161,7 +162,7 @@ def agent_config(
     partition: str,
     seed: int,
     epsilon: float,
-    delta: float = 1e-5,
+    delta: float = DEFAULT_DELTA,
     require_dp: bool = True,
     device: str = "auto",
     allow_distributed: bool = False,

@@ -51,6 +51,7 @@ from fedsec.bench.common import with_environment
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits, quantize
 from fedsec.errors import ConfigError
 from fedsec.learning.training import DPParams, plan_round, train_local
+from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.tasks import get_task
 from fedsec.tasks.base import TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params
@@ -66,7 +67,7 @@ ATTACKS: Final = ("zero", "noise", "replay", "signflip", "scale")
 #: at batch 200 none below 4.7 (seed 1, rounds 0-1).
 BENCH_TRAINING: Final = TrainingParams(lr=0.3, batch_size=200, local_epochs=10, optimizer="sgd")
 MAX_GRAD_NORM: Final = 1.0
-DELTA: Final = 1e-5
+DELTA: Final = DEFAULT_DELTA
 QUANT_BITS: Final = 8
 SCALE_FACTOR: Final = 10.0
 #: Clip C over the honest update norm: honest updates stay unclipped, a scaled one is

@@ -48,12 +48,13 @@ from fedsec.crypto.discretize import DdpSpec, decode_sum, encode, wrap_count
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.learning.distributed import apply_gradient_sum, clipped_gradient_sum, poisson_sample
 from fedsec.learning.training import DPParams, train_local
+from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params
 
-DELTA = 1e-5
+DELTA = DEFAULT_DELTA
 
 
 @dataclass(frozen=True)

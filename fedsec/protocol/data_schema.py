@@ -61,8 +61,14 @@ class DataSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """``[schema]`` of ``federation.toml``: what every member trains on."""
 
     label: ColumnName
+    """Task table: the label column every member must have."""
     classes: Categories
+    """Task table: the label's classes, fixed so every member maps them to the same index; a
+    member may lack some."""
     columns: Annotated[list[SchemaColumn], msgspec.Meta(max_length=MAX_COLUMNS)]
+    """Task table: the feature columns in model-input order, each with kind (`numeric`,
+    `categorical`), unit, missing-value rule (`drop`, `impute`, `indicator`) and, if
+    categorical, its fixed categories."""
 
     def fingerprint(self) -> str:
         """sha256 hex of the canonical JSON of the schema (units and rules included)."""
