@@ -11,6 +11,7 @@ from typing import Any
 
 from fedsec.errors import InvalidTask
 from fedsec.task import Task, cross_entropy, load_task
+from fedsec.task.dp import check_dp_compatible
 
 #: The tasks fedsec itself declares in the ``fedsec.tasks`` entry-point group.
 TASKS: tuple[str, ...] = ("breast_cancer", "digits", "mnist1d", "csv", "table")
@@ -30,6 +31,7 @@ def get_task(name: str, **options: Any) -> Task:
         ConfigError: unknown or missing option, or bad option value.
         InvalidTask: the entry point does not give a task, or the task declares a loss,
             batch step or primary metric that the round runtime does not apply yet.
+        DpIncompatibleModel: a model layer Opacus cannot train (named, with its fix).
     """
     return runnable(load_task(name, **options))
 
@@ -40,10 +42,15 @@ def runnable(task: Task) -> Task:
     The runtime's training loop, the aggregator's validation and the auditor's
     re-training use cross-entropy on ``(x, y)`` batches and report accuracy; a task
     declaring anything else is refused here rather than trained with a loss it did
-    not ask for.
+    not ask for. Its model must pass Opacus's validator: updates carry trainable
+    parameters only, so a layer whose buffers change in training (BatchNorm) would
+    leave the global model's buffers at their initial values, and DP-SGD refuses it.
+    Checked here, where the aggregator, each agent and the auditor look the task up,
+    before anything runs.
 
     Raises:
         InvalidTask: a custom loss, a batch step, or a primary metric other than accuracy.
+        DpIncompatibleModel: a layer Opacus refuses; the message names it and its fix.
     """
     unsupported = [
         what
@@ -60,4 +67,5 @@ def runnable(task: Task) -> Task:
             "with cross-entropy on (x, y) and report accuracy in this version, so it "
             "cannot run in a federation yet (fedsec task inspect still reports it)"
         )
+    check_dp_compatible(task.name, task.build_model(0))
     return task

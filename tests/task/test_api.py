@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from fedsec.errors import ConfigError, InvalidTask, TaskMismatch, UnknownTask
+from fedsec.errors import ConfigError, DpIncompatibleModel, InvalidTask, TaskMismatch, UnknownTask
 from fedsec.task import (
     DataSource,
     Metric,
@@ -227,3 +227,21 @@ def test_the_round_runtime_refuses_what_it_would_not_apply(install_dist: Install
     assert load_task("own_loss").name == "own_loss"  # the API takes it
     with pytest.raises(InvalidTask, match="declares its own loss; federated rounds train"):
         get_task("own_loss")  # the runtime would train it with cross-entropy: refused
+
+
+def test_the_runtime_refuses_a_model_opacus_cannot_train(install_dist: InstallDist) -> None:
+    source = TOY + (
+        "import dataclasses\n"
+        "def _bn():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),\n"
+        "                               torch.nn.Linear(4, 2))\n"
+        "bn = dataclasses.replace(task, name='bn', model=_bn)\n"
+        "bn_fixed = dataclasses.replace(task, name='bn_fixed', model=_bn, dp_fix=True)\n"
+    )
+    install_dist(
+        "toy-task", "1.0", {"bn": "toy_pkg:bn", "bn_fixed": "toy_pkg:bn_fixed"}, {"toy_pkg": source}
+    )
+    with pytest.raises(DpIncompatibleModel, match=r"layer '1' \(BatchNorm1d\): replace it with"):
+        get_task("bn")
+    fixed = get_task("bn_fixed").build_model(0)
+    assert isinstance(fixed[1], torch.nn.GroupNorm)
