@@ -42,8 +42,7 @@ class DataSource:
 
     ``seed`` chooses the train/test split where the task makes one (members
     evaluating on a common test set all use the default 0); ``options`` are the
-    member's task options (a file path, a table, ...), as the task factory received
-    them.
+    member's task options (a file path, a table, ...), as ``load_task`` received them.
     """
 
     seed: int = 0
@@ -89,6 +88,8 @@ class Task:
         batch_step: ``(model, batch) -> loss``, for a forward that needs more than ``x``.
         dp_fix: apply Opacus's ``ModuleValidator.fix`` to every model built (e.g.
             BatchNorm -> GroupNorm), so a model with such layers can train under DP.
+        options: the member's task options, handed to ``data`` in its
+            :class:`DataSource`; ``load_task`` sets them.
 
     Raises:
         InvalidTask: ``primary_metric`` is not one of ``metrics``, or ``name`` is empty.
@@ -105,6 +106,7 @@ class Task:
     primary_metric: str = "accuracy"
     batch_step: BatchStep | None = field(default=None, repr=False)
     dp_fix: bool = False
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -144,8 +146,9 @@ class Task:
         return model.float()
 
     def datasets(self, source: DataSource | None = None) -> TaskData:
-        """The member's data as torch datasets, read by the task's data function."""
-        return self.data(source if source is not None else DataSource())
+        """The member's data as torch datasets, read by the task's data function; by
+        default from split seed 0 and the task's ``options``."""
+        return self.data(source if source is not None else DataSource(options=self.options))
 
     def load(self, seed: int = 0) -> Dataset:
         """The task's data held in memory; the same ``seed`` always gives the same arrays.
@@ -153,7 +156,7 @@ class Task:
         Raises:
             TaskMismatch: the data breaks the schema (dtype, shape, label range).
         """
-        data = self.datasets(DataSource(seed=seed))
+        data = self.datasets(DataSource(seed=seed, options=self.options))
         x_train, y_train = _arrays(data.train)
         x_test, y_test = _arrays(data.test)
         dataset = Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)

@@ -12,10 +12,12 @@ fedsec never imports code it was sent: only what is installed here is found.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import Distribution, EntryPoint, entry_points
+from types import MappingProxyType
 from typing import Any
 
 from fedsec.errors import ConfigError, InvalidTask, UnknownTask
@@ -91,7 +93,9 @@ def load_task(name: str, **options: Any) -> Task:
 
     Args:
         name: the entry-point name.
-        **options: keyword options of a task factory; a task object takes none.
+        **options: the member's task options: keyword arguments of a task factory
+            (checked against its signature), and for either form the ``options`` of
+            the :class:`DataSource` the data function receives.
 
     Raises:
         UnknownTask: see :func:`find_task`.
@@ -108,9 +112,8 @@ def load_task(name: str, **options: Any) -> Task:
             f"cannot be imported: {exc}"
         ) from exc
     if isinstance(target, Task):
-        if options:
-            raise ConfigError(f"task '{name}' has no option(s) {sorted(options)}; accepted: none")
-        return _named(name, target)
+        # A task object reads its options in its data function (DataSource.options).
+        return _named(name, target, options)
     if not callable(target):
         raise InvalidTask(
             f"task '{name}' entry point {entry.value} names a {type(target).__name__}, "
@@ -122,10 +125,10 @@ def load_task(name: str, **options: Any) -> Task:
             f"task '{name}' factory {entry.value} returned {type(task).__name__}, "
             "expected a fedsec.task.Task"
         )
-    return _named(name, task)
+    return _named(name, task, options)
 
 
-def _named(name: str, task: Task) -> Task:
+def _named(name: str, task: Task, options: dict[str, Any]) -> Task:
     # Round specs name the task by Task.name and members pin it by entry point: the
     # two must be one name, or a spec could name code other than what is pinned.
     if task.name != name:
@@ -133,7 +136,7 @@ def _named(name: str, task: Task) -> Task:
             f"entry point '{name}' gives a task named '{task.name}'; "
             "a task's name must be its entry-point name"
         )
-    return task
+    return dataclasses.replace(task, options=MappingProxyType(dict(options)))
 
 
 def _call_factory(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:

@@ -135,8 +135,7 @@ def test_entry_point_refusals_name_the_problem(install_dist: InstallDist) -> Non
         load_task("wide")
     with pytest.raises(ConfigError, match=r"no option\(s\) \['depth'\]"):
         load_task("wide", width=1, depth=2)
-    with pytest.raises(ConfigError, match="accepted: none"):
-        load_task("toy", width=1)
+    assert load_task("toy", path="/data").options == {"path": "/data"}  # for its data
 
 
 # ---- the contract -----------------------------------------------------------------------
@@ -156,8 +155,8 @@ def test_data_function_receives_the_members_source() -> None:
         seen.append(source)
         return TaskData(train=_Rows(2), test=_Rows(2))
 
-    _task(data=data).load(seed=7)
-    assert seen[0].seed == 7
+    _task(data=data, options={"path": "/srv/records"}).load(seed=7)
+    assert seen[0].seed == 7 and seen[0].options == {"path": "/srv/records"}
 
 
 def test_a_loss_that_is_not_a_scalar_is_refused_and_changes_nothing() -> None:
