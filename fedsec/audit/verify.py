@@ -29,8 +29,9 @@ then entry by entry:
   ``min_agents`` of them, under the context the signed spec names; the archived
   ciphertexts re-added under the archived public context and the sum's digest
   compared; the archived plaintext's length and hash checked;
-- every aggregate recomputed from the archive: the SecAgg+ round replayed through
-  the same server state machine from the archived advertisements, shares, masked
+- every aggregate recomputed from the archive by :func:`fedsec.summation.replay`, the
+  computation the aggregator's session and crash resume use: the SecAgg+ round replayed
+  through the same server state machine from the archived advertisements, shares, masked
   inputs and unmask reveals, and the unmasked sum's sha256 compared (a trusted-mode
   round with an aggregation rule: the signed spec's rule re-applied to the archived
   updates, :mod:`fedsec.learning.robust`; an FLTrust round's inputs are checked, but

@@ -5,9 +5,10 @@ checker that owns its concern: who may sign what (:mod:`.identity`), what the
 archive holds and what retention deleted (:mod:`.retention`), each round attempt's
 spec and accepted messages (:mod:`.attempts`), each summation mode's own entries
 (:mod:`.modes`, :mod:`.homomorphic`), the aggregates re-derived from the archive
-(:mod:`.aggregates`, sums in :mod:`.sums`), the model versions (:mod:`.models`) and
-the members' privacy accounting (:mod:`.privacy`).  Each checker keeps its own
-state and counts; the dispatcher names the entry a checker's problem is about.
+(:mod:`.aggregates`; a sum by :func:`fedsec.summation.replay`), the model versions
+(:mod:`.models`) and the members' privacy accounting (:mod:`.privacy`).  Each
+checker keeps its own state and counts; the dispatcher names the entry a checker's
+problem is about.
 """
 
 from __future__ import annotations

@@ -11,16 +11,21 @@ the one it committed to before any ciphertext was logged.
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fedsec.audit.verifier import EntryProblem
 from fedsec.audit.verifier.attempts import Attempt, Consulted, ModeAudit, Rederived
 from fedsec.audit.verifier.retention import ArchiveRecords
-from fedsec.audit.verifier.sums import ciphertext_sum, plaintext_sums
+from fedsec.crypto.quantize import ring_from_integers
 from fedsec.errors import FedsecError
-from fedsec.protocol import wire
+from fedsec.protocol import he_release, wire
 from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry
+from fedsec.protocol.update_codec import codec_for
+from fedsec.summation.he import CiphertextReplay
 
 if TYPE_CHECKING:
     from fedsec.audit.verifier.identity import Identities
@@ -223,14 +228,17 @@ class HeAudit(ModeAudit):
         spec, records = self.attempt.spec, self.consulted.records
         public = self.consulted.contexts.public(index, spec.round, context.context_sha256)
         values = spec.dim + 1
-        ciphertexts = (
-            (
-                f"{member} (log entry {at})",
-                records.get(index, spec.round, f"masked_input from {member}", digest),
-            )
-            for at, member, digest in self.attempt.inputs
-        )
-        total = ciphertext_sum(public, params_of(context), values, ciphertexts)
+        # the ciphertext sum as the aggregator's session and the custodian add it
+        total = CiphertextReplay(spec, public)
+        for at, member, digest in self.attempt.inputs:
+            raw = records.get(index, spec.round, f"masked_input from {member}", digest)
+            try:
+                total.add(raw)
+            except FedsecError as exc:
+                raise EntryProblem(
+                    f"the archived ciphertext of {member} (log entry {at}) does not add "
+                    f"under the federation's context: {exc.detail}"
+                ) from None
         digest = total.digest()
         if digest != statement.sum_sha256:
             raise EntryProblem(
@@ -246,7 +254,7 @@ class HeAudit(ModeAudit):
                 f"the archived {_PLAINTEXT} is {len(plaintext)} bytes; {values} int64 values "
                 f"are {values * 8}"
             )
-        return plaintext_sums(spec, plaintext, len(statement.contributors))
+        return _ring_sums(spec, plaintext, len(statement.contributors))
 
     def _plaintext(self, index: int, statement: wire.DecryptionStatement) -> bytes | None:
         """The released plaintext: archived, or sealed to the readers of a hidden model
@@ -283,3 +291,14 @@ class HeAudit(ModeAudit):
                 f"plaintext ({ring_digest[:16]}…)"
             )
         return Rederived(sums)
+
+
+def _ring_sums(spec: wire.RoundSpec, plaintext: bytes, contributors: int) -> tuple[str, Any]:
+    """(sha256 of the ring sum, (Σ w·Δ, Σ w)) of a released integer sum, read exactly as
+    the aggregator's HE session reads it (:meth:`fedsec.summation.he.HeSession.finalize`)."""
+    ints = np.frombuffer(plaintext, dtype=he_release.PLAINTEXT_DTYPE)
+    # (ints & ring_mask) as the ring's dtype: bit for bit the same for any int64, negative
+    # ones and a 64-bit ring included
+    ring = ring_from_integers(ints, spec.quant_spec())
+    sums = codec_for(spec).decode_sum(ring, contributors)
+    return hashlib.sha256(ring.tobytes()).hexdigest(), sums

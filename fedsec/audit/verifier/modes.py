@@ -1,19 +1,26 @@
 """Each summation mode's audit, by the name a signed spec gives it (``secure_sum``).
 
 A mode's audit says what the mode adds to the checks of an attempt
-(:class:`fedsec.audit.verifier.attempts.ModeAudit`): SecAgg+ and trusted-mode rounds
-log no entries of their own and are re-aggregated by replaying their messages
-(:func:`fedsec.audit.verifier.sums.replay`); a homomorphic round's commitments,
+(:class:`fedsec.audit.verifier.attempts.ModeAudit`).  SecAgg+ and trusted-mode rounds
+log no entries of their own: their archived messages are summed again by
+:func:`fedsec.summation.replay`, the computation the aggregator's session and crash
+resume use (a SecAgg+ round through the same server state machine, a trusted-mode
+round's robust rule re-applied bit for bit).  A homomorphic round's commitments,
 custodian's decryption and sum are :class:`fedsec.audit.verifier.homomorphic.HeAudit`'s.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedsec.audit.verifier import EntryProblem
 from fedsec.audit.verifier.attempts import Attempt, Consulted, ModeAudit, Rederived
 from fedsec.audit.verifier.homomorphic import HeAudit
-from fedsec.audit.verifier.sums import Replayed, replay, trusted_inputs
+from fedsec.crypto.quantize import unpack
+from fedsec.errors import BadVector, IntegrityError
 from fedsec.protocol.log_entries import AggregateEntry
+from fedsec.protocol.update_codec import codec_for
+from fedsec.summation import SessionInputs, StoredAttempt, StoredMessage, SummationResult, replay
 
 #: Trusted-mode rules whose inputs the log does not hold entirely, and why.
 UNDERIVABLE_RULES: dict[str, str] = {
@@ -26,18 +33,28 @@ class ReplayedAudit(ModeAudit):
     """A mode whose sum the auditor re-runs from the archived messages (SecAgg+)."""
 
     def rederive(self, index: int, body: AggregateEntry) -> Rederived:
-        replayed = self._replay(index)
+        replayed = self._replay()
         if sorted(replayed.survivors) != sorted(body.survivors):
             raise EntryProblem(f"the archive gives survivors {sorted(replayed.survivors)}")
-        if replayed.sha256 != body.sum_sha256:
+        if replayed.sum_sha256 != body.sum_sha256:
             raise EntryProblem("the sum recomputed from the archived inputs and reveals differs")
-        return Rederived(replayed.sums)
+        return Rederived((replayed.weighted_sum, replayed.weight_sum))
 
-    def _replay(self, index: int) -> Replayed:
-        spec = self.attempt.spec
+    def _replay(self) -> SummationResult:
+        """The attempt summed again from its archived messages.
+
+        Raises:
+            FedsecError, msgspec.DecodeError: an archived message is altered or no
+                longer verifies, or the messages cannot form a sum.
+        """
         records = self.consulted.records
         assert records.archive is not None  # nothing is re-derived without it
-        return replay(spec, self.attempt.messages, records.archive.get, self._keys())
+        messages = [
+            StoredMessage(stage, member, records.archive.get(digest))
+            for stage, member, digest in self.attempt.messages
+        ]
+        inputs = SessionInputs(self._keys(), self.consulted.identities.min_agents)
+        return replay(self.attempt.spec, StoredAttempt(inputs, messages))
 
     def _keys(self) -> dict[str, bytes]:
         """Each cohort member's key, active at the aggregate (the reveals are signed)."""
@@ -63,7 +80,7 @@ class TrustedAudit(ReplayedAudit):
         what it does hold, and list the round as not re-derived."""
         spec, records = self.attempt.spec, self.consulted.records
         assert records.archive is not None
-        inputs = dict(trusted_inputs(spec, self.attempt.messages, records.archive.get))
+        inputs = dict(self._inputs())
         strangers = sorted(set(body.survivors) - set(inputs))
         if strangers:
             raise EntryProblem(
@@ -84,6 +101,29 @@ class TrustedAudit(ReplayedAudit):
             f"{len(body.survivors)} applied), aggregate and model version not re-derived: "
             f"{UNDERIVABLE_RULES[rule]}",
         }
+
+    def _inputs(self) -> list[tuple[str, Any]]:
+        """(member, ring vector) of each archived masked input, in member order.
+
+        Raises:
+            IntegrityError: an update the aggregator must have refused.
+        """
+        spec, records = self.attempt.spec, self.consulted.records
+        assert records.archive is not None
+        encoding = codec_for(spec)
+        inputs = []
+        masked = sorted((m, d) for stage, m, d in self.attempt.messages if stage == "masked_input")
+        for member, digest in masked:
+            vector = unpack(records.archive.get(digest), encoding.length, spec.ring_bits)
+            try:
+                encoding.check_input(vector)
+            except BadVector as exc:
+                raise IntegrityError(
+                    f"round {spec.round}: the archived update of {member} has {exc.detail}, "
+                    "which the aggregator must have refused"
+                ) from None
+            inputs.append((member, vector))
+        return inputs
 
 
 #: The audit of each summation mode, by its ``secure_sum`` name.
