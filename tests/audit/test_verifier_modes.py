@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, get_args
+from types import SimpleNamespace
+from typing import Any, cast, get_args
 
 import pytest
 from click.testing import CliRunner
 
-from fedsec.audit.verifier.attempts import ModeAudit
-from fedsec.audit.verifier.modes import AUDITS
+from fedsec.audit.verifier.attempts import Attempt, Consulted, ModeAudit
+from fedsec.audit.verifier.modes import AUDITS, ReplayedAudit, open_mode
 from fedsec.cli import main
 from fedsec.protocol.spec import SecureSum
 from tests.support.audit import entries, find, read_lines, rewrite_signed
@@ -20,6 +21,13 @@ from tests.support.audit import entries, find, read_lines, rewrite_signed
 def test_every_mode_a_spec_can_name_has_an_audit() -> None:
     assert sorted(AUDITS) == sorted(get_args(SecureSum))
     assert all(issubclass(audit, ModeAudit) for audit in AUDITS.values())
+
+
+def test_a_mode_without_an_audit_of_its_own_is_summed_through_its_replay() -> None:
+    """A plug-in mode whose log holds only its stage messages needs no audit code."""
+    attempt = cast(Attempt, SimpleNamespace(spec=SimpleNamespace(secure_sum="toy")))
+    audit = open_mode(attempt, cast(Consulted, None))
+    assert type(audit) is ReplayedAudit and audit.attempt is attempt
 
 
 def _verify(root: Path) -> dict[str, Any]:

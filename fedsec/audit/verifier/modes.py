@@ -135,5 +135,7 @@ AUDITS: dict[str, type[ModeAudit]] = {
 
 
 def open_mode(attempt: Attempt, consulted: Consulted) -> ModeAudit:
-    """The audit of ``attempt``'s summation mode."""
-    return AUDITS[attempt.spec.secure_sum](attempt, consulted)
+    """The audit of ``attempt``'s summation mode.  A mode whose log holds only its stage
+    messages needs no audit of its own: :class:`ReplayedAudit` sums them through the
+    mode's :meth:`~fedsec.summation.SummationMode.replay`."""
+    return AUDITS.get(attempt.spec.secure_sum, ReplayedAudit)(attempt, consulted)
