@@ -6,7 +6,9 @@ Every action names the one event type that answers it (``answer``); any action m
 instead be answered with :class:`Refused`, carrying the typed error (a 4xx answer,
 a ledger refusal) for the machine to judge.  The runtime
 (:mod:`fedsec.agent.runtime`) performs the actions through the aggregator client,
-the privacy ledger, the vault and the training executor.
+the privacy ledger, the vault and the training executor; the stage messages
+(:class:`StageUpload`, :class:`StageFetch`, :class:`SendMaskedInput`) through the
+member's message seam (:mod:`fedsec.agent.seam`), whatever the topology.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ from fedsec.protocol.wire import (
 )
 
 T = TypeVar("T")
+
+#: what a member uploads at a stage, and what a stage answers it
+UploadBody = AdvertiseKeysBody | ShareKeysBody | ConsistencyBody | CommitBody | UnmaskResponseBody
+StageAnswer = (
+    KeyListBody | ShareRelayBody | UnmaskRequestBody | ConsistencyProofBody | CommitmentSetBody
+)
 
 OutcomeStatus = Literal["closed", "refused", "aborted", "missed", "dropped"]
 
@@ -142,27 +150,41 @@ class UploadAnswered(Event):
 
 
 @dataclass(frozen=True)
-class KeysFetched(Event):
+class StageData(Event):
+    """A stage's answer for this member, through the seam (:mod:`fedsec.agent.seam`):
+    a ``kind``, the wire struct that names the stage."""
+
+    kind: ClassVar[type] = object
+    body: StageAnswer
+
+
+@dataclass(frozen=True)
+class KeysFetched(StageData):
+    kind: ClassVar[type] = KeyListBody
     body: KeyListBody
 
 
 @dataclass(frozen=True)
-class SharesFetched(Event):
+class SharesFetched(StageData):
+    kind: ClassVar[type] = ShareRelayBody
     body: ShareRelayBody
 
 
 @dataclass(frozen=True)
-class UnmaskFetched(Event):
+class UnmaskFetched(StageData):
+    kind: ClassVar[type] = UnmaskRequestBody
     body: UnmaskRequestBody
 
 
 @dataclass(frozen=True)
-class ProofFetched(Event):
+class ProofFetched(StageData):
+    kind: ClassVar[type] = ConsistencyProofBody
     body: ConsistencyProofBody
 
 
 @dataclass(frozen=True)
-class CommitmentsFetched(Event):
+class CommitmentsFetched(StageData):
+    kind: ClassVar[type] = CommitmentSetBody
     body: CommitmentSetBody
 
 
@@ -293,37 +315,46 @@ class Report(Action):
 
 
 @dataclass(frozen=True)
-class Advertise(Action):
+class StageUpload(Action):
+    """Send this stage's upload through the seam (:mod:`fedsec.agent.seam`); the answer
+    may be held ``wait`` seconds and carry the next stage's data."""
+
     answer: ClassVar[type[Event]] = UploadAnswered
     round: int
     attempt: int
-    body: AdvertiseKeysBody
-    wait: float  # the aggregator may hold the answer this long for the key list
+    body: UploadBody
+    wait: float
 
 
 @dataclass(frozen=True)
-class FetchKeys(Action):
-    answer: ClassVar[type[Event]] = KeysFetched
+class StageFetch(Action):
+    """Await a stage's answer for this member through the seam, ``wait`` seconds at
+    most (a refusal WrongStage: not there yet when the wait ended)."""
+
+    answer: ClassVar[type[StageData]] = StageData
     round: int
     attempt: int
     wait: float
 
 
 @dataclass(frozen=True)
-class SendShares(Action):
-    answer: ClassVar[type[Event]] = UploadAnswered
-    round: int
-    attempt: int
-    body: ShareKeysBody
-    wait: float  # ... for our share relay
+class Advertise(StageUpload):
+    body: AdvertiseKeysBody  # the answer may carry the key list
 
 
 @dataclass(frozen=True)
-class FetchShares(Action):
-    answer: ClassVar[type[Event]] = SharesFetched
-    round: int
-    attempt: int
-    wait: float
+class FetchKeys(StageFetch):
+    answer: ClassVar[type[StageData]] = KeysFetched
+
+
+@dataclass(frozen=True)
+class SendShares(StageUpload):
+    body: ShareKeysBody  # ... our share relay
+
+
+@dataclass(frozen=True)
+class FetchShares(StageFetch):
+    answer: ClassVar[type[StageData]] = SharesFetched
 
 
 @dataclass(frozen=True)
@@ -399,56 +430,35 @@ class Record(Action):
 
 
 @dataclass(frozen=True)
-class FetchUnmask(Action):
-    answer: ClassVar[type[Event]] = UnmaskFetched
-    round: int
-    attempt: int
-    wait: float
+class FetchUnmask(StageFetch):
+    answer: ClassVar[type[StageData]] = UnmaskFetched
 
 
 @dataclass(frozen=True)
-class SendConsistency(Action):
-    answer: ClassVar[type[Event]] = UploadAnswered
-    round: int
-    attempt: int
-    body: ConsistencyBody
-    wait: float  # ... for our consistency proof
+class SendConsistency(StageUpload):
+    body: ConsistencyBody  # ... our consistency proof
 
 
 @dataclass(frozen=True)
-class FetchProof(Action):
-    answer: ClassVar[type[Event]] = ProofFetched
-    round: int
-    attempt: int
-    wait: float
+class FetchProof(StageFetch):
+    answer: ClassVar[type[StageData]] = ProofFetched
 
 
 @dataclass(frozen=True)
-class SendCommit(Action):
+class SendCommit(StageUpload):
     """Homomorphic summation: commit to our ciphertext's hash before any is sent."""
 
-    answer: ClassVar[type[Event]] = UploadAnswered
-    round: int
-    attempt: int
-    body: CommitBody
-    wait: float  # ... for the attempt's commitment set
+    body: CommitBody  # ... the attempt's commitment set
 
 
 @dataclass(frozen=True)
-class FetchCommitments(Action):
-    answer: ClassVar[type[Event]] = CommitmentsFetched
-    round: int
-    attempt: int
-    wait: float
+class FetchCommitments(StageFetch):
+    answer: ClassVar[type[StageData]] = CommitmentsFetched
 
 
 @dataclass(frozen=True)
-class Unmask(Action):
-    answer: ClassVar[type[Event]] = UploadAnswered
-    round: int
-    attempt: int
-    body: UnmaskResponseBody
-    wait: float  # ... until the attempt is over (the answer carries the round state)
+class Unmask(StageUpload):
+    body: UnmaskResponseBody  # ... the round state, once the attempt is over
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""How each I/O action of the round machines is carried out: through the aggregator
-client, the privacy ledger and the vault.  No decisions here beyond the transport's
+"""How each I/O action of the round machines is carried out: through the member's
+message seam (:mod:`fedsec.agent.seam`; the aggregator client for everything else),
+the privacy ledger and the vault.  No decisions here beyond the transport's
 own: a round-state poll outlives temporary refusals, and a stop cuts long polls and
 SecAgg+ uploads short (never the masked input, whose receipt must be kept)."""
 
@@ -18,6 +19,7 @@ from fedsec.agent.he import HeContexts, encrypt_update
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.agent.pinned_roster import PinnedRoster
 from fedsec.agent.refusals import is_temporary
+from fedsec.agent.seam import MemberSeam, StarSeam
 from fedsec.agent.vault import Vault
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.aio import unless_stopped
@@ -77,6 +79,7 @@ class ActionPerformer:
         pin: the federation followed (kept across runs).
         poll_timeout_s: long-poll wait asked of the aggregator.
         faults: where a chaos test crashes this agent (:mod:`fedsec.faults`).
+        seam: how the stage messages travel (default: the star, through ``client``).
     """
 
     def __init__(
@@ -91,8 +94,10 @@ class ActionPerformer:
         pin: FederationPin,
         poll_timeout_s: float,
         faults: Faults = NO_FAULTS,
+        seam: MemberSeam | None = None,
     ) -> None:
         self.client = client
+        self.seam = seam or StarSeam(client)
         self.stop = stop
         self.ledger = ledger
         self.vault = vault
@@ -117,7 +122,12 @@ class ActionPerformer:
 
     def _performers(self) -> dict[type[act.Action], Callable[[Any], Awaitable[act.Event]]]:
         c, guard = self.client, self.unless_stopped
+        stage_messages: dict[type[act.Action], Callable[[Any], Awaitable[act.Event]]] = {
+            **{upload: self._stage_upload for upload in _subclasses(act.StageUpload)},
+            **{fetch: self._stage_fetch for fetch in _subclasses(act.StageFetch)},
+        }
         return {
+            **stage_messages,
             act.Poll: self._poll,
             act.FetchRoster: self._fetch_roster,
             act.Charge: self._charge,
@@ -125,18 +135,6 @@ class ActionPerformer:
             act.ReportTaken: self._report_taken,
             act.Join: lambda a: _as(act.JoinAnswered, c.join(a.round, a.attempt, a.request)),
             act.Report: lambda a: _passed(c.report(a.round, a.attempt, a.report)),
-            act.Advertise: lambda a: _as(
-                act.UploadAnswered, guard(c.advertise(a.round, a.attempt, a.body, a.wait))
-            ),
-            act.FetchKeys: lambda a: _as(
-                act.KeysFetched, guard(c.keys(a.round, a.attempt, a.wait))
-            ),
-            act.SendShares: lambda a: _as(
-                act.UploadAnswered, guard(c.post_shares(a.round, a.attempt, a.body, a.wait))
-            ),
-            act.FetchShares: lambda a: _as(
-                act.SharesFetched, guard(c.get_shares(a.round, a.attempt, a.wait))
-            ),
             act.KeepUpdate: self._keep_update,
             act.Release: self._release,
             act.Encrypt: self._encrypt,
@@ -145,24 +143,6 @@ class ActionPerformer:
             act.FetchReceipt: lambda a: _as(act.ReceiptFetched, c.receipt(a.round)),
             act.Record: self._record,
             act.FetchStatus: lambda a: _as(act.StatusFetched, guard(c.status())),
-            act.FetchUnmask: lambda a: _as(
-                act.UnmaskFetched, guard(c.get_unmask(a.round, a.attempt, a.wait))
-            ),
-            act.SendConsistency: lambda a: _as(
-                act.UploadAnswered, guard(c.consistency(a.round, a.attempt, a.body, a.wait))
-            ),
-            act.FetchProof: lambda a: _as(
-                act.ProofFetched, guard(c.get_consistency(a.round, a.attempt, a.wait))
-            ),
-            act.SendCommit: lambda a: _as(
-                act.UploadAnswered, guard(c.commit(a.round, a.attempt, a.body, a.wait))
-            ),
-            act.FetchCommitments: lambda a: _as(
-                act.CommitmentsFetched, guard(c.get_commit(a.round, a.attempt, a.wait))
-            ),
-            act.Unmask: lambda a: _as(
-                act.UploadAnswered, guard(c.unmask(a.round, a.attempt, a.body, a.wait))
-            ),
             act.FaultPoint: self._fault_point,
         }
 
@@ -300,8 +280,19 @@ class ActionPerformer:
         context = await self._he.for_spec(self.client, action.spec)
         return act.Encrypted(await encrypt_update(context, action.quantized))
 
+    # -- the stage messages, through the seam --------------------------------------
+
+    async def _stage_upload(self, action: act.StageUpload) -> act.UploadAnswered:
+        answer = self.seam.send(action.round, action.attempt, action.body, action.wait)
+        return act.UploadAnswered(await self.unless_stopped(answer))
+
+    async def _stage_fetch(self, action: act.StageFetch) -> act.StageData:
+        r, a, kind = action.round, action.attempt, action.answer.kind
+        answer: Awaitable[act.StageAnswer] = self.seam.answer(r, a, kind, action.wait)
+        return action.answer(await self.unless_stopped(answer))
+
     async def _send_masked_input(self, action: act.SendMaskedInput) -> act.MaskedInputAnswered:
-        receipt, request = await self.client.masked_input(
+        receipt, request = await self.seam.contribute(
             action.round, action.attempt, action.vector, action.statement, action.wait
         )
         return act.MaskedInputAnswered(receipt, request)
@@ -314,6 +305,14 @@ class ActionPerformer:
     async def _fault_point(self, action: act.FaultPoint) -> act.Passed:
         self._faults.crash(action.round, action.point)
         return act.Passed()
+
+
+def _subclasses(base: type[T]) -> list[type[T]]:
+    """Every subclass of ``base``, at any depth."""
+    found = []
+    for sub in base.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
 
 
 async def _as(event: Callable[[T], act.Event], request: Awaitable[T]) -> act.Event:
