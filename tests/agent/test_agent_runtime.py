@@ -1,8 +1,13 @@
-"""The agent runtime: refusals before any privacy is spent, and whole rounds against a
-small in-test aggregator (real aiohttp server on loopback, real request verification,
-the real SecAgg+ server state machine), so every wire conversion is exercised.
+"""The agent runtime: refusals before any privacy is spent, and whole rounds against the
+real aggregator app on a loopback port (its coordinator, workspace and transparency log;
+:func:`tests.support.agent.live_aggregator`), so every wire conversion and both sides of
+every stage are exercised.  Temporary refusals are answered by a middleware in front of
+the real app; an aborted attempt is the round engine's own abort, triggered at the
+request the test names.
 
-The real aggregator app and its end-to-end test live with fedsec.aggregator.
+Two cases need a round state an honest aggregator never shows this agent (a spec of
+another task version; a cohort that names us at a stage we never reached, as after a
+restart): :class:`OddAggregator` serves only that state, and nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +40,11 @@ from fedsec.agent.runtime import (
     verify_round_spec,
 )
 from fedsec.agent.vault import Vault
+from fedsec.aggregator.coordinator import Coordinator
 from fedsec.config import AgentConfig, AgentSection, DataSection, NetworkSection, PrivacySection
 from fedsec.crypto.commitment import CommitmentContext, verify_commitment
-from fedsec.crypto.httpsig import NonceCache, RequestVerifier
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.crypto.quantize import dequantize_one, unpack
-from fedsec.crypto.secagg import (
-    EncryptedShare,
-    MaskedInput,
-    ServerSession,
-    ShareKeys,
-    UnmaskResponse,
-)
+from fedsec.crypto.quantize import dequantize_one, pack
 from fedsec.errors import (
     AuthError,
     BudgetExhausted,
@@ -53,42 +52,31 @@ from fedsec.errors import (
     ConfigError,
     FedsecError,
     ForbiddenError,
-    PayloadError,
     RateLimited,
     ReplayError,
     RequestTimeout,
     ServerBusy,
     SignatureError,
     TaskMismatch,
-    WrongStage,
 )
 from fedsec.keys import load_identity, save_identity, save_public_key
 from fedsec.modelfile import encode_model, sha256_hex, sign_manifest
-from fedsec.protocol import codec, compact
-from fedsec.protocol.roster import sign_roster_entry
-from fedsec.protocol.stages import stage_index
-from fedsec.protocol.wire import (
-    AdvertiseKeysBody,
-    ConsistencyBody,
-    ContributionStatement,
-    DPSpec,
-    FederationStatus,
-    IncomingShare,
-    JoinRequest,
-    JoinResponse,
-    PrivacyReport,
-    Receipt,
-    RoundSpec,
-    RoundState,
-    ShareKeysBody,
-    ShareRelayBody,
-    UnmaskRequestBody,
-    UnmaskResponseBody,
-    encode,
-)
+from fedsec.protocol.wire import PrivacyReport, RoundSpec, RoundState, encode
 from fedsec.tasks import get_task
 from fedsec.tasks.params import param_count, state_to_arrays
-from tests.support.agent import signed_spec
+from tests.support.agent import LiveAggregator, live_aggregator, signed_spec
+from tests.support.aggregator import (
+    FAST_ROUND,
+    Federation,
+    expected_params,
+    log_entries,
+    make_federation,
+    model_params,
+    table_rows,
+)
+from tests.support.aggregator import (
+    FED as FED_ID,
+)
 
 AGGREGATOR = SigningIdentity(bytes(range(32, 64)))
 ADMIN = SigningIdentity(bytes(range(96, 128)))
@@ -125,13 +113,17 @@ def make_spec(cohort: tuple[str, ...] = ("alice",), **changes: Any) -> RoundSpec
 
 
 def make_config(
-    state_dir: Path, url: str, member: str = "alice", epsilon: float = 8.0
+    state_dir: Path,
+    url: str,
+    member: str = "alice",
+    epsilon: float = 8.0,
+    aggregator_public: bytes = AGGREGATOR.public_bytes,
 ) -> AgentConfig:
     return AgentConfig(
         agent=AgentSection(
             id=member,
             aggregator_url=url,
-            aggregator_public_key=AGGREGATOR.public_bytes.hex(),
+            aggregator_public_key=aggregator_public.hex(),
             state_dir=str(state_dir),
             device="cpu",
         ),
@@ -143,275 +135,180 @@ def make_config(
     )
 
 
-# ---------------------------------------------------------------- in-test aggregator
+# ------------------------------------------------------------------ the real aggregator
+
+#: Deadlines no test run reaches, even on a loaded machine: stages close because every
+#: member has done its part, never on time.
+LIVE_ROUND = {key: 120.0 for key in FAST_ROUND}
 
 
-class FakeAggregator:
-    """Just enough of the aggregator API to run one round: stages advance as soon as
-    every cohort member has done its part."""
+def federation(
+    tmp_path: Path,
+    members: tuple[str, ...] = ("alice",),
+    secure_sum: str = "none",
+    dp: dict[str, Any] | None = None,
+) -> Federation:
+    """A one-round federation of ``members`` (each the whole cohort), not yet served."""
+    return make_federation(
+        tmp_path / "aggregator",
+        members,
+        round={
+            **LIVE_ROUND,
+            "rounds": 1,
+            "min_agents": len(members),
+            "max_agents": len(members),
+            "secure_sum": secure_sum,
+            "max_weight_samples": 1000,
+        },
+        sections={"dp": dp} if dp else None,
+    )
 
-    def __init__(self, spec: RoundSpec) -> None:
-        self.spec = spec
-        self.cohort = tuple(spec.cohort)
-        self.state = RoundState(
-            federation_id=FED,
-            round=spec.round,
-            attempt=spec.attempt,
-            stage="open",
-            token=1,
-            model_version=1,
-            rounds_completed=0,
-            rounds_target=1,
-            finished=False,
-        )
+
+@dataclass
+class Run:
+    """What agents did against the real aggregator: their outcomes, and the server."""
+
+    outcomes: dict[str, list[RoundOutcome]] = field(default_factory=dict)
+    live: LiveAggregator | None = None
+
+    @property
+    def server(self) -> LiveAggregator:
+        assert self.live is not None
+        return self.live
+
+
+def run_agents(
+    fed: Federation,
+    tmp_path: Path,
+    members: tuple[str, ...],
+    run: Run | None = None,
+    *,
+    epsilon: float = 8.0,
+    pinned: bytes | None = None,
+    setup: Callable[[LiveAggregator], None] | None = None,
+) -> Run:
+    """Serve ``fed`` and run ``members``' agents until each has one round closed;
+    ``pinned``: the aggregator key the agents pin (default: the aggregator's own)."""
+    run = run or Run()
+
+    async def main() -> None:
+        async with live_aggregator(fed) as live:
+            run.live = live
+            if setup is not None:
+                setup(live)
+            key = pinned or fed.ws.signer.public_bytes
+            runtimes = [
+                AgentRuntime(
+                    make_config(tmp_path / m, live.url, m, epsilon, key),
+                    fed.identities[m],
+                    poll_timeout_s=2.0,
+                )
+                for m in members
+            ]
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(rt.run(max_rounds=1) for rt in runtimes)), 90
+            )
+            run.outcomes.update(zip(members, outcomes, strict=True))
+
+    asyncio.run(main())
+    return run
+
+
+def accepted_inputs(fed: Federation, member: str) -> list[dict[str, Any]]:
+    """The log's entries of ``member``'s accepted contributions (masked inputs,
+    ciphertexts, plain vectors: those with a commitment), oldest first."""
+    return [
+        e["body"]
+        for e in log_entries(fed.ws)
+        if e["kind"] == "accepted" and e["body"]["member"] == member and "commitment" in e["body"]
+    ]
+
+
+def logged_reports(fed: Federation) -> dict[str, PrivacyReport]:
+    """The privacy reports in the log, by member (the last of each)."""
+    return {
+        e["body"]["member"]: msgspec.convert(e["body"], PrivacyReport)
+        for e in log_entries(fed.ws)
+        if e["kind"] == "privacy_report"
+    }
+
+
+def round_spec(fed: Federation, round_: int, attempt: int) -> RoundSpec:
+    (row,) = [r for r in fed.ws.state.rounds.history() if (r.round, r.attempt) == (round_, attempt)]
+    assert row.spec is not None
+    return msgspec.json.decode(row.spec, type=RoundSpec)
+
+
+def check_commitment(fed: Federation, state_dir: Path, member: str) -> None:
+    """The statement the member signed last commits to the update and salt in its vault."""
+    statement = accepted_inputs(fed, member)[-1]
+    r, a = statement["round"], statement["attempt"]
+    kept = Vault(state_dir).load_update(r, a)
+    context = CommitmentContext(FED_ID, r, a, member, round_spec(fed, r, a).ring_bits)
+    verify_commitment(bytes.fromhex(statement["commitment"]), kept.update, kept.salt, context)
+
+
+def contributions_stored(fed: Federation) -> tuple[list[Any], list[Any]]:
+    """The aggregator's rows of privacy reports and of receipts it issued."""
+    return table_rows(fed.ws, "reports"), table_rows(fed.ws, "receipts")
+
+
+def abort_live_attempt(coordinator: Coordinator) -> None:
+    """Abort the attempt in progress, as the round engine does when too few members
+    are left: the next attempt follows."""
+    life = coordinator._lifecycle
+    life._abort(coordinator.live, time.time(), "too few members", "round_aborted")
+
+
+# --------------------------------------------------- a round state no honest aggregator shows
+
+
+class OddAggregator:
+    """Serves ``GET /v1/round`` only, with ``state``: what the real aggregator cannot be
+    brought to show (see the module doc).  Any other request is answered 404 and
+    recorded, so a test sees that the agent asked for nothing more."""
+
+    def __init__(self, state: RoundState) -> None:
+        self.state = state
+        self.requests: list[tuple[str, str]] = []
         self.changed = asyncio.Event()
-        self.by_key = {IDENTITIES[m].key_id: m for m in MEMBERS}
-        self.verifier = RequestVerifier(
-            lambda kid: IDENTITIES[self.by_key[kid]].public_bytes if kid in self.by_key else None,
-            NonceCache(600.0),
-        )
-        self.requests: list[tuple[str, str, str]] = []
-        self.joined: dict[str, JoinRequest] = {}
-        self.reports: dict[str, PrivacyReport] = {}
-        self.reports_with_shares: set[str] = set()  # members whose report came with shares
-        self.vectors: dict[str, bytes] = {}
-        self.statements: dict[str, ContributionStatement] = {}
-        self.unmasked: set[str] = set()
-        self.result: Any = None
-        self.secagg: ServerSession | None = None
-        self.relays: dict[str, Any] = {}
-        self.key_list: Any = None
-        self.unmask_request: Any = None
-        self.proofs: dict[str, Any] = {}
-        self.roster_admin = ADMIN
-        if spec.secure_sum == "secagg":
-            roster = {m: IDENTITIES[m].public_bytes for m in self.cohort}
-            self.secagg = ServerSession(spec.secagg_params(), roster)
 
     def advance(self, **changes: Any) -> None:
         self.state = msgspec.structs.replace(self.state, token=self.state.token + 1, **changes)
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def reached(self, stage: str) -> None:
-        """Stage data before its stage: 409, as the real aggregator answers once a
-        ``wait`` is over."""
-        if stage_index(self.state.stage) < stage_index(stage):
-            raise WrongStage(f"round has not reached stage {stage} yet")
-
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        keyid = self.verifier.verify(request.method, request.raw_path, request.headers, body)
-        member = self.by_key[keyid]
-        self.requests.append((member, request.method, request.path))
-        route = (request.method, request.path)
-        try:
-            return await self.route(route, member, request, body)
-        except FedsecError as exc:
-            return web.json_response(
-                {"error": exc.code, "detail": exc.detail}, status=exc.http_status
-            )
-
-    async def route(
-        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
-    ) -> web.StreamResponse:
-        s, r = self.state, self.spec.round
-        if route == ("GET", "/v1/round"):
-            wait = request.query.get("wait")
-            if wait is not None and int(wait) == s.token:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self.changed.wait(), float(request.query.get("timeout", "1"))
-                    )
-            return _json(self.state)
-        if route == ("POST", f"/v1/rounds/{r}/join"):
-            self.joined[member] = msgspec.json.decode(body, type=JoinRequest)
-            if set(self.joined) == set(self.cohort):
-                if self.secagg is not None:  # the graph commitments the members joined with
-                    commitments = [self.joined[m].graph_commitment for m in self.spec.cohort]
-                    unsigned = msgspec.structs.replace(
-                        self.spec, graph_commitments=commitments, signature=""
-                    )
-                    self.spec = unsigned.sign(AGGREGATOR)
-                    roster = {m: IDENTITIES[m].public_bytes for m in self.cohort}
-                    self.secagg = ServerSession(self.spec.secagg_params(), roster)
-                self.advance(stage="advertise", spec=self.spec)
-            return _json(JoinResponse(True, "joined"))
-        if route == ("GET", "/v1/models/1/manifest"):
-            return web.Response(body=MANIFEST.to_json())
-        if route == ("GET", "/v1/models/1"):
-            return web.Response(body=MODEL_BYTES)
-        if route == ("POST", f"/v1/rounds/{r}/report"):
-            report = msgspec.json.decode(body, type=PrivacyReport)
-            report.verify(IDENTITIES[member].public_bytes)
-            self.reports[member] = report
-            if self.secagg is None and set(self.reports) == set(self.cohort):
-                self.advance(stage="masked_input")
-            return web.json_response({})
-        if route == ("GET", "/v1/status"):  # trusted mode: the agent reads why it was refused
-            return _json(
-                FederationStatus(
-                    federation_id=FED,
-                    round=s.round,
-                    attempt=s.attempt,
-                    stage=s.stage,
-                    model_version=1,
-                    rounds_completed=0,
-                    rounds_target=0,
-                    finished=False,
-                    agents_active=len(MEMBERS),
-                    history=[],
-                    alerts=[],
-                )
-            )
-        if route == ("GET", "/v1/roster"):
-            entries = [
-                sign_roster_entry(
-                    federation_id=FED,
-                    agent_id=m,
-                    public_key=IDENTITIES[m].public_bytes,
-                    role="agent",
-                    admin=ADMIN,
-                    added_at=1.0,
-                ).to_dict()
-                for m in MEMBERS
-            ]
-            return web.json_response(
-                {"entries": entries, "admin_public_key": self.roster_admin.public_bytes.hex()}
-            )
-        if route == ("POST", f"/v1/rounds/{r}/masked-input"):
-            assert request.content_type == "application/octet-stream"
-            commitment = request.query.get("commitment", "")
-            signature = request.query.get("signature", "")
-            if not commitment or not signature:
-                raise PayloadError("masked input needs the commitment and signature parameters")
-            assert int(request.query["attempt"]) == self.spec.attempt
-            statement = ContributionStatement(
-                federation_id=FED,
-                round=r,
-                attempt=self.spec.attempt,
-                member=member,
-                vector_sha256=hashlib.sha256(body).hexdigest(),
-                commitment=commitment,
-                signature=signature,
-            )
-            statement.verify(IDENTITIES[member].public_bytes)  # SignatureError: 401
-            self.statements[member] = statement
-            self.vectors[member] = body
-            if self.secagg is not None:
-                self.secagg.receive_masked_input(MaskedInput(member, body))
-            receipt = Receipt(
-                federation_id=FED,
-                round=r,
-                attempt=self.spec.attempt,
-                member=member,
-                contribution_sha256=hashlib.sha256(body).hexdigest(),
-                log_index=len(self.vectors),
-                issued_at=time.time(),
-            ).sign(AGGREGATOR)
-            if set(self.vectors) == set(self.cohort):
-                if self.secagg is None:
-                    self.advance(stage="closed")
-                else:
-                    self.unmask_request = self.secagg.close_masked_input()
-                    self.advance(stage="consistency")
-            return _json(receipt)
-        return await self.secagg_route(route, member, body)
-
-    async def secagg_route(
-        self, route: tuple[str, str], member: str, body: bytes
-    ) -> web.StreamResponse:
-        assert self.secagg is not None, route
-        r = self.spec.round
-        if route == ("POST", f"/v1/rounds/{r}/advertise"):
-            adv = compact.to_body(body, AdvertiseKeysBody, max_bytes=1 << 20, what="upload")
-            self.secagg.receive_advertise(codec.advertise_message(member, adv))
-            if len(self.secagg.advertised) == len(self.cohort):
-                self.key_list = self.secagg.close_advertise()
-                self.advance(stage="share_keys")
-            # no ?wait support: the agent falls back to polling the round state
-            return web.json_response({"accepted": True})
-        if route == ("GET", f"/v1/rounds/{r}/keys"):
-            self.reached("share_keys")
-            return _json(codec.key_list_body(self.key_list.entries))
-        if route == ("POST", f"/v1/rounds/{r}/shares"):
-            shares = compact.to_body(body, ShareKeysBody, max_bytes=1 << 20, what="upload")
-            if shares.report is not None:
-                shares.report.verify(IDENTITIES[member].public_bytes)
-                self.reports[member] = shares.report
-                self.reports_with_shares.add(member)
-            self.secagg.receive_share_keys(
-                ShareKeys(
-                    member,
-                    tuple(
-                        EncryptedShare(member, s.recipient, bytes.fromhex(s.ciphertext))
-                        for s in shares.shares
-                    ),
-                )
-            )
-            if len(self.secagg.shared) == len(self.cohort):
-                self.relays = self.secagg.close_share_keys()
-                self.advance(stage="masked_input")
-            return web.json_response({"accepted": True})
-        if route == ("GET", f"/v1/rounds/{r}/shares"):
-            self.reached("masked_input")
-            relay = self.relays[member]
-            return _json(
-                ShareRelayBody(
-                    list(relay.participants),
-                    [IncomingShare(s.sender, s.ciphertext.hex()) for s in relay.shares],
-                )
-            )
-        if route == ("GET", f"/v1/rounds/{r}/unmask"):
-            self.reached("consistency")
-            req = self.unmask_request
-            return _json(UnmaskRequestBody(list(req.survivors), list(req.dropped)))
-        if route == ("POST", f"/v1/rounds/{r}/consistency"):
-            signed = msgspec.json.decode(body, type=ConsistencyBody)
-            self.secagg.receive_consistency(codec.consistency_message(member, signed))
-            if len(self.secagg.signatures) == len(self.cohort):
-                self.proofs = self.secagg.close_consistency()
-                self.advance(stage="unmask")
-            return web.json_response({"accepted": True})
-        if route == ("GET", f"/v1/rounds/{r}/consistency"):
-            self.reached("unmask")
-            return _json(codec.consistency_proof_body(self.proofs[member], self.state.token))
-        if route == ("POST", f"/v1/rounds/{r}/unmask"):
-            answer = compact.to_body(body, UnmaskResponseBody, max_bytes=1 << 20, what="upload")
-            self.secagg.receive_unmask(
-                UnmaskResponse(
-                    member,
-                    tuple((m, bytes.fromhex(v)) for m, v in sorted(answer.seed_shares.items())),
-                    tuple((m, bytes.fromhex(v)) for m, v in sorted(answer.key_shares.items())),
-                )
-            )
-            self.unmasked.add(member)
-            if self.unmasked == set(self.cohort):
-                self.result = self.secagg.finalize()
-                self.advance(stage="closed")
-            return web.json_response({"accepted": True})
-        raise AssertionError(f"unexpected request {route}")
+        self.requests.append((request.method, request.path))
+        if (request.method, request.path) != ("GET", "/v1/round"):
+            return web.json_response({"error": "not_found", "detail": "odd"}, status=404)
+        wait = request.query.get("wait")
+        if wait is not None and int(wait) == self.state.token:
+            with contextlib.suppress(TimeoutError):
+                timeout = float(request.query.get("timeout", "1"))
+                await asyncio.wait_for(self.changed.wait(), timeout)
+        return web.Response(body=encode(self.state), content_type="application/json")
 
 
-def check_commitment(fake: FakeAggregator, state_dir: Path, member: str) -> None:
-    """The statement the member signed commits to the update and salt in its vault."""
-    statement = fake.statements[member]
-    kept = Vault(state_dir).load_update(statement.round, statement.attempt)
-    context = CommitmentContext(
-        FED, statement.round, statement.attempt, member, fake.spec.ring_bits
+def odd_state(spec: RoundSpec, stage: str) -> RoundState:
+    return RoundState(
+        federation_id=FED,
+        round=spec.round,
+        attempt=spec.attempt,
+        stage=stage,
+        token=1,
+        model_version=1,
+        rounds_completed=0,
+        rounds_target=1,
+        finished=False,
+        spec=spec,
     )
-    verify_commitment(bytes.fromhex(statement.commitment), kept.update, kept.salt, context)
 
 
-def _json(value: Any) -> web.Response:
-    return web.Response(body=encode(value), content_type="application/json")
-
-
-def serve(fake: FakeAggregator, scenario: Callable[[str], Awaitable[None]]) -> None:
+def serve_odd(odd: OddAggregator, scenario: Callable[[str], Awaitable[None]]) -> None:
     async def main() -> None:
-        fake.changed = asyncio.Event()
         app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", fake.handle)
+        app.router.add_route("*", "/{tail:.*}", odd.handle)
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         try:
@@ -420,25 +317,6 @@ def serve(fake: FakeAggregator, scenario: Callable[[str], Awaitable[None]]) -> N
             await server.close()
 
     asyncio.run(main())
-
-
-def run_agents(
-    fake: FakeAggregator, tmp_path: Path, members: tuple[str, ...], epsilon: float = 8.0
-) -> dict[str, list[RoundOutcome]]:
-    results: dict[str, list[RoundOutcome]] = {}
-
-    async def scenario(url: str) -> None:
-        runtimes = {
-            m: AgentRuntime(
-                make_config(tmp_path / m, url, m, epsilon), IDENTITIES[m], poll_timeout_s=2.0
-            )
-            for m in members
-        }
-        outcomes = await asyncio.gather(*(rt.run(max_rounds=1) for rt in runtimes.values()))
-        results.update(zip(members, outcomes, strict=True))
-
-    serve(fake, scenario)
-    return results
 
 
 # ----------------------------------------------------------------------- pure pieces
@@ -488,85 +366,78 @@ def _history(state_dir: Path) -> int:
 
 
 def test_budget_exhausted_stops_before_training_and_changes_nothing(tmp_path: Path) -> None:
-    fake = FakeAggregator(make_spec())
+    fed, run = federation(tmp_path), Run()
     with pytest.raises(BudgetExhausted, match=r"would spend epsilon .* > budget 0\.05"):
-        run_agents(fake, tmp_path, ("alice",), epsilon=0.05)
+        run_agents(fed, tmp_path, ("alice",), run, epsilon=0.05)
     assert _history(tmp_path / "alice") == 0
-    assert fake.reports == {} and fake.vectors == {}
-    assert ("alice", "GET", "/v1/models/1") not in fake.requests  # nothing downloaded
+    assert contributions_stored(fed) == ([], [])
+    assert ("GET", "/v1/models/1") not in run.server.requests  # nothing downloaded
 
 
 def test_spec_not_signed_by_pinned_aggregator_stops_run(tmp_path: Path) -> None:
-    fake = FakeAggregator(make_spec().sign(STRANGER))
+    fed = federation(tmp_path)
     with pytest.raises(SignatureError, match="round spec signature does not verify"):
-        run_agents(fake, tmp_path, ("alice",))
+        run_agents(fed, tmp_path, ("alice",), pinned=STRANGER.public_bytes)
     assert _history(tmp_path / "alice") == 0
-    assert fake.reports == {}
-
-
-def test_round_of_another_task_version_stops_run(tmp_path: Path) -> None:
-    fake = FakeAggregator(make_spec(task_version="2"))
-    with pytest.raises(TaskMismatch, match="version '2'"):
-        run_agents(fake, tmp_path, ("alice",))
-    assert _history(tmp_path / "alice") == 0
+    assert contributions_stored(fed) == ([], [])
 
 
 def test_round_without_dp_is_refused(tmp_path: Path) -> None:
-    spec = make_spec(dp=DPSpec(enabled=False, noise_multiplier=0.0, max_grad_norm=1.0, delta=1e-5))
+    fed = federation(tmp_path, dp={"enabled": False})
     with pytest.raises(ConfigError, match="without differential privacy"):
-        run_agents(FakeAggregator(spec), tmp_path, ("alice",))
+        run_agents(fed, tmp_path, ("alice",))
     assert _history(tmp_path / "alice") == 0
+    assert contributions_stored(fed) == ([], [])
 
 
 def test_changed_roster_admin_key_is_refused(tmp_path: Path) -> None:
-    fake = FakeAggregator(make_spec(cohort=MEMBERS, secure_sum="secagg"))
+    fed = federation(tmp_path, MEMBERS, "secagg")
     for m in MEMBERS:
         (tmp_path / m).mkdir()
         save_public_key(tmp_path / m / ADMIN_KEY_FILE, STRANGER.public_bytes)
     with pytest.raises(SignatureError, match="pinned in"):
-        run_agents(fake, tmp_path, MEMBERS)
+        run_agents(fed, tmp_path, MEMBERS)
     assert all(_history(tmp_path / m) == 0 for m in MEMBERS)  # refused before training
-    assert fake.reports == {}
+    assert contributions_stored(fed) == ([], [])
 
 
 # ------------------------------------------------------------------------ whole rounds
 
 
 def test_plain_round_contributes_and_keeps_receipt_record_and_vault(tmp_path: Path) -> None:
-    spec = make_spec(max_weight_samples=1000)
-    fake = FakeAggregator(spec)
-    outcomes = run_agents(fake, tmp_path, ("alice",))["alice"]
+    fed = federation(tmp_path)
+    old = model_params(fed.ws, 1)
+    (outcome,) = run_agents(fed, tmp_path, ("alice",)).outcomes["alice"]
 
-    (outcome,) = outcomes
     assert outcome.status == "closed", outcome
-    samples = fake.joined["alice"].samples
-    assert samples == outcome.samples > 0
-    assert fake.joined["alice"].dataset_schema == TASK.schema.fingerprint()
-    vector = fake.vectors["alice"]
-    q = unpack(vector, DIM + 1, spec.ring_bits)
-    _, weight = dequantize_one(q, spec.quant_spec())
-    assert weight == pytest.approx(samples / 1000, abs=1 / 255)
+    spec = round_spec(fed, 1, 0)
+    vault = Vault(tmp_path / "alice")
+    kept = vault.load_update(1, 0)
+    assert len(kept.salt) == 32
+    _, weight = dequantize_one(kept.update, spec.quant_spec())
+    assert outcome.samples > 0
+    assert weight == pytest.approx(outcome.samples / 1000, abs=1 / 255)
+    # the aggregator's new model is FedAvg of exactly the update the vault kept
+    assert np.allclose(model_params(fed.ws, 2), expected_params(old, [kept.update], spec))
 
-    report = fake.reports["alice"]
+    report = logged_reports(fed)["alice"]
     ledger = PrivacyLedger(tmp_path / "alice")
     (dataset,) = ledger.datasets()
     assert report.epsilon == pytest.approx(ledger.spent(dataset)) and report.epsilon > 0
     assert len(ledger.history(dataset)) == 1
 
-    vault = Vault(tmp_path / "alice")
     (receipt,) = vault.receipts()
     assert receipt == outcome.receipt
+    vector = pack(kept.update, spec.ring_bits)  # what a plain round sends
     assert receipt.contribution_sha256 == hashlib.sha256(vector).hexdigest()
     (record,) = vault.records()
-    assert (record.round, record.attempt, record.samples) == (1, 1, samples)
+    assert (record.round, record.attempt, record.samples) == (1, 0, outcome.samples)
     assert record.contribution_sha256 == receipt.contribution_sha256
     assert record.epsilon == pytest.approx(report.epsilon)
-    kept = vault.load_update(1, 1)
-    assert np.array_equal(kept.update, q) and len(kept.salt) == 32
-    statement = fake.statements["alice"]
-    assert (statement.round, statement.attempt, statement.member) == (1, 1, "alice")
-    assert statement.vector_sha256 == receipt.contribution_sha256
-    check_commitment(fake, tmp_path / "alice", "alice")
+    (statement,) = accepted_inputs(fed, "alice")
+    assert (statement["round"], statement["attempt"], statement["member"]) == (1, 0, "alice")
+    assert statement["sha256"] == receipt.contribution_sha256
+    check_commitment(fed, tmp_path / "alice", "alice")
     for path in (tmp_path / "alice" / "vault").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
@@ -577,62 +448,60 @@ def test_secagg_round_with_three_agents_sums_exactly(
 ) -> None:
     # small vectors are masked on the event loop, large ones in a worker thread
     monkeypatch.setattr(runtime_mod, "INLINE_MASKING_MAX_DIM", 10**9 if inline_masking else 0)
-    spec = make_spec(cohort=MEMBERS, secure_sum="secagg")
-    fake = FakeAggregator(spec)
-    outcomes = run_agents(fake, tmp_path, MEMBERS)
+    fed = federation(tmp_path, MEMBERS, "secagg")
+    old = model_params(fed.ws, 1)
+    run = run_agents(fed, tmp_path, MEMBERS)
 
-    assert {m: [o.status for o in outs] for m, outs in outcomes.items()} == {
+    assert {m: [o.status for o in outs] for m, outs in run.outcomes.items()} == {
         m: ["closed"] for m in MEMBERS
     }
-    result = fake.result
-    assert result is not None and set(result.survivors) == set(MEMBERS)
-    expected = sum(Vault(tmp_path / m).load_update(1, 1).update.astype(np.int64) for m in MEMBERS)
-    ring_mask = (1 << spec.ring_bits) - 1
-    assert np.array_equal(result.ring_sum.astype(np.int64), expected & ring_mask)
+    spec = round_spec(fed, 1, 0)
+    kept = [Vault(tmp_path / m).load_update(1, 0).update for m in MEMBERS]
+    # the unmasked sum is exactly the sum of the updates the members kept
+    assert np.allclose(model_params(fed.ws, 2), expected_params(old, kept, spec))
     # each privacy report came with the member's shares, none on its own
-    assert fake.reports_with_shares == set(MEMBERS) == set(fake.reports)
-    assert ("POST", "/v1/rounds/1/report") not in {(verb, path) for _, verb, path in fake.requests}
+    reports = logged_reports(fed)
+    assert set(reports) == set(MEMBERS)
+    assert ("POST", "/v1/rounds/1/report") not in run.server.requests
     for m in MEMBERS:
-        report = fake.reports[m]
+        report = reports[m]
         ledger = PrivacyLedger(tmp_path / m)
         (dataset,) = ledger.datasets()
-        assert (report.round, report.attempt, report.member) == (1, 1, m)
+        assert (report.round, report.attempt, report.member) == (1, 0, m)
         assert report.epsilon == pytest.approx(ledger.spent(dataset))
         assert report.trained_round == 1 and report.steps == ledger.history(dataset)[0].steps
-        assert (tmp_path / m / ADMIN_KEY_FILE).read_text().strip() == ADMIN.public_bytes.hex()
+        admin = fed.ws.admin().public_bytes.hex()
+        assert (tmp_path / m / ADMIN_KEY_FILE).read_text().strip() == admin
         (receipt,) = Vault(tmp_path / m).receipts()
-        assert receipt.contribution_sha256 == hashlib.sha256(fake.vectors[m]).hexdigest()
-        check_commitment(fake, tmp_path / m, m)
-
-
-class AbortingAggregator(FakeAggregator):
-    """Aborts attempt 1 after the first privacy report, then runs attempt 2."""
-
-    async def route(
-        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
-    ) -> web.StreamResponse:
-        if route == ("POST", "/v1/rounds/1/report") and self.state.attempt == 1:
-            self.reports[member] = msgspec.json.decode(body, type=PrivacyReport)
-            self.advance(stage="aborted", detail="too few members")
-            self.spec = make_spec(attempt=2)
-            self.advance(attempt=2, stage="advertise", spec=self.spec)
-            return web.json_response({})
-        return await super().route(route, member, request, body)
+        assert receipt.contribution_sha256 == accepted_inputs(fed, m)[-1]["sha256"]
+        check_commitment(fed, tmp_path / m, m)
 
 
 def test_aborted_attempt_is_dropped_and_the_retry_reuses_the_update(tmp_path: Path) -> None:
-    fake = AbortingAggregator(make_spec())
-    outcomes = run_agents(fake, tmp_path, ("alice",))["alice"]
+    fed = federation(tmp_path)
 
-    assert [(o.attempt, o.status) for o in outcomes] == [(1, "aborted"), (2, "closed")]
+    def abort_after_the_first_report(live: LiveAggregator) -> None:
+        def abort() -> None:
+            if live.coordinator.live.attempt == 0:
+                abort_live_attempt(live.coordinator)
+
+        live.after[("POST", "/v1/rounds/1/report")] = abort
+
+    outcomes = run_agents(fed, tmp_path, ("alice",), setup=abort_after_the_first_report)
+    alice = outcomes.outcomes["alice"]
+
+    # the real engine's plain round is at masked_input already: the agent learns of the
+    # abort from the refusal of its upload (a poll that sees it first: "aborted")
+    assert [(o.attempt, o.status) for o in alice] == [(0, "dropped"), (1, "closed")]
+    assert "attempt 0, but the current round is 1 attempt 1" in alice[0].detail
     ledger = PrivacyLedger(tmp_path / "alice")
     (dataset,) = ledger.datasets()
     assert len(ledger.history(dataset)) == 1  # trained and charged once for both attempts
-    assert outcomes[0].epsilon == outcomes[1].epsilon == pytest.approx(ledger.spent(dataset))
+    assert alice[0].epsilon == alice[1].epsilon == pytest.approx(ledger.spent(dataset))
     (receipt,) = Vault(tmp_path / "alice").receipts()
-    assert (receipt.round, receipt.attempt) == (1, 2)
-    assert fake.statements["alice"].attempt == 2
-    check_commitment(fake, tmp_path / "alice", "alice")  # committed for attempt 2
+    assert (receipt.round, receipt.attempt) == (1, 1)
+    assert [s["attempt"] for s in accepted_inputs(fed, "alice")] == [1]
+    check_commitment(fed, tmp_path / "alice", "alice")  # committed for attempt 1
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -720,53 +589,43 @@ def test_cli_run_unreachable_aggregator_is_one_sentence_and_status_reports(
 
 
 def test_agent_back_too_late_for_its_cohort_does_not_train(tmp_path: Path) -> None:
-    spec = make_spec(cohort=MEMBERS, secure_sum="secagg")
-    fake = FakeAggregator(spec)
-    fake.state = msgspec.structs.replace(fake.state, stage="unmask", spec=spec)
+    odd = OddAggregator(odd_state(make_spec(cohort=MEMBERS, secure_sum="secagg"), "unmask"))
 
     async def finish_soon(url: str) -> None:
         runtime = AgentRuntime(
             make_config(tmp_path / "alice", url), IDENTITIES["alice"], poll_timeout_s=2.0
         )
         task = asyncio.ensure_future(runtime.run())
-        while not fake.requests:
+        while not odd.requests:
             await asyncio.sleep(0.01)
-        fake.advance(stage="closed", finished=True)
+        odd.advance(stage="closed", finished=True)
         outcomes = await task
         assert [(o.status, o.detail) for o in outcomes] == [
             ("missed", "stage advertise already passed (now unmask)")
         ]
 
-    serve(fake, finish_soon)
+    serve_odd(odd, finish_soon)
     assert _history(tmp_path / "alice") == 0
-    assert ("alice", "GET", "/v1/models/1") not in fake.requests
+    # nothing downloaded, nothing sent (it looked for audit challenges, as agents do)
+    assert set(odd.requests) <= {("GET", "/v1/round"), ("GET", "/v1/audit/challenges")}
+
+
+def test_round_of_another_task_version_stops_run(tmp_path: Path) -> None:
+    odd = OddAggregator(odd_state(make_spec(task_version="2"), "advertise"))
+
+    async def run(url: str) -> None:
+        runtime = AgentRuntime(
+            make_config(tmp_path / "alice", url), IDENTITIES["alice"], poll_timeout_s=2.0
+        )
+        with pytest.raises(TaskMismatch, match="version '2'"):
+            await runtime.run()
+
+    serve_odd(odd, run)
+    assert _history(tmp_path / "alice") == 0
+    assert set(odd.requests) == {("GET", "/v1/round")}
 
 
 # ------------------------------------------------------ refusals the agent outlives
-
-
-def temporary_refusal(status: int, code: str) -> web.Response:
-    return web.json_response(
-        {"error": code, "detail": f"{code}, try later"}, status=status, headers={"Retry-After": "0"}
-    )
-
-
-class RefusingAggregator(FakeAggregator):
-    """Answers each route in ``refusals`` with its temporary refusals first, then serves it."""
-
-    def __init__(self, spec: RoundSpec, refusals: dict[tuple[str, str], list[tuple[int, str]]]):
-        super().__init__(spec)
-        self.refusals = {route: list(answers) for route, answers in refusals.items()}
-        self.refused: list[tuple[str, str]] = []
-
-    async def route(
-        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
-    ) -> web.StreamResponse:
-        pending = self.refusals.get(route)
-        if pending:
-            self.refused.append(route)
-            return temporary_refusal(*pending.pop(0))
-        return await super().route(route, member, request, body)
 
 
 def test_agent_survives_temporary_refusals_in_the_middle_of_a_round(tmp_path: Path) -> None:
@@ -776,43 +635,20 @@ def test_agent_survives_temporary_refusals_in_the_middle_of_a_round(tmp_path: Pa
         ("POST", "/v1/rounds/1/report"): [(429, "rate_limited")],
         ("POST", "/v1/rounds/1/masked-input"): [(401, "replayed")],
     }
-    fake = RefusingAggregator(make_spec(), refusals)
-    (outcome,) = run_agents(fake, tmp_path, ("alice",))["alice"]
+
+    def refuse(live: LiveAggregator) -> None:
+        live.refusals.update({route: list(answers) for route, answers in refusals.items()})
+
+    run = run_agents(federation(tmp_path), tmp_path, ("alice",), setup=refuse)
+    (outcome,) = run.outcomes["alice"]
 
     assert outcome.status == "closed", outcome
-    assert sorted(fake.refused) == sorted(refusals)
-    asked = [(verb, path) for _, verb, path in fake.requests]
+    assert sorted(run.server.refused) == sorted(refusals)
     for route in refusals:
-        assert asked.count(route) >= 2, route  # refused, then asked again and served
+        assert run.server.requests.count(route) >= 2, route  # refused, then served
     assert _history(tmp_path / "alice") == 1  # charged once, for the one training
     (receipt,) = Vault(tmp_path / "alice").receipts()
     assert receipt == outcome.receipt
-
-
-class OutlastingAggregator(FakeAggregator):
-    """Refuses the first two round-state polls, and ``refused`` in attempt 1 every time:
-    once the agent's two tries are refused it aborts attempt 1 and runs attempt 2."""
-
-    def __init__(self, spec: RoundSpec, refused: tuple[str, str], refusal: tuple[int, str]):
-        super().__init__(spec)
-        self.refused, self.refusal = refused, refusal
-        self.poll_refusals = 2
-        self.refusals = 0
-
-    async def route(
-        self, route: tuple[str, str], member: str, request: web.Request, body: bytes
-    ) -> web.StreamResponse:
-        if route == ("GET", "/v1/round") and self.poll_refusals:
-            self.poll_refusals -= 1
-            return temporary_refusal(503, "busy")
-        if route == self.refused and self.state.attempt == 1:
-            self.refusals += 1
-            if self.refusals == 2:
-                self.advance(stage="aborted", detail="too few members")
-                self.spec = make_spec(attempt=2)
-                self.advance(attempt=2, stage="advertise", spec=self.spec)
-            return temporary_refusal(*self.refusal)
-        return await super().route(route, member, request, body)
 
 
 @pytest.mark.parametrize(
@@ -826,16 +662,34 @@ class OutlastingAggregator(FakeAggregator):
 def test_refusals_past_the_clients_retries_drop_the_attempt_not_the_agent(
     tmp_path: Path, refused: tuple[str, str], refusal: tuple[int, str]
 ) -> None:
-    fake = OutlastingAggregator(make_spec(), refused, refusal)
-    outcomes = run_agents(fake, tmp_path, ("alice",))["alice"]
+    """The first two round-state polls are refused, and ``refused`` in attempt 0 every
+    time: once the agent's two tries are refused, attempt 0 is aborted."""
+    tries: list[tuple[str, str]] = []
 
-    assert [(o.attempt, o.status) for o in outcomes] == [(1, "dropped"), (2, "closed")]
+    def refuse(live: LiveAggregator) -> None:
+        live.refusals[("GET", "/v1/round")] = [(503, "busy"), (503, "busy")]
+
+        def outlast(route: tuple[str, str]) -> tuple[int, str] | None:
+            if route != refused or live.coordinator.live.attempt != 0:
+                return None
+            tries.append(route)
+            if len(tries) == 2:
+                abort_live_attempt(live.coordinator)
+            return refusal
+
+        live.refuse_when = outlast
+
+    run = run_agents(federation(tmp_path), tmp_path, ("alice",), setup=refuse)
+    outcomes = run.outcomes["alice"]
+
+    assert [(o.attempt, o.status) for o in outcomes] == [(0, "dropped"), (1, "closed")]
     assert "still refused" in outcomes[0].detail
-    assert fake.poll_refusals == 0 and fake.refusals == 2  # retry_max = 1: two tries each
+    assert run.server.refusals[("GET", "/v1/round")] == []  # both poll refusals given
+    assert len(tries) == 2  # retry_max = 1: two tries each
     # one training, charged once, whether the refusal came before training or after
     assert _history(tmp_path / "alice") == 1
     (receipt,) = Vault(tmp_path / "alice").receipts()
-    assert (receipt.round, receipt.attempt) == (1, 2)
+    assert (receipt.round, receipt.attempt) == (1, 1)
 
 
 @pytest.mark.parametrize(
