@@ -505,13 +505,14 @@ def test_wrong_types_and_unknown_kinds_are_refused() -> None:
 
 
 def test_a_head_body_from_the_signer_is_a_head_entry() -> None:
-    from fedsec.protocol.log import head_body, verify_head
+    from fedsec.protocol.log import verify_head
+    from fedsec.protocol.log_builder import LogBuilder
 
     signer = SigningIdentity.generate()
-    last = make_entry(0, "0" * 64, 1.5, RoundOpenEntry(round=1, attempt=0))
-    head = head_body(signer, "fed", last)
+    log = LogBuilder("fed", signer)
+    last = log.append(RoundOpenEntry(round=1, attempt=0))
+    logged = log.head()
+    head = logged.decode()
     assert isinstance(head, HeadEntry) and head.signed_index == 0
     verify_head(head, signer.public_bytes, last)
-    logged = make_entry(1, last.hash, 2.5, head)
-    assert json.loads(logged.line)["body"] == encode_body(head)
-    assert logged.decode() == head
+    assert logged.prev == last.hash and json.loads(logged.line)["body"] == encode_body(head)

@@ -33,8 +33,8 @@ import pytest
 
 from fedsec.crypto.identity import SigningIdentity, canonical_json
 from fedsec.keys import load_identity
-from fedsec.protocol.log import head_body, parse_line
-from fedsec.protocol.log_entries import encode_body
+from fedsec.protocol.log import entry_from_line
+from fedsec.protocol.log_builder import resign
 
 ROUNDS = 3
 AGENTS = 3
@@ -173,21 +173,15 @@ def edit_entry(
 
 
 def rewrite_signed(root: Path, index: int, change: Callable[[dict[str, Any]], None]) -> None:
-    """Change entry ``index`` as the operator could: re-chain and re-sign every later head."""
-    signer = aggregator_key(root)
+    """Change entry ``index`` as the operator could: re-chain and re-sign every later head
+    (:func:`fedsec.protocol.log_builder.resign`).  The changed entry itself is written as
+    ``change`` leaves it, schema or not."""
     lines = read_lines(root)
     doc = json.loads(lines[index])
     change(doc)
     lines[index] = encode(doc)
-    lines = rechain(lines, index + 1)
-    for i in range(index + 1, len(lines)):
-        doc = json.loads(lines[i])
-        if doc["kind"] == "head":
-            last = parse_line(lines[i - 1], i, "log")
-            doc["body"] = encode_body(head_body(signer, doc["body"]["federation_id"], last))
-            lines[i] = encode(doc)
-            lines = rechain(lines, i + 1)
-    write_lines(root, lines)
+    logged = [entry_from_line(line) for line in lines]
+    write_lines(root, [e.line for e in resign(logged, index + 1, aggregator_key(root))])
 
 
 def agent_key(root: Path, member: str) -> SigningIdentity:
