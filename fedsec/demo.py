@@ -44,6 +44,7 @@ from fedsec.federation import (
     write_agent_config,
 )
 from fedsec.protocol import wire
+from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.summation import MODES
 
 # The demo must finish in 3 minutes on 2 cores; give up (non-zero) well after that.
@@ -113,7 +114,7 @@ def noise_for_records(records: int, rounds: int, epsilon: float, training: dict[
     from fedsec.tasks import TrainingParams
 
     rate, steps = plan_round(records, TrainingParams(**training))
-    return round(noise_for_budget(epsilon, 1e-5, rate, steps, rounds) * 1.02, 4)
+    return round(noise_for_budget(epsilon, DEFAULT_DELTA, rate, steps, rounds) * 1.02, 4)
 
 
 def _hospital_config(

@@ -73,7 +73,7 @@ from fedsec.learning.optimizers import ServerRule, server_rule, server_step
 from fedsec.learning.training import plan_round, train_centralized
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
-from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.protocol.limits import DEFAULT_DELTA, MAX_MODEL_BYTES
 from fedsec.protocol.update_codec import default_range_stddevs
 from fedsec.summation import SummationMode, mode_named
 from fedsec.tasks import TrainingParams, get_task, parse_partition
@@ -103,7 +103,7 @@ SIM_DEFAULTS: dict[str, dict[str, Any]] = {
         "clip": 2.0,
     },
 }
-DELTA = 1e-5
+DELTA = DEFAULT_DELTA
 FEDADAM_LR = 0.01
 # Record-level distributed DP: the union's expected batch per round (DP-SGD favours
 # large batches; 1,000 of MNIST-1D's 4,000 records is the central recipe the issue
