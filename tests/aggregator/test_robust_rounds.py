@@ -6,7 +6,6 @@ and the audit re-derives the round (FLTrust's: inputs checked, listed as not re-
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import msgspec
@@ -17,18 +16,16 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.rounds.reference import RootReference
 from fedsec.aggregator.workspace import Workspace
 from fedsec.audit.verify import verify_log
-from fedsec.crypto.identity import canonical_json
 from fedsec.crypto.quantize import default_ring_bits, dequantize_one, pack, quantize, unpack
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import AggregationImpossible, ProtocolError
 from fedsec.learning import robust
 from fedsec.protocol import wire
-from fedsec.protocol.log import head_body, parse_line
-from fedsec.protocol.log_entries import encode_body
+from fedsec.protocol.log import entry_from_line, lines, make_entry
+from fedsec.protocol.log_builder import resign
 from fedsec.summation import SessionInputs, open_session
 from fedsec.summation.plain import PlainSession
 from tests.support.aggregator import (
-    FED,
     FakeClock,
     Federation,
     contribution_statement,
@@ -41,7 +38,6 @@ from tests.support.aggregator import (
     quantized_input,
     weight_for,
 )
-from tests.support.audit import rechain
 
 MEMBERS = ("a0", "a1", "a2", "a3", "a4")
 KRUM = wire.AggregationSpec(rule="multi_krum", byzantine=1)
@@ -169,20 +165,12 @@ def _rewrite_aggregate(fed: Federation, **body: object) -> None:
     """Change the aggregate entry's body as the operator could: re-chain the log and
     re-sign every later head with the aggregator's key."""
     path = fed.root / "audit" / "log.jsonl"
-    lines = path.read_bytes().splitlines()
-    docs = [json.loads(line) for line in lines]
-    (index,) = [d["index"] for d in docs if d["kind"] == "aggregate"]
-    docs[index]["body"].update(body)
-    lines[index] = canonical_json(docs[index])
-    lines = rechain(lines, index + 1)
-    for i in range(index + 1, len(lines)):
-        doc = json.loads(lines[i])
-        if doc["kind"] == "head":
-            last = parse_line(lines[i - 1], i, "log")
-            doc["body"] = encode_body(head_body(fed.ws.signer, FED, last))
-            lines[i] = canonical_json(doc)
-            lines = rechain(lines, i + 1)
-    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    logged = [entry_from_line(line) for line in path.read_bytes().splitlines()]
+    (index,) = [e.index for e in logged if e.kind == "aggregate"]
+    old = logged[index]
+    changed = msgspec.structs.replace(old.decode(), **body)
+    logged[index] = make_entry(index, old.prev, old.time, changed)
+    path.write_bytes(lines(resign(logged, index + 1, fed.ws.signer)))
 
 
 def test_default_fedavg_keeps_its_spec_and_its_running_sum(
