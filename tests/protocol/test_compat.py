@@ -96,3 +96,21 @@ def test_every_mode_has_traits_and_an_unknown_one_is_named() -> None:
     assert set(compat.SUMMATION) == set(MODES)
     with pytest.raises(ProtocolError, match="unknown summation mode 'p2p'"):
         compat.traits("p2p")
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        # passed the config and failed when the first spec was built, before one table
+        (
+            '[dp]\nenabled = true\nmode = "distributed"\nunit = "member"\n'
+            "[codec]\nerror_feedback = true\n",
+            "codec.error_feedback: cannot be on with distributed DP",
+        ),
+        # a cohort the SecAgg+ shares cannot index (x-coordinates are 16-bit)
+        ("[round]\nmax_agents = 70000\n", "round.max_agents: expected an integer in 3..65535"),
+    ],
+)
+def test_a_federation_whose_spec_would_be_refused_does_not_load(text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        parse_federation_config(f'[federation]\nid = "fed"\n{text}')
