@@ -413,6 +413,13 @@ class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     monitoring system."""
 
 
+class StorageSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    url: str = ""
+    """Where the aggregator's state lives: empty for the embedded SQLite state.db in the
+    workspace, or a postgresql:// URL shared by replicated aggregators (docs/deployment.md); keep
+    the password out of it (libpq's PGPASSFILE or PGPASSWORD)."""
+
+
 class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything the aggregator needs to run a federation (``federation.toml``)."""
 
@@ -427,6 +434,7 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     alerts: AlertsSection = msgspec.field(default_factory=AlertsSection)
     dashboard: DashboardSection = msgspec.field(default_factory=DashboardSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    storage: StorageSection = msgspec.field(default_factory=StorageSection)
     he: HeSection = msgspec.field(default_factory=HeSection)
     aggregation: AggregationSection = msgspec.field(default_factory=AggregationSection)
     schema: DataSchema | None = None  # task "table": the columns every member trains on
@@ -803,6 +811,12 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.positive("alerts.webhook_backoff_s", al.webhook_backoff_s)
     p.positive("dashboard.token_ttl_s", cfg.dashboard.token_ttl_s)
     p.positive("dashboard.push_interval_s", cfg.dashboard.push_interval_s)
+    p.require(
+        cfg.storage.url == "" or cfg.storage.url.startswith(("postgresql://", "postgres://")),
+        "storage.url",
+        'empty (SQLite) or a "postgresql://" URL',
+        cfg.storage.url,
+    )
     _validate_aggregation(p, cfg)
     return p.items
 
