@@ -7,7 +7,8 @@ Layout::
     admin.key/.pub       the admin key that signs roster entries (keep it offline)
     roster.json          admin-signed roster
     models/ manifests/   content-addressed model files and signed manifests
-    state.db             SQLite state (WAL)
+    state.db             SQLite state (WAL), unless [storage] url names a PostgreSQL
+                         database (docs/deployment.md)
     he/context.json      secure_sum = "he": the key custodian's public CKKS context and
                          its signed statement (wire.HeContext), once published
 """
@@ -81,7 +82,7 @@ class Workspace:
             admin_public=admin_public,
             roster=Roster(root, fid, admin_public),
             models=ModelStore(root, signer, fid),
-            state=SqliteStateStore(root / STATE_DB),
+            state=open_state(root, config),
         )
 
     @property
@@ -95,6 +96,29 @@ class Workspace:
 
     def close(self) -> None:
         self.state.close()
+
+
+def open_state(root: Path, config: FederationConfig) -> StateStore:
+    """The state store ``config`` names: SQLite in ``root`` by default, PostgreSQL when
+    ``[storage] url`` is set (psycopg is imported only then, so an embedded deployment
+    does not need it).
+
+    Raises:
+        ConfigError: the PostgreSQL database cannot be reached or opened.
+    """
+    if not config.storage.url:
+        return SqliteStateStore(root / STATE_DB)
+    import psycopg  # only a PostgreSQL deployment needs the driver
+
+    from fedsec.aggregator.storage.postgres import PostgresStateStore
+
+    try:
+        return PostgresStateStore(config.storage.url)
+    except (psycopg.Error, ValueError) as exc:
+        # libpq's messages name host and port, never the password
+        raise ConfigError(
+            f"storage.url: cannot open the PostgreSQL state database: {exc}"
+        ) from None
 
 
 def init_workspace(

@@ -1,10 +1,10 @@
 """The storage interfaces' contract, run against every implementation.
 
 Each test takes a ``backend``: how to open (and reopen) one empty store, and the
-exception its ``add`` methods refuse a second row under the same key with.  SQLite is
-the only one today; a PostgreSQL implementation adds a parameter to the fixture and
-must pass the same tests.  What only SQLite promises (the file's pragmas and schema)
-is at the end.
+exception its ``add`` methods refuse a second row under the same key with: SQLite, and
+PostgreSQL on a real cluster (tests.support.postgres; each test gets a fresh database;
+without the server binaries the PostgreSQL cases skip, and fail under CI=true).  What
+only SQLite promises (the file's pragmas and schema) is at the end.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from fedsec.aggregator.storage import StateStore
+from fedsec.aggregator.storage.postgres import PostgresStateStore
 from fedsec.aggregator.storage.sqlite import SCHEMA, SqliteStateStore
+from tests.support.postgres import Postgres, fresh_database, postgres_server
 
 
 @dataclass
@@ -29,10 +32,19 @@ class Backend:
     duplicate: type[Exception]
 
 
-@pytest.fixture(params=["sqlite"])
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if request.param == "sqlite":
         return Backend(lambda: SqliteStateStore(tmp_path / "state.db"), sqlite3.IntegrityError)
+    if request.param == "postgres":
+        url = fresh_database(request.getfixturevalue("postgres"))
+        return Backend(lambda: PostgresStateStore(url), psycopg.IntegrityError)
     raise AssertionError(request.param)  # pragma: no cover
 
 
@@ -366,6 +378,9 @@ def test_round_logic_imports_no_storage_implementation(path: Path) -> None:
     concrete = {
         name
         for name in _imports(path)
-        if name.split(".")[0] == "sqlite3" or name.startswith("fedsec.aggregator.storage.sqlite")
+        if name.split(".")[0] in {"sqlite3", "psycopg"}
+        or name.startswith(
+            ("fedsec.aggregator.storage.sqlite", "fedsec.aggregator.storage.postgres")
+        )
     }
     assert concrete == set()

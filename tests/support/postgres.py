@@ -13,11 +13,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 
 USER = "fedsec_owner"
@@ -105,3 +107,13 @@ def postgres_server() -> Iterator[Postgres]:
             run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def fresh_database(server: Postgres) -> str:
+    """Create a new empty database on ``server``; return its libpq URL (each test that
+    needs a clean state gets one, without a new cluster)."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin = f"postgresql://{USER}:{PASSWORD}@{server.host}:{server.port}/{DATABASE}"
+    with psycopg.connect(admin, autocommit=True) as db:
+        db.execute(f'CREATE DATABASE "{name}"')
+    return f"postgresql://{USER}:{PASSWORD}@{server.host}:{server.port}/{name}"

@@ -4,8 +4,10 @@
   concern (rounds, joins, messages, reports, receipts, challenges, log, named values,
   alerts, access tokens, audit verdicts),
   joined by :class:`StateStore` with its transaction. The round logic depends on these
-  only, so a PostgreSQL implementation can be added without touching it.
+  only, so either implementation runs under it unchanged.
 - :mod:`.sqlite`: the embedded implementation (``state.db``, SQLite in WAL mode).
+- :mod:`.postgres`: the replicated implementation (PostgreSQL through psycopg 3, with
+  versioned migrations), chosen by ``[storage] url`` in ``federation.toml``.
 - :mod:`.models`: content-addressed model files and their signed manifests.
 - :mod:`.roster_file`: the admin-signed roster in ``roster.json``.
 - :mod:`.audit_trail`: the transparency log and the archive, written in the same

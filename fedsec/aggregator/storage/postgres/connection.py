@@ -1,0 +1,123 @@
+"""The PostgreSQL connection: its settings, its migrations and its transactions.
+
+One connection, used from the aggregator's event-loop thread only, the way the SQLite
+store uses one: the round engine's transactions span several calls, so they need one
+connection for their whole life, and a single-threaded caller gains nothing from a
+pool.  The connection is in autocommit mode: a write outside
+:meth:`PostgresConnection.transaction` runs in a transaction of its own, and a
+transaction is an explicit ``BEGIN`` ... ``COMMIT``; a nested one joins the outer.
+
+PostgreSQL commits are durable when ``COMMIT`` returns (``synchronous_commit`` on, the
+server default, which a deployment must not turn off; see docs/deployment.md), so
+"durable before acknowledged" holds as it does with SQLite's ``synchronous=FULL``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from fedsec.aggregator.storage.postgres.schema import migrate
+
+#: How long a transaction may sit idle before the server ends it.  The round engine
+#: never waits on the network inside a transaction, so only a stopped process (SIGSTOP,
+#: a VM paused) reaches this; then its locks must not block the other replicas for
+#: long.  60 s leaves room for the heaviest CPU step between two statements.
+IDLE_IN_TRANSACTION_S: Final = 60
+
+Params = tuple[Any, ...]
+
+
+class PostgresConnection:
+    """The open database: what every table's store shares.
+
+    Args:
+        url: a libpq connection string or ``postgresql://`` URL.
+
+    Raises:
+        psycopg.Error: the server cannot be reached, refuses the login, or a migration
+            fails.
+        ValueError: the database's schema is newer than this release.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(url, autocommit=True)
+        self.db.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
+        migrate(self.db)
+        self._after_commit: list[Callable[[], None]] = []
+        self._at_begin: list[Callable[[], None]] = []
+
+    def close(self) -> None:
+        self.db.close()
+
+    def in_transaction(self) -> bool:
+        return self.db.info.transaction_status != TransactionStatus.IDLE
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after every commit of an explicit transaction."""
+        self._after_commit.append(callback)
+
+    def at_begin(self, check: Callable[[], None]) -> None:
+        """Run ``check`` first in every outermost transaction; what it raises rolls the
+        transaction back before anything is written (the lease's fencing check)."""
+        self._at_begin.append(check)
+
+    def transaction(self) -> Transaction:
+        """``with connection.transaction(): ...`` groups writes into one atomic commit."""
+        return Transaction(self)
+
+    def read(self, sql: str, params: Params = ()) -> psycopg.Cursor[tuple[Any, ...]]:
+        """Run a query (inside the current transaction, if any)."""
+        return self.db.execute(sql, params)
+
+    def count(self, sql: str, params: Params = ()) -> int:
+        """The integer a ``SELECT COUNT(*)`` query returns."""
+        row = self.read(sql, params).fetchone()
+        assert row is not None  # an aggregate without GROUP BY returns one row
+        return int(row[0])
+
+    def write(self, sql: str, params: Params = ()) -> psycopg.Cursor[tuple[Any, ...]]:
+        """Run a statement that changes state: inside the current transaction, or in a
+        transaction of its own (committed before this returns)."""
+        if self.in_transaction():
+            return self.db.execute(sql, params)
+        # a write on its own is not an explicit transaction: no commit callbacks
+        with Transaction(self, explicit=False):
+            return self.db.execute(sql, params)
+
+
+class Transaction:
+    """A transaction; entered inside another, it joins that one.  ``explicit``: the
+    caller's (:meth:`PostgresConnection.transaction`), whose commit runs the
+    :meth:`~PostgresConnection.on_commit` callbacks; a lone write's is not."""
+
+    def __init__(self, conn: PostgresConnection, *, explicit: bool = True) -> None:
+        self._conn = conn
+        self._explicit = explicit
+        self._outer = False
+
+    def __enter__(self) -> None:
+        self._outer = not self._conn.in_transaction()
+        if not self._outer:
+            return
+        db = self._conn.db
+        db.execute("BEGIN")
+        try:
+            for check in self._conn._at_begin:
+                check()
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self._outer:
+            return
+        if exc_type is None:
+            self._conn.db.execute("COMMIT")
+            for callback in self._conn._after_commit if self._explicit else ():
+                callback()
+        else:
+            self._conn.db.execute("ROLLBACK")
