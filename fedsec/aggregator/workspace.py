@@ -15,6 +15,7 @@ Layout::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,7 @@ class Workspace:
 def open_state(root: Path, config: FederationConfig) -> StateStore:
     """The state store ``config`` names: SQLite in ``root`` by default, PostgreSQL when
     ``[storage] url`` is set (psycopg is imported only then, so an embedded deployment
-    does not need it).
+    does not need it), holding the leader lease if no other replica does.
 
     Raises:
         ConfigError: the PostgreSQL database cannot be reached or opened.
@@ -113,7 +114,11 @@ def open_state(root: Path, config: FederationConfig) -> StateStore:
     from fedsec.aggregator.storage.postgres import PostgresStateStore
 
     try:
-        return PostgresStateStore(config.storage.url)
+        store = PostgresStateStore(config.storage.url)
+        # leads unless another replica's lease is live; then every write is refused
+        # (NotLeader) until this one takes the lease over
+        store.lease.acquire(time.time())
+        return store
     except (psycopg.Error, ValueError) as exc:
         # libpq's messages name host and port, never the password
         raise ConfigError(

@@ -13,6 +13,7 @@ import ast
 import contextlib
 import math
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +39,19 @@ def postgres() -> Iterator[Postgres]:
         yield server
 
 
+def _leading(store: PostgresStateStore) -> PostgresStateStore:
+    # the previous store released the lease at close, as a clean stop does
+    assert store.lease.acquire(time.time())
+    return store
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if request.param == "sqlite":
         return Backend(lambda: SqliteStateStore(tmp_path / "state.db"), sqlite3.IntegrityError)
     if request.param == "postgres":
         url = fresh_database(request.getfixturevalue("postgres"))
-        return Backend(lambda: PostgresStateStore(url), psycopg.IntegrityError)
+        return Backend(lambda: _leading(PostgresStateStore(url)), psycopg.IntegrityError)
     raise AssertionError(request.param)  # pragma: no cover
 
 

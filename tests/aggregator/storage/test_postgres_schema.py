@@ -15,6 +15,7 @@ from fedsec.aggregator.storage.postgres import (
     migrate,
     schema_version,
 )
+from fedsec.aggregator.storage.postgres.lease import NotLeader
 from fedsec.aggregator.storage.sqlite import SqliteStateStore
 from fedsec.aggregator.workspace import Workspace, init_workspace
 from fedsec.config import default_federation_toml
@@ -115,3 +116,37 @@ def test_an_unreachable_database_is_a_config_error_without_the_password(
             config_text=_toml("postgresql://who:s3cret-pw@127.0.0.1:1/none?connect_timeout=2"),
         )
     assert "s3cret-pw" not in str(refused.value)
+
+
+def test_a_version_1_database_migrates_to_the_latest_keeping_its_state(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as db:
+        assert migrate(db, upto=1) == 1
+        assert "leader_lease" not in _tables(database)
+        db.execute(
+            "INSERT INTO rounds (round, attempt, stage, opened_at, stage_started_at) "
+            "VALUES (4, 0, 'masked_input', 1.0, 2.0)"
+        )
+        db.execute("INSERT INTO log VALUES (0, %s)", (b"genesis",))
+    store = PostgresStateStore(database)
+    try:
+        row = store.rounds.latest()
+        assert row is not None and (row.round, row.stage) == (4, "masked_input")
+        assert store.log.log_tail() == (0, b"genesis")
+        assert store.lease.current() is None
+    finally:
+        store.close()
+    with psycopg.connect(database, autocommit=True) as db:
+        assert schema_version(db) == LATEST == 2
+
+
+def test_two_workspaces_on_one_database_one_leads(database: str, tmp_path: Path) -> None:
+    first = init_workspace(tmp_path / "ws", "fed-pg", config_text=_toml(database))
+    second = Workspace.open(tmp_path / "ws")  # a standby started beside it
+    try:
+        first.state.rounds.open(1, 0, 1.0)
+        with pytest.raises(NotLeader):
+            second.state.rounds.open(2, 0, 2.0)
+        assert [r.round for r in second.state.rounds.history()] == [1]
+    finally:
+        second.close()
+        first.close()

@@ -125,9 +125,22 @@ CREATE TABLE audit_verdicts (
 );
 """
 
+# One row, never deleted: the token only grows, so a deposed leader's token can never
+# match again (deleting the row would restart it at 1).
+_LEADER_LEASE: Final = """
+CREATE TABLE leader_lease (
+    id integer PRIMARY KEY CHECK (id = 1),
+    holder text NOT NULL,
+    token bigint NOT NULL CHECK (token > 0),
+    expires_at double precision NOT NULL
+);
+CREATE RULE leader_lease_kept AS ON DELETE TO leader_lease DO INSTEAD NOTHING;
+"""
+
 #: (version, what it does, its SQL), in order; version n is the n-th entry.
 MIGRATIONS: Final[tuple[tuple[int, str, str], ...]] = (
     (1, "the aggregator's state tables (those of the SQLite state.db)", _STATE_TABLES),
+    (2, "the leader lease and its fencing token", _LEADER_LEASE),
 )
 
 #: The version a store opened by this release migrates to.

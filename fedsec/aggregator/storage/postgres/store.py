@@ -3,12 +3,15 @@ connection."""
 
 from __future__ import annotations
 
+import psycopg
+
 from fedsec.aggregator.storage.postgres.audit import (
     PostgresChallenges,
     PostgresLog,
     PostgresValues,
 )
 from fedsec.aggregator.storage.postgres.connection import PostgresConnection, Transaction
+from fedsec.aggregator.storage.postgres.lease import LeaderLease, default_holder
 from fedsec.aggregator.storage.postgres.messages import (
     PostgresMessages,
     PostgresReceipts,
@@ -24,8 +27,14 @@ class PostgresStateStore:
     Opening it migrates the database to this release's schema
     (:mod:`~fedsec.aggregator.storage.postgres.schema`).
 
+    Several aggregators may open one database; the one holding :attr:`lease` leads, and
+    every write of the others is refused with
+    :class:`~fedsec.aggregator.storage.postgres.lease.NotLeader` (the fence).  Opening
+    does not take the lease: call ``lease.acquire``.
+
     Args:
         url: a ``postgresql://`` URL (its password better in libpq's PGPASSFILE).
+        holder: this replica's name in the lease (default: host and process id).
 
     Raises:
         psycopg.Error: the server cannot be reached, refuses the login, or a migration
@@ -33,8 +42,11 @@ class PostgresStateStore:
         ValueError: the database's schema is newer than this release.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, holder: str | None = None) -> None:
         self._conn = PostgresConnection(url)
+        self.lease = LeaderLease(self._conn, holder or default_holder())
+        # every write is conditional on this store's token, in its own transaction
+        self._conn.at_begin(self.lease.check)
         self.rounds = PostgresRounds(self._conn)
         self.joins = PostgresJoins(self._conn)
         self.messages = PostgresMessages(self._conn)
@@ -51,4 +63,10 @@ class PostgresStateStore:
         return self._conn.transaction()
 
     def close(self) -> None:
-        self._conn.close()
+        """Give the lease up (a standby may take over at once) and close the connection."""
+        try:
+            self.lease.release()
+        except psycopg.Error:
+            pass  # the connection is gone: the lease expires by itself
+        finally:
+            self._conn.close()
