@@ -35,7 +35,7 @@ from fedsec.aggregator.http.keys import (
 )
 from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
 from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
-from fedsec.aggregator.nonces import NONCE_DB, PersistentNonceStore
+from fedsec.aggregator.nonces import open_nonce_store
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
@@ -124,8 +124,11 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
         return entry.public_key_bytes if entry is not None and entry.is_active else None
 
     # nonces are kept for twice the skew window so a request is never accepted after its
-    # nonce has been forgotten, and on disk so a restart forgets none of them
-    app[NONCES] = PersistentNonceStore(workspace.root / NONCE_DB, 2 * cfg.clock_skew_s)
+    # nonce has been forgotten, and on disk (or in the database replicas share) so a
+    # restart forgets none of them
+    app[NONCES] = open_nonce_store(
+        workspace.root, workspace.config.storage.url, 2 * cfg.clock_skew_s
+    )
     app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
     app[ENDPOINT_OF] = _ENDPOINT_OF
     for endpoint in ENDPOINTS:

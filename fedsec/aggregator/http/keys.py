@@ -15,7 +15,7 @@ from aiohttp import web
 
 from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.nonces import PersistentNonceStore
+from fedsec.aggregator.nonces import DurableNonceStore
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
@@ -28,7 +28,7 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 CHALLENGES = web.AppKey("challenges", ChallengeDesk)
 WORKSPACE = web.AppKey("workspace", Workspace)
 VERIFIER = web.AppKey("verifier", RequestVerifier)
-NONCES = web.AppKey("nonces", PersistentNonceStore)
+NONCES = web.AppKey("nonces", DurableNonceStore)
 RATE = web.AppKey("rate", MemberRateLimit)
 UPLOADS = web.AppKey("uploads", asyncio.Semaphore)
 OPS = web.AppKey("ops", Operations)

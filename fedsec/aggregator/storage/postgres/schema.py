@@ -137,10 +137,28 @@ CREATE TABLE leader_lease (
 CREATE RULE leader_lease_kept AS ON DELETE TO leader_lease DO INSTEAD NOTHING;
 """
 
+# Shared by every replica, so a request accepted through one is a replay at another.
+# nonce_origin records when the store first opened: requests signed before it were
+# never seen by it (see fedsec.aggregator.nonces).
+_NONCES: Final = """
+CREATE TABLE nonces (
+    keyid text NOT NULL,
+    nonce text NOT NULL,
+    expiry double precision NOT NULL,
+    PRIMARY KEY (keyid, nonce)
+);
+CREATE INDEX nonces_expiry ON nonces (expiry);
+CREATE TABLE nonce_origin (
+    id integer PRIMARY KEY CHECK (id = 1),
+    opened_at double precision NOT NULL
+);
+"""
+
 #: (version, what it does, its SQL), in order; version n is the n-th entry.
 MIGRATIONS: Final[tuple[tuple[int, str, str], ...]] = (
     (1, "the aggregator's state tables (those of the SQLite state.db)", _STATE_TABLES),
     (2, "the leader lease and its fencing token", _LEADER_LEASE),
+    (3, "the request nonces every replica refuses replays from", _NONCES),
 )
 
 #: The version a store opened by this release migrates to.
