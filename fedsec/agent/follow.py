@@ -54,6 +54,7 @@ from fedsec.crypto.secagg.messages import GRAPH_NONCE_BYTES, graph_commitment
 from fedsec.errors import DuplicateMessage, FedsecError, StaleUpdate, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
 from fedsec.protocol.wire import DataSummary, JoinRequest, RoundState
+from fedsec.task.digest import loaded_task_pin
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
 log = logging.getLogger("fedsec.agent.runtime")
@@ -217,6 +218,7 @@ class Follower:
             ),
             data_summary=self._signed_summary(state.federation_id),
             graph_commitment=commitment.hex(),
+            task_pin=loaded_task_pin(self.member.task.name),
         )
         try:
             answer = (yield from ask(Join(*key, request), JoinAnswered)).answer

@@ -50,6 +50,7 @@ from fedsec.protocol import wire
 from fedsec.protocol.log_entries import GenesisEntry
 from fedsec.protocol.stages import ACTIVE_STAGES, Stage
 from fedsec.summation import mode_named, mode_of
+from fedsec.task.digest import loaded_task_pin
 from fedsec.tasks import get_task
 from fedsec.tasks.base import Task
 
@@ -114,6 +115,7 @@ class Coordinator:
             self._changed,
             faults,
             events or EventBus(),
+            task_pin=loaded_task_pin(fed.task),
         )
         self._ctx = ctx
         self._mode = mode_named(workspace.config.round.secure_sum)

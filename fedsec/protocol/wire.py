@@ -202,6 +202,10 @@ class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     data_summary: DataSummary | None = None
     # SecAgg+: hex SHA-256 commitment to the member's graph nonce (secagg.messages)
     graph_commitment: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
+    # the task package the member installed (fedsec.task.digest); the aggregator refuses
+    # a join whose pin is not its own. Optional on the wire only so that the message
+    # decodes the same everywhere; a join without one is refused (cohort.py)
+    task_pin: TaskPin | None = None
 
 
 class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -18,6 +18,7 @@ from fedsec.audit.verify import verify_log
 from fedsec.errors import PayloadError, StaleUpdate
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
 from fedsec.protocol import wire
+from fedsec.task.digest import loaded_task_pin
 
 
 @pytest.mark.asyncio
@@ -101,7 +102,12 @@ def test_stale_or_missing_base_versions_are_refused(tmp_path: Path) -> None:
             1,
             0,
             wire.JoinRequest(
-                schema, coord.task.version, 10, base_version=base, graph_commitment="00" * 32
+                schema,
+                coord.task.version,
+                10,
+                base_version=base,
+                graph_commitment="00" * 32,
+                task_pin=loaded_task_pin(coord.task.name),
             ),
         )
 

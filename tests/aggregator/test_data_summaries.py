@@ -17,6 +17,7 @@ from fedsec.audit.report import build_report
 from fedsec.errors import FedsecError, PayloadError, SignatureError, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.data_schema import DataSchema, ObservedColumn, ObservedSchema
+from fedsec.task.digest import loaded_task_pin
 from fedsec.tasks import get_task
 from tests.support.aggregator import (
     FED,
@@ -86,6 +87,7 @@ def join(member: str, data: wire.DataSummary | None) -> wire.JoinRequest:
         samples=96,
         data_summary=data,
         graph_commitment="00" * 32,
+        task_pin=loaded_task_pin("table"),
     )
 
 

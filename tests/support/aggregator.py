@@ -36,6 +36,7 @@ from fedsec.crypto.secagg.messages import graph_commitment
 from fedsec.modelfile import decode_model
 from fedsec.protocol import codec, wire
 from fedsec.protocol.roster import sign_roster_entry
+from fedsec.task.digest import loaded_task_pin
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 
@@ -156,6 +157,7 @@ def join_request(member: str = "", round_: int = 1, samples: int = 50) -> wire.J
         task_version=task.version,
         samples=samples,
         graph_commitment=commitment,
+        task_pin=loaded_task_pin(TASK),
     )
 
 

@@ -14,10 +14,11 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.data_summaries import DataSummaryDesk
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection, CodecSection, DPSection
-from fedsec.errors import PayloadError, StaleUpdate, TaskMismatch
+from fedsec.errors import PayloadError, StaleUpdate, TaskDigestMismatch, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.update_codec import ring_bits_for
 from fedsec.summation import mode_named
+from fedsec.task.digest import check_pin
 
 
 class CohortDesk:
@@ -53,7 +54,10 @@ class CohortDesk:
                 a missing summary or data that differs (:class:`DataSummaryDesk`).
             SignatureError: a data summary not signed by the member.
             PayloadError, StaleUpdate: see :meth:`_check_staleness`; no samples.
+            TaskDigestMismatch: the member's installed task package is not the one
+                installed here (each differing field named), or it sent no pin.
         """
+        self._check_pin(member, req.task_pin)
         task = self._ctx.task
         if req.task_version != task.version:
             raise TaskMismatch(
@@ -94,6 +98,24 @@ class CohortDesk:
         )
         self.summaries.record(member, req.data_summary)
         return wire.JoinResponse(accepted=True, detail="joined"), True
+
+    def _check_pin(self, member: str, pin: wire.TaskPin | None) -> None:
+        """The member runs the task package this aggregator runs: the one every spec pins.
+
+        A member states its pin itself, so this catches a misinstalled member before it
+        takes a cohort seat; an honest member also checks the signed spec's pin before
+        it trains (``fedsec.agent.spec.check_spec_task``).
+
+        Raises:
+            TaskDigestMismatch: no pin, or one that differs (each differing field named).
+        """
+        if pin is None:
+            raise TaskDigestMismatch(
+                f"{member} sent no task pin: this federation pins the task package "
+                f"{self._ctx.task_pin.distribution} {self._ctx.task_pin.version}; "
+                "upgrade the agent so that it states the package it installed"
+            )
+        check_pin(self._ctx.task_pin, pin, member)
 
     def _check_staleness(self, member: str, base: int | None) -> None:
         """Buffered mode: τ = current version − base version must be within max_staleness.
@@ -254,6 +276,7 @@ class CohortDesk:
             graph_commitments=self._graph_commitments(live, cohort),
             aggregation=_aggregation_spec(cfg.aggregation),
             codec=_codec_spec(cfg.codec),
+            task_pin=ctx.task_pin,
         ).sign(ctx.ws.signer)
 
 

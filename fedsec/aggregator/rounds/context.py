@@ -15,6 +15,7 @@ from fedsec.aggregator.workspace import Workspace
 from fedsec.config import FederationConfig
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol.log_entries import QuarantineEntry
+from fedsec.protocol.spec import TaskPin
 from fedsec.tasks.base import Task
 
 # The whole round engine logs under the coordinator's name: operators (and `fedsec
@@ -35,6 +36,8 @@ class RoundContext:
         changed: to call whenever something an agent may be waiting for changed.
         faults: crash points for chaos tests (:mod:`fedsec.faults`); none in production.
         events: where the engine announces what it did (operations listen there).
+        task_pin: the task package installed here (:func:`fedsec.task.digest.loaded_task_pin`),
+            pinned in every spec and required of every join.
     """
 
     ws: Workspace
@@ -49,6 +52,7 @@ class RoundContext:
     traffic: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     # member -> its quarantine log entry: no cohort takes it (rounds.quarantine keeps it)
     quarantined: dict[str, QuarantineEntry] = field(default_factory=dict)
+    task_pin: TaskPin = field(kw_only=True)
 
     @property
     def cfg(self) -> FederationConfig:
