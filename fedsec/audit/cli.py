@@ -90,6 +90,25 @@ def _records(
     return log_path, archive, models, pinned
 
 
+def _echo_task_pins(pins: list[dict[str, Any]], checked: bool) -> None:
+    """One line per task package the specs pin, and whether it was compared here."""
+    compared = "matches the one installed here" if checked else "not compared (--check-task-pin)"
+    for row in pins:
+        pin, rounds = row["pin"], row["rounds"]
+        span = (
+            f"{len(rounds)} rounds from {rounds[0]} to {rounds[-1]}"
+            if len(rounds) > 1
+            else f"round {rounds[0]}"
+        )
+        if pin is None:
+            click.echo(f"{span}: specs pin no task package (signed before pinning)")
+        else:
+            click.echo(
+                f"{span}: task {pin['entry_point']} from {pin['distribution']} "
+                f"{pin['version']}, digest {pin['digest'][:16]}…: {compared}"
+            )
+
+
 @click.group()
 def audit() -> None:
     """Compliance side: verify the log, challenge members, report."""
@@ -103,6 +122,12 @@ def audit() -> None:
     help="a recipient's identity key (the auditor's), to open and re-derive hidden models "
     "(he.model_visible_to_aggregator = false)",
 )
+@click.option(
+    "--check-task-pin",
+    is_flag=True,
+    help="require every round spec to pin the task package installed here (same "
+    "distribution, version and digest of its files)",
+)
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(
     log_path: Path | None,
@@ -112,6 +137,7 @@ def verify_cmd(
     receipts: tuple[Path, ...],
     aggregator_key: str | None,
     key: Path | None,
+    check_task_pin: bool,
     as_json: bool,
 ) -> None:
     """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all hold."""
@@ -125,7 +151,9 @@ def verify_cmd(
     if key is not None:
         identity = load_identity(key)
         reader = (identity.public_bytes, identity.x25519_secret())
-    result = verify_log(log_path, archive, models, _receipt_files(receipts), pinned, reader)
+    result = verify_log(
+        log_path, archive, models, _receipt_files(receipts), pinned, reader, check_task_pin
+    )
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     else:
@@ -141,6 +169,7 @@ def verify_cmd(
             )
         for pruned in result.pruned_rounds:
             click.echo(f"round {pruned['round']}: not re-aggregated, {pruned['detail']}")
+        _echo_task_pins(result.task_pins, result.task_pin_checked and result.ok)
         for underived in result.underived_rounds:
             click.echo(
                 f"round {underived['round']} attempt {underived['attempt']} "

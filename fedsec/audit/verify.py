@@ -47,7 +47,9 @@ then entry by entry:
 - privacy reports signed by their member, ε non-decreasing per member and
   dataset, and ε recomputed from the logged DP parameters with an independent
   accountant (:mod:`fedsec.audit.accountant`) within 1%;
-- receipts presented: signed by the aggregator and naming a logged contribution.
+- receipts presented: signed by the aggregator and naming a logged contribution;
+- the task package each spec pins, listed (``task_pins``); with ``check_task_pin``,
+  every spec must pin the package installed here (:mod:`fedsec.audit.verifier.task_pins`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from fedsec.audit.verifier.models import Models
 from fedsec.audit.verifier.modes import open_mode
 from fedsec.audit.verifier.privacy import Privacy
 from fedsec.audit.verifier.retention import ArchiveRecords
+from fedsec.audit.verifier.task_pins import LocalPin, TaskPins
 from fedsec.errors import FedsecError, IntegrityError
 from fedsec.protocol import wire
 from fedsec.protocol.log import LogEntry
@@ -119,6 +122,10 @@ class VerifyResult:
     underived_rounds: list[dict[str, Any]] = field(default_factory=list)
     problem: str | None = None
     epsilon: dict[str, float] = field(default_factory=dict)
+    # each distinct task pin of the specs, with its rounds ({"pin", "rounds"}; pin None:
+    # specs signed before pinning), and whether they were compared with this installation
+    task_pins: list[dict[str, Any]] = field(default_factory=list)
+    task_pin_checked: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +141,8 @@ class VerifyResult:
             "hidden_unopened": self.hidden_unopened,
             "underived_rounds": self.underived_rounds,
             "epsilon": self.epsilon,
+            "task_pins": self.task_pins,
+            "task_pin_checked": self.task_pin_checked,
             "problem": self.problem,
         }
 
@@ -149,8 +158,11 @@ class Verifier:
         models_root: Path | None,
         aggregator_key: bytes | None = None,
         reader: tuple[bytes, bytes] | None = None,
+        local_pin: LocalPin | None = None,
     ) -> None:
         self.identities = Identities(aggregator_key)
+        self.task_pins = TaskPins(local_pin)
+        self._pin_checked = local_pin is not None
         self.records = ArchiveRecords(archive)
         self.models = Models(self.identities, models_root, reader)
         self.contexts = HeContexts(self.identities, self.records)
@@ -200,6 +212,8 @@ class Verifier:
             underived_rounds=self.aggregates.underived,
             problem=problem,
             epsilon=self.privacy.epsilon,
+            task_pins=self.task_pins.as_list(),
+            task_pin_checked=self._pin_checked,
         )
 
     def _check(self, entry: LogEntry) -> None:
@@ -240,6 +254,7 @@ class Verifier:
                 self.identities.on_quarantine(body)
             case wire.RoundSpec():
                 self.attempts.on_round_spec(body)
+                self.task_pins.on_round_spec(body)
             case AcceptedEntry():
                 self.attempts.on_accepted(index, body)
             case ArchivePrunedEntry():
@@ -278,11 +293,17 @@ def verify_log(
     receipts: Iterable[Path] = (),
     aggregator_key: bytes | None = None,
     reader: tuple[bytes, bytes] | None = None,
+    check_task_pin: bool = False,
 ) -> VerifyResult:
     """Verify a transparency log; see the module docstring for what is checked.
 
     ``reader``: (Ed25519 public key, X25519 secret) of a hidden models' recipient (the
     auditor), to re-derive the versions the aggregator cannot read.
+    ``check_task_pin``: every spec must pin the task package installed here
+    (:func:`fedsec.task.digest.loaded_task_pin` of the task it names).
     """
+    from fedsec.task.digest import loaded_task_pin
+
     archive = Archive(archive_dir) if archive_dir is not None else None
-    return Verifier(archive, models_root, aggregator_key, reader).run(log_path, receipts)
+    local = loaded_task_pin if check_task_pin else None
+    return Verifier(archive, models_root, aggregator_key, reader, local).run(log_path, receipts)

@@ -6,7 +6,8 @@ archive holds and what retention deleted (:mod:`.retention`), each round attempt
 spec and accepted messages (:mod:`.attempts`), each summation mode's own entries
 (:mod:`.modes`, :mod:`.homomorphic`), the aggregates re-derived from the archive
 (:mod:`.aggregates`; a sum by :func:`fedsec.summation.replay`), the model versions
-(:mod:`.models`) and the members' privacy accounting (:mod:`.privacy`).  Each
+(:mod:`.models`), the members' privacy accounting (:mod:`.privacy`) and the task
+package each spec pins (:mod:`.task_pins`).  Each
 checker keeps its own state and counts; the dispatcher names the entry a checker's
 problem is about.
 """
