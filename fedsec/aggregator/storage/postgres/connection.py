@@ -14,6 +14,7 @@ server default, which a deployment must not turn off; see docs/deployment.md), s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -30,6 +31,10 @@ IDLE_IN_TRANSACTION_S: Final = 60
 
 Params = tuple[Any, ...]
 
+_OPEN = (TransactionStatus.ACTIVE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+log = logging.getLogger(__name__)
+
 
 class PostgresConnection:
     """The open database: what every table's store shares.
@@ -44,17 +49,37 @@ class PostgresConnection:
     """
 
     def __init__(self, url: str) -> None:
-        self.db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(url, autocommit=True)
-        self.db.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
-        migrate(self.db)
+        self._url = url
+        self.db = self._connect()
         self._after_commit: list[Callable[[], None]] = []
         self._at_begin: list[Callable[[], None]] = []
+
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(self._url, autocommit=True)
+        db.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
+        migrate(db)
+        return db
+
+    def usable(self) -> psycopg.Connection[tuple[Any, ...]]:
+        """The connection, opened anew if the last one broke (a server restart, a
+        database failover, a network drop).  Only between transactions: the call that
+        met the break has already failed, and the server rolled its transaction back,
+        so nothing acknowledged is lost and the lease token still decides.
+
+        Raises:
+            psycopg.Error: the server cannot be reached.
+        """
+        if self.db.broken:
+            log.warning("state database connection broken; reconnecting")
+            self.db = self._connect()
+        return self.db
 
     def close(self) -> None:
         self.db.close()
 
     def in_transaction(self) -> bool:
-        return self.db.info.transaction_status != TransactionStatus.IDLE
+        # a broken connection's transaction is gone: the server rolled it back
+        return self.db.info.transaction_status in _OPEN
 
     def on_commit(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after every commit of an explicit transaction."""
@@ -71,7 +96,8 @@ class PostgresConnection:
 
     def read(self, sql: str, params: Params = ()) -> psycopg.Cursor[tuple[Any, ...]]:
         """Run a query (inside the current transaction, if any)."""
-        return self.db.execute(sql, params)
+        db = self.db if self.in_transaction() else self.usable()
+        return db.execute(sql, params)
 
     def count(self, sql: str, params: Params = ()) -> int:
         """The integer a ``SELECT COUNT(*)`` query returns."""
@@ -103,13 +129,14 @@ class Transaction:
         self._outer = not self._conn.in_transaction()
         if not self._outer:
             return
-        db = self._conn.db
+        db = self._conn.usable()
         db.execute("BEGIN")
         try:
             for check in self._conn._at_begin:
                 check()
         except BaseException:
-            db.execute("ROLLBACK")
+            if not db.broken:
+                db.execute("ROLLBACK")
             raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -119,5 +146,5 @@ class Transaction:
             self._conn.db.execute("COMMIT")
             for callback in self._conn._after_commit if self._explicit else ():
                 callback()
-        else:
+        elif not self._conn.db.broken:  # a broken one's transaction is already gone
             self._conn.db.execute("ROLLBACK")

@@ -138,7 +138,7 @@ class LeaderLease:
             return True
         if self._conn.in_transaction():
             raise RuntimeError("the lease is taken outside any transaction")
-        db = self._conn.db
+        db = self._conn.usable()
         try:
             with db.transaction():
                 db.execute(f"SET LOCAL lock_timeout = '{int(TAKEOVER_WAIT_S * 1000)}ms'")

@@ -30,8 +30,8 @@ class PostgresNonces:
     """
 
     def __init__(self, url: str, now: float) -> None:
-        self._db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(url, autocommit=True)
-        migrate(self._db)
+        self._url = url
+        self._db = self._connect()
         created = self._db.execute(
             "INSERT INTO nonce_origin VALUES (1, %s) ON CONFLICT (id) DO NOTHING RETURNING 1",
             (now,),
@@ -39,13 +39,25 @@ class PostgresNonces:
         #: True when this opening created the store: no replica has recorded a nonce yet.
         self.fresh = created is not None
 
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(self._url, autocommit=True)
+        migrate(db)
+        return db
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[tuple[Any, ...]]:
+        # every statement commits by itself, so after a break (server restart, failover)
+        # the next one can simply reconnect: the one that met the break has failed
+        if self._db.broken:
+            self._db = self._connect()
+        return self._db.execute(sql, params)
+
     def count(self) -> int:
-        row = self._db.execute("SELECT count(*) FROM nonces").fetchone()
+        row = self._execute("SELECT count(*) FROM nonces").fetchone()
         assert row is not None
         return int(row[0])
 
     def expiry(self, keyid: str, nonce: str) -> float | None:
-        row = self._db.execute(
+        row = self._execute(
             "SELECT expiry FROM nonces WHERE keyid = %s AND nonce = %s", (keyid, nonce)
         ).fetchone()
         return float(row[0]) if row else None
@@ -53,7 +65,7 @@ class PostgresNonces:
     def record(self, keyid: str, nonce: str, expiry: float, now: float) -> bool:
         """Record the nonce unless a live row holds it; False when one does.  One
         statement, so atomic across replicas."""
-        cur = self._db.execute(
+        cur = self._execute(
             "INSERT INTO nonces VALUES (%s, %s, %s) ON CONFLICT (keyid, nonce) "
             "DO UPDATE SET expiry = excluded.expiry WHERE nonces.expiry < %s",
             (keyid, nonce, expiry, now),
@@ -61,7 +73,7 @@ class PostgresNonces:
         return cur.rowcount == 1
 
     def purge(self, now: float) -> int:
-        return self._db.execute("DELETE FROM nonces WHERE expiry < %s", (now,)).rowcount
+        return self._execute("DELETE FROM nonces WHERE expiry < %s", (now,)).rowcount
 
     def close(self) -> None:
         self._db.close()
