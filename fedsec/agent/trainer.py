@@ -117,6 +117,7 @@ class LocalTrainer:
                 self.device,
                 _training_seed(self._faults, self.member, spec.round),
                 self.progress,
+                local.task,
             ),
         )
         if result.steps != charge.steps or abs(result.sample_rate - charge.sample_rate) > 1e-12:
@@ -161,6 +162,7 @@ class LocalTrainer:
                 include,
                 spec.dp.max_grad_norm,
                 self.device,
+                local.task,
             ),
         )
         duration = time.perf_counter() - started

@@ -36,6 +36,7 @@ from opacus import GradSampleModule
 from torch.nn import functional as F
 
 from fedsec.errors import ConfigError
+from fedsec.task.definition import Task
 
 
 def poisson_sample(n: int, rate: float, seed: bytes | None = None) -> np.ndarray:
@@ -65,6 +66,7 @@ def clipped_gradient_sum(
     include: np.ndarray,
     max_grad_norm: float,
     device: torch.device | str = "cpu",
+    task: Task | None = None,
 ) -> tuple[np.ndarray, int]:
     """Σ over the included records of their per-sample gradients, each clipped to L2
     norm ``max_grad_norm`` (over all parameters together, as Opacus does).
@@ -75,12 +77,15 @@ def clipped_gradient_sum(
         include: boolean mask of the records in this step (:func:`poisson_sample`).
         max_grad_norm: C.
         device: where to compute.
+        task: whose loss (batch mean, or its ``batch_step``) the gradients are of;
+            None: cross-entropy.
 
     Returns:
         (the flat float64 sum in ``model.parameters()`` order, the number of records).
 
     Raises:
         ConfigError: mismatched lengths or a non-positive clip norm.
+        InvalidTask: the task's loss is not a 0-d floating tensor.
     """
     if not (len(x) == len(y) == len(include)):
         raise ConfigError(f"x, y and include differ in length: {len(x)}, {len(y)}, {len(include)}")
@@ -91,22 +96,37 @@ def clipped_gradient_sum(
     if rows.size == 0:
         return np.zeros(dim), 0
     target = torch.device(device)
-    work = GradSampleModule(copy.deepcopy(model).to(target), loss_reduction="sum")
-    try:
-        xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32)).to(target)
-        yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.int64)).to(target)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            torch.autograd.backward(F.cross_entropy(work(xb), yb, reduction="sum"))
-        per_sample = torch.cat(
-            [p.grad_sample.reshape(len(rows), -1) for p in work.parameters()],
-            dim=1,
-        ).double()
-    finally:
-        work.remove_hooks()
+    xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32)).to(target)
+    yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.int64)).to(target)
+    per_sample = _per_sample_gradients(copy.deepcopy(model).to(target), xb, yb, task)
     norms = per_sample.norm(dim=1, keepdim=True)
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # Opacus' clipping rule
     return (per_sample * factors).sum(dim=0).cpu().numpy(), int(rows.size)
+
+
+def _per_sample_gradients(
+    work: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor, task: Task | None
+) -> torch.Tensor:
+    """Each record's gradient of the loss, one float64 row per record."""
+    # Cross-entropy is summed, as before tasks had a loss (the bundled tasks' updates
+    # stay bit-identical); a task's own loss is its batch mean, which Opacus' grad
+    # sampler scales back to per-sample gradients (loss_reduction="mean").
+    own = task is not None and task.own_loss
+    sampled = GradSampleModule(work, loss_reduction="mean" if own else "sum")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss = (
+                task.batch_loss(sampled, (xb, yb))
+                if own and task is not None
+                else F.cross_entropy(sampled(xb), yb, reduction="sum")
+            )
+            torch.autograd.backward(loss)
+        return torch.cat(
+            [p.grad_sample.reshape(len(yb), -1) for p in sampled.parameters()], dim=1
+        ).double()
+    finally:
+        sampled.remove_hooks()
 
 
 def apply_gradient_sum(

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsec.crypto import prg
-from fedsec.errors import ConfigError
+from fedsec.errors import ConfigError, InvalidTask
 from fedsec.tasks.base import Dataset, Task, TrainingParams
 from fedsec.tasks.evaluation import evaluate
 
@@ -66,6 +66,13 @@ _FRESH_SEED_BITS = 256
 #: domain of its streams (one per optimiser step and parameter).
 _NOISE_KEY_DOMAIN = b"fedsec/v1/dp-sgd-noise-key\x00"
 _NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
+#: ``(model, batch) -> 0-d loss``: what one step minimises (:meth:`Task.batch_loss`)
+BatchLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
+#: How far the loss of two copies of one record may be from the record's own loss
+#: before the loss counts as a sum, not a mean: float32 rounding of a mean of two
+#: equal values is far inside it, a sum is 100 % off.
+_MEAN_PROBE_RTOL = 1e-3
+
 #: Standard normals summed per noise value: Opacus' secure_mode (2n draws with n = 2, the
 #: least that defeats the floating-point attack on the Gaussian mechanism).
 _NOISE_DRAWS = 4
@@ -246,6 +253,7 @@ def train_local(
     device: torch.device | str,
     seed: int,
     progress: bool = False,
+    task: Task | None = None,
 ) -> LocalTrainResult:
     """Train ``model`` in place on ``(x, y)`` for ``params.local_epochs`` epochs.
 
@@ -262,6 +270,8 @@ def train_local(
         device: where to train.
         seed: batch sampling and DP noise seed; secret in production (see module doc).
         progress: show a progress bar on the terminal.
+        task: the task whose loss each step minimises (its ``batch_step`` when it
+            declares one, on ``(x, y)`` batches); None: cross-entropy.
 
     Returns:
         steps taken, sample count, sample rate, this round's epsilon (DP only), mean
@@ -269,6 +279,9 @@ def train_local(
 
     Raises:
         ConfigError: empty data, mismatched ``x``/``y``, or a model Opacus cannot train.
+        InvalidTask: the task's loss is not a 0-d floating tensor, or is not the batch
+            mean (DP-SGD's clipping and noise scale assume the mean); the model is
+            left as it was.
     """
     started = time.perf_counter()
     n = len(y)
@@ -276,8 +289,9 @@ def train_local(
         raise ConfigError(f"training needs matching non-empty x and y, got {len(x)} and {n}")
     target = torch.device(device)
     work = copy.deepcopy(model).to(target)
+    batch_loss = _batch_loss(task, work, x, y, target)
     steps, loss_sum, seen, sample_rate, epsilon = _train_copy(
-        work, x, y, params, dp, target, seed, progress
+        work, x, y, params, dp, target, seed, progress, batch_loss
     )
     with torch.no_grad():
         model.load_state_dict(work.state_dict())
@@ -300,6 +314,7 @@ def _train_copy(
     target: torch.device,
     seed: int,
     progress: bool,
+    batch_loss: BatchLoss,
 ) -> tuple[int, float, int, float, float | None]:
     """Train ``work`` (a copy already on ``target``): (steps, loss sum, samples seen,
     sample rate, this round's epsilon or None without DP)."""
@@ -316,7 +331,7 @@ def _train_copy(
     try:
         with _progress(progress, planned_steps, "local training") as advance:
             steps, loss_sum, seen = _run_epochs(
-                trained, optimizer, loader, params.local_epochs, target, advance
+                trained, optimizer, loader, params.local_epochs, target, advance, batch_loss
             )
         epsilon = None if engine is None or dp is None else engine.get_epsilon(dp.delta)
     finally:
@@ -331,15 +346,21 @@ def _train_copy(
 def _loader(
     x: np.ndarray, y: np.ndarray, batch_size: int, sampling_seed: int
 ) -> DataLoader[tuple[torch.Tensor, ...]]:
-    data = TensorDataset(
-        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)),
-    )
+    data = TensorDataset(*_tensors(x, y))
     return DataLoader(
         data,
         batch_size=batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(sampling_seed),
+    )
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 features and int64 labels the loop trains on, sharing the arrays'
+    memory where they already have those dtypes."""
+    return (
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)),
     )
 
 
@@ -377,6 +398,7 @@ def _run_epochs(
     epochs: int,
     target: torch.device,
     advance: Callable[[], None],
+    batch_loss: BatchLoss,
 ) -> tuple[int, float, int]:
     """Run ``epochs`` passes over ``loader``; returns (steps, summed loss, records seen)."""
     steps = 0
@@ -391,7 +413,7 @@ def _run_epochs(
                 xb, yb = xb.to(target), yb.to(target)
                 optimizer.zero_grad(set_to_none=True)
                 if len(yb) > 0:
-                    loss = F.cross_entropy(trained(xb), yb)
+                    loss = batch_loss(trained, (xb, yb))
                     torch.autograd.backward(loss)
                     loss_sum += float(loss.detach()) * len(yb)
                     seen += len(yb)
@@ -404,6 +426,63 @@ def _run_epochs(
                 steps += 1
                 advance()
     return steps, loss_sum, seen
+
+
+def _cross_entropy_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    xb, yb = batch
+    return F.cross_entropy(model(xb), yb)
+
+
+def _batch_loss(
+    task: Task | None, work: torch.nn.Module, x: np.ndarray, y: np.ndarray, target: torch.device
+) -> BatchLoss:
+    """What each step minimises; a task's own loss once checked on ``work``.
+
+    Raises:
+        InvalidTask: see :func:`_check_batch_mean`.
+    """
+    # The default loss is the very same computation as Task.batch_loss of a task that
+    # keeps the defaults, without its per-step check: the bundled tasks' models stay
+    # bit-identical whichever way they are trained.
+    if task is None or not task.own_loss:
+        return _cross_entropy_step
+    _check_batch_mean(task.name, task.batch_loss, work, x, y, target)
+    return task.batch_loss
+
+
+def _check_batch_mean(
+    name: str,
+    batch_loss: BatchLoss,
+    work: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    target: torch.device,
+) -> None:
+    """Refuse a loss that is a batch *sum*: two copies of one record must give the
+    record's own loss. Opacus clips each record's gradient of the loss and scales the
+    noise by the expected batch size, assuming the mean; a sum would multiply the step
+    by the batch size. Evaluated without gradients, in eval mode and on a forked RNG,
+    so training afterwards is exactly what it would have been.
+
+    Raises:
+        InvalidTask: the loss is not a 0-d floating tensor, or not the batch mean.
+    """
+    xs, ys = _tensors(x[:1], y[:1])
+    one = (xs.to(target), ys.to(target))
+    two = (torch.cat([one[0], one[0]]), torch.cat([one[1], one[1]]))
+    was_training = work.training
+    work.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            single, double = float(batch_loss(work, one)), float(batch_loss(work, two))
+    finally:
+        work.train(was_training)
+    if not math.isclose(single, double, rel_tol=_MEAN_PROBE_RTOL, abs_tol=1e-12):
+        raise InvalidTask(
+            f"task '{name}' loss is not the batch mean: two copies of one record give "
+            f"{double:.6g}, the record alone {single:.6g}; reduce over the batch with "
+            ".mean() (DP-SGD clips and noises per-sample gradients of the mean)"
+        )
 
 
 def train_centralized(
@@ -423,9 +502,9 @@ def train_centralized(
             replaced by ``epochs``).
 
     Returns:
-        ``(test accuracy, test loss)``.
+        ``(test accuracy, test loss)``, the loss the task's (see :func:`evaluate`).
     """
     model = task.build_model(seed)
     settings = replace(params or task.defaults, local_epochs=epochs)
-    train_local(model, dataset.x_train, dataset.y_train, settings, None, device, seed)
-    return evaluate(model, dataset.x_test, dataset.y_test, device)
+    train_local(model, dataset.x_train, dataset.y_train, settings, None, device, seed, task=task)
+    return evaluate(model, dataset.x_test, dataset.y_test, device, task=task)

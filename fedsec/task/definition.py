@@ -118,6 +118,12 @@ class Task:
             )
 
     @property
+    def own_loss(self) -> bool:
+        """Whether the task trains with a loss or batch step of its own rather than the
+        default cross-entropy on ``(x, y)``."""
+        return self.batch_step is not None or self.loss is not cross_entropy
+
+    @property
     def higher_is_better(self) -> bool:
         """Whether a larger primary metric is an improvement."""
         return self.metrics[self.primary_metric].higher_is_better

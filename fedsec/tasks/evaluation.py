@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.nn import functional as F
+
+from fedsec.task.metrics import checked_loss
+
+if TYPE_CHECKING:
+    from fedsec.task.definition import Task
 
 # Large enough to amortise per-batch overhead, small enough for any bundled model's
 # activations to fit comfortably on a small GPU.
@@ -19,14 +25,22 @@ def evaluate(
     y: np.ndarray,
     device: torch.device | str = "cpu",
     batch_size: int = EVAL_BATCH_SIZE,
+    task: Task | None = None,
 ) -> tuple[float, float]:
     """Evaluate ``model`` on ``(x, y)``.
 
     The caller's model is not moved or left in eval mode: if it lives on another
     device, a copy is evaluated.
 
+    Args:
+        task: whose loss is reported (its ``batch_step`` when it declares one); None:
+            cross-entropy.
+
     Returns:
-        ``(accuracy, mean cross-entropy loss)``; ``(nan, nan)`` for an empty set.
+        ``(accuracy, mean loss over the records)``; ``(nan, nan)`` for an empty set.
+
+    Raises:
+        InvalidTask: the task's loss is not a 0-d floating tensor.
     """
     n = len(y)
     if n == 0:
@@ -49,8 +63,24 @@ def evaluate(
                     target, torch.int64
                 )
                 logits = work(xb)
-                loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+                loss_sum += _loss_total(task, work, logits, xb, yb)
                 correct += int((logits.argmax(dim=1) == yb).sum())
     finally:
         work.train(was_training)
     return correct / n, loss_sum / n
+
+
+def _loss_total(
+    task: Task | None,
+    model: torch.nn.Module,
+    logits: torch.Tensor,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+) -> float:
+    """The batch's loss summed over its records: the task's batch mean times the count,
+    or for cross-entropy its exact sum (the value reported before tasks had a loss)."""
+    if task is None or not task.own_loss:
+        return float(F.cross_entropy(logits, yb, reduction="sum"))
+    if task.batch_step is not None:
+        return float(task.batch_loss(model, (xb, yb))) * len(yb)
+    return float(checked_loss(task.name, task.loss(logits, yb))) * len(yb)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedsec.errors import InvalidTask
-from fedsec.task import Task, cross_entropy, load_task
+from fedsec.task import Task, load_task
 from fedsec.task.dp import check_dp_compatible
 
 #: The tasks fedsec itself declares in the ``fedsec.tasks`` entry-point group.
@@ -29,8 +29,8 @@ def get_task(name: str, **options: Any) -> Task:
     Raises:
         UnknownTask: no installed package declares ``name`` (a ConfigError).
         ConfigError: unknown or missing option, or bad option value.
-        InvalidTask: the entry point does not give a task, or the task declares a loss,
-            batch step or primary metric that the round runtime does not apply yet.
+        InvalidTask: the entry point does not give a task, or the task declares a
+            primary metric that the round runtime does not report yet.
         DpIncompatibleModel: a model layer Opacus cannot train (named, with its fix).
     """
     return runnable(load_task(name, **options))
@@ -39,33 +39,24 @@ def get_task(name: str, **options: Any) -> Task:
 def runnable(task: Task) -> Task:
     """``task`` if the round runtime trains and evaluates it as it declares.
 
-    The runtime's training loop, the aggregator's validation and the auditor's
-    re-training use cross-entropy on ``(x, y)`` batches and report accuracy; a task
-    declaring anything else is refused here rather than trained with a loss it did
-    not ask for. Its model must pass Opacus's validator: updates carry trainable
+    Training and the aggregator's validation apply the task's own loss (and batch
+    step), but dashboards, alerts and validation metrics report accuracy; a task
+    whose primary metric is another is refused here rather than judged by a metric
+    it did not ask for. Its model must pass Opacus's validator: updates carry trainable
     parameters only, so a layer whose buffers change in training (BatchNorm) would
     leave the global model's buffers at their initial values, and DP-SGD refuses it.
     Checked here, where the aggregator, each agent and the auditor look the task up,
     before anything runs.
 
     Raises:
-        InvalidTask: a custom loss, a batch step, or a primary metric other than accuracy.
+        InvalidTask: a primary metric other than accuracy.
         DpIncompatibleModel: a layer Opacus refuses; the message names it and its fix.
     """
-    unsupported = [
-        what
-        for what, declared in (
-            ("its own loss", task.loss is not cross_entropy),
-            ("a batch step", task.batch_step is not None),
-            (f"primary metric '{task.primary_metric}'", task.primary_metric != "accuracy"),
-        )
-        if declared
-    ]
-    if unsupported:
+    if task.primary_metric != "accuracy":
         raise InvalidTask(
-            f"task '{task.name}' declares {', '.join(unsupported)}; federated rounds train "
-            "with cross-entropy on (x, y) and report accuracy in this version, so it "
-            "cannot run in a federation yet (fedsec task inspect still reports it)"
+            f"task '{task.name}' declares primary metric '{task.primary_metric}'; "
+            "federated rounds report accuracy in this version, so it cannot run in a "
+            "federation yet (fedsec task inspect still reports it)"
         )
     check_dp_compatible(task.name, task.build_model(0))
     return task

@@ -220,12 +220,22 @@ def test_dp_fix_replaces_batchnorm_with_groupnorm() -> None:
 def test_the_round_runtime_refuses_what_it_would_not_apply(install_dist: InstallDist) -> None:
     source = TOY + (
         "import dataclasses\n"
-        "own_loss = dataclasses.replace(task, name='own_loss', loss=lambda o, y: o.sum())\n"
+        "from fedsec.task import Metric\n"
+        "own_loss = dataclasses.replace(task, name='own_loss', loss=lambda o, y: o.mean())\n"
+        "err = Metric(total=lambda o, y: (o.argmax(1) != y).sum(), higher_is_better=False)\n"
+        "own_metric = dataclasses.replace(\n"
+        "    task, name='own_metric', metrics={'error': err}, primary_metric='error')\n"
     )
-    install_dist("toy-task", "1.0", {"own_loss": "toy_pkg:own_loss"}, {"toy_pkg": source})
-    assert load_task("own_loss").name == "own_loss"  # the API takes it
-    with pytest.raises(InvalidTask, match="declares its own loss; federated rounds train"):
-        get_task("own_loss")  # the runtime would train it with cross-entropy: refused
+    install_dist(
+        "toy-task",
+        "1.0",
+        {"own_loss": "toy_pkg:own_loss", "own_metric": "toy_pkg:own_metric"},
+        {"toy_pkg": source},
+    )
+    assert get_task("own_loss").own_loss  # rounds train with the task's own loss
+    assert load_task("own_metric").name == "own_metric"  # the API takes it
+    with pytest.raises(InvalidTask, match="declares primary metric 'error'; federated rounds"):
+        get_task("own_metric")  # dashboards and alerts would follow accuracy: refused
 
 
 def test_the_runtime_refuses_a_model_opacus_cannot_train(install_dist: InstallDist) -> None:

@@ -81,7 +81,7 @@ class ModelApplier:
         opt.state = apply_mean(self._model, arrays, weighted_sum, weight_sum, opt.rule, opt.state)
         metrics: dict[str, float] = {}
         if self._validation is not None:
-            acc, loss = evaluate(self._model, *self._validation)
+            acc, loss = evaluate(self._model, *self._validation, task=self._ctx.task)
             metrics = {"accuracy": acc, "loss": loss}
         arrays_out = state_to_arrays(self._model)
         digest = hashlib.sha256(encode_model(arrays_out)).hexdigest()
