@@ -117,7 +117,8 @@ def open_state(root: Path, config: FederationConfig) -> StateStore:
         store = PostgresStateStore(config.storage.url)
         # leads unless another replica's lease is live; then every write is refused
         # (NotLeader) until this one takes the lease over
-        store.lease.acquire(time.time())
+        if store.lease.acquire(time.time()):
+            store.lease.keep()
         return store
     except (psycopg.Error, ValueError) as exc:
         # libpq's messages name host and port, never the password

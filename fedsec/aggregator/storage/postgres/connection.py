@@ -60,6 +60,11 @@ class PostgresConnection:
         migrate(db)
         return db
 
+    @property
+    def url(self) -> str:
+        """The URL this connection was opened with (a lease keeper opens its own)."""
+        return self._url
+
     def usable(self) -> psycopg.Connection[tuple[Any, ...]]:
         """The connection, opened anew if the last one broke (a server restart, a
         database failover, a network drop).  Only between transactions: the call that

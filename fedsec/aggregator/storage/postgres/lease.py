@@ -21,8 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import psycopg
 
@@ -82,6 +84,7 @@ class LeaderLease:
         self.token: int | None = None
         #: Writes refused because this store did not lead (the fencing counter).
         self.refused = 0
+        self._keeper: LeaseKeeper | None = None
 
     def current(self) -> LeaseRow | None:
         """The lease as stored now, or None before anyone led."""
@@ -180,7 +183,72 @@ class LeaderLease:
         Raises:
             psycopg.Error: the database fails.
         """
+        self.stop_keeping()
         if self.token is not None and not self._conn.in_transaction():
             self._conn.read(
                 "UPDATE leader_lease SET expires_at = '-Infinity' WHERE token = %s", (self.token,)
             )
+
+    def keep(self, ttl_s: float = LEASE_S) -> None:
+        """Renew the lease every ``ttl_s / 3`` from a background thread, on a connection of
+        its own, for as long as this process runs and reaches the database: a leader
+        waiting on its members between stages writes nothing, yet must go on leading.
+        The thread stops when the store is deposed or :meth:`release` is called; a
+        stopped process (SIGSTOP, SIGKILL) stops renewing, so a standby takes over.
+
+        Raises:
+            RuntimeError: this store does not lead.
+        """
+        if self.token is None:
+            raise RuntimeError("only the leader keeps the lease")
+        self.stop_keeping()
+        self._keeper = LeaseKeeper(self._conn.url, self.holder, self.token, ttl_s)
+        self._keeper.start()
+
+    def stop_keeping(self) -> None:
+        """Stop renewing (the lease then expires after at most its ``ttl_s``)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+
+
+class LeaseKeeper(threading.Thread):
+    """The thread :meth:`LeaderLease.keep` runs: one renewal every ``ttl_s / 3``, so two
+    may fail (a slow database, a dropped connection) before the lease expires."""
+
+    def __init__(self, url: str, holder: str, token: int, ttl_s: float) -> None:
+        super().__init__(name=f"lease-keeper-{token}", daemon=True)
+        self._url, self._holder, self._token, self._ttl_s = url, holder, token, ttl_s
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Stop renewing; wait (at most ``ttl_s``) for a renewal in flight, so none lands
+        after a :meth:`LeaderLease.release`."""
+        self._stopping.set()
+        if self is not threading.current_thread() and self.is_alive():
+            self.join(timeout=self._ttl_s)
+
+    def run(self) -> None:
+        db: psycopg.Connection[tuple[Any, ...]] | None = None
+        try:
+            while not self._stopping.wait(self._ttl_s / 3):
+                try:
+                    if db is None or db.broken:
+                        db = psycopg.connect(self._url, autocommit=True, connect_timeout=2)
+                    row = db.execute(
+                        "UPDATE leader_lease SET expires_at = %s WHERE token = %s RETURNING token",
+                        (time.time() + self._ttl_s, self._token),
+                    ).fetchone()
+                except psycopg.Error as exc:
+                    log.warning("lease renewal failed holder=%s error=%s", self._holder, exc)
+                    continue
+                if row is None:
+                    log.warning(
+                        "leader lease lost holder=%s token=%d: another replica took it over",
+                        self._holder,
+                        self._token,
+                    )
+                    return
+        finally:
+            if db is not None:
+                db.close()
