@@ -103,7 +103,7 @@ def test_every_take_over_has_a_new_token_and_a_renewal_keeps_it(
 
 
 def test_a_store_that_never_led_writes_nothing(new: PostgresStateStore) -> None:
-    with pytest.raises(NotLeader, match="does not hold the leader lease") as refused:
+    with pytest.raises(NotLeader, match="no aggregator holds the leader lease") as refused:
         new.rounds.open(1, 0, 1.0)
     assert refused.value.leader is None and new.lease.refused == 1
     assert new.rounds.latest() is None  # reads work: a standby can answer with state

@@ -119,7 +119,12 @@ class LeaderLease:
             self.refused,
         )
         if row is None:
-            raise NotLeader(f"not leader: {self.holder} does not hold the leader lease", None)
+            raise NotLeader("not leader: no aggregator holds the leader lease", None)
+        if self.token is None:
+            raise NotLeader(
+                f"not leader: {self.holder} is a standby; {leader} leads with token {row[1]}",
+                leader,
+            )
         raise NotLeader(
             f"not leader: {self.holder} was deposed (its fencing token {self.token} is stale); "
             f"{leader} leads with token {row[1]}",
