@@ -47,35 +47,44 @@ per round (ε 8 spent over 15 rounds: noise multiplier 7.4) honest scores fall t
 null and the fixed signal threshold failed about half the honest updates of a round, so
 automatic quarantine removed nearly every honest member.  The signal, direction and loss
 thresholds are therefore set per round from the round's own noise
-(:func:`honest_thresholds`): the auditor's DP reference runs are honest updates of that
-round, and a test fails an update only where an honest one would score that low with
-probability about Φ(−:data:`HONEST_MARGIN_Z`).  Where the noise drowns one update's
-signal, the signal and direction tests stop failing anyone rather than fail the honest;
-magnitude (the DP noise makes the honest norm nearly deterministic), weight and replay
-still catch zero, scaled and sign-flipped (−4Δ) updates there.
+(:func:`honest_thresholds`): the auditor's DP reference runs (:mod:`fedsec.audit.reference`)
+are honest updates of that round, scored as a member's is (on control records they did
+not train on, after the member's rounding), and a test fails an update only where an
+honest one would score that low with probability about Φ(−:data:`HONEST_MARGIN_Z`).
+Where the noise drowns one update's signal, the signal and direction tests stop failing
+anyone rather than fail the honest; magnitude (the DP noise makes the honest norm nearly
+deterministic), weight and replay still catch zero, scaled and sign-flipped (−4Δ)
+updates there.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-import torch
-from torch.func import functional_call, grad, vmap
-from torch.nn import functional as F
 
-from fedsec.crypto.quantize import QuantSpec, RingVector, clip_l2, dequantize_one
-from fedsec.errors import ConfigError, TaskMismatch
-from fedsec.learning.training import DPParams, plan_round, train_local
-from fedsec.tasks.base import Task, TrainingParams
-from fedsec.tasks.params import flatten_params, load_flat_params
+from fedsec.audit.reference import (
+    FloatVec,
+    Reference,
+    RoundTraining,
+    build_reference,
+    control_loss,
+    honest_run_scores,
+    model_at,
+    signal_scores,
+)
+from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_one
+from fedsec.errors import TaskMismatch
+from fedsec.learning.training import plan_round
+from fedsec.tasks.base import Task
 
 __all__ = [
+    "CLEAR_SIGNAL_Z",
     "DIRECTION_MIN_Z",
     "HONEST_MARGIN_Z",
     "LOSS_MAX_INCREASE",
@@ -89,11 +98,11 @@ __all__ = [
     "Verdict",
     "build_reference",
     "check_update",
+    "honest_run_scores",
     "honest_thresholds",
     "load_control_sample",
 ]
 
-FloatVec = npt.NDArray[np.float64]
 
 # --- thresholds (calibrated; see the module docstring and fedsec.bench.audit) -------------
 
@@ -124,27 +133,14 @@ REPLAY_MAX_COSINE: Final = 0.5
 #: test with the spread known; 3 rather than 2.5 because the spread is estimated from
 #: :data:`REFERENCE_RUNS` runs (if under-estimated by 27 %, Φ(−2.2) ≈ 1.4 %).
 HONEST_MARGIN_Z: Final = 3.0
-#: Principal gradient directions used by the signal test.  Weights r/(1+r) decay fast, so
-#: more components add little power; 100 keeps the SVD of the control gradients cheap.
-SIGNAL_COMPONENTS: Final = 100
-#: DP reference runs per (round, declared size): their median norm is the magnitude
-#: test's reference (it varies by ~1 % between runs) and their scores are the expected
-#: honest scores (:func:`honest_thresholds`), whose spread needs more than a few runs:
-#: with 8 the sample standard deviation is within about ±27 % (one standard error).
-REFERENCE_RUNS: Final = 8
-#: Per-sample gradients are computed in chunks of this many records to bound memory.
-GRADIENT_CHUNK: Final = 256
-
+#: The signal test's honest bound above which the direction threshold stays at
+#: :data:`DIRECTION_MIN_Z` (:func:`honest_thresholds`).  Measured with the ``fedsec bench
+#: audit`` recipe at ε 8 over 5 rounds (seeds 0, 1) and over 15 (seed 0): in the rounds
+#: whose bound came out 1.2-2.5, none of 240 honest members scored a direction below 0
+#: (least 0.007) while the runs' mean direction ran 0.1-1.9 below the members'; in the
+#: rounds under 1, 2 of 160 did (least -0.75).
+CLEAR_SIGNAL_Z: Final = 1.0
 TEST_NAMES: Final = ("claim", "weight", "signal", "direction", "loss", "magnitude", "replay")
-
-
-@dataclass(frozen=True)
-class RoundTraining:
-    """How the round asked members to train, and the quantization clip C."""
-
-    params: TrainingParams
-    dp: DPParams | None
-    clip: float
 
 
 @dataclass(frozen=True)
@@ -189,37 +185,6 @@ class RevealedUpdate:
         if self.weight <= 0.0:
             return None
         return self.weighted_delta / self.weight
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What the auditor derives once per round (and declared size) from the control sample."""
-
-    round: int
-    global_params: npt.NDArray[np.float32]
-    mean_gradient: FloatVec  # mean clipped per-sample gradient ḡ at the global model
-    basis: FloatVec  # (k, d) top right-singular vectors of the clipped gradients
-    energies: FloatVec  # (k,) per-record second moment along each basis vector
-    step_scale: float  # η_eff: how far the declared training moves along a gradient
-    samples: int
-    reference_norm: float  # median |Δ| of DP reference runs, capped at the clip
-    loss_before: float
-    honest_direction: tuple[float, ...] = ()  # z_direction of each of those runs
-    honest_signal: tuple[float, ...] = ()  # z_signal of each
-    honest_shrink: float = 1.0  # ρ: a member's expected score over a run's (in-sample bias)
-    honest_runs: tuple[HonestRun, ...] = ()  # the runs themselves, for the loss test
-    seed: int = 0  # the reference runs' seed; also seeds their simulated rounding
-
-
-@dataclass(frozen=True, eq=False)
-class HonestRun:
-    """One of the auditor's DP reference runs: its update, clipped to the quantization
-    clip as a member's is, the control records it did not draw, and the global model's
-    loss on those."""
-
-    delta: npt.NDArray[np.float32]
-    unseen: npt.NDArray[np.int64]
-    loss_before: float
 
 
 @dataclass(frozen=True)
@@ -283,241 +248,6 @@ def load_control_sample(
     return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
 
 
-# --- the reference -----------------------------------------------------------------------
-
-
-def _model_at(task: Task, flat: npt.NDArray[np.float32]) -> torch.nn.Module:
-    model = task.build_model(0)
-    load_flat_params(model, flat)
-    return model
-
-
-def _clipped_gradients(
-    model: torch.nn.Module,
-    x: npt.NDArray[np.float32],
-    y: npt.NDArray[np.int64],
-    max_norm: float | None,
-) -> FloatVec:
-    """(n, d) per-sample gradients in flatten_params order, clipped like DP-SGD."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-    def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        out = functional_call(model, p, (xi.unsqueeze(0),))
-        return F.cross_entropy(out, yi.unsqueeze(0))
-
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
-    rows: list[FloatVec] = []
-    for start in range(0, len(y), GRADIENT_CHUNK):
-        xb = torch.from_numpy(x[start : start + GRADIENT_CHUNK])
-        yb = torch.from_numpy(y[start : start + GRADIENT_CHUNK])
-        g = per_sample(params, xb, yb)
-        flat = torch.cat([g[n].reshape(len(yb), -1) for n in names], dim=1)
-        rows.append(flat.double().numpy())
-    grads = np.concatenate(rows)
-    if max_norm is not None:
-        norms = np.linalg.norm(grads, axis=1)
-        grads /= np.maximum(1.0, norms / max_norm)[:, None]
-    return grads
-
-
-def _control_loss(
-    model: torch.nn.Module, x: npt.NDArray[np.float32], y: npt.NDArray[np.int64]
-) -> float:
-    model.eval()
-    with torch.no_grad():
-        return float(F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)))
-
-
-def _step_scale(training: RoundTraining, samples: int, steps: int, grads: FloatVec) -> float:
-    """η_eff: the length of the declared training along a unit of mean gradient.
-
-    SGD moves ``lr / (1 - momentum)`` per step.  Adam divides by √v, which under DP-SGD
-    is dominated by the per-coordinate noise σC/B; without DP, by the gradients' own
-    per-coordinate RMS at the expected batch size.
-    """
-    params = training.params
-    if params.optimizer == "sgd":
-        return params.lr * steps / (1.0 - params.momentum)
-    sample_rate, _ = plan_round(samples, params)
-    batch = max(1.0, samples * sample_rate)
-    second = float(np.mean(grads**2)) / batch
-    noise = (
-        0.0
-        if training.dp is None
-        else (training.dp.noise_multiplier * training.dp.max_grad_norm / batch) ** 2
-    )
-    return params.lr * steps / math.sqrt(second + noise)
-
-
-def _subset(rng: np.random.Generator, n_control: int, samples: int) -> npt.NDArray[np.int64]:
-    # Drawn with replacement (a bootstrap sample): the reference must see the member's
-    # batch geometry (sample rate, expected batch size) and, for the honest scores'
-    # spread, a member's sampling variation, which a subset without replacement of a
-    # control sample not much larger than the declared size would shrink; and the
-    # records it does not draw (a share e^(−samples/N): 61 % for 200 of 400) measure the
-    # honest loss change on unseen data.
-    return np.sort(rng.choice(n_control, size=samples, replace=True)).astype(np.int64)
-
-
-def _top_directions(grads: FloatVec, components: int) -> tuple[FloatVec, FloatVec]:
-    """The top right-singular vectors of the (n, d) gradients, (k, d), and the
-    per-record second moment along each, (k,): from the n x n Gram matrix (n records
-    << d parameters, so this costs n²d rather than a full SVD's larger constant).
-    Directions with no energy are left out."""
-    eigenvalues, vectors = np.linalg.eigh(grads @ grads.T)
-    order = np.argsort(eigenvalues)[::-1][: min(components, grads.shape[1])]
-    order = order[eigenvalues[order] > eigenvalues.max(initial=0.0) * 1e-12]
-    singular = np.sqrt(eigenvalues[order])
-    basis = (vectors[:, order].T @ grads) / singular[:, None]
-    return basis, singular**2 / grads.shape[0]
-
-
-def _summarise(
-    grads: FloatVec,
-    training: RoundTraining,
-    global_params: npt.NDArray[np.float32],
-    samples: int,
-    round: int,
-    loss_before: float,
-) -> Reference:
-    """A reference's gradient part from clipped per-sample gradients (no runs yet)."""
-    _, steps = plan_round(samples, training.params)
-    basis, energies = _top_directions(grads, SIGNAL_COMPONENTS)
-    return Reference(
-        round=round,
-        global_params=np.asarray(global_params, dtype=np.float32),
-        mean_gradient=grads.mean(axis=0),
-        basis=basis,
-        energies=energies,
-        step_scale=_step_scale(training, samples, steps, grads),
-        samples=samples,
-        reference_norm=0.0,
-        loss_before=loss_before,
-    )
-
-
-def _in_sample_shrink(grads: FloatVec) -> float:
-    """ρ: how much of the control sample's mean gradient a member's data shares.
-
-    A run trained on records drawn from the control sample agrees with its mean
-    gradient ḡ by the sample's own sampling error e as well: E⟨ḡ_run, ḡ⟩ = |ḡ|², where
-    a member's independent data gives ⟨μ, ḡ⟩ ≈ |ḡ|² − tr Σ / N (μ the population mean,
-    Σ the per-record covariance, N records).  Displacement along ḡ is linear in that
-    agreement, so a member's expected score is the run's times
-    ρ = max(0, 1 − tr Σ / (N |ḡ|²)), the positive-part James-Stein estimate.  It errs
-    low, towards passing: a control sample drawn without replacement from a balanced
-    test split has less sampling error than N independent records would.  Measured at
-    noise multiplier 7.4 (400 control records): members scored 0.45-0.55 of the runs'
-    z_direction in rounds 1, 3 and 12, where ρ came out 0.0, 0.11 and 0.06.
-    """
-    mean = grads.mean(axis=0)
-    signal = float(mean @ mean)
-    if signal <= 0.0:
-        return 0.0
-    spread = float(np.mean(np.einsum("ij,ij->i", grads, grads))) - signal
-    return max(0.0, 1.0 - spread / (len(grads) * signal))
-
-
-def build_reference(
-    task: Task,
-    global_params: npt.NDArray[np.float32],
-    training: RoundTraining,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
-    samples: int,
-    round: int,
-    seed: int,
-    device: str = "cpu",
-) -> Reference:
-    """Derive the round's reference from the control sample (once per declared size).
-
-    The auditor's own DP reference runs, each on a bootstrap sample of the declared
-    size drawn from the control sample, set the magnitude reference and the expected
-    honest scores (:func:`honest_thresholds`).  They are scored against the control
-    sample's gradients, which contain their own records; :func:`_in_sample_shrink`
-    takes out what that shared sampling error adds to their scores.  Their control
-    loss change is measured on the records each run did not draw, so it is an honest
-    step's change on unseen data, as a member's is.
-
-    Args:
-        task: the federation's task.
-        global_params: the flat parameters the round started from.
-        training: the round's training settings and quantization clip.
-        control: the consortium's control sample ``(x, y)``.
-        samples: the declared record count the reference mimics.
-        round: the round number (for the verdicts).
-        seed: seeds the auditor's own reference runs.
-        device: where the reference runs train.
-
-    Raises:
-        ConfigError: empty control sample or a non-positive sample count.
-    """
-    x, y = control
-    if len(y) == 0 or samples < 1:
-        raise ConfigError("a reference needs a non-empty control sample and samples >= 1")
-    model = _model_at(task, global_params)
-    max_norm = None if training.dp is None else training.dp.max_grad_norm
-    grads = _clipped_gradients(model, x, y, max_norm)
-    reference = _summarise(
-        grads, training, global_params, samples, round, _control_loss(model, x, y)
-    )
-    rng = np.random.default_rng(seed)
-    norms, direction, signal, runs = [], [], [], []
-    for run in range(REFERENCE_RUNS):
-        ref_model = _model_at(task, global_params)
-        idx = _subset(rng, len(y), samples)
-        train_local(
-            ref_model, x[idx], y[idx], training.params, training.dp, device, seed * 1009 + run
-        )
-        delta = (flatten_params(ref_model) - global_params).astype(np.float64)
-        norms.append(float(np.linalg.norm(delta)))
-        scores = _signal_scores(reference, delta)
-        direction.append(scores["z_direction"])
-        signal.append(scores["z_signal"])
-        unseen = np.setdiff1d(np.arange(len(y)), idx)
-        if len(unseen):
-            before = _control_loss(model, x[unseen], y[unseen])
-            runs.append(HonestRun(clip_l2(delta, training.clip), unseen.astype(np.int64), before))
-    return replace(
-        reference,
-        reference_norm=min(float(np.median(norms)), training.clip),
-        honest_direction=tuple(direction),
-        honest_signal=tuple(signal),
-        honest_shrink=_in_sample_shrink(grads),
-        honest_runs=tuple(runs),
-        seed=seed,
-    )
-
-
-def honest_loss_changes(
-    task: Task,
-    reference: Reference,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
-    step: float,
-) -> tuple[float, ...]:
-    """Each reference run's control-loss change on the records it did not draw, after
-    the stochastic rounding a member's revealed update carries (``step`` wide, in update
-    units): the loss test compares like with like, since rounding noise raises the loss
-    too, and more as the model sharpens.  The rounding draws come from the auditor's
-    own generator (seeded by the reference): they simulate, they protect nothing.
-    """
-    x, y = control
-    changes = []
-    for run, honest in enumerate(reference.honest_runs):
-        rng = np.random.default_rng([reference.seed, run, int(reference.round)])
-        rounded = honest.delta
-        if step > 0.0:
-            # the member's grid: an odd number of levels spans [-C, C], so zero lies
-            # midway between two points, at odd multiples of step/2
-            uniform = rng.random(honest.delta.size)
-            grid = np.floor(honest.delta / step - 0.5 + uniform) + 0.5
-            rounded = (grid * step).astype(np.float32)
-        after = _model_at(task, (reference.global_params + rounded).astype(np.float32))
-        loss = _control_loss(after, x[honest.unseen], y[honest.unseen])
-        changes.append(loss - honest.loss_before)
-    return tuple(changes)
-
-
 # --- the checks ------------------------------------------------------------------------
 
 
@@ -528,85 +258,65 @@ def _cosine(a: FloatVec, b: FloatVec) -> float:
     return float(a @ b) / (na * nb)
 
 
-def _noise_var(basis: FloatVec, u: FloatVec) -> float:
-    """Per-coordinate variance of ``u`` outside the gradient subspace: its white noise."""
-    coords = basis @ u
-    outside = max(float(u @ u) - float(coords @ coords), 0.0)
-    return outside / max(u.size - coords.size, 1)
+def _lower_bound(runs: Sequence[float], fixed: float) -> tuple[float, float, float]:
+    """(μ, s, threshold) of a linear score: ``min(fixed, μ − HONEST_MARGIN_Z·s)``, the
+    spread at least 1, what the white noise alone gives."""
+    mean = float(np.mean(runs))
+    spread = max(float(np.std(runs, ddof=1)) if len(runs) > 1 else 0.0, 1.0)
+    return mean, spread, min(fixed, mean - HONEST_MARGIN_Z * spread)
 
 
-def _signal_ratios(reference: Reference, noise_var: float) -> FloatVec:
-    """r_j: expected honest signal energy along v_j over the noise variance.
+def _signal_lower_bound(runs: Sequence[float], fixed: float) -> tuple[float, float, float]:
+    """(μ, s, threshold) of ``z_signal``, whose energy half is a quadratic form.
 
-    An honest step's energy along v_j: the mean gradient's share (ḡ·v_j)² in full, plus
-    the record-to-record spread (λ_j − (ḡ·v_j)²) averaged over the declared records.
+    A noncentral chi-square's spread grows with its centre (sd ≈ 2√λ), so the runs'
+    raw spread overstates how far below its mean an honest update with a clear signal
+    can fall; its square root is close to normal with a spread that does not grow
+    with the signal.  The margin is taken there, with the white noise's spread
+    (1 in z, 1/(2√z) after the root) as the least, and squared back.  Where it
+    reaches zero the signal drowns, and the linear bound (:func:`_lower_bound`)
+    applies, which is then at or below zero as well.
     """
-    mean_part = (reference.basis @ reference.mean_gradient) ** 2
-    spread_part = np.maximum(reference.energies - mean_part, 0.0) / reference.samples
-    ratio: FloatVec = reference.step_scale**2 * (mean_part + spread_part) / noise_var
-    return ratio
-
-
-def _signal_scores(reference: Reference, u: FloatVec) -> dict[str, float]:
-    """z_dir, z_quad and their combination (see module docstring)."""
-    coords = reference.basis @ u
-    noise_var = _noise_var(reference.basis, u)
-    if noise_var <= 0.0:
-        # u lies entirely in the gradient subspace: no white noise at all, which neither
-        # DP training nor quantization produces; score it as overwhelming signal.
-        noise_var = 1e-30
-    gnorm = float(np.linalg.norm(reference.mean_gradient))
-    z_dir = 0.0
-    if gnorm > 0.0:
-        z_dir = float(-(u @ reference.mean_gradient) / gnorm) / math.sqrt(noise_var)
-    ratio = _signal_ratios(reference, noise_var)
-    weights = ratio / (1.0 + ratio)
-    spread = math.sqrt(2.0 * float(weights @ weights))
-    z_quad = 0.0
-    if spread > 0.0:
-        z_quad = (float(weights @ (coords**2)) / noise_var - float(weights.sum())) / spread
-    return {
-        "z_direction": z_dir,
-        "z_energy": z_quad,
-        "z_signal": (z_dir + z_quad) / math.sqrt(2.0),
-        "noise_rms": math.sqrt(noise_var),
-    }
+    mean, spread, linear = _lower_bound(runs, fixed)
+    roots = np.sqrt(np.maximum(np.asarray(runs, dtype=np.float64), 0.0))
+    centre = float(np.mean(roots))
+    root_spread = float(np.std(roots, ddof=1)) if len(roots) > 1 else 0.0
+    bottom = centre - HONEST_MARGIN_Z * max(root_spread, 0.5 / max(centre, 1e-9))
+    return mean, spread, (min(fixed, bottom * bottom) if bottom > 0.0 else linear)
 
 
 def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) -> dict[str, float]:
     """The signal, direction and loss thresholds for this round's noise, and why.
 
-    The fixed thresholds (:data:`SIGNAL_MIN_Z`, :data:`DIRECTION_MIN_Z`) were set where
-    one honest update carries a clear signal (ε 8 over 5 rounds at the bench recipe).
-    With more noise per round (a smaller ε, or the same ε over more rounds) honest scores
+    The fixed thresholds (:data:`SIGNAL_MIN_Z`, :data:`DIRECTION_MIN_Z`) hold where one
+    honest update carries a clear signal (ε 8 over 5 rounds at the bench recipe).  With
+    more noise per round (a smaller ε, or the same ε over more rounds) honest scores
     fall towards the white-noise null, and the fixed thresholds fail honest members
     (measured: at noise multiplier 7.4 honest ``z_signal`` had mean 2.4, sd 1.3 in the
     first round, so about half failed).  So the expected honest scores are measured,
     not assumed: the auditor's own DP reference runs (:data:`REFERENCE_RUNS`, trained
     with the round's noise multiplier, clip, steps and the declared record count) are
-    honest updates of this round, but they share records with the control sample the
-    scores are taken against, which inflates their scores; ``reference.honest_shrink``
-    (ρ, :func:`_in_sample_shrink`) takes that out.  The honest mean μ is ρ times the
-    runs' mean and the spread s is ρ times theirs (the part of the spread that comes
-    from the signal scales with it), but at least 1, what the white noise alone gives.
-    A test fails an update only below ``min(fixed, μ − HONEST_MARGIN_Z·s)``: an honest
-    update scores that low with probability about Φ(−HONEST_MARGIN_Z) at most.  ρ is
-    a James-Stein estimate that errs low (it also scales the energy part of
-    ``z_signal``, of which only the mean-gradient share is inflated, and a control
-    sample drawn more evenly than at random has less sampling error than it assumes:
-    measured members' scores were 0.45-0.55 of the runs' where ρ was 0.0-0.11), so the
-    thresholds err towards passing.
+    honest updates of this round, each scored on control records it did not draw and
+    after the member's rounding (:func:`honest_run_scores`), as a member's update is.
+    A test fails an update only below ``min(fixed, μ − HONEST_MARGIN_Z·s)`` of the
+    runs' scores (for ``z_signal`` taken on its square root, :func:`_signal_lower_bound`):
+    an honest update scores that low with probability about Φ(−HONEST_MARGIN_Z) at most.
     Where noise drowns the signal the thresholds fall below what pure noise scores, so
     these two tests stop failing anyone: one update cannot show then what it was trained
-    on, and the magnitude, weight and replay tests are what still bite.
+    on, and the magnitude, weight and replay tests are what still bite.  The direction
+    score is the linear half of the signal score, and a flipped update is an honest
+    one's mirror image: while the honest signal stands clear of the noise (its bound at
+    least :data:`CLEAR_SIGNAL_Z`) the direction threshold stays at the fixed midpoint,
+    where an honest update and its mirror err equally; the runs' direction scores,
+    taken on fewer control records than a member's, run low there and would let most
+    flips through.
 
     The loss test likewise: DP noise raises the control loss of an honest step more as
     the model sharpens (measured: up to +0.14 nats by round 13 of 15 at noise
     multiplier 7.4, against the fixed :data:`LOSS_MAX_INCREASE` of 0.02), so the
     tolerated rise is the larger of the fixed one and μ + HONEST_MARGIN_Z·s of
     ``loss_changes``: the runs' own loss changes on the control records they did not
-    draw, after the member's rounding (:func:`honest_loss_changes`); none given, the
-    fixed one.
+    draw, after the member's rounding; none given, the fixed one.
 
     Returns:
         ``honest_z_direction``/``honest_z_signal``/``honest_loss_change`` (μ),
@@ -615,16 +325,14 @@ def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) 
         the verdict applies.
     """
     out: dict[str, float] = {}
-    for name, runs, fixed in (
-        ("direction", reference.honest_direction, DIRECTION_MIN_Z),
-        ("signal", reference.honest_signal, SIGNAL_MIN_Z),
-    ):
-        rho = reference.honest_shrink
-        mean = rho * float(np.mean(runs))
-        spread = max(rho * float(np.std(runs, ddof=1)) if len(runs) > 1 else 0.0, 1.0)
+    signal = _signal_lower_bound(reference.honest_signal, SIGNAL_MIN_Z)
+    direction = _lower_bound(reference.honest_direction, DIRECTION_MIN_Z)
+    if signal[2] >= CLEAR_SIGNAL_Z:
+        direction = (direction[0], direction[1], DIRECTION_MIN_Z)
+    for name, (mean, spread, threshold) in (("direction", direction), ("signal", signal)):
         out[f"honest_z_{name}"] = mean
         out[f"honest_sd_{name}"] = spread
-        out[f"{name}_min_z"] = min(fixed, mean - HONEST_MARGIN_Z * spread)
+        out[f"{name}_min_z"] = threshold
     allowed = LOSS_MAX_INCREASE
     if len(loss_changes) > 1:
         mean = float(np.mean(loss_changes))
@@ -688,42 +396,68 @@ def check_update(
         return Verdict(claim.member, claim.round, False, tuple(failed), scores)
     if not _weight_as_declared(claim, revealed, scores):
         failed.append("weight")
-
     # Stochastic rounding adds ~step²/6 of variance per coordinate (step in Δ units).
     step = revealed.quant_step / revealed.weight
-    signal = _signal_scores(reference, delta)
+    failed += _signal_tests(task, reference, delta, step, control, scores)
+    if not MAGNITUDE_BAND[0] <= _norm_ratio(reference, delta, step, scores) <= MAGNITUDE_BAND[1]:
+        failed.append("magnitude")
+    if _replay_cosine(claim, delta, history, scores) >= REPLAY_MAX_COSINE:
+        failed.append("replay")
+    return Verdict(claim.member, claim.round, not failed, tuple(failed), scores)
+
+
+def _signal_tests(
+    task: Task,
+    reference: Reference,
+    delta: FloatVec,
+    step: float,
+    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None,
+    scores: dict[str, float],
+) -> list[str]:
+    """The signal, direction and loss tests against this round's honest thresholds."""
+    failed = []
+    signal = signal_scores(reference, delta)
     scores.update(signal)
     scores["cosine_reference"] = _cosine(delta, -reference.mean_gradient)
-    loss_runs = () if control is None else honest_loss_changes(task, reference, control, step)
-    thresholds = honest_thresholds(reference, loss_runs)
+    rounded_runs, loss_runs = honest_run_scores(task, reference, control, step)
+    thresholds = honest_thresholds(rounded_runs, loss_runs)
     scores.update(thresholds)
     if signal["z_signal"] < thresholds["signal_min_z"]:
         failed.append("signal")
     if signal["z_direction"] < thresholds["direction_min_z"]:
         failed.append("direction")
-
     if control is not None:
-        model = _model_at(task, (reference.global_params + delta).astype(np.float32))
-        after = _control_loss(model, *control)
+        model = model_at(task, (reference.global_params + delta).astype(np.float32))
+        after = control_loss(model, *control)
         scores["loss_before"] = reference.loss_before
         scores["loss_change"] = after - reference.loss_before
         if after - reference.loss_before > thresholds["loss_max_increase"]:
             failed.append("loss")
+    return failed
 
+
+def _norm_ratio(
+    reference: Reference, delta: FloatVec, step: float, scores: dict[str, float]
+) -> float:
+    """|Δ| with the rounding noise's expected energy removed, over the reference norm."""
     energy = max(float(delta @ delta) - delta.size * step**2 / 6.0, 0.0)
     ratio = math.sqrt(energy) / reference.reference_norm if reference.reference_norm > 0 else 0.0
     scores["norm"] = math.sqrt(energy)
     scores["norm_ratio"] = ratio
-    if not MAGNITUDE_BAND[0] <= ratio <= MAGNITUDE_BAND[1]:
-        failed.append("magnitude")
+    return ratio
 
-    earlier = [h for h in history if h.round < claim.round]
+
+def _replay_cosine(
+    claim: MemberClaim,
+    delta: FloatVec,
+    history: Sequence[RevealedUpdate],
+    scores: dict[str, float],
+) -> float:
+    """The largest cosine with any earlier round's revealed update."""
     replay = 0.0
-    for old in earlier:
-        old_delta = old.delta()
+    for old in history:
+        old_delta = old.delta() if old.round < claim.round else None
         if old_delta is not None and old_delta.size == delta.size:
             replay = max(replay, _cosine(delta, old_delta))
     scores["replay_cosine"] = replay
-    if replay >= REPLAY_MAX_COSINE:
-        failed.append("replay")
-    return Verdict(claim.member, claim.round, not failed, tuple(failed), scores)
+    return replay

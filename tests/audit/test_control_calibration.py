@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedsec.audit.control import (
+    CLEAR_SIGNAL_Z,
     DIRECTION_MIN_Z,
     HONEST_MARGIN_Z,
     LOSS_MAX_INCREASE,
@@ -114,17 +115,60 @@ def _reference(direction: tuple[float, ...], signal: tuple[float, ...]) -> Refer
 
 
 def test_thresholds_are_the_honest_mean_less_the_margin_or_the_fixed_ones() -> None:
-    # direction: mean 2, sd 1 -> 2 - 3 = -1 (below the fixed 0); signal: mean 10.5, sd
-    # 0.5 floored at 1 -> 7.5, above the fixed 2.5, which stays; loss: mean 0.03, sd
-    # 0.02 -> 0.03 + 3 x 0.02 = 0.09 tolerated, above the fixed 0.02
-    t = honest_thresholds(_reference((1.0, 2.0, 3.0), (10.0, 10.5, 11.0)), (0.01, 0.03, 0.05))
     assert HONEST_MARGIN_Z == 3.0
+    # drowned signal (mean 1, sd 0.5 floored at 1 -> 1 - 3 = -2; its root bound is
+    # below 0 as well): direction mean 2, sd 1 -> 2 - 3 = -1 (below the fixed 0);
+    # loss: mean 0.03, sd 0.02 -> 0.03 + 3 x 0.02 = 0.09 tolerated, above the fixed 0.02
+    t = honest_thresholds(_reference((1.0, 2.0, 3.0), (0.5, 1.0, 1.5)), (0.01, 0.03, 0.05))
+    assert t["signal_min_z"] == pytest.approx(-2.0)
     assert t["direction_min_z"] == pytest.approx(-1.0)
     assert t["honest_z_direction"] == pytest.approx(2.0)
-    assert t["signal_min_z"] == SIGNAL_MIN_Z
     assert t["loss_max_increase"] == pytest.approx(0.09)
-    # clear signal, quiet loss: every threshold is the fixed one
-    clear = honest_thresholds(_reference((9.0, 10.0, 11.0), (12.0, 13.0, 14.0)), (0.0, -0.01, 0.0))
+    # clear signal, quiet loss: every threshold is the fixed one, the direction's too
+    # although its runs alone would lower it (a flip is the mirror of an honest update)
+    clear = honest_thresholds(_reference((1.0, 2.0, 3.0), (12.0, 13.0, 14.0)), (0.0, -0.01, 0.0))
     assert clear["direction_min_z"] == DIRECTION_MIN_Z
     assert clear["signal_min_z"] == SIGNAL_MIN_Z
     assert clear["loss_max_increase"] == LOSS_MAX_INCREASE
+
+
+def test_the_signal_margin_is_taken_on_the_square_root() -> None:
+    # runs 6..14 (mean 10, sd 3.16): a normal fit on the raw scores would allow an honest
+    # update down to 10 - 3 x 3.16 = 0.51, letting noise through; on the roots (mean
+    # 3.13, sd 0.51) the bound is 1.61^2 = 2.59, so the fixed 2.5 holds
+    runs = (6.0, 8.0, 10.0, 12.0, 14.0)
+    assert float(np.mean(runs)) - 3 * float(np.std(runs, ddof=1)) < 1.0
+    wide = honest_thresholds(_reference((1.0, 2.0, 3.0), runs))
+    assert wide["signal_min_z"] == SIGNAL_MIN_Z
+    assert wide["direction_min_z"] == DIRECTION_MIN_Z  # clear signal: the fixed midpoint
+    # roots 1.5, 2, 2.5 (sd 0.5): (2 - 1.5)^2 = 0.25, under CLEAR_SIGNAL_Z, so the
+    # direction follows its runs: 2 - 3 x 1 = -1
+    mid = honest_thresholds(_reference((1.0, 2.0, 3.0), (2.25, 4.0, 6.25)))
+    assert mid["signal_min_z"] == pytest.approx(0.25)
+    assert mid["signal_min_z"] < CLEAR_SIGNAL_Z
+    assert mid["direction_min_z"] == pytest.approx(-1.0)
+
+
+def test_noise_at_the_honest_norm_fails_where_the_signal_is_clear(noisy: Noisy) -> None:
+    """The audit bench's noise attacker (Gaussian noise scaled to an honest update's
+    norm) against a round whose honest signal is clear: the bench's own recipe and
+    noise (ε 8 over 5 rounds).  Fixed draws: the test must not sit on a coin."""
+    data = TASK.load()
+    control = (data.x_test, data.y_test)
+    dp = DPParams(noise_multiplier=4.26, max_grad_norm=1.0, delta=1e-5)
+    global_params = flatten_params(TASK.build_model(0))
+    model = TASK.build_model(0)
+    train_local(model, data.x_train[:SAMPLES], data.y_train[:SAMPLES], PARAMS, dp, "cpu", 11)
+    honest = (flatten_params(model) - global_params).astype(np.float64)
+    clip = 2.5 * float(np.linalg.norm(honest))
+    training = RoundTraining(PARAMS, dp, clip)
+    reference = build_reference(TASK, global_params, training, control, SAMPLES, 3, seed=5)
+    clear = Noisy(training, QuantSpec(8, clip, 16), reference, control, [honest], noisy.claim)
+    assert _check(clear, honest, "clear honest").passed
+    rng = np.random.default_rng(0)
+    for trial in range(5):
+        z = rng.standard_normal(honest.size)
+        verdict = _check(clear, z * (np.linalg.norm(honest) / np.linalg.norm(z)), f"noise {trial}")
+        assert "signal" in verdict.failed, verdict.scores
+    flipped = _check(clear, -honest, "flip")
+    assert not flipped.passed, flipped.scores
