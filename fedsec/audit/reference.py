@@ -271,7 +271,7 @@ def _reference_run(
     not draw as its scorer; the whole sample's when it drew nearly all of them)."""
     x, y = control
     model = model_at(task, reference.global_params)
-    train_local(model, x[idx], y[idx], training.params, training.dp, device, seed)
+    train_local(model, x[idx], y[idx], training.params, training.dp, device, seed, task=task)
     delta = (flatten_params(model) - reference.global_params).astype(np.float64)
     unseen = np.setdiff1d(np.arange(len(y)), idx).astype(np.int64)
     scorer = reference
