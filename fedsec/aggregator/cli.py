@@ -119,10 +119,14 @@ async def _serve(
 ) -> None:
     from fedsec.aggregator.coordinator import Coordinator
     from fedsec.aggregator.http import make_app
+    from fedsec.aggregator.storage.leadership import lease_of
     from fedsec.aggregator.transport import start_server
 
     app = make_app(ws, Coordinator(ws, faults=faults))
     server = await start_server(app, host, port, ssl_ctx, ws.config.server)
+    lease = lease_of(ws.state)
+    if lease is not None:  # replicas: standbys name this URL in their 503 not_leader
+        lease.advertise(server.url)
     info = ws.root / SERVE_INFO
     info.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
     click.echo(f"aggregator for {ws.federation_id} listening on {server.url}", err=True)

@@ -33,11 +33,13 @@ from fedsec.aggregator.http.keys import (
     WORKSPACE,
     Handler,
 )
+from fedsec.aggregator.http.leadership import leader_middleware
 from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
 from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
 from fedsec.aggregator.nonces import open_nonce_store
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ratelimit import MemberRateLimit
+from fedsec.aggregator.storage.leadership import lease_of
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aio import cancel_and_wait
 from fedsec.crypto.httpsig import RequestVerifier
@@ -108,7 +110,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     """
     cfg = workspace.config.server
     app = web.Application(
-        middlewares=[metrics_middleware, traffic_middleware, error_middleware],
+        middlewares=[metrics_middleware, traffic_middleware, error_middleware, leader_middleware],
         client_max_size=cfg.max_body_bytes,
     )
     app[WORKSPACE] = workspace
@@ -152,6 +154,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     ws = app[WORKSPACE]
     signal = app[CHANGED]
     operations = app[OPS]
+    lease = lease_of(ws.state)
     coord.on_change = signal.fire
 
     async def run() -> None:
@@ -163,8 +166,11 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                     if ws.roster.reload_if_changed():
                         signal.fire()
                     last_reload = now
-                coord.tick()
-                operations.tick()
+                # a standby's round logic and alert rules wait: every write of theirs
+                # would be fenced
+                if lease is None or lease.token is not None:
+                    coord.tick()
+                    operations.tick()
             except Exception:
                 log.exception("event=tick_failed")
             await asyncio.sleep(TICK_S)

@@ -15,9 +15,14 @@ from aiohttp import web
 
 from fedsec.aggregator.http.keys import BODY_READ, Handler
 from fedsec.aggregator.http.limits import MAX_DETAIL_CHARS, REFUSAL_LOG_PER_S
+from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import CLIENT_FAULTS, ThrottledLog
 from fedsec.errors import FedsecError, RetryLater
 from fedsec.protocol import wire
+
+#: The header of a ``503 not_leader`` naming the URL the leader advertised, for a client
+#: that moves to it.
+LEADER_HEADER = "Fedsec-Leader"
 
 # One logger for the whole HTTP layer, under the name its events have always had, so
 # existing logging configuration and filters keep working.
@@ -74,6 +79,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RetryLater as exc:
         response = refusal(request, exc.code, exc.http_status, exc.detail)
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        if isinstance(exc, NotLeader) and exc.leader_url:
+            response.headers[LEADER_HEADER] = exc.leader_url
         return response
     except FedsecError as exc:
         return refusal(request, exc.code, exc.http_status, exc.detail)

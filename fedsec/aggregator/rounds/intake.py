@@ -23,6 +23,7 @@ from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRe
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
+from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import DuplicateMessage, FedsecError, NotFound, UnknownMember, WrongStage
 from fedsec.protocol import codec, wire
@@ -166,6 +167,8 @@ class Intake:
         :meth:`fedsec.aggregator.coordinator.Coordinator.masked_input`."""
         try:
             return self._masked_input(member, r, a, raw, commitment, signature)
+        except NotLeader:
+            raise  # not the member's doing: this replica may not write (deposed)
         except FedsecError as exc:
             in_cohort = self._refusals.refused(member, r, a, raw, exc)
             now = self._ctx.clock()

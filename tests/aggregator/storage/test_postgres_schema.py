@@ -154,3 +154,24 @@ def test_two_workspaces_on_one_database_one_leads(database: str, tmp_path: Path)
     finally:
         second.close()
         first.close()
+
+
+def test_version_3_gains_the_lease_url_keeping_the_lease(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as db:
+        assert migrate(db, upto=3) == 3
+        db.execute("INSERT INTO leader_lease VALUES (1, 'replica-a', 7, 50.0)")
+    store = PostgresStateStore(database, holder="replica-b")
+    try:
+        lease = store.lease.current()
+        assert lease is not None and (lease.holder, lease.token, lease.url) == ("replica-a", 7, "")
+        store.lease.advertise("https://replica-b.example")
+        assert store.lease.acquire(now=60.0)  # expired at 50: taken over, token 8
+        lease = store.lease.current()
+        assert lease is not None
+        assert (lease.holder, lease.token, lease.url) == (
+            "replica-b",
+            8,
+            "https://replica-b.example",
+        )
+    finally:
+        store.close()

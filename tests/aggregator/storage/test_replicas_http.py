@@ -1,10 +1,13 @@
 """Two aggregator replicas behind real aiohttp servers on loopback, one PostgreSQL
-database: a replay recorded through one replica is refused by the other, and the
-standby refuses a state-changing request with ``503 not_leader`` naming the leader."""
+database: a replay recorded through one replica is refused by the other once it leads,
+a standby refuses a state-changing request with ``503 not_leader`` naming the leader's
+URL before consuming anything of it, and a deposed leader's refusal of a contribution
+is not counted as the member's."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -14,9 +17,15 @@ from aiohttp.test_utils import TestClient
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http.app import make_app
+from fedsec.aggregator.http.errors import LEADER_HEADER
+from fedsec.aggregator.rounds.events import ContributionRefused, Event
+from fedsec.aggregator.storage.postgres import PostgresStateStore
+from fedsec.aggregator.storage.postgres.lease import LEASE_S
 from fedsec.aggregator.workspace import Workspace
 from tests.support.aggregator import FakeClock, make_federation
-from tests.support.http import JOIN, Api, _join_body
+from tests.support.http import AGENTS, JOIN, Api, _join_body, _to_masked_input, _upload
+
+LEADER_URL = "https://replica-a.example:8443"
 
 pytestmark = pytest.mark.asyncio
 
@@ -26,7 +35,13 @@ async def replicas(
     tmp_path: Path, database: str, aiohttp_client: Callable[..., Awaitable[TestClient]]
 ) -> AsyncIterator[tuple[Api, Api]]:
     clock = FakeClock()
-    fed = make_federation(tmp_path / "ws", sections={"storage": {"url": database}})
+    fed = make_federation(
+        tmp_path / "ws",
+        agents=AGENTS,
+        round={"threshold": 2},  # 4 members; t = 2 as in the single-aggregator tests
+        validation=False,
+        sections={"storage": {"url": database}},
+    )
     leader = Coordinator(fed.ws, clock=clock)
     standby_ws = Workspace.open(tmp_path / "ws")  # the lease is held: a standby
     standby = Coordinator(standby_ws, clock=clock)
@@ -39,21 +54,82 @@ async def replicas(
     fed.ws.close()
 
 
-async def test_a_replay_through_the_other_replica_is_refused(replicas: tuple[Api, Api]) -> None:
+def _lease(api: Api) -> PostgresStateStore:
+    store = api.coord.ws.state
+    assert isinstance(store, PostgresStateStore)
+    return store
+
+
+def _take_over(deposed: Api, leader: Api) -> None:
+    """``leader`` takes the lease over once ``deposed`` stopped renewing it (a pause)."""
+    _lease(deposed).lease.stop_keeping()
+    assert _lease(leader).lease.acquire(time.time() + 2 * LEASE_S)
+
+
+def _stored(store: PostgresStateStore) -> tuple[object, ...]:
+    """What a refused masked input must leave as it was (read through any replica)."""
+    return (
+        store.rounds.latest(),
+        store.messages.count(1, 0, "masked_input"),
+        store.receipts.has(1, 0, "a0"),
+        store.log.log_tail(),
+    )
+
+
+async def test_a_replay_through_the_new_leader_is_refused(replicas: tuple[Api, Api]) -> None:
     a, b = replicas
     body = _join_body("a0")
     headers = a.headers("a0", "POST", JOIN, body)
     status, raw, _ = await a.send("POST", JOIN, body, headers)
     assert status == 200 and json.loads(raw)["accepted"] is True
+    _take_over(a, b)
     status, raw, _ = await b.send("POST", JOIN, body, headers)
     assert status == 401 and json.loads(raw)["error"] == "replayed", raw
     assert a.fed.ws.state.joins.samples(1, 0) == {"a0": 50}
 
 
-async def test_the_standby_refuses_a_write_with_not_leader(replicas: tuple[Api, Api]) -> None:
+async def test_the_standby_refuses_a_write_naming_the_leader_url(
+    replicas: tuple[Api, Api],
+) -> None:
     a, b = replicas
-    status, raw, _ = await b.call("a1", "POST", JOIN, _join_body("a1"))
+    _lease(a).lease.advertise(LEADER_URL)
+    body = _join_body("a1")
+    headers = a.headers("a1", "POST", JOIN, body)
+    async with b.client.request("POST", JOIN, data=body, headers=headers) as resp:
+        status, raw, response_headers = resp.status, await resp.read(), resp.headers
     answer = json.loads(raw)
     assert (status, answer["error"]) == (503, "not_leader"), raw
     assert "is a standby" in answer["detail"] and "leads with token 1" in answer["detail"]
+    assert LEADER_URL in answer["detail"]
+    assert response_headers[LEADER_HEADER] == LEADER_URL
     assert a.fed.ws.state.joins.samples(1, 0) == {}
+    # nothing of the request was consumed, not even its nonce: the very same signed
+    # request is the leader's to accept
+    status, raw, _ = await a.send("POST", JOIN, body, headers)
+    assert status == 200 and json.loads(raw)["accepted"] is True, raw
+
+
+async def test_a_deposed_leader_refuses_a_contribution_without_blaming_the_member(
+    replicas: tuple[Api, Api], database: str
+) -> None:
+    a, _ = replicas
+    cohort = await _to_masked_input(a)
+    heard: list[Event] = []
+    a.coord.events.subscribe(heard.append)
+    # a third replica (its store only, so no round logic of its own runs) takes over
+    # while the leader is paused
+    _lease(a).lease.stop_keeping()
+    c = PostgresStateStore(database, holder="replica-c")
+    c.lease.advertise("https://replica-c.example:8443")
+    assert c.lease.acquire(time.time() + 2 * LEASE_S)
+    path, body = _upload(cohort, "a0")
+    before, fenced = _stored(c), _lease(a).lease.refused
+    status, raw, _ = await a.call("a0", "POST", path, body)
+    answer = json.loads(raw)
+    assert (status, answer["error"]) == (503, "not_leader"), raw
+    assert "was deposed" in answer["detail"] and "replica-c.example" in answer["detail"]
+    assert not [e for e in heard if isinstance(e, ContributionRefused)]
+    # one fenced write (the acceptance's), not a second one logging the "refusal"
+    assert _lease(a).lease.refused == fenced + 1
+    assert _stored(c) == before
+    c.close()

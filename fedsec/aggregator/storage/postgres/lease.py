@@ -28,8 +28,10 @@ from typing import Any, Final
 
 import psycopg
 
+from fedsec.aggregator.storage.leadership import Leadership, NotLeader
 from fedsec.aggregator.storage.postgres.connection import PostgresConnection
-from fedsec.errors import RetryLater
+
+__all__ = ["LEASE_S", "TAKEOVER_WAIT_S", "LeaderLease", "LeaseKeeper", "LeaseRow", "NotLeader"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,6 @@ LEASE_S: Final = 5.0
 TAKEOVER_WAIT_S: Final = 1.0
 
 
-class NotLeader(RetryLater):
-    """This aggregator does not hold the leader lease (a standby, or deposed): it may
-    not write.  ``leader`` names the current holder, if any."""
-
-    code = "not_leader"
-    http_status = 503
-
-    def __init__(self, detail: str, leader: str | None) -> None:
-        super().__init__(detail)
-        self.leader = leader
-
-
 @dataclass(frozen=True, slots=True)
 class LeaseRow:
     """The lease as stored."""
@@ -62,6 +52,8 @@ class LeaseRow:
     holder: str
     token: int
     expires_at: float
+    #: The URL the holder advertised ("" before it started serving).
+    url: str = ""
 
 
 def default_holder() -> str:
@@ -80,6 +72,8 @@ class LeaderLease:
     def __init__(self, conn: PostgresConnection, holder: str) -> None:
         self._conn = conn
         self.holder = holder
+        #: Where this replica answers (:meth:`advertise`), published while it leads.
+        self.url = ""
         #: The fencing token this store writes under; None until it first leads.
         self.token: int | None = None
         #: Writes refused because this store did not lead (the fencing counter).
@@ -88,8 +82,8 @@ class LeaderLease:
 
     def current(self) -> LeaseRow | None:
         """The lease as stored now, or None before anyone led."""
-        row = self._conn.read("SELECT holder, token, expires_at FROM leader_lease").fetchone()
-        return LeaseRow(str(row[0]), int(row[1]), float(row[2])) if row else None
+        row = self._conn.read("SELECT holder, token, expires_at, url FROM leader_lease").fetchone()
+        return LeaseRow(str(row[0]), int(row[1]), float(row[2]), str(row[3])) if row else None
 
     def leads(self) -> bool:
         """True when the stored lease carries this store's token (expired or not)."""
@@ -105,11 +99,12 @@ class LeaderLease:
             NotLeader: another replica took the lease over (or none was ever taken);
                 the caller rolls the transaction back before anything was written.
         """
-        row = self._conn.read("SELECT holder, token FROM leader_lease FOR SHARE").fetchone()
+        row = self._conn.read("SELECT holder, token, url FROM leader_lease FOR SHARE").fetchone()
         if row is not None and self.token is not None and int(row[1]) == self.token:
             return
         self.refused += 1
         leader = str(row[0]) if row is not None else None
+        url = (str(row[2]) or None) if row is not None else None
         log.warning(
             "fenced write refused holder=%s token=%s leader=%s leader_token=%s refused=%d",
             self.holder,
@@ -122,14 +117,63 @@ class LeaderLease:
             raise NotLeader("not leader: no aggregator holds the leader lease", None)
         if self.token is None:
             raise NotLeader(
-                f"not leader: {self.holder} is a standby; {leader} leads with token {row[1]}",
+                f"not leader: {self.holder} is a standby; {_naming(leader, url)} leads with "
+                f"token {row[1]}",
                 leader,
+                url,
             )
         raise NotLeader(
             f"not leader: {self.holder} was deposed (its fencing token {self.token} is stale); "
-            f"{leader} leads with token {row[1]}",
+            f"{_naming(leader, url)} leads with token {row[1]}",
             leader,
+            url,
         )
+
+    def leadership(self) -> Leadership:
+        """This store's role: ``leader`` while it holds a token (the fence still checks
+        it at every write), else ``standby`` with the holder read from the database.
+
+        Raises:
+            psycopg.Error: the database fails (a standby only).
+        """
+        if self.token is not None:
+            return Leadership("leader", self.token, self.holder, self.url or None)
+        lease = self.current()
+        if lease is None:
+            return Leadership("standby")
+        return Leadership("standby", None, lease.holder, lease.url or None)
+
+    def standby_refusal(self) -> NotLeader | None:
+        """The refusal of a write to a standby, decided before it reaches the fence (so
+        nothing of the request is consumed: not its nonce, not a round's intake); None
+        while this store holds a token.
+
+        Raises:
+            psycopg.Error: the database fails.
+        """
+        if self.token is not None:
+            return None
+        lease = self.current()
+        if lease is None:
+            return NotLeader("not leader: no aggregator holds the leader lease", None)
+        url = lease.url or None
+        return NotLeader(
+            f"not leader: {self.holder} is a standby; {_naming(lease.holder, url)} leads "
+            f"with token {lease.token}",
+            lease.holder,
+            url,
+        )
+
+    def advertise(self, url: str) -> None:
+        """Answer at ``url`` from now on: published in the lease row now if this store
+        leads, and at each later take-over.
+
+        Raises:
+            psycopg.Error: the database fails.
+        """
+        self.url = url
+        if self.token is not None and not self._conn.in_transaction():
+            self._conn.read("UPDATE leader_lease SET url = %s WHERE token = %s", (url, self.token))
 
     def acquire(self, now: float, ttl_s: float = LEASE_S) -> bool:
         """Lead from ``now`` for ``ttl_s``: renew the lease if this store holds it,
@@ -151,11 +195,12 @@ class LeaderLease:
             with db.transaction():
                 db.execute(f"SET LOCAL lock_timeout = '{int(TAKEOVER_WAIT_S * 1000)}ms'")
                 row = db.execute(
-                    "INSERT INTO leader_lease VALUES (1, %s, 1, %s) ON CONFLICT (id) DO UPDATE "
+                    "INSERT INTO leader_lease (id, holder, token, expires_at, url) "
+                    "VALUES (1, %s, 1, %s, %s) ON CONFLICT (id) DO UPDATE "
                     "SET holder = excluded.holder, token = leader_lease.token + 1, "
-                    "expires_at = excluded.expires_at WHERE leader_lease.expires_at <= %s "
-                    "RETURNING token",
-                    (self.holder, now + ttl_s, now),
+                    "expires_at = excluded.expires_at, url = excluded.url "
+                    "WHERE leader_lease.expires_at <= %s RETURNING token",
+                    (self.holder, now + ttl_s, self.url, now),
                 ).fetchone()
         except psycopg.errors.LockNotAvailable:
             return False  # the leader is inside a transaction: try again later
@@ -215,6 +260,11 @@ class LeaderLease:
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()
+
+
+def _naming(holder: str | None, url: str | None) -> str:
+    """The leader as a refusal names it: its URL when it advertised one."""
+    return f"{holder} at {url}" if url else str(holder)
 
 
 class LeaseKeeper(threading.Thread):

@@ -154,11 +154,18 @@ CREATE TABLE nonce_origin (
 );
 """
 
+# Where the lease holder answers, so a standby's 503 not_leader can name it; '' until
+# the holder advertises (a leader that has not started serving yet).
+_LEASE_URL: Final = """
+ALTER TABLE leader_lease ADD COLUMN url text NOT NULL DEFAULT '';
+"""
+
 #: (version, what it does, its SQL), in order; version n is the n-th entry.
 MIGRATIONS: Final[tuple[tuple[int, str, str], ...]] = (
     (1, "the aggregator's state tables (those of the SQLite state.db)", _STATE_TABLES),
     (2, "the leader lease and its fencing token", _LEADER_LEASE),
     (3, "the request nonces every replica refuses replays from", _NONCES),
+    (4, "the URL the lease holder advertises", _LEASE_URL),
 )
 
 #: The version a store opened by this release migrates to.

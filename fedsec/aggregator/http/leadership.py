@@ -1,0 +1,41 @@
+"""A standby's answer to a write: ``503 not_leader`` naming the leader, before anything
+of the request is consumed.
+
+Checked ahead of authentication and the round's intake, so a standby records no nonce
+(the member may send the very same signed request to the leader), raises no
+contribution event and touches no state.  A deposed leader still believes it leads and
+passes this check; the database's fence then refuses its write
+(:mod:`fedsec.aggregator.storage.postgres.lease`).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from aiohttp import web
+
+from fedsec.aggregator.http.keys import ENDPOINT_OF, WORKSPACE, Handler
+from fedsec.aggregator.storage.leadership import lease_of
+
+#: POSTs that change nothing: trading a dashboard token for a cookie only reads the
+#: token table, and a standby's dashboard must stay reachable to show its role.
+_READ_ONLY_POSTS: Final = frozenset({"dashboard_session"})
+
+
+@web.middleware
+async def leader_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a state-changing request on a standby with
+    :class:`~fedsec.aggregator.storage.leadership.NotLeader`.
+
+    Raises:
+        NotLeader: this process does not lead (answered 503 by the error middleware).
+    """
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return await handler(request)
+    lease = lease_of(request.app[WORKSPACE].state)
+    endpoint = request.app[ENDPOINT_OF].get(request.match_info.handler)
+    if lease is not None and (endpoint is None or endpoint.name not in _READ_ONLY_POSTS):
+        refusal = lease.standby_refusal()
+        if refusal is not None:
+            raise refusal
+    return await handler(request)

@@ -1,0 +1,100 @@
+"""Which part this aggregator process plays among replicas sharing one database.
+
+Kept free of any database driver, so the HTTP layer and the round logic can tell a
+leader from a standby (and refuse a standby's writes) without knowing which store runs:
+an embedded SQLite store is ``single``, a PostgreSQL store leads or stands by according
+to its lease (:mod:`fedsec.aggregator.storage.postgres.lease`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from fedsec.errors import RetryLater
+
+#: ``single``: the only aggregator (SQLite); ``leader``: holds the lease of a shared
+#: database; ``standby``: does not, and refuses every write.
+Role = Literal["leader", "standby", "single"]
+
+
+@dataclass(frozen=True, slots=True)
+class Leadership:
+    """This process's role, as last known.
+
+    Attributes:
+        role: see :data:`Role`.
+        token: this process's fencing token while it leads, else None.
+        leader: the lease holder's name (host:pid), None when nobody ever led.
+        leader_url: the URL the holder advertised, None when it advertised none.
+    """
+
+    role: Role
+    token: int | None = None
+    leader: str | None = None
+    leader_url: str | None = None
+
+
+SINGLE: Leadership = Leadership("single")
+
+
+class NotLeader(RetryLater):
+    """This aggregator does not hold the leader lease (a standby, or deposed): it may
+    not write.  ``leader`` names the current holder, ``leader_url`` the URL it
+    advertised (where the same request, signed anew or not, should go)."""
+
+    code = "not_leader"
+    http_status = 503
+
+    def __init__(self, detail: str, leader: str | None, leader_url: str | None = None) -> None:
+        super().__init__(detail)
+        self.leader = leader
+        self.leader_url = leader_url
+
+
+@runtime_checkable
+class Leased(Protocol):
+    """A lease as the serve layer uses it (the PostgreSQL store's ``lease``)."""
+
+    #: This process's fencing token once it took the lease, None on a standby (a
+    #: deposed leader keeps its stale one: the database's fence refuses it).
+    token: int | None
+
+    def leadership(self) -> Leadership:
+        """The role now: a standby reads the holder and its URL from the database.
+
+        Raises:
+            Exception: the database fails (the driver's error).
+        """
+        ...
+
+    def advertise(self, url: str) -> None:
+        """Record ``url`` as where this process answers, published in the lease while
+        it leads so standbys can name it.
+
+        Raises:
+            Exception: the database fails (the driver's error).
+        """
+        ...
+
+    def standby_refusal(self) -> NotLeader | None:
+        """The refusal a write gets from this process without reaching the database's
+        fence: None while this process leads (or believes it does: the fence then
+        decides), else :class:`NotLeader` naming the leader and its URL."""
+        ...
+
+
+def lease_of(state: object) -> Leased | None:
+    """The lease of a state store, None for a store that is alone (SQLite)."""
+    lease = getattr(state, "lease", None)
+    return lease if isinstance(lease, Leased) else None
+
+
+def leadership_of(state: object) -> Leadership:
+    """The role of the process owning ``state`` (:data:`SINGLE` without a lease).
+
+    Raises:
+        Exception: the database fails (the driver's error).
+    """
+    lease = lease_of(state)
+    return SINGLE if lease is None else lease.leadership()
