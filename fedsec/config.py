@@ -243,9 +243,12 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     idle; 300 covers catching up on many rounds' models."""
     optimizer: Literal["fedavg", "fedadam"] = "fedavg"
     """Server optimiser: fedavg applies the averaged update; fedadam applies it through Adam
-    (Reddi et al. 2021)."""
+    (Reddi et al. 2021). Unset, fedadam with record-level distributed DP (its sum is one
+    noised DP-SGD step of the union's batch, which Adam's per-coordinate scaling steadies),
+    else fedavg."""
     server_lr: float = 1.0
-    """Server learning rate; 1.0 with fedavg is plain federated averaging."""
+    """Server learning rate; 1.0 with fedavg is plain federated averaging. Unset with fedadam:
+    0.03 with record-level distributed DP (the measured recipe, docs/privacy.md), else 0.01."""
     adam_beta1: float = 0.9
     """FedAdam first-moment decay; 0.9 as in Reddi et al."""
     adam_beta2: float = 0.99
@@ -989,11 +992,19 @@ _C = typing.TypeVar("_C", FederationConfig, AgentConfig)
 _MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
-def _parse(text: str, source: str, kind: type[_C], validate: Callable[[_C], list[str]]) -> _C:
+def _parse(
+    text: str,
+    source: str,
+    kind: type[_C],
+    validate: Callable[[_C], list[str]],
+    prepare: Callable[[dict[str, Any]], None] | None = None,
+) -> _C:
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    if prepare is not None:
+        prepare(doc)
     try:
         cfg = msgspec.convert(doc, type=kind, strict=True)
     except msgspec.ValidationError as exc:
@@ -1083,13 +1094,45 @@ def _read(path: Path) -> str:
         raise ConfigError(f"{path}: cannot read configuration file: {exc}") from None
 
 
+#: FedAdam's server learning rate where ``server.server_lr`` is unset: with record-level
+#: distributed DP, and otherwise (see the field's docstring and docs/privacy.md).
+DDP_FEDADAM_LR = 0.03
+FEDADAM_LR = 0.01
+
+
+def server_defaults(dp_enabled: bool, dp_mode: str, dp_unit: str) -> tuple[str, float]:
+    """The server optimiser and its learning rate a federation gets where it names neither:
+    FedAdam at :data:`DDP_FEDADAM_LR` with record-level distributed DP, else FedAvg at 1.0."""
+    if dp_enabled and dp_mode == "distributed" and dp_unit == "record":
+        return "fedadam", DDP_FEDADAM_LR
+    return "fedavg", 1.0
+
+
+def fill_server_defaults(doc: dict[str, Any]) -> None:
+    """Write the derived ``server.optimizer`` / ``server.server_lr`` into a parsed document
+    where it leaves them unset (malformed tables are left to the type check)."""
+    server, dp = doc.get("server", {}), doc.get("dp", {})
+    if not isinstance(server, dict) or not isinstance(dp, dict):
+        return
+    defaults = DPSection()
+    optimizer, lr = server_defaults(
+        bool(dp.get("enabled", defaults.enabled)),
+        str(dp.get("mode", defaults.mode)),
+        str(dp.get("unit", defaults.unit)),
+    )
+    chosen = server.setdefault("optimizer", optimizer)
+    if "server_lr" not in server and chosen == "fedadam":
+        server["server_lr"] = lr if chosen == optimizer else FEDADAM_LR
+    doc["server"] = server
+
+
 def parse_federation_config(text: str, source: str = "federation.toml") -> FederationConfig:
     """Validate TOML text as a federation config (paths are left as written).
 
     Raises:
         ConfigError: naming ``source``, the key path and the reason.
     """
-    cfg = _parse(text, source, FederationConfig, _validate_federation)
+    cfg = _parse(text, source, FederationConfig, _validate_federation, fill_server_defaults)
     if cfg.schema is not None:
         fed = msgspec.structs.replace(cfg.federation, task_options=table_task_options(cfg.schema))
         cfg = msgspec.structs.replace(cfg, federation=fed)
@@ -1230,6 +1273,7 @@ def _wrap_comment(text: str, width: int = 88) -> Iterator[str]:
 def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
     """A config as TOML text with every key documented by a comment."""
     doc = msgspec.to_builtins(cfg)
+    derived = _derived(doc) if isinstance(cfg, FederationConfig) else {}
     lines = [f"# {title}", "# Reference: docs/config.md. Unknown keys are refused.", ""]
     for section, table in doc.items():
         if table is None:  # an optional section left out
@@ -1241,9 +1285,31 @@ def render_toml(cfg: FederationConfig | AgentConfig, title: str) -> str:
             why = key_docs().get(f"{section}.{key}")
             if why:
                 lines.extend(_wrap_comment(why))
-            lines.append(f"{_toml_key(key)} = {toml_value(value)}")
+            # a value the other sections derive stays unset, so it follows them when edited
+            unset = derived.get(f"{section}.{key}", _NOT_DERIVED) == value
+            lines.append(f"{'# ' if unset else ''}{_toml_key(key)} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+_NOT_DERIVED = object()
+
+
+def _derived(doc: dict[str, Any]) -> dict[str, Any]:
+    """Key path -> the value :func:`fill_server_defaults` gives a document that leaves
+    the key unset, with the rest of ``doc`` as it is."""
+    server = {k: v for k, v in doc["server"].items() if k not in ("optimizer", "server_lr")}
+    bare: dict[str, Any] = {"server": server, "dp": doc["dp"]}
+    fill_server_defaults(bare)
+    with_optimizer: dict[str, Any] = {
+        "server": {**server, "optimizer": doc["server"]["optimizer"]},
+        "dp": doc["dp"],
+    }
+    fill_server_defaults(with_optimizer)
+    return {
+        "server.optimizer": bare["server"]["optimizer"],
+        "server.server_lr": with_optimizer["server"].get("server_lr", 1.0),
+    }
 
 
 def _write_text(path: Path, text: str) -> None:

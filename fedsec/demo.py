@@ -383,7 +383,11 @@ def _parse_dp(value: str) -> float | None:
     default="",
     help="default: fedadam in record-level distributed DP, else fedavg",
 )
-@click.option("--server-lr", default=0.0, help="0 = task default for FedAvg, 0.01 for FedAdam")
+@click.option(
+    "--server-lr",
+    default=0.0,
+    help="0 = task default for FedAvg; FedAdam: 0.03 in record-level distributed DP, else 0.01",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option(
     "--kill",

@@ -36,6 +36,7 @@ from fedsec.config import (
     TrainingSection,
     ValidationSection,
     dump_agent_config,
+    fill_server_defaults,
     render_toml,
     table_task_options,
 )
@@ -85,7 +86,7 @@ def federation_toml(
         round=RoundSection(**(round_ or {})),
         training=TrainingSection(**(training or {})),
         dp=DPSection(**(dp or {})),
-        server=ServerSection(**(server or {})),
+        server=ServerSection(**_server(server, dp)),
         alerts=AlertsSection(**(alerts or {})),
         dashboard=DashboardSection(**(dashboard or {})),
         metrics=MetricsSection(**(metrics or {})),
@@ -95,6 +96,14 @@ def federation_toml(
         codec=CodecSection(**(codec or {})),
     )
     return render_toml(cfg, f"fedsec federation {federation_id}")
+
+
+def _server(server: dict[str, Any] | None, dp: dict[str, Any] | None) -> dict[str, Any]:
+    """``server`` with the optimiser and learning rate the DP settings give where unset."""
+    doc: dict[str, Any] = {"server": dict(server or {}), "dp": dict(dp or {})}
+    fill_server_defaults(doc)
+    server_section: dict[str, Any] = doc["server"]
+    return server_section
 
 
 def create_federation(root: Path, federation_id: str, task: str, config_text: str) -> Workspace:

@@ -55,7 +55,7 @@ from fedsec.bench.common import (
     free_port,
     with_environment,
 )
-from fedsec.config import ServerSection
+from fedsec.config import FEDADAM_LR, ServerSection, server_defaults
 from fedsec.crypto.discretize import DdpSpec
 from fedsec.crypto.discretize import decode_sum as ddp_decode
 from fedsec.crypto.discretize import encode as ddp_encode
@@ -104,7 +104,6 @@ SIM_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 DELTA = DEFAULT_DELTA
-FEDADAM_LR = 0.01
 # Record-level distributed DP: the union's expected batch per round (DP-SGD favours
 # large batches; 1,000 of MNIST-1D's 4,000 records is the central recipe the issue
 # compares with), per-record clip, and bits (the ring must hold a noise share finely).
@@ -148,7 +147,7 @@ class SimulationSpec:
     lr: float = 0.0
     batch_size: int = 0  # 0 = the task's simulation default
     server_optimizer: str = ""  # "" = fedadam in record-level distributed DP, else fedavg
-    server_lr: float = 0.0  # 0 = the task's default (FedAvg) or FEDADAM_LR
+    server_lr: float = 0.0  # 0 = the task's default (FedAvg), else config.server_defaults
     seed: int = 0
     # buffered asynchronous rounds (FedBuff) and slow members, for `fedsec bench async`
     mode: str = "sync"
@@ -306,9 +305,12 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
     clip = spec.clip or defaults["clip"]
     distributed = spec.dp_mode == "distributed" and spec.dp_epsilon is not None
     record_level = distributed and spec.dp_unit == "record"
-    optimizer = spec.server_optimizer or ("fedadam" if record_level else "fedavg")
+    derived, derived_lr = server_defaults(distributed, spec.dp_mode, spec.dp_unit)
+    optimizer = spec.server_optimizer or derived
     server_lr = spec.server_lr or (
-        defaults.get("server_lr", 1.0) if optimizer == "fedavg" else FEDADAM_LR
+        defaults.get("server_lr", 1.0)
+        if optimizer == "fedavg"
+        else (derived_lr if optimizer == derived else FEDADAM_LR)
     )
     quant_bits = spec.quant_bits or (DDP_QUANT_BITS if distributed else 8)
     noise = 0.0

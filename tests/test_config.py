@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedsec.config import (
+    DDP_FEDADAM_LR,
+    FEDADAM_LR,
     AgentConfig,
     AgentSection,
     FederationConfig,
@@ -25,6 +27,7 @@ from fedsec.config import (
     load_federation_config,
     parse_agent_config,
     parse_federation_config,
+    render_toml,
     toml_value,
 )
 from fedsec.errors import ConfigError
@@ -462,3 +465,48 @@ def test_a_hidden_model_needs_no_validation_fedavg_and_sync_rounds() -> None:
     assert "validation.enabled: expected false when he.model_visible_to_aggregator" in text
     assert "server.optimizer: expected fedavg when he.model_visible_to_aggregator" in text
     assert "round.mode: expected sync when he.model_visible_to_aggregator" in text
+
+
+_DDP = '[dp]\nenabled = true\nmode = "distributed"\nsample_rate = 0.25\n'
+
+
+@pytest.mark.parametrize(
+    ("extra", "optimizer", "lr"),
+    [
+        ("", "fedavg", 1.0),  # no DP
+        (_DDP, "fedadam", DDP_FEDADAM_LR),  # record-level distributed DP: the recipe
+        (_DDP + 'unit = "member"\n', "fedavg", 1.0),
+        (_DDP + '[server]\noptimizer = "fedavg"\n', "fedavg", 1.0),  # named: kept
+        (_DDP + "[server]\nserver_lr = 0.5\n", "fedadam", 0.5),
+        ('[server]\noptimizer = "fedadam"\n', "fedadam", FEDADAM_LR),
+    ],
+)
+def test_the_server_optimiser_follows_the_dp_mode_where_unset(
+    extra: str, optimizer: str, lr: float
+) -> None:
+    cfg = parse_federation_config(_fed('task = "mnist1d"\n' + extra))
+    assert (cfg.server.optimizer, cfg.server.server_lr) == (optimizer, lr)
+
+
+def test_a_generated_file_leaves_the_derived_keys_unset_so_they_follow_dp() -> None:
+    text = default_federation_toml("fed-1", "mnist1d")
+    assert (
+        parse_federation_config(text).server.optimizer,
+        parse_federation_config(text).server.server_lr,
+    ) == ("fedavg", 1.0)
+    assert "\n# optimizer = " in text and "\n# server_lr = " in text
+    # the operator turns distributed DP on in the generated file and nothing else
+    head, dp_table = text.split("\n[dp]\n", 1)
+    dp_table, tail = dp_table.split("\n[", 1)
+    for key, value in (("enabled", "true"), ("mode", '"distributed"'), ("sample_rate", "0.25")):
+        dp_table = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", dp_table)
+    edited = f"{head}\n[dp]\n{dp_table}\n[{tail}"
+    cfg = parse_federation_config(edited)
+    assert (cfg.dp.mode, cfg.dp.enabled) == ("distributed", True)
+    assert (cfg.server.optimizer, cfg.server.server_lr) == ("fedadam", DDP_FEDADAM_LR)
+    # a value the operator set stays written, and round-trips
+    named = FederationConfig(federation=FederationSection(id="fed-1", task="mnist1d"))
+    named = msgspec.structs.replace(
+        named, server=msgspec.structs.replace(named.server, server_lr=0.3)
+    )
+    assert parse_federation_config(render_toml(named, "t")).server.server_lr == 0.3
