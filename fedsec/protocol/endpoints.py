@@ -155,8 +155,11 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         "/health",
         "liveness",
         PUBLIC,
-        response=Opaque('{"status": "ok"}'),
-        answer_note="alive",
+        response=Opaque('{"status": "ok", "role": "leader", "token": 3}'),
+        answer_note=(
+            "alive; role is leader, standby (replicas on PostgreSQL) or single (SQLite), "
+            "token the fencing token of a leader"
+        ),
     ),
     Endpoint(
         "openapi",

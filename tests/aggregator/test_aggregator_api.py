@@ -55,7 +55,7 @@ pytestmark = pytest.mark.asyncio
 
 async def test_health_status_and_openapi_cover_every_route(api: Api) -> None:
     async with api.client.get("/v1/health") as resp:
-        assert resp.status == 200 and await resp.json() == {"status": "ok"}
+        assert resp.status == 200 and await resp.json() == {"status": "ok", "role": "single"}
     async with api.client.get("/v1/status") as resp:
         # alerts and round history are for enrolled roles only
         assert resp.status == 401 and (await resp.json())["error"] == "unauthenticated"

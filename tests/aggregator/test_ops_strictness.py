@@ -155,7 +155,7 @@ async def test_head_health_is_answered_like_get_without_a_body(sites: StartSite)
         assert b"application/json" in head
         # no body: the next bytes are the GET's answer
         get = await asyncio.wait_for(read_answer(reader), 5.0)
-        assert get.status == 200 and get.json() == {"status": "ok"}
+        assert get.status == 200 and get.json() == {"status": "ok", "role": "single"}
     finally:
         await close(writer)
 

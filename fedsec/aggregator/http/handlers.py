@@ -26,6 +26,7 @@ from fedsec.aggregator.http.params import (
     wait_seconds,
 )
 from fedsec.aggregator.openapi import openapi_document
+from fedsec.aggregator.storage.leadership import local_role
 from fedsec.errors import PayloadError
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_COUNT
@@ -34,7 +35,12 @@ from fedsec.protocol.limits import MAX_COUNT
 
 
 async def health(request: web.Request) -> web.Response:
-    return json_response({"status": "ok"})
+    # replicas: load balancers route to the leader by its role; token for the operator
+    role = local_role(request.app[WORKSPACE].state)
+    answer: dict[str, object] = {"status": "ok", "role": role.role}
+    if role.token is not None:
+        answer["token"] = role.token
+    return json_response(answer)
 
 
 async def openapi(request: web.Request) -> web.Response:

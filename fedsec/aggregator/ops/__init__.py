@@ -24,6 +24,7 @@ from fedsec.aggregator.ops.metrics import FederationMetrics
 from fedsec.aggregator.ops.rules import AlertRules
 from fedsec.aggregator.ops.webhooks import WebhookSender
 from fedsec.aggregator.storage.interfaces import VerdictRow
+from fedsec.aggregator.storage.leadership import local_role
 from fedsec.errors import NotFound
 from fedsec.protocol import wire
 
@@ -50,6 +51,7 @@ class Operations:
             ws.state.alerts.count_open,
             ws.state.reports.epsilons(),
         )
+        self.live.leadership = lambda: local_role(ws.state)
         self.metrics = FederationMetrics(self.live, member_labels=cfg.metrics.member_labels)
         self.rules = AlertRules(cfg.alerts, coord.alert_desk, ws.state.rounds)
         self.webhooks = WebhookSender(cfg.alerts, ws.signer, ws.federation_id)

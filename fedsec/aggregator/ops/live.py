@@ -14,6 +14,7 @@ from fedsec.aggregator.rounds.events import (
     PrivacyReported,
     RoundEnded,
 )
+from fedsec.aggregator.storage.leadership import LocalRole
 
 
 class LiveView:
@@ -43,6 +44,8 @@ class LiveView:
         self.budgets: dict[str, float] = {}  # member -> ε budget its reports declare
         self.last_seen: dict[str, float] = {}  # member -> its last authenticated request
         self.refused: dict[tuple[int, int], int] = {}  # attempt -> refused contributions
+        # this process's role among replicas; set by Operations from the state store
+        self.leadership: Callable[[], LocalRole] = lambda: LocalRole("single")
         self.joined = 0  # members in the latest fixed cohort
         self.dropped = 0  # members of the latest ended attempt whose input is not in it
         self.last_alert = 0  # id of the newest alert raised since start-up

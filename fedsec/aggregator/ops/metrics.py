@@ -238,6 +238,7 @@ class _StateCollector(Collector):
         yield from self._members()
         yield from self._model()
         yield from self._privacy()
+        yield from self._leadership()
         open_alerts = GaugeMetricFamily(
             "fedsec_alerts_open", "Unacknowledged alerts, by kind", labels=["kind"]
         )
@@ -292,6 +293,27 @@ class _StateCollector(Collector):
                 "fedsec_model_validation_loss",
                 "Validation loss of the newest scored model",
                 live.loss,
+            )
+
+    def _leadership(self) -> Iterator[Metric]:
+        """Whether this process may write (1 when it leads or is alone), and among
+        replicas its fencing token and the writes the fence refused it."""
+        role = self._live.leadership()
+        yield _gauge(
+            "fedsec_leader",
+            "1 when this aggregator leads (or runs alone), 0 on a standby",
+            1.0 if role.role != "standby" else 0.0,
+        )
+        if role.role != "single":
+            yield _gauge(
+                "fedsec_fencing_token",
+                "The fencing token this aggregator writes under (0 on a standby)",
+                role.token or 0,
+            )
+            yield _gauge(
+                "fedsec_fenced_writes_refused",
+                "Writes of this aggregator the leader lease refused since it started",
+                role.fenced,
             )
 
     def _privacy(self) -> Iterator[Metric]:

@@ -59,6 +59,8 @@ class Leased(Protocol):
     #: This process's fencing token once it took the lease, None on a standby (a
     #: deposed leader keeps its stale one: the database's fence refuses it).
     token: int | None
+    #: Writes the fence refused this process (the fencing counter).
+    refused: int
 
     def leadership(self) -> Leadership:
         """The role now: a standby reads the holder and its URL from the database.
@@ -98,3 +100,23 @@ def leadership_of(state: object) -> Leadership:
     """
     lease = lease_of(state)
     return SINGLE if lease is None else lease.leadership()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRole:
+    """This process's role as it knows it, without asking the database (what health
+    probes and scrapes report, so they stay cheap and answer while the database is
+    away).  A deposed leader reports ``leader`` with its stale token until it notices;
+    the fence refuses its writes all the same, and ``fenced`` counts them."""
+
+    role: Role
+    token: int | None = None
+    fenced: int = 0
+
+
+def local_role(state: object) -> LocalRole:
+    """:class:`LocalRole` of the process owning ``state`` (``single`` without a lease)."""
+    lease = lease_of(state)
+    if lease is None:
+        return LocalRole("single")
+    return LocalRole("leader" if lease.token is not None else "standby", lease.token, lease.refused)

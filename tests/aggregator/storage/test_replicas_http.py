@@ -20,7 +20,7 @@ from fedsec.aggregator.http.app import make_app
 from fedsec.aggregator.http.errors import LEADER_HEADER
 from fedsec.aggregator.rounds.events import ContributionRefused, Event
 from fedsec.aggregator.storage.postgres import PostgresStateStore
-from fedsec.aggregator.storage.postgres.lease import LEASE_S
+from fedsec.aggregator.storage.postgres.lease import LEASE_S, NotLeader
 from fedsec.aggregator.workspace import Workspace
 from tests.support.aggregator import FakeClock, make_federation
 from tests.support.http import AGENTS, JOIN, Api, _join_body, _to_masked_input, _upload
@@ -133,3 +133,50 @@ async def test_a_deposed_leader_refuses_a_contribution_without_blaming_the_membe
     assert _lease(a).lease.refused == fenced + 1
     assert _stored(c) == before
     c.close()
+
+
+async def _scrape(api: Api) -> dict[str, float]:
+    async with api.client.get("/metrics") as resp:
+        assert resp.status == 200, await resp.text()
+        text = await resp.text()
+    return {
+        name: float(value)
+        for name, value in (
+            line.split(" ", 1) for line in text.splitlines() if line and line[0] != "#"
+        )
+        if name in ("fedsec_leader", "fedsec_fencing_token", "fedsec_fenced_writes_refused")
+    }
+
+
+async def _health(api: Api) -> object:
+    async with api.client.get("/v1/health") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def test_health_and_metrics_say_each_replica_role(
+    replicas: tuple[Api, Api], database: str
+) -> None:
+    a, b = replicas
+    assert await _health(a) == {"status": "ok", "role": "leader", "token": 1}
+    assert await _health(b) == {"status": "ok", "role": "standby"}
+    assert await _scrape(a) == {
+        "fedsec_leader": 1.0,
+        "fedsec_fencing_token": 1.0,
+        "fedsec_fenced_writes_refused": 0.0,
+    }
+    assert await _scrape(b) == {
+        "fedsec_leader": 0.0,
+        "fedsec_fencing_token": 0.0,
+        "fedsec_fenced_writes_refused": 0.0,
+    }
+    # a paused leader deposed by another replica: its refused writes are counted
+    _lease(a).lease.stop_keeping()
+    c = PostgresStateStore(database, holder="replica-c")
+    try:
+        assert c.lease.acquire(time.time() + 2 * LEASE_S)
+        with pytest.raises(NotLeader):
+            a.coord.ws.state.rounds.open(9, 0, 1.0)
+        assert (await _scrape(a))["fedsec_fenced_writes_refused"] == 1.0
+    finally:
+        c.close()
