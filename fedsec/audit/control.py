@@ -133,12 +133,15 @@ REPLAY_MAX_COSINE: Final = 0.5
 #: test with the spread known; 3 rather than 2.5 because the spread is estimated from
 #: :data:`REFERENCE_RUNS` runs (if under-estimated by 27 %, Φ(−2.2) ≈ 1.4 %).
 HONEST_MARGIN_Z: Final = 3.0
-#: The signal test's honest bound above which the direction threshold stays at
-#: :data:`DIRECTION_MIN_Z` (:func:`honest_thresholds`).  Measured with the ``fedsec bench
+#: The signal test's honest bound (on the root, squared back) from which the honest
+#: signal counts as clear of the noise (:func:`honest_thresholds`): the signal threshold
+#: is then that bound and the direction threshold stays at :data:`DIRECTION_MIN_Z`;
+#: below it both follow the runs' linear bounds.  Measured with the ``fedsec bench
 #: audit`` recipe at ε 8 over 5 rounds (seeds 0, 1) and over 15 (seed 0): in the rounds
 #: whose bound came out 1.2-2.5, none of 240 honest members scored a direction below 0
 #: (least 0.007) while the runs' mean direction ran 0.1-1.9 below the members'; in the
-#: rounds under 1, 2 of 160 did (least -0.75).
+#: rounds under 1, 2 of 160 did (least -0.75), and honest signal scores fell to 0.6
+#: against root bounds of 0.4-0.9 (``fedsec bench robust`` quarantined two for it).
 CLEAR_SIGNAL_Z: Final = 1.0
 TEST_NAMES: Final = ("claim", "weight", "signal", "direction", "loss", "magnitude", "replay")
 
@@ -266,23 +269,26 @@ def _lower_bound(runs: Sequence[float], fixed: float) -> tuple[float, float, flo
     return mean, spread, min(fixed, mean - HONEST_MARGIN_Z * spread)
 
 
-def _signal_lower_bound(runs: Sequence[float], fixed: float) -> tuple[float, float, float]:
-    """(μ, s, threshold) of ``z_signal``, whose energy half is a quadratic form.
+def _signal_lower_bound(runs: Sequence[float], fixed: float) -> tuple[float, float, float, bool]:
+    """(μ, s, threshold, clear) of ``z_signal``, whose energy half is a quadratic form.
 
     A noncentral chi-square's spread grows with its centre (sd ≈ 2√λ), so the runs'
     raw spread overstates how far below its mean an honest update with a clear signal
     can fall; its square root is close to normal with a spread that does not grow
-    with the signal.  The margin is taken there, with the white noise's spread
-    (1 in z, 1/(2√z) after the root) as the least, and squared back.  Where it
-    reaches zero the signal drowns, and the linear bound (:func:`_lower_bound`)
-    applies, which is then at or below zero as well.
+    with the signal.  Where the margin taken there (with the white noise's spread,
+    1/(2√z) after the root, as the least) leaves at least :data:`CLEAR_SIGNAL_Z`
+    squared back, the honest signal is clear and that is the bound.  Below, where
+    one update's signal is near the noise, honest scores spread wider than the runs'
+    roots say, and the linear bound (:func:`_lower_bound`) applies, at or below zero.
     """
     mean, spread, linear = _lower_bound(runs, fixed)
     roots = np.sqrt(np.maximum(np.asarray(runs, dtype=np.float64), 0.0))
     centre = float(np.mean(roots))
     root_spread = float(np.std(roots, ddof=1)) if len(roots) > 1 else 0.0
-    bottom = centre - HONEST_MARGIN_Z * max(root_spread, 0.5 / max(centre, 1e-9))
-    return mean, spread, (min(fixed, bottom * bottom) if bottom > 0.0 else linear)
+    bottom = max(centre - HONEST_MARGIN_Z * max(root_spread, 0.5 / max(centre, 1e-9)), 0.0)
+    if bottom * bottom >= CLEAR_SIGNAL_Z:
+        return mean, spread, min(fixed, bottom * bottom), True
+    return mean, spread, linear, False
 
 
 def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) -> dict[str, float]:
@@ -299,14 +305,15 @@ def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) 
     honest updates of this round, each scored on control records it did not draw and
     after the member's rounding (:func:`honest_run_scores`), as a member's update is.
     A test fails an update only below ``min(fixed, μ − HONEST_MARGIN_Z·s)`` of the
-    runs' scores (for ``z_signal`` taken on its square root, :func:`_signal_lower_bound`):
-    an honest update scores that low with probability about Φ(−HONEST_MARGIN_Z) at most.
+    runs' scores (for a clear ``z_signal`` taken on its square root,
+    :func:`_signal_lower_bound`): an honest update scores that low with probability
+    about Φ(−HONEST_MARGIN_Z) at most.
     Where noise drowns the signal the thresholds fall below what pure noise scores, so
     these two tests stop failing anyone: one update cannot show then what it was trained
     on, and the magnitude, weight and replay tests are what still bite.  The direction
     score is the linear half of the signal score, and a flipped update is an honest
-    one's mirror image: while the honest signal stands clear of the noise (its bound at
-    least :data:`CLEAR_SIGNAL_Z`) the direction threshold stays at the fixed midpoint,
+    one's mirror image: while the honest signal stands clear of the noise (its root
+    bound at least :data:`CLEAR_SIGNAL_Z`) the direction threshold stays at the midpoint,
     where an honest update and its mirror err equally; the runs' direction scores,
     taken on fewer control records than a member's, run low there and would let most
     flips through.
@@ -325,11 +332,11 @@ def honest_thresholds(reference: Reference, loss_changes: Sequence[float] = ()) 
         the verdict applies.
     """
     out: dict[str, float] = {}
-    signal = _signal_lower_bound(reference.honest_signal, SIGNAL_MIN_Z)
+    *signal, clear = _signal_lower_bound(reference.honest_signal, SIGNAL_MIN_Z)
     direction = _lower_bound(reference.honest_direction, DIRECTION_MIN_Z)
-    if signal[2] >= CLEAR_SIGNAL_Z:
+    if clear:
         direction = (direction[0], direction[1], DIRECTION_MIN_Z)
-    for name, (mean, spread, threshold) in (("direction", direction), ("signal", signal)):
+    for name, (mean, spread, threshold) in (("direction", direction), ("signal", tuple(signal))):
         out[f"honest_z_{name}"] = mean
         out[f"honest_sd_{name}"] = spread
         out[f"{name}_min_z"] = threshold
