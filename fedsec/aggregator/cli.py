@@ -117,25 +117,20 @@ def serve(
 async def _serve(
     ws: Workspace, host: str, port: int, ssl_ctx: ssl.SSLContext | None, faults: Faults
 ) -> None:
-    from fedsec.aggregator.coordinator import Coordinator
-    from fedsec.aggregator.http import make_app
-    from fedsec.aggregator.storage.leadership import lease_of
-    from fedsec.aggregator.transport import start_server
+    from fedsec.aggregator.replica import serve_replica
 
-    app = make_app(ws, Coordinator(ws, faults=faults))
-    server = await start_server(app, host, port, ssl_ctx, ws.config.server)
-    lease = lease_of(ws.state)
-    if lease is not None:  # replicas: standbys name this URL in their 503 not_leader
-        lease.advertise(server.url)
     info = ws.root / SERVE_INFO
-    info.write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
-    click.echo(f"aggregator for {ws.federation_id} listening on {server.url}", err=True)
+
+    def serving(url: str) -> None:
+        info.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        click.echo(f"aggregator for {ws.federation_id} listening on {url}", err=True)
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.close()
+    # a replica stands by while another leads, and leads once that one's lease expired
+    await serve_replica(ws, host, port, ssl_ctx, stop, faults=faults, on_serving=serving)
     info.unlink(missing_ok=True)
     ws.close()
 

@@ -70,6 +70,17 @@ class Leased(Protocol):
         """
         ...
 
+    def take_over(self, now: float) -> bool:
+        """Take the lease if it is free or expired, and keep renewing it from then on.
+
+        Returns:
+            True when this process leads now.
+
+        Raises:
+            Exception: the database fails (the driver's error).
+        """
+        ...
+
     def advertise(self, url: str) -> None:
         """Record ``url`` as where this process answers, published in the lease while
         it leads so standbys can name it.

@@ -210,6 +210,18 @@ class LeaderLease:
         log.info("leader lease taken holder=%s token=%d", self.holder, self.token)
         return True
 
+    def take_over(self, now: float) -> bool:
+        """:meth:`acquire`, then :meth:`keep` once this store leads (a standby's poll).
+
+        Raises:
+            RuntimeError: called inside a transaction.
+            psycopg.Error: the database fails.
+        """
+        if not self.acquire(now):
+            return False
+        self.keep()
+        return True
+
     def renew(self, now: float, ttl_s: float = LEASE_S) -> bool:
         """Extend the lease to ``now + ttl_s`` if this store still holds it.
 
