@@ -5,8 +5,8 @@ A standby serves (health, reads, ``503 not_leader`` to writes) and polls the lea
 :data:`TAKEOVER_POLL_S`.  Once it holds the lease it stops its standby application and
 serves a new one on the same port around a new :class:`Coordinator`, whose construction
 is the restart path: the round in progress is rebuilt from the shared database by
-replaying what was accepted, and the transparency log continues from its stored head.
-An embedded (SQLite) aggregator is alone and serves at once.
+replaying what was accepted, and the transparency log continues from its stored head;
+the new leader then raises a ``leader_changed`` alert.  An embedded (SQLite) aggregator is alone and serves at once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Final
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
+from fedsec.aggregator.http.keys import COORDINATOR
 from fedsec.aggregator.storage.leadership import Leased, lease_of
 from fedsec.aggregator.transport import RunningServer, start_server
 from fedsec.aggregator.workspace import Workspace
@@ -72,6 +73,16 @@ async def serve_replica(
             log.info("event=took_over token=%s url=%s", lease.token, server.url)
             await server.close()
             server = await _start(ws, host, server.port, ssl_ctx, faults, clock, lease, on_serving)
+            try:
+                coord = server.app[COORDINATOR]
+                coord.alert_desk.raise_alert(
+                    "leader_changed",
+                    f"token {lease.token}",
+                    f"{server.url} leads with fencing token {lease.token}; the previous leader "
+                    "stopped renewing its lease",
+                )
+            except Exception:  # leading matters more than announcing it
+                log.exception("event=leader_changed_alert_failed token=%s", lease.token)
         await stop.wait()
     finally:
         await server.close()

@@ -38,6 +38,7 @@ AlertKind = Literal[
     "audit_failed",
     "member_quarantined",
     "model_unusable",
+    "leader_changed",
 ]
 
 #: Every alert kind: (what it means, what to do).
@@ -108,6 +109,12 @@ ALERT_KINDS: Final[Mapping[AlertKind, tuple[str, str]]] = {
         "version is served",
         "restore the models/ directory from backup, or roll back; then find out who could "
         "write to the workspace",
+    ),
+    "leader_changed": (
+        "a standby replica took the leader lease over (the leader stopped renewing it: "
+        "killed, paused or cut off from the database) and resumed the round",
+        "find out why the old leader stopped (its log, its machine); restart it as a "
+        "standby; a replica logging 'fenced write refused' was deposed while running",
     ),
 }
 

@@ -85,6 +85,7 @@ async def test_the_standby_takes_over_and_closes_the_round(
         took = time.monotonic() - killed
         assert took <= LEASE_S + 2, took
         assert await _health(session) == {"status": "ok", "role": "leader", "token": 2}
+        assert standby_ws.state.alerts.count_open() == {"leader_changed": 1}
         # an identical retry of an input the old leader accepted: the same receipt
         path, raw, receipt = receipts["a0"]
         assert await b.ok("a0", "POST", path, raw) == receipt
