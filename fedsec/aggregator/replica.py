@@ -2,11 +2,12 @@
 expired, resuming the round exactly as a restarted aggregator does.
 
 A standby serves (health, reads, ``503 not_leader`` to writes) and polls the lease every
-:data:`TAKEOVER_POLL_S`.  Once it holds the lease it stops its standby application and
-serves a new one on the same port around a new :class:`Coordinator`, whose construction
-is the restart path: the round in progress is rebuilt from the shared database by
-replaying what was accepted, and the transparency log continues from its stored head;
-the new leader then raises a ``leader_changed`` alert.  An embedded (SQLite) aggregator is alone and serves at once.
+:data:`TAKEOVER_POLL_S`; so does a deposed leader once it has noticed.  Once it holds the
+lease it stops its standby application and serves a new one on the same port around a
+new :class:`Coordinator`, whose construction is the restart path: the round in progress
+is rebuilt from the shared database by replaying what was accepted, and the transparency
+log continues from its stored head; the new leader then raises a ``leader_changed``
+alert.  An embedded (SQLite) aggregator is alone and serves at once.
 """
 
 from __future__ import annotations
@@ -62,12 +63,16 @@ async def serve_replica(
     lease = lease_of(ws.state)
     server = await _start(ws, host, port, ssl_ctx, faults, clock, lease, on_serving)
     try:
-        while lease is not None and lease.token is None and not stop.is_set():
+        while lease is not None and not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
                 break
             except TimeoutError:
                 pass
+            if lease.token is not None and not lease.deposed:
+                continue  # leading
+            # a standby, or a deposed leader (its round state is stale): lead again only
+            # through the restart path
             if not _took_over(lease):
                 continue
             log.info("event=took_over token=%s url=%s", lease.token, server.url)

@@ -168,7 +168,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                     last_reload = now
                 # a standby's round logic and alert rules wait: every write of theirs
                 # would be fenced
-                if lease is None or lease.token is not None:
+                if lease is None or (lease.token is not None and not lease.deposed):
                     coord.tick()
                     operations.tick()
             except Exception:

@@ -62,6 +62,11 @@ class Leased(Protocol):
     #: Writes the fence refused this process (the fencing counter).
     refused: int
 
+    @property
+    def deposed(self) -> bool:
+        """True once this process learned another replica took its lease over."""
+        ...
+
     def leadership(self) -> Leadership:
         """The role now: a standby reads the holder and its URL from the database.
 
@@ -117,7 +122,8 @@ def leadership_of(state: object) -> Leadership:
 class LocalRole:
     """This process's role as it knows it, without asking the database (what health
     probes and scrapes report, so they stay cheap and answer while the database is
-    away).  A deposed leader reports ``leader`` with its stale token until it notices;
+    away).  A deposed leader reports ``leader`` with its stale token until it notices
+    (its next write, or its keeper's next renewal, at most a third of the lease later);
     the fence refuses its writes all the same, and ``fenced`` counts them."""
 
     role: Role
@@ -130,4 +136,6 @@ def local_role(state: object) -> LocalRole:
     lease = lease_of(state)
     if lease is None:
         return LocalRole("single")
-    return LocalRole("leader" if lease.token is not None else "standby", lease.token, lease.refused)
+    if lease.token is None or lease.deposed:
+        return LocalRole("standby", None, lease.refused)
+    return LocalRole("leader", lease.token, lease.refused)

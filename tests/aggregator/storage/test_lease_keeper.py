@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from fedsec.aggregator.storage.leadership import LocalRole, local_role
 from fedsec.aggregator.storage.postgres import PostgresStateStore
 
 TTL_S = 0.6
@@ -64,6 +65,13 @@ def test_the_keeper_stops_once_another_replica_took_over(
     keeper = a.lease._keeper
     assert keeper is not None and keeper.is_alive()
     assert b.lease.acquire(time.time() + 10 * TTL_S, TTL_S)  # b's clock is ahead
+    assert not a.lease.deposed
     _until(lambda: not keeper.is_alive())  # its renewal found a newer token
+    assert a.lease.deposed  # ...and told its store, which now stands by
+    assert local_role(a).role == "standby" and local_role(b).role == "leader"
+    refusal = a.lease.standby_refusal()
+    assert refusal is not None and refusal.leader == "replica-b"
     lease = b.lease.current()
     assert lease is not None and (lease.holder, lease.token) == ("replica-b", 2)
+    assert a.lease.acquire(time.time() + 20 * TTL_S, TTL_S)  # it may lead again later
+    assert not a.lease.deposed and local_role(a) == LocalRole("leader", 3, 0)

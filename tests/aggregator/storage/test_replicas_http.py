@@ -178,5 +178,10 @@ async def test_health_and_metrics_say_each_replica_role(
         with pytest.raises(NotLeader):
             a.coord.ws.state.rounds.open(9, 0, 1.0)
         assert (await _scrape(a))["fedsec_fenced_writes_refused"] == 1.0
+        # the refusal told it: it stands by now, and says so
+        assert await _health(a) == {"status": "ok", "role": "standby"}
+        assert (await _scrape(a))["fedsec_leader"] == 0.0
+        status, raw, _ = await a.call("a2", "POST", JOIN, _join_body("a2"))
+        assert (status, json.loads(raw)["error"]) == (503, "not_leader"), raw
     finally:
         c.close()

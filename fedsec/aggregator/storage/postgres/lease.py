@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -78,12 +79,20 @@ class LeaderLease:
         self.token: int | None = None
         #: Writes refused because this store did not lead (the fencing counter).
         self.refused = 0
+        # set once this store learns another took the lease over (a refused write, or
+        # its keeper's renewal finding another token); cleared when it leads again
+        self._deposed = threading.Event()
         self._keeper: LeaseKeeper | None = None
 
     def current(self) -> LeaseRow | None:
         """The lease as stored now, or None before anyone led."""
         row = self._conn.read("SELECT holder, token, expires_at, url FROM leader_lease").fetchone()
         return LeaseRow(str(row[0]), int(row[1]), float(row[2]), str(row[3])) if row else None
+
+    @property
+    def deposed(self) -> bool:
+        """True once this store learned that another replica took its lease over."""
+        return self._deposed.is_set()
 
     def leads(self) -> bool:
         """True when the stored lease carries this store's token (expired or not)."""
@@ -122,6 +131,7 @@ class LeaderLease:
                 leader,
                 url,
             )
+        self._deposed.set()
         raise NotLeader(
             f"not leader: {self.holder} was deposed (its fencing token {self.token} is stale); "
             f"{_naming(leader, url)} leads with token {row[1]}",
@@ -136,7 +146,7 @@ class LeaderLease:
         Raises:
             psycopg.Error: the database fails (a standby only).
         """
-        if self.token is not None:
+        if self.token is not None and not self.deposed:
             return Leadership("leader", self.token, self.holder, self.url or None)
         lease = self.current()
         if lease is None:
@@ -151,7 +161,7 @@ class LeaderLease:
         Raises:
             psycopg.Error: the database fails.
         """
-        if self.token is not None:
+        if self.token is not None and not self.deposed:
             return None
         lease = self.current()
         if lease is None:
@@ -207,6 +217,7 @@ class LeaderLease:
         if row is None:
             return False
         self.token = int(row[0])
+        self._deposed.clear()
         log.info("leader lease taken holder=%s token=%d", self.holder, self.token)
         return True
 
@@ -264,7 +275,9 @@ class LeaderLease:
         if self.token is None:
             raise RuntimeError("only the leader keeps the lease")
         self.stop_keeping()
-        self._keeper = LeaseKeeper(self._conn.url, self.holder, self.token, ttl_s)
+        self._keeper = LeaseKeeper(
+            self._conn.url, self.holder, self.token, ttl_s, on_lost=self._deposed.set
+        )
         self._keeper.start()
 
     def stop_keeping(self) -> None:
@@ -283,9 +296,17 @@ class LeaseKeeper(threading.Thread):
     """The thread :meth:`LeaderLease.keep` runs: one renewal every ``ttl_s / 3``, so two
     may fail (a slow database, a dropped connection) before the lease expires."""
 
-    def __init__(self, url: str, holder: str, token: int, ttl_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        holder: str,
+        token: int,
+        ttl_s: float,
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(name=f"lease-keeper-{token}", daemon=True)
         self._url, self._holder, self._token, self._ttl_s = url, holder, token, ttl_s
+        self._on_lost = on_lost
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -315,6 +336,7 @@ class LeaseKeeper(threading.Thread):
                         self._holder,
                         self._token,
                     )
+                    self._on_lost()
                     return
         finally:
             if db is not None:
