@@ -1,24 +1,17 @@
-"""The aggregator's state in a PostgreSQL database: every concern's store on one
-connection."""
+"""The aggregator's state in a PostgreSQL database: every concern's shared SQL store
+(:mod:`fedsec.aggregator.storage.sql`) on one connection."""
 
 from __future__ import annotations
 
 import psycopg
 
-from fedsec.aggregator.storage.postgres.audit import (
-    PostgresChallenges,
-    PostgresLog,
-    PostgresValues,
-)
 from fedsec.aggregator.storage.postgres.connection import PostgresConnection, Transaction
 from fedsec.aggregator.storage.postgres.lease import LeaderLease, default_holder
-from fedsec.aggregator.storage.postgres.messages import (
-    PostgresMessages,
-    PostgresReceipts,
-    PostgresReports,
-)
-from fedsec.aggregator.storage.postgres.ops import PostgresAlerts, PostgresTokens, PostgresVerdicts
-from fedsec.aggregator.storage.postgres.rounds import PostgresJoins, PostgresRounds
+from fedsec.aggregator.storage.postgres.sql_db import PostgresSqlDb
+from fedsec.aggregator.storage.sql.audit import SqlChallenges, SqlLog, SqlValues
+from fedsec.aggregator.storage.sql.messages import SqlMessages, SqlReceipts, SqlReports
+from fedsec.aggregator.storage.sql.ops import SqlAlerts, SqlTokens, SqlVerdicts
+from fedsec.aggregator.storage.sql.rounds import SqlJoins, SqlRounds
 
 
 class PostgresStateStore:
@@ -47,17 +40,18 @@ class PostgresStateStore:
         self.lease = LeaderLease(self._conn, holder or default_holder())
         # every write is conditional on this store's token, in its own transaction
         self._conn.at_begin(self.lease.check)
-        self.rounds = PostgresRounds(self._conn)
-        self.joins = PostgresJoins(self._conn)
-        self.messages = PostgresMessages(self._conn)
-        self.reports = PostgresReports(self._conn)
-        self.receipts = PostgresReceipts(self._conn)
-        self.challenges = PostgresChallenges(self._conn)
-        self.log = PostgresLog(self._conn)
-        self.values = PostgresValues(self._conn)
-        self.alerts = PostgresAlerts(self._conn)
-        self.tokens = PostgresTokens(self._conn)
-        self.verdicts = PostgresVerdicts(self._conn)
+        db = PostgresSqlDb(self._conn)
+        self.rounds = SqlRounds(db)
+        self.joins = SqlJoins(db)
+        self.messages = SqlMessages(db)
+        self.reports = SqlReports(db)
+        self.receipts = SqlReceipts(db)
+        self.challenges = SqlChallenges(db)
+        self.log = SqlLog(db)
+        self.values = SqlValues(db)
+        self.alerts = SqlAlerts(db)
+        self.tokens = SqlTokens(db)
+        self.verdicts = SqlVerdicts(db)
 
     def transaction(self) -> Transaction:
         return self._conn.transaction()

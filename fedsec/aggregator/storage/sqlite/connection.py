@@ -10,8 +10,10 @@ lets an aggregator open an older workspace's ``state.db`` as it is.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from fedsec.aggregator.storage.sql.db import Params, Row
 
 #: (table, column, definition) of each column added to a table after its first release.
 _ADDED_COLUMNS = (("joins", "graph_commitment", "TEXT NOT NULL DEFAULT ''"),)
@@ -122,7 +124,9 @@ CREATE TABLE IF NOT EXISTS audit_verdicts (
 
 
 class SqliteConnection:
-    """The open database: what every table's store shares.
+    """The open database: what every table's store shares, as the
+    :class:`~fedsec.aggregator.storage.sql.db.SqlDb` the shared repositories use
+    (SQLite takes their ``?`` placeholders and their SQL as they are).
 
     Args:
         path: the database file (created with the schema if absent).
@@ -164,6 +168,33 @@ class SqliteConnection:
     def transaction(self) -> Transaction:
         """``with connection.transaction(): ...`` groups writes into one atomic commit."""
         return Transaction(self.db, self._after_commit)
+
+    def read(self, sql: str, params: Params = ()) -> Iterator[Row]:
+        return self.db.execute(sql, params)
+
+    def read_one(self, sql: str, params: Params = ()) -> Row | None:
+        row: Row | None = self.db.execute(sql, params).fetchone()
+        return row
+
+    def write(self, sql: str, params: Params = ()) -> int:
+        """Run a statement that changes state: inside the current transaction, or
+        committed by itself (autocommit); the number of rows it changed.
+
+        Raises:
+            sqlite3.Error: the statement fails (a constraint, a full disk).
+        """
+        return self.db.execute(sql, params).rowcount
+
+    def insert(self, sql: str, params: Params, key: str) -> int:
+        """Run an ``INSERT`` as :meth:`write`; its row's ``INTEGER PRIMARY KEY``
+        (``key`` names it; SQLite knows it as the rowid).
+
+        Raises:
+            sqlite3.Error: as for :meth:`write`.
+        """
+        rowid = self.db.execute(sql, params).lastrowid
+        assert rowid is not None  # an INSERT of one row sets it
+        return rowid
 
 
 class Transaction:

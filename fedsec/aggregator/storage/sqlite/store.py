@@ -1,14 +1,15 @@
-"""The aggregator's state in one SQLite file: every concern's store on one connection."""
+"""The aggregator's state in one SQLite file: every concern's shared SQL
+store (:mod:`fedsec.aggregator.storage.sql`) on one connection."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fedsec.aggregator.storage.sqlite.audit import SqliteChallenges, SqliteLog, SqliteValues
+from fedsec.aggregator.storage.sql.audit import SqlChallenges, SqlLog, SqlValues
+from fedsec.aggregator.storage.sql.messages import SqlMessages, SqlReceipts, SqlReports
+from fedsec.aggregator.storage.sql.ops import SqlAlerts, SqlTokens, SqlVerdicts
+from fedsec.aggregator.storage.sql.rounds import SqlJoins, SqlRounds
 from fedsec.aggregator.storage.sqlite.connection import SqliteConnection, Transaction
-from fedsec.aggregator.storage.sqlite.messages import SqliteMessages, SqliteReceipts, SqliteReports
-from fedsec.aggregator.storage.sqlite.ops import SqliteAlerts, SqliteTokens, SqliteVerdicts
-from fedsec.aggregator.storage.sqlite.rounds import SqliteJoins, SqliteRounds
 
 
 class SqliteStateStore:
@@ -23,17 +24,17 @@ class SqliteStateStore:
 
     def __init__(self, path: Path) -> None:
         self._conn = SqliteConnection(path)
-        self.rounds = SqliteRounds(self._conn)
-        self.joins = SqliteJoins(self._conn)
-        self.messages = SqliteMessages(self._conn)
-        self.reports = SqliteReports(self._conn)
-        self.receipts = SqliteReceipts(self._conn)
-        self.challenges = SqliteChallenges(self._conn)
-        self.log = SqliteLog(self._conn)
-        self.values = SqliteValues(self._conn)
-        self.alerts = SqliteAlerts(self._conn)
-        self.tokens = SqliteTokens(self._conn)
-        self.verdicts = SqliteVerdicts(self._conn)
+        self.rounds = SqlRounds(self._conn)
+        self.joins = SqlJoins(self._conn)
+        self.messages = SqlMessages(self._conn)
+        self.reports = SqlReports(self._conn)
+        self.receipts = SqlReceipts(self._conn)
+        self.challenges = SqlChallenges(self._conn)
+        self.log = SqlLog(self._conn)
+        self.values = SqlValues(self._conn)
+        self.alerts = SqlAlerts(self._conn)
+        self.tokens = SqlTokens(self._conn)
+        self.verdicts = SqlVerdicts(self._conn)
 
     @property
     def path(self) -> Path:
