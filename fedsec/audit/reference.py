@@ -244,7 +244,7 @@ def build_reference(
     for run in range(REFERENCE_RUNS):
         idx = _subset(rng, len(y), samples)
         delta, honest = _reference_run(
-            task, reference, training, control, grads, idx, device, seed * 1009 + run
+            task, reference, training, control, (model, grads), idx, device, seed * 1009 + run
         )
         norms.append(float(np.linalg.norm(delta)))
         runs.append(honest)
@@ -261,22 +261,24 @@ def _reference_run(
     reference: Reference,
     training: RoundTraining,
     control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
-    grads: FloatVec,
+    at_global: tuple[torch.nn.Module, FloatVec],
     idx: npt.NDArray[np.int64],
     device: str,
     seed: int,
 ) -> tuple[FloatVec, HonestRun]:
     """One DP reference run on the control records ``idx``: its update, and the run as
     kept (clipped as a member's update is, with the reference of the records it did
-    not draw as its scorer; the whole sample's when it drew nearly all of them)."""
+    not draw as its scorer; the whole sample's when it drew nearly all of them).
+    ``at_global``: the global model and the control sample's clipped gradients at it,
+    built once per reference."""
     x, y = control
+    start, grads = at_global
     model = model_at(task, reference.global_params)
     train_local(model, x[idx], y[idx], training.params, training.dp, device, seed, task=task)
     delta = (flatten_params(model) - reference.global_params).astype(np.float64)
     unseen = np.setdiff1d(np.arange(len(y)), idx).astype(np.int64)
     scorer = reference
     if len(unseen) > 1:
-        start = model_at(task, reference.global_params)
         before = control_loss(start, x[unseen], y[unseen])
         scorer = _summarise(
             grads[unseen], training, reference.global_params, reference.samples,
