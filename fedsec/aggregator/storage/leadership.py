@@ -52,6 +52,16 @@ class NotLeader(RetryLater):
         self.leader_url = leader_url
 
 
+class StateUnavailable(RetryLater):
+    """This aggregator cannot reach its state database now (the network to it is down,
+    the database restarts or fails over): it can neither serve the request nor say who
+    leads, so the caller retries later or tries another replica.  Nothing of the
+    request was kept: a transaction the break met was rolled back by the server."""
+
+    code = "state_unavailable"
+    http_status = 503
+
+
 @runtime_checkable
 class Leased(Protocol):
     """A lease as the serve layer uses it (the PostgreSQL store's ``lease``)."""

@@ -15,12 +15,15 @@ server default, which a deployment must not turn off; see docs/deployment.md), s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from fedsec.aggregator.storage.leadership import StateUnavailable
 from fedsec.aggregator.storage.postgres.schema import migrate
 
 #: How long a transaction may sit idle before the server ends it.  The round engine
@@ -29,11 +32,50 @@ from fedsec.aggregator.storage.postgres.schema import migrate
 #: long.  60 s leaves room for the heaviest CPU step between two statements.
 IDLE_IN_TRANSACTION_S: Final = 60
 
+#: How often a lost database is reported in the log: every request meets the break
+#: while it lasts, and one line with the driver's reason every 10 s says enough.
+UNAVAILABLE_LOG_EVERY_S: Final = 10.0
+
 Params = tuple[Any, ...]
 
 _OPEN = (TransactionStatus.ACTIVE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
 log = logging.getLogger(__name__)
+
+
+class PostgresUnavailable(StateUnavailable, psycopg.OperationalError):
+    """The database cannot be reached: answered ``503 state_unavailable`` by the HTTP
+    layer, and still the driver's ``OperationalError`` for code that handles those."""
+
+
+_last_report = [float("-inf")]
+
+
+@contextmanager
+def reaching(connection: Callable[[], psycopg.Connection[Any]]) -> Iterator[None]:
+    """Turn an error that broke ``connection()`` (or failed to open it anew) into
+    :class:`PostgresUnavailable`; a statement's own error (a lock timeout, a constraint)
+    leaves the connection usable and passes unchanged.
+
+    Raises:
+        PostgresUnavailable: the database cannot be reached.
+    """
+    try:
+        yield
+    except PostgresUnavailable:
+        raise
+    except psycopg.OperationalError as exc:
+        if not connection().broken:
+            raise
+        now = time.monotonic()
+        if now - _last_report[0] >= UNAVAILABLE_LOG_EVERY_S:
+            _last_report[0] = now
+            # libpq's messages name host and port, never the password
+            log.warning("event=state_unavailable error=%s", str(exc).splitlines()[0])
+        raise PostgresUnavailable(
+            "the aggregator cannot reach its state database; retry later or ask another "
+            "aggregator replica"
+        ) from exc
 
 
 class PostgresConnection:
@@ -72,11 +114,12 @@ class PostgresConnection:
         so nothing acknowledged is lost and the lease token still decides.
 
         Raises:
-            psycopg.Error: the server cannot be reached.
+            PostgresUnavailable: the server cannot be reached.
         """
         if self.db.broken:
-            log.warning("state database connection broken; reconnecting")
-            self.db = self._connect()
+            with reaching(lambda: self.db):
+                self.db = self._connect()
+            log.info("event=state_reconnected")
         return self.db
 
     def close(self) -> None:
@@ -100,9 +143,15 @@ class PostgresConnection:
         return Transaction(self)
 
     def read(self, sql: str, params: Params = ()) -> psycopg.Cursor[tuple[Any, ...]]:
-        """Run a query (inside the current transaction, if any)."""
+        """Run a query (inside the current transaction, if any).
+
+        Raises:
+            PostgresUnavailable: the server cannot be reached.
+            psycopg.Error: the query fails.
+        """
         db = self.db if self.in_transaction() else self.usable()
-        return db.execute(sql, params)
+        with reaching(lambda: db):
+            return db.execute(sql, params)
 
     def count(self, sql: str, params: Params = ()) -> int:
         """The integer a ``SELECT COUNT(*)`` query returns."""
@@ -112,11 +161,18 @@ class PostgresConnection:
 
     def write(self, sql: str, params: Params = ()) -> psycopg.Cursor[tuple[Any, ...]]:
         """Run a statement that changes state: inside the current transaction, or in a
-        transaction of its own (committed before this returns)."""
+        transaction of its own (committed before this returns).
+
+        Raises:
+            NotLeader: the lease's fence refused a write outside a transaction.
+            PostgresUnavailable: the server cannot be reached.
+            psycopg.Error: the statement fails.
+        """
         if self.in_transaction():
-            return self.db.execute(sql, params)
+            with reaching(lambda: self.db):
+                return self.db.execute(sql, params)
         # a write on its own is not an explicit transaction: no commit callbacks
-        with Transaction(self, explicit=False):
+        with Transaction(self, explicit=False), reaching(lambda: self.db):
             return self.db.execute(sql, params)
 
 
@@ -135,7 +191,8 @@ class Transaction:
         if not self._outer:
             return
         db = self._conn.usable()
-        db.execute("BEGIN")
+        with reaching(lambda: db):
+            db.execute("BEGIN")
         try:
             for check in self._conn._at_begin:
                 check()
@@ -148,7 +205,8 @@ class Transaction:
         if not self._outer:
             return
         if exc_type is None:
-            self._conn.db.execute("COMMIT")
+            with reaching(lambda: self._conn.db):
+                self._conn.db.execute("COMMIT")
             for callback in self._conn._after_commit if self._explicit else ():
                 callback()
         elif not self._conn.db.broken:  # a broken one's transaction is already gone

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 
+from fedsec.aggregator.storage.postgres.connection import reaching
 from fedsec.aggregator.storage.postgres.schema import migrate
 
 
@@ -47,9 +48,11 @@ class PostgresNonces:
     def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[tuple[Any, ...]]:
         # every statement commits by itself, so after a break (server restart, failover)
         # the next one can simply reconnect: the one that met the break has failed
-        if self._db.broken:
-            self._db = self._connect()
-        return self._db.execute(sql, params)
+        # (PostgresUnavailable when the server cannot be reached)
+        with reaching(lambda: self._db):
+            if self._db.broken:
+                self._db = self._connect()
+            return self._db.execute(sql, params)
 
     def count(self) -> int:
         row = self._execute("SELECT count(*) FROM nonces").fetchone()
