@@ -1,15 +1,24 @@
-"""This member's task and its share of the training data, as ``agent.toml`` names them."""
+"""This member's task and its share of the training data, as ``agent.toml`` names them.
+
+The training data stays a torch dataset as the task's data function returns it, read
+lazily (e.g. an image folder read a batch at a time), so a member's memory does not grow
+with its dataset; only a table, built from the owner's sources through its rules, is
+held in memory.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
+import torch
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import Subset, TensorDataset
 
 from fedsec.config import DataSection
-from fedsec.errors import ConfigError
+from fedsec.errors import ConfigError, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.tasks import Task, get_task, parse_partition
 
@@ -19,15 +28,15 @@ class LocalData:
     """This member's task and its share of the training data."""
 
     task: Task
-    x: npt.NDArray[np.float32]
-    y: npt.NDArray[np.int64]
+    #: the member's training records, ``(x, y)`` items read when training asks for them
+    train: TorchDataset[Any]
     # task "table": the unsigned data summary the member signs at join
     summary: wire.DataSummary | None = None
     fingerprint: str = ""  # task "table": of the sources, to catch a change before training
 
     @property
     def samples(self) -> int:
-        return len(self.y)
+        return len(self.train)  # type: ignore[arg-type]  # map-style: has a length
 
 
 def load_local_data(data: DataSection, state_dir: str | Path = "", member: str = "") -> LocalData:
@@ -47,13 +56,43 @@ def load_local_data(data: DataSection, state_dir: str | Path = "", member: str =
             )
         options["path"] = data.csv
     task = get_task(data.task, **options)
-    dataset = task.load()
-    x, y = dataset.x_train, dataset.y_train
+    train = task.datasets().train
+    check_record(task, train)
     if data.parts > 1:
-        parts = parse_partition(data.partition).apply(y, data.parts, data.seed)
-        index = parts[data.part_index]
-        x, y = x[index], y[index]
-    return LocalData(task=task, x=x, y=y)
+        parts = parse_partition(data.partition).apply(labels(train), data.parts, data.seed)
+        train = Subset(train, parts[data.part_index].tolist())
+    return LocalData(task=task, train=train)
+
+
+def check_record(task: Task, train: TorchDataset[Any]) -> None:
+    """Refuse data whose records break the task's schema, from its first record (the
+    rest is read only in training): float32 features of the schema's input shape.
+
+    Raises:
+        TaskMismatch: the dataset is empty, or its first record has another shape or dtype.
+    """
+    if len(train) < 1:  # type: ignore[arg-type]
+        raise TaskMismatch(f"task '{task.name}' training data is empty")
+    record = train[0]
+    features = record[0] if isinstance(record, (tuple, list)) else None
+    if not isinstance(features, torch.Tensor):
+        return  # a batch_step task's own record layout: its step checks it
+    if features.dtype != torch.float32 or tuple(features.shape) != task.schema.input_shape:
+        raise TaskMismatch(
+            f"task '{task.name}' records have {features.dtype} features of shape "
+            f"{tuple(features.shape)}; the schema says float32 of {task.schema.input_shape}"
+        )
+
+
+def labels(train: TorchDataset[Any]) -> np.ndarray:
+    """Every record's label, for partitioning a simulation's data among members: an
+    in-memory dataset's own array, else read record by record (one label held each)."""
+    if isinstance(train, TensorDataset):
+        return train.tensors[1].numpy()
+    targets = getattr(train, "targets", None)
+    if targets is not None:
+        return np.asarray(targets)
+    return np.asarray([int(train[i][1]) for i in range(len(train))])  # type: ignore[arg-type]
 
 
 def _load_table(data: DataSection, state_dir: Path, member: str) -> LocalData:
@@ -76,12 +115,12 @@ def _load_table(data: DataSection, state_dir: Path, member: str) -> LocalData:
     table = build_table(sources, schema, rules, key)
     task = with_records(get_task("table", **data.task_options), table.x, table.y)
     dataset = task.load()
+    train = TensorDataset(torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train))
     # with summary_epsilon > 0 the counts are noised; AgentRuntime.prepare charges it
     summary = data_summary(table, schema, member, count_epsilon=data.summary_epsilon)
     return LocalData(
         task=task,
-        x=dataset.x_train,
-        y=dataset.y_train,
+        train=train,
         summary=summary,
         fingerprint=table.fingerprint,
     )

@@ -8,11 +8,12 @@ import concurrent.futures
 import functools
 import logging
 import time
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.agent.charging import PrivacyCharge
 from fedsec.agent.local_data import LocalData
@@ -21,12 +22,13 @@ from fedsec.aggregator_client import AggregatorClient
 from fedsec.errors import IntegrityError
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.learning.distributed import clipped_gradient_sum, poisson_sample
-from fedsec.learning.training import DPParams, fresh_seed, train_local
+from fedsec.learning.training import DPParams, fresh_seed, records, train_dataset
 from fedsec.modelfile import decode_model, sha256_hex, verify_manifest
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.he_release import sealed_release_allowance
 from fedsec.protocol.limits import MAX_COHORT
 from fedsec.protocol.wire import RoundSpec
+from fedsec.tasks import Task
 from fedsec.tasks.params import arrays_to_state, flatten_params
 
 # one logger for every agent event: operators filter on it (logger=fedsec.agent.runtime)
@@ -108,10 +110,9 @@ class LocalTrainer:
         result = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             functools.partial(
-                train_local,
+                train_dataset,
                 model,
-                local.x,
-                local.y,
+                local.train,
                 params,
                 dp,
                 self.device,
@@ -150,15 +151,14 @@ class LocalTrainer:
         DP-SGD step's share; the server optimiser takes the step on the noised sum)."""
         local = self.local
         secret = self._faults.seeded_bytes(self.member, spec.round, "sampling")
-        include = poisson_sample(len(local.y), spec.dp.sample_rate, secret)
+        include = poisson_sample(local.samples, spec.dp.sample_rate, secret)
         started = time.perf_counter()
-        total, records = await asyncio.get_running_loop().run_in_executor(
+        total, count = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             functools.partial(
-                clipped_gradient_sum,
+                _sampled_gradient_sum,
                 model,
-                local.x,
-                local.y,
+                local.train,
                 include,
                 spec.dp.max_grad_norm,
                 self.device,
@@ -167,7 +167,7 @@ class LocalTrainer:
         )
         duration = time.perf_counter() - started
         log.info(
-            "round_trained round=%d steps=1 records=%d seconds=%.1f", spec.round, records, duration
+            "round_trained round=%d steps=1 records=%d seconds=%.1f", spec.round, count, duration
         )
         if self.slowdown > 1.0:
             await asyncio.sleep((self.slowdown - 1.0) * duration)
@@ -223,6 +223,25 @@ class LocalTrainer:
             self._model = (spec.model_version, spec.model_sha256, arrays)
             log.info("model_downloaded version=%d bytes=%d", spec.model_version, len(data))
         arrays_to_state(model, {k: v.copy() for k, v in self._model[2].items()})
+
+
+def _sampled_gradient_sum(
+    model: torch.nn.Module,
+    train: TorchDataset[Any],
+    include: npt.NDArray[np.bool_],
+    max_grad_norm: float,
+    device: torch.device,
+    task: Task,
+) -> tuple[np.ndarray, int]:
+    """:func:`clipped_gradient_sum` over the included records, reading only those (the
+    step's own batch, never the whole dataset).
+
+    Raises:
+        ConfigError / InvalidTask: see :func:`clipped_gradient_sum`.
+    """
+    x, y = records(train, np.flatnonzero(include))
+    chosen = np.ones(len(y), dtype=bool)
+    return clipped_gradient_sum(model, x, y, chosen, max_grad_norm, device, task)
 
 
 def _training_seed(faults: Faults, member: str, round_: int) -> int:

@@ -18,6 +18,13 @@ Opacus' defence against floating-point attacks on the Gaussian mechanism (Holoha
 Braghin, 2021: 2n draws, n = 2).  Opacus' ``secure_mode`` itself needs ``torchcsprng``,
 whose last release (0.2.1, 2021) is built for torch 1.8 and Python <= 3.9 only; torch's
 own generator (Mersenne Twister, a 64-bit seed) is predictable from its output.
+
+Data of any size: training reads a map-style torch dataset through a DataLoader, so a
+member holds one batch of records at a time, never its dataset. In-memory arrays are a
+``TensorDataset`` on the same path (:func:`train_local`). Poisson sampling draws one
+Bernoulli mask over the record *indices* per step (Opacus' ``UniformWithReplacementSampler``
+in the main process, so the draw never depends on the worker count); worker processes
+only read the chosen records.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import os
 import secrets
 import time
 import warnings
@@ -41,7 +49,8 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.validators.errors import UnsupportedModuleError
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
+from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.crypto import prg
 from fedsec.errors import ConfigError, InvalidTask
@@ -53,8 +62,11 @@ __all__ = [
     "LocalTrainResult",
     "TrainingParams",
     "fresh_seed",
+    "loader_workers",
     "plan_round",
+    "records",
     "train_centralized",
+    "train_dataset",
     "train_local",
 ]
 
@@ -72,6 +84,11 @@ BatchLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
 #: before the loss counts as a sum, not a mean: float32 rounding of a mean of two
 #: equal values is far inside it, a sum is 100 % off.
 _MEAN_PROBE_RTOL = 1e-3
+
+#: Most DataLoader worker processes reading a dataset from disk: decoding (e.g. PNG)
+#: overlaps the step, and two keep a small model's step fed on the 2-core members we
+#: target; more only add processes, each holding one batch in flight.
+MAX_LOADER_WORKERS = 2
 
 #: Standard normals summed per noise value: Opacus' secure_mode (2n draws with n = 2, the
 #: least that defeats the floating-point attack on the Gaussian mechanism).
@@ -255,43 +272,70 @@ def train_local(
     progress: bool = False,
     task: Task | None = None,
 ) -> LocalTrainResult:
-    """Train ``model`` in place on ``(x, y)`` for ``params.local_epochs`` epochs.
+    """Train ``model`` in place on in-memory ``(x, y)``: :func:`train_dataset` on their
+    ``TensorDataset`` (float32 features, int64 class indices, shape ``(n, ...)``).
+
+    Raises:
+        ConfigError: empty data, mismatched ``x``/``y``, or a model Opacus cannot train.
+        InvalidTask: see :func:`train_dataset`.
+    """
+    if len(y) < 1 or len(x) != len(y):
+        raise ConfigError(f"training needs matching non-empty x and y, got {len(x)} and {len(y)}")
+    data = TensorDataset(*_tensors(x, y))
+    return train_dataset(model, data, params, dp, device, seed, progress, task)
+
+
+def train_dataset(
+    model: torch.nn.Module,
+    data: TorchDataset[Any],
+    params: TrainingParams,
+    dp: DPParams | None,
+    device: torch.device | str,
+    seed: int,
+    progress: bool = False,
+    task: Task | None = None,
+    workers: int | None = None,
+) -> LocalTrainResult:
+    """Train ``model`` in place on the map-style dataset ``data`` for ``params.local_epochs``
+    epochs, reading it batch by batch (memory does not grow with ``len(data)``).
 
     A copy of the model is trained on ``device`` and its weights are copied back into
     ``model`` (which keeps its own device and gains no hooks or wrappers). Deterministic
-    on the CPU for a given ``seed``.
+    on the CPU for a given ``seed``, whatever the worker count.
 
     Args:
         model: the model to train, e.g. the current global model.
-        x: float32 features, shape ``(n, *input_shape)``.
-        y: int64 class indices, shape ``(n,)``.
+        data: items ``(x, y)`` (or what the task's ``batch_step`` consumes), indexable
+            ``0..len(data)-1``, e.g. an image folder read lazily from disk.
         params: optimiser settings.
         dp: DP-SGD settings, or None for plain training (simulation baselines only).
         device: where to train.
         seed: batch sampling and DP noise seed; secret in production (see module doc).
         progress: show a progress bar on the terminal.
         task: the task whose loss each step minimises (its ``batch_step`` when it
-            declares one, on ``(x, y)`` batches); None: cross-entropy.
+            declares one); None: cross-entropy.
+        workers: DataLoader worker processes; None: :func:`loader_workers`.
 
     Returns:
         steps taken, sample count, sample rate, this round's epsilon (DP only), mean
         training loss and wall time.
 
     Raises:
-        ConfigError: empty data, mismatched ``x``/``y``, or a model Opacus cannot train.
+        ConfigError: an empty dataset, or a model Opacus cannot train.
         InvalidTask: the task's loss is not a 0-d floating tensor, or is not the batch
             mean (DP-SGD's clipping and noise scale assume the mean); the model is
             left as it was.
     """
     started = time.perf_counter()
-    n = len(y)
-    if n < 1 or len(x) != n:
-        raise ConfigError(f"training needs matching non-empty x and y, got {len(x)} and {n}")
+    n = len(data)  # type: ignore[arg-type]  # map-style datasets have a length
+    if n < 1:
+        raise ConfigError("cannot train on an empty dataset")
     target = torch.device(device)
     work = copy.deepcopy(model).to(target)
-    batch_loss = _batch_loss(task, work, x, y, target)
+    batch_loss = _batch_loss(task, work, data, target)
+    count = loader_workers(data) if workers is None else workers
     steps, loss_sum, seen, sample_rate, epsilon = _train_copy(
-        work, x, y, params, dp, target, seed, progress, batch_loss
+        work, data, params, dp, target, seed, progress, batch_loss, count
     )
     with torch.no_grad():
         model.load_state_dict(work.state_dict())
@@ -305,24 +349,35 @@ def train_local(
     )
 
 
+def loader_workers(data: TorchDataset[Any]) -> int:
+    """Worker processes worth reading ``data`` with: none for records already in memory
+    (a worker would only copy each batch between processes), else up to
+    :data:`MAX_LOADER_WORKERS`."""
+    while isinstance(data, Subset):
+        data = data.dataset
+    if isinstance(data, TensorDataset):
+        return 0
+    return min(MAX_LOADER_WORKERS, os.cpu_count() or 1)
+
+
 def _train_copy(
     work: torch.nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
+    data: TorchDataset[Any],
     params: TrainingParams,
     dp: DPParams | None,
     target: torch.device,
     seed: int,
     progress: bool,
     batch_loss: BatchLoss,
+    workers: int,
 ) -> tuple[int, float, int, float, float | None]:
     """Train ``work`` (a copy already on ``target``): (steps, loss sum, samples seen,
     sample rate, this round's epsilon or None without DP)."""
     sampling_seed, noise_seed = _seeds(seed)
-    sample_rate, planned_steps = plan_round(len(y), params)
+    sample_rate, planned_steps = plan_round(len(data), params)  # type: ignore[arg-type]
     work.train()
     optimizer = _make_optimizer(work.parameters(), params)
-    loader = _loader(x, y, params.batch_size, sampling_seed)
+    loader = _loader(data, params.batch_size, sampling_seed, workers, target)
     engine: PrivacyEngine | None = None
     trained: torch.nn.Module = work
     if dp is not None:
@@ -344,30 +399,66 @@ def _train_copy(
 
 
 def _loader(
-    x: np.ndarray, y: np.ndarray, batch_size: int, sampling_seed: int
-) -> DataLoader[tuple[torch.Tensor, ...]]:
-    data = TensorDataset(*_tensors(x, y))
+    data: TorchDataset[Any],
+    batch_size: int,
+    sampling_seed: int,
+    workers: int,
+    target: torch.device,
+) -> DataLoader[Any]:
+    """The shuffled loader plain training reads; under DP, Opacus replaces its sampler
+    by Poisson sampling and keeps the rest (workers, pinning, generator)."""
     return DataLoader(
         data,
         batch_size=batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(sampling_seed),
+        num_workers=workers,
+        # the workers live for the whole call (every epoch), not one epoch each
+        persistent_workers=workers > 0,
+        pin_memory=workers > 0 and target.type == "cuda",
     )
 
 
+def records(data: TorchDataset[Any], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(x, y)`` arrays of the records ``rows`` of ``data`` (float32, int64), read
+    one by one: memory for these records only.
+
+    Raises:
+        ConfigError: a record is not an ``(x, y)`` pair.
+    """
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        xs, ys = (t[index].numpy() for t in data.tensors)
+        return _arrays_of(xs, ys)
+    items = [data[int(i)] for i in rows]
+    if any(not isinstance(item, (tuple, list)) or len(item) != 2 for item in items):
+        raise ConfigError("distributed DP at record level needs (x, y) records")
+    if not items:
+        return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
+    xs = np.stack([np.asarray(x) for x, _ in items])
+    ys = np.asarray([np.asarray(y) for _, y in items])
+    return _arrays_of(xs, ys)
+
+
+def _arrays_of(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+
+
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 features and int64 labels the loop trains on, sharing the arrays'
-    memory where they already have those dtypes."""
+    """The float32 features and targets the loop trains on (int64 class indices, or
+    float32 regression values and multi-label labels), sharing the arrays' memory where
+    they already have those dtypes."""
+    target = np.float32 if np.issubdtype(y.dtype, np.floating) else np.int64
     return (
         torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)),
+        torch.from_numpy(np.ascontiguousarray(y, dtype=target)),
     )
 
 
 def _make_private(
     work: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loader: DataLoader[tuple[torch.Tensor, ...]],
+    loader: DataLoader[Any],
     dp: DPParams,
     noise_seed: bytes,
 ) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
@@ -434,7 +525,7 @@ def _cross_entropy_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _batch_loss(
-    task: Task | None, work: torch.nn.Module, x: np.ndarray, y: np.ndarray, target: torch.device
+    task: Task | None, work: torch.nn.Module, data: TorchDataset[Any], target: torch.device
 ) -> BatchLoss:
     """What each step minimises; a task's own loss once checked on ``work``.
 
@@ -446,7 +537,7 @@ def _batch_loss(
     # bit-identical whichever way they are trained.
     if task is None or not task.own_loss:
         return _cross_entropy_step
-    _check_batch_mean(task.name, task.batch_loss, work, x, y, target)
+    _check_batch_mean(task.name, task.batch_loss, work, data[0], target)
     return task.batch_loss
 
 
@@ -454,8 +545,7 @@ def _check_batch_mean(
     name: str,
     batch_loss: BatchLoss,
     work: torch.nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
+    record: Any,
     target: torch.device,
 ) -> None:
     """Refuse a loss that is a batch *sum*: two copies of one record must give the
@@ -467,9 +557,8 @@ def _check_batch_mean(
     Raises:
         InvalidTask: the loss is not a 0-d floating tensor, or not the batch mean.
     """
-    xs, ys = _tensors(x[:1], y[:1])
-    one = (xs.to(target), ys.to(target))
-    two = (torch.cat([one[0], one[0]]), torch.cat([one[1], one[1]]))
+    one = _to_device(default_collate([record]), target)
+    two = _to_device(default_collate([record, record]), target)
     was_training = work.training
     work.eval()
     try:
@@ -483,6 +572,17 @@ def _check_batch_mean(
             f"{double:.6g}, the record alone {single:.6g}; reduce over the batch with "
             ".mean() (DP-SGD clips and noises per-sample gradients of the mean)"
         )
+
+
+def _to_device(batch: Any, target: torch.device) -> Any:
+    """A collated batch (tensors, or tuples, lists or dicts of them) moved to ``target``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(target)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(part, target) for part in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(part, target) for key, part in batch.items()}
+    return batch
 
 
 def train_centralized(

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 
 from fedsec.agent.local_data import LocalData
 from fedsec.agent.trainer import LocalTrainer
@@ -44,7 +45,10 @@ def _spec(lr: float) -> Any:
 
 
 def _update(task: Any, lr: float) -> np.ndarray:
-    local = LocalData(task=task, x=DATA.x_train[:120], y=DATA.y_train[:120])
+    train = TensorDataset(
+        torch.from_numpy(DATA.x_train[:120]), torch.from_numpy(DATA.y_train[:120])
+    )
+    local = LocalData(task=task, train=train)
     trainer = LocalTrainer(
         "a0", b"\x00" * 32, local, torch.device("cpu"), None, faults=Faults(seed="loss")
     )
