@@ -200,6 +200,10 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     operator says so."""
     port: int = 8443
     """TCP port; 8443 is the conventional unprivileged HTTPS port."""
+    advertise_url: str = ""
+    """The URL members reach this aggregator at, which standby replicas name in their 503
+    not_leader while it leads ([storage] url); empty = the URL it listens on, wrong behind a
+    proxy, a NAT or a 0.0.0.0 listener."""
     max_body_bytes: int = 64 * MiB
     """Largest binary request body (models, masked vectors); 64 MiB holds a float32 model of just
     under 16M parameters."""
@@ -742,6 +746,12 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     s = cfg.server
     p.require(bool(s.host), "server.host", "a host name or address", s.host)
     p.int_range("server.port", s.port, 0, 65535)
+    p.require(
+        not s.advertise_url or _is_http_url(s.advertise_url),
+        "server.advertise_url",
+        "empty or an http:// or https:// URL",
+        s.advertise_url,
+    )
     p.int_range("server.max_body_bytes", s.max_body_bytes, 1024)
     p.int_range("server.max_json_bytes", s.max_json_bytes, 1024, max(s.max_body_bytes, 1024))
     p.positive("server.clock_skew_s", s.clock_skew_s)
@@ -895,6 +905,11 @@ def _validate_aggregation(p: _Problems, cfg: FederationConfig) -> None:
             "data; the csv and table tasks have none)",
             ag.rule,
         )
+
+
+def _is_http_url(url: str) -> bool:
+    """True for an ``http://`` or ``https://`` URL naming a host."""
+    return url.startswith(("http://", "https://")) and len(url) > 8
 
 
 def _validate_agent(cfg: AgentConfig) -> list[str]:

@@ -115,7 +115,7 @@ async def _start(
     app = make_app(ws, Coordinator(ws, clock=clock, faults=faults))
     server = await start_server(app, host, port, ssl_ctx, ws.config.server)
     if lease is not None:  # standbys name this URL in their 503 not_leader
-        lease.advertise(server.url)
+        lease.advertise(ws.config.server.advertise_url or server.url)
     if on_serving is not None:
         on_serving(server.url)
     return server
