@@ -30,9 +30,12 @@ def member_data_map(cfg: AgentConfig, label: str = "") -> dict[str, Any]:
     if not specs and cfg.data.csv:
         specs = [SourceSpec(kind="csv", path=cfg.data.csv)]
     if not specs:
+        images = _image_folder_map(cfg)
+        if images is not None:
+            return images
         raise ConfigError(
             "nothing to inventory: add a [[data.sources]] entry (csv, parquet or sql) to "
-            "agent.toml, or set data.csv"
+            "agent.toml, set data.csv, or name an image folder in [data] task_options path"
         )
     rules = cfg.data.rules
     key = None
@@ -42,3 +45,37 @@ def member_data_map(cfg: AgentConfig, label: str = "") -> dict[str, Any]:
     data_map = build_map([open_source(s) for s in specs], rules, cfg.data.schema, key, label)
     data_map["member"] = cfg.agent.id
     return data_map
+
+
+#: Split folders an image folder may hold, each with its own class folders.
+_IMAGE_SPLITS = ("train", "test")
+
+
+def _image_folder_map(cfg: AgentConfig) -> dict[str, Any] | None:
+    """The inventory of the image folder the task options name (``path``), per split
+    folder (``train``, ``test``) where it has them; None when the task's input is not
+    an image or no folder is named.
+
+    Raises:
+        ConfigError: the task is unknown or its options are bad.
+        TaskMismatch: see :func:`fedsec.data.images.image_inventory`.
+    """
+    from fedsec.data.images import image_inventory
+    from fedsec.tasks import get_task
+
+    root = cfg.data.task_options.get("path")
+    if not isinstance(root, str) or not Path(root).is_dir():
+        return None
+    schema = get_task(cfg.data.task, **cfg.data.task_options).schema
+    if len(schema.input_shape) != 3:
+        return None
+    classes = schema.class_names or tuple(str(i) for i in range(schema.num_classes))
+    splits = [Path(root) / s for s in _IMAGE_SPLITS if (Path(root) / s).is_dir()]
+    return {
+        "sources": [],
+        "images": [
+            image_inventory(folder, classes, schema.input_shape)
+            for folder in splits or [Path(root)]
+        ],
+        "member": cfg.agent.id,
+    }

@@ -5,7 +5,8 @@ categories, detected sensitive data, and what the rules do (kept, excluded, drop
 hashed, generalised); per source the rows read.  When the federation schema is known,
 also which columns train, the label distribution, and the rows kept and dropped by the
 selection rules with the reason.  It works before any rule exists (its first use is to
-help write them) and after (to show what they keep).
+help write them) and after (to show what they keep).  An image folder's inventory
+(:mod:`fedsec.data.images`) is rendered here too, under ``images``.
 
 The map stays with the owner: it holds category values and row numbers of this
 member's data.  Only the data summary (:mod:`fedsec.data.summary`) leaves.
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fedsec.data import rules as column_rules
+from fedsec.data.images import render_image_inventory
 from fedsec.data.limits import CATEGORIES_SHOWN, MAX_DISTINCT
 from fedsec.data.profile import ColumnProfile
 from fedsec.data.sensitive import detect
@@ -157,7 +159,9 @@ def _training(
 
 def render_text(data_map: dict[str, Any]) -> str:
     """The data map for a terminal."""
-    lines: list[str] = []
+    lines: list[str] = [render_image_inventory(i).rstrip() for i in data_map.get("images", [])]
+    if lines:
+        return "\n".join(lines) + "\n"
     for src in data_map["sources"]:
         lines.append(f"source {src['name']}: {src['rows']} rows, {len(src['columns'])} columns")
         for c in src["columns"]:
@@ -205,6 +209,9 @@ def render_html(data_map: dict[str, Any]) -> str:
         ".sens{background:#fde2e2}.warn{color:#a00}</style></head><body>",
         "<h1>Data map</h1><p>This page stays with the data owner.</p>",
     ]
+    for folder in data_map.get("images", []):
+        parts.append(f"<h2>{e(folder['root'])}</h2><pre>")
+        parts.append(e(render_image_inventory(folder)) + "</pre>")
     for src in data_map["sources"]:
         parts.append(f"<h2>{e(src['name'])}</h2><p>{src['rows']} rows</p><table>")
         parts.append(

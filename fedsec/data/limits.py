@@ -37,3 +37,11 @@ DB_CONNECT_TIMEOUT_S = 10
 #: Cells spelt this way count as missing, in any case; the spellings spreadsheet and
 #: statistics exports (Excel, R, pandas, SAS) write for "no value".
 MISSING_TOKENS = ("", "na", "n/a", "nan", "null", "none", "?", ".", "-", "#n/a")
+
+#: Unreadable files named in an image folder's inventory; the rest are counted.  A
+#: folder with more is broken as a whole (a wrong export), and a few names show how.
+UNREADABLE_SHOWN = 20
+
+#: Distinct image sizes listed in an image folder's inventory (the most frequent); an
+#: export has one or a few, a folder of photos many, and the top ones tell them apart.
+IMAGE_SIZES_SHOWN = 10
