@@ -453,8 +453,10 @@ class FederationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class AgentSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     id: str
     """This member's id in the roster; must match the id the admin enrolled."""
-    aggregator_url: str
-    """Base URL of the aggregator (http:// or https://)."""
+    aggregator_url: str | list[str]
+    """Base URL of the aggregator (http:// or https://), or a list of the URLs of its replicas
+    ([storage] url): the agent moves between them and follows a replica's not_leader answer
+    only to a URL in this list."""
     aggregator_public_key: str
     """Aggregator's Ed25519 public key, 64 hex digits, from the operator; pins every model
     manifest and receipt to it."""
@@ -916,10 +918,11 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p = _Problems()
     a = cfg.agent
     p.identifier("agent.id", a.id)
+    urls = [a.aggregator_url] if isinstance(a.aggregator_url, str) else a.aggregator_url
     p.require(
-        a.aggregator_url.startswith(("http://", "https://")) and len(a.aggregator_url) > 8,
+        bool(urls) and all(_is_http_url(url) for url in urls),
         "agent.aggregator_url",
-        "an http:// or https:// URL",
+        "an http:// or https:// URL, or a non-empty list of them",
         a.aggregator_url,
     )
     p.require(

@@ -27,7 +27,10 @@ other 4xx is the aggregator's considered answer and is raised at once as the
 carrying the server's ``detail`` sentence; 401 ``unauthenticated`` and 403
 ``forbidden`` also say what the operator should do.  A retried POST that the
 aggregator did process before the connection broke comes back as a 409
-``duplicate``; callers decide whether that means success.
+``duplicate``; callers decide whether that means success.  Given the URLs of a
+replicated aggregator, the same budget covers moving between them (:mod:`.transport`):
+on to the next when one cannot be reached, to the leader a ``503 not_leader`` names
+only when that URL is one of the configured ones.
 
 The objects the aggregator signs are checked here against its pinned key as they
 arrive: receipts and model manifests (their signature; the manifest's file hash is

@@ -23,7 +23,7 @@ from fedsec.aggregator_client.limits import (
     MAX_RECEIPT_BYTES,
 )
 from fedsec.aggregator_client.stages import StageCalls
-from fedsec.aggregator_client.transport import Route, Transport
+from fedsec.aggregator_client.transport import AggregatorUrls, Route, Transport
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.protocol.roster import RosterEntry
@@ -50,11 +50,13 @@ class RosterBody(msgspec.Struct, frozen=True):
 
 
 class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
-    """Signed, retrying HTTP client for one aggregator.
+    """Signed, retrying HTTP client for one aggregator (or its replicas).
 
     Args:
         base_url: the aggregator's base URL (``https://host:port``, optionally with a
-            path prefix when behind a proxy); ``/v1/...`` is appended.
+            path prefix when behind a proxy; ``/v1/...`` is appended), or the URLs of its
+            replicas: requests move between them as the transport's docstring says, and
+            follow a ``not_leader`` answer only to a URL in this list.
         identity: the agent's signing identity; signs every request.
         aggregator_public_key: the aggregator's pinned Ed25519 key (32 bytes).
         timeout_s: per-request timeout (long polls get the wait on top).
@@ -67,7 +69,7 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
         clock: Unix time source for signatures' ``created`` (tests pass a wrong one).
 
     Raises:
-        ConfigError: ``base_url`` is not an http(s) URL, or carries a query.
+        ConfigError: no URL, or one that is not an http(s) URL or carries a query.
 
     ``clock_offset_s`` is the aggregator's clock minus ours, learnt from the ``Date``
     header of a ``clock_skew`` refusal and added to every later ``created``.
@@ -75,7 +77,7 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: AggregatorUrls,
         identity: SigningIdentity,
         aggregator_public_key: bytes,
         *,
@@ -101,12 +103,17 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
         self._transport = transport
         self.aggregator = PublicIdentity(aggregator_public_key)
         # the transport's settings, as it normalised them; fixed for the client's life
-        self.base_url = transport.base_url
+        self.base_urls = transport.base_urls
         self.identity = transport.identity
         self.timeout_s = transport.timeout_s
         self.retry_max = transport.retry_max
         self.backoff_initial_s = transport.backoff_initial_s
         self.backoff_max_s = transport.backoff_max_s
+
+    @property
+    def base_url(self) -> str:
+        """The aggregator URL requests go to now (the one that answered last)."""
+        return self._transport.base_url
 
     @property
     def clock_offset_s(self) -> float:

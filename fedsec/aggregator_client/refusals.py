@@ -177,6 +177,14 @@ def gave_up(
     return type(refusal)(detail)
 
 
+def error_code(raw: bytes) -> str | None:
+    """The ``error`` code of an error body, None when it is not an ErrorBody."""
+    try:
+        return msgspec.json.decode(raw, type=ErrorBody).error
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
 def short_reason(raw: bytes) -> str:
     """An error body in a few words, for the retry log line."""
     try:

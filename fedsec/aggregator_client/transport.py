@@ -5,6 +5,14 @@ offset), reads answers no larger than the caller allows, sorts error answers int
 what a later try may pass and what it may not (:mod:`.refusals` names them), and
 waits between tries: our backoff with jitter, or the server's ``Retry-After``.
 The retry policy itself is described in the package docstring.
+
+Replicated aggregators: the transport holds the list of aggregator URLs the member was
+configured with and sends to one at a time, staying with the one that last answered.
+A try that cannot reach it (connection failure, timeout, a 5xx other than 503) moves
+to the next URL; a ``503 not_leader`` moves to the leader its ``Fedsec-Leader`` header
+names, but only when that URL is in the list: a replica cannot send a member's signed
+requests anywhere the member did not choose.  A move to a URL not yet tried for this
+request is at once; every move counts against ``retry_max`` like any retry.
 """
 
 from __future__ import annotations
@@ -13,8 +21,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final, NamedTuple, TypeVar
 
 import aiohttp
@@ -39,7 +47,7 @@ from fedsec.errors import (
     RequestTimeout,
     RetryLater,
 )
-from fedsec.protocol.wire import decode, encode
+from fedsec.protocol.wire import LEADER_HEADER, NOT_LEADER, decode, encode
 
 # The package's name, as before the split: operators and tests filter on it.
 log = logging.getLogger("fedsec.aggregator_client")
@@ -51,6 +59,45 @@ _RETRYABLE_EXCEPTIONS: Final = (aiohttp.ClientError, asyncio.TimeoutError, Conne
 _SKIPPED_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding")
 
 T = TypeVar("T")
+
+#: One aggregator URL, or the URLs of its replicas (the order to try them in).
+AggregatorUrls = str | Sequence[str]
+
+
+@dataclass(frozen=True)
+class _Aggregator:
+    """One configured aggregator URL, normalised."""
+
+    base_url: str  # without a trailing slash
+    prefix: str  # a proxy's path prefix, or ""
+    origin: str
+
+
+def _aggregator(base_url: str) -> _Aggregator:
+    """Raises:
+    ConfigError: ``base_url`` is not an http(s) URL, or carries a query."""
+    url = URL(base_url)
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"aggregator URL {base_url!r} is not an http(s) URL")
+    if url.query_string or url.fragment:
+        raise ConfigError(f"aggregator URL {base_url!r} must not carry a query")
+    return _Aggregator(str(url).rstrip("/"), url.raw_path.rstrip("/"), str(url.origin()))
+
+
+def _aggregators(base_urls: AggregatorUrls) -> tuple[_Aggregator, ...]:
+    """The configured URLs, normalised, each once, in order.
+
+    Raises:
+        ConfigError: none is given, or one is not an http(s) URL or carries a query.
+    """
+    urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+    found: dict[str, _Aggregator] = {}
+    for url in urls:
+        aggregator = _aggregator(url)
+        found.setdefault(aggregator.base_url, aggregator)
+    if not found:
+        raise ConfigError("no aggregator URL configured")
+    return tuple(found.values())
 
 
 class Route(NamedTuple):
@@ -65,6 +112,7 @@ class _Call:
     """One request as :meth:`Transport.request` sends it, on every try."""
 
     method: str
+    path: str  # encoded path and query under the aggregator's prefix
     target: str  # encoded path and query, exactly as signed
     url: URL
     body: bytes
@@ -85,6 +133,8 @@ class _Setback:
     reason: str
     retry_after: float | None = None  # the server's Retry-After; None: our own backoff
     refusal: FedsecError | None = None  # raised when tries run out; None: unreachable
+    not_leader: bool = False  # a replica that does not lead answered
+    leader: str | None = None  # the URL its Fedsec-Leader header named
 
 
 class _ClockSkew(Exception):
@@ -98,7 +148,7 @@ class _ClockSkew(Exception):
 
 
 class Transport:
-    """Signed, retrying requests to one aggregator; the arguments are
+    """Signed, retrying requests to one aggregator (or its replicas); the arguments are
     :class:`~fedsec.aggregator_client.AggregatorClient`'s.
 
     ``clock_offset_s`` is the aggregator's clock minus ours, learnt from the ``Date``
@@ -107,7 +157,7 @@ class Transport:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: AggregatorUrls,
         identity: SigningIdentity,
         *,
         timeout_s: float,
@@ -118,14 +168,8 @@ class Transport:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        url = URL(base_url)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ConfigError(f"aggregator URL {base_url!r} is not an http(s) URL")
-        if url.query_string or url.fragment:
-            raise ConfigError(f"aggregator URL {base_url!r} must not carry a query")
-        self.base_url = str(url).rstrip("/")
-        self._prefix = url.raw_path.rstrip("/")  # a proxy's path prefix, or ""
-        self._origin = str(url.origin())
+        self._aggregators = _aggregators(base_url)
+        self._at = 0  # the aggregator sent to: the one that answered last
         self.identity = identity
         self.timeout_s = float(timeout_s)
         self.retry_max = int(retry_max)
@@ -136,6 +180,16 @@ class Transport:
         self._sleep = sleep
         self._clock = clock
         self.clock_offset_s = 0.0
+
+    @property
+    def base_url(self) -> str:
+        """The URL requests go to now (the first configured until a move)."""
+        return self._aggregators[self._at].base_url
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        """Every configured aggregator URL, normalised, in order."""
+        return tuple(a.base_url for a in self._aggregators)
 
     async def close(self) -> None:
         """Close the session if this transport created it."""
@@ -150,12 +204,11 @@ class Transport:
             )
         return self._session
 
-    def _target(self, path: str, query: Mapping[str, int | str] | None) -> str:
-        """Encoded path and query exactly as sent and signed."""
-        target = self._prefix + path
-        if query:
-            target += "?" + str(URL.build(query=dict(query)).raw_query_string)
-        return target
+    def _addressed(self, call: _Call) -> _Call:
+        """``call`` sent to the current aggregator (its origin and path prefix)."""
+        aggregator = self._aggregators[self._at]
+        target = aggregator.prefix + call.path
+        return replace(call, target=target, url=URL(aggregator.origin + target, encoded=True))
 
     def _delay(self, retry: int, setback: _Setback) -> float:
         """Seconds before retry number ``retry`` (0-based): the server's Retry-After,
@@ -195,20 +248,25 @@ class Transport:
             AggregatorUnreachable: every attempt failed (connection, timeout or 5xx).
             PayloadTooLarge: the answer exceeds ``max_bytes``.
         """
-        target = self._target(route.path, query)
-        call = _Call(
+        path = route.path
+        if query:
+            path += "?" + str(URL.build(query=dict(query)).raw_query_string)
+        unaddressed = _Call(
             method=route.method,
-            target=target,
-            url=URL(self._origin + target, encoded=True),
+            path=path,
+            target=path,
+            url=URL(path, encoded=True),
             body=body,
             content_type=content_type,
             max_bytes=max_bytes,
             what=what,
             timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout_s),
         )
+        call = self._addressed(unaddressed)
         attempts = self.retry_max + 1
         tries = 0
         corrected = False
+        tried, failed = {self._at}, set[int]()  # aggregators asked, found unreachable
         while True:
             try:
                 outcome = await self._send(call)
@@ -225,9 +283,68 @@ class Transport:
             tries += 1
             if tries >= attempts:
                 raise refusals.gave_up(
-                    self.base_url, call.request, attempts, outcome.reason, outcome.refusal
+                    ", ".join(self.base_urls),
+                    call.request,
+                    attempts,
+                    outcome.reason,
+                    outcome.refusal,
                 )
+            moved_to = self._move(call, outcome, failed)
+            if moved_to is not None:
+                call = self._addressed(call)
+                if moved_to not in tried:  # another aggregator, not asked yet: at once
+                    tried.add(moved_to)
+                    continue
             await self._pause(call, tries, attempts, outcome)
+
+    def _move(self, call: _Call, setback: _Setback, failed: set[int]) -> int | None:
+        """Choose the aggregator for the next try after ``setback``; the index moved to,
+        None when staying.  An unreachable one is added to ``failed`` (those found
+        unreachable during this request) and gives way to the next in the list; a
+        standby to the leader it names if that is configured and not failed, else to the
+        next one not failed, else it stays (it may lead next); any other refusal stays.
+        """
+        if len(self._aggregators) == 1 or not (setback.refusal is None or setback.not_leader):
+            return None
+        if setback.refusal is None:
+            failed.add(self._at)
+        elif setback.leader:
+            named = self._index_of(setback.leader)
+            if named is None:
+                log.warning(
+                    "aggregator_leader_refused request=%r from=%r named=%r detail=%r",
+                    call.request,
+                    self.base_url,
+                    setback.leader[:200],
+                    "the leader a replica named is not one of this member's configured "
+                    "aggregator URLs; not followed",
+                )
+            elif named != self._at and named not in failed:
+                return self._go(named, call, setback)
+        count = len(self._aggregators)
+        others = [(self._at + k) % count for k in range(1, count)]
+        if setback.not_leader:
+            others = [i for i in others if i not in failed]
+        return self._go(others[0], call, setback) if others else None
+
+    def _go(self, index: int, call: _Call, setback: _Setback) -> int:
+        log.warning(
+            "aggregator_switch request=%r from=%r to=%r reason=%r",
+            call.request,
+            self.base_url,
+            self._aggregators[index].base_url,
+            setback.reason,
+        )
+        self._at = index
+        return index
+
+    def _index_of(self, url: str) -> int | None:
+        """The configured aggregator ``url`` names (normalised as configured), or None."""
+        try:
+            wanted = _aggregator(url).base_url
+        except (ConfigError, ValueError):
+            return None
+        return next((i for i, a in enumerate(self._aggregators) if a.base_url == wanted), None)
 
     async def _pause(self, call: _Call, tries: int, attempts: int, setback: _Setback) -> None:
         """Wait before the next try, saying so in the log (never the body or the key)."""
@@ -298,6 +415,8 @@ class Transport:
         if isinstance(refusal, ClockSkewError):
             offset_s = refusals.clock_offset(headers.get("Date"), self._clock())
             raise _ClockSkew(refusal, offset_s)
+        if status == 503 and refusals.error_code(raw) == NOT_LEADER:
+            return _Setback(reason, retry_after, refusal, True, headers.get(LEADER_HEADER))
         if isinstance(refusal, RetryLater | RequestTimeout):
             return _Setback(reason, retry_after, refusal)
         if isinstance(refusal, ReplayError):

@@ -183,7 +183,12 @@ def _auditor_options(fn: F) -> F:
     """How an auditor reaches the aggregator (shared by challenge and check)."""
     for option in reversed(
         (
-            click.option("--url", required=True, help="aggregator base URL"),
+            click.option(
+                "--url",
+                required=True,
+                multiple=True,
+                help="aggregator base URL; repeat it for each replica of a replicated one",
+            ),
             click.option(
                 "--key",
                 type=click.Path(path_type=Path, exists=True, dir_okay=False),
@@ -197,7 +202,7 @@ def _auditor_options(fn: F) -> F:
     return fn
 
 
-def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]:
+def _auditor_client(url: tuple[str, ...], key: Path, aggregator_key: str) -> tuple[Any, Any]:
     from fedsec.aggregator_client import AggregatorClient
     from fedsec.keys import load_identity
 
@@ -236,7 +241,12 @@ def _auditor_client(url: str, key: Path, aggregator_key: str) -> tuple[Any, Any]
 )
 @click.option("--round", "rounds", type=int, multiple=True, help="only these rounds")
 def challenge_cmd(
-    url: str, key: Path, aggregator_key: str, log_path: Path, rate: float, rounds: tuple[int, ...]
+    url: tuple[str, ...],
+    key: Path,
+    aggregator_key: str,
+    log_path: Path,
+    rate: float,
+    rounds: tuple[int, ...],
 ) -> None:
     """Challenge the (member, round) pairs the signed log heads select at RATE."""
     import asyncio
@@ -334,7 +344,7 @@ def report_cmd(
     "aggregator suspends it from future cohorts and offers a rollback",
 )
 def check_cmd(
-    url: str,
+    url: tuple[str, ...],
     key: Path,
     aggregator_key: str,
     workspace: Path,
@@ -371,7 +381,7 @@ def check_cmd(
 
 
 def _submit_verdicts(
-    url: str, key: Path, aggregator_key: str, verdicts: list[dict[str, Any]]
+    url: tuple[str, ...], key: Path, aggregator_key: str, verdicts: list[dict[str, Any]]
 ) -> None:
     """Send the verdicts, signed, to the aggregator, and say what it did with them."""
     import asyncio
@@ -407,7 +417,7 @@ def _submit_verdicts(
 
 
 def _order_quarantines(
-    url: str, key: Path, aggregator_key: str, ws: Path, verdicts: list[dict[str, Any]]
+    url: tuple[str, ...], key: Path, aggregator_key: str, ws: Path, verdicts: list[dict[str, Any]]
 ) -> None:
     """Post one signed quarantine order per failed member, naming its first failed round."""
     import asyncio

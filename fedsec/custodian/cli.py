@@ -129,7 +129,12 @@ def init_command(
     help="the directory made by fedsec custodian init",
 )
 @click.option("--id", "custodian_id", required=True, help="the custodian's roster id")
-@click.option("--aggregator-url", required=True, help="https://host:port of the aggregator")
+@click.option(
+    "--aggregator-url",
+    required=True,
+    multiple=True,
+    help="https://host:port of the aggregator; repeat it for each replica of a replicated one",
+)
 @click.option(
     "--aggregator-public-key", required=True, help="aggregator's Ed25519 key, 64 hex digits"
 )
@@ -157,7 +162,7 @@ def init_command(
 def serve_command(
     directory: Path,
     custodian_id: str,
-    aggregator_url: str,
+    aggregator_url: tuple[str, ...],
     aggregator_public_key: str,
     admin_public_key: str | None,
     min_contributors: int,

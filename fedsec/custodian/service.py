@@ -29,7 +29,7 @@ import functools
 import hashlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
@@ -389,7 +389,7 @@ class CustodianService:
 async def serve_directory(
     directory: Path,
     custodian_id: str,
-    aggregator_url: str,
+    aggregator_url: str | Sequence[str],
     aggregator_key: bytes,
     *,
     admin_key: bytes | None = None,

@@ -138,6 +138,12 @@ __all__ = [
 
 API_PREFIX = "/v1"
 
+#: The error code of a replica that does not lead (a standby, or a deposed leader), and
+#: the header of that answer naming the URL the leader advertised.  A client follows
+#: the header only to an aggregator URL it was configured with.
+NOT_LEADER = "not_leader"
+LEADER_HEADER = "Fedsec-Leader"
+
 PRIVACY_REPORT_DOMAIN = "privacy-report"
 RECEIPT_DOMAIN = "contribution-receipt"
 CONTRIBUTION_DOMAIN = "contribution-statement"

@@ -19,10 +19,7 @@ from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import CLIENT_FAULTS, ThrottledLog
 from fedsec.errors import FedsecError, RetryLater
 from fedsec.protocol import wire
-
-#: The header of a ``503 not_leader`` naming the URL the leader advertised, for a client
-#: that moves to it.
-LEADER_HEADER = "Fedsec-Leader"
+from fedsec.protocol.wire import LEADER_HEADER as LEADER_HEADER
 
 # One logger for the whole HTTP layer, under the name its events have always had, so
 # existing logging configuration and filters keep working.

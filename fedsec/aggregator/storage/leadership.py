@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from fedsec.errors import RetryLater
+from fedsec.protocol.wire import NOT_LEADER
 
 #: ``single``: the only aggregator (SQLite); ``leader``: holds the lease of a shared
 #: database; ``standby``: does not, and refuses every write.
@@ -43,7 +44,7 @@ class NotLeader(RetryLater):
     not write.  ``leader`` names the current holder, ``leader_url`` the URL it
     advertised (where the same request, signed anew or not, should go)."""
 
-    code = "not_leader"
+    code = NOT_LEADER
     http_status = 503
 
     def __init__(self, detail: str, leader: str | None, leader_url: str | None = None) -> None:
