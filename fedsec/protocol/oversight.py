@@ -202,3 +202,7 @@ class DashboardSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     members: list[MemberView]
     alerts: list[AlertView]
     models: list[ModelView]
+    # this process's part among replicas sharing one database (leader, standby, or
+    # single on SQLite) and its fencing token while it leads, as it knows them
+    role: str = "single"
+    fencing_token: int | None = None

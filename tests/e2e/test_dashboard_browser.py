@@ -179,6 +179,7 @@ def test_dashboard_needs_a_token_when_loopback_is_closed(tmp_path: Path) -> None
         assert cookie["value"] == token
         expect(page.get_by_test_id("connection-state")).to_have_text("live", timeout=UI_MS)
         expect(page.get_by_test_id("federation-id")).to_have_text("dash")
+        expect(page.get_by_test_id("replica-role")).to_have_text("single")
         assert _shown_int(page, "now-round") is not None
         # the cookie alone keeps the session: a reload needs no token
         reloaded = page.reload()

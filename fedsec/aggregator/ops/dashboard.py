@@ -89,6 +89,7 @@ class SnapshotBuilder:
     def build(self) -> wire.DashboardSnapshot:
         """Everything the dashboard shows, now."""
         ended_key = (self._coord.rounds_completed, self._coord.current_attempt())
+        role = self._view.leadership()
         return wire.DashboardSnapshot(
             federation_id=self._ws.federation_id,
             generated_at=self._clock(),
@@ -97,6 +98,8 @@ class SnapshotBuilder:
             members=self._members(ended_key),
             alerts=self._alerts(),
             models=self._model_versions(),
+            role=role.role,
+            fencing_token=role.token,
         )
 
     def _live(self) -> wire.LiveAttempt:

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
@@ -22,6 +23,7 @@ from fedsec.aggregator.rounds.events import ContributionRefused, Event
 from fedsec.aggregator.storage.postgres import PostgresStateStore
 from fedsec.aggregator.storage.postgres.lease import LEASE_S, NotLeader
 from fedsec.aggregator.workspace import Workspace
+from fedsec.protocol import wire
 from tests.support.aggregator import FakeClock, make_federation
 from tests.support.http import AGENTS, JOIN, Api, _join_body, _to_masked_input, _upload
 
@@ -185,3 +187,15 @@ async def test_health_and_metrics_say_each_replica_role(
         assert (status, json.loads(raw)["error"]) == (503, "not_leader"), raw
     finally:
         c.close()
+
+
+async def test_the_dashboard_shows_each_replicas_role_and_token(
+    replicas: tuple[Api, Api],
+) -> None:
+    seen = {}
+    for name, api in zip("ab", replicas, strict=True):
+        async with api.client.get("/dashboard/api/snapshot") as resp:
+            assert resp.status == 200
+            snapshot = msgspec.json.decode(await resp.read(), type=wire.DashboardSnapshot)
+        seen[name] = (snapshot.role, snapshot.fencing_token)
+    assert seen == {"a": ("leader", 1), "b": ("standby", None)}

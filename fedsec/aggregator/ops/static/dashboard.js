@@ -298,6 +298,12 @@
 
   function render() {
     setText("federation-id", snapshot.federation_id);
+    setText(
+      "replica-role",
+      snapshot.fencing_token == null
+        ? snapshot.role
+        : snapshot.role + " \u00b7 token " + snapshot.fencing_token
+    );
     setText("updated", "updated " + clockTime(snapshot.generated_at));
     renderNow(snapshot.now);
     renderRounds(snapshot.rounds);
