@@ -123,6 +123,72 @@ def _pack_tail(values: Any, raw: Any, m: int, start: int) -> None:
             raw[k] |= np.uint8((v >> np.uint64(8 * (k - first))) & np.uint64(0xFF))
 
 
+# Widths below this sit in a uint8/uint16 dtype, whose add costs about half of unpacking
+# m-bit fields out of 64-bit words; a running sum of such vectors stays packed and adds
+# field-wise in place (:func:`packed_add`, ~the dtype's add).  From 17 bits on the ring's
+# dtype is uint32, whose add already costs what unpacking does, and the sum is unpacked.
+PACKED_SUM_BELOW = 16
+
+
+@functools.cache
+def _field_masks(m: int) -> tuple[Vector, Vector]:
+    """Per word of a block (m words = 64 elements): the bits below each element's top
+    bit, and the top bits."""
+    tops = sum(1 << (e * m + m - 1) for e in range(BLOCK))
+    high = np.array([(tops >> (64 * a)) & 0xFFFF_FFFF_FFFF_FFFF for a in range(m)], np.uint64)
+    return ~high, high
+
+
+@_jit
+def _packed_add(acc: Any, words: Any, low: Any, high: Any) -> None:
+    """acc ← acc ⊞ words, each m-bit field added modulo 2^m in place, m = low.size.
+
+    With every field's top bit cleared, a field's sum fits its m bits, so the word add
+    carries out of a word only inside a field that straddles it; that carry (the
+    majority of the operands' and the sum's bit 63) goes into the next word.  A block
+    of 64 fields ends on a word boundary, so no carry crosses blocks.  The top bits
+    are the XOR of the operands' top bits and the carry that reached them.  Words are
+    visited from the top of each block down, so word a - 1 is still unchanged when
+    word a reads it.
+    """
+    m = low.size
+    n = acc.size
+    for base in range(0, n, m):
+        top = min(m, n - base)
+        o = acc[base : base + top]
+        w = words[base : base + top]
+        for a in range(top - 1, 0, -1):
+            x = o[a]
+            y = w[a]
+            lo = low[a]
+            xp = o[a - 1] & low[a - 1]
+            yp = w[a - 1] & low[a - 1]
+            carry = ((xp & yp) | ((xp | yp) & ~(xp + yp))) >> np.uint64(63)
+            o[a] = ((x & lo) + (y & lo) + carry) ^ ((x ^ y) & high[a])
+        x = o[0]
+        y = w[0]
+        o[0] = ((x & low[0]) + (y & low[0])) ^ ((x ^ y) & high[0])
+
+
+def packed_add(acc: Vector, raw: Vector, width: int) -> None:
+    """acc ← acc ⊞ raw: the sum modulo 2^width of two vectors of ``width``-bit elements
+    in the wire's packed form, without unpacking either.
+
+    ``acc`` is a contiguous uint64 array of ⌈raw.size / 8⌉ words holding such a vector
+    (zero padding); ``raw`` the uint8 wire bytes of another, zero padding checked by
+    the caller; ``width`` is at most :data:`MAX_WIDTH`.
+    """
+    low, high = _field_masks(width)
+    whole = (raw.size // 8) // width * width  # words of the whole blocks
+    if whole:
+        _packed_add(acc[:whole], _ro(raw[: whole * 8].view("<u8")), low, high)
+    rest = raw[whole * 8 :]
+    if rest.size:
+        tail = np.zeros(acc.size - whole, dtype=np.uint64)
+        tail.view(np.uint8)[: rest.size] = rest
+        _packed_add(acc[whole:], _ro(tail), low, high)
+
+
 def _ro(a: Vector) -> Vector:
     """A read-only view: one compiled variant per dtype whatever the caller's array
     allowed (see :func:`fedsec.crypto.kernels._ro`)."""
@@ -175,4 +241,6 @@ def warm(widths: range = range(2, MAX_WIDTH + 1)) -> int:
         pack_into(values, raw, width)
         unpack_add(np.zeros_like(values), raw, width)
         count += 2
+        if width < PACKED_SUM_BELOW:
+            packed_add(np.zeros((raw.size + 7) // 8, dtype=np.uint64), raw, width)
     return count

@@ -272,21 +272,48 @@ def unpack(raw: bytes, count: int, ring_bits: int) -> RingVector:
     return out
 
 
-def unpack_add(total: RingVector, raw: bytes, ring_bits: int) -> None:
-    """total += :func:`unpack` (raw, total.size, ring_bits) in place, wrapping in
-    total's dtype (the ring's), in one pass: how a running sum takes a packed vector
-    without unpacking it into a buffer of its own first.  ``total`` is unchanged when
-    ``raw`` is refused.
+class RingSum:
+    """A running sum of packed ring vectors of ``count`` elements, modulo 2^ring_bits:
+    how a server takes each member's wire vector without unpacking it into a buffer of
+    its own first.
 
-    Raises:
-        BadVector: wrong byte length or non-zero padding; or ``total`` is not a
-            contiguous vector of the ring's dtype.
+    A width below :data:`~fedsec.crypto.packing.PACKED_SUM_BELOW` (not 8) keeps the sum
+    in the wire's packed form and adds field-wise; the others add into a vector of the
+    ring's dtype (a plain add for 8/16/32/64 bits, a compiled unpack-add otherwise).
     """
-    dt = ring_dtype(ring_bits)
-    if total.dtype != dt or total.ndim != 1 or not total.flags.c_contiguous:
-        raise BadVector(f"a running sum must be a contiguous vector of {dt}, got {total.dtype}")
-    data = _packed_bytes(raw, total.size, ring_bits)
-    if ring_bits == dt.itemsize * 8:
-        np.add(total, np.frombuffer(raw, dtype=dt, count=total.size), out=total)
-    else:
-        packing.unpack_add(total, data, ring_bits)
+
+    def __init__(self, count: int, ring_bits: int) -> None:
+        """Raises:
+        QuantizationError: ``ring_bits`` is not a supported ring width.
+        """
+        self.count = count
+        self.ring_bits = ring_bits
+        self._dtype = ring_dtype(ring_bits)
+        self._packed = ring_bits % 8 != 0 and ring_bits < packing.PACKED_SUM_BELOW
+        if self._packed:
+            self._acc = np.zeros((packed_size(count, ring_bits) + 7) // 8, dtype=np.uint64)
+        else:
+            self._acc = np.zeros(count, dtype=self._dtype)
+
+    def add(self, raw: bytes) -> None:
+        """sum += :func:`unpack` (raw, count, ring_bits); unchanged when ``raw`` is refused.
+
+        Raises:
+            BadVector: wrong byte length or non-zero padding.
+        """
+        data = _packed_bytes(raw, self.count, self.ring_bits)
+        if self._packed:
+            packing.packed_add(self._acc, data, self.ring_bits)
+        elif self.ring_bits == self._dtype.itemsize * 8:
+            np.add(self._acc, np.frombuffer(raw, dtype=self._dtype), out=self._acc)
+        else:
+            packing.unpack_add(self._acc, data, self.ring_bits)
+
+    def total(self) -> RingVector:
+        """The sum so far, as a fresh vector of the ring's dtype."""
+        if not self._packed:
+            return self._acc.copy()
+        out = np.zeros(self.count, dtype=self._dtype)
+        raw = self._acc.view(np.uint8)[: packed_size(self.count, self.ring_bits)]
+        packing.unpack_add(out, raw, self.ring_bits)
+        return out

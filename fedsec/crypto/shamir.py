@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from math import prod
 
 from fedsec.crypto.errors import ShamirError
 
@@ -87,17 +88,32 @@ def split(secret: bytes, threshold: int, xs: Sequence[int]) -> list[Share]:
 
 
 @lru_cache(maxsize=4096)
+def _weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Barycentric weights w_i = 1 / prod_{j != i} (x_i - x_j) mod p.
+
+    They depend on the x-set only, so the secret (at 0) and the check (at the next
+    x) share them.  The x are below 2^16, so each product is a plain integer of at
+    most 16·(len(xs) - 1) bits before the one reduction; all of them are inverted
+    with a single modular inversion (Montgomery's trick), not one each.
+    """
+    dens = [prod([xi - xj for xj in xs if xj != xi]) % PRIME for xi in xs]
+    prefix = [1]
+    for d in dens:
+        prefix.append(prefix[-1] * d % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)
+    weights = [0] * len(xs)
+    for i in range(len(xs) - 1, -1, -1):
+        weights[i] = inverse * prefix[i] % PRIME
+        inverse = inverse * dens[i] % PRIME
+    return tuple(weights)
+
+
+@lru_cache(maxsize=4096)
 def _lagrange_at(xs: tuple[int, ...], target: int) -> tuple[int, ...]:
-    """Coefficients l_i with f(target) = sum l_i * f(xs[i]) for deg f < len(xs)."""
-    coeffs = []
-    for i, xi in enumerate(xs):
-        num, den = 1, 1
-        for j, xj in enumerate(xs):
-            if i != j:
-                num = num * (target - xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        coeffs.append(num * pow(den, -1, PRIME) % PRIME)
-    return tuple(coeffs)
+    """Coefficients l_i with f(target) = sum l_i * f(xs[i]) for deg f < len(xs);
+    ``target`` is not one of ``xs``."""
+    full = prod([target - x for x in xs])  # exact: prod_{j != i} is full / (target - x_i)
+    return tuple(full // (target - xi) * w % PRIME for xi, w in zip(xs, _weights(xs), strict=True))
 
 
 def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:

@@ -221,7 +221,7 @@ def server_state(server: ServerSession) -> tuple[Any, ...]:
         {m: msg for m, msg in server._shares.items()},
         server.participants,
         tuple(server.contributed),
-        server._sum.tobytes(),
+        server._sum.total().tobytes(),
         server.survivors,
         server.dropped,
         dict(server.signatures),

@@ -34,8 +34,6 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from fedsec.crypto import shamir
 from fedsec.crypto.envelope import NONCE_BYTES, TAG_BYTES, KeyAgreementKey
 from fedsec.crypto.errors import (
@@ -51,7 +49,7 @@ from fedsec.crypto.errors import (
     WrongStage,
 )
 from fedsec.crypto.identity import PublicIdentity
-from fedsec.crypto.quantize import RingVector, unpack_add
+from fedsec.crypto.quantize import RingSum, RingVector
 from fedsec.crypto.secagg import masks
 from fedsec.crypto.secagg.client import verify_advertisement
 from fedsec.crypto.secagg.graph import member_x, prune, round_graph
@@ -122,7 +120,7 @@ class ServerSession:
         self._shares: dict[str, ShareKeys] = {}
         self.participants: frozenset[str] = frozenset()  # U2: completed share keys
         self.contributed: list[str] = []  # U3 in arrival order
-        self._sum = np.zeros(params.vector_length, dtype=params.quant.dtype)
+        self._sum = RingSum(params.vector_length, params.quant.ring_bits)
         self.survivors: frozenset[str] = frozenset()
         self.dropped: frozenset[str] = frozenset()
         # survivor -> its signature on (survivors, dropped), checked on arrival
@@ -292,7 +290,7 @@ class ServerSession:
         if msg.member in self.contributed:
             raise DuplicateMessage(f"{msg.member!r} already sent its masked input")
         # checked whole (length, padding) before any element is added
-        unpack_add(self._sum, msg.vector, self.params.quant.ring_bits)
+        self._sum.add(msg.vector)
         self.contributed.append(msg.member)
 
     def close_masked_input(self) -> UnmaskRequest:
@@ -456,7 +454,7 @@ class ServerSession:
                 raise ProtocolError(
                     f"reconstructed mask key of {member!r} does not match its advertised key"
                 )
-        total = self._sum.copy()
+        total = self._sum.total()
         for seed in seeds.values():
             masks.apply_self_mask(total, seed, p, add=False)
         for member, secret in keys.items():
