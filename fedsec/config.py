@@ -356,8 +356,9 @@ class AlertsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Validation degradation compares the newest model version with the best of the previous W
     scored versions; 5 rides out one noisy DP round."""
     accuracy_drop: float = 0.05
-    """Raise validation_degraded when accuracy falls more than this (absolute, 0.05 = 5 points)
-    below the best of the window; DP noise moves it 1-2 points."""
+    """Raise validation_degraded when the task's primary metric (accuracy for classification)
+    is more than this (absolute, 0.05 = 5 points) worse than the best of the window, in the
+    metric's direction; DP noise moves accuracy 1-2 points."""
     loss_rise: float = 0.5
     """Also raise it when the loss rises more than this fraction above the lowest of the window
     (0.5 = 50 %); 0 turns the loss check off."""

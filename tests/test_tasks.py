@@ -50,7 +50,15 @@ def _write_csv(path: Path, n: int = 60, seed: int = 0) -> Path:
 
 
 def test_registry_names_all_tasks() -> None:
-    assert set(TASKS) == {"breast_cancer", "digits", "mnist1d", "csv", "table"}
+    assert set(TASKS) == {
+        "breast_cancer",
+        "digits",
+        "mnist1d",
+        "csv",
+        "table",
+        "diabetes",
+        "digits_labels",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(BUNDLED))

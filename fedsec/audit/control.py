@@ -63,12 +63,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from fedsec.audit.reference import (
+    ControlSample,
     FloatVec,
     Reference,
     RoundTraining,
@@ -81,6 +82,7 @@ from fedsec.audit.reference import (
 from fedsec.crypto.quantize import QuantSpec, RingVector, dequantize_one
 from fedsec.errors import TaskMismatch
 from fedsec.learning.training import plan_round
+from fedsec.task.definition import check_targets
 from fedsec.tasks.base import Task
 
 __all__ = [
@@ -204,13 +206,12 @@ class Verdict:
 # --- control sample --------------------------------------------------------------------
 
 
-def load_control_sample(
-    path: str | Path, task: Task
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+def load_control_sample(path: str | Path, task: Task) -> ControlSample:
     """Read a control sample ``.npz`` with arrays ``x`` and ``y`` and check it fits ``task``.
 
     Returns:
-        ``(x, y)`` as float32 features and int64 labels.
+        ``(x, y)`` as float32 features and the schema's targets: int64 class indices,
+        or float32 ``(n, k)`` values or labels.
 
     Raises:
         TaskMismatch: unreadable file, missing arrays, or shape/dtype/classes that differ
@@ -230,6 +231,8 @@ def load_control_sample(
     schema = task.schema
     if x.dtype.kind != "f":
         raise TaskMismatch(f"{where}: x has dtype {x.dtype}, expected floating point features")
+    if schema.target != "class":
+        return _control_values(where, task, x, y)
     if y.dtype.kind not in "iu":
         raise TaskMismatch(f"{where}: y has dtype {y.dtype}, expected integer class indices")
     if x.ndim < 1 or tuple(x.shape[1:]) != schema.input_shape:
@@ -249,6 +252,26 @@ def load_control_sample(
             f"0..{schema.num_classes - 1}"
         )
     return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+
+
+def _control_values(
+    where: str, task: Task, x: npt.NDArray[Any], y: npt.NDArray[Any]
+) -> ControlSample:
+    """A regression or multi-label control sample: float ``(n, k)`` targets."""
+    if y.dtype.kind != "f":
+        raise TaskMismatch(f"{where}: y has dtype {y.dtype}, expected floating point targets")
+    if x.ndim < 1 or tuple(x.shape[1:]) != task.schema.input_shape or x.shape[0] == 0:
+        raise TaskMismatch(
+            f"{where}: x has shape {x.shape}, task '{task.name}' expects "
+            f"(n, *{task.schema.input_shape}) with n > 0"
+        )
+    if y.shape[:1] != x.shape[:1]:
+        raise TaskMismatch(f"{where}: y has shape {y.shape}, expected {x.shape[0]} rows")
+    if not np.all(np.isfinite(x)):
+        raise TaskMismatch(f"{where}: x contains NaN or infinite values")
+    targets = np.ascontiguousarray(y, dtype=np.float32)
+    check_targets(task.name, task.schema, targets, where)
+    return np.ascontiguousarray(x, dtype=np.float32), targets
 
 
 # --- the checks ------------------------------------------------------------------------
@@ -374,7 +397,7 @@ def check_update(
     claim: MemberClaim,
     revealed: RevealedUpdate,
     history: Sequence[RevealedUpdate] = (),
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None = None,
+    control: ControlSample | None = None,
 ) -> Verdict:
     """Run every control-sample test on one revealed update.
 
@@ -418,7 +441,7 @@ def _signal_tests(
     reference: Reference,
     delta: FloatVec,
     step: float,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None,
+    control: ControlSample | None,
     scores: dict[str, float],
 ) -> list[str]:
     """The signal, direction and loss tests against this round's honest thresholds."""
@@ -435,7 +458,7 @@ def _signal_tests(
         failed.append("direction")
     if control is not None:
         model = model_at(task, (reference.global_params + delta).astype(np.float32))
-        after = control_loss(model, *control)
+        after = control_loss(task, model, *control)
         scores["loss_before"] = reference.loss_before
         scores["loss_change"] = after - reference.loss_before
         if after - reference.loss_before > thresholds["loss_max_increase"]:

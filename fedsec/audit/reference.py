@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch.func import functional_call, grad, vmap
-from torch.nn import functional as F
 
 from fedsec.crypto.quantize import clip_l2
 from fedsec.errors import ConfigError
@@ -29,6 +28,11 @@ from fedsec.tasks.base import Task, TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params
 
 FloatVec = npt.NDArray[np.float64]
+#: A control sample's targets, by the task's schema: int64 class indices ``(n,)``, or
+#: float32 regression values or multi-label labels ``(n, k)``.
+Targets = npt.NDArray[np.int64] | npt.NDArray[np.float32]
+#: The consortium's control sample ``(x, y)``.
+ControlSample = tuple[npt.NDArray[np.float32], Targets]
 
 #: Principal gradient directions used by the signal test.  Weights r/(1+r) decay fast, so
 #: more components add little power; 100 keeps the SVD of the control gradients cheap.
@@ -91,19 +95,36 @@ def model_at(task: Task, flat: npt.NDArray[np.float32]) -> torch.nn.Module:
     return model
 
 
+class _Bound(torch.nn.Module):
+    """``model`` with its parameters replaced by ``params`` (:func:`functional_call`), for
+    a task's batch step, which takes a module, under ``vmap``."""
+
+    def __init__(self, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = model
+        self.params = params
+
+    def forward(self, *args: Any) -> Any:
+        return functional_call(self.inner, self.params, args)
+
+
 def _clipped_gradients(
+    task: Task,
     model: torch.nn.Module,
     x: npt.NDArray[np.float32],
-    y: npt.NDArray[np.int64],
+    y: Targets,
     max_norm: float | None,
 ) -> FloatVec:
-    """(n, d) per-sample gradients in flatten_params order, clipped like DP-SGD."""
+    """(n, d) per-sample gradients of the task's loss (its batch step where it declares
+    one) in flatten_params order, clipped like DP-SGD: the gradients members clip."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
     def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        out = functional_call(model, p, (xi.unsqueeze(0),))
-        return F.cross_entropy(out, yi.unsqueeze(0))
+        batch = (xi.unsqueeze(0), yi.unsqueeze(0))
+        if task.batch_step is not None:
+            return task.batch_step(_Bound(model, p), batch)
+        return task.loss(functional_call(model, p, (batch[0],)), batch[1])
 
     per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
     rows: list[FloatVec] = []
@@ -121,11 +142,17 @@ def _clipped_gradients(
 
 
 def control_loss(
-    model: torch.nn.Module, x: npt.NDArray[np.float32], y: npt.NDArray[np.int64]
+    task: Task, model: torch.nn.Module, x: npt.NDArray[np.float32], y: Targets
 ) -> float:
+    """The task's loss (the batch mean, as members minimise it) of ``model`` on the
+    control records ``(x, y)``.
+
+    Raises:
+        InvalidTask: the task's loss is not a 0-d floating tensor.
+    """
     model.eval()
     with torch.no_grad():
-        return float(F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)))
+        return float(task.batch_loss(model, (torch.from_numpy(x), torch.from_numpy(y))))
 
 
 def _step_scale(training: RoundTraining, samples: int, steps: int, grads: FloatVec) -> float:
@@ -200,7 +227,7 @@ def build_reference(
     task: Task,
     global_params: npt.NDArray[np.float32],
     training: RoundTraining,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
+    control: ControlSample,
     samples: int,
     round: int,
     seed: int,
@@ -235,9 +262,9 @@ def build_reference(
         raise ConfigError("a reference needs a non-empty control sample and samples >= 1")
     model = model_at(task, global_params)
     max_norm = None if training.dp is None else training.dp.max_grad_norm
-    grads = _clipped_gradients(model, x, y, max_norm)
+    grads = _clipped_gradients(task, model, x, y, max_norm)
     reference = _summarise(
-        grads, training, global_params, samples, round, control_loss(model, x, y)
+        grads, training, global_params, samples, round, control_loss(task, model, x, y)
     )
     rng = np.random.default_rng(seed)
     norms, runs = [], []
@@ -260,7 +287,7 @@ def _reference_run(
     task: Task,
     reference: Reference,
     training: RoundTraining,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]],
+    control: ControlSample,
     at_global: tuple[torch.nn.Module, FloatVec],
     idx: npt.NDArray[np.int64],
     device: str,
@@ -279,7 +306,7 @@ def _reference_run(
     unseen = np.setdiff1d(np.arange(len(y)), idx).astype(np.int64)
     scorer = reference
     if len(unseen) > 1:
-        before = control_loss(start, x[unseen], y[unseen])
+        before = control_loss(task, start, x[unseen], y[unseen])
         scorer = _summarise(
             grads[unseen], training, reference.global_params, reference.samples,
             reference.round, before,
@@ -306,7 +333,7 @@ def _rounded_like_a_member(
 def honest_run_scores(
     task: Task,
     reference: Reference,
-    control: tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]] | None,
+    control: ControlSample | None,
     step: float,
 ) -> tuple[Reference, tuple[float, ...]]:
     """The reference runs scored as a member's update is: after the member's rounding
@@ -327,7 +354,7 @@ def honest_run_scores(
         if control is not None and len(honest.unseen) > 1:
             x, y = control
             after = model_at(task, (reference.global_params + rounded).astype(np.float32))
-            loss = control_loss(after, x[honest.unseen], y[honest.unseen])
+            loss = control_loss(task, after, x[honest.unseen], y[honest.unseen])
             losses.append(loss - honest.scorer.loss_before)
     if not reference.honest_runs:
         return reference, ()

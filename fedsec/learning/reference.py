@@ -19,7 +19,7 @@ import torch
 
 from fedsec.errors import ConfigError
 from fedsec.learning.training import TrainingParams, train_local
-from fedsec.tasks.base import Dataset
+from fedsec.tasks.base import Dataset, Task
 from fedsec.tasks.params import flatten_params
 
 # The root records are a fixed draw, whatever the round: one dataset the aggregator
@@ -60,6 +60,7 @@ def reference_update(
     params: TrainingParams,
     clip_norm: float,
     seed: int,
+    task: Task | None = None,
 ) -> npt.NDArray[np.float64]:
     """Train a copy of ``model`` (the round's global model) on the root dataset and
     return its update Δ₀ = trained − global, clipped to ``clip_norm``.
@@ -70,13 +71,15 @@ def reference_update(
         params: the round's training settings.
         clip_norm: the round's L2 bound on every update.
         seed: batch sampling seed (:func:`reference_seed`).
+        task: whose loss the reference minimises, as members do; None: cross-entropy.
 
     Raises:
         ConfigError: empty or mismatched data.
+        InvalidTask: the task's loss is not a 0-d batch mean.
     """
     work = copy.deepcopy(model)
     before = flatten_params(work).astype(np.float64)
-    train_local(work, x, y, params, None, "cpu", seed)
+    train_local(work, x, y, params, None, "cpu", seed, task=task)
     delta = flatten_params(work).astype(np.float64) - before
     norm = float(np.sqrt(np.einsum("i,i->", delta, delta)))
     if norm > clip_norm:

@@ -40,6 +40,20 @@ class RoundSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     noise_multiplier: float = 0.0
     coordinates: Count = 0
     edge_count: Count = 0
+    # the task's primary metric (what dashboards and the degradation alert follow), its
+    # direction, and every metric of the closed round's model where it was scored (the
+    # loss as ``loss``); ``accuracy`` and ``loss`` above repeat two of them
+    primary_metric: str = "accuracy"
+    higher_is_better: bool = True
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+    @property
+    def score(self) -> float | None:
+        """The primary metric's value, when the model was scored (a summary written
+        before metrics were named has only ``accuracy``)."""
+        if self.primary_metric in self.metrics:
+            return self.metrics[self.primary_metric]
+        return self.accuracy if self.primary_metric == "accuracy" else None
 
 
 class FederationStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -189,6 +203,9 @@ class ModelView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     note: str
     rollback: bool  # a rollback version (it holds an earlier version's weights)
     latest: bool  # the version served now
+    # the task's primary metric and every metric recorded in the version's manifest
+    primary_metric: str = "accuracy"
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class DashboardSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -19,32 +19,44 @@ from fedsec.task.discovery import (
 )
 from fedsec.task.metrics import (
     CLASSIFICATION_METRICS,
+    MULTILABEL_METRICS,
     BatchStep,
     Loss,
     Metric,
+    MetricSums,
+    binary_cross_entropy,
     cross_entropy,
+    mean_squared_error,
+    regression_metrics,
 )
-from fedsec.task.schema import TaskSchema, check_schema
+from fedsec.task.schema import TARGETS, Target, TaskSchema, check_schema
 
 __all__ = [
     "CLASSIFICATION_METRICS",
     "ENTRY_POINT_GROUP",
+    "MULTILABEL_METRICS",
+    "TARGETS",
     "BatchStep",
     "DataSource",
     "Dataset",
     "Loss",
     "Metric",
+    "MetricSums",
     "Optimizer",
+    "Target",
     "Task",
     "TaskData",
     "TaskEntry",
     "TaskSchema",
     "TrainingParams",
+    "binary_cross_entropy",
     "check_schema",
     "cross_entropy",
     "find_task",
     "installed_tasks",
     "load_task",
+    "mean_squared_error",
+    "regression_metrics",
     "task_names",
     "tensor_data",
 ]

@@ -60,7 +60,8 @@ class TaskData:
 
 @dataclass(frozen=True)
 class Dataset:
-    """A task's local data held in memory: float32 features and int64 class indices.
+    """A task's local data held in memory: float32 features and, by the schema's
+    ``target``, int64 class indices ``(n,)`` or float32 values or labels ``(n, k)``.
 
     The form the in-memory training loop consumes (:meth:`Task.load`).
     """
@@ -92,7 +93,8 @@ class Task:
             :class:`DataSource`; ``load_task`` sets them.
 
     Raises:
-        InvalidTask: ``primary_metric`` is not one of ``metrics``, or ``name`` is empty.
+        InvalidTask: ``primary_metric`` is not one of ``metrics``, ``name`` is empty, or
+            a regression or multi-label schema keeps the classification loss.
     """
 
     name: str
@@ -115,6 +117,12 @@ class Task:
             raise InvalidTask(
                 f"task '{self.name}' primary metric '{self.primary_metric}' is not one of "
                 f"its metrics {sorted(self.metrics)}"
+            )
+        if self.schema.target != "class" and self.loss is cross_entropy and not self.batch_step:
+            raise InvalidTask(
+                f"task '{self.name}' has {self.schema.target} targets but the default "
+                "cross-entropy loss, which needs class indices: declare its loss (e.g. "
+                "fedsec.task.mean_squared_error or binary_cross_entropy)"
             )
 
     @property
@@ -191,6 +199,27 @@ class Task:
             for name, metric in self.metrics.items()
         }
 
+    def metric_sums(
+        self, output: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, tuple[float, float]]:
+        """Each metric's ``(total, weight)`` over one batch: the value over any records
+        is the sum of totals over the sum of weights (the weight is the record count
+        unless the metric declares its own denominator).
+
+        Raises:
+            InvalidTask: a metric returned a non-scalar or a non-finite value.
+        """
+        sums: dict[str, tuple[float, float]] = {}
+        for name, metric in self.metrics.items():
+            total = metric_total(self.name, name, metric.total(output, targets))
+            weight = (
+                float(len(targets))
+                if metric.weight is None
+                else metric_total(self.name, name, metric.weight(output, targets))
+            )
+            sums[name] = (total, weight)
+        return sums
+
 
 def tensor_data(
     x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray
@@ -216,22 +245,48 @@ def _arrays(data: TorchDataset[Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_dataset(task: Task, dataset: Dataset) -> None:
-    """Catch a data function that breaks the float32/int64 contract before a model sees it."""
+    """Catch a data function that breaks the dtype contract before a model sees it."""
     for split, x, y in (
         ("train", dataset.x_train, dataset.y_train),
         ("test", dataset.x_test, dataset.y_test),
     ):
-        if x.dtype != np.float32 or y.dtype != np.int64:
+        check_targets(task.name, task.schema, y, f"{split} data")
+        if x.dtype != np.float32:
             raise TaskMismatch(
-                f"task '{task.name}' {split} data has dtypes {x.dtype}/{y.dtype}, "
-                "expected float32 features and int64 labels"
+                f"task '{task.name}' {split} data has dtype {x.dtype}, expected float32 features"
             )
         if x.shape[1:] != task.schema.input_shape or x.shape[0] != y.shape[0]:
             raise TaskMismatch(
                 f"task '{task.name}' {split} data has shape {x.shape} with {y.shape[0]} labels, "
                 f"expected (n, *{task.schema.input_shape})"
             )
-        if y.size and (int(y.min()) < 0 or int(y.max()) >= task.schema.num_classes):
+
+
+def check_targets(name: str, schema: TaskSchema, y: np.ndarray, where: str) -> None:
+    """Refuse targets that break the schema's target contract.
+
+    Class indices are int64 ``(n,)`` in ``0..num_classes-1``; values and labels are
+    float32 ``(n, num_classes)``, finite, labels 0 or 1.
+
+    Raises:
+        TaskMismatch: a wrong dtype, shape or value; the message names ``where``.
+    """
+    k = schema.num_classes
+    if schema.target == "class":
+        if y.dtype != np.int64 or y.ndim != 1:
             raise TaskMismatch(
-                f"task '{task.name}' {split} labels fall outside 0..{task.schema.num_classes - 1}"
+                f"task '{name}' {where} has targets {y.dtype} {y.shape}, expected int64 (n,) "
+                "class indices"
             )
+        if y.size and (int(y.min()) < 0 or int(y.max()) >= k):
+            raise TaskMismatch(f"task '{name}' {where} labels fall outside 0..{k - 1}")
+        return
+    if y.dtype != np.float32 or y.ndim != 2 or y.shape[1] != k:
+        raise TaskMismatch(
+            f"task '{name}' {where} has targets {y.dtype} {y.shape}, expected float32 "
+            f"(n, {k}) {schema.target}s"
+        )
+    if not np.all(np.isfinite(y)):
+        raise TaskMismatch(f"task '{name}' {where} has non-finite targets")
+    if schema.target == "labels" and not np.all((y == 0) | (y == 1)):
+        raise TaskMismatch(f"task '{name}' {where} has labels other than 0 and 1")

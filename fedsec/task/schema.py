@@ -10,12 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fedsec.errors import TaskMismatch
 
 if TYPE_CHECKING:
     from fedsec.task.definition import Task
+
+#: What a record's target is: one class index (int64, ``()``), ``num_classes`` real
+#: values (float32, ``(num_classes,)``: regression) or ``num_classes`` independent 0/1
+#: labels (float32, ``(num_classes,)``: multi-label).
+Target = Literal["class", "value", "labels"]
+TARGETS: tuple[Target, ...] = ("class", "value", "labels")
 
 
 @dataclass(frozen=True)
@@ -24,22 +30,41 @@ class TaskSchema:
 
     ``input_shape`` excludes the batch dimension. ``class_names`` fixes the meaning of
     each class index (index i is ``class_names[i]``); it matters when members derive
-    classes from their own files.
+    classes from their own files. ``target`` says what ``num_classes`` counts: classes
+    (one index per record), regression outputs or labels (see :data:`Target`);
+    ``class_names`` then names each output or label.
+
+    Raises:
+        TaskMismatch: ``target`` is not one of :data:`TARGETS`, or ``num_classes < 1``.
     """
 
     input_shape: tuple[int, ...]
     num_classes: int
     feature_names: tuple[str, ...] | None = None
     class_names: tuple[str, ...] | None = None
+    target: Target = "class"
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise TaskMismatch(f"task target '{self.target}' is not one of {list(TARGETS)}")
+        if self.num_classes < 1:
+            raise TaskMismatch(f"a task needs at least one output, got {self.num_classes}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The schema as plain JSON-compatible values (lists, not tuples)."""
-        return {
+        """The schema as plain JSON-compatible values (lists, not tuples).
+
+        ``target`` appears only when it is not ``class``, so a classification schema's
+        fingerprint is the one it had before targets were declared.
+        """
+        fields: dict[str, Any] = {
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
             "feature_names": None if self.feature_names is None else list(self.feature_names),
             "class_names": None if self.class_names is None else list(self.class_names),
         }
+        if self.target != "class":
+            fields["target"] = self.target
+        return fields
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TaskSchema:
@@ -56,6 +81,7 @@ class TaskSchema:
                 num_classes=int(raw["num_classes"]),
                 feature_names=None if feature_names is None else tuple(map(str, feature_names)),
                 class_names=None if class_names is None else tuple(map(str, class_names)),
+                target=raw.get("target", "class"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskMismatch(f"task schema is malformed: {exc!r}") from exc
@@ -103,6 +129,8 @@ def check_schema(
 
 def _schema_differences(expected: TaskSchema, local: TaskSchema) -> list[str]:
     diffs: list[str] = []
+    if expected.target != local.target:
+        diffs.append(f"target expected {expected.target}, local {local.target}")
     if expected.input_shape != local.input_shape:
         diffs.append(f"input_shape expected {expected.input_shape}, local {local.input_shape}")
     if expected.num_classes != local.num_classes:
@@ -127,6 +155,8 @@ def _schema_differences(expected: TaskSchema, local: TaskSchema) -> list[str]:
 
 def _describe(schema: TaskSchema) -> str:
     parts = [f"input_shape={schema.input_shape}", f"num_classes={schema.num_classes}"]
+    if schema.target != "class":
+        parts.append(f"target={schema.target}")
     if schema.feature_names is not None:
         parts.append(f"{len(schema.feature_names)} named features")
     if schema.class_names is not None:

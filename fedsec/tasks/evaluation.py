@@ -1,4 +1,7 @@
-"""Accuracy and loss of a model on a labelled set."""
+"""A model's metrics and loss on a labelled set: accuracy and loss for the simulations
+and baselines (:func:`evaluate`), every metric of the task as pooled sums for rounds
+(:func:`evaluate_sums`, what the aggregator's validation and each member's federated
+evaluation report)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from fedsec.task.metrics import checked_loss
+from fedsec.task.metrics import MetricSums, checked_loss
 
 if TYPE_CHECKING:
     from fedsec.task.definition import Task
@@ -68,6 +71,53 @@ def evaluate(
     finally:
         work.train(was_training)
     return correct / n, loss_sum / n
+
+
+def evaluate_sums(
+    model: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    task: Task,
+    device: torch.device | str = "cpu",
+    batch_size: int = EVAL_BATCH_SIZE,
+) -> MetricSums:
+    """Every metric of ``task`` and its loss (as ``loss``) of ``model`` on ``(x, y)``,
+    as sums that pool across batches and members. The caller's model is left as it was
+    (device and mode), as by :func:`evaluate`.
+
+    Raises:
+        InvalidTask: the task's loss is not a 0-d floating tensor, or a metric returned
+            a non-scalar or non-finite value.
+    """
+    target = torch.device(device)
+    first = next(model.parameters(), None)
+    work = model if first is None or first.device == target else copy.deepcopy(model).to(target)
+    was_training = work.training
+    work.eval()
+    total: MetricSums | None = None
+    try:
+        with torch.no_grad():
+            for start in range(0, len(y), batch_size):
+                xb, yb = _batch(x, y, start, batch_size, target)
+                output = work(xb)
+                sums = dict(task.metric_sums(output, yb))
+                sums["loss"] = (_loss_total(task, work, output, xb, yb), float(len(yb)))
+                batch = MetricSums(records=len(yb), sums=sums)
+                total = batch if total is None else total + batch
+    finally:
+        work.train(was_training)
+    return total if total is not None else MetricSums(records=0, sums={})
+
+
+def _batch(
+    x: np.ndarray, y: np.ndarray, start: int, size: int, target: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch as tensors: float32 features, targets as int64 class indices or float32
+    values and labels, by their dtype."""
+    xb = torch.from_numpy(np.ascontiguousarray(x[start : start + size])).to(target, torch.float32)
+    dtype = torch.float32 if np.issubdtype(y.dtype, np.floating) else torch.int64
+    yb = torch.from_numpy(np.ascontiguousarray(y[start : start + size])).to(target, dtype)
+    return xb, yb
 
 
 def _loss_total(

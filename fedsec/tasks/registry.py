@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsec.errors import InvalidTask
 from fedsec.task import Task, load_task
 from fedsec.task.dp import check_dp_compatible
 
 #: The tasks fedsec itself declares in the ``fedsec.tasks`` entry-point group.
-TASKS: tuple[str, ...] = ("breast_cancer", "digits", "mnist1d", "csv", "table")
+TASKS: tuple[str, ...] = (
+    "breast_cancer",
+    "digits",
+    "mnist1d",
+    "csv",
+    "table",
+    "diabetes",
+    "digits_labels",
+)
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -29,34 +36,25 @@ def get_task(name: str, **options: Any) -> Task:
     Raises:
         UnknownTask: no installed package declares ``name`` (a ConfigError).
         ConfigError: unknown or missing option, or bad option value.
-        InvalidTask: the entry point does not give a task, or the task declares a
-            primary metric that the round runtime does not report yet.
+        InvalidTask: the entry point does not give a task.
         DpIncompatibleModel: a model layer Opacus cannot train (named, with its fix).
     """
     return runnable(load_task(name, **options))
 
 
 def runnable(task: Task) -> Task:
-    """``task`` if the round runtime trains and evaluates it as it declares.
+    """``task`` if the round runtime can train it under DP.
 
-    Training and the aggregator's validation apply the task's own loss (and batch
-    step), but dashboards, alerts and validation metrics report accuracy; a task
-    whose primary metric is another is refused here rather than judged by a metric
-    it did not ask for. Its model must pass Opacus's validator: updates carry trainable
-    parameters only, so a layer whose buffers change in training (BatchNorm) would
-    leave the global model's buffers at their initial values, and DP-SGD refuses it.
-    Checked here, where the aggregator, each agent and the auditor look the task up,
-    before anything runs.
+    Training, the aggregator's validation, members' federated evaluation and the
+    audit's control-sample checks apply the task's own loss and metrics, and dashboards
+    and alerts follow its primary metric in its direction. Its model must pass Opacus's
+    validator: updates carry trainable parameters only, so a layer whose buffers change
+    in training (BatchNorm) would leave the global model's buffers at their initial
+    values, and DP-SGD refuses it. Checked here, where the aggregator, each agent and
+    the auditor look the task up, before anything runs.
 
     Raises:
-        InvalidTask: a primary metric other than accuracy.
         DpIncompatibleModel: a layer Opacus refuses; the message names it and its fix.
     """
-    if task.primary_metric != "accuracy":
-        raise InvalidTask(
-            f"task '{task.name}' declares primary metric '{task.primary_metric}'; "
-            "federated rounds report accuracy in this version, so it cannot run in a "
-            "federation yet (fedsec task inspect still reports it)"
-        )
     check_dp_compatible(task.name, task.build_model(0))
     return task

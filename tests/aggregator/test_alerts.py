@@ -525,6 +525,49 @@ def test_a_model_scoring_below_the_recent_best_raises_validation_degraded(
     assert len(_alerts(fed)) == 2
 
 
+def _scored(version: int, metric: str, higher_is_better: bool, value: float) -> RoundEnded:
+    summary = msgspec.structs.replace(
+        _summary(version, None, 0.30),
+        primary_metric=metric,
+        higher_is_better=higher_is_better,
+        metrics={metric: value, "loss": 0.30},
+    )
+    return _ended(summary)
+
+
+def test_validation_degraded_follows_the_primary_metrics_direction(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    fed = _federation(
+        tmp_path / "ws",
+        alerts={"degradation_window": 3, "accuracy_drop": 0.05, "loss_rise": 0.0},
+    )
+    desk = _desk(fed, clock)
+    rules = AlertRules(fed.ws.config.alerts, desk.coord.alert_desk, fed.ws.state.rounds)
+    # a lower-is-better metric (mae): falling is improving, whatever the amount
+    for version, mae in [(2, 0.60), (3, 0.50), (4, 0.30)]:
+        rules.on_event(_scored(version, "mae", False, mae))
+    assert _alerts(fed) == []
+    rules.on_event(_scored(5, "mae", False, 0.36))  # 0.06 above the lowest (0.30)
+    _assert_raised(
+        desk,
+        "validation_degraded",
+        "model 5",
+        "model version 5 (round 4): mae 0.3600 is 0.0600 above the best (0.3000) "
+        "of the previous 3 versions",
+    )
+    # a higher-is-better metric (r2, another federation's) rising raises nothing; falling does
+    rules = AlertRules(fed.ws.config.alerts, desk.coord.alert_desk, fed.ws.state.rounds)
+    for version, r2 in [(6, 0.20), (7, 0.45)]:
+        rules.on_event(_scored(version, "r2", True, r2))
+    assert len(_alerts(fed)) == 1
+    rules.on_event(_scored(8, "r2", True, 0.39))
+    _assert_raised(
+        desk, "validation_degraded", "model 8", "r2 0.3900 is 0.0600 below the best (0.4500)",
+        count=2,
+    )  # fmt: skip
+
+
 def _ddp_closed(
     version: int, coordinates: int, edge_count: int, noise_multiplier: float = 1.1
 ) -> RoundEnded:

@@ -66,8 +66,9 @@ class Operations:
         self.streams = 0  # live dashboard streams open now
         self.streams_of: Counter[str] = Counter()  # viewer (observer, loopback) -> its streams
         self.closing = False  # the server is shutting down: live streams end
-        latest = ws.models.latest().metrics
-        self.live.accuracy, self.live.loss = latest.get("accuracy"), latest.get("loss")
+        self.live.primary_metric = coord.task.primary_metric
+        self.live.higher_is_better = coord.task.higher_is_better
+        self.live.scored(dict(ws.models.latest().metrics))
 
     def _attempt(self) -> tuple[int, int, str, int, int, float | None]:
         coord = self.coord

@@ -218,6 +218,8 @@ class SnapshotBuilder:
                         note=m.note,
                         rollback=m.kind == "rollback",
                         latest=m.version == latest,
+                        primary_metric=self._coord.task.primary_metric,
+                        metrics=dict(m.metrics),
                     )
                 )
             self._models = list(reversed(shown))

@@ -15,6 +15,7 @@ from fedsec.aggregator.rounds.events import (
     RoundEnded,
 )
 from fedsec.aggregator.storage.leadership import LocalRole
+from fedsec.protocol.oversight import RoundSummary
 
 
 class LiveView:
@@ -40,6 +41,11 @@ class LiveView:
         self.open_alerts = open_alerts
         self.accuracy: float | None = None
         self.loss: float | None = None
+        # the task's primary metric and its direction, and every metric (the loss
+        # included) of the newest scored model: set by Operations from the task
+        self.primary_metric = "accuracy"
+        self.higher_is_better = True
+        self.metrics: dict[str, float] = {}
         self.epsilon: dict[str, float] = dict(epsilons or {})
         self.budgets: dict[str, float] = {}  # member -> ε budget its reports declare
         self.last_seen: dict[str, float] = {}  # member -> its last authenticated request
@@ -49,6 +55,12 @@ class LiveView:
         self.joined = 0  # members in the latest fixed cohort
         self.dropped = 0  # members of the latest ended attempt whose input is not in it
         self.last_alert = 0  # id of the newest alert raised since start-up
+
+    def scored(self, metrics: dict[str, float]) -> None:
+        """The newest model's metrics (by the aggregator's validation or the members'
+        federated evaluation), which the scrape and the dashboard show."""
+        self.metrics = dict(metrics)
+        self.accuracy, self.loss = metrics.get("accuracy"), metrics.get("loss")
 
     def seen(self, member: str, now: float) -> None:
         """``member`` made an authenticated request at ``now``."""
@@ -68,11 +80,17 @@ class LiveView:
                     self.budgets[member] = budget
             case RoundEnded(summary=s):
                 self.dropped = event.dropped
-                if s.stage == "closed" and s.accuracy is not None:
-                    self.accuracy, self.loss = s.accuracy, s.loss
+                if s.stage == "closed" and s.score is not None:
+                    self.scored(s.metrics or _legacy_metrics(s))
                 # only the attempt in progress is shown live; keep the map small
                 self.refused = {k: v for k, v in self.refused.items() if k > (s.round, s.attempt)}
             case AlertRaised(alert=alert):
                 self.last_alert = alert.id
             case _:
                 pass
+
+
+def _legacy_metrics(s: RoundSummary) -> dict[str, float]:
+    """The metrics of a summary written before they were named: accuracy and loss."""
+    pairs = (("accuracy", s.accuracy), ("loss", s.loss))
+    return {name: value for name, value in pairs if value is not None}

@@ -280,8 +280,31 @@ class _StateCollector(Collector):
         )
 
     def _model(self) -> Iterator[Metric]:
-        """The newest scored model's validation accuracy and loss, once there is one."""
+        """The newest scored model's metrics, once there are some: each by name, the
+        task's primary metric by name and direction, and (classification) accuracy and
+        the loss under their own names."""
         live = self._live
+        if live.metrics:
+            every = GaugeMetricFamily(
+                "fedsec_model_metric",
+                "The task's metrics (and its loss) of the newest scored model, by name",
+                labels=["metric"],
+            )
+            for name, value in sorted(live.metrics.items()):
+                every.add_metric([name], value)
+            yield every
+        if live.primary_metric in live.metrics:
+            primary = GaugeMetricFamily(
+                "fedsec_model_primary_metric",
+                "The task's primary metric of the newest scored model (what the "
+                "validation_degraded alert follows), with its name and direction",
+                labels=["metric", "higher_is_better"],
+            )
+            primary.add_metric(
+                [live.primary_metric, str(live.higher_is_better).lower()],
+                live.metrics[live.primary_metric],
+            )
+            yield primary
         if live.accuracy is not None:
             yield _gauge(
                 "fedsec_model_validation_accuracy",

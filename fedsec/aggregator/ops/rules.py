@@ -37,13 +37,13 @@ class AlertRules:
     def __init__(self, cfg: AlertsSection, desk: AlertDesk, rounds: RoundStore) -> None:
         self._cfg = cfg
         self._desk = desk
-        # (accuracy, loss) of the newest scored versions, oldest first
+        # (primary metric, loss) of the newest scored versions, oldest first
         self._scores: deque[tuple[float, float | None]] = deque(maxlen=cfg.degradation_window + 1)
         for row in rounds.history(4 * cfg.degradation_window + 4):
             if row.stage == "closed" and row.summary is not None:
                 s = msgspec.json.decode(row.summary, type=wire.RoundSummary)
-                if s.accuracy is not None:
-                    self._scores.append((s.accuracy, s.loss))
+                if s.score is not None:
+                    self._scores.append((s.score, s.loss))
         self._refusals: dict[str, deque[float]] = {}
         self._stalled: str | None = None  # the stall already alerted on
 
@@ -55,7 +55,7 @@ class AlertRules:
             case RoundEnded(summary=s) if s.stage == "closed":
                 self._participation(s)
                 self._wrapped(s)
-                if s.accuracy is not None:
+                if s.score is not None:
                     self._degradation(s)
             case ContributionRefused():
                 self._refused(event)
@@ -101,16 +101,19 @@ class AlertRules:
         )
 
     def _degradation(self, s: wire.RoundSummary) -> None:
-        assert s.accuracy is not None
+        score = s.score
+        assert score is not None
         window = list(self._scores)[-self._cfg.degradation_window :]
-        self._scores.append((s.accuracy, s.loss))
+        self._scores.append((score, s.loss))
         if not window:
             return
-        best = max(acc for acc, _ in window)
         problems = []
-        if s.accuracy < best - self._cfg.accuracy_drop:
+        worse = _worse_by(score, [v for v, _ in window], s.higher_is_better)
+        if worse > self._cfg.accuracy_drop:
+            side = "below" if s.higher_is_better else "above"
+            best = score - worse if not s.higher_is_better else score + worse
             problems.append(
-                f"accuracy {s.accuracy:.4f} is {best - s.accuracy:.4f} below the best "
+                f"{s.primary_metric} {score:.4f} is {worse:.4f} {side} the best "
                 f"({best:.4f}) of the previous {len(window)} versions"
             )
         losses = [loss for _, loss in window if loss is not None]
@@ -192,3 +195,11 @@ class AlertRules:
                 f"round {round_} attempt {attempt_} has been in stage {stage} for "
                 f"{stalled:.0f} s (alerts.stall_s = {self._cfg.stall_s:g})",
             )
+
+
+def _worse_by(score: float, previous: list[float], higher_is_better: bool) -> float:
+    """How far ``score`` is from the best of ``previous`` in the metric's wrong direction
+    (0 or less when it is at least as good)."""
+    if higher_is_better:
+        return max(previous) - score
+    return score - min(previous)

@@ -56,7 +56,8 @@ ALERT_KINDS: Final[Mapping[AlertKind, tuple[str, str]]] = {
         "at their agents' logs",
     ),
     "validation_degraded": (
-        "the newest model scores alerts.accuracy_drop below the best of the last "
+        "the newest model's primary metric is alerts.accuracy_drop worse (in the metric's "
+        "direction) than the best of the last "
         "alerts.degradation_window versions, or its loss rose by alerts.loss_rise",
         "look for a member with failed audit verdicts or many refusals; roll back with "
         "`fedsec aggregator rollback --to VERSION` (the dashboard's models view) if it "

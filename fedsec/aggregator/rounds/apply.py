@@ -16,7 +16,7 @@ from fedsec.errors import FedsecError, RoundAborted
 from fedsec.learning.optimizers import AdamMoments, ServerRule
 from fedsec.modelfile import ModelManifest, decode_model, encode_model
 from fedsec.protocol.limits import MAX_MODEL_BYTES
-from fedsec.tasks.evaluation import evaluate
+from fedsec.tasks.evaluation import evaluate_sums
 from fedsec.tasks.params import state_to_arrays
 
 
@@ -36,7 +36,7 @@ class NewVersion:
 
     manifest: ModelManifest  # the version written (or found written by a predecessor)
     parent: ModelManifest  # the version the sum was applied to
-    metrics: dict[str, float]  # validation accuracy and loss, when validation is on
+    metrics: dict[str, float]  # the task's metrics and loss on validation, when it is on
 
 
 class ModelApplier:
@@ -81,8 +81,7 @@ class ModelApplier:
         opt.state = apply_mean(self._model, arrays, weighted_sum, weight_sum, opt.rule, opt.state)
         metrics: dict[str, float] = {}
         if self._validation is not None:
-            acc, loss = evaluate(self._model, *self._validation, task=self._ctx.task)
-            metrics = {"accuracy": acc, "loss": loss}
+            metrics = evaluate_sums(self._model, *self._validation, task=self._ctx.task).values()
         arrays_out = state_to_arrays(self._model)
         digest = hashlib.sha256(encode_model(arrays_out)).hexdigest()
         manifest = self._written_before(digest, parent.version, round_) or models.put(

@@ -296,13 +296,14 @@ class Lifecycle:
         ctx.emit(RoundEnded(summary, live.stage, lasted, "", tuple(result.survivors), now))
         log.info(
             "event=round_closed round=%d attempt=%d survivors=%d dropped=%s version=%d "
-            "accuracy=%s aggregation_s=%.4f",
+            "%s=%s aggregation_s=%.4f",
             live.round,
             live.attempt,
             len(result.survivors),
             result.dropped,
             new.manifest.version,
-            new.metrics.get("accuracy"),
+            ctx.task.primary_metric,
+            new.metrics.get(ctx.task.primary_metric),
             aggregation_s,
         )
         self.live = self.open(live.round + 1, 0, now)
@@ -362,6 +363,9 @@ class Lifecycle:
             model_version=version,
             accuracy=(metrics or {}).get("accuracy"),
             loss=(metrics or {}).get("loss"),
+            primary_metric=self._ctx.task.primary_metric,
+            higher_is_better=self._ctx.task.higher_is_better,
+            metrics=dict(metrics or {}),
             aggregation_s=aggregation_s,
             duration_s=now - live.opened_at,
             epsilon_max=self._ctx.ws.state.reports.epsilon_max(live.round, live.attempt),

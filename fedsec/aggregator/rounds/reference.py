@@ -66,7 +66,9 @@ class RootReference:
             optimizer=optimizer,
             momentum=task.defaults.momentum if optimizer == "sgd" else 0.0,
         )
-        delta = reference_update(model, x, y, params, spec.clip_norm, reference_seed(spec.seed))
+        delta = reference_update(
+            model, x, y, params, spec.clip_norm, reference_seed(spec.seed), task=task
+        )
         log.info(
             "event=fltrust_reference round=%d attempt=%d records=%d norm=%.6g",
             spec.round,

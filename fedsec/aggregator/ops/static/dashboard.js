@@ -149,6 +149,23 @@
     return v === null || v === undefined ? "\u2014" : (100 * v).toFixed(digits) + "%";
   }
 
+  // The task's primary metric of a round summary or model view (accuracy for summaries
+  // written before metrics were named), and how to show it: a share as a percentage.
+  function score(r) {
+    if (r.metrics && Object.prototype.hasOwnProperty.call(r.metrics, r.primary_metric)) {
+      return r.metrics[r.primary_metric];
+    }
+    return r.primary_metric === "accuracy" || !r.primary_metric ? r.accuracy : null;
+  }
+
+  function isShare(name) {
+    return /accuracy/.test(name || "accuracy");
+  }
+
+  function showScore(name, v) {
+    return isShare(name) ? pct(v, 2) : num(v, 4);
+  }
+
   function seconds(v) {
     return v === null || v === undefined ? "\u2014" : v.toFixed(2) + " s";
   }
@@ -339,11 +356,15 @@
       ),
     );
     renderStepper(now.stage, now.secure_sum);
-    const scored = snapshot.rounds.filter((r) => r.stage === "closed" && r.accuracy !== null);
+    const scored = snapshot.rounds.filter((r) => r.stage === "closed" && score(r) !== null);
     const last = scored.length ? scored[scored.length - 1] : null;
+    const metric = last ? last.primary_metric || "accuracy" : "accuracy";
+    setText("now-metric-name", "Last " + metric);
+    setText("rounds-metric", metric);
+    setText("models-metric", metric);
     setText(
       "now-accuracy",
-      last ? pct(last.accuracy, 2) + " (round " + last.round + ")" : "\u2014",
+      last ? showScore(metric, score(last)) + " (round " + last.round + ")" : "\u2014",
     );
     renderNowAlerts();
   }
@@ -464,7 +485,7 @@
           el("td", { class: "n", "data-col": "survivors" }, String(r.survivors)),
           el("td", { class: "ids" }, r.dropped.join(", ") || "\u2014"),
           el("td", { class: "n" }, r.model_version === null ? "\u2014" : "v" + r.model_version),
-          el("td", { class: "n" }, pct(r.accuracy, 2)),
+          el("td", { class: "n" }, showScore(r.primary_metric, score(r))),
           el("td", { class: "n" }, num(r.loss, 4)),
           el("td", { class: "n" }, num(r.epsilon_max, 2)),
           el(
@@ -497,17 +518,21 @@
       bad: r.stage !== "closed",
       label: r.round + "." + r.attempt,
     });
+    const metric = last ? last.primary_metric || "accuracy" : "accuracy";
+    const share = isShare(metric);
     const accuracy = {
-      title: "Validation accuracy per round",
-      yLabel: "accuracy (%)",
+      title: "Validation " + metric + " per round",
+      yLabel: share ? metric + " (%)" : metric,
       series: [
         {
-          name: "accuracy",
-          points: closed.filter((r) => r.accuracy !== null).map((r) => point(r, 100 * r.accuracy)),
+          name: metric,
+          points: closed
+            .filter((r) => score(r) !== null)
+            .map((r) => point(r, share ? 100 * score(r) : score(r))),
         },
       ],
-      yFormat: (v) => v.toFixed(1),
-      unit: "%",
+      yFormat: (v) => (share ? v.toFixed(1) : v.toFixed(3)),
+      unit: share ? "%" : "",
     };
     $("#now-chart").replaceChildren(lineChart(accuracy));
     const charts = [
@@ -868,7 +893,7 @@
           ),
           el("td", { class: "hash", title: md.sha256 }, md.sha256.slice(0, 12) + "\u2026"),
           el("td", { title: fullTime(md.created) }, fullTime(md.created)),
-          el("td", { class: "n" }, pct(md.accuracy, 2)),
+          el("td", { class: "n" }, showScore(md.primary_metric, score(md))),
           el("td", { class: "n" }, num(md.loss, 4)),
           el("td", { class: "detail", title: md.note }, md.note || ""),
         );
