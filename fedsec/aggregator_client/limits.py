@@ -29,3 +29,8 @@ READ_CHUNK: Final = 64 * 1024
 #: server.header_timeout_s (10 s), so the client gives a connection up before the server
 #: closes it and never sends a request onto a connection that is being closed.
 IDLE_CONNECTION_S: Final = 5.0
+#: Seconds a replica URL found unreachable is not followed on a standby's word: the
+#: standbys name a dead leader until its lease expires (5 s), so following the name at
+#: once would bounce between the standby and the dead one; 3 s later it is asked again,
+#: since a replica that takes over restarts its server (a moment of refused connections).
+UNREACHABLE_HOLD_S: Final = 3.0

@@ -11,8 +11,10 @@ configured with and sends to one at a time, staying with the one that last answe
 A try that cannot reach it (connection failure, timeout, a 5xx other than 503) moves
 to the next URL; a ``503 not_leader`` moves to the leader its ``Fedsec-Leader`` header
 names, but only when that URL is in the list: a replica cannot send a member's signed
-requests anywhere the member did not choose.  A move to a URL not yet tried for this
-request is at once; every move counts against ``retry_max`` like any retry.
+requests anywhere the member did not choose.  A URL found unreachable is not followed on
+a standby's word for a few seconds (the standbys name a dead leader until its lease
+expires).  A move to a URL not yet tried for this request is at once; every move counts
+against ``retry_max`` like any retry.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from fedsec.aggregator_client.limits import (
     MAX_ERROR_BYTES,
     MAX_JSON_BYTES,
     READ_CHUNK,
+    UNREACHABLE_HOLD_S,
 )
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
@@ -170,6 +173,8 @@ class Transport:
     ) -> None:
         self._aggregators = _aggregators(base_url)
         self._at = 0  # the aggregator sent to: the one that answered last
+        # index -> when it was last found unreachable (time.monotonic)
+        self._unreachable_at: dict[int, float] = {}
         self.identity = identity
         self.timeout_s = float(timeout_s)
         self.retry_max = int(retry_max)
@@ -266,7 +271,7 @@ class Transport:
         attempts = self.retry_max + 1
         tries = 0
         corrected = False
-        tried, failed = {self._at}, set[int]()  # aggregators asked, found unreachable
+        tried = {self._at}  # aggregators asked during this request
         while True:
             try:
                 outcome = await self._send(call)
@@ -289,7 +294,7 @@ class Transport:
                     outcome.reason,
                     outcome.refusal,
                 )
-            moved_to = self._move(call, outcome, failed)
+            moved_to = self._move(call, outcome)
             if moved_to is not None:
                 call = self._addressed(call)
                 if moved_to not in tried:  # another aggregator, not asked yet: at once
@@ -297,18 +302,20 @@ class Transport:
                     continue
             await self._pause(call, tries, attempts, outcome)
 
-    def _move(self, call: _Call, setback: _Setback, failed: set[int]) -> int | None:
+    def _move(self, call: _Call, setback: _Setback) -> int | None:
         """Choose the aggregator for the next try after ``setback``; the index moved to,
-        None when staying.  An unreachable one is added to ``failed`` (those found
-        unreachable during this request) and gives way to the next in the list; a
-        standby to the leader it names if that is configured and not failed, else to the
-        next one not failed, else it stays (it may lead next); any other refusal stays.
+        None when staying.  An unreachable one gives way to the next in the list; a
+        standby to the leader it names if that is configured and was not found
+        unreachable in the last :data:`UNREACHABLE_HOLD_S`, else to the next one not
+        found so, else it stays (it may lead next); any other refusal stays.
         """
         if len(self._aggregators) == 1 or not (setback.refusal is None or setback.not_leader):
             return None
+        now = time.monotonic()
         if setback.refusal is None:
-            failed.add(self._at)
-        elif setback.leader:
+            self._unreachable_at[self._at] = now
+        held = {i for i, t in self._unreachable_at.items() if now - t < UNREACHABLE_HOLD_S}
+        if setback.not_leader and setback.leader:
             named = self._index_of(setback.leader)
             if named is None:
                 log.warning(
@@ -319,12 +326,12 @@ class Transport:
                     "the leader a replica named is not one of this member's configured "
                     "aggregator URLs; not followed",
                 )
-            elif named != self._at and named not in failed:
+            elif named != self._at and named not in held:
                 return self._go(named, call, setback)
         count = len(self._aggregators)
         others = [(self._at + k) % count for k in range(1, count)]
         if setback.not_leader:
-            others = [i for i in others if i not in failed]
+            others = [i for i in others if i not in held]
         return self._go(others[0], call, setback) if others else None
 
     def _go(self, index: int, call: _Call, setback: _Setback) -> int:
