@@ -13,14 +13,14 @@ unmask.
 
 ``server_s`` is the server's side replayed on a fresh session fed the same messages
 (its steady state: the first round of a process also loads its compiled loops, reported
-as ``server_first_s``); each of three replays is paired with a floor measured right
+as ``server_first_s``); each of five replays is paired with a floor measured right
 after it, and the pair with the median ratio is reported.
-``floor_s`` is measured in the same run with the same primitives: expanding
-every mask the server had to remove (one self mask per survivor, one pairwise
-mask per survivor-dropped edge) into a reused buffer and subtracting it, and adding
-up the survivors' vectors, in the ring's dtype.  It is what any server doing this
-work must spend, so ``server_s / floor_s`` is the overhead of everything else
-(signatures, Shamir, key agreement, and unpacking a ring narrower than its dtype),
+``floor_s`` is measured in the same run with the same primitives: expanding every
+mask the server had to remove (one self mask per survivor, one pairwise mask per
+survivor-dropped edge) into a reused buffer and subtracting it, and adding up as many
+distinct vectors as there are survivors, in the ring's dtype.  It is what any server
+doing this work must spend, so ``server_s / floor_s`` is the overhead of everything
+else (signatures, Shamir, key agreement, and adding a ring narrower than its dtype),
 robust to a noisy machine.  ``client_floor_s`` is
 the same for a member, measured right after each member's masked input and the median
 taken: drawing its rounding words (4 bytes a coordinate) and its self and pairwise
@@ -436,7 +436,7 @@ def _dropped_edges(server: ServerSession, dropped: tuple[str, ...]) -> int:
 
 
 # Server replays paired with a floor each; the pair with the median ratio is reported.
-_SERVER_REPLAYS = 3
+_SERVER_REPLAYS = 5
 
 
 def _replay_server(
@@ -465,9 +465,14 @@ def _floor(params: SecAggParams, survivors: int, dropped_edges: int) -> float:
     dtype = params.quant.dtype
     acc = np.zeros(params.vector_length, dtype=dtype)
     mask = np.empty(params.vector_length, dtype=dtype)
-    vector = prg.expand(os.urandom(32), b"floor/vector", params.vector_length, dtype)
+    # one vector per survivor, as the server reads: the same vector added again and
+    # again stays in cache, a cost no server receiving distinct vectors can reach
+    vectors = [
+        prg.expand(os.urandom(32), b"floor/vector", params.vector_length, dtype)
+        for _ in range(survivors)
+    ]
     start = time.perf_counter()
-    for _ in range(survivors):
+    for vector in vectors:
         np.add(acc, vector, out=acc)
     for i in range(survivors + dropped_edges):
         prg.expand_into(os.urandom(32), b"floor/%d" % i, mask)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
+from typing import NamedTuple
 
 from fedsec.crypto.errors import ShamirError
 
@@ -29,9 +29,12 @@ SHARE_BYTES = 2 + Y_BYTES
 MAX_X = 0xFFFF  # x is encoded in 2 bytes: up to 65535 members in one neighbourhood
 
 
-@dataclass(frozen=True, slots=True)
-class Share:
-    """One point (x, y) of the sharing polynomial; x is the holder's 1-based index."""
+class Share(NamedTuple):
+    """One point (x, y) of the sharing polynomial; x is the holder's 1-based index.
+
+    A named tuple: a server parses every share of every unmask answer (~2,000 a round
+    at 100 members), and a tuple is built several times faster than a frozen dataclass.
+    """
 
     x: int
     y: int
@@ -41,6 +44,9 @@ class Share:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Share:
+        """Raises:
+        ShamirError: not :data:`SHARE_BYTES` long, or x or y out of range.
+        """
         if len(raw) != SHARE_BYTES:
             raise ShamirError(f"a share is {SHARE_BYTES} bytes, got {len(raw)}")
         share = cls(int.from_bytes(raw[:2], "big"), int.from_bytes(raw[2:], "big"))

@@ -116,6 +116,7 @@ class ServerSession:
         self._x = member_x(params.cohort)
         self.stage = ServerStage.ADVERTISE
         self.advertised: dict[str, AdvertiseKeys] = {}
+        self._used_keys: set[bytes] = set()  # every public key advertised so far
         self.live: frozenset[str] = frozenset()  # U1: kept after advertise
         self._shares: dict[str, ShareKeys] = {}
         self.participants: frozenset[str] = frozenset()  # U2: completed share keys
@@ -195,12 +196,10 @@ class ServerSession:
         if msg.member in self.advertised:
             raise DuplicateMessage(f"{msg.member!r} already advertised keys")
         verify_advertisement(msg, self.params, self._roster)
-        if any(
-            msg.mask_public == other.mask_public or msg.enc_public == other.enc_public
-            for other in self.advertised.values()
-        ):
+        if msg.mask_public in self._used_keys or msg.enc_public in self._used_keys:
             raise InvalidKeyList(f"{msg.member!r} advertised keys already used by another member")
         self.advertised[msg.member] = msg
+        self._used_keys.update((msg.mask_public, msg.enc_public))
 
     def close_advertise(self) -> KeyList:
         """End stage 1: fix the neighbour graph from the advertised graph nonces, keep
