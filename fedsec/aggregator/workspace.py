@@ -32,6 +32,7 @@ from fedsec.config import (
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError
 from fedsec.keys import load_identity, load_public_key, save_identity, save_public_key
+from fedsec.summation import mode_named
 from fedsec.tasks import get_task
 from fedsec.tasks.params import state_to_arrays
 
@@ -127,6 +128,18 @@ def open_state(root: Path, config: FederationConfig) -> StateStore:
         ) from None
 
 
+def check_model_size(config: FederationConfig, params: int) -> None:
+    """Refuse a task model the federation's summation mode cannot sum (e.g. homomorphic
+    summation of a model whose encrypted update exceeds ``server.max_body_bytes``).
+
+    Raises:
+        ConfigError: the mode's sentences, naming the size and the bytes it would take.
+    """
+    problems = mode_named(config.round.secure_sum).model_problems(config, params)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def init_workspace(
     root: Path,
     federation_id: str,
@@ -137,13 +150,19 @@ def init_workspace(
     """Create a workspace: keys (0600), config, empty roster, initial model version 1.
 
     Raises:
-        ConfigError: the directory already holds a workspace, or the config is invalid.
+        ConfigError: the directory already holds a workspace, the config is invalid, or
+            the summation mode cannot sum the task's model (:func:`check_model_size`);
+            nothing is written then.
     """
     root = Path(root)
     if (root / CONFIG_FILE).exists():
         raise ConfigError(f"{root} already holds a federation workspace")
     text = config_text if config_text is not None else default_federation_toml(federation_id, task)
     config = parse_federation_config(text, str(root / CONFIG_FILE))
+    # the task and its model are checked before anything is written
+    the_task = get_task(config.federation.task, **config.federation.task_options)
+    initial = the_task.build_model(seed=model_seed)
+    check_model_size(config, sum(p.numel() for p in initial.parameters() if p.requires_grad))
     root.mkdir(parents=True, exist_ok=True)
     signer = SigningIdentity.generate()
     admin = SigningIdentity.generate()
@@ -151,10 +170,9 @@ def init_workspace(
     save_identity(admin, root / ADMIN_KEY)
     save_public_key(root / "aggregator.pub", signer.public_bytes)
     save_public_key(root / "admin.pub", admin.public_bytes)
-    the_task = get_task(config.federation.task, **config.federation.task_options)
     models = ModelStore(root, signer, config.federation.id)
     models.put(
-        state_to_arrays(the_task.build_model(seed=model_seed)),
+        state_to_arrays(initial),
         parent=None,
         round=None,
         kind="initial",

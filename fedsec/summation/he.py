@@ -463,6 +463,30 @@ class HeMode(SummationMode):
         levels = (1 << cfg.round.quant_bits) - 1
         return int((he_params(cfg).headroom - 1) // levels)
 
+    def model_problems(self, cfg: FederationSettings, params: int) -> list[str]:
+        """A model whose encrypted update is larger than the aggregator accepts in one
+        request (``server.max_body_bytes``) is refused: every round would end with each
+        upload refused. Whole models are encrypted, never a chosen subset of layers: the
+        layers left out would reach the aggregator in the clear (docs/security.md).
+        Parameters the crypto layer refuses are :meth:`config_problems`' to report."""
+        try:
+            he = he_params(cfg)
+        except (ModuleNotFoundError, FedsecError):
+            return []
+        chunks = he.chunks(params + 1)  # the weight travels as the last value
+        upload = chunks * he.ciphertext_max_bytes
+        limit = cfg.server.max_body_bytes
+        if upload <= limit:
+            return []
+        return [
+            f"round.secure_sum: he cannot sum this task's model of {params:,} parameters: "
+            f"its encrypted update is {chunks:,} CKKS ciphertexts of up to "
+            f"{he.ciphertext_max_bytes:,} bytes, {upload:,} bytes ({upload / 2**20:,.0f} MiB) "
+            f"per member per round, over server.max_body_bytes ({limit:,}); at most "
+            f'{_he_max_params(he, limit):,} parameters fit. Use secure_sum = "secagg" '
+            "(about 1 byte a parameter) for a model this size"
+        ]
+
     def config_problems(self, cfg: FederationSettings) -> list[str]:
         he, problems = cfg.he, []
         if not he.custodian:
@@ -503,6 +527,11 @@ class HeMode(SummationMode):
         return HeSession(
             spec, inputs.he_context, key, inputs.min_agents, inputs.max_json_bytes, inputs.keys
         )
+
+
+def _he_max_params(he: HeParams, limit: int) -> int:
+    """The most parameters whose encrypted update (and weight) fits ``limit`` bytes."""
+    return max(0, (limit // he.ciphertext_max_bytes) * he.slots - 1)
 
 
 def he_params(cfg: FederationSettings) -> HeParams:

@@ -173,6 +173,11 @@ class SummationMode(ABC):
         """``key: expected ..., got ...`` sentences for the settings this mode refuses."""
         return []
 
+    def model_problems(self, cfg: FederationSettings, params: int) -> list[str]:
+        """Sentences for a task model of ``params`` trainable parameters that this mode
+        cannot sum under ``cfg`` (known once the task is: at init and at start)."""
+        return []
+
     # -- sessions ----------------------------------------------------------------------------
 
     def open_session(self, spec: wire.RoundSpec, inputs: SessionInputs) -> SummationSession:

@@ -63,6 +63,8 @@ class _Enabled(Protocol):
 class _Server(Protocol):
     @property
     def optimizer(self) -> str: ...
+    @property
+    def max_body_bytes(self) -> int: ...
 
 
 class FederationSettings(Protocol):
