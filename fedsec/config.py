@@ -220,11 +220,12 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     body_timeout_s: float = 120.0
     """A request body must arrive within this many seconds of its headers, else the request is
     refused (408) and the connection closed; 120 s carries a 64 MiB body over a 5 Mbit/s link."""
-    max_connections: int = 512
+    max_connections: int = 0
     """Open connections at once; at the limit a new one displaces the oldest idle unauthenticated
-    connection, or is closed on accept if there is none. A member holds one or two (a
-    long-poll and a request), so 512 serves a few hundred members below the common 1024
-    file-descriptor limit."""
+    connection, or is closed on accept if there is none. 0 = sized from the roster at start-up:
+    3 per roster entry (a long poll, a request, one closing) + 256 for dashboards, scrapers
+    and newcomers; serve raises its own descriptor limit to fit, or refuses to start when
+    the system's hard limit is too low (fedsec/aggregator/capacity.py)."""
     max_connections_per_peer: int = 64
     """Unauthenticated connections one peer (an IPv4 address, an IPv6 /64) may hold open at once;
     more are closed on accept. A connection stops counting once it carries a signed request or
@@ -270,6 +271,11 @@ class ValidationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     enabled: bool = True
     """Score each new global model on the aggregator's validation split; the scores feed the
     dashboard, /metrics and the degradation alert ([alerts])."""
+    federated: bool = False
+    """Members score each new global model on their own held-out split and send signed metric
+    reports (sums, no per-record output); their pooled values then feed the dashboard, /metrics
+    and the degradation alert instead of the aggregator's. For an aggregator that holds no data;
+    needs a model the aggregator can read (not he.model_visible_to_aggregator = false)."""
 
 
 class AuditSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -742,6 +748,13 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
             f"round.max_agents = {cfg.round.max_agents} members",
             c.headroom_bits,
         )
+    p.require(
+        not (cfg.validation.federated and not cfg.he.model_visible_to_aggregator),
+        "validation.federated",
+        "false while he.model_visible_to_aggregator = false (members evaluate the published "
+        "model, which is then sealed)",
+        cfg.validation.federated,
+    )
     # the same refusals as the round's spec (fedsec.protocol.compat.check_spec), at load
     # time, so such a federation never opens a round that cannot close
     for conflict in compat.conflicts(_features(cfg)):
@@ -760,7 +773,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.positive("server.clock_skew_s", s.clock_skew_s)
     p.positive("server.header_timeout_s", s.header_timeout_s)
     p.positive("server.body_timeout_s", s.body_timeout_s)
-    p.int_range("server.max_connections", s.max_connections, 1)
+    p.int_range("server.max_connections", s.max_connections, 0)
     p.int_range("server.max_connections_per_peer", s.max_connections_per_peer, 1)
     p.int_range("server.max_concurrent_uploads", s.max_concurrent_uploads, 1)
     p.positive("server.upload_queue_s", s.upload_queue_s)

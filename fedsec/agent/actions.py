@@ -405,6 +405,18 @@ class FetchReceipt(Action):
 
 
 @dataclass(frozen=True)
+class Evaluate(Action):
+    """Federated evaluation (the spec's ``federated_evaluation``): score model
+    ``model_version``, which attempt ``attempt`` of round ``round`` produced, on our
+    held-out split and send the signed report (``POST /evaluation``)."""
+
+    federation_id: str
+    round: int
+    attempt: int
+    model_version: int
+
+
+@dataclass(frozen=True)
 class FetchStatus(Action):
     """``GET /status``: the round summaries, where a refused member reads why."""
 

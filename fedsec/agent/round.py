@@ -45,6 +45,7 @@ import numpy.typing as npt
 from fedsec.agent.actions import (
     Action,
     AwaitTraining,
+    Evaluate,
     Event,
     FetchReceipt,
     FetchStatus,
@@ -291,7 +292,10 @@ class AgentRound:
             return (yield from self._closed(receipt))
         except AttemptOver as over:
             outcome, now = self._attempt_over(over.state)
-            return (yield from self._judged(outcome)), now
+            judged = yield from self._judged(outcome)
+            if outcome.status == "closed" and now is not None:
+                yield from self._evaluated(now)  # the round moved on: our attempt closed
+            return judged, now
         except StageMissed as missed:
             log.warning("round_missed round=%d attempt=%d reason=%r", *self._key, str(missed))
             return _with(self._base, "missed", self._receipt, detail=str(missed)), missed.state
@@ -306,7 +310,27 @@ class AgentRound:
         else:
             final = yield from self._attempt.wait_for(("closed",))
         log.info("round_closed round=%d attempt=%d", *self._key)
-        return (yield from self._judged(_with(self._base, "closed", receipt))), final
+        outcome = yield from self._judged(_with(self._base, "closed", receipt))
+        yield from self._evaluated(final)
+        return outcome, final
+
+    def _evaluated(self, closed: RoundState) -> Step[None]:
+        """Federated evaluation: score the model our closed attempt produced and report
+        it. A report that fails (no held-out data, a refusal) is logged and costs the
+        round nothing: the model and our contribution stand."""
+        if not self.spec.federated_evaluation or closed.model_version <= self.spec.model_version:
+            return
+        r, a = self._key
+        try:
+            yield from ask(Evaluate(self.spec.federation_id, r, a, closed.model_version), Passed)
+        except FedsecError as exc:
+            log.warning(
+                "evaluation_not_reported round=%d attempt=%d version=%d reason=%r",
+                r,
+                a,
+                closed.model_version,
+                exc.detail,
+            )
 
     def _judged(self, outcome: RoundOutcome) -> Step[RoundOutcome]:
         """A closed outcome, or ``refused`` with the reason when the trusted-mode round's

@@ -58,6 +58,7 @@ from fedsec.agent import actions as act
 from fedsec.agent.actions import RoundOutcome
 from fedsec.agent.charging import Carryover
 from fedsec.agent.device import resolve_device
+from fedsec.agent.evaluation import MemberEvaluator, held_out_split
 from fedsec.agent.follow import Follower
 from fedsec.agent.hidden_model import HiddenModels
 from fedsec.agent.ledger import PrivacyLedger
@@ -166,6 +167,7 @@ class AgentRuntime:
         self._local: LocalData | None = None
         self._device: torch.device | None = None
         self._trainer: LocalTrainer | None = None
+        self._evaluator: MemberEvaluator | None = None  # federated evaluation, once asked
         self._roster = PinnedRoster(self.state_dir, self.member, identity)
         self._pin = FederationPin()
         # across attempts and runs; released updates are the ledger's, across restarts
@@ -327,6 +329,8 @@ class AgentRuntime:
                 elif isinstance(action, act.AwaitTraining):
                     assert training is not None
                     round_.receive(await training)
+                elif isinstance(action, act.Evaluate):
+                    round_.receive(await self._evaluate(perform.client, action))
                 else:
                     event = await self._alongside(perform, action, round_, training)
                     if event is not None:
@@ -385,6 +389,28 @@ class AgentRuntime:
             return act.Trained(await self._trainer.train(client, action.spec, action.charge))
         except FedsecError as exc:
             return act.TrainingFailed(exc)
+
+    async def _evaluate(self, client: AggregatorClient, action: act.Evaluate) -> act.Event:
+        """Score the model a closed attempt produced and report it (federated evaluation)."""
+        try:
+            if self._evaluator is None:
+                local = self.prepare()
+                assert self._device is not None
+                self._evaluator = MemberEvaluator(
+                    self.member,
+                    self.identity,
+                    self.aggregator_public,
+                    local.task,
+                    held_out_split(local.task, self.config.data),
+                    self._device,
+                    self._training_executor,
+                )
+            await self._evaluator.report(
+                client, action.federation_id, action.round, action.attempt, action.model_version
+            )
+            return act.Passed()
+        except FedsecError as exc:
+            return act.Refused(exc)
 
     def _check_sources_unchanged(self) -> None:
         """Refuse to train on records loaded from files that have changed since: the

@@ -34,7 +34,8 @@ from fedsec.aggregator.rounds.apply import ModelApplier
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
 from fedsec.aggregator.rounds.context import RoundContext
-from fedsec.aggregator.rounds.events import EventBus, ModelProblem
+from fedsec.aggregator.rounds.evaluation import FederatedEvaluation
+from fedsec.aggregator.rounds.events import EventBus, ModelEvaluated, ModelProblem
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.intake import Intake
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
@@ -129,6 +130,7 @@ class Coordinator:
         self._refusals = RefusalLog(ctx, lambda: self._lifecycle.live)
         self._lifecycle = Lifecycle(ctx, self._cohort, applier, self._refusals, self._he)
         self._reports = PrivacyReports(ctx)
+        self._evaluation = FederatedEvaluation(ctx)
         self._intake = Intake(ctx, self._lifecycle, self._refusals, self._reports)
         self._quarantine = QuarantineDesk(ctx)
         self._open_objects = OpenAttemptObjects(workspace.state)
@@ -275,6 +277,19 @@ class Coordinator:
         body = self._reports.check(self.live, member, round_, attempt, report)
         if body is not None:
             self._reports.store(report, body)
+
+    def evaluation(
+        self, member: str, round_: int, attempt: int, report: wire.EvaluationReport
+    ) -> None:
+        """Record a member's signed evaluation of the model closed attempt
+        ``round_``.``attempt`` produced (:mod:`fedsec.aggregator.rounds.evaluation`)."""
+        body = self._evaluation.check(member, round_, attempt, report)
+        if body is not None:
+            self._evaluation.store(report, body)
+
+    def evaluated(self, round_: int, attempt: int) -> ModelEvaluated | None:
+        """The members' pooled evaluation of a closed attempt's model, if any reported."""
+        return self._evaluation.pooled(round_, attempt)
 
     def advertise(
         self, member: str, round_: int, attempt: int, body: wire.AdvertiseKeysBody

@@ -28,6 +28,7 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 from fedsec.modelfile import MAX_MANIFEST_BYTES, ModelManifest, verify_manifest
 from fedsec.protocol.roster import RosterEntry
 from fedsec.protocol.wire import (
+    EvaluationReport,
     FederationStatus,
     JoinRequest,
     JoinResponse,
@@ -195,6 +196,18 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
             content_type="application/json",
             max_bytes=MAX_ERROR_BYTES,
             what="report answer",
+        )
+
+    async def evaluation(self, round: int, attempt: int, report: EvaluationReport) -> None:
+        """``POST /rounds/{r}/evaluation``: the signed evaluation report of the model that
+        attempt ``attempt`` of round ``r`` produced."""
+        await self._transport.request(
+            route("evaluation", round=round),
+            query={"attempt": attempt},
+            body=encode(report),
+            content_type="application/json",
+            max_bytes=MAX_ERROR_BYTES,
+            what="evaluation answer",
         )
 
     async def receipt(self, round: int) -> Receipt:

@@ -243,6 +243,17 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
         params=_ROUND_ATTEMPT,
     ),
     Endpoint(
+        "evaluation",
+        "POST",
+        f"{_R}/evaluation",
+        "signed evaluation report: a cohort member's metric sums for the model this "
+        "closed attempt produced, on its own held-out records (validation.federated)",
+        AGENT,
+        request=wire.EvaluationReport,
+        response=Opaque('{"accepted": true}'),
+        params=_ROUND_ATTEMPT,
+    ),
+    Endpoint(
         "advertise",
         "POST",
         f"{_R}/advertise",

@@ -206,6 +206,10 @@ class ModelView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the task's primary metric and every metric recorded in the version's manifest
     primary_metric: str = "accuracy"
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    # validation.federated: the members' pooled metrics of this version, and how many
+    # members they pool (0: none reported yet)
+    evaluated: dict[str, float] = msgspec.field(default_factory=dict)
+    evaluators: Count = 0
 
 
 class DashboardSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

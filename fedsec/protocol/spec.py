@@ -172,6 +172,9 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     graph_commitments: list[str] = msgspec.field(default_factory=list)
     # the task package, pinned; None in specs made before pinning, which keep their bytes
     task_pin: TaskPin | None = None
+    # [validation] federated: each member of the cohort scores the model this attempt
+    # produces on its held-out split and sends a signed evaluation report
+    federated_evaluation: bool = False
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""

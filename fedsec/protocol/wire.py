@@ -49,6 +49,11 @@ from fedsec.protocol.body import (
     unhex,
 )
 from fedsec.protocol.data_schema import ObservedSchema
+from fedsec.protocol.evaluation import (
+    EVALUATION_REPORT_DOMAIN,
+    EvaluationReport,
+    MetricSum,
+)
 from fedsec.protocol.he_messages import (
     HE_CONTEXT_DOMAIN,
     HE_DECRYPTION_DOMAIN,
@@ -91,6 +96,7 @@ from fedsec.protocol.stages import Stage
 
 # Defined by concern in the modules above; every party imports them from here.
 __all__ = [
+    "EVALUATION_REPORT_DOMAIN",
     "HE_CONTEXT_DOMAIN",
     "HE_DECRYPTION_DOMAIN",
     "PLAIN_CODEC",
@@ -107,6 +113,7 @@ __all__ = [
     "DPSpec",
     "DashboardSnapshot",
     "DecryptionStatement",
+    "EvaluationReport",
     "FederationStatus",
     "HeContext",
     "HeContextStatement",
@@ -116,6 +123,7 @@ __all__ = [
     "LiveAttempt",
     "MemberId",
     "MemberView",
+    "MetricSum",
     "ModelView",
     "NonNegative",
     "Probability",

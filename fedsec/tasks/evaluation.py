@@ -6,11 +6,13 @@ evaluation report)."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.nn import functional as F
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.task.metrics import MetricSums, checked_loss
 
@@ -99,14 +101,44 @@ def evaluate_sums(
         with torch.no_grad():
             for start in range(0, len(y), batch_size):
                 xb, yb = _batch(x, y, start, batch_size, target)
-                output = work(xb)
-                sums = dict(task.metric_sums(output, yb))
-                sums["loss"] = (_loss_total(task, work, output, xb, yb), float(len(yb)))
-                batch = MetricSums(records=len(yb), sums=sums)
+                batch = _batch_sums(task, work, xb, yb)
                 total = batch if total is None else total + batch
     finally:
         work.train(was_training)
     return total if total is not None else MetricSums(records=0, sums={})
+
+
+def evaluate_dataset(
+    model: torch.nn.Module,
+    data: TorchDataset[Any],
+    task: Task,
+    device: torch.device | str = "cpu",
+    batch_size: int = EVAL_BATCH_SIZE,
+) -> MetricSums:
+    """:func:`evaluate_sums` over a torch dataset of ``(x, y)`` records, read a batch at
+    a time (a member's held-out split: memory for one batch, whatever its size).
+
+    Raises:
+        InvalidTask: see :func:`evaluate_sums`.
+    """
+    target = torch.device(device)
+    work = copy.deepcopy(model).to(target)
+    work.eval()
+    total: MetricSums | None = None
+    with torch.no_grad():
+        for xb, yb in DataLoader(data, batch_size=batch_size):
+            batch = _batch_sums(task, work, xb.to(target, torch.float32), yb.to(target))
+            total = batch if total is None else total + batch
+    return total if total is not None else MetricSums(records=0, sums={})
+
+
+def _batch_sums(
+    task: Task, work: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor
+) -> MetricSums:
+    output = work(xb)
+    sums = dict(task.metric_sums(output, yb))
+    sums["loss"] = (_loss_total(task, work, output, xb, yb), float(len(yb)))
+    return MetricSums(records=len(yb), sums=sums)
 
 
 def _batch(

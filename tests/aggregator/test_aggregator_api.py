@@ -71,10 +71,10 @@ async def test_health_status_and_openapi_cover_every_route(api: Api) -> None:
         for route in api.client.server.app.router.routes()  # type: ignore[union-attr]
         if route.method != "HEAD" and route.resource is not None
     }
-    # 20 protocol routes (with SecAgg+ consistency), 6 audit (challenges, reveals,
-    # verdicts, quarantine), 7 operations (dashboard sign-in), 8 of homomorphic summation
-    # (with the commit step)
-    assert len(routes) == 41
+    # 21 protocol routes (with SecAgg+ consistency and federated evaluation), 6 audit
+    # (challenges, reveals, verdicts, quarantine), 7 operations (dashboard sign-in), 8 of
+    # homomorphic summation (with the commit step)
+    assert len(routes) == 42
     for path, method in routes:
         assert path in paths, path
         assert method in paths[path], (path, method)

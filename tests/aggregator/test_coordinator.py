@@ -190,7 +190,9 @@ def test_round_walks_every_stage_and_publishes_a_signed_child_version(
         "aggregate",
     )
     verify_manifest(manifest, fed.ws.signer.public_bytes, fed.ws.models.read(2), federation_id=FED)
-    assert set(manifest.metrics) == {"accuracy", "loss"}
+    # validation scores every metric of the task (breast_cancer: accuracy, cross-entropy)
+    # and its loss
+    assert set(manifest.metrics) == {"accuracy", "cross_entropy", "loss"}
     _check_aggregate(fed, cohort, MEMBERS)
     summary = _summary(fed, 1, 0)
     assert (summary.stage, summary.cohort, summary.survivors, summary.dropped) == (

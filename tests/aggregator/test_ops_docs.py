@@ -30,6 +30,7 @@ def _exposed_names() -> list[str]:
     # a privacy report) are collected only when their value is known: give them one.
     live.accuracy, live.loss, live.epsilon = 0.9, 0.3, {"member-a": 1.0}
     live.metrics = {"accuracy": 0.9, "loss": 0.3}
+    live.federated, live.evaluators = True, 3
     metrics = FederationMetrics(live, member_labels=True)
     names = []
     for family in metrics.registry.collect():

@@ -80,12 +80,13 @@ async def _call(served: Served, who: str, ep: Endpoint, body: bytes) -> tuple[in
 # -- the table itself --------------------------------------------------------------------------
 
 
-def test_the_table_lists_41_distinct_routes() -> None:
-    # 20 protocol routes (SecAgg+ consistency: a signature up, a proof down), 6 audit
+def test_the_table_lists_42_distinct_routes() -> None:
+    # 21 protocol routes (SecAgg+ consistency: a signature up, a proof down; federated
+    # evaluation's reports), 6 audit
     # (challenges, reveals, verdicts, quarantine), 7 operations, 8 of homomorphic
     # summation (context, commit: a commitment up, the set down; sum, decryption; the
     # log and its archive)
-    assert len(ENDPOINTS) == 41
+    assert len(ENDPOINTS) == 42
     assert len(BY_NAME) == len(ENDPOINTS)
     assert len({(ep.method, ep.template) for ep in ENDPOINTS}) == len(ENDPOINTS)
     # only the browser's and the scraper's routes live outside the API prefix

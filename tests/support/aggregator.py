@@ -108,11 +108,12 @@ def make_federation(
 ) -> Federation:
     """A fresh workspace with the given members enrolled (admin-signed roster entries);
     ``sections`` overrides further sections of federation.toml (``{"alerts": {...}}``)."""
+    extra = dict(sections or {})
     text = config_text(
         round={**FAST_ROUND, **(round or {})},
         server=dict(server or {}),
-        validation={"enabled": validation},
-        **dict(sections or {}),
+        validation={"enabled": validation, **extra.pop("validation", {})},
+        **extra,
     )
     ws = init_workspace(root, FED, TASK, config_text=text)
     admin = ws.admin()

@@ -58,6 +58,7 @@ _HANDLERS: dict[str, Handler] = {
     "model": handlers.model,
     "join": handlers.join,
     "report": handlers.report,
+    "evaluation": handlers.evaluation,
     "advertise": handlers.advertise,
     "keys": handlers.keys,
     "post_shares": handlers.post_shares,

@@ -139,6 +139,14 @@ async def report(request: web.Request) -> web.Response:
     return json_response({"accepted": True})
 
 
+async def evaluation(request: web.Request) -> web.Response:
+    member, body = await authenticate(request)
+    r, a = round_args(request)
+    rep = decode_json(body, wire.EvaluationReport, request, "evaluation report")
+    request.app[COORDINATOR].evaluation(member, r, a, rep)
+    return json_response({"accepted": True})
+
+
 async def advertise(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)

@@ -52,8 +52,17 @@ class Operations:
             ws.state.reports.epsilons(),
         )
         self.live.leadership = lambda: local_role(ws.state)
+        self.live.federated = cfg.validation.federated
         self.metrics = FederationMetrics(self.live, member_labels=cfg.metrics.member_labels)
-        self.rules = AlertRules(cfg.alerts, coord.alert_desk, ws.state.rounds)
+        self.rules = AlertRules(
+            cfg.alerts,
+            coord.alert_desk,
+            ws.state.rounds,
+            federated=(coord.task.primary_metric, coord.task.higher_is_better)
+            if cfg.validation.federated
+            else None,
+            evaluated=coord.evaluated,
+        )
         self.webhooks = WebhookSender(cfg.alerts, ws.signer, ws.federation_id)
         self.dashboard = SnapshotBuilder(coord, self.live, cfg.alerts.epsilon_budget, clock)
         for listener in (
@@ -69,6 +78,19 @@ class Operations:
         self.live.primary_metric = coord.task.primary_metric
         self.live.higher_is_better = coord.task.higher_is_better
         self.live.scored(dict(ws.models.latest().metrics))
+        if cfg.validation.federated:
+            self._rescore_federated()
+
+    def _rescore_federated(self) -> None:
+        """At start-up: the members' pooled scores of the newest closed round's model,
+        the newest there are (none yet: nothing is shown rather than another source)."""
+        self.live.metrics, self.live.accuracy, self.live.loss = {}, None, None
+        for row in reversed(self.coord.ws.state.rounds.history(1000)):
+            if row.stage == "closed":
+                evaluated = self.coord.evaluated(row.round, row.attempt)
+                if evaluated is not None:
+                    self.live.on_event(evaluated)
+                return
 
     def _attempt(self) -> tuple[int, int, str, int, int, float | None]:
         coord = self.coord

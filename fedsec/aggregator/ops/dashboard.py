@@ -196,7 +196,10 @@ class SnapshotBuilder:
     def _model_versions(self) -> list[wire.ModelView]:
         models = self._ws.models
         versions = models.versions_on_disk()
-        key = (versions[-1] if versions else None, len(versions))
+        evaluated = self._view.evaluations
+        # members' evaluation reports arrive after their version: they change the view too
+        reported = tuple(sorted((v, n) for v, (_, n) in evaluated.items()))
+        key = (versions[-1] if versions else None, len(versions), reported)
         if key != self._models_key:
             latest = models.latest().version
             shown = []
@@ -220,6 +223,8 @@ class SnapshotBuilder:
                         latest=m.version == latest,
                         primary_metric=self._coord.task.primary_metric,
                         metrics=dict(m.metrics),
+                        evaluated=evaluated.get(m.version, ({}, 0))[0],
+                        evaluators=evaluated.get(m.version, ({}, 0))[1],
                     )
                 )
             self._models = list(reversed(shown))

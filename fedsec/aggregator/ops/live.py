@@ -11,11 +11,16 @@ from fedsec.aggregator.rounds.events import (
     CohortFixed,
     ContributionRefused,
     Event,
+    ModelEvaluated,
     PrivacyReported,
     RoundEnded,
 )
 from fedsec.aggregator.storage.leadership import LocalRole
 from fedsec.protocol.oversight import RoundSummary
+
+#: Model versions whose federated evaluations are kept for the dashboard's models view
+#: (which shows the newest few); older ones stay in the state store.
+EVALUATIONS_KEPT = 64
 
 
 class LiveView:
@@ -46,6 +51,11 @@ class LiveView:
         self.primary_metric = "accuracy"
         self.higher_is_better = True
         self.metrics: dict[str, float] = {}
+        # validation.federated: the newest scores are the members' pooled reports, not
+        # the aggregator's; version -> (pooled metrics, members who reported)
+        self.federated = False
+        self.evaluators = 0  # members pooled in the newest federated scores
+        self.evaluations: dict[int, tuple[dict[str, float], int]] = {}
         self.epsilon: dict[str, float] = dict(epsilons or {})
         self.budgets: dict[str, float] = {}  # member -> ε budget its reports declare
         self.last_seen: dict[str, float] = {}  # member -> its last authenticated request
@@ -80,10 +90,19 @@ class LiveView:
                     self.budgets[member] = budget
             case RoundEnded(summary=s):
                 self.dropped = event.dropped
-                if s.stage == "closed" and s.score is not None:
+                if s.stage == "closed" and s.score is not None and not self.federated:
                     self.scored(s.metrics or _legacy_metrics(s))
                 # only the attempt in progress is shown live; keep the map small
                 self.refused = {k: v for k, v in self.refused.items() if k > (s.round, s.attempt)}
+            case ModelEvaluated(model_version=version, metrics=metrics, members=members):
+                self.evaluations[version] = (dict(metrics), members)
+                newest = max(self.evaluations)
+                self.evaluations = {
+                    v: e for v, e in self.evaluations.items() if v > newest - EVALUATIONS_KEPT
+                }
+                if self.federated and version == newest:
+                    self.scored(metrics)
+                    self.evaluators = members
             case AlertRaised(alert=alert):
                 self.last_alert = alert.id
             case _:

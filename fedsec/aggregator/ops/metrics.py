@@ -293,6 +293,13 @@ class _StateCollector(Collector):
             for name, value in sorted(live.metrics.items()):
                 every.add_metric([name], value)
             yield every
+        if live.federated and live.evaluators:
+            yield _gauge(
+                "fedsec_model_evaluation_members",
+                "Members whose signed evaluation reports the newest model's metrics pool "
+                "(validation.federated)",
+                live.evaluators,
+            )
         if live.primary_metric in live.metrics:
             primary = GaugeMetricFamily(
                 "fedsec_model_primary_metric",

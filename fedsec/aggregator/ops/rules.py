@@ -17,6 +17,7 @@ from fedsec.aggregator.rounds.alerts import AlertDesk
 from fedsec.aggregator.rounds.events import (
     ContributionRefused,
     Event,
+    ModelEvaluated,
     PrivacyReported,
     RoundEnded,
 )
@@ -34,16 +35,35 @@ class AlertRules:
         rounds: the state's round attempts (for the validation window at start-up).
     """
 
-    def __init__(self, cfg: AlertsSection, desk: AlertDesk, rounds: RoundStore) -> None:
+    def __init__(
+        self,
+        cfg: AlertsSection,
+        desk: AlertDesk,
+        rounds: RoundStore,
+        *,
+        federated: tuple[str, bool] | None = None,
+        evaluated: Callable[[int, int], ModelEvaluated | None] | None = None,
+    ) -> None:
         self._cfg = cfg
         self._desk = desk
+        # validation.federated: (primary metric, higher is better); the degradation rule
+        # then follows the members' pooled scores, once every survivor reported
+        self._federated = federated
+        self._judged: set[int] = set()  # versions whose federated scores were compared
         # (primary metric, loss) of the newest scored versions, oldest first
         self._scores: deque[tuple[float, float | None]] = deque(maxlen=cfg.degradation_window + 1)
         for row in rounds.history(4 * cfg.degradation_window + 4):
-            if row.stage == "closed" and row.summary is not None:
+            if row.stage != "closed" or row.summary is None:
+                continue
+            if federated is None:
                 s = msgspec.json.decode(row.summary, type=wire.RoundSummary)
                 if s.score is not None:
                     self._scores.append((s.score, s.loss))
+            elif evaluated is not None:
+                pooled = evaluated(row.round, row.attempt)
+                if pooled is not None and pooled.complete and federated[0] in pooled.metrics:
+                    self._judged.add(pooled.model_version)
+                    self._scores.append((pooled.metrics[federated[0]], pooled.metrics.get("loss")))
         self._refusals: dict[str, deque[float]] = {}
         self._stalled: str | None = None  # the stall already alerted on
 
@@ -55,8 +75,10 @@ class AlertRules:
             case RoundEnded(summary=s) if s.stage == "closed":
                 self._participation(s)
                 self._wrapped(s)
-                if s.score is not None:
+                if s.score is not None and self._federated is None:
                     self._degradation(s)
+            case ModelEvaluated(complete=True) if self._federated is not None:
+                self._evaluated(event, *self._federated)
             case ContributionRefused():
                 self._refused(event)
             case PrivacyReported():
@@ -99,6 +121,33 @@ class AlertRules:
             f"corrupted in {model}; raise {remedy}, and roll back to the version before "
             "this round if the model degraded",
         )
+
+    def _evaluated(self, event: ModelEvaluated, metric: str, higher_is_better: bool) -> None:
+        """The members' pooled scores of a version, compared once all survivors reported,
+        as the aggregator's own validation is (its summary, with the pooled metrics)."""
+        if event.model_version in self._judged or metric not in event.metrics:
+            return
+        self._judged.add(event.model_version)
+        scored = wire.RoundSummary(
+            round=event.round,
+            attempt=event.attempt,
+            stage="closed",
+            cohort=0,
+            participants=0,
+            survivors=0,
+            dropped=[],
+            model_version=event.model_version,
+            accuracy=event.metrics.get("accuracy"),
+            loss=event.metrics.get("loss"),
+            aggregation_s=None,
+            duration_s=None,
+            epsilon_max=None,
+            detail="",
+            primary_metric=metric,
+            higher_is_better=higher_is_better,
+            metrics=dict(event.metrics),
+        )
+        self._degradation(scored)
 
     def _degradation(self, s: wire.RoundSummary) -> None:
         score = s.score

@@ -277,6 +277,7 @@ class CohortDesk:
             aggregation=_aggregation_spec(cfg.aggregation),
             codec=_codec_spec(cfg.codec),
             task_pin=ctx.task_pin,
+            federated_evaluation=cfg.validation.federated,
         ).sign(ctx.ws.signer)
 
 

@@ -101,6 +101,21 @@ class RoundEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelEvaluated:
+    """Members' federated evaluation of the model ``round``.``attempt`` produced: each
+    metric's value pooled over the ``members`` who reported so far (``records``
+    held-out records in all); ``complete`` once every survivor of the round reported."""
+
+    round: int
+    attempt: int
+    model_version: int
+    metrics: dict[str, float]
+    members: int
+    records: int
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ModelProblem:
     """A stored model version is unusable; the last good one is served."""
 
@@ -177,6 +192,7 @@ Event = (
     | ContributionRefused
     | PrivacyReported
     | RoundEnded
+    | ModelEvaluated
     | ModelProblem
     | AlertRaised
     | MemberQuarantined

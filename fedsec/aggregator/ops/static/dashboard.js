@@ -152,6 +152,10 @@
   // The task's primary metric of a round summary or model view (accuracy for summaries
   // written before metrics were named), and how to show it: a share as a percentage.
   function score(r) {
+    // a model view the members evaluated (validation.federated): their pooled value
+    if (r.evaluated && Object.prototype.hasOwnProperty.call(r.evaluated, r.primary_metric)) {
+      return r.evaluated[r.primary_metric];
+    }
     if (r.metrics && Object.prototype.hasOwnProperty.call(r.metrics, r.primary_metric)) {
       return r.metrics[r.primary_metric];
     }
@@ -893,7 +897,11 @@
           ),
           el("td", { class: "hash", title: md.sha256 }, md.sha256.slice(0, 12) + "\u2026"),
           el("td", { title: fullTime(md.created) }, fullTime(md.created)),
-          el("td", { class: "n" }, showScore(md.primary_metric, score(md))),
+          el(
+            "td",
+            { class: "n", title: md.evaluators ? "pooled from " + md.evaluators + " members" : "" },
+            showScore(md.primary_metric, score(md)) + (md.evaluators ? " (" + md.evaluators + "m)" : ""),
+          ),
           el("td", { class: "n" }, num(md.loss, 4)),
           el("td", { class: "detail", title: md.note }, md.note || ""),
         );

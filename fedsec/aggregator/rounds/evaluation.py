@@ -1,0 +1,147 @@
+"""Federated evaluation: members' signed metric reports on the model a round produced,
+validated completely before one is stored, pooled into the federation's value.
+
+A report is taken for a closed attempt whose cohort named the member, for the model
+version that attempt produced, once per member (the same report again is idempotent, a
+different one a 409). Reports are kept, signed, as messages of stage ``evaluation`` of
+their attempt (its ``UNIQUE (round, attempt, stage, member)`` makes "one per member"
+the store's rule too); they change no model and no privacy ledger, so they are not
+entries of the transparency log.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.events import ModelEvaluated
+from fedsec.aggregator.storage.interfaces import RoundRow
+from fedsec.errors import DuplicateMessage, PayloadError, UnknownMember, WrongStage
+from fedsec.protocol import wire
+from fedsec.protocol.evaluation import LOSS_METRIC, check_report, pool
+
+#: The message stage reports are stored under (not a round stage: no round waits on it).
+EVALUATION_STAGE = "evaluation"
+
+
+class FederatedEvaluation:
+    """Checks, stores and pools members' evaluation reports."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self._ctx = ctx
+        task = ctx.task
+        self._known = {name: metric.bounds for name, metric in task.metrics.items()}
+        self._known[LOSS_METRIC] = (-math.inf, math.inf)
+        self._counted = [LOSS_METRIC, *(n for n, m in task.metrics.items() if m.weight is None)]
+
+    def check(
+        self, member: str, round_: int, attempt: int, report: wire.EvaluationReport
+    ) -> bytes | None:
+        """Validate a report without changing anything; return its encoding, or None
+        when the same report is already stored.
+
+        Raises:
+            WrongStage: federated evaluation is off, or the attempt has not closed with
+                the model version the report names.
+            UnknownMember: ``member`` was not in the attempt's cohort.
+            PayloadError: the report names another member, round or federation, holds
+                more records than the member declared for the round, or its sums are
+                unsound (:func:`fedsec.protocol.evaluation.check_report`).
+            SignatureError: the report's signature is not the member's.
+            DuplicateMessage: a different report of the member is stored for the attempt.
+        """
+        ws = self._ctx.ws
+        if not ws.config.validation.federated:
+            raise WrongStage("federated evaluation is off (validation.federated = false)")
+        if (report.member, report.round, report.attempt, report.federation_id) != (
+            member,
+            round_,
+            attempt,
+            ws.federation_id,
+        ):
+            raise PayloadError(
+                f"{member}: evaluation report names another member, round or federation"
+            )
+        spec = self._closed_spec(round_, attempt, report.model_version)
+        if member not in spec.cohort:
+            raise UnknownMember(f"{member} was not in the cohort of round {round_}.{attempt}")
+        declared = ws.state.joins.samples(round_, attempt).get(member, 0)
+        if report.records > declared:
+            raise PayloadError(
+                f"{member}: evaluation report counts {report.records} held-out records, "
+                f"more than the {declared} it declared for round {round_}"
+            )
+        check_report(report, self._known, self._counted)
+        entry = ws.roster.get(member)
+        assert entry is not None  # authenticated requests come from roster members
+        report.verify(entry.public_key_bytes)
+        body = wire.encode(report)
+        stored = ws.state.messages.get(round_, attempt, EVALUATION_STAGE, member)
+        if stored is not None:
+            if stored == body:
+                return None
+            raise DuplicateMessage(f"{member} already reported its evaluation of round {round_}")
+        return body
+
+    def store(self, report: wire.EvaluationReport, body: bytes) -> None:
+        """Store a checked report and announce the attempt's pooled values."""
+        ctx = self._ctx
+        with ctx.ws.state.transaction():
+            ctx.ws.state.messages.add(
+                report.round, report.attempt, EVALUATION_STAGE, report.member, body
+            )
+        evaluated = self.pooled(report.round, report.attempt)
+        if evaluated is not None:
+            log.info(
+                "event=model_evaluated round=%d attempt=%d version=%d members=%d records=%d",
+                report.round,
+                report.attempt,
+                report.model_version,
+                evaluated.members,
+                evaluated.records,
+            )
+            ctx.emit(evaluated)
+
+    def pooled(self, round_: int, attempt: int) -> ModelEvaluated | None:
+        """The stored reports of a closed attempt, pooled; None without any."""
+        row = self._ctx.ws.state.rounds.get(round_, attempt)
+        if row is None or row.stage != "closed" or row.model_version is None:
+            return None
+        reports = [
+            msgspec.json.decode(body, type=wire.EvaluationReport)
+            for _, body in self._ctx.ws.state.messages.of_stage(round_, attempt, EVALUATION_STAGE)
+        ]
+        if not reports:
+            return None
+        records, values = pool(reports)
+        reported = {r.member for r in reports}
+        return ModelEvaluated(
+            round_,
+            attempt,
+            row.model_version,
+            values,
+            len(reports),
+            records,
+            complete=_survivors(row) <= reported,
+        )
+
+    def _closed_spec(self, round_: int, attempt: int, version: int) -> wire.RoundSpec:
+        row = self._ctx.ws.state.rounds.get(round_, attempt)
+        if row is None or row.stage != "closed" or row.spec is None:
+            raise WrongStage(f"round {round_}.{attempt} has not closed: nothing to evaluate")
+        if row.model_version != version:
+            raise WrongStage(
+                f"round {round_}.{attempt} produced model v{row.model_version}, not v{version}"
+            )
+        return msgspec.json.decode(row.spec, type=wire.RoundSpec)
+
+
+def _survivors(row: RoundRow) -> set[str]:
+    """The members whose contributions are in a closed attempt's sum."""
+    if row.spec is None or row.summary is None:
+        return set()
+    cohort = msgspec.json.decode(row.spec, type=wire.RoundSpec).cohort
+    dropped = msgspec.json.decode(row.summary, type=wire.RoundSummary).dropped
+    return set(cohort) - set(dropped)
