@@ -8,8 +8,8 @@ before reading them and decodes answers into the typed messages of
 
 Retry policy: connection failures, timeouts and 5xx answers are retried with
 exponential backoff and jitter (``backoff_initial_s`` doubling up to
-``backoff_max_s``, each delay drawn from [d/2, d] so agents that lost the
-aggregator together do not return together); every retry is signed afresh, with
+``backoff_max_s``, each delay drawn from [0, d], full jitter, so agents that
+lost the aggregator together do not return together); every retry is signed afresh, with
 a new nonce, because the aggregator refuses a replayed one.  Refusals that a later
 try may pass are retried within the same budget of ``retry_max`` retries: 429
 ``rate_limited``, 503 (``busy`` or any code) and 408 ``request_timeout`` after the

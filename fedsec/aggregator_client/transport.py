@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -54,6 +54,8 @@ from fedsec.protocol.wire import LEADER_HEADER, NOT_LEADER, decode, encode
 
 # The package's name, as before the split: operators and tests filter on it.
 log = logging.getLogger("fedsec.aggregator_client")
+# Jitter is no secret, but fedsec draws from one kind of generator only: the OS's.
+_JITTER = secrets.SystemRandom()
 
 _RETRYABLE_EXCEPTIONS: Final = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 #: Header fields aiohttp adds by default that tell the aggregator nothing (it compresses
@@ -218,12 +220,13 @@ class Transport:
     def _delay(self, retry: int, setback: _Setback) -> float:
         """Seconds before retry number ``retry`` (0-based): the server's Retry-After,
         capped so one answer cannot park the agent past its stage deadlines, else our
-        backoff, drawn from [d/2, d] so agents that lost the aggregator together do not
-        return together."""
+        backoff with full jitter, drawn from [0, d]: a thousand agents that lost the
+        aggregator together (a restart) come back spread over the whole window, not in
+        its second half (Brooker, "Exponential backoff and jitter", AWS 2015)."""
         if setback.retry_after is not None:
             return min(setback.retry_after, self.backoff_max_s)
         delay = min(self.backoff_max_s, self.backoff_initial_s * (2.0**retry))
-        return random.uniform(delay / 2.0, delay)
+        return _JITTER.uniform(0.0, delay)
 
     def _created(self) -> int:
         """Signature creation time: the local clock corrected by the aggregator's offset."""
