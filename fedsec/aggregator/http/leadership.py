@@ -1,5 +1,11 @@
-"""A standby's answer to a write: ``503 not_leader`` naming the leader, before anything
-of the request is consumed.
+"""A standby's answer to a write, and to a member's read: ``503 not_leader`` naming the
+leader, before anything of the request is consumed.
+
+A standby's round state is the one it loaded at start (its round logic is idle), and a
+deposed leader's is where it was deposed: either would tell a member a stale stage
+(``wrong_stage``, a permanent refusal) while the leader has moved on.  So every signed
+request goes to the leader; what operators and probes read (health, the API
+description, the dashboard, /metrics) stays served, from this process's own view.
 
 Checked ahead of authentication and the round's intake, so a standby records no nonce
 (the member may send the very same signed request to the leader), raises no
@@ -24,17 +30,21 @@ _READ_ONLY_POSTS: Final = frozenset({"dashboard_session"})
 
 @web.middleware
 async def leader_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse a state-changing request on a standby with
+    """Refuse a state-changing request, or a signed read, on a standby with
     :class:`~fedsec.aggregator.storage.leadership.NotLeader`.
 
     Raises:
         NotLeader: this process does not lead (answered 503 by the error middleware).
     """
-    if request.method in ("GET", "HEAD", "OPTIONS"):
-        return await handler(request)
     lease = lease_of(request.app[WORKSPACE].state)
+    if lease is None:
+        return await handler(request)
     endpoint = request.app[ENDPOINT_OF].get(request.match_info.handler)
-    if lease is not None and (endpoint is None or endpoint.name not in _READ_ONLY_POSTS):
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        refused = endpoint is not None and bool(endpoint.roles)  # a member's signed read
+    else:
+        refused = endpoint is None or endpoint.name not in _READ_ONLY_POSTS
+    if refused:
         refusal = lease.standby_refusal()
         if refusal is not None:
             raise refusal

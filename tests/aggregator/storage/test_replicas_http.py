@@ -199,3 +199,21 @@ async def test_the_dashboard_shows_each_replicas_role_and_token(
             snapshot = msgspec.json.decode(await resp.read(), type=wire.DashboardSnapshot)
         seen[name] = (snapshot.role, snapshot.fencing_token)
     assert seen == {"a": ("leader", 1), "b": ("standby", None)}
+
+
+async def test_a_standby_sends_member_reads_to_the_leader_too(
+    replicas: tuple[Api, Api],
+) -> None:
+    # a standby's (or a deposed leader's) round state is stale: a member reading the
+    # stage from it would be told "not reached yet" while the leader has moved on
+    a, b = replicas
+    _lease(a).lease.advertise(LEADER_URL)
+    await _to_masked_input(a)
+    for path in ("/v1/round", "/v1/rounds/1/shares", "/v1/status", "/v1/models/1"):
+        status, raw, _ = await b.call("a0", "GET", path)
+        assert (status, json.loads(raw)["error"]) == (503, "not_leader"), (path, raw)
+    # what operators and probes read still answers
+    async with b.client.get("/v1/health") as resp:
+        assert resp.status == 200 and (await resp.json())["role"] == "standby"
+    async with b.client.get("/dashboard/api/snapshot") as resp:
+        assert resp.status == 200
