@@ -36,7 +36,7 @@ from opacus import GradSampleModule
 from torch.nn import functional as F
 
 from fedsec.errors import ConfigError
-from fedsec.task.definition import Task
+from fedsec.task.definition import Task, as_targets
 
 
 def poisson_sample(n: int, rate: float, seed: bytes | None = None) -> np.ndarray:
@@ -97,7 +97,7 @@ def clipped_gradient_sum(
         return np.zeros(dim), 0
     target = torch.device(device)
     xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32)).to(target)
-    yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.int64)).to(target)
+    yb = torch.from_numpy(as_targets(y[rows])).to(target)
     per_sample = _per_sample_gradients(copy.deepcopy(model).to(target), xb, yb, task)
     norms = per_sample.norm(dim=1, keepdim=True)
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # Opacus' clipping rule

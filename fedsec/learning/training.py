@@ -54,6 +54,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.crypto import prg
 from fedsec.errors import ConfigError, InvalidTask
+from fedsec.task.definition import as_targets
 from fedsec.tasks.base import Dataset, Task, TrainingParams
 from fedsec.tasks.evaluation import evaluate
 
@@ -441,17 +442,16 @@ def records(data: TorchDataset[Any], rows: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def _arrays_of(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+    return np.ascontiguousarray(x, dtype=np.float32), as_targets(y)
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 features and targets the loop trains on (int64 class indices, or
     float32 regression values and multi-label labels), sharing the arrays' memory where
     they already have those dtypes."""
-    target = np.float32 if np.issubdtype(y.dtype, np.floating) else np.int64
     return (
         torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(y, dtype=target)),
+        torch.from_numpy(as_targets(y)),
     )
 
 

@@ -262,6 +262,14 @@ def _check_dataset(task: Task, dataset: Dataset) -> None:
             )
 
 
+def as_targets(y: np.ndarray) -> np.ndarray:
+    """``y`` in the dtype training and evaluation feed the loss: int64 class indices, or
+    float32 regression values and multi-label labels (floating ``y``). No copy where it
+    has that dtype already."""
+    dtype = np.float32 if np.issubdtype(y.dtype, np.floating) else np.int64
+    return np.ascontiguousarray(y, dtype=dtype)
+
+
 def check_targets(name: str, schema: TaskSchema, y: np.ndarray, where: str) -> None:
     """Refuse targets that break the schema's target contract.
 

@@ -161,6 +161,14 @@ FEDERATIONS: dict[str, dict[str, Any]] = {
         "server": {"optimizer": "fedadam", "server_lr": 0.03},
         "rule": "fedavg",
     },
+    # record-level distributed DP: members' clipped per-record gradients of the task's loss
+    "diabetes-distributed-dp": {
+        "task": "diabetes",
+        "round": {"secure_sum": "secagg", "quant_bits": 16},
+        "server": {"optimizer": "fedadam", "server_lr": 0.03},
+        "rule": "fedavg",
+        "dp": {"mode": "distributed", "unit": "record", "sample_rate": 0.25},
+    },
     # FLTrust: the aggregator's reference update minimises the task's loss too
     "diabetes-fltrust": {
         "task": "diabetes",
@@ -210,7 +218,7 @@ async def federation(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
         }
         | setup["round"],
         training={"local_epochs": 2, "batch_size": 32, "lr": 0.05},
-        dp={"enabled": True, "noise_multiplier": 1.0},
+        dp={"enabled": True, "noise_multiplier": 1.0} | setup.get("dp", {}),
         server={"port": 0} | setup["server"],
     )
     head, _, rest = text.partition("[aggregation]")
@@ -240,6 +248,7 @@ async def federation(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
                 partition="iid",
                 seed=1,
                 epsilon=50.0,
+                allow_distributed="dp" in setup,
             ),
             a.identity,
         )
@@ -292,8 +301,8 @@ async def test_a_federation_trains_scores_and_audits_the_task(
     # does not hold: its rounds cannot be re-derived (UNDERIVABLE_RULES), the rest can
     underivable = fed.ws.config.aggregation.rule == "fltrust"
     assert result.rounds_verified == (0 if underivable else 2)
-    if fed.ws.config.round.secure_sum != "secagg":
-        return
+    if fed.ws.config.round.secure_sum != "secagg" or fed.ws.config.dp.mode != "local":
+        return  # the control-sample checks are calibrated for local DP-SGD updates
     # challenged members reveal; the control sample's checks judge them with the task's loss
     async with AggregatorClient(
         fed.url, fed.auditor, fed.ws.signer.public_bytes, timeout_s=10, retry_max=1
@@ -316,3 +325,31 @@ async def test_a_federation_trains_scores_and_audits_the_task(
     failed = [v for v in verdicts if not v["passed"]]
     assert not failed, [(v["member"], v["round"], v["failed"]) for v in failed]
     assert all("loss_change" in v["scores"] for v in verdicts)
+
+
+def test_distributed_dp_reads_float_targets_as_floats() -> None:
+    # record-level distributed DP reads the sampled records (training.records) and
+    # takes their per-sample gradients: a regression target must stay a float (cast to
+    # int64 it truncated the values, and MSE refused the dtype)
+    from torch.utils.data import TensorDataset
+
+    from fedsec.learning.distributed import clipped_gradient_sum
+    from fedsec.learning.training import records
+
+    task = get_task("diabetes")
+    data = task.load(0)
+    dataset = TensorDataset(torch.from_numpy(data.x_train), torch.from_numpy(data.y_train))
+    x, y = records(dataset, np.arange(8))
+    assert y.dtype == np.float32 and np.array_equal(y, data.y_train[:8])
+    model = task.build_model(0)
+    include = np.ones(8, dtype=bool)
+    summed, count = clipped_gradient_sum(model, x, y, include, 1e6, "cpu", task)
+    assert count == 8
+    expected = []
+    for i in range(8):
+        model.zero_grad()
+        task.batch_loss(
+            model, (torch.from_numpy(x[i : i + 1]), torch.from_numpy(y[i : i + 1]))
+        ).backward()
+        expected.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    np.testing.assert_allclose(summed, torch.stack(expected).sum(0).numpy(), rtol=1e-4, atol=1e-6)
