@@ -50,7 +50,7 @@ def task_inspect(entry: str, options: tuple[str, ...], as_json: bool) -> None:
         ("distribution", f"{report.distribution} {report.version}"),
         ("digest", report.digest),
         ("params", f"{report.params:,} (buffers: {report.buffers:,})"),
-        ("input", f"{tuple(report.input_shape)}, {report.num_classes} classes"),
+        ("input", f"{tuple(report.input_shape)}, {_outputs(report.num_classes, report.target)}"),
         ("primary metric", f"{report.primary_metric} ({direction} is better)"),
         ("DP-SGD", "compatible (Opacus validator)" if report.dp_compatible else
          "NOT compatible (Opacus validator):"),
@@ -90,3 +90,10 @@ def _parse_options(options: tuple[str, ...]) -> dict[str, Any]:
         except ValueError:
             parsed[key] = raw
     return parsed
+
+
+def _outputs(count: int, target: str) -> str:
+    """``10 classes``, ``1 regression value``, ``3 labels (multi-label)``."""
+    noun = {"class": "class", "value": "regression value", "labels": "label"}[target]
+    plural = noun if count == 1 else ("classes" if noun == "class" else noun + "s")
+    return f"{count} {plural}" + (" (multi-label)" if target == "labels" else "")

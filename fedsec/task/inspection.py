@@ -31,6 +31,7 @@ class TaskReport:
     higher_is_better: bool
     dp_compatible: bool
     dp_problems: list[str]
+    target: str = "class"  # what num_classes counts: classes, values or labels
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-compatible values."""
@@ -63,4 +64,5 @@ def inspect_task(name: str, **options: Any) -> TaskReport:
         higher_is_better=task.higher_is_better,
         dp_compatible=not problems,
         dp_problems=[str(p) for p in problems],
+        target=task.schema.target,
     )

@@ -353,3 +353,22 @@ def test_distributed_dp_reads_float_targets_as_floats() -> None:
         ).backward()
         expected.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     np.testing.assert_allclose(summed, torch.stack(expected).sum(0).numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_task_inspect_names_the_target_and_primary_metric() -> None:
+    from click.testing import CliRunner
+
+    from fedsec.task.cli import task
+
+    shown = CliRunner().invoke(task, ["inspect", "diabetes"])
+    assert shown.exit_code == 0, shown.output
+    assert "(10,), 1 regression value" in shown.output
+    assert "r2 (higher is better)" in shown.output
+    shown = CliRunner().invoke(task, ["inspect", "digits_labels", "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = msgspec.json.decode(shown.output)
+    assert (report["target"], report["num_classes"], report["primary_metric"]) == (
+        "labels",
+        3,
+        "micro_f1",
+    )

@@ -362,14 +362,20 @@
     renderStepper(now.stage, now.secure_sum);
     const scored = snapshot.rounds.filter((r) => r.stage === "closed" && score(r) !== null);
     const last = scored.length ? scored[scored.length - 1] : null;
-    const metric = last ? last.primary_metric || "accuracy" : "accuracy";
+    // federated evaluation: the newest version the members scored (models: newest first)
+    const evaluated = (snapshot.models || []).find((m) => m.evaluators > 0 && score(m) !== null);
+    const shown = evaluated || last;
+    const metric = shown ? shown.primary_metric || "accuracy" : "accuracy";
     setText("now-metric-name", "Last " + metric);
     setText("rounds-metric", metric);
     setText("models-metric", metric);
-    setText(
-      "now-accuracy",
-      last ? showScore(metric, score(last)) + " (round " + last.round + ")" : "\u2014",
-    );
+    let where = "";
+    if (evaluated) {
+      where = " (v" + evaluated.version + ", " + evaluated.evaluators + " members)";
+    } else if (last) {
+      where = " (round " + last.round + ")";
+    }
+    setText("now-accuracy", shown ? showScore(metric, score(shown)) + where : "\u2014");
     renderNowAlerts();
   }
 
