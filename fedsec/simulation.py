@@ -45,6 +45,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fedsec.agent.ledger import noise_for_budget
 from fedsec.agent.runtime import AgentRuntime
+from fedsec.aggregator.capacity import (
+    CONNECTIONS_PER_IDENTITY,
+    connection_limit,
+    descriptors_needed,
+    ensure_descriptors,
+)
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
@@ -239,7 +245,10 @@ async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
     in this process's event loop.
     """
     if not separate:
-        server = await start_server(make_app(ws), "127.0.0.1", 0, None, ws.config.server)
+        identities = len(ws.roster.entries())
+        server = await start_server(
+            make_app(ws), "127.0.0.1", 0, None, ws.config.server, identities=identities
+        )
         try:
             yield server.url
         finally:
@@ -290,6 +299,7 @@ async def run_simulation(spec: SimulationSpec, workdir: Path | None = None) -> d
 
 async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> dict[str, Any]:
     torch.set_num_threads(1)  # agents train in parallel threads; avoid oversubscription
+    _secure_descriptors(spec)
     defaults = SIM_DEFAULTS.get(spec.task, SIM_DEFAULTS["breast_cancer"])
     task = get_task(spec.task)
     data = task.load()
@@ -373,7 +383,14 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
             **dp_extra,
         },
         codec=codec,
-        server={"optimizer": optimizer, "server_lr": server_lr, "port": 0},
+        server={
+            "optimizer": optimizer,
+            "server_lr": server_lr,
+            "port": 0,
+            # every simulated member connects from 127.0.0.1 at the same instant (the
+            # members-behind-one-NAT case), so one peer's unauthenticated share is the roster's
+            "max_connections_per_peer": max(64, spec.agents * CONNECTIONS_PER_IDENTITY),
+        },
         he=(
             {"custodian": CUSTODIAN_ID, "model_visible_to_aggregator": not spec.hide_model}
             if spec.summation.custodian_decrypts
@@ -558,6 +575,19 @@ def central_dp_accuracy(
         load_flat_params(model, flat)
     accuracy, _ = evaluate(model, data.x_test, data.y_test)
     return float(accuracy)
+
+
+def _secure_descriptors(spec: SimulationSpec) -> None:
+    """Raise this process's descriptor limit for the run before anything is spent on it:
+    its members' connections (two each) and, inherited by a separate one, the
+    aggregator's (sized from the roster: the members, a custodian and an observer).
+
+    Raises:
+        ConfigError: the hard limit is too low; the message names the numbers and the fix.
+    """
+    aggregator = descriptors_needed(connection_limit(0, spec.agents + 2))
+    needed = aggregator if spec.aggregator_process else 2 * aggregator
+    ensure_descriptors(needed, f"a simulation of {spec.agents} members")
 
 
 def _usable_cores() -> int:

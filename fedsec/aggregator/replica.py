@@ -113,7 +113,8 @@ async def _start(
     on_serving: Callable[[str], None] | None,
 ) -> RunningServer:
     app = make_app(ws, Coordinator(ws, clock=clock, faults=faults))
-    server = await start_server(app, host, port, ssl_ctx, ws.config.server)
+    identities = len(ws.roster.entries())
+    server = await start_server(app, host, port, ssl_ctx, ws.config.server, identities=identities)
     if lease is not None:  # standbys name this URL in their 503 not_leader
         lease.advertise(ws.config.server.advertise_url or server.url)
     if on_serving is not None:

@@ -19,9 +19,11 @@ arms its own deadline for the first request.  With TLS, the handshake has the sa
 allowance (``ssl_handshake_timeout``) before the connection counts.  The body has its own
 deadline, ``server.body_timeout_s``, enforced by the application.
 
-**Connection limits.**  At most ``server.max_connections`` connections are open at once,
-and at most ``server.max_connections_per_peer`` unauthenticated ones from one peer (an IPv4
-address, an IPv6 /64); a connection is unauthenticated until it carries a signed request or
+**Connection limits.**  At most ``server.max_connections`` connections are open at once
+(0, the default: sized from the roster, with the process's descriptor limit raised to fit
+or the start refused, :mod:`fedsec.aggregator.capacity`), and at most
+``server.max_connections_per_peer`` unauthenticated ones from one peer (an IPv4 address,
+an IPv6 /64); a connection is unauthenticated until it carries a signed request or
 an observer's token (:func:`mark_authenticated`).  At the limit, a new connection displaces
 the oldest idle unauthenticated one, so a flood of idle connections from any number of
 addresses never keeps a member out; one that can displace none, or is over its peer's
@@ -58,6 +60,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
+from fedsec.aggregator.capacity import connection_limit, descriptors_needed, ensure_descriptors
 from fedsec.config import ServerSection
 from fedsec.protocol import wire
 
@@ -393,6 +396,8 @@ async def start_server(
     port: int,
     ssl_context: ssl.SSLContext | None,
     server_cfg: ServerSection,
+    *,
+    identities: int = 0,
 ) -> RunningServer:
     """Run ``app``'s start-up and serve it on ``host``:``port`` (0 = any free port).
 
@@ -404,19 +409,24 @@ async def start_server(
         ssl_context: serve HTTPS with it; None serves plain HTTP.
         server_cfg: ``[server]`` of ``federation.toml``; uses ``header_timeout_s``,
             ``max_connections`` and ``max_connections_per_peer``.
+        identities: entries in the roster; ``max_connections = 0`` sizes the connection
+            limit from it (:func:`fedsec.aggregator.capacity.connection_limit`).
 
     Returns:
         The running server, with its URL and bound port.
 
     Raises:
+        ConfigError: the process may not open the descriptors the connection limit
+            needs (hard ``RLIMIT_NOFILE`` too low); nothing was started.
         OSError: the address cannot be bound (in use, not local, not permitted); the
             application's clean-up has run.
     """
+    limit = _sized_limit(server_cfg.max_connections, identities)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     server = runner.server
     assert server is not None  # setup() made it
-    gate = _ConnectionGate(server_cfg.max_connections, server_cfg.max_connections_per_peer)
+    gate = _ConnectionGate(limit, server_cfg.max_connections_per_peer)
     rules = _Rules(server_cfg.header_timeout_s, gate, ThrottledLog(log), ThrottledLog(log))
     loop = asyncio.get_running_loop()
 
@@ -447,6 +457,23 @@ async def start_server(
     bound = listener.sockets[0].getsockname()[1]
     scheme = "https" if ssl_context else "http"
     return RunningServer(runner, listener, gate, f"{scheme}://{_url_host(host)}:{bound}")
+
+
+def _sized_limit(configured: int, identities: int) -> int:
+    """The connection limit, with the descriptors for it secured (see ``capacity``)."""
+    limit = connection_limit(configured, identities)
+    sized = connection_limit(0, identities)
+    if limit < sized:
+        log.warning(
+            "event=connection_limit_below_roster max_connections=%d roster=%d needs=%d",
+            limit,
+            identities,
+            sized,
+        )
+    what = f"server.max_connections={limit} (roster of {identities})"
+    ensure_descriptors(descriptors_needed(limit), what)
+    log.info("event=connection_limit max_connections=%d roster=%d", limit, identities)
+    return limit
 
 
 def _url_host(host: str) -> str:
