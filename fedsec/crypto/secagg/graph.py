@@ -58,7 +58,7 @@ DEFAULT_TOLERATED_CORRUPT = 1
 class NeighbourGraph:
     """The round's neighbour relation; ``neighbors(m)`` excludes ``m`` itself."""
 
-    __slots__ = ("_adjacent", "cohort", "degree")
+    __slots__ = ("_adjacent", "_in_order", "cohort", "degree")
 
     def __init__(self, cohort: Sequence[str], neighbors: int, seed: bytes) -> None:
         n = len(cohort)
@@ -91,14 +91,16 @@ class NeighbourGraph:
                 for i in range((n + 1) // 2):
                     join(i, i + (n + 1) // 2)
         self._adjacent = {m: frozenset(v) for m, v in adjacent.items()}
+        # each member's neighbours in cohort order, so a live subset costs O(k), not O(n)
+        position = {m: i for i, m in enumerate(self.cohort)}
+        self._in_order = {m: sorted(v, key=position.__getitem__) for m, v in adjacent.items()}
 
     def neighbors(self, member: str) -> frozenset[str]:
         return self._adjacent[member]
 
     def live_neighbors(self, member: str, alive: Collection[str]) -> list[str]:
         """Neighbours of ``member`` that are in ``alive``, in cohort order."""
-        adj = self._adjacent[member]
-        return [m for m in self.cohort if m in adj and m in alive]
+        return [m for m in self._in_order[member] if m in alive]
 
 
 @functools.lru_cache(maxsize=16)

@@ -124,6 +124,7 @@ class ServerSession:
         self._sum = RingSum(params.vector_length, params.quant.ring_bits)
         self.survivors: frozenset[str] = frozenset()
         self.dropped: frozenset[str] = frozenset()
+        self._request = UnmaskRequest((), ())  # fixed when masked input closes
         # survivor -> its signature on (survivors, dropped), checked on arrival
         self.signatures: dict[str, ConsistencySignature] = {}
         self._survivors_signed = b""  # set when masked input closes
@@ -303,6 +304,7 @@ class ServerSession:
         self._abort_if_short(survivors, "masked input")
         self.survivors = survivors
         self.dropped = self.participants - survivors
+        self._request = UnmaskRequest(tuple(sorted(survivors)), tuple(sorted(self.dropped)))
         # (mask key?, owner, shares wanted) for every secret finalize needs: t + 1 when
         # that many survivors hold it, so one share can be checked, else all holders (at
         # least t: with fewer holders the secret is lost and only the deadline ends it)
@@ -323,8 +325,9 @@ class ServerSession:
         return self.unmask_request()
 
     def unmask_request(self) -> UnmaskRequest:
-        """The survivor sets every survivor is told and signs (fixed from consistency on)."""
-        return UnmaskRequest(tuple(sorted(self.survivors)), tuple(sorted(self.dropped)))
+        """The survivor sets every survivor is told and signs (fixed from consistency on;
+        empty before)."""
+        return self._request
 
     # -- stage 4: consistency ----------------------------------------------------------------
 
@@ -364,11 +367,14 @@ class ServerSession:
 
     def consistency_proof(self, member: str) -> ConsistencyProof:
         """The signatures of ``member``'s neighbours on the survivor sets, for unmask."""
-        neighbours = self.graph.neighbors(member)
         return ConsistencyProof(
             member,
             self.unmask_request(),
-            tuple(sig for m, sig in sorted(self.signatures.items()) if m in neighbours),
+            tuple(
+                self.signatures[m]
+                for m in sorted(self.graph.neighbors(member))
+                if m in self.signatures
+            ),
         )
 
     # -- stage 5: unmask ---------------------------------------------------------------------
