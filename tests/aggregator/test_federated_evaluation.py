@@ -287,3 +287,19 @@ async def test_degradation_follows_complete_federated_scores() -> None:
     assert (kind, subject) == ("validation_degraded", "model 3")
     assert "mae 0.4700 is 0.0700 above the best (0.4000)" in detail
     assert math.isclose(0.47 - 0.40, 0.07)
+
+
+async def test_a_restarted_aggregator_shows_the_members_scores_it_stored(api: Api) -> None:
+    from fedsec.aggregator.ops import Operations
+
+    for m in COHORT:
+        await api.ok(m, "POST", PATH, _signed(api, _report(m)))
+    ops = Operations(api.coord)  # as at start-up: rebuilt from the state store
+    assert ops.live.federated and ops.live.evaluators == 3
+    assert ops.live.metrics["accuracy"] == pytest.approx(79 / 100)
+    assert ops.live.evaluations[VERSION][1] == 3
+    # the dashboard's models view carries them next to the manifest's (empty) metrics
+    snapshot = ops.dashboard.build()
+    (view,) = [m for m in snapshot.models if m.version == VERSION]
+    assert view.evaluators == 3 and view.evaluated["accuracy"] == pytest.approx(0.79)
+    assert view.metrics == {}  # validation.enabled = false: the aggregator scored nothing

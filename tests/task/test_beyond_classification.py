@@ -176,6 +176,13 @@ FEDERATIONS: dict[str, dict[str, Any]] = {
         "server": {"optimizer": "fedavg"},
         "rule": "fltrust",
     },
+    # multi-label under SecAgg+ with FedAvg: the control-sample checks on its reveals too
+    "digits_labels-secagg-fedavg": {
+        "task": "digits_labels",
+        "round": {"secure_sum": "secagg"},
+        "server": {"optimizer": "fedavg"},
+        "rule": "fedavg",
+    },
     # a trusted aggregator with a robust rule, FedAvg
     "digits_labels-trimmed_mean": {
         "task": "digits_labels",
