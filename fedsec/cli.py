@@ -173,6 +173,7 @@ def _register_optional() -> None:
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
         ("fedsec.bench.robust", "bench_robust", "robust"),
         ("fedsec.bench.compare", "bench_compare", "compare"),
+        ("fedsec.bench.scale", "bench_scale", "scale"),
     ):
         try:
             mod = importlib.import_module(module)

@@ -21,9 +21,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -707,6 +709,9 @@ async def _run_agents(
             for i, a in enumerate(local)
         ]
         await asyncio.gather(*(asyncio.to_thread(rt.prepare) for rt in runtimes))
+        # the serving process's own pid (serve.json): its CPU and memory over the run
+        serving = _serving_pid(ws) if spec.aggregator_process else None
+        before = _process_usage(serving)
         viewers = [asyncio.create_task(_watch(url)) for _ in range(spec.dashboard_viewers)]
         custodian = asyncio.create_task(_custodian(spec, ws.root.parent, url, aggregator_public))
         # Everything loaded so far (torch, datasets, the agents' state) lives for the
@@ -734,9 +739,56 @@ async def _run_agents(
             if not custodian.cancelled():
                 custodian.result()  # a custodian that failed says why
         wall = time.perf_counter() - start
+        after = _process_usage(serving)
+        if before is not None and after is not None:
+            extra["aggregator_cpu_s"] = round(after[0] - before[0], 3)
+            extra["aggregator_peak_rss_mb"] = round(after[1], 1)
+        extra["connections_refused"] = _connections_refused(ws.root / "serve.log")
         extra.update(await _dashboard_cost(url))
         extra["wire_up"] = await _wire_up(url)
         return wall
+
+
+def _serving_pid(ws: Workspace) -> int | None:
+    """The pid a separate aggregator wrote to serve.json once it served (None: none)."""
+    try:
+        return int(json.loads((ws.root / "serve.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _process_usage(pid: int | None) -> tuple[float, float] | None:
+    """CPU seconds (user + system) and peak RSS in MB of process ``pid``, from /proc;
+    None where there is no such process or no /proc."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    # fields after the parenthesised command: utime and stime are the 12th and 13th
+    fields = stat.rsplit(")", 1)[1].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    peak_kb = next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
+    )
+    return cpu_s, peak_kb / 1024.0
+
+
+def _connections_refused(log_path: Path) -> int:
+    """Connections the aggregator closed on accept (capacity or per-peer share), from its
+    log: each logged refusal plus the ones its throttle counted as ``suppressed=N``."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return 0
+    refused = 0
+    for line in text.splitlines():
+        if "event=connection_refused" in line:
+            suppressed = re.search(r"suppressed=(\d+)", line)
+            refused += 1 + (int(suppressed.group(1)) if suppressed else 0)
+    return refused
 
 
 async def _kill_some(

@@ -1,0 +1,105 @@
+"""``fedsec bench scale``: one aggregator process under 100 to 1,000 members.
+
+Each member count is a full ``fedsec simulate`` run (every member a real
+:class:`~fedsec.agent.runtime.AgentRuntime` over loopback HTTP, the aggregator its own
+``fedsec aggregator serve`` process, SecAgg+ at the task's model size), without the
+centralized baseline.  A row reports what grows with the roster on the aggregator: its
+CPU over the rounds (read from ``/proc`` between the members' start and the last round's
+close, so start-up is not counted) per member-round, its peak RSS, the wall time per
+round, the requests and bytes each member sent per round, and the connections it closed
+on accept (the capacity refusals this benchmark exists to keep at 0).
+
+The floor is the members' own side: on one machine they share its cores with the
+aggregator, so wall time per round is the members' training and SecAgg+ work as much as
+the aggregator's.  ``aggregator_cpu_ms_per_member_round`` is the number that compares
+across machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import click
+
+from fedsec.bench.common import with_environment
+
+DEFAULT_MEMBERS = "100,300,1000"
+
+
+def scale_row(members: int, rounds: int, task: str, seed: int) -> dict[str, Any]:
+    """Run one federation of ``members`` for ``rounds`` rounds; return its row.
+
+    Raises:
+        ConfigError: the process may not open the descriptors the roster needs, or the
+            simulation's aggregator did not start.
+        AggregatorUnreachable: members gave up on the aggregator.
+    """
+    from fedsec.simulation import SimulationSpec, run_simulation
+
+    spec = SimulationSpec(task=task, agents=members, rounds=rounds, seed=seed, baseline=False)
+    result = asyncio.run(run_simulation(spec))
+    closed = int(result["rounds"])
+    member_rounds = members * closed
+    cpu_s = result.get("aggregator_cpu_s")
+    by_request = result.get("bytes_up_by_request", {})
+    requests = sum(row.get("requests", 0.0) for row in by_request.values())
+    return with_environment(
+        {
+            "bench": "scale",
+            "task": task,
+            "dim": result["dim"],
+            "members": members,
+            "rounds": rounds,
+            "rounds_closed": closed,
+            "aborted_rounds": result["aborted_rounds"],
+            "connections_refused": result.get("connections_refused"),
+            "aggregator_cpu_s": cpu_s,
+            "aggregator_cpu_ms_per_member_round": (
+                round(1000 * cpu_s / member_rounds, 3) if cpu_s and member_rounds else None
+            ),
+            "aggregator_peak_rss_mb": result.get("aggregator_peak_rss_mb"),
+            "wall_s": result["wall_s"],
+            "wall_s_per_round": result["round_s_mean"],
+            "requests_per_member_round": round(requests, 2),
+            "bytes_up_per_member_round": result["bytes_up_per_agent_round"],
+            "final_accuracy": result["final_accuracy"],
+            "seed": seed,
+            # members and the aggregator share this machine's cores
+            "cores": len(os.sched_getaffinity(0)),
+        }
+    )
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter("--members takes comma-separated integers") from None
+    if not counts or min(counts) < 2:
+        raise click.BadParameter("--members needs member counts of at least 2")
+    return counts
+
+
+@click.command()
+@click.option("--members", default=DEFAULT_MEMBERS, show_default=True, help="member counts")
+@click.option("--rounds", type=int, default=3, show_default=True)
+@click.option("--task", default="mnist1d", show_default=True, help="mnist1d: d = 5,210")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per member count")
+def bench_scale(members: str, rounds: int, task: str, seed: int, as_json: bool) -> None:
+    """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
+    for count in _counts(members):
+        row = scale_row(count, rounds, task, seed)
+        if as_json:
+            click.echo(json.dumps(row, sort_keys=True))
+        else:
+            click.echo(
+                f"{count:>5} members: {row['rounds_closed']}/{rounds} rounds closed, "
+                f"{row['aggregator_cpu_ms_per_member_round']} ms CPU per member-round, "
+                f"peak RSS {row['aggregator_peak_rss_mb']} MB, "
+                f"{row['wall_s_per_round']} s per round, "
+                f"{row['connections_refused']} connections refused"
+            )
