@@ -22,7 +22,7 @@ from typing import Final
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.http.keys import COORDINATOR
-from fedsec.aggregator.storage.leadership import Leased, lease_of
+from fedsec.aggregator.storage.leadership import Leased, Replaceable, lease_of
 from fedsec.aggregator.transport import RunningServer, start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.faults import NO_FAULTS, Faults
@@ -77,6 +77,8 @@ async def serve_replica(
                 continue
             log.info("event=took_over token=%s url=%s", lease.token, server.url)
             await server.close()
+            if isinstance(ws.state, Replaceable):  # the old coordinator writes nothing more
+                ws.state.forget_commit_callbacks()
             server = await _start(ws, host, server.port, ssl_ctx, faults, clock, lease, on_serving)
             try:
                 coord = server.app[COORDINATOR]

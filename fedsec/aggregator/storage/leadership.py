@@ -113,6 +113,15 @@ class Leased(Protocol):
         ...
 
 
+@runtime_checkable
+class Replaceable(Protocol):
+    """A shared store whose coordinator a take-over replaces (the PostgreSQL store)."""
+
+    def forget_commit_callbacks(self) -> None:
+        """Drop the replaced coordinator's after-commit callbacks."""
+        ...
+
+
 def lease_of(state: object) -> Leased | None:
     """The lease of a state store, None for a store that is alone (SQLite)."""
     lease = getattr(state, "lease", None)

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http.app import make_app
 from fedsec.aggregator.replica import serve_replica
+from fedsec.aggregator.storage.audit_trail import LOG_FILE
 from fedsec.aggregator.storage.postgres import PostgresStateStore
 from fedsec.aggregator.storage.postgres.lease import LEASE_S
 from fedsec.aggregator.workspace import Workspace
@@ -111,6 +112,10 @@ async def test_the_standby_takes_over_and_closes_the_round(
         assert (
             json.loads((await b.call("a1", "GET", "/v1/rounds/1/receipt"))[1]) == receipts["a1"][2]
         )
+        # the log file the standby's first coordinator knew is completed once, by the
+        # new leader: it equals the database's chain
+        exported = (tmp_path / "ws" / LOG_FILE).read_bytes().splitlines()
+        assert exported == [line for _, line in standby_ws.state.log.log_lines()]
     finally:
         await session.close()
         stop.set()

@@ -133,6 +133,10 @@ class PostgresConnection:
         """Run ``callback`` after every commit of an explicit transaction."""
         self._after_commit.append(callback)
 
+    def forget_commit_callbacks(self) -> None:
+        """Drop every :meth:`on_commit` callback (their owner is being replaced)."""
+        self._after_commit.clear()
+
     def at_begin(self, check: Callable[[], None]) -> None:
         """Run ``check`` first in every outermost transaction; what it raises rolls the
         transaction back before anything is written (the lease's fencing check)."""

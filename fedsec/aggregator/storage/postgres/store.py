@@ -56,6 +56,13 @@ class PostgresStateStore:
     def transaction(self) -> Transaction:
         return self._conn.transaction()
 
+    def forget_commit_callbacks(self) -> None:
+        """Drop what the coordinator built on this store registered to run after each
+        commit (its audit trail's file sync): at a take-over a new coordinator replaces
+        it, and the old one's sync would append, from the count it knew as a standby,
+        lines the file already holds."""
+        self._conn.forget_commit_callbacks()
+
     def close(self) -> None:
         """Give the lease up (a standby may take over at once) and close the connection."""
         try:
