@@ -43,6 +43,8 @@ def evaluate(
 
     Returns:
         ``(accuracy, mean loss over the records)``; ``(nan, nan)`` for an empty set.
+        With floating ``y`` (regression values, multi-label labels) accuracy means
+        nothing: the first value is then the task's primary metric (nan without a task).
 
     Raises:
         InvalidTask: the task's loss is not a 0-d floating tensor.
@@ -50,6 +52,11 @@ def evaluate(
     n = len(y)
     if n == 0:
         return float("nan"), float("nan")
+    if np.issubdtype(y.dtype, np.floating):
+        if task is None:
+            return float("nan"), float("nan")
+        values = evaluate_sums(model, x, y, task, device, batch_size).values()
+        return values.get(task.primary_metric, float("nan")), values["loss"]
     target = torch.device(device)
     first = next(model.parameters(), None)
     on_target = first is None or first.device == target

@@ -379,3 +379,18 @@ def test_task_inspect_names_the_target_and_primary_metric() -> None:
         3,
         "micro_f1",
     )
+
+
+def test_evaluate_reports_the_primary_metric_for_float_targets() -> None:
+    # accuracy against truncated float targets would be meaningless (it read 61.0 for
+    # diabetes): the baseline trainer and simulations get the task's primary metric
+    from fedsec.learning.training import train_centralized
+    from fedsec.tasks import evaluate
+
+    task = get_task("diabetes")
+    data = task.load(0)
+    model = task.build_model(0)
+    sums = evaluate_sums(model, data.x_test, data.y_test, task).values()
+    assert evaluate(model, data.x_test, data.y_test, task=task) == (sums["r2"], sums["loss"])
+    score, loss = train_centralized(task, data, epochs=3, device="cpu", seed=0)
+    assert -1.0 < score <= 1.0 and score > sums["r2"] and loss < sums["loss"]
