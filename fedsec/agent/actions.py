@@ -414,6 +414,7 @@ class Evaluate(Action):
     round: int
     attempt: int
     model_version: int
+    max_records: int  # the spec's max_weight_samples: the most records a report may count
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,17 @@ class MemberEvaluator:
         self._executor = executor
 
     async def report(
-        self, client: AggregatorClient, federation_id: str, round_: int, attempt: int, version: int
+        self,
+        client: AggregatorClient,
+        federation_id: str,
+        round_: int,
+        attempt: int,
+        version: int,
+        max_records: int,
     ) -> wire.EvaluationReport:
-        """Fetch and verify model ``version``, score it, send the signed report.
+        """Fetch and verify model ``version``, score it on at most ``max_records`` of our
+        held-out records (the first ones: the aggregator refuses a report counting more
+        than we declared, or than the round's ``max_weight_samples``), send the report.
 
         Raises:
             IntegrityError / SignatureError: the model does not verify.
@@ -105,7 +113,13 @@ class MemberEvaluator:
         arrays_to_state(model, arrays)
         sums = await asyncio.get_running_loop().run_in_executor(
             self._executor,
-            functools.partial(evaluate_dataset, model, self._held_out, self._task, self._device),
+            functools.partial(
+                evaluate_dataset,
+                model,
+                _first(self._held_out, max_records),
+                self._task,
+                self._device,
+            ),
         )
         report = wire.EvaluationReport(
             federation_id=federation_id,
@@ -130,3 +144,10 @@ class MemberEvaluator:
             sums.values().get(self._task.primary_metric),
         )
         return report
+
+
+def _first(data: TorchDataset[Any], count: int) -> TorchDataset[Any]:
+    """The first ``count`` records of ``data`` (all of them when it holds fewer)."""
+    if len(data) <= count:  # type: ignore[arg-type]
+        return data
+    return Subset(data, range(max(count, 0)))

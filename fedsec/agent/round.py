@@ -322,7 +322,14 @@ class AgentRound:
             return
         r, a = self._key
         try:
-            yield from ask(Evaluate(self.spec.federation_id, r, a, closed.model_version), Passed)
+            evaluate = Evaluate(
+                self.spec.federation_id,
+                r,
+                a,
+                closed.model_version,
+                min(self.member.samples, self.spec.max_weight_samples),
+            )
+            yield from ask(evaluate, Passed)
         except FedsecError as exc:
             log.warning(
                 "evaluation_not_reported round=%d attempt=%d version=%d reason=%r",

@@ -406,7 +406,12 @@ class AgentRuntime:
                     self._training_executor,
                 )
             await self._evaluator.report(
-                client, action.federation_id, action.round, action.attempt, action.model_version
+                client,
+                action.federation_id,
+                action.round,
+                action.attempt,
+                action.model_version,
+                action.max_records,
             )
             return act.Passed()
         except FedsecError as exc:

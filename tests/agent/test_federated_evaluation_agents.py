@@ -27,8 +27,6 @@ from fedsec.tasks import get_task
 from fedsec.tasks.evaluation import evaluate_sums
 from fedsec.tasks.params import arrays_to_state
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
-
 AGENTS = 3
 ROUNDS = 2
 TASK = "diabetes"
@@ -84,6 +82,8 @@ async def federation(tmp_path: Path) -> AsyncIterator[tuple[Workspace, str]]:
         ws.close()
 
 
+@pytest.mark.slow
+@pytest.mark.asyncio
 async def test_members_report_and_the_pooled_score_is_the_models_score_on_their_union(
     federation: tuple[Workspace, str],
 ) -> None:
@@ -129,3 +129,18 @@ async def test_members_report_and_the_pooled_score_is_the_models_score_on_their_
         x for x in metrics_text.splitlines() if x.startswith("fedsec_model_primary_metric{")
     )
     assert float(line.rsplit(" ", 1)[1]) == pytest.approx(r2, rel=1e-9)
+
+
+def test_held_out_shares_are_disjoint_and_a_report_counts_at_most_the_cap() -> None:
+    from fedsec.agent.evaluation import _first, held_out_split
+    from fedsec.config import DataSection
+
+    task = get_task(TASK)
+    shares = [
+        held_out_split(task, DataSection(task=TASK, parts=3, part_index=i, partition="iid"))
+        for i in range(3)
+    ]
+    indices = [set(s.indices) for s in shares]  # type: ignore[attr-defined]
+    assert sum(len(i) for i in indices) == len(set().union(*indices)) == len(task.load().y_test)
+    assert len(_first(shares[0], 5)) == 5  # type: ignore[arg-type]
+    assert _first(shares[0], 10_000) is shares[0]

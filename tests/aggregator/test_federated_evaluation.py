@@ -49,7 +49,14 @@ def fed(tmp_path: Path) -> Federation:
     return make_federation(
         tmp_path / "ws",
         agents=(*COHORT, "a3"),
-        round={"secure_sum": "none", "min_agents": 3, "max_agents": 3, "rounds": 2},
+        # members declare 100 records, above max_weight_samples: the cap bounds a report
+        round={
+            "secure_sum": "none",
+            "min_agents": 3,
+            "max_agents": 3,
+            "rounds": 2,
+            "max_weight_samples": 60,
+        },
         validation=False,
         sections={"validation": {"federated": True}},
     )
@@ -61,7 +68,7 @@ async def api(
 ) -> Api:
     coord = Coordinator(fed.ws, clock=clock)
     for m in COHORT:
-        coord.join(m, 1, 0, join_request(m, 1, samples=50))
+        coord.join(m, 1, 0, join_request(m, 1, samples=100))
     coord.tick()
     spec = coord.live.spec
     assert spec is not None and spec.federated_evaluation  # signed into the spec
@@ -152,7 +159,9 @@ async def test_reports_pool_into_the_weighted_mean_that_metrics_and_alerts_follo
         ("nan_total", 400, "bad_request", "not valid JSON"),
         ("overflowing_weight", 400, "bad_request", "evaluation report"),
         # a huge record count would outweigh every honest member in the pooled mean
-        ("huge_count", 400, "bad_request", "more than the 50 it declared"),
+        ("huge_count", 400, "bad_request", "more than 60 (the 100 it declared"),
+        # more than the round's max_weight_samples, even within what it declared
+        ("above_the_weight_cap", 400, "bad_request", "round.max_weight_samples = 60"),
         ("weight_above_records", 400, "bad_request", "weight 41 for 40 records"),
         ("accuracy_above_one", 400, "bad_request", "outside its range [0, 1]"),
         ("unknown_metric", 400, "bad_request", "unknown ['auc']"),
@@ -196,6 +205,11 @@ async def test_unsound_reports_are_refused_and_change_nothing(
                 weight=float(huge),
             )
             body = _signed(api, _with_metric(forged, "cross_entropy", weight=float(huge)))
+        case "above_the_weight_cap":
+            forged = msgspec.structs.replace(honest, records=70)
+            for name, total in (("accuracy", 50.0), ("cross_entropy", 30.0), ("loss", 30.0)):
+                forged = _with_metric(forged, name, total=total, weight=70.0)
+            body = _signed(api, forged)
         case "weight_above_records":
             body = _signed(api, _with_metric(honest, "accuracy", total=41.0, weight=41.0))
         case "accuracy_above_one":

@@ -47,8 +47,9 @@ class FederatedEvaluation:
                 the model version the report names.
             UnknownMember: ``member`` was not in the attempt's cohort.
             PayloadError: the report names another member, round or federation, holds
-                more records than the member declared for the round, or its sums are
-                unsound (:func:`fedsec.protocol.evaluation.check_report`).
+                more records than the member declared for the round or than the spec's
+                ``max_weight_samples``, or its sums are unsound
+                (:func:`fedsec.protocol.evaluation.check_report`).
             SignatureError: the report's signature is not the member's.
             DuplicateMessage: a different report of the member is stored for the attempt.
         """
@@ -67,11 +68,17 @@ class FederatedEvaluation:
         spec = self._closed_spec(round_, attempt, report.model_version)
         if member not in spec.cohort:
             raise UnknownMember(f"{member} was not in the cohort of round {round_}.{attempt}")
+        # A member weighs in the pooled value as its records do: at most what it declared
+        # for the round, and at most the spec's max_weight_samples, the count at which its
+        # weight in the model's sum stops growing (declaring more records costs nothing,
+        # so the declaration alone would not bound it)
         declared = ws.state.joins.samples(round_, attempt).get(member, 0)
-        if report.records > declared:
+        bound = min(declared, spec.max_weight_samples)
+        if report.records > bound:
             raise PayloadError(
                 f"{member}: evaluation report counts {report.records} held-out records, "
-                f"more than the {declared} it declared for round {round_}"
+                f"more than {bound} (the {declared} it declared for round {round_}, at most "
+                f"round.max_weight_samples = {spec.max_weight_samples})"
             )
         check_report(report, self._known, self._counted)
         entry = ws.roster.get(member)
