@@ -105,14 +105,33 @@ def check_report(
             )
 
 
-def pool(reports: Iterable[EvaluationReport]) -> tuple[int, dict[str, float]]:
-    """The records and each metric's pooled value (sum of totals over sum of weights)
-    over ``reports``; a metric whose weights sum to 0 has no value and is left out."""
-    records = 0
-    sums: dict[str, tuple[float, float]] = {}
-    for report in reports:
-        records += report.records
+class PooledScores:
+    """Members' reports on one model, pooled: the records, each metric's summed total and
+    weight, and who reported. Reports are added one by one (:meth:`add`), so a pool is
+    kept up to date without reading the earlier reports again."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.members: set[str] = set()
+        self._sums: dict[str, tuple[float, float]] = {}
+
+    def add(self, report: EvaluationReport) -> None:
+        """Pool one more member's report (checked, and the member's first)."""
+        self.records += report.records
+        self.members.add(report.member)
         for m in report.metrics:
-            total, weight = sums.get(m.name, (0.0, 0.0))
-            sums[m.name] = (total + m.total, weight + m.weight)
-    return records, {name: t / w for name, (t, w) in sorted(sums.items()) if w > 0}
+            total, weight = self._sums.get(m.name, (0.0, 0.0))
+            self._sums[m.name] = (total + m.total, weight + m.weight)
+
+    def values(self) -> dict[str, float]:
+        """Each metric's pooled value, the sum of totals over the sum of weights; a
+        metric whose weights sum to 0 has no value and is left out."""
+        return {name: t / w for name, (t, w) in sorted(self._sums.items()) if w > 0}
+
+
+def pool(reports: Iterable[EvaluationReport]) -> PooledScores:
+    """``reports`` pooled."""
+    pooled = PooledScores()
+    for report in reports:
+        pooled.add(report)
+    return pooled

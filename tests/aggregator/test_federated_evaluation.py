@@ -308,7 +308,8 @@ async def test_a_restarted_aggregator_shows_the_members_scores_it_stored(api: Ap
 
     for m in COHORT:
         await api.ok(m, "POST", PATH, _signed(api, _report(m)))
-    ops = Operations(api.coord)  # as at start-up: rebuilt from the state store
+    # a fresh coordinator over the same state, as at start-up: rebuilt from the store
+    ops = Operations(Coordinator(api.fed.ws, clock=FakeClock()))
     assert ops.live.federated and ops.live.evaluators == 3
     assert ops.live.metrics["accuracy"] == pytest.approx(79 / 100)
     assert ops.live.evaluations[VERSION][1] == 3

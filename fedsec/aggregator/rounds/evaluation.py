@@ -12,6 +12,7 @@ entries of the transparency log.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import msgspec
 
@@ -20,10 +21,13 @@ from fedsec.aggregator.rounds.events import ModelEvaluated
 from fedsec.aggregator.storage.interfaces import RoundRow
 from fedsec.errors import DuplicateMessage, PayloadError, UnknownMember, WrongStage
 from fedsec.protocol import wire
-from fedsec.protocol.evaluation import LOSS_METRIC, check_report, pool
+from fedsec.protocol.evaluation import LOSS_METRIC, PooledScores, check_report, pool
 
 #: The message stage reports are stored under (not a round stage: no round waits on it).
 EVALUATION_STAGE = "evaluation"
+#: Attempts whose pools stay in memory: reports come for the newest rounds' models; an
+#: older one's pool is rebuilt from the store when a late report needs it.
+POOLS_KEPT = 16
 
 
 class FederatedEvaluation:
@@ -31,6 +35,11 @@ class FederatedEvaluation:
 
     def __init__(self, ctx: RoundContext) -> None:
         self._ctx = ctx
+        # (round, attempt) -> ((model version, survivors), pool): reports arrive one at a
+        # time, and re-reading every stored one per arrival would cost a cohort's square
+        self._pools: OrderedDict[
+            tuple[int, int], tuple[tuple[int, frozenset[str]], PooledScores]
+        ] = OrderedDict()
         task = ctx.task
         self._known = {name: metric.bounds for name, metric in task.metrics.items()}
         self._known[LOSS_METRIC] = (-math.inf, math.inf)
@@ -99,6 +108,9 @@ class FederatedEvaluation:
             ctx.ws.state.messages.add(
                 report.round, report.attempt, EVALUATION_STAGE, report.member, body
             )
+        scores = self._pool(report.round, report.attempt, report.member)
+        if scores is not None:
+            scores[1].add(report)
         evaluated = self.pooled(report.round, report.attempt)
         if evaluated is not None:
             log.info(
@@ -113,26 +125,43 @@ class FederatedEvaluation:
 
     def pooled(self, round_: int, attempt: int) -> ModelEvaluated | None:
         """The stored reports of a closed attempt, pooled; None without any."""
-        row = self._ctx.ws.state.rounds.get(round_, attempt)
-        if row is None or row.stage != "closed" or row.model_version is None:
+        found = self._pool(round_, attempt)
+        if found is None or not found[1].members:
             return None
-        reports = [
-            msgspec.json.decode(body, type=wire.EvaluationReport)
-            for _, body in self._ctx.ws.state.messages.of_stage(round_, attempt, EVALUATION_STAGE)
-        ]
-        if not reports:
-            return None
-        records, values = pool(reports)
-        reported = {r.member for r in reports}
+        (version, survivors), scores = found
         return ModelEvaluated(
             round_,
             attempt,
-            row.model_version,
-            values,
-            len(reports),
-            records,
-            complete=_survivors(row) <= reported,
+            version,
+            scores.values(),
+            len(scores.members),
+            scores.records,
+            complete=survivors <= scores.members,
         )
+
+    def _pool(
+        self, round_: int, attempt: int, pending: str = ""
+    ) -> tuple[tuple[int, frozenset[str]], PooledScores] | None:
+        """A closed attempt's (model version, survivors) and pool, kept in memory once
+        built from the stored reports (``pending``: a member whose report was just stored
+        and is added by the caller, not read back)."""
+        key = (round_, attempt)
+        if key in self._pools:
+            self._pools.move_to_end(key)
+            return self._pools[key]
+        row = self._ctx.ws.state.rounds.get(round_, attempt)
+        if row is None or row.stage != "closed" or row.model_version is None:
+            return None
+        stored = self._ctx.ws.state.messages.of_stage(round_, attempt, EVALUATION_STAGE)
+        scores = pool(
+            msgspec.json.decode(body, type=wire.EvaluationReport)
+            for member, body in stored
+            if member != pending
+        )
+        self._pools[key] = ((row.model_version, frozenset(_survivors(row))), scores)
+        while len(self._pools) > POOLS_KEPT:
+            self._pools.popitem(last=False)
+        return self._pools[key]
 
     def _closed_spec(self, round_: int, attempt: int, version: int) -> wire.RoundSpec:
         row = self._ctx.ws.state.rounds.get(round_, attempt)
