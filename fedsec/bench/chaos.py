@@ -118,6 +118,8 @@ class ChaosPlan:
     epsilon: float = 100.0
     timeout_s: float = 150.0
     federation_id: str = "chaos"
+    dp: bool = True  # DP-SGD with noise_multiplier, or no DP at all
+    storage_url: str = ""  # [storage] url: a PostgreSQL database replicas share
 
 
 @dataclass
@@ -153,7 +155,7 @@ def _progress_key(s: wire.FederationStatus) -> tuple[int, int, str, int]:
 def _federation_text(plan: ChaosPlan) -> str:
     from fedsec.federation import federation_toml
 
-    return federation_toml(
+    text = federation_toml(
         plan.federation_id,
         TASK,
         round_={
@@ -164,9 +166,12 @@ def _federation_text(plan: ChaosPlan) -> str:
             **plan.deadlines,
         },
         training={"local_epochs": 1, "batch_size": 32, "lr": 0.1},
-        dp={"enabled": True, "noise_multiplier": plan.noise_multiplier, "max_grad_norm": 1.0},
+        dp={"enabled": plan.dp, "noise_multiplier": plan.noise_multiplier, "max_grad_norm": 1.0},
         server={"port": 0},
     )
+    if plan.storage_url:  # the rendered [storage] section holds url = "" once
+        text = text.replace('\nurl = ""\n', f"\nurl = {json.dumps(plan.storage_url)}\n", 1)
+    return text
 
 
 class _Federation:
