@@ -1,0 +1,8 @@
+"""Decentralised mode: members train together with no aggregator (docs/decentralised.md).
+
+:mod:`~fedsec.peer.gossip` is the sans-I/O state machine of one peer's rounds;
+:mod:`~fedsec.peer.messages` the one message peers exchange; :mod:`~fedsec.peer.topology`
+who a peer's neighbours are; :mod:`~fedsec.peer.journal` the hash-chained record of what
+a peer sent and received; :mod:`~fedsec.peer.http` the aiohttp endpoint and client that
+only move bytes; :mod:`~fedsec.peer.runner` one peer's loop of rounds.
+"""

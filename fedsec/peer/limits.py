@@ -1,0 +1,43 @@
+"""Limits and defaults of the decentralised mode, each declared once with its reason."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from fedsec.protocol.limits import MAX_MODEL_BYTES
+
+#: Most values a peer's model may hold: the largest model file anyone reads
+#: (:data:`fedsec.protocol.limits.MAX_MODEL_BYTES`) in float32, so the decentralised
+#: mode trains nothing the aggregator-based one could not.
+MAX_MODEL_VALUES: Final = MAX_MODEL_BYTES // 4
+#: Bytes a model message holds besides its values: federation id, sender key id and a
+#: few integers in msgpack are under 300 bytes; 4 KiB leaves room without letting a
+#: sender make a peer buffer more than one model's worth.
+MESSAGE_OVERHEAD_BYTES: Final = 4096
+#: Longest federation id a message may name (the aggregator's ids are far shorter).
+MAX_FEDERATION_ID: Final = 128
+#: Rounds a neighbour's model may trail the peer's own and still be averaged: the
+#: asynchronous schedule lets a slow neighbour lag, and buffered mode's default
+#: (``round.max_staleness``) is 4; gossip mixes every round, so a model two rounds old
+#: already carries most of the neighbourhood's progress and older ones mostly drag.
+DEFAULT_STALENESS: Final = 2
+#: Rounds a neighbour may run ahead of the peer and still be heard: one, so a neighbour
+#: that finished its round first is not refused, and a sender cannot make a peer hold a
+#: model for a round far in the future (one slot per neighbour is kept either way).
+MAX_AHEAD: Final = 1
+#: Least cosine between a neighbour's update (its model minus the peer's round start) and
+#: the peer's own update for the neighbour to be averaged in.  0: an update that points
+#: away from the peer's own direction is refused, one at a right angle or closer is kept;
+#: IID honest neighbours agree well above it, a sign-flipped update lies well below.
+DEFAULT_MIN_COSINE: Final = 0.0
+#: Seconds a peer waits for its neighbours' models of a round before it averages what it
+#: has: a slow or missing neighbour is skipped, not waited for.
+DEFAULT_ROUND_TIMEOUT_S: Final = 30.0
+#: Seconds one send to a neighbour may take: the neighbour's model is skipped after the
+#: round timeout anyway, so a send that has not finished by then is not worth keeping.
+DEFAULT_SEND_TIMEOUT_S: Final = 10.0
+
+
+def max_message_bytes(values: int) -> int:
+    """The largest model message a peer with ``values`` parameters reads."""
+    return 4 * values + MESSAGE_OVERHEAD_BYTES
