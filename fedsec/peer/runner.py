@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 import aiohttp
 import numpy as np
@@ -36,6 +37,9 @@ Trainer = Callable[[Vector, int], Vector]
 class Timing:
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+
+
+DEFAULT_TIMING: Final = Timing()
 
 
 def task_trainer(
@@ -66,7 +70,7 @@ async def run_rounds(
     trainer: Trainer,
     rounds: int,
     arrived: asyncio.Condition,
-    timing: Timing = Timing(),
+    timing: Timing = DEFAULT_TIMING,
 ) -> list[RoundOutcome]:
     """Run ``rounds`` rounds of ``peer``; ``arrived`` is its endpoint's condition
     (:data:`fedsec.peer.http.ARRIVED`).  Returns each round's outcome."""
