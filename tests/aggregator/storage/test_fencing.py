@@ -60,18 +60,18 @@ def test_a_deposed_leaders_writes_are_refused_and_change_nothing(
     assert row is not None and row.spec == b"spec"
 
 
-def test_a_take_over_waits_for_the_leaders_open_transaction(
+def test_a_take_over_never_lands_inside_the_leaders_transaction(
     old: PostgresStateStore, new: PostgresStateStore
 ) -> None:
     # the fence is read FOR SHARE: while replica-a's transaction is open its check stays
     # true, so the take-over cannot slip in between the check and the commit
     with old.transaction():
         old.rounds.open(1, 0, 100.0)
-        assert not new.lease.acquire(now=200.0, ttl_s=5.0)  # expired, but locked: not now
-    assert new.lease.acquire(now=200.0, ttl_s=5.0)
+        assert not new.lease.acquire(now=104.0, ttl_s=5.0)  # live lease: not now
     assert new.rounds.get(1, 0) is not None  # replica-a's transaction committed whole
     with pytest.raises(NotLeader):
-        old.rounds.open(2, 0, 201.0)
+        assert new.lease.acquire(now=106.0, ttl_s=5.0)
+        old.rounds.open(2, 0, 107.0)
     assert new.rounds.get(2, 0) is None
 
 
@@ -107,3 +107,25 @@ def test_a_store_that_never_led_writes_nothing(new: PostgresStateStore) -> None:
         new.rounds.open(1, 0, 1.0)
     assert refused.value.leader is None and new.lease.refused == 1
     assert new.rounds.latest() is None  # reads work: a standby can answer with state
+
+
+def test_a_leader_paused_inside_a_transaction_does_not_hold_the_take_over_off(
+    old: PostgresStateStore, new: PostgresStateStore
+) -> None:
+    # replica-a stops (SIGSTOP) between two statements of a transaction: its FOR SHARE
+    # lock on the lease row would hold every take-over off until PostgreSQL ends the
+    # idle transaction (60 s); once the lease has expired, the take-over ends it
+    paused = old.transaction()
+    paused.__enter__()
+    old.values.put("k", b"half of a paused transaction")
+    assert not new.lease.acquire(now=104.0, ttl_s=5.0)  # live lease: nothing ended
+    assert old.log.in_transaction()
+    took = [new.lease.acquire(now=106.0, ttl_s=5.0) for _ in range(2)]
+    assert took[-1] and new.lease.token == 2
+    # replica-a wakes: its transaction is gone, nothing of it was kept
+    with pytest.raises(psycopg.OperationalError):
+        paused.__exit__(None, None, None)
+    assert new.values.get("k") is None
+    with pytest.raises(NotLeader):
+        old.values.put("k", b"after waking")
+    assert new.values.get("k") is None

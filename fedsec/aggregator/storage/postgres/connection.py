@@ -83,6 +83,8 @@ class PostgresConnection:
 
     Args:
         url: a libpq connection string or ``postgresql://`` URL.
+        name: the session's ``application_name`` (the lease holder's name, so a
+            take-over can find the sessions of a leader whose lease expired).
 
     Raises:
         psycopg.Error: the server cannot be reached, refuses the login, or a migration
@@ -90,14 +92,17 @@ class PostgresConnection:
         ValueError: the database's schema is newer than this release.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, name: str = "fedsec") -> None:
         self._url = url
+        self._name = name
         self.db = self._connect()
         self._after_commit: list[Callable[[], None]] = []
         self._at_begin: list[Callable[[], None]] = []
 
     def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
-        db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(self._url, autocommit=True)
+        db: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(
+            self._url, autocommit=True, application_name=self._name
+        )
         db.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
         migrate(db)
         return db

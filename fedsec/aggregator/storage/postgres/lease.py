@@ -213,13 +213,43 @@ class LeaderLease:
                     (self.holder, now + ttl_s, self.url, now),
                 ).fetchone()
         except psycopg.errors.LockNotAvailable:
-            return False  # the leader is inside a transaction: try again later
+            # the leader is inside a transaction: try again at the next poll, having
+            # ended it if its lease has expired (a paused leader holds its lock for good)
+            self._end_expired_transactions(now)
+            return False
         if row is None:
             return False
         self.token = int(row[0])
         self._deposed.clear()
         log.info("leader lease taken holder=%s token=%d", self.holder, self.token)
         return True
+
+    def _end_expired_transactions(self, now: float) -> None:
+        """End the idle transactions of a holder whose lease expired by ``now``: they
+        hold the lease row ``FOR SHARE``, so a holder stopped between two statements
+        (SIGSTOP, a paused VM) would hold every take-over off until
+        ``idle_in_transaction_session_timeout``.  Nothing of such a transaction was
+        committed or acknowledged; the server rolls it back.  Sessions are found by
+        ``application_name``, the holder's name (same role: no extra privilege).
+
+        Raises:
+            psycopg.Error: the database fails.
+        """
+        lease = self.current()  # a plain read does not wait on the row lock
+        if lease is None or lease.expires_at > now or lease.holder == self.holder:
+            return
+        ended = self._conn.read(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s AND datname = current_database() "
+            "AND state IN ('idle in transaction', 'idle in transaction (aborted)')",
+            (lease.holder,),
+        ).fetchone()
+        log.warning(
+            "event=expired_leader_transaction_ended holder=%s token=%d sessions=%s",
+            lease.holder,
+            lease.token,
+            ended[0] if ended else 0,
+        )
 
     def take_over(self, now: float) -> bool:
         """:meth:`acquire`, then :meth:`keep` once this store leads (a standby's poll).

@@ -36,8 +36,9 @@ class PostgresStateStore:
     """
 
     def __init__(self, url: str, holder: str | None = None) -> None:
-        self._conn = PostgresConnection(url)
-        self.lease = LeaderLease(self._conn, holder or default_holder())
+        name = holder or default_holder()
+        self._conn = PostgresConnection(url, name)
+        self.lease = LeaderLease(self._conn, name)
         # every write is conditional on this store's token, in its own transaction
         self._conn.at_begin(self.lease.check)
         db = PostgresSqlDb(self._conn)
