@@ -134,7 +134,7 @@ def render_report(
         f"{_e(_version())} from the transparency log and its archive.</p>"
         f"{verification_section(result, inputs or {})}"
         f"{federation_section(summary)}"
-        f"{rounds_section(rows)}"
+        f"{rounds_section(rows, summary.primary_metric()[0])}"
         f"{charts_section(summary, rows)}"
         f"{privacy_section(summary)}"
         f"{data_summaries_section(summary)}"

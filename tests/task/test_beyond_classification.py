@@ -304,6 +304,12 @@ async def test_a_federation_trains_scores_and_audits_the_task(
     # the log verifies end to end, models included
     result = verify_log(fed.log, fed.ws.root / "audit" / "archive", fed.ws.root)
     assert result.ok, result.problem
+    # the audit report names the task's primary metric in its table and chart
+    from fedsec.audit.report import build_report
+
+    page, _ = build_report(fed.log, fed.ws.root / "audit" / "archive", fed.ws.root)
+    assert f"Validation {task.primary_metric} per round" in page
+    assert f"<th class='n'>{task.primary_metric}</th>" in page
     # FLTrust's reference is trained on the aggregator's own root data, which the log
     # does not hold: its rounds cannot be re-derived (UNDERIVABLE_RULES), the rest can
     underivable = fed.ws.config.aggregation.rule == "fltrust"

@@ -129,12 +129,18 @@ def federation_section(s: LogSummary) -> str:
     )
 
 
-def rounds_section(rows: list[RoundRow]) -> str:
+def _score(row: RoundRow, metric: str) -> float | None:
+    """A round's model's value of ``metric`` (manifests written before metrics were named
+    hold accuracy only)."""
+    return row.metrics.get(metric, row.accuracy if metric == "accuracy" else None)
+
+
+def rounds_section(rows: list[RoundRow], metric: str = "accuracy") -> str:
     head = (
         "<tr><th class='n'>round</th><th class='n'>attempt</th><th>status</th>"
         "<th class='n'>cohort</th><th class='n'>survivors</th><th>dropped</th>"
         "<th class='n'>accepted</th><th class='n'>refused</th><th class='n'>model version</th>"
-        "<th class='n'>accuracy</th><th class='n'>ε max</th><th class='n'>duration (s)</th>"
+        f"<th class='n'>{_e(metric)}</th><th class='n'>ε max</th><th class='n'>duration (s)</th>"
         "<th class='n'>aggregation (s)</th></tr>"
     )
     body = "".join(
@@ -147,7 +153,7 @@ def rounds_section(rows: list[RoundRow]) -> str:
         f"<td>{_e(', '.join(r.dropped)) or '–'}</td>"
         f'<td class="n">{r.accepted}</td><td class="n">{r.refused}</td>'
         f'<td class="n">{"–" if r.model_version is None else r.model_version}</td>'
-        f'<td class="n">{_fmt(r.accuracy, 4)}</td><td class="n">{_fmt(r.epsilon_max)}</td>'
+        f'<td class="n">{_fmt(_score(r, metric), 4)}</td><td class="n">{_fmt(r.epsilon_max)}</td>'
         f'<td class="n">{_fmt(r.duration_s, 2)}</td>'
         f'<td class="n">{_fmt(r.aggregation_s, 3)}</td></tr>'
         for r in rows
@@ -189,17 +195,19 @@ def charts_section(s: LogSummary, rows: list[RoundRow]) -> str:
         ],
         "contributions",
     )
+    metric, _ = s.primary_metric()
+    share = "accuracy" in metric or metric.endswith("f1")  # a share: drawn on all of [0, 1]
     accuracy = line_chart(
-        "Validation accuracy per round",
+        f"Validation {metric} per round",
         [
             (
-                "accuracy",
-                [(float(r), a) for r in rounds if (a := final[r].accuracy) is not None],
+                metric,
+                [(float(r), a) for r in rounds if (a := _score(final[r], metric)) is not None],
             )
         ],
-        "accuracy",
-        y_min=0.0,
-        y_max=1.0,  # the whole scale: small changes are not drawn as large ones
+        metric,
+        y_min=0.0 if share else None,
+        y_max=1.0 if share else None,  # the whole scale: small changes not drawn as large
     )
     epsilon = line_chart(
         "ε per member over rounds",

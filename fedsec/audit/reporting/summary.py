@@ -70,6 +70,7 @@ class RoundRow:
     refused: int = 0  # contributions refused
     model_version: int | None = None
     accuracy: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # its model's manifest's
     epsilon_max: float | None = None
     spec_time: float | None = None
     last_message_time: float | None = None
@@ -112,6 +113,18 @@ class LogSummary:
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (index, kind, text)
     last_head: tuple[int, str] | None = None  # (index, signed hash)
     latest_version: int | None = None
+    task: str = ""  # the task the round specs name
+
+    def primary_metric(self) -> tuple[str, bool]:
+        """The task's primary metric and whether higher is better, from the task
+        installed here; accuracy where it is not (or needs options to load)."""
+        from fedsec.task import load_task
+
+        try:
+            task = load_task(self.task)
+        except FedsecError:
+            return "accuracy", True
+        return task.primary_metric, task.higher_is_better
 
 
 def num(value: Any) -> float | None:
@@ -189,6 +202,7 @@ def _add_round_entry(s: LogSummary, body: LogBody, t: float | None) -> bool:
     """Take an entry of a round attempt into its row; False for any other entry."""
     match body:
         case wire.RoundSpec() as spec:
+            s.task = spec.task
             row = _row(s, spec)
             row.cohort = len(spec.cohort)
             row.spec_time = t
@@ -303,6 +317,11 @@ def _add_model_version(s: LogSummary, manifest: ModelVersionEntry) -> None:
             row = max(closed, key=lambda r: r.attempt)
             row.model_version = version
             row.accuracy = num(manifest.metrics.get("accuracy"))
+            row.metrics = {
+                name: value
+                for name, raw in manifest.metrics.items()
+                if (value := num(raw)) is not None
+            }
 
 
 def read_verdicts(path: Path) -> list[dict[str, Any]]:
