@@ -403,6 +403,15 @@ def _parse_dp(value: str) -> float | None:
     help="--secure-sum he: keep the model hidden from the aggregator "
     "(he.model_visible_to_aggregator = false)",
 )
+@click.option(
+    "--topology",
+    type=click.Choice(["aggregator", "gossip"]),
+    default="aggregator",
+    show_default=True,
+    help="gossip: real peers on loopback with no aggregator (docs/decentralised.md); "
+    "it reads --task, --agents, --rounds, --partition, --local-epochs, --seed and --degree",
+)
+@click.option("--degree", default=4, show_default=True, help="gossip: neighbours per peer")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(
     task: str,
@@ -431,9 +440,14 @@ def simulate(
     kill_fraction: float,
     kill_round: int,
     hide_model: bool,
+    topology: str,
+    degree: int,
     as_json: bool,
 ) -> None:
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
+    if topology == "gossip":
+        _simulate_gossip(task, agents, rounds, degree, partition, local_epochs, seed, as_json)
+        return
     from fedsec.simulation import SimulationSpec, run_simulation
 
     try:
@@ -473,6 +487,31 @@ def simulate(
         raise click.ClickException(
             "simulation stopped (SIGTERM); its aggregator was stopped too"
         ) from None
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for key, value in result.items():
+            click.echo(f"{key:>32}: {value}")
+
+
+def _simulate_gossip(
+    task: str,
+    agents: int,
+    rounds: int,
+    degree: int,
+    partition: str,
+    local_epochs: int,
+    seed: int,
+    as_json: bool,
+) -> None:
+    from fedsec.errors import FedsecError
+    from fedsec.peer.simulation import GossipSimulation, run_gossip_simulation
+
+    spec = GossipSimulation(task, agents, rounds, degree, partition, local_epochs, seed)
+    try:
+        result = asyncio.run(run_gossip_simulation(spec))
+    except FedsecError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(result))
     else:
