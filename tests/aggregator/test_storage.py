@@ -140,6 +140,8 @@ def test_joins_keep_their_order_bases_and_times(backend: Backend, state: StateSt
     assert [state.joins.nth_time(1, 0, n) for n in (1, 2, 3)] == [5.0, 6.0, 7.0]
     assert math.isinf(state.joins.nth_time(1, 0, 4))
     assert state.joins.samples(2, 0) == {} and state.joins.bases(2, 0) == {}
+    assert [state.joins.count(1, 0), state.joins.count(1, 1), state.joins.count(2, 0)] == [3, 1, 0]
+    assert state.joins.joined(1, 0, "bob") and not state.joins.joined(1, 1, "bob")
     with pytest.raises(backend.duplicate):
         state.joins.add(1, 0, "amy", 11, 9.0)
     assert state.joins.samples(1, 0)["amy"] == 10

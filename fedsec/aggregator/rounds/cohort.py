@@ -75,10 +75,11 @@ class CohortDesk:
         if self._ctx.buffered:
             self._check_staleness(member, req.base_version)
         state = self._ctx.ws.state
-        joins = state.joins.samples(live.round, live.attempt)
-        if member in joins:
+        # count and look up, not read every join: this runs once per member (O(n^2) at
+        # 1,000 members when it read them all)
+        if state.joins.joined(live.round, live.attempt, member):
             return wire.JoinResponse(accepted=True, detail="already joined"), False
-        if len(joins) >= self.cap:
+        if state.joins.count(live.round, live.attempt) >= self.cap:
             full = "cohort is full; try the next round"
             return wire.JoinResponse(accepted=False, detail=full), False
         graph = self._mode.commits_graph
@@ -146,11 +147,17 @@ class CohortDesk:
         cfg, ws = self._ctx.cfg.round, self._ctx.ws
         if not self._mode_ready(live):
             return False
-        joins = ws.state.joins.samples(live.round, live.attempt)
-        if len(joins) < cfg.min_agents:
+        # asked after every join and at every tick: count first, read the joins only
+        # once as many have joined as are active (reading them all each time was O(n^2))
+        joined = ws.state.joins.count(live.round, live.attempt)
+        if joined < cfg.min_agents:
             return False
+        if joined >= self.cap or now >= self.join_deadline(live):
+            return True
         active = {e.agent_id for e in ws.roster.active_agents()} - self._ctx.quarantined.keys()
-        return len(joins) >= self.cap or active <= joins.keys() or now >= self.join_deadline(live)
+        if joined < len(active):
+            return False
+        return active <= ws.state.joins.samples(live.round, live.attempt).keys()
 
     def _mode_ready(self, live: Attempt) -> bool:
         """Where a custodian decrypts, the cohort is fixed only once it published the

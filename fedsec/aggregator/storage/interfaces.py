@@ -144,6 +144,14 @@ class JoinStore(Protocol):
         """Member -> declared samples, in the order they joined."""
         ...
 
+    def count(self, round_: int, attempt: int) -> int:
+        """How many members joined the attempt (without reading them)."""
+        ...
+
+    def joined(self, round_: int, attempt: int, member: str) -> bool:
+        """Whether ``member`` joined the attempt."""
+        ...
+
     def bases(self, round_: int, attempt: int) -> dict[str, int | None]:
         """Member -> the model version it trained on (None: not said)."""
         ...

@@ -123,6 +123,23 @@ class SqlJoins:
         )
         return {m: s for m, s in rows}
 
+    def count(self, round_: int, attempt: int) -> int:
+        rows = list(
+            self._db.read(
+                "SELECT COUNT(*) FROM joins WHERE round=? AND attempt=?", (round_, attempt)
+            )
+        )
+        return int(rows[0][0])
+
+    def joined(self, round_: int, attempt: int, member: str) -> bool:
+        rows = list(
+            self._db.read(
+                "SELECT 1 FROM joins WHERE round=? AND attempt=? AND member=?",
+                (round_, attempt, member),
+            )
+        )
+        return bool(rows)
+
     def bases(self, round_: int, attempt: int) -> dict[str, int | None]:
         rows = list(
             self._db.read(
