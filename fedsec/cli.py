@@ -174,6 +174,8 @@ def _register_optional() -> None:
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
         ("fedsec.bench.robust", "bench_robust", "robust"),
         ("fedsec.bench.compare", "bench_compare", "compare"),
+        ("fedsec.bench.model_size", "bench_model_size", "model-size"),
+        ("fedsec.bench.member_memory", "bench_member_memory", "member-memory"),
         ("fedsec.bench.scale", "bench_scale", "scale"),
     ):
         try:
