@@ -153,6 +153,7 @@ def _register_optional() -> None:
         ("fedsec.audit.cli", ("audit",)),
         ("fedsec.custodian.cli", ("custodian",)),
         ("fedsec.demo", ("demo", "simulate")),
+        ("fedsec.peer.cli", ("peer",)),
         ("fedsec.task.cli", ("task",)),
     ):
         try:

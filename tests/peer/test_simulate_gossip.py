@@ -11,7 +11,7 @@ from fedsec.cli import main
 
 def test_simulate_gossip_trains_a_small_task_with_no_aggregator() -> None:
     args = ["simulate", "--topology", "gossip", "--task", "breast_cancer", "--agents", "4"]
-    args += ["--rounds", "1", "--degree", "2", "--json"]
+    args += ["--rounds", "1", "--local-epochs", "1", "--degree", "2", "--json"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)

@@ -1,0 +1,109 @@
+"""``peer.toml``: one member's settings for ``fedsec peer run``, validated at start-up.
+
+An invalid file is refused with the key path and the reason (msgspec names the path,
+e.g. ``$.topology.degree``).  See docs/decentralised.md for an example.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from fedsec.errors import ConfigError
+from fedsec.peer.limits import (
+    DEFAULT_MIN_COSINE,
+    DEFAULT_ROUND_TIMEOUT_S,
+    DEFAULT_SEND_TIMEOUT_S,
+    DEFAULT_STALENESS,
+)
+from fedsec.peer.topology import SignedTopology
+from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class MemberEntry(_Section, frozen=True, kw_only=True):
+    public_key: str  # hex Ed25519
+    url: str  # where its peer endpoint listens
+
+
+class GossipSection(_Section, frozen=True, kw_only=True):
+    robust: bool = True
+    min_cosine: float = DEFAULT_MIN_COSINE
+    staleness: int = DEFAULT_STALENESS
+    round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+
+
+class TrainingSection(_Section, frozen=True, kw_only=True):
+    """This member's data: its shard of a bundled task's training split (the data sources
+    of ``fedsec agent`` are not wired to peers yet)."""
+
+    task: str
+    shard: int
+    shards: int
+    partition: str = "iid"
+    seed: int = 0
+    local_epochs: int = 0  # 0: the task's default
+    noise_multiplier: float = 0.0  # DP-SGD noise; 0: trains without DP (simulation only)
+    max_grad_norm: float = 1.0
+    delta: float = DEFAULT_DELTA
+
+
+class PeerConfig(_Section, frozen=True, kw_only=True):
+    federation_id: str
+    key_file: str
+    host: str = "127.0.0.1"
+    port: int
+    admin_public_key: str
+    rounds: int
+    topology: SignedTopology
+    members: list[MemberEntry]
+    training: TrainingSection
+    gossip: GossipSection = GossipSection()
+    journal_file: str = "peer-journal.jsonl"
+
+
+def load_peer_config(path: Path) -> PeerConfig:
+    """Read and validate ``path``.
+
+    Raises:
+        ConfigError: unreadable, not TOML, a key of the wrong type, missing or unknown,
+            or a value out of range; the detail names the key path.
+    """
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        config = msgspec.convert(doc, PeerConfig)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    _check_ranges(path, config)
+    return config
+
+
+def _check_ranges(path: Path, config: PeerConfig) -> None:
+    if not 3 <= len(config.members) <= MAX_COHORT:
+        raise ConfigError(f"{path}: members: a gossip roster has 3..{MAX_COHORT} members")
+    if config.rounds < 1 or not 0 < config.port < 65536:
+        raise ConfigError(f"{path}: rounds must be ≥ 1 and port in 1..65535")
+    if len({m.public_key for m in config.members}) != len(config.members):
+        raise ConfigError(f"{path}: members: a public key is listed twice")
+    if len({m.url for m in config.members}) != len(config.members):
+        raise ConfigError(f"{path}: members: two members share a url")
+    t = config.training
+    if not 0 <= t.shard < t.shards or t.local_epochs < 0:
+        raise ConfigError(f"{path}: training.shard must be in 0..shards − 1")
+    g = config.gossip
+    if not (g.round_timeout_s > 0 and g.send_timeout_s > 0):
+        raise ConfigError(f"{path}: gossip timeouts must be positive")
+    try:
+        for m in config.members:
+            bytes.fromhex(m.public_key)
+        bytes.fromhex(config.admin_public_key)
+    except ValueError:
+        raise ConfigError(f"{path}: public keys are hex") from None
