@@ -36,7 +36,7 @@ from fedsec.crypto.secagg.graph import DEFAULT_TOLERATED_CORRUPT, default_thresh
 from fedsec.data.settings import ColumnRules, SourceSpec
 from fedsec.errors import ConfigError
 from fedsec.fsio import atomic_write
-from fedsec.learning import robust
+from fedsec.learning import robust, worker_settings
 from fedsec.protocol import compat, wire
 from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
@@ -567,6 +567,25 @@ class PrivacySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     any member has (the equivocation bound, docs/threat-model.md)."""
 
 
+class AgentTrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    workers: int = 1
+    """Processes the round's local training runs as, one torchrun job of DDP workers (gloo on
+    CPUs, NCCL with one per GPU); 1 = in the agent as before, 0 = one per GPU (in-process
+    without CUDA). Not with DP-SGD yet (refused at the round); docs/agent.md."""
+    max_restarts: int = worker_settings.DEFAULT_MAX_RESTARTS
+    """torchrun restarts of a round's job after a worker dies; 2: a worker lost twice in one
+    round points at a broken node, and the next round starts fresh."""
+    checkpoint_steps: int = worker_settings.DEFAULT_CHECKPOINT_STEPS
+    """Steps between the job's checkpoints in the state directory, which a restarted job
+    resumes from; 0 = none (a restart trains the round again from its start)."""
+
+    @property
+    def settings(self) -> worker_settings.TrainingWorkers:
+        return worker_settings.TrainingWorkers(
+            self.workers, self.max_restarts, self.checkpoint_steps
+        )
+
+
 class NetworkSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     retry_max: int = 8
     """Retries of a failed request before giving up on the stage; 8 spans about 45 s of outage
@@ -586,6 +605,7 @@ class AgentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     data: DataSection = msgspec.field(default_factory=DataSection)
     privacy: PrivacySection = msgspec.field(default_factory=PrivacySection)
     network: NetworkSection = msgspec.field(default_factory=NetworkSection)
+    training: AgentTrainingSection = msgspec.field(default_factory=AgentTrainingSection)
 
 
 @functools.cache
@@ -970,6 +990,10 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p.positive("privacy.epsilon", cfg.privacy.epsilon)
     p.open_unit("privacy.delta", cfg.privacy.delta)
     p.int_range("privacy.min_survivors", cfg.privacy.min_survivors, 1, 100_000)
+    w = cfg.training
+    p.int_range("training.workers", w.workers, 0, worker_settings.MAX_WORKERS)
+    p.int_range("training.max_restarts", w.max_restarts, 0, worker_settings.MAX_RESTARTS)
+    p.int_range("training.checkpoint_steps", w.checkpoint_steps, 0)
     p.int_range(
         "privacy.tolerated_corrupt_neighbours", cfg.privacy.tolerated_corrupt_neighbours, 0, 1000
     )

@@ -39,6 +39,22 @@ class LocalData:
         return len(self.train)  # type: ignore[arg-type]  # map-style: has a length
 
 
+def task_options(data: DataSection) -> dict[str, Any]:
+    """The options ``data.task`` is built with (``data.csv`` is the csv task's path).
+
+    Raises:
+        ConfigError: ``data.csv`` set for a task other than csv.
+    """
+    options = dict(data.task_options)
+    if data.csv:
+        if data.task != "csv":
+            raise ConfigError(
+                f'data.csv is set but data.task is {data.task!r}; set data.task = "csv"'
+            )
+        options["path"] = data.csv
+    return options
+
+
 def load_local_data(data: DataSection, state_dir: str | Path = "", member: str = "") -> LocalData:
     """Build the task and this member's part of its training data.
 
@@ -48,14 +64,7 @@ def load_local_data(data: DataSection, state_dir: str | Path = "", member: str =
     """
     if data.task == "table":
         return _load_table(data, Path(state_dir), member)
-    options = dict(data.task_options)
-    if data.csv:
-        if data.task != "csv":
-            raise ConfigError(
-                f'data.csv is set but data.task is {data.task!r}; set data.task = "csv"'
-            )
-        options["path"] = data.csv
-    task = get_task(data.task, **options)
+    task = get_task(data.task, **task_options(data))
     train = task.datasets().train
     check_record(task, train)
     if data.parts > 1:

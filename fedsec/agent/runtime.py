@@ -62,7 +62,7 @@ from fedsec.agent.evaluation import MemberEvaluator, held_out_split
 from fedsec.agent.follow import Follower
 from fedsec.agent.hidden_model import HiddenModels
 from fedsec.agent.ledger import PrivacyLedger
-from fedsec.agent.local_data import LocalData, load_local_data
+from fedsec.agent.local_data import LocalData, load_local_data, task_options
 from fedsec.agent.member import Member
 from fedsec.agent.perform import (
     MIN_REPOLL_S,
@@ -383,6 +383,9 @@ class AgentRuntime:
                 slowdown=self.slowdown,
                 faults=self._faults,
                 hidden=HiddenModels(self._roster, self.member, self.identity),
+                workers=self.config.training.settings,
+                state_dir=self.state_dir,
+                task_options=task_options(self.config.data),
             )
         try:
             self._check_sources_unchanged()

@@ -8,6 +8,7 @@ import concurrent.futures
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any, Final, Protocol
 
 import numpy as np
@@ -19,10 +20,19 @@ from fedsec.agent.charging import PrivacyCharge
 from fedsec.agent.local_data import LocalData
 from fedsec.agent.spec import training_params
 from fedsec.aggregator_client import AggregatorClient
-from fedsec.errors import IntegrityError
+from fedsec.errors import ConfigError, IntegrityError
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.learning.distributed import clipped_gradient_sum, poisson_sample
-from fedsec.learning.training import DPParams, fresh_seed, records, train_dataset
+from fedsec.learning.training import (
+    DPParams,
+    LocalTrainResult,
+    TrainingParams,
+    fresh_seed,
+    records,
+    train_dataset,
+)
+from fedsec.learning.worker_settings import TrainingWorkers
+from fedsec.learning.workers import check_dp_split, train_with_workers, worker_count
 from fedsec.modelfile import decode_model, sha256_hex, verify_manifest
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.he_release import sealed_release_allowance
@@ -58,6 +68,9 @@ class LocalTrainer:
         slowdown: simulations only: this member trains slowdown x slower.
         faults: the unsafe deterministic test seed, if any (:mod:`fedsec.faults`).
         hidden: opens hidden model versions (an he federation's sealed releases).
+        workers: how training is split over processes (``[training]`` of agent.toml).
+        state_dir: the member's state directory, where a split job's files live.
+        task_options: what the task was built with, for workers building it again.
     """
 
     def __init__(
@@ -72,6 +85,9 @@ class LocalTrainer:
         slowdown: float = 1.0,
         faults: Faults = NO_FAULTS,
         hidden: SealedModelOpener | None = None,
+        workers: TrainingWorkers | None = None,
+        state_dir: Path = Path("state"),
+        task_options: dict[str, Any] | None = None,
     ) -> None:
         self.member = member
         self.aggregator_public = aggregator_public
@@ -82,6 +98,9 @@ class LocalTrainer:
         self.slowdown = slowdown
         self._faults = faults
         self._hidden = hidden
+        self._workers = workers or TrainingWorkers()
+        self._state_dir = state_dir
+        self._task_options = dict(task_options or {})
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
 
     async def train(
@@ -110,15 +129,12 @@ class LocalTrainer:
         result = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             functools.partial(
-                train_dataset,
+                self._train_model,
                 model,
-                local.train,
                 params,
                 dp,
-                self.device,
                 _training_seed(self._faults, self.member, spec.round),
-                self.progress,
-                local.task,
+                spec.round,
             ),
         )
         if result.steps != charge.steps or abs(result.sample_rate - charge.sample_rate) > 1e-12:
@@ -142,6 +158,48 @@ class LocalTrainer:
             # simulations of slow members only: stretch training to slowdown x its time
             await asyncio.sleep((self.slowdown - 1.0) * result.duration_s)
         return delta
+
+    def _train_model(
+        self,
+        model: torch.nn.Module,
+        params: TrainingParams,
+        dp: DPParams | None,
+        seed: int,
+        round_: int,
+    ) -> LocalTrainResult:
+        """Train in this process, or as a torchrun job where ``[training] workers`` asks.
+
+        Raises:
+            ConfigError: DP-SGD split over workers, or a task workers cannot rebuild.
+            TrainingWorkersFailed: the job failed past its restarts.
+        """
+        local = self.local
+        count = worker_count(self._workers.workers, self.device)
+        if count <= 1:
+            return train_dataset(
+                model, local.train, params, dp, self.device, seed, self.progress, local.task
+            )
+        check_dp_split(count, dp is not None)
+        if local.task.name == "table":
+            raise ConfigError(
+                "training.workers > 1 needs a task its workers can build by name; task "
+                "'table' is built from the federation's schema and the owner's sources"
+            )
+        done = train_with_workers(
+            model,
+            local.train,
+            params,
+            self.device,
+            seed,
+            local.task,
+            self._task_options,
+            self._state_dir,
+            self._workers,
+        )
+        log.info(
+            "round_workers round=%d workers=%d restarts=%d", round_, done.workers, done.restarts
+        )
+        return done.trained
 
     async def _gradient_share(
         self, spec: RoundSpec, model: torch.nn.Module

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ from fedsec.tasks.evaluation import evaluate
 __all__ = [
     "DPParams",
     "LocalTrainResult",
+    "StepSharing",
     "TrainingParams",
     "fresh_seed",
     "loader_workers",
@@ -138,6 +139,22 @@ class LocalTrainResult:
     epsilon_round: float | None
     train_loss: float
     duration_s: float
+
+
+class StepSharing(Protocol):
+    """How one process of a multi-process run (:mod:`fedsec.learning.workers`) takes its
+    part of every step of :func:`train_dataset`: its slice of each batch, and a model
+    whose backward pass combines the processes' gradients into the whole batch's."""
+
+    def loader(
+        self, data: TorchDataset[Any], batch_size: int, sampling_seed: int, workers: int
+    ) -> DataLoader[Any]:
+        """This process's slices of the batches one process would draw with this seed."""
+        ...
+
+    def wrap(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The module the steps run (``work`` stays the one whose weights are returned)."""
+        ...
 
 
 def fresh_seed() -> int:
@@ -342,6 +359,7 @@ def train_dataset(
     progress: bool = False,
     task: Task | None = None,
     workers: int | None = None,
+    sharing: StepSharing | None = None,
 ) -> LocalTrainResult:
     """Train ``model`` in place on the map-style dataset ``data`` for ``params.local_epochs``
     epochs, reading it batch by batch (memory does not grow with ``len(data)``).
@@ -362,6 +380,8 @@ def train_dataset(
         task: the task whose loss each step minimises (its ``batch_step`` when it
             declares one); None: cross-entropy.
         workers: DataLoader worker processes; None: :func:`loader_workers`.
+        sharing: this process's part of each step in a multi-process run; None: all of
+            it (plain training only).
 
     Returns:
         steps taken, sample count, sample rate, this round's epsilon (DP only), mean
@@ -382,7 +402,7 @@ def train_dataset(
     batch_loss = _batch_loss(task, work, data, target)
     count = loader_workers(data) if workers is None else workers
     steps, loss_sum, seen, sample_rate, epsilon = _train_copy(
-        work, data, params, dp, target, seed, progress, batch_loss, count
+        work, data, params, dp, target, seed, progress, batch_loss, count, sharing
     )
     with torch.no_grad():
         model.load_state_dict(work.state_dict())
@@ -417,6 +437,7 @@ def _train_copy(
     progress: bool,
     batch_loss: BatchLoss,
     workers: int,
+    sharing: StepSharing | None = None,
 ) -> tuple[int, float, int, float, float | None]:
     """Train ``work`` (a copy already on ``target``): (steps, loss sum, samples seen,
     sample rate, this round's epsilon or None without DP)."""
@@ -427,6 +448,11 @@ def _train_copy(
     loader = _loader(data, params.batch_size, sampling_seed, workers, target)
     engine: PrivacyEngine | None = None
     trained: torch.nn.Module = work
+    if sharing is not None:
+        if dp is not None:  # DP-SGD across processes needs Opacus' distributed optimiser
+            raise ConfigError("DP-SGD does not run split across training processes")
+        loader = sharing.loader(data, params.batch_size, sampling_seed, workers)
+        trained = sharing.wrap(work, optimizer)
     if dp is not None:
         engine, trained, optimizer, loader = _make_private(work, optimizer, loader, dp, noise_seed)
         sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]

@@ -1,0 +1,33 @@
+"""How a member splits its local training over processes: the settings of
+:mod:`fedsec.learning.workers` and their limits, without torch, for the agent's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+#: Most processes on one node: a node has at most 8-16 accelerators, and CPU workers
+#: beyond the cores only contend; 64 leaves room without letting a typo start 10,000.
+MAX_WORKERS: Final = 64
+#: Restarts torchrun grants a round's job: a worker lost twice in one round points at a
+#: broken node, not a transient fault, so the round fails and the next one starts fresh.
+DEFAULT_MAX_RESTARTS: Final = 2
+MAX_RESTARTS: Final = 100
+#: Steps between checkpoints: a restart redoes at most this many steps; each checkpoint
+#: is one atomic write of the model and optimiser state (milliseconds for the bundled
+#: models, so 50 keeps that under 1 % of the steps' time).
+DEFAULT_CHECKPOINT_STEPS: Final = 50
+
+
+@dataclass(frozen=True)
+class TrainingWorkers:
+    """How a member splits its local training (``[training]`` of ``agent.toml``).
+
+    ``workers``: processes; 0 = one per GPU when training on CUDA, else in-process;
+    1 = in-process (no torchrun). ``checkpoint_steps``: 0 = no checkpoints (a restart
+    starts the round's training over).
+    """
+
+    workers: int = 1
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    checkpoint_steps: int = DEFAULT_CHECKPOINT_STEPS

@@ -1,0 +1,517 @@
+"""A round's local training split over processes: one ``torchrun`` job of DDP workers.
+
+The agent keeps the protocol, its keys and the privacy ledger; it writes a job directory
+inside the member's state directory (the round's model and the training records as
+safetensors, the settings as JSON, nothing else), runs ``python -m torch.distributed.run``
+on it and reads the trained weights back from the file rank 0 writes there. Nothing a
+worker writes is unpickled: weights, records and checkpoints are safetensors, the rest
+JSON, and the trained weights must have exactly the model's names and shapes.
+
+Every worker runs :func:`fedsec.learning.training.train_dataset`, the one training loop,
+with a :class:`StepSharing` that makes N processes take the step one process would:
+
+- **Constant effective batch.** Each worker draws the very batches one process draws
+  (the same sampler, generator and seed) and keeps its contiguous slice of each, so
+  every step covers the same records whatever N is, with batch/N records per worker.
+- **The whole batch's gradient.** DDP's gradient all-reduce is replaced by a weighted
+  one: each worker sends its slice's mean gradient times its record count together with
+  the count, and every worker divides the summed gradients by the summed counts, which
+  is the batch mean one process computes (an epoch's last, short batch included, and a
+  worker whose slice is empty sends zeros). The updates of 1 and N workers differ by
+  float summation order only (tested).
+- **Elasticity.** Rank 0 writes a checkpoint (model, optimiser state, steps done)
+  atomically every ``checkpoint_steps`` steps; ``torchrun --max-restarts`` restarts
+  every worker when one dies, and each resumes from the checkpoint, skipping the
+  batches already taken, so the restarted run takes the same steps on the same records.
+  The ledger is charged by the agent before the job starts, once, whatever happens
+  inside it.
+
+DP-SGD is not split across processes (:func:`check_dp_split`): the project's DP-SGD
+draws its noise from its own CSPRNG in one process (see :mod:`fedsec.learning.training`),
+and Opacus' distributed optimiser would draw it from torch's generator on rank 0, a
+different and weaker guarantee; until that is joined, ``workers > 1`` with DP is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save
+from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    TensorDataset,
+    default_collate,
+)
+from torch.utils.data import Dataset as TorchDataset
+
+from fedsec.errors import ConfigError, FedsecError
+from fedsec.fsio import atomic_write
+from fedsec.learning.training import LocalTrainResult, records, train_dataset
+from fedsec.learning.worker_settings import MAX_WORKERS, TrainingWorkers
+from fedsec.tasks import Task, TrainingParams, get_task
+
+__all__ = [
+    "TrainingWorkers",
+    "TrainingWorkersFailed",
+    "WorkersResult",
+    "backend_for",
+    "check_dp_split",
+    "train_with_workers",
+    "worker_count",
+]
+
+#: How often torchrun checks its workers: 0.1 s notices a dead worker at once and costs
+#: nothing next to a training step.
+MONITOR_INTERVAL_S: Final = 0.1
+
+_JOB: Final = "job.json"
+_MODEL: Final = "model.safetensors"
+_RECORDS: Final = "records.safetensors"
+_TRAINED: Final = "trained.safetensors"
+_RESULT: Final = "result.json"
+_CHECKPOINT: Final = "checkpoint.safetensors"
+_LOG: Final = "torchrun.log"
+#: Where jobs live under the member's state directory (0700: they hold the records).
+JOBS_DIR: Final = "training"
+
+
+class TrainingWorkersFailed(FedsecError):
+    """The torchrun job of a round's training failed past its restarts."""
+
+    code = "training_workers_failed"
+    http_status = 500
+
+
+@dataclass(frozen=True)
+class WorkersResult:
+    """What a job did: the training result, and how often torchrun restarted it."""
+
+    trained: LocalTrainResult
+    workers: int
+    restarts: int
+
+
+def worker_count(workers: int, device: torch.device) -> int:
+    """Processes a job runs: ``workers``, or one per visible GPU when ``workers`` is 0 on
+    CUDA (0 on the CPU: in-process).
+
+    Raises:
+        ConfigError: more workers than :data:`MAX_WORKERS`, or than GPUs on CUDA.
+    """
+    if not 0 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"training.workers must be in 0..{MAX_WORKERS}, got {workers}")
+    if device.type != "cuda":
+        return max(1, workers)
+    gpus = torch.cuda.device_count()
+    if workers > gpus:
+        raise ConfigError(f"training.workers = {workers} but this node has {gpus} GPU(s)")
+    return workers or gpus
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_dp_split(workers: int, dp_enabled: bool) -> None:
+    """Refuse DP-SGD split over processes (see the module docstring for why).
+
+    Raises:
+        ConfigError: ``workers > 1`` and DP-SGD on.
+    """
+    if workers > 1 and dp_enabled:
+        raise ConfigError(
+            f"training.workers = {workers} with DP-SGD: refused, because the round's "
+            "noise must come from fedsec's CSPRNG in one process and Opacus' distributed "
+            "optimiser draws it from torch's generator; train with workers = 1"
+        )
+
+
+def train_with_workers(
+    model: torch.nn.Module,
+    data: TorchDataset[Any],
+    params: TrainingParams,
+    device: torch.device,
+    seed: int,
+    task: Task,
+    task_options: dict[str, Any],
+    state_dir: Path,
+    settings: TrainingWorkers,
+    *,
+    crash_at_step: int | None = None,
+) -> WorkersResult:
+    """Train ``model`` in place as :func:`train_dataset` would without DP, in a torchrun
+    job of :func:`worker_count` processes; blocks until the job ends.
+
+    Args:
+        task_options: what ``task`` was built with (each worker builds it again).
+        state_dir: the member's state directory; the job lives in ``training/`` in it and
+            is removed afterwards.
+        crash_at_step: tests only: the last rank SIGKILLs itself after this many steps
+            on the job's first attempt.
+
+    Raises:
+        ConfigError: see :func:`worker_count`; an empty dataset.
+        TrainingWorkersFailed: the job failed past its restarts, or left no result.
+    """
+    count = worker_count(settings.workers, device)
+    job = _write_job(model, data, state_dir)
+    try:
+        spec = _job_settings(params, device, seed, task, task_options, settings)
+        _write_json(job / _JOB, {**spec, "crash_at_step": crash_at_step})
+        _run_torchrun(job, count, settings.max_restarts)
+        return _read_result(job, model, count)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def _job_settings(
+    params: TrainingParams,
+    device: torch.device,
+    seed: int,
+    task: Task,
+    task_options: dict[str, Any],
+    settings: TrainingWorkers,
+) -> dict[str, Any]:
+    return {
+        "params": asdict(params),
+        "backend": backend_for(device),
+        "seed": seed,
+        "task": task.name,
+        "task_options": task_options,
+        "checkpoint_steps": settings.checkpoint_steps,
+    }
+
+
+def _write_job(model: torch.nn.Module, data: TorchDataset[Any], state_dir: Path) -> Path:
+    """A fresh job directory (0700) holding the model and the records."""
+    n = len(data)  # type: ignore[arg-type]  # map-style datasets have a length
+    if n < 1:
+        raise ConfigError("cannot train on an empty dataset")
+    jobs = Path(state_dir) / JOBS_DIR
+    jobs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    job = jobs / f"job-{secrets.token_hex(8)}"
+    job.mkdir(mode=0o700)
+    atomic_write(job / _MODEL, save(_plain(model.state_dict())), mode=0o600)
+    x, y = _all_records(data)
+    atomic_write(job / _RECORDS, save({"x": x, "y": y}), mode=0o600)
+    return job
+
+
+def _all_records(data: TorchDataset[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records as two tensors (in memory already for a TensorDataset)."""
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        x, y = data.tensors
+        return x.contiguous(), y.contiguous()
+    xs, ys = records(data, np.arange(len(data)))  # type: ignore[arg-type]
+    return torch.from_numpy(xs), torch.from_numpy(ys)
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors safetensors can write: detached, on the CPU, contiguous, unshared."""
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    atomic_write(path, json.dumps(value).encode(), mode=0o600)
+
+
+def _run_torchrun(job: Path, count: int, max_restarts: int) -> None:
+    """Run the job's torchrun on this node to its end.
+
+    Raises:
+        TrainingWorkersFailed: torchrun exited non-zero (its log names the worker).
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={count}",
+        f"--max-restarts={max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        "-m",
+        "fedsec.learning.workers",
+        str(job),
+    ]
+    with (job / _LOG).open("wb") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise TrainingWorkersFailed(
+            f"training job of {count} worker(s) failed with exit status {done.returncode} "
+            f"after up to {max_restarts} restart(s): {_worker_error(job / _LOG)}"
+        )
+
+
+def _worker_error(log: Path) -> str:
+    """The last error a worker printed (``[rankN]: SomeError: ...``), else the log's end."""
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
+    return errors[-1] if errors else "\n".join(lines[-5:])
+
+
+def _read_result(job: Path, model: torch.nn.Module, count: int) -> WorkersResult:
+    """Load rank 0's trained weights into ``model``; names and shapes must be the model's.
+
+    Raises:
+        TrainingWorkersFailed: no result, or weights that are not this model's.
+    """
+    try:
+        summary = json.loads((job / _RESULT).read_text())
+        trained = load_file(str(job / _TRAINED))
+    except (OSError, ValueError) as exc:
+        raise TrainingWorkersFailed(f"training job left no readable result: {exc}") from exc
+    state = model.state_dict()
+    if set(trained) != set(state) or any(trained[k].shape != state[k].shape for k in state):
+        raise TrainingWorkersFailed("training job's weights are not this model's")
+    with torch.no_grad():
+        model.load_state_dict(trained)
+    result = LocalTrainResult(
+        steps=int(summary["steps"]),
+        samples=int(summary["samples"]),
+        sample_rate=float(summary["sample_rate"]),
+        epsilon_round=None,
+        train_loss=float(summary["train_loss"]),
+        duration_s=float(summary["duration_s"]),
+    )
+    return WorkersResult(result, count, int(summary["restarts"]))
+
+
+# -- inside each worker -------------------------------------------------------------------
+
+
+class _SliceSampler(Sampler[list[int]]):
+    """This rank's contiguous slice of each batch one process draws, skipping the first
+    ``skip`` batches of the whole run (a resumed job's steps already taken)."""
+
+    def __init__(self, batches: BatchSampler, rank: int, world: int, skip: int) -> None:
+        self._batches = batches
+        self._rank = rank
+        self._world = world
+        self._skip = skip
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self._batches:
+            if self._skip > 0:
+                self._skip -= 1
+                continue
+            yield [int(i) for i in np.array_split(np.asarray(batch), self._world)[self._rank]]
+
+
+class _Sharing:
+    """A rank's :class:`~fedsec.learning.training.StepSharing`, and its checkpoints."""
+
+    def __init__(
+        self, job: Path, rank: int, world: int, device: torch.device, settings: dict[str, Any]
+    ) -> None:
+        self._job = job
+        self.rank = rank
+        self._world = world
+        self._device = device
+        self._every = int(settings["checkpoint_steps"])
+        self._crash_at = settings.get("crash_at_step")
+        self.count = 0  # records in this rank's slice of the current step
+        self.done = 0  # steps taken, those of a resumed checkpoint included
+        self.resumed = 0
+        self._work: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._saved_optimizer: dict[str, torch.Tensor] = {}
+
+    def loader(
+        self, data: TorchDataset[Any], batch_size: int, sampling_seed: int, workers: int
+    ) -> DataLoader[Any]:
+        # the generator object is the loader's and the sampler's both, as in one process
+        generator = torch.Generator().manual_seed(sampling_seed)
+        order = RandomSampler(data, generator=generator)  # type: ignore[arg-type]  # sized
+        batches = BatchSampler(order, batch_size, False)
+        empty = tuple(t[:0] for t in default_collate([data[0]]))
+
+        def collate(items: list[Any]) -> Any:
+            return default_collate(items) if items else empty
+
+        return DataLoader(
+            data,
+            batch_sampler=_SliceSampler(batches, self.rank, self._world, self.resumed),
+            generator=generator,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=collate,
+        )
+
+    def wrap(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        self._work, self._optimizer = work, optimizer
+        _load_optimizer_state(optimizer, self._saved_optimizer)
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        work.register_forward_pre_hook(self._count)
+        ids = [self._device.index] if self._device.type == "cuda" else None
+        shared = DistributedDataParallel(work, device_ids=ids)
+        shared.register_comm_hook(self, _weighted_mean)
+        return shared
+
+    def resume(self, model: torch.nn.Module) -> None:
+        """Load the job's checkpoint, if any, into ``model`` (which training copies), and
+        keep its optimiser state for :meth:`wrap`."""
+        path = self._job / _CHECKPOINT
+        if not path.exists():
+            return
+        saved = load_file(str(path))
+        self.resumed = self.done = int(saved.pop("steps").item())
+        weights = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
+        model.load_state_dict(weights)
+        self._saved_optimizer = {k: v for k, v in saved.items() if k.startswith("optim.")}
+
+    def _count(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.count = int(args[0].shape[0])
+
+    def _after_step(self) -> None:
+        self.done += 1
+        if self.rank == 0 and self._every > 0 and self.done % self._every == 0:
+            self._checkpoint()
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self._crash_at == self.done and self.rank == self._world - 1 and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _checkpoint(self) -> None:
+        assert self._work is not None and self._optimizer is not None
+        state = {f"model.{k}": v for k, v in self._work.state_dict().items()}
+        for index, values in self._optimizer.state_dict()["state"].items():
+            for key, value in values.items():
+                if value is not None:
+                    state[f"optim.{index}.{key}"] = torch.as_tensor(value)
+        state["steps"] = torch.tensor(self.done)
+        atomic_write(self._job / _CHECKPOINT, save(_plain(state)), mode=0o600)
+
+
+def _weighted_mean(sharing: _Sharing, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce of the batch's mean gradient: Σ count·mean / Σ count over the ranks."""
+    buffer = bucket.buffer()
+    packed = torch.cat([buffer * sharing.count, buffer.new_tensor([float(sharing.count)])])
+    future = dist.all_reduce(packed, async_op=True).get_future()
+
+    def mean(done: torch.futures.Future[Any]) -> torch.Tensor:
+        total: torch.Tensor = done.value()[0]
+        return total[:-1] / total[-1]
+
+    averaged: torch.futures.Future[torch.Tensor] = future.then(mean)
+    return averaged
+
+
+# DDP checks a hook's annotations against the classes themselves, which postponed
+# annotations (PEP 563) turned into strings
+_weighted_mean.__annotations__.update(
+    bucket=GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+)
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, torch.Tensor]) -> None:
+    """Restore a checkpoint's ``optim.<param index>.<key>`` tensors into ``optimizer``."""
+    if not saved:
+        return
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in saved.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict(
+        {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+    )
+
+
+def _worker(job: Path) -> None:
+    """One torchrun worker: train this rank's part of the job; rank 0 writes the result."""
+    settings = json.loads((job / _JOB).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = settings["backend"]
+    device = (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _join_group(backend, rank, world)
+    try:
+        task = get_task(settings["task"], **settings["task_options"])
+        model = task.build_model(0)
+        model.load_state_dict(load_file(str(job / _MODEL)))
+        stored = load_file(str(job / _RECORDS))
+        data = TensorDataset(stored["x"], stored["y"])
+        sharing = _Sharing(job, rank, world, device, settings)
+        sharing.resume(model)
+        trained = train_dataset(
+            model,
+            data,
+            TrainingParams(**settings["params"]),
+            None,
+            device,
+            int(settings["seed"]),
+            task=task,
+            sharing=sharing,
+        )
+        if rank == 0:
+            _write_result(job, model, trained, sharing)
+    finally:
+        dist.destroy_process_group()
+
+
+def _join_group(backend: str, rank: int, world: int) -> None:
+    """Join the job's process group under a key prefix of this attempt: torchrun keeps one
+    store across restarts, where a restarted worker would otherwise read its dead
+    predecessors' addresses and fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not hosted,
+    )
+    prefixed = PrefixStore(f"fedsec/attempt-{attempt}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world)
+
+
+def _write_result(
+    job: Path, model: torch.nn.Module, trained: LocalTrainResult, sharing: _Sharing
+) -> None:
+    atomic_write(job / _TRAINED, save(_plain(model.state_dict())), mode=0o600)
+    _write_json(
+        job / _RESULT,
+        {
+            "steps": sharing.resumed + trained.steps,
+            "samples": trained.samples,
+            "sample_rate": trained.sample_rate,
+            "train_loss": trained.train_loss,
+            "duration_s": trained.duration_s,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        },
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m fedsec.learning.workers JOB_DIR``, as torchrun starts each worker."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    _worker(Path(args[0]))
+
+
+if __name__ == "__main__":
+    main()
