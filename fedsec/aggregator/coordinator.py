@@ -44,7 +44,7 @@ from fedsec.aggregator.rounds.quarantine import QuarantineDesk
 from fedsec.aggregator.rounds.refusals import REFUSED_ENTRIES_PER_ATTEMPT, RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
 from fedsec.aggregator.storage.audit_trail import AuditTrail
-from fedsec.aggregator.workspace import Workspace
+from fedsec.aggregator.workspace import Workspace, check_model_size
 from fedsec.errors import ForbiddenError, PayloadError, WrongStage
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.protocol import wire
@@ -77,6 +77,10 @@ class Coordinator:
 
     Attributes:
         token: changes whenever something an agent may be waiting for changed.
+
+    Raises:
+        ConfigError: the summation mode cannot sum the task's model (see
+            :func:`fedsec.aggregator.workspace.check_model_size`).
     """
 
     def __init__(
@@ -99,6 +103,8 @@ class Coordinator:
         self.task = get_task(fed.task, **fed.task_options)
         model = self.task.build_model(seed=0)
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # a config edited after init (e.g. to secure_sum = "he") meets the same refusal
+        check_model_size(workspace.config, dim)
         self.trail = AuditTrail(
             workspace.root,
             workspace.state.log,

@@ -45,3 +45,15 @@ def test_init_refuses_the_model_and_writes_nothing(tmp_path: Path) -> None:
     assert not root.exists()
     init_workspace(root, "f", config_text=_he_toml())
     assert (root / "federation.toml").exists()
+
+
+def test_an_aggregator_started_on_a_config_edited_to_he_refuses_the_model(tmp_path: Path) -> None:
+    from fedsec.aggregator.coordinator import Coordinator
+    from fedsec.aggregator.workspace import Workspace
+
+    root = tmp_path / "ws"
+    init_workspace(root, "f", config_text=_he_toml())
+    config = root / "federation.toml"
+    config.write_text(_he_toml(max_body_bytes=100_000))
+    with pytest.raises(ConfigError, match=r"over server\.max_body_bytes \(100,000\)"):
+        Coordinator(Workspace.open(root))
