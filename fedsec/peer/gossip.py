@@ -1,19 +1,26 @@
 """One peer's side of gossip averaging, as a sans-I/O state machine.
 
 A round ``r`` of peer i: it starts from its model x_i, trains locally to x_i + Δ_i and
-sends that model to its neighbours (:meth:`GossipPeer.own_model`); meanwhile it keeps the
-newest model each neighbour sent (:meth:`GossipPeer.receive`, which validates a message
+sends (x_i, Δ_i) to its neighbours (:meth:`GossipPeer.own_model`); meanwhile it keeps the
+newest round each neighbour sent (:meth:`GossipPeer.receive`, which validates a message
 completely before it keeps anything, so a refused one leaves the peer as it was); when
-every neighbour's model of the round is in, or the round's timeout has passed, it
-combines (:meth:`GossipPeer.combine`):
+every neighbour's round is in, or the round's timeout has passed, it combines
+(:meth:`GossipPeer.combine`):
 
-- a neighbour's update is its model minus x_i (what averaging it in would move x_i by);
-- neighbours whose newest model is more than ``staleness`` rounds old are skipped;
-- with filtering on, a neighbour whose update's cosine to Δ_i is below ``min_cosine`` is
-  refused, the reason in the journal: FLTrust's trust test
+- neighbours whose newest round is more than ``staleness`` rounds old are skipped;
+- with filtering on, a neighbour whose update Δ_j has cosine to Δ_i below ``min_cosine``
+  is refused, the reason in the journal: FLTrust's trust test
   (:func:`fedsec.learning.robust.fltrust`) with Δ_i as the reference;
-- the new model is x_i plus the mean of Δ_i and the accepted updates weighted by the
+- each accepted neighbour contributes its round's end relative to x_i, its start's pull
+  x_j − x_i clipped to :data:`~fedsec.peer.limits.CONSENSUS_CLIP_OVER_MEDIAN` times the
+  median pull of the round's neighbours (so a start far from the neighbourhood, honest
+  or forged, moves x_i no further than a typical one) plus Δ_j;
+- the new model is x_i plus the mean of Δ_i and those contributions weighted by the
   records each was trained on (:func:`fedsec.learning.robust.fedavg`).
+
+The update is judged on its own, not as the neighbour's end minus x_i: models drift
+apart between peers, and that difference is mostly the drift (measured: 69 % of honest
+neighbours refused, 62 % accuracy against 93 % for FedAvg, ``fedsec bench gossip``).
 
 Refusals of the messages themselves (wrong federation, replayed or stale round, a sender
 that is not a neighbour, a malformed vector) are raised, never journalled: a sender can
@@ -41,6 +48,7 @@ from fedsec.learning import robust
 from fedsec.peer import messages
 from fedsec.peer.journal import PeerCombined, PeerJournal, PeerReceived, PeerRefused, PeerSent
 from fedsec.peer.limits import (
+    CONSENSUS_CLIP_OVER_MEDIAN,
     DEFAULT_MIN_COSINE,
     DEFAULT_STALENESS,
     MAX_AHEAD,
@@ -117,7 +125,7 @@ class GossipPeer:
         self.round = 0
         self.model = np.asarray(model, dtype=np.float64).copy()
         self._held: dict[str, _Held] = {}
-        self._trained: Vector | None = None
+        self._own_update: Vector | None = None
 
     @property
     def values(self) -> int:
@@ -133,9 +141,9 @@ class GossipPeer:
         if trained.shape != self.model.shape:
             raise ConfigError(f"trained model has shape {trained.shape}, not {self.model.shape}")
         message = messages.make_model(
-            self.federation_id, self.round, self.me, self.samples, trained
+            self.federation_id, self.round, self.me, self.samples, self.model, trained - self.model
         )
-        self._trained = messages.PeerModel.vector(message)
+        self._own_update = message.update_vector()
         return message
 
     def record_sent(self, to: str, message: PeerModel) -> None:
@@ -203,26 +211,32 @@ class GossipPeer:
         )
 
     def combine(self) -> RoundOutcome:
-        """Average the round's usable neighbours' models into the peer's and move to the
+        """Average the round's usable neighbours into the peer's model and move to the
         next round.
 
         Raises:
             ProtocolError: the peer has not trained this round (:meth:`own_model`).
         """
-        if self._trained is None:
+        own = self._own_update
+        if own is None:
             raise ProtocolError(f"round {self.round}: combine before the local model")
-        own = self._trained - self.model
         fresh, missing = self._fresh()
         refused = self._filter(own, fresh)
         accepted = sorted(n for n in fresh if n not in refused)
-        rows = np.stack([own] + [fresh[n].message.vector() - self.model for n in accepted])
+        pulls = {n: h.message.start_vector() - self.model for n, h in fresh.items()}
+        radius = CONSENSUS_CLIP_OVER_MEDIAN * float(
+            np.median([np.sqrt(np.einsum("i,i->", p, p)) for p in pulls.values()] or [0.0])
+        )
+        rows = np.stack(
+            [own] + [_clip(pulls[n], radius) + fresh[n].message.update_vector() for n in accepted]
+        )
         weights = np.array(
             [float(self.samples)] + [float(fresh[n].message.samples) for n in accepted]
         )
         model = self.model + robust.fedavg(rows, weights).update
         outcome = RoundOutcome(self.round, model, tuple(accepted), refused, tuple(missing))
         self._journal_outcome(outcome, fresh)
-        self.model, self._trained = model, None
+        self.model, self._own_update = model, None
         self.round += 1
         return outcome
 
@@ -236,7 +250,7 @@ class GossipPeer:
         if not self.settings.robust or not fresh:
             return {}
         names = sorted(fresh)
-        rows = np.stack([fresh[n].message.vector() - self.model for n in names])
+        rows = np.stack([fresh[n].message.update_vector() for n in names])
         weights = np.ones(len(names))
         try:
             judged = robust.fltrust(rows, weights, own, self.settings.min_cosine)
@@ -261,3 +275,9 @@ class GossipPeer:
                 model_sha256=digest,
             )
         )
+
+
+def _clip(v: Vector, radius: float) -> Vector:
+    """``v`` scaled down to length ``radius`` if it is longer."""
+    norm = float(np.sqrt(np.einsum("i,i->", v, v)))
+    return v * (radius / norm) if norm > radius else v

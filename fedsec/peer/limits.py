@@ -10,7 +10,7 @@ from fedsec.protocol.limits import MAX_MODEL_BYTES
 #: (:data:`fedsec.protocol.limits.MAX_MODEL_BYTES`) in float32, so the decentralised
 #: mode trains nothing the aggregator-based one could not.
 MAX_MODEL_VALUES: Final = MAX_MODEL_BYTES // 4
-#: Bytes a model message holds besides its values: federation id, sender key id and a
+#: Bytes a model message holds besides its two vectors: federation id, sender key id and a
 #: few integers in msgpack are under 300 bytes; 4 KiB leaves room without letting a
 #: sender make a peer buffer more than one model's worth.
 MESSAGE_OVERHEAD_BYTES: Final = 4096
@@ -25,11 +25,17 @@ DEFAULT_STALENESS: Final = 2
 #: that finished its round first is not refused, and a sender cannot make a peer hold a
 #: model for a round far in the future (one slot per neighbour is kept either way).
 MAX_AHEAD: Final = 1
-#: Least cosine between a neighbour's update (its model minus the peer's round start) and
-#: the peer's own update for the neighbour to be averaged in.  0: an update that points
+#: Least cosine between a neighbour's update and the peer's own update for the neighbour
+#: to be averaged in.  0: an update that points
 #: away from the peer's own direction is refused, one at a right angle or closer is kept;
 #: IID honest neighbours agree well above it, a sign-flipped update lies well below.
 DEFAULT_MIN_COSINE: Final = 0.0
+#: How far a neighbour's start may pull the peer's model, over the median pull of the
+#: round's neighbours: ClippedGossip's remedy (He, Karimireddy & Jaggi 2022) with a radius
+#: set by the neighbourhood itself.  While fewer than half the neighbours are forged the
+#: median is an honest one, and twice it clips few honest starts (consensus is slowed
+#: little) while a start forged to replace the model moves it no further than that.
+CONSENSUS_CLIP_OVER_MEDIAN: Final = 2.0
 #: Seconds a peer waits for its neighbours' models of a round before it averages what it
 #: has: a slow or missing neighbour is skipped, not waited for.
 DEFAULT_ROUND_TIMEOUT_S: Final = 30.0
@@ -40,4 +46,4 @@ DEFAULT_SEND_TIMEOUT_S: Final = 10.0
 
 def max_message_bytes(values: int) -> int:
     """The largest model message a peer with ``values`` parameters reads."""
-    return 4 * values + MESSAGE_OVERHEAD_BYTES
+    return 2 * 4 * values + MESSAGE_OVERHEAD_BYTES

@@ -1,8 +1,10 @@
-"""The one message peers exchange: a member's model after its local training of a round.
+"""The one message peers exchange: a member's round, as the model it started from and
+the update its local training made.
 
-A peer sends its trained model, not its update: models drift apart between peers, so an
-update is only meaningful against the model it was trained from, and the receiver forms
-the neighbour's update against its own round start (:mod:`fedsec.peer.gossip`).
+Both halves travel because models drift apart between peers: the update alone says which
+way the member's training went (what a neighbour's direction filter judges), the start
+says where from (what averaging pulls the neighbour towards, bounded by the receiver,
+:mod:`fedsec.peer.gossip`).
 
 The message names the federation, the round and the sender, and travels signed (RFC 9421,
 :mod:`fedsec.crypto.httpsig`) over a path that names federation and round again; the
@@ -28,17 +30,22 @@ CONTENT_TYPE = "application/msgpack"
 
 
 class PeerModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A member's model after round ``round``'s local training, trained on ``samples``
-    records (its weight in the neighbours' averages)."""
+    """A member's round ``round``: the model it started from and the update its local
+    training on ``samples`` records made (the samples are its weight in the neighbours'
+    averages).  Both vectors are WIRE_DTYPE, one value per model parameter."""
 
     federation_id: str
     round: int
     sender: str  # the sender's key id, as its signature names it
     samples: int
-    values: bytes  # WIRE_DTYPE, one per model parameter
+    start: bytes
+    update: bytes
 
-    def vector(self) -> Vector:
-        return np.frombuffer(self.values, dtype=WIRE_DTYPE).astype(np.float64)
+    def start_vector(self) -> Vector:
+        return np.frombuffer(self.start, dtype=WIRE_DTYPE).astype(np.float64)
+
+    def update_vector(self) -> Vector:
+        return np.frombuffer(self.update, dtype=WIRE_DTYPE).astype(np.float64)
 
     @property
     def sha256(self) -> str:
@@ -46,17 +53,17 @@ class PeerModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def make_model(
-    federation_id: str, round_: int, sender: str, samples: int, model: Vector
+    federation_id: str, round_: int, sender: str, samples: int, start: Vector, update: Vector
 ) -> PeerModel:
-    """The message carrying ``model``.
+    """The message carrying a round that started from ``start`` and trained ``update``.
 
     Raises:
-        BadVector: ``model`` holds a NaN or an infinity.
+        BadVector: a NaN or an infinity in either vector.
     """
-    values = np.asarray(model, dtype=WIRE_DTYPE)
-    if not np.all(np.isfinite(values)):
+    a, b = np.asarray(start, dtype=WIRE_DTYPE), np.asarray(update, dtype=WIRE_DTYPE)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
         raise BadVector("a model holding NaN or an infinity is never sent")
-    return PeerModel(federation_id, round_, sender, samples, values.tobytes())
+    return PeerModel(federation_id, round_, sender, samples, a.tobytes(), b.tobytes())
 
 
 def encode(message: PeerModel) -> bytes:
@@ -65,13 +72,13 @@ def encode(message: PeerModel) -> bytes:
 
 def decode(raw: bytes, values: int) -> PeerModel:
     """A peer's message from ``raw``, for a model of ``values`` parameters: its size is
-    checked before it is parsed, every field's range and the vector's length and
+    checked before it is parsed, every field's range and both vectors' lengths and
     finiteness before it is returned.
 
     Raises:
         PayloadTooLarge: ``raw`` is longer than any message of ``values`` parameters.
         PayloadError: not a model message, or a field out of range.
-        BadVector: values of the wrong length, or a NaN or an infinity among them.
+        BadVector: a vector of the wrong length, or a NaN or an infinity in one.
     """
     if len(raw) > max_message_bytes(values):
         raise PayloadTooLarge(
@@ -87,13 +94,18 @@ def decode(raw: bytes, values: int) -> PeerModel:
         raise PayloadError(f"round {message.round} is outside 0..{MAX_ID}")
     if not 1 <= message.samples <= MAX_COUNT:
         raise PayloadError(f"samples {message.samples} is outside 1..{MAX_COUNT}")
-    if len(message.values) != values * WIRE_DTYPE.itemsize:
+    for name, data in (("start", message.start), ("update", message.update)):
+        _check_vector(name, data, values)
+    return message
+
+
+def _check_vector(name: str, data: bytes, values: int) -> None:
+    if len(data) != values * WIRE_DTYPE.itemsize:
         raise BadVector(
-            f"the model holds {len(message.values) / WIRE_DTYPE.itemsize:g} values, "
+            f"the {name} holds {len(data) / WIRE_DTYPE.itemsize:g} values, "
             f"the federation's model {values}"
         )
-    vector = np.frombuffer(message.values, dtype=WIRE_DTYPE)
+    vector = np.frombuffer(data, dtype=WIRE_DTYPE)
     if not np.all(np.isfinite(vector)):
         bad = int(np.count_nonzero(~np.isfinite(vector)))
-        raise BadVector(f"the model holds {bad} values that are NaN or infinite")
-    return message
+        raise BadVector(f"the {name} holds {bad} values that are NaN or infinite")

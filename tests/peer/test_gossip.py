@@ -27,8 +27,17 @@ from fedsec.peer.topology import sign_topology, topology_graph
 from tests.peer.conftest import DIM, FED, Neighbourhood, make_neighbourhood
 
 
-def _raw(sender: str, round_: int, model: np.ndarray, samples: int = 10, fed: str = FED) -> bytes:
-    return messages.encode(messages.make_model(fed, round_, sender, samples, model))
+def _raw(
+    sender: str,
+    round_: int,
+    update: np.ndarray,
+    samples: int = 10,
+    fed: str = FED,
+    start: np.ndarray | None = None,
+) -> bytes:
+    """A neighbour's round; from the peer's round-0 model (zeros) unless ``start``."""
+    begin = np.zeros(len(update)) if start is None else start
+    return messages.encode(messages.make_model(fed, round_, sender, samples, begin, update))
 
 
 def _state(hood: Neighbourhood) -> tuple[int, bytes, int, dict[str, int]]:
@@ -69,6 +78,22 @@ def test_a_sign_flipped_neighbour_is_refused_and_journalled(hood: Neighbourhood)
     assert [r["sender"] for r in refused] == [flipped.key_id]
 
 
+def test_a_forged_start_pulls_no_further_than_the_neighbourhoods_typical_one(
+    hood: Neighbourhood,
+) -> None:
+    direction = np.ones(DIM)
+    hood.peer.own_model(direction)
+    a, b, forger = hood.neighbours
+    for n in (a, b):
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, direction), FED, 0)
+    far = np.full(DIM, 1000.0)  # an honest-looking update from a start far away
+    hood.peer.receive(forger.key_id, _raw(forger.key_id, 0, direction, start=far), FED, 0)
+    outcome = hood.peer.combine()
+    assert forger.key_id in outcome.accepted
+    # the median pull is 0 (two starts equal the peer's): the forged start adds nothing
+    np.testing.assert_allclose(outcome.model, direction, rtol=1e-6)
+
+
 def test_without_filtering_the_flipped_model_drags_the_average() -> None:
     hood = make_neighbourhood(settings=GossipSettings(robust=False))
     direction = np.ones(DIM)
@@ -91,7 +116,8 @@ def test_a_missing_neighbour_is_skipped_and_a_stale_one_too() -> None:
     assert first.missing == tuple(sorted([b.key_id, c.key_id]))
     for r in (1, 2):
         hood.peer.own_model(hood.peer.model + 1)
-        hood.peer.receive(b.key_id, _raw(b.key_id, r, hood.peer.model + 1), FED, r)
+        raw = _raw(b.key_id, r, np.ones(DIM), start=hood.peer.model)
+        hood.peer.receive(b.key_id, raw, FED, r)
         outcome = hood.peer.combine()
     # a's round-0 model is two rounds old at round 2: beyond the bound of one
     assert a.key_id in outcome.missing and b.key_id in outcome.accepted
@@ -102,14 +128,16 @@ def _refusal_cases(hood: Neighbourhood) -> list[tuple[str, bytes, str, int, type
     ok = np.ones(DIM)
     nan = ok.copy()
     nan[3] = np.nan
+    zero = np.zeros(DIM, dtype=messages.WIRE_DTYPE).tobytes()
     nan_raw = messages.encode(
-        PeerModel(FED, 0, a.key_id, 10, nan.astype(messages.WIRE_DTYPE).tobytes())
+        PeerModel(FED, 0, a.key_id, 10, zero, nan.astype(messages.WIRE_DTYPE).tobytes())
     )
     return [
         ("wrong length", _raw(a.key_id, 0, np.ones(DIM + 1)), FED, 0, BadVector),
+        ("start of another length", _raw(a.key_id, 0, ok, start=np.ones(3)), FED, 0, BadVector),
         ("NaN", nan_raw, FED, 0, BadVector),
         ("not a message", b"\x93garbage", FED, 0, PayloadError),
-        ("too long", b"\0" * (4 * DIM + 5000), FED, 0, PayloadTooLarge),
+        ("too long", b"\0" * (8 * DIM + 5000), FED, 0, PayloadTooLarge),
         ("other federation", _raw(a.key_id, 0, ok, fed="other"), "other", 0, ProtocolError),
         ("path names another round", _raw(a.key_id, 0, ok), FED, 1, ProtocolError),
         ("far ahead", _raw(a.key_id, 5, ok), FED, 5, StaleUpdate),
@@ -117,7 +145,7 @@ def _refusal_cases(hood: Neighbourhood) -> list[tuple[str, bytes, str, int, type
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(9))
 def test_a_malformed_or_misbound_message_is_refused_without_a_trace(case: int) -> None:
     hood = make_neighbourhood()
     name, raw, fed, round_, error = _refusal_cases(hood)[case]

@@ -55,7 +55,7 @@ async def served() -> AsyncIterator[Served]:
 
 
 def _message(sender: SigningIdentity, round_: int = 0, dim: int = DIM) -> messages.PeerModel:
-    return messages.make_model(FED, round_, sender.key_id, 10, np.ones(dim))
+    return messages.make_model(FED, round_, sender.key_id, 10, np.zeros(dim), np.ones(dim))
 
 
 @pytest.mark.asyncio
@@ -141,7 +141,8 @@ async def test_a_model_of_the_wrong_length_or_with_nan_is_refused(served: Served
     if bad == "nan":
         values = np.ones(DIM, dtype=messages.WIRE_DTYPE)
         values[0] = np.nan
-        message = messages.PeerModel(FED, 0, a.key_id, 10, values.tobytes())
+        start = np.zeros(DIM, dtype=messages.WIRE_DTYPE).tobytes()
+        message = messages.PeerModel(FED, 0, a.key_id, 10, start, values.tobytes())
     else:
         message = _message(a, 0, DIM - 1 if bad == "short" else DIM + 1)
     before = served.state()
@@ -153,7 +154,7 @@ async def test_a_model_of_the_wrong_length_or_with_nan_is_refused(served: Served
 @pytest.mark.asyncio
 async def test_a_body_longer_than_any_model_is_refused_before_it_is_read(served: Served) -> None:
     a = served.hood.neighbours[0]
-    body = b"\0" * (4 * DIM + 10_000)
+    body = b"\0" * (8 * DIM + 10_000)
     before = served.state()
     status, refusal, _ = await served.post(a, body, model_path(FED, 0))
     assert (status, refusal["error"]) == (413, "payload_too_large")
