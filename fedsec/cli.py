@@ -177,6 +177,7 @@ def _register_optional() -> None:
         ("fedsec.bench.compare", "bench_compare", "compare"),
         ("fedsec.bench.model_size", "bench_model_size", "model-size"),
         ("fedsec.bench.member_memory", "bench_member_memory", "member-memory"),
+        ("fedsec.bench.workers", "bench_workers", "workers"),
         ("fedsec.bench.scale", "bench_scale", "scale"),
     ):
         try:

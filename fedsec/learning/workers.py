@@ -102,11 +102,13 @@ class TrainingWorkersFailed(FedsecError):
 
 @dataclass(frozen=True)
 class WorkersResult:
-    """What a job did: the training result, and how often torchrun restarted it."""
+    """What a job did: the training result, how often torchrun restarted it, and the
+    step its last attempt resumed from (0: from the round's start)."""
 
     trained: LocalTrainResult
     workers: int
     restarts: int
+    resumed_from_step: int = 0
 
 
 def worker_count(workers: int, device: torch.device) -> int:
@@ -292,7 +294,7 @@ def _read_result(job: Path, model: torch.nn.Module, count: int) -> WorkersResult
         train_loss=float(summary["train_loss"]),
         duration_s=float(summary["duration_s"]),
     )
-    return WorkersResult(result, count, int(summary["restarts"]))
+    return WorkersResult(result, count, int(summary["restarts"]), int(summary["resumed_from_step"]))
 
 
 # -- inside each worker -------------------------------------------------------------------
@@ -503,6 +505,7 @@ def _write_result(
             "train_loss": trained.train_loss,
             "duration_s": trained.duration_s,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "resumed_from_step": sharing.resumed,
         },
     )
 

@@ -12,10 +12,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from fedsec.agent.local_data import LocalData
+from fedsec.agent.trainer import LocalTrainer
 from fedsec.errors import ConfigError
-from fedsec.learning.training import train_dataset
+from fedsec.learning.training import DPParams, train_dataset
+from fedsec.learning.worker_settings import TrainingWorkers
 from fedsec.learning.workers import (
-    TrainingWorkers,
     backend_for,
     check_dp_split,
     train_with_workers,
@@ -67,6 +69,7 @@ def test_two_workers_one_killed_train_the_update_one_process_trains(tmp_path: Pa
     )
     assert done.restarts == 1
     assert (done.workers, done.trained.steps) == (2, steps)  # redone steps count once
+    assert done.resumed_from_step == (steps // 2 + 1) // 4 * 4  # the last checkpoint
     _close(flatten_params(model), expected)
     assert list((tmp_path / "training").iterdir()) == []  # the job and its records are gone
 
@@ -82,5 +85,24 @@ def test_cpu_uses_gloo_and_the_configured_count() -> None:
     cpu = torch.device("cpu")
     assert backend_for(cpu) == "gloo" and backend_for(torch.device("cuda", 0)) == "nccl"
     assert (worker_count(0, cpu), worker_count(3, cpu)) == (1, 3)
-    with pytest.raises(ConfigError, match="training.workers"):
+    with pytest.raises(ConfigError, match=r"training\.workers must be"):
         worker_count(65, cpu)
+
+
+def test_the_agent_refuses_dp_sgd_over_workers_before_any_job(tmp_path: Path) -> None:
+    trainer = LocalTrainer(
+        "a0",
+        b"\x00" * 32,
+        LocalData(task=TASK, train=_dataset()),
+        torch.device("cpu"),
+        None,
+        workers=TrainingWorkers(workers=2),
+        state_dir=tmp_path,
+    )
+    model = TASK.build_model(0)
+    before = flatten_params(model)
+    dp = DPParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    with pytest.raises(ConfigError, match="CSPRNG in one process"):
+        trainer._train_model(model, PARAMS, dp, SEED, 1)
+    assert np.array_equal(flatten_params(model), before)
+    assert not (tmp_path / "training").exists()  # no job, no records written
