@@ -197,7 +197,11 @@ class LocalTrainer:
             self._workers,
         )
         log.info(
-            "round_workers round=%d workers=%d restarts=%d", round_, done.workers, done.restarts
+            "round_workers round=%d workers=%d restarts=%d resumed_from_step=%d",
+            round_,
+            done.workers,
+            done.restarts,
+            done.resumed_from_step,
         )
         return done.trained
 
