@@ -12,6 +12,7 @@ same way, through the ``fedsec.tasks`` entry-point group.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +35,10 @@ from fedsec.task.metrics import (
     metric_total,
 )
 from fedsec.task.schema import TaskSchema
+
+#: A metric's name as reports, dashboards and ``/metrics`` carry it
+#: (:data:`fedsec.protocol.evaluation.MetricName`).
+_METRIC_NAME = re.compile(r"[a-z0-9_]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,10 @@ class Task:
             :class:`DataSource`; ``load_task`` sets them.
 
     Raises:
-        InvalidTask: ``primary_metric`` is not one of ``metrics``, ``name`` is empty, or
-            a regression or multi-label schema keeps the classification loss.
+        InvalidTask: ``primary_metric`` is not one of ``metrics``, ``name`` is empty, a
+            metric's name is not lower-case letters, digits and ``_`` (at most 64; it
+            is a wire and Prometheus label value) or is ``loss`` (reported next to the
+            metrics), or a regression or multi-label schema keeps the classification loss.
     """
 
     name: str
@@ -113,6 +120,12 @@ class Task:
     def __post_init__(self) -> None:
         if not self.name:
             raise InvalidTask("a task needs a non-empty name")
+        for metric in self.metrics:
+            if not _METRIC_NAME.fullmatch(metric) or metric == "loss":
+                raise InvalidTask(
+                    f"task '{self.name}' metric name {metric!r} must be 1-64 lower-case "
+                    "letters, digits or '_', and not 'loss' (the loss is reported as 'loss')"
+                )
         if self.primary_metric not in self.metrics:
             raise InvalidTask(
                 f"task '{self.name}' primary metric '{self.primary_metric}' is not one of "

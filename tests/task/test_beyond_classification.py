@@ -400,3 +400,10 @@ def test_evaluate_reports_the_primary_metric_for_float_targets() -> None:
     assert evaluate(model, data.x_test, data.y_test, task=task) == (sums["r2"], sums["loss"])
     score, loss = train_centralized(task, data, epochs=3, device="cpu", seed=0)
     assert -1.0 < score <= 1.0 and score > sums["r2"] and loss < sums["loss"]
+
+
+@pytest.mark.parametrize("name", ["loss", "AUC", "f1-score", "x" * 65])
+def test_a_metric_name_reports_cannot_carry_is_refused(name: str) -> None:
+    base = get_task("diabetes")
+    with pytest.raises(InvalidTask, match="lower-case letters, digits or '_', and not 'loss'"):
+        dataclasses.replace(base, metrics={**base.metrics, name: base.metrics["mae"]})
