@@ -224,6 +224,7 @@ class DashboardSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     alerts: list[AlertView]
     models: list[ModelView]
     # this process's part among replicas sharing one database (leader, standby, or
-    # single on SQLite) and its fencing token while it leads, as it knows them
+    # single on SQLite) and, while it leads, its lease's fencing token (a counter, not
+    # a secret), as it knows them
     role: str = "single"
-    fencing_token: int | None = None
+    fencing: int | None = None

@@ -99,7 +99,7 @@ class SnapshotBuilder:
             alerts=self._alerts(),
             models=self._model_versions(),
             role=role.role,
-            fencing_token=role.token,
+            fencing=role.token,
         )
 
     def _live(self) -> wire.LiveAttempt:

@@ -197,7 +197,7 @@ async def test_the_dashboard_shows_each_replicas_role_and_token(
         async with api.client.get("/dashboard/api/snapshot") as resp:
             assert resp.status == 200
             snapshot = msgspec.json.decode(await resp.read(), type=wire.DashboardSnapshot)
-        seen[name] = (snapshot.role, snapshot.fencing_token)
+        seen[name] = (snapshot.role, snapshot.fencing)
     assert seen == {"a": ("leader", 1), "b": ("standby", None)}
 
 

@@ -321,9 +321,9 @@
     setText("federation-id", snapshot.federation_id);
     setText(
       "replica-role",
-      snapshot.fencing_token == null
+      snapshot.fencing == null
         ? snapshot.role
-        : snapshot.role + " \u00b7 token " + snapshot.fencing_token
+        : snapshot.role + " \u00b7 token " + snapshot.fencing
     );
     setText("updated", "updated " + clockTime(snapshot.generated_at));
     renderNow(snapshot.now);
