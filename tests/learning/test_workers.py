@@ -10,14 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save
 from torch.utils.data import TensorDataset
 
 from fedsec.agent.local_data import LocalData
 from fedsec.agent.trainer import LocalTrainer
+from fedsec.config import parse_agent_config
 from fedsec.errors import ConfigError
 from fedsec.learning.training import DPParams, train_dataset
 from fedsec.learning.worker_settings import TrainingWorkers
 from fedsec.learning.workers import (
+    TrainingWorkersFailed,
+    _read_result,
     backend_for,
     check_dp_split,
     train_with_workers,
@@ -106,3 +110,27 @@ def test_the_agent_refuses_dp_sgd_over_workers_before_any_job(tmp_path: Path) ->
         trainer._train_model(model, PARAMS, dp, SEED, 1)
     assert np.array_equal(flatten_params(model), before)
     assert not (tmp_path / "training").exists()  # no job, no records written
+
+
+def test_agent_toml_workers_out_of_range_is_refused_with_its_key() -> None:
+    base = (
+        '[agent]\nid = "a0"\naggregator_url = "http://127.0.0.1:1"\n'
+        f'aggregator_public_key = "{"ab" * 32}"\n'
+    )
+    assert parse_agent_config(base + "[training]\nworkers = 4\n").training.settings == (
+        TrainingWorkers(workers=4)
+    )
+    with pytest.raises(ConfigError, match=r"training\.workers"):
+        parse_agent_config(base + "[training]\nworkers = 65\n")
+
+
+def test_weights_that_are_not_the_models_are_refused(tmp_path: Path) -> None:
+    # what the agent reads back from a job must be the model's own names and shapes
+    model = TASK.build_model(0)
+    before = flatten_params(model)
+    state = {k: torch.zeros((*v.shape[::-1], 2)) for k, v in model.state_dict().items()}
+    (tmp_path / "trained.safetensors").write_bytes(save(state))
+    (tmp_path / "result.json").write_text("{}")
+    with pytest.raises(TrainingWorkersFailed, match="not this model's"):
+        _read_result(tmp_path, model, 2)
+    assert np.array_equal(flatten_params(model), before)
