@@ -53,6 +53,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
     assert float(np.max(np.abs(a - b))) <= 1e-5 * scale
 
 
+@pytest.mark.slow  # a torchrun job: 15-30 s of process start-up on 2 busy cores
 def test_two_workers_one_killed_train_the_update_one_process_trains(tmp_path: Path) -> None:
     # One torchrun job covers both promises (each start of a worker costs seconds of
     # imports): 2 workers take one process's steps, and the one SIGKILLed mid-round is
