@@ -68,7 +68,7 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
         start,
         samples,
         journal,
-        GossipSettings(g.robust, g.min_cosine, g.staleness),
+        GossipSettings(g.robust, g.min_cosine, g.staleness, g.reference),
     )
     app = peer_app(state, roster)
     runner = web.AppRunner(app, access_log=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -34,6 +35,7 @@ class MemberEntry(_Section, frozen=True, kw_only=True):
 class GossipSection(_Section, frozen=True, kw_only=True):
     robust: bool = True
     min_cosine: float = DEFAULT_MIN_COSINE
+    reference: Literal["median", "own"] = "median"
     staleness: int = DEFAULT_STALENESS
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S

@@ -8,9 +8,13 @@ every neighbour's round is in, or the round's timeout has passed, it combines
 (:meth:`GossipPeer.combine`):
 
 - neighbours whose newest round is more than ``staleness`` rounds old are skipped;
-- with filtering on, a neighbour whose update Δ_j has cosine to Δ_i below ``min_cosine``
-  is refused, the reason in the journal: FLTrust's trust test
-  (:func:`fedsec.learning.robust.fltrust`) with Δ_i as the reference;
+- with filtering on, a neighbour whose update Δ_j has cosine below ``min_cosine`` to the
+  reference is refused, the reason in the journal: FLTrust's trust test
+  (:func:`fedsec.learning.robust.fltrust`).  The reference is the coordinate-wise median
+  of Δ_i and the neighbours' updates (:func:`fedsec.learning.robust.median`), the
+  direction the peer and its honest neighbours agree on while they are the majority, or
+  Δ_i alone (``reference = "own"``), which refuses honest neighbours whenever the peer's
+  own noisy update happens to point elsewhere;
 - each accepted neighbour contributes its round's end relative to x_i, its start's pull
   x_j − x_i clipped to :data:`~fedsec.peer.limits.CONSENSUS_CLIP_OVER_MEDIAN` times the
   median pull of the round's neighbours (so a start far from the neighbourhood, honest
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -65,6 +70,10 @@ class GossipSettings:
     robust: bool = True
     min_cosine: float = DEFAULT_MIN_COSINE
     staleness: int = DEFAULT_STALENESS
+    #: what a neighbour's update is judged against: "median", the coordinate-wise median
+    #: of the peer's own update and the round's neighbours' (the neighbourhood's direction,
+    #: which an honest majority decides); "own", the peer's own update alone
+    reference: Literal["median", "own"] = "median"
 
     def __post_init__(self) -> None:
         robust.check_parameter("min_trust_score", self.min_cosine)
@@ -252,8 +261,12 @@ class GossipPeer:
         names = sorted(fresh)
         rows = np.stack([fresh[n].message.update_vector() for n in names])
         weights = np.ones(len(names))
+        reference = own
+        if self.settings.reference == "median":
+            everyone = np.vstack([own[None, :], rows])
+            reference = robust.median(everyone, np.ones(len(everyone))).update
         try:
-            judged = robust.fltrust(rows, weights, own, self.settings.min_cosine)
+            judged = robust.fltrust(rows, weights, reference, self.settings.min_cosine)
         except AggregationImpossible as exc:  # every one refused, or no own direction
             return dict.fromkeys(names, str(exc))
         return {n: o.reason for n, o in zip(names, judged.outcomes, strict=True) if not o.accepted}

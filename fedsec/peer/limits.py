@@ -25,10 +25,11 @@ DEFAULT_STALENESS: Final = 2
 #: that finished its round first is not refused, and a sender cannot make a peer hold a
 #: model for a round far in the future (one slot per neighbour is kept either way).
 MAX_AHEAD: Final = 1
-#: Least cosine between a neighbour's update and the peer's own update for the neighbour
-#: to be averaged in.  0: an update that points
-#: away from the peer's own direction is refused, one at a right angle or closer is kept;
-#: IID honest neighbours agree well above it, a sign-flipped update lies well below.
+#: Least cosine between a neighbour's update and the peer's reference direction for the
+#: neighbour to be averaged in.  0: an update that points away is refused (FLTrust refuses
+#: cosine ≤ 0 at any setting), one at a right angle or closer is kept; a sign-flipped update
+#: lies far below it, while honest IID updates late in training scatter around the
+#: reference and a higher bar refuses them too.
 DEFAULT_MIN_COSINE: Final = 0.0
 #: How far a neighbour's start may pull the peer's model, over the median pull of the
 #: round's neighbours: ClippedGossip's remedy (He, Karimireddy & Jaggi 2022) with a radius

@@ -94,6 +94,20 @@ def test_a_forged_start_pulls_no_further_than_the_neighbourhoods_typical_one(
     np.testing.assert_allclose(outcome.model, direction, rtol=1e-6)
 
 
+@pytest.mark.parametrize("reference", ["median", "own"])
+def test_neighbours_are_judged_against_the_neighbourhoods_direction_or_the_own(
+    reference: str,
+) -> None:
+    hood = make_neighbourhood(settings=GossipSettings(reference=reference))  # type: ignore[arg-type]
+    own, theirs = np.zeros(DIM), np.zeros(DIM)
+    own[0], theirs[1] = 1.0, 1.0  # the peer's own update is at a right angle to the others'
+    hood.peer.own_model(own)
+    for n in hood.neighbours:
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, theirs), FED, 0)
+    outcome = hood.peer.combine()
+    assert len(outcome.refused) == (0 if reference == "median" else 3)
+
+
 def test_without_filtering_the_flipped_model_drags_the_average() -> None:
     hood = make_neighbourhood(settings=GossipSettings(robust=False))
     direction = np.ones(DIM)
