@@ -32,7 +32,12 @@ from fedsec.learning.training import (
     train_dataset,
 )
 from fedsec.learning.worker_settings import TrainingWorkers
-from fedsec.learning.workers import check_dp_split, train_with_workers, worker_count
+from fedsec.learning.workers import (
+    check_dp_split,
+    clear_stale_jobs,
+    train_with_workers,
+    worker_count,
+)
 from fedsec.modelfile import decode_model, sha256_hex, verify_manifest
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.he_release import sealed_release_allowance
@@ -101,6 +106,11 @@ class LocalTrainer:
         self._workers = workers or TrainingWorkers()
         self._state_dir = state_dir
         self._task_options = dict(task_options or {})
+        # a job a killed agent left behind holds records and a secret seed; no job of
+        # this agent runs before its trainer exists
+        stale = clear_stale_jobs(state_dir) if self._workers.workers != 1 else []
+        for name in stale:
+            log.warning("stale_training_job_removed job=%s", name)
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
 
     async def train(

@@ -74,6 +74,7 @@ __all__ = [
     "WorkersResult",
     "backend_for",
     "check_dp_split",
+    "clear_stale_jobs",
     "train_with_workers",
     "worker_count",
 ]
@@ -145,6 +146,17 @@ def check_dp_split(workers: int, dp_enabled: bool) -> None:
             "noise must come from fedsec's CSPRNG in one process and Opacus' distributed "
             "optimiser draws it from torch's generator; train with workers = 1"
         )
+
+
+def clear_stale_jobs(state_dir: Path) -> list[str]:
+    """Remove the job directories a killed agent left in ``state_dir`` (they hold the
+    records and the round's secret seed); returns their names. Call it before this
+    agent's first job: it removes every job, running or not."""
+    jobs = Path(state_dir) / JOBS_DIR
+    stale = sorted(p for p in jobs.glob("job-*") if p.is_dir()) if jobs.is_dir() else []
+    for job in stale:
+        shutil.rmtree(job, ignore_errors=True)
+    return [job.name for job in stale]
 
 
 def train_with_workers(

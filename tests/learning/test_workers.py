@@ -95,6 +95,7 @@ def test_cpu_uses_gloo_and_the_configured_count() -> None:
 
 
 def test_the_agent_refuses_dp_sgd_over_workers_before_any_job(tmp_path: Path) -> None:
+    (tmp_path / "training" / "job-left").mkdir(parents=True)
     trainer = LocalTrainer(
         "a0",
         b"\x00" * 32,
@@ -104,13 +105,14 @@ def test_the_agent_refuses_dp_sgd_over_workers_before_any_job(tmp_path: Path) ->
         workers=TrainingWorkers(workers=2),
         state_dir=tmp_path,
     )
+    assert not (tmp_path / "training" / "job-left").exists()  # a killed agent's job
     model = TASK.build_model(0)
     before = flatten_params(model)
     dp = DPParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
     with pytest.raises(ConfigError, match="CSPRNG in one process"):
         trainer._train_model(model, PARAMS, dp, SEED, 1)
     assert np.array_equal(flatten_params(model), before)
-    assert not (tmp_path / "training").exists()  # no job, no records written
+    assert list((tmp_path / "training").iterdir()) == []  # no job, no records written
 
 
 def test_agent_toml_workers_out_of_range_is_refused_with_its_key() -> None:
