@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
+from fedsec.cli_options import codec_options
 from fedsec.errors import FedsecError
 
 
@@ -29,43 +29,6 @@ class _FedsecGroup(click.Group):
 @click.version_option(package_name="fedsec")
 def main() -> None:
     """fedsec: federated learning with DP-SGD, SecAgg+ and a verifiable audit trail."""
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def codec_options(fn: F) -> F:
-    """The update codec's options, as ``fedsec simulate`` and ``fedsec bench secagg``
-    take them (``--rotation``, ``--sparsity``, ``--range-stddevs``, ``--headroom-bits``)."""
-    for option in reversed(
-        (
-            click.option(
-                "--rotation",
-                type=click.Choice(["none", "hadamard"]),
-                default="none",
-                show_default=True,
-                help="codec: the shared randomised Hadamard rotation",
-            ),
-            click.option(
-                "--sparsity",
-                default=1.0,
-                show_default=True,
-                help="codec: fraction of coordinates sent (a shared random subset)",
-            ),
-            click.option(
-                "--range-stddevs",
-                default=0.0,
-                help="codec: rotated rounding range in std devs; 0 = 3 with rotation",
-            ),
-            click.option(
-                "--headroom-bits",
-                default=0,
-                help="codec: ring bits above --quant-bits/--bits; 0 = none of a sum wraps",
-            ),
-        )
-    ):
-        fn = option(fn)
-    return fn
 
 
 @main.group()

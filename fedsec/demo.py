@@ -30,7 +30,7 @@ import click
 
 from fedsec import faults
 from fedsec.bench.common import federation_status
-from fedsec.cli import codec_options
+from fedsec.cli_options import codec_options
 from fedsec.config import AgentConfig
 from fedsec.errors import ConfigError
 from fedsec.federation import (
