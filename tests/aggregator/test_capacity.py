@@ -135,3 +135,30 @@ def test_the_soft_limit_is_never_lowered() -> None:
         preexec_fn=_limited(2048, 4096),
     ).stdout.split()
     assert out == ["2048", "2048"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_few_hundred_members_close_a_round_within_a_raised_limit(tmp_path: Path) -> None:
+    """``fedsec simulate`` of 300 members (its aggregator a child process) started with a
+    soft limit of 1,024: both raise it to what the roster needs and the round closes;
+    with the hard limit at 1,024 it stops at once, before enrolling anyone."""
+    args = [sys.executable, "-m", "fedsec", "simulate", "--agents", str(MEMBERS)]
+    args += ["--rounds", "1", "--task", "mnist1d", "--json"]
+    refused = subprocess.run(
+        args, capture_output=True, text=True, preexec_fn=_limited(1024, 1024), timeout=120
+    )
+    assert refused.returncode == 1
+    assert "file descriptors but this process may open at most 1024" in refused.stderr
+    ran = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        preexec_fn=_limited(1024, NEEDED + 1000),
+        timeout=840,
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert (result["rounds"], result["aborted_rounds"]) == (1, 0)
+    assert result["connections_refused"] == 0
