@@ -98,19 +98,7 @@ class MemberEvaluator:
             IntegrityError / SignatureError: the model does not verify.
             FedsecError: the aggregator refused the report (its error).
         """
-        model = self._task.build_model(0)
-        state = model.state_dict()
-        limit = sum(t.numel() for t in state.values()) * 4 + _MODEL_HEADER_SLACK_BYTES
-        manifest = await client.manifest(version)
-        data = await client.model_bytes(version, limit)
-        verify_manifest(manifest, self._aggregator_public, data, federation_id=federation_id)
-        arrays = decode_model(
-            data,
-            max_bytes=limit,
-            expected_names=list(state),
-            expected_shapes={k: tuple(v.shape) for k, v in state.items()},
-        )
-        arrays_to_state(model, arrays)
+        model = await self._verified_model(client, federation_id, version)
         sums = await asyncio.get_running_loop().run_in_executor(
             self._executor,
             functools.partial(
@@ -144,6 +132,30 @@ class MemberEvaluator:
             sums.values().get(self._task.primary_metric),
         )
         return report
+
+    async def _verified_model(
+        self, client: AggregatorClient, federation_id: str, version: int
+    ) -> torch.nn.Module:
+        """The task's model holding version ``version``, fetched and checked against its
+        signed manifest.
+
+        Raises:
+            IntegrityError / SignatureError: the model does not verify.
+        """
+        model = self._task.build_model(0)
+        state = model.state_dict()
+        limit = sum(t.numel() for t in state.values()) * 4 + _MODEL_HEADER_SLACK_BYTES
+        manifest = await client.manifest(version)
+        data = await client.model_bytes(version, limit)
+        verify_manifest(manifest, self._aggregator_public, data, federation_id=federation_id)
+        arrays = decode_model(
+            data,
+            max_bytes=limit,
+            expected_names=list(state),
+            expected_shapes={k: tuple(v.shape) for k, v in state.items()},
+        )
+        arrays_to_state(model, arrays)
+        return model
 
 
 def _first(data: TorchDataset[Any], count: int) -> TorchDataset[Any]:

@@ -1,11 +1,10 @@
 """The aggregator's HTTP endpoints, declared once.
 
-:data:`ENDPOINTS` is the one list of routes: the aggregator's aiohttp router, its
-OpenAPI document (:mod:`fedsec.aggregator.openapi`) and the table in ``docs/api.md``
-(:mod:`fedsec.protocol.api_table`) are all generated from it, so none of them can
-drift from the others.  Each entry says who may call the route (roster roles), what its body and
-answer are (a :mod:`fedsec.protocol.wire` struct, opaque JSON or raw bytes) and which
-configured limit bounds its body.
+:data:`ENDPOINTS` is the one list of routes: the aiohttp router, the OpenAPI document
+(:mod:`fedsec.aggregator.openapi`) and ``docs/api.md`` (:mod:`fedsec.protocol.api_table`)
+are all generated from it, so none can drift from the others.  Each entry says who may
+call the route (roster roles), what its body and answer are (a :mod:`fedsec.protocol.wire`
+struct, opaque JSON or raw bytes) and which configured limit bounds its body.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ LIMIT_SETTINGS: Final[Mapping[BodyLimit, str]] = {
 
 @dataclass(frozen=True)
 class Opaque:
-    """A body or answer without a wire struct: raw bytes (``binary``), or JSON that is
-    documented by name only."""
+    """A body or answer without a wire struct: raw bytes, or JSON documented by name."""
 
     label: str
     binary: bool = False
