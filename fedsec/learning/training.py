@@ -37,7 +37,6 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -46,15 +45,13 @@ import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
-from opacus.optimizers import DPOptimizer
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.validators.errors import UnsupportedModuleError
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
-from fedsec.crypto import prg
 from fedsec.errors import ConfigError, InvalidTask
+from fedsec.learning.dp_noise import CsprngPrivacyEngine
 from fedsec.task.definition import as_targets
 from fedsec.tasks.base import Dataset, Task, TrainingParams
 from fedsec.tasks.evaluation import evaluate
@@ -77,10 +74,8 @@ __all__ = [
 #: Bits of a production seed: the DP noise key is a hash of the whole seed, so its
 #: strength is the seed's, and 256 bits match the AES-256 keystream it keys.
 _FRESH_SEED_BITS = 256
-#: Domain separation of the DP noise key from any other hash of the seed, and the PRG
-#: domain of its streams (one per optimiser step and parameter).
+#: Domain separation of the DP noise key from any other hash of the seed.
 _NOISE_KEY_DOMAIN = b"fedsec/v1/dp-sgd-noise-key\x00"
-_NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
 #: ``(model, batch) -> 0-d loss``: what one step minimises (:meth:`Task.batch_loss`)
 BatchLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
 #: How far the loss of two copies of one record may be from the record's own loss
@@ -92,16 +87,6 @@ _MEAN_PROBE_RTOL = 1e-3
 #: overlaps the step, and two keep a small model's step fed on the 2-core members we
 #: target; more only add processes, each holding one batch in flight.
 MAX_LOADER_WORKERS = 2
-
-#: Noise values computed per block, and threads computing blocks: 2^16 values keep a
-#: block's float64 temporaries (8 arrays of 512 KiB) in cache; 11.2M values (ResNet-18)
-#: took 1.6 s in one pass over whole arrays, dominating a DP-SGD step on the CPU.
-_NOISE_BLOCK = 1 << 16
-MAX_NOISE_THREADS = 2
-
-#: Standard normals summed per noise value: Opacus' secure_mode (2n draws with n = 2, the
-#: least that defeats the floating-point attack on the Gaussian mechanism).
-_NOISE_DRAWS = 4
 
 
 @dataclass(frozen=True)
@@ -196,122 +181,6 @@ def _seeds(seed: int) -> tuple[int, bytes]:
     return int(sampling) >> 1, hashlib.sha256(_NOISE_KEY_DOMAIN + whole).digest()
 
 
-class _CsprngPrivacyEngine(PrivacyEngine):  # type: ignore[misc]  # opacus is untyped
-    """Opacus' ``PrivacyEngine`` whose optimiser is :class:`_CsprngNoiseOptimizer`."""
-
-    def __init__(self, noise_seed: bytes) -> None:
-        super().__init__(accountant="rdp")
-        self._noise_seed = noise_seed
-
-    def _prepare_optimizer(
-        self,
-        *,
-        optimizer: torch.optim.Optimizer,
-        noise_multiplier: float,
-        max_grad_norm: float,
-        expected_batch_size: int,
-        loss_reduction: str = "mean",
-        distributed: bool = False,
-        clipping: str = "flat",
-        noise_generator: torch.Generator | None = None,
-        grad_sample_mode: str = "hooks",
-        **kwargs: Any,
-    ) -> DPOptimizer:
-        if distributed or clipping != "flat" or grad_sample_mode != "hooks" or noise_generator:
-            raise ConfigError(  # train_local asks for none of these
-                "CSPRNG noise covers flat clipping in one process, with no noise generator"
-            )
-        if isinstance(optimizer, DPOptimizer):
-            optimizer = optimizer.original_optimizer
-        return _CsprngNoiseOptimizer(
-            optimizer,
-            self._noise_seed,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction,
-            **kwargs,
-        )
-
-
-class _CsprngNoiseOptimizer(DPOptimizer):  # type: ignore[misc]  # opacus is untyped
-    """Opacus' ``DPOptimizer`` (flat clipping, one process) whose Gaussian noise comes from
-    the AES-CTR keystream instead of a torch generator (see the module docstring)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, noise_seed: bytes, **kwargs: Any):
-        super().__init__(optimizer, **kwargs)
-        self._noise_seed = noise_seed
-        self._noise_draws = 0
-
-    def add_noise(self) -> None:
-        """Opacus' ``add_noise`` with the noise of :func:`_secure_gaussian`."""
-        std = self.noise_multiplier * self.max_grad_norm
-        for index, p in enumerate(self.params):
-            _check_processed_flag(p.summed_grad)
-            domain = b"%s/%d/%d" % (_NOISE_STREAM_DOMAIN, self._noise_draws, index)
-            noise = _secure_gaussian(self._noise_seed, domain, std, p.summed_grad)
-            p.grad = (p.summed_grad + noise).view_as(p)
-            _mark_as_processed(p.summed_grad)
-        self._noise_draws += 1
-
-
-def _secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:
-    """N(0, std²) noise shaped like ``like``: the sum of 4 standard normals from the
-    AES-CTR stream of ``(seed, domain)``, times ``std / 2`` (Opacus' secure_mode shape).
-
-    Value j of ``count`` sums the Box-Muller normals j and count + j of the cosine half
-    and of the sine half, from the 53-bit uniforms ``u`` of the stream's words: radii
-    from ``u[:2·count]``, angles from ``u[2·count:]``. Large tensors are computed in
-    blocks of :data:`_NOISE_BLOCK` values on :data:`MAX_NOISE_THREADS` threads (numpy
-    releases the GIL), the same element-wise operations in the same order, so the
-    values are bit-identical to one pass over the whole tensor (tested); the blocks keep
-    the float64 temporaries in cache instead of 8 arrays of 32·count bytes.
-    """
-    if std == 0:
-        return torch.zeros_like(like)
-    count = like.numel()
-    half = (count * _NOISE_DRAWS + 1) // 2
-    words = prg.expand(seed, domain, 2 * half, np.uint64) >> np.uint64(11)
-    summed = np.empty(count, dtype=np.float64)
-    scale = std / math.sqrt(_NOISE_DRAWS)
-    starts = range(0, count, _NOISE_BLOCK)
-    threads = min(MAX_NOISE_THREADS, len(starts), os.cpu_count() or 1)
-
-    def block(start: int) -> None:
-        _gaussian_block(words, count, start, min(count, start + _NOISE_BLOCK), scale, summed)
-
-    if threads <= 1:
-        for start in starts:
-            block(start)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(block, starts))
-    return torch.from_numpy(summed).to(dtype=like.dtype, device=like.device).view_as(like)
-
-
-def _gaussian_block(
-    words: np.ndarray, count: int, lo: int, hi: int, scale: float, out: np.ndarray
-) -> None:
-    """Values ``lo..hi`` of :func:`_secure_gaussian` into ``out`` (``words``: the
-    stream's words shifted to 53 bits, ``4·count`` of them)."""
-    half = 2 * count
-
-    def uniform(first: int) -> np.ndarray:
-        # 53-bit uniforms on (0, 1]: log never sees 0
-        return (words[first + lo : first + hi].astype(np.float64) + 1.0) * 2.0**-53
-
-    radius_a = np.sqrt(-2.0 * np.log(uniform(0)))
-    radius_b = np.sqrt(-2.0 * np.log(uniform(count)))
-    angle_a = (2.0 * math.pi) * uniform(half)
-    angle_b = (2.0 * math.pi) * uniform(half + count)
-    total = radius_a * np.cos(angle_a)
-    total += radius_b * np.cos(angle_b)
-    total += radius_a * np.sin(angle_a)
-    total += radius_b * np.sin(angle_b)
-    total *= scale
-    out[lo:hi] = total
-
-
 @contextmanager
 def _progress(enabled: bool, total: int, label: str) -> Iterator[Callable[[], None]]:
     """Yield a callable advancing a rich progress bar, or a no-op when disabled."""
@@ -377,21 +246,17 @@ def train_dataset(
         device: where to train.
         seed: batch sampling and DP noise seed; secret in production (see module doc).
         progress: show a progress bar on the terminal.
-        task: the task whose loss each step minimises (its ``batch_step`` when it
-            declares one); None: cross-entropy.
+        task: whose loss (or ``batch_step``) each step minimises; None: cross-entropy.
         workers: DataLoader worker processes; None: :func:`loader_workers`.
-        sharing: this process's part of each step in a multi-process run; None: all of
-            it (plain training only).
+        sharing: this process's part of each step across processes (no DP); None: all.
 
     Returns:
-        steps taken, sample count, sample rate, this round's epsilon (DP only), mean
-        training loss and wall time.
+        steps, samples, sample rate, epsilon (DP only), mean training loss, wall time.
 
     Raises:
         ConfigError: an empty dataset, or a model Opacus cannot train.
-        InvalidTask: the task's loss is not a 0-d floating tensor, or is not the batch
-            mean (DP-SGD's clipping and noise scale assume the mean); the model is
-            left as it was.
+        InvalidTask: the task's loss is not a 0-d floating tensor, or not the batch mean
+            (DP-SGD's clipping and noise assume the mean); the model is left as it was.
     """
     started = time.perf_counter()
     n = len(data)  # type: ignore[arg-type]  # map-style datasets have a length
@@ -399,13 +264,12 @@ def train_dataset(
         raise ConfigError("cannot train on an empty dataset")
     target = torch.device(device)
     work = copy.deepcopy(model).to(target)
-    batch_loss = _batch_loss(task, work, data, target)
     count = loader_workers(data) if workers is None else workers
+    batch_loss = _batch_loss(task, work, data, target)
     steps, loss_sum, seen, sample_rate, epsilon = _train_copy(
         work, data, params, dp, target, seed, progress, batch_loss, count, sharing
     )
-    with torch.no_grad():
-        model.load_state_dict(work.state_dict())
+    model.load_state_dict(work.state_dict())  # copies under no_grad itself
     return LocalTrainResult(
         steps=steps,
         samples=n,
@@ -539,7 +403,7 @@ def _make_private(
         # Opacus warns that secure_mode is off; the noise is drawn from a CSPRNG here
         # instead (see the module docstring) and the warning would repeat every round.
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        engine = _CsprngPrivacyEngine(noise_seed)
+        engine = CsprngPrivacyEngine(noise_seed)
     try:
         trained, private_optimizer, private_loader = engine.make_private(
             module=work,

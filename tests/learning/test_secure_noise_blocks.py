@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedsec.crypto import prg
-from fedsec.learning.training import _NOISE_BLOCK, _secure_gaussian
+from fedsec.learning.dp_noise import NOISE_BLOCK as _NOISE_BLOCK
+from fedsec.learning.dp_noise import secure_gaussian as _secure_gaussian
 
 
 def _one_pass(seed: bytes, domain: bytes, std: float, count: int) -> np.ndarray:

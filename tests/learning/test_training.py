@@ -12,10 +12,10 @@ from opacus.accountants import RDPAccountant
 
 from fedsec.agent.device import resolve_device
 from fedsec.errors import ConfigError
+from fedsec.learning.dp_noise import secure_gaussian as _secure_gaussian
 from fedsec.learning.training import (
     DPParams,
     TrainingParams,
-    _secure_gaussian,
     plan_round,
     train_centralized,
     train_local,
