@@ -221,11 +221,15 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """A request body must arrive within this many seconds of its headers, else the request is
     refused (408) and the connection closed; 120 s carries a 64 MiB body over a 5 Mbit/s link."""
     max_connections: int = 0
-    """Open connections at once; at the limit a new one displaces the oldest idle unauthenticated
-    connection, or is closed on accept if there is none. 0 = sized from the roster at start-up:
-    3 per roster entry (a long poll, a request, one closing) + 256 for dashboards, scrapers
-    and newcomers; serve raises its own descriptor limit to fit, or refuses to start when
-    the system's hard limit is too low (fedsec/aggregator/capacity.py)."""
+    """Open connections at once; at the limit a new one displaces the oldest idle
+    unauthenticated connection, or is closed on accept if there is none. 0 sizes it from the
+    roster at start-up: 3 per roster entry (a long poll, a request, one closing) + 256 for
+    dashboards, scrapers and newcomers, so 1,000 members get 3,256. `aggregator serve`
+    raises its own soft `RLIMIT_NOFILE` to the limit + 128 within the hard limit, and
+    refuses to start, naming both numbers and `ulimit -n` / systemd `LimitNOFILE=`, when the
+    hard limit is lower. A value set here is used as is (a WARNING
+    `event=connection_limit_below_roster` when the roster needs more). Members added while
+    serving fit within the 256 spare; restart after adding many."""
     max_connections_per_peer: int = 64
     """Unauthenticated connections one peer (an IPv4 address, an IPv6 /64) may hold open at once;
     more are closed on accept. A connection stops counting once it carries a signed request or

@@ -402,24 +402,16 @@ async def start_server(
     """Run ``app``'s start-up and serve it on ``host``:``port`` (0 = any free port).
 
     Args:
-        app: the application; its ``on_startup``/``cleanup_ctx`` run here and in
-            :meth:`RunningServer.close`.
+        app: the application; its start-up runs here, its clean-up in ``close()``.
         host: address to listen on.
         port: TCP port; 0 picks a free one (see :attr:`RunningServer.port`).
         ssl_context: serve HTTPS with it; None serves plain HTTP.
-        server_cfg: ``[server]`` of ``federation.toml``; uses ``header_timeout_s``,
-            ``max_connections`` and ``max_connections_per_peer``.
-        identities: entries in the roster; ``max_connections = 0`` sizes the connection
-            limit from it (:func:`fedsec.aggregator.capacity.connection_limit`).
-
-    Returns:
-        The running server, with its URL and bound port.
+        server_cfg: ``[server]``: ``header_timeout_s`` and the connection limits.
+        identities: roster entries; ``max_connections = 0`` sizes the limit from them.
 
     Raises:
-        ConfigError: the process may not open the descriptors the connection limit
-            needs (hard ``RLIMIT_NOFILE`` too low); nothing was started.
-        OSError: the address cannot be bound (in use, not local, not permitted); the
-            application's clean-up has run.
+        ConfigError: the hard ``RLIMIT_NOFILE`` is below what the limit needs; nothing ran.
+        OSError: the address cannot be bound; the application's clean-up has run.
     """
     limit = _sized_limit(server_cfg.max_connections, identities)
     runner = web.AppRunner(app, access_log=None)

@@ -483,11 +483,11 @@ def test_temporary_refusal_waits_retry_after_then_retries_signed_afresh(
     ("header", "low", "high"),
     [
         ("3600", 10.0, 10.0),  # capped at backoff_max_s
-        (None, 0.25, 0.5),  # absent: the first backoff, [initial/2, initial]
-        ("soon", 0.25, 0.5),
-        ("-1", 0.25, 0.5),
-        ("1.5", 0.25, 0.5),
-        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.25, 0.5),  # an HTTP-date: not delta-seconds
+        (None, 0.0, 0.5),  # absent: the first backoff, full jitter over [0, initial]
+        ("soon", 0.0, 0.5),
+        ("-1", 0.0, 0.5),
+        ("1.5", 0.0, 0.5),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0, 0.5),  # an HTTP-date: not delta-seconds
     ],
 )
 def test_retry_after_is_capped_and_a_missing_or_malformed_one_means_backoff(
@@ -536,7 +536,7 @@ def test_replayed_refusal_backs_off_and_retries_with_a_fresh_nonce() -> None:
 
     seen = run(scenario, sleep=pauses, backoff_initial_s=0.5, backoff_max_s=10.0).seen
     (delay,) = pauses.delays
-    assert 0.25 <= delay <= 0.5  # the backoff: a replay refusal carries no Retry-After
+    assert 0.0 <= delay <= 0.5  # the backoff: a replay refusal carries no Retry-After
     assert len(seen) == 2 and len(set(nonces(seen))) == 2
 
 
