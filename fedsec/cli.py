@@ -137,6 +137,7 @@ def _register_optional() -> None:
         ("fedsec.bench.inventory", "bench_inventory", "inventory"),
         ("fedsec.bench.ddp", "bench_ddp", "ddp"),
         ("fedsec.bench.robust", "bench_robust", "robust"),
+        ("fedsec.bench.gossip", "bench_gossip", "gossip"),
         ("fedsec.bench.compare", "bench_compare", "compare"),
         ("fedsec.bench.model_size", "bench_model_size", "model-size"),
         ("fedsec.bench.member_memory", "bench_member_memory", "member-memory"),
