@@ -13,7 +13,9 @@ from fedsec.aggregator.rounds.events import Event, EventBus
 from fedsec.aggregator.storage.audit_trail import AuditTrail
 from fedsec.aggregator.workspace import Workspace
 from fedsec.config import FederationConfig
+from fedsec.errors import DuplicateMessage
 from fedsec.faults import NO_FAULTS, Faults
+from fedsec.protocol import wire
 from fedsec.protocol.log_entries import QuarantineEntry
 from fedsec.protocol.spec import TaskPin
 from fedsec.tasks.base import Task
@@ -83,3 +85,28 @@ class RoundContext:
         """(bytes received, bytes sent) for that attempt."""
         up, down = self.traffic.get((round_, attempt), [0, 0])
         return up, down
+
+    def signed_once(
+        self,
+        member: str,
+        report: wire.PrivacyReport | wire.EvaluationReport,
+        stored: Callable[[], bytes | None],
+        duplicate: str,
+    ) -> bytes | None:
+        """``report``'s encoding once its signature by ``member``'s roster key verifies;
+        None when ``stored()`` is that same encoding (an idempotent retry).
+
+        Raises:
+            SignatureError: the report is not signed by the member's key.
+            DuplicateMessage: a different report is stored (``duplicate`` says what).
+        """
+        entry = self.ws.roster.get(member)
+        assert entry is not None  # authenticated requests come from roster members
+        report.verify(entry.public_key_bytes)
+        body = wire.encode(report)
+        existing = stored()
+        if existing is None:
+            return body
+        if existing == body:
+            return None
+        raise DuplicateMessage(duplicate)

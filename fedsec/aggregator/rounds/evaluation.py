@@ -19,7 +19,7 @@ import msgspec
 from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.aggregator.rounds.events import ModelEvaluated
 from fedsec.aggregator.storage.interfaces import RoundRow
-from fedsec.errors import DuplicateMessage, PayloadError, UnknownMember, WrongStage
+from fedsec.errors import PayloadError, UnknownMember, WrongStage
 from fedsec.protocol import wire
 from fedsec.protocol.evaluation import LOSS_METRIC, PooledScores, check_report, pool
 
@@ -90,16 +90,12 @@ class FederatedEvaluation:
                 f"round.max_weight_samples = {spec.max_weight_samples})"
             )
         check_report(report, self._known, self._counted)
-        entry = ws.roster.get(member)
-        assert entry is not None  # authenticated requests come from roster members
-        report.verify(entry.public_key_bytes)
-        body = wire.encode(report)
-        stored = ws.state.messages.get(round_, attempt, EVALUATION_STAGE, member)
-        if stored is not None:
-            if stored == body:
-                return None
-            raise DuplicateMessage(f"{member} already reported its evaluation of round {round_}")
-        return body
+        return self._ctx.signed_once(
+            member,
+            report,
+            lambda: ws.state.messages.get(round_, attempt, EVALUATION_STAGE, member),
+            f"{member} already reported its evaluation of round {round_}",
+        )
 
     def store(self, report: wire.EvaluationReport, body: bytes) -> None:
         """Store a checked report and announce the attempt's pooled values."""

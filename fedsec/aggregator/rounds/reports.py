@@ -8,7 +8,7 @@ import math
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.context import RoundContext
 from fedsec.aggregator.rounds.events import PrivacyReported
-from fedsec.errors import DuplicateMessage, PayloadError, WrongStage
+from fedsec.errors import PayloadError, WrongStage
 from fedsec.protocol import wire
 
 
@@ -49,16 +49,12 @@ class PrivacyReports:
         if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
             raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
         report.check_charges()
-        entry = ws.roster.get(member)
-        assert entry is not None
-        report.verify(entry.public_key_bytes)
-        body = wire.encode(report)
-        stored = ws.state.reports.get(round_, attempt, member)
-        if stored is not None:
-            if stored == body:
-                return None
-            raise DuplicateMessage(f"{member} already reported a different epsilon this round")
-        return body
+        return self._ctx.signed_once(
+            member,
+            report,
+            lambda: ws.state.reports.get(round_, attempt, member),
+            f"{member} already reported a different epsilon this round",
+        )
 
     def store(self, report: wire.PrivacyReport, body: bytes) -> None:
         """Store a checked report and log it, in one transaction."""
