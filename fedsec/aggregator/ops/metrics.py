@@ -13,7 +13,7 @@ aggregators in one process (the tests, ``fedsec simulate``) never mix their numb
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 from prometheus_client import (
@@ -239,12 +239,9 @@ class _StateCollector(Collector):
         yield from self._model()
         yield from self._privacy()
         yield from self._leadership()
-        open_alerts = GaugeMetricFamily(
-            "fedsec_alerts_open", "Unacknowledged alerts, by kind", labels=["kind"]
+        yield _labelled(
+            "fedsec_alerts_open", "Unacknowledged alerts, by kind", "kind", self._live.open_alerts()
         )
-        for kind, count in sorted(self._live.open_alerts().items()):
-            open_alerts.add_metric([kind], float(count))
-        yield open_alerts
 
     def _progress(self) -> Iterator[Metric]:
         """The round, attempt and stage in progress, and the rounds completed."""
@@ -254,7 +251,7 @@ class _StateCollector(Collector):
         stages = GaugeMetricFamily(
             "fedsec_round_stage", "1 for the stage the attempt in progress is in", labels=["stage"]
         )
-        for name in STAGES:
+        for name in STAGES:  # in the protocol's order, not sorted
             stages.add_metric([name], 1.0 if name == stage else 0.0)
         yield stages
         if left is not None:
@@ -285,14 +282,12 @@ class _StateCollector(Collector):
         the loss under their own names."""
         live = self._live
         if live.metrics:
-            every = GaugeMetricFamily(
+            yield _labelled(
                 "fedsec_model_metric",
                 "The task's metrics (and its loss) of the newest scored model, by name",
-                labels=["metric"],
+                "metric",
+                live.metrics,
             )
-            for name, value in sorted(live.metrics.items()):
-                every.add_metric([name], value)
-            yield every
         if live.federated and live.evaluators:
             yield _gauge(
                 "fedsec_model_evaluation_members",
@@ -356,15 +351,24 @@ class _StateCollector(Collector):
                 max(live.epsilon.values()),
             )
             if self._member_labels:
-                per = GaugeMetricFamily(
+                yield _labelled(
                     "fedsec_member_epsilon",
                     "The largest epsilon each member reported",
-                    labels=["member"],
+                    "member",
+                    live.epsilon,
                 )
-                for member, eps in sorted(live.epsilon.items()):
-                    per.add_metric([member], eps)
-                yield per
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _labelled(
+    name: str, documentation: str, label: str, values: Mapping[str, float]
+) -> GaugeMetricFamily:
+    """One gauge per key of ``values``, labelled ``label``, in key order (sorted, so a
+    scrape's order is stable)."""
+    family = GaugeMetricFamily(name, documentation, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], float(value))
+    return family
