@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import multiprocessing
 import os
 import secrets
 import time
@@ -62,6 +63,7 @@ __all__ = [
     "StepSharing",
     "TrainingParams",
     "fresh_seed",
+    "loader_context",
     "loader_workers",
     "plan_round",
     "records",
@@ -87,6 +89,15 @@ _MEAN_PROBE_RTOL = 1e-3
 #: overlaps the step, and two keep a small model's step fed on the 2-core members we
 #: target; more only add processes, each holding one batch in flight.
 MAX_LOADER_WORKERS = 2
+
+#: How DataLoader workers start: from a single-threaded fork server, never by forking
+#: the member itself. A member trains in a thread beside its event loop (and
+#: ``fedsec simulate`` runs several members as threads of one process); a plain fork
+#: copies every lock another thread holds at that instant into the worker, which then
+#: waits on it forever. The server preloads torch, so each worker starts in a fork's
+#: time, not an interpreter's.
+LOADER_START_METHOD = "forkserver"
+_LOADER_PRELOAD = ["torch"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +302,18 @@ def loader_workers(data: TorchDataset[Any]) -> int:
     return min(MAX_LOADER_WORKERS, os.cpu_count() or 1)
 
 
+def loader_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context every DataLoader of a member's training starts its
+    workers with (:data:`LOADER_START_METHOD`; ``spawn`` where the platform has no fork
+    server). A dataset read with workers must therefore pickle: a class defined at
+    module level, holding paths rather than open handles."""
+    if LOADER_START_METHOD not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context(LOADER_START_METHOD)
+    context.set_forkserver_preload(_LOADER_PRELOAD)
+    return context
+
+
 def _train_copy(
     work: torch.nn.Module,
     data: TorchDataset[Any],
@@ -350,6 +373,7 @@ def _loader(
         shuffle=True,
         generator=torch.Generator().manual_seed(sampling_seed),
         num_workers=workers,
+        multiprocessing_context=loader_context() if workers > 0 else None,
         # the workers live for the whole call (every epoch), not one epoch each
         persistent_workers=workers > 0,
         pin_memory=workers > 0 and target.type == "cuda",

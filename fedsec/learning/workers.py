@@ -64,7 +64,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
-from fedsec.learning.training import LocalTrainResult, records, train_dataset
+from fedsec.learning.training import LocalTrainResult, loader_context, records, train_dataset
 from fedsec.learning.worker_settings import MAX_WORKERS, TrainingWorkers
 from fedsec.tasks import Task, TrainingParams, get_task
 
@@ -312,6 +312,18 @@ def _read_result(job: Path, model: torch.nn.Module, count: int) -> WorkersResult
 # -- inside each worker -------------------------------------------------------------------
 
 
+class _CollateOrEmpty:
+    """``default_collate``, or zero-length tensors of the data's shapes for a rank whose
+    slice of a batch is empty. A class, not a closure: loader workers receive it pickled
+    (:func:`~fedsec.learning.training.loader_context`)."""
+
+    def __init__(self, empty: tuple[torch.Tensor, ...]) -> None:
+        self.empty = empty
+
+    def __call__(self, items: list[Any]) -> Any:
+        return default_collate(items) if items else self.empty
+
+
 class _SliceSampler(Sampler[list[int]]):
     """This rank's contiguous slice of each batch one process draws, skipping the first
     ``skip`` batches of the whole run (a resumed job's steps already taken)."""
@@ -359,18 +371,14 @@ class _Sharing:
         generator = torch.Generator().manual_seed(sampling_seed)
         order = RandomSampler(data, generator=generator)  # type: ignore[arg-type]  # sized
         batches = BatchSampler(order, batch_size, False)
-        empty = tuple(t[:0] for t in default_collate([data[0]]))
-
-        def collate(items: list[Any]) -> Any:
-            return default_collate(items) if items else empty
-
         return DataLoader(
             data,
             batch_sampler=_SliceSampler(batches, self.rank, self._world, self.resumed),
             generator=generator,
             num_workers=workers,
+            multiprocessing_context=loader_context() if workers > 0 else None,
             persistent_workers=workers > 0,
-            collate_fn=collate,
+            collate_fn=_CollateOrEmpty(tuple(t[:0] for t in default_collate([data[0]]))),
         )
 
     def wrap(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

@@ -3,6 +3,7 @@ very model the same records in memory do, whatever the worker count."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,35 @@ class OnDisk(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.read.append(i)
         row = np.load(self.paths[i])
         return torch.from_numpy(row[:-1].astype(np.float32)), torch.tensor(int(row[-1]))
+
+
+#: Held by a thread beside training for as long as training runs, as an event loop's
+#: thread holds its locks at moments training cannot choose.
+_BESIDE = threading.Lock()
+
+
+class NeedsTheLock(OnDisk):
+    """Reads a record under :data:`_BESIDE`, as a record reader that logs takes the
+    logging module's lock."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _BESIDE.acquire(timeout=10):
+            raise RuntimeError("the loader worker inherited a lock held by another thread")
+        try:
+            return super().__getitem__(i)
+        finally:
+            _BESIDE.release()
+
+
+def test_loader_workers_do_not_inherit_locks_other_threads_hold(tmp_path: Any) -> None:
+    # A worker forked from the member's process would start with _BESIDE held and wait
+    # on it forever (here: 10 s, then fail): the image example's federation hung so.
+    data = NeedsTheLock(tmp_path, DATA.x_train[:64], DATA.y_train[:64])
+    with _BESIDE:
+        result = train_dataset(
+            TASK.build_model(0), data, TASK.defaults, None, "cpu", seed=1, workers=2
+        )
+    assert result.samples == 64
 
 
 @pytest.mark.parametrize("dp", [None, DP], ids=["plain", "dp"])
