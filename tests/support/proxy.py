@@ -1,5 +1,6 @@
 """A TCP proxy on loopback that a test can cut: every connection through it breaks and
-new ones are refused, as when the network between an aggregator and its database fails.
+new ones are refused, as when the network between an aggregator and its database fails;
+:meth:`TcpProxy.restore` heals the network (new connections pass again, on the same port).
 
 It pumps bytes in threads of its own, so a caller blocked in a synchronous driver call
 on the event-loop thread (psycopg) never waits on it.
@@ -28,7 +29,10 @@ class TcpProxy:
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         self._cut = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._start()
+
+    def _start(self) -> None:
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
 
     def url_for(self, url: str) -> str:
         """``url`` (a ``postgresql://`` URL) with its host and port replaced by the proxy's."""
@@ -37,10 +41,10 @@ class TcpProxy:
         netloc = f"{userinfo}@127.0.0.1:{self.port}" if userinfo else f"127.0.0.1:{self.port}"
         return urlunsplit(parts._replace(netloc=netloc))
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while not self._cut.is_set():
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return  # the listener was closed: cut
             try:
@@ -67,6 +71,13 @@ class TcpProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
             self._open.clear()
+
+    def restore(self) -> None:
+        """Accept connections again on the same port (the broken ones stay broken)."""
+        with self._lock:
+            self._listener = socket.create_server(("127.0.0.1", self.port))
+            self._cut.clear()
+        self._start()
 
     def __enter__(self) -> TcpProxy:
         return self
