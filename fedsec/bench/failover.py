@@ -6,12 +6,18 @@ agents with ``FEDSEC_UNSAFE_DETERMINISTIC_SEED`` so two runs give bit-identical
 models), here without DP, its state in a PostgreSQL database (``[storage] url``) and
 served by two replicas sharing the workspace directory (the model files, as a shared
 mount would).  Every agent is given both replicas' URLs.  The leader carries the next
-crash point of :data:`~fedsec.bench.chaos.STAGE_POINTS` (a fault that SIGKILLs it);
-when it dies the standby takes the lease over, and the dead one is started again on its
-port as the new standby with the next point.  ``takeover_s`` of a kill: from seeing
-the leader's process dead to a replica answering ``GET /v1/health`` as ``leader``
-(the killed one, started again at once, sometimes wins the expired lease before the
-standby's next poll: ``by`` says which).
+crash point of :data:`~fedsec.bench.chaos.STAGE_POINTS` (a fault that SIGKILLs it)
+and the standby the point after it; when the leader dies the standby takes the lease
+over, and only then is the dead one started again on its port, as the new standby with
+the next point.  Starting it at once would let it race the standby for the expired
+lease: a fresh process that opens the database after the expiry and before the
+standby's next poll wins, and then the standby's point is never reached (on a loaded
+machine the standby's poll is late often enough: a CI run lost three of six points so).
+Whoever leads next is thus always the replica that carries the next point.
+``takeover_s`` of a kill: from seeing the leader's process dead to the standby
+answering ``GET /v1/health`` as ``leader``.  ``stall_standby_s`` SIGSTOPs the standby
+that long at each kill, as a loaded machine's scheduler can: its points must still be
+reached.
 
 The pause scenario SIGSTOPs the leader mid-round until the standby leads, then
 SIGCONTs it: the fence must refuse every write it still tries (its
@@ -31,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -70,9 +77,6 @@ class Kill:
     point: str  # the crash point the leader carried
     hit: str = ""  # the fault_injected line it logged ("" when it died elsewhere)
     takeover_s: float | None = None  # None: no replica led before the run ended
-    # who took over: the standby, or the killed one started again (it races the standby
-    # for the expired lease once it is up)
-    by: str = ""
 
 
 @dataclass
@@ -146,19 +150,42 @@ class _Replicas(_Federation):
         self.replicas[slot] = self._spawn(self.log_names[slot], args, extra)
         self.aggregator = self.replicas[slot]  # what the harness's close() ends too
 
-    def wait_leader(self, deadline: float) -> tuple[int, float]:
-        """Wait until either replica answers health as ``leader``; its slot and the time.
+    def wait_takeover(self, slot: int, deadline: float) -> float:
+        """Wait until replica ``slot`` (the standby) answers health as ``leader``; the
+        time it did.  If it is SIGKILLed first, it led long enough to reach its own crash
+        point: the time its death was seen (the caller then fails over again).
 
         Raises:
-            ConfigError: the deadline passed.
+            ConfigError: it exited otherwise, or the deadline passed.
         """
+        proc = self.replicas[slot]
+        assert proc is not None
         while time.monotonic() < deadline:
-            for slot, url in enumerate(self.urls):
-                answer = health(url)
-                if answer is not None and answer.get("role") == "leader":
-                    return slot, time.monotonic()
+            answer = health(self.urls[slot])
+            if answer is not None and answer.get("role") == "leader":
+                return time.monotonic()
+            if proc.poll() == -signal.SIGKILL:
+                return time.monotonic()
+            if proc.poll() is not None:
+                raise ConfigError(f"replica {slot} exited with {proc.returncode}; see {self.logs}")
             time.sleep(STATUS_POLL_S)
-        raise ConfigError(f"no replica led in time; see {self.logs}")
+        raise ConfigError(f"replica {slot} did not take the lead in time; see {self.logs}")
+
+    def stall(self, slot: int, seconds: float) -> None:
+        """SIGSTOP replica ``slot`` now and SIGCONT it ``seconds`` later (from a timer
+        thread: the caller goes on waiting on conditions meanwhile)."""
+        proc = self.replicas[slot]
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGSTOP)
+
+        def wake() -> None:
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+
+        timer = threading.Timer(seconds, wake)
+        timer.daemon = True
+        timer.start()
 
     def wait_role(self, slot: int, role: str, deadline: float) -> float:
         """Wait until replica ``slot`` answers health with ``role``; the time it did.
@@ -202,10 +229,13 @@ class _Replicas(_Federation):
                 proc.wait(timeout=10)
 
 
-def run_replicated(plan: ChaosPlan, root: Path, *, pause: bool = False) -> FailoverRun:
+def run_replicated(
+    plan: ChaosPlan, root: Path, *, pause: bool = False, stall_standby_s: float = 0.0
+) -> FailoverRun:
     """Run ``plan`` (its ``aggregator_crashes`` the leaders' crash points, in order) on
     two replicas until it finishes; with ``pause``, SIGSTOP the leader at
-    :data:`PAUSE_AT` once and SIGCONT it after the standby took over.
+    :data:`PAUSE_ROUND` once and SIGCONT it after the standby took over; with
+    ``stall_standby_s``, SIGSTOP the standby that long at each kill.
 
     Raises:
         ConfigError: a replica died other than by an injected crash, every agent exited
@@ -233,6 +263,8 @@ def run_replicated(plan: ChaosPlan, root: Path, *, pause: bool = False) -> Failo
             assert proc is not None
             code = proc.poll()
             if code is not None:
+                if stall_standby_s and carried[1 - leader] is not None:
+                    fed.stall(1 - leader, stall_standby_s)  # its point must still be reached
                 leader = _fail_over(fed, run, leader, code, carried, points, deadline)
                 continue
             if pause and not run.pause and last is not None and _at_pause(last):
@@ -270,11 +302,12 @@ def _fail_over(
     points: list[str],
     deadline: float,
 ) -> int:
-    """The leader died: time the other replica's take-over, start the dead one again
-    as the standby with the next crash point; the new leader's slot.
+    """The leader died: time the standby's take-over, then start the dead one again as
+    the standby with the next crash point (not before: see the module doc); the new
+    leader's slot.
 
     Raises:
-        ConfigError: it died other than by SIGKILL, or nobody took over in time.
+        ConfigError: it died other than by SIGKILL, or the standby did not lead in time.
     """
     died = time.monotonic()
     if code != -signal.SIGKILL:
@@ -283,12 +316,11 @@ def _fail_over(
     hits = _FAULT_RE.findall(log)
     kill = Kill(point=carried[leader] or "", hit=hits[-1] if hits else "")
     run.kills.append(kill)
+    standby = 1 - leader
+    kill.takeover_s = round(fed.wait_takeover(standby, deadline) - died, 3)
     carried[leader] = points.pop(0) if points else None
     fed.start_replica(leader, carried[leader])
-    slot, led = fed.wait_leader(deadline)
-    kill.takeover_s = round(led - died, 3)
-    kill.by = "restarted" if slot == leader else "standby"
-    return slot
+    return standby
 
 
 def _at_pause(status: wire.FederationStatus) -> bool:
