@@ -11,6 +11,8 @@ numpy's generators are never used for anything an adversary could exploit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives import hashes
@@ -70,6 +72,28 @@ def expand(
         raise ValueError(f"expand needs an unsigned dtype, got {dt}")
     raw = keystream(seed, domain, count * dt.itemsize)
     return np.frombuffer(raw, dtype=dt.newbyteorder("<"), count=count)
+
+
+def expand_blocks(
+    seed: bytes, domain: bytes, count: int, dtype: npt.DTypeLike, block: int
+) -> Iterator[npt.NDArray[np.unsignedinteger]]:
+    """The values of :func:`expand` (seed, domain, count, dtype), ``block`` at a time
+    (the last block shorter): one keystream, never held whole, for a caller whose
+    memory must not grow with ``count``.
+
+    Raises:
+        ValueError: ``seed`` is not 32 bytes, a signed dtype, or ``block`` below 1.
+    """
+    dt = np.dtype(dtype)
+    if dt.kind != "u":
+        raise ValueError(f"expand_blocks needs an unsigned dtype, got {dt}")
+    if block < 1:
+        raise ValueError(f"a block must hold at least one value, got {block}")
+    encryptor = _encryptor(seed, domain)
+    for start in range(0, count, block):
+        n = min(block, count - start)
+        raw = encryptor.update(_zeros(n * dt.itemsize))
+        yield np.frombuffer(raw, dtype=dt.newbyteorder("<"), count=n)
 
 
 def expand_into(seed: bytes, domain: bytes, out: npt.NDArray[np.unsignedinteger]) -> None:

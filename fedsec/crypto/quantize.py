@@ -189,16 +189,37 @@ def dequantize_sum(
     Raises:
         QuantizationError: ``members`` exceeds what the ring holds without wrapping.
     """
+    q = np.asarray(ring_sum)
+    total = dequantize_run(q[:-1], members, spec)
+    return total, float(q[-1] & spec.dtype.type(spec.ring_mask)) / spec.levels
+
+
+def dequantize_run(
+    run: RingVector,
+    members: int,
+    spec: QuantSpec,
+    out: npt.NDArray[np.float64] | None = None,
+) -> npt.NDArray[np.float64]:
+    """Σ w·Δ of :func:`dequantize_sum` for a run of a ring sum's coordinates (any slice
+    of them, without the weight's element), into ``out`` if given (same length).  Each
+    coordinate is decoded alone, so a sum decoded run by run is the sum decoded whole,
+    bit for bit.
+
+    Raises:
+        QuantizationError: ``members`` exceeds what the ring holds without wrapping.
+    """
     if not 1 <= members <= spec.max_members():
         raise QuantizationError(
             f"{members} members do not fit ring 2^{spec.ring_bits} at {spec.bits} bits"
         )
-    q = np.asarray(ring_sum) & spec.dtype.type(spec.ring_mask)
-    weights = float(q[-1]) / spec.levels
-    total = q[:-1].astype(np.float64)
-    total *= spec.step()
-    total -= members * spec.clip
-    return total, weights
+    q = np.asarray(run) & spec.dtype.type(spec.ring_mask)
+    if out is None:
+        out = q.astype(np.float64)
+    else:
+        out[...] = q
+    out *= spec.step()
+    out -= members * spec.clip
+    return out
 
 
 def ring_from_integers(ints: npt.NDArray[np.int64], spec: QuantSpec) -> RingVector:

@@ -187,10 +187,26 @@ def unrotate(y: npt.ArrayLike, seed: bytes, d: int, *, scale: float = 1.0) -> Fl
         raise QuantizationError(
             f"a rotated vector of {d} coordinates has {n} elements, got {vec.size}"
         )
+    work = vec * (scale / math.sqrt(n))
+    unrotate_prescaled(work, seed, d)
+    return work[:d]
+
+
+def unrotate_prescaled(work: FloatVector, seed: bytes, d: int) -> None:
+    """:func:`unrotate` in place, of a vector its caller has already multiplied by
+    scale/√N (as :func:`unrotate` does first): afterwards ``work[:d]`` holds the result,
+    bit for bit :func:`unrotate`'s, and the rest of ``work`` is spent.  A decoder that
+    fills ``work`` itself holds one N-element vector instead of two.
+
+    Raises:
+        QuantizationError: ``work`` is not a contiguous float64 vector of the padded
+            length of ``d``.
+        ValueError: ``seed`` is not 32 bytes.
+    """
+    n = padded_length(d)
+    if work.dtype != np.float64 or work.shape != (n,) or not work.flags.c_contiguous:
+        raise QuantizationError(f"a rotated vector of {d} coordinates is {n} contiguous float64")
     from fedsec.crypto import kernels  # numba: imported (0.3 s) by processes that rotate
 
-    work = vec * (scale / math.sqrt(n))
     kernels.hadamard_inplace(work)
-    out = work[:d]
-    kernels.apply_signs(out, _sign_bytes(seed, d), _SIGN_TABLE)
-    return out
+    kernels.apply_signs(work[:d], _sign_bytes(seed, d), _SIGN_TABLE)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -62,6 +63,7 @@ from fedsec.crypto.quantize import (
     RingVector,
     clip_l2,
     default_ring_bits,
+    dequantize_run,
     dequantize_sum,
     quantize,
 )
@@ -87,6 +89,11 @@ DEFAULT_RANGE_STDDEVS = 3.0
 # A wrapped centred sum that overshot the ring's half range by less than this fraction
 # of it lands this close to the far edge; edge_count counts sums there as likely wraps.
 WRAP_EDGE_FRACTION = 1 / 8
+# Coordinates decoded at a time: a run's int64 and float64 temporaries stay near 4 MB
+# whatever the model's size, where whole-vector temporaries and the subset's index cost
+# about 40 bytes a coordinate (the decode peaked at 431 MB at 11M parameters); above
+# 2^16 the per-run overhead of the numpy calls is below 1 % of the run's work.
+DECODE_BLOCK = 1 << 18
 # Headroom bits a codec may ask for: ⌈log₂ n⌉ of the largest cohort (MAX_COHORT, < 2^16)
 # is all any ring needs for sums that never wrap.
 MAX_HEADROOM_BITS = 16
@@ -301,6 +308,30 @@ class UpdateCodec:
         """
         return self.decode_sum(vector, 1)
 
+    def add_one(self, vector: RingVector, total: npt.NDArray[np.float64]) -> float:
+        """``total`` += w·Δ of one member's input, bit for bit ``total += decode_one(
+        vector)[0]``; returns w.  The plain kind decodes and adds :data:`DECODE_BLOCK`
+        coordinates at a time, so an upload costs no float64 copy of the update; the
+        others decode whole first (their rotation mixes every coordinate).
+
+        Raises:
+            QuantizationError: see :meth:`decode_sum` (``total`` is then unchanged).
+        """
+        values = np.asarray(vector).reshape(-1)
+        if self.kind != "plain":
+            update, weight = self.decode_one(values)
+            total += update
+            return weight
+        if values.size != self.length:
+            raise QuantizationError(
+                f"a ring sum of this round has {self.length} elements, got {values.size}"
+            )
+        weight = dequantize_sum(values[-1:], 1, self.quant)[1]
+        for a in range(0, self.dim, DECODE_BLOCK):
+            b = min(a + DECODE_BLOCK, self.dim)
+            total[a:b] += dequantize_run(values[a:b], 1, self.quant)
+        return weight
+
     def edge_count(self, ring_sum: RingVector, members: int) -> int:
         """Coordinates of the ring sum of ``members`` inputs near the edge of the ring,
         likely wraps; 0 for kinds that never wrap.
@@ -320,31 +351,85 @@ class UpdateCodec:
         return self._decode(ring_sum, members, count=True)[2]
 
     def _decode(
-        self, ring_sum: RingVector, members: int, count: bool
+        self, ring_sum: RingVector, members: int, count: bool, block: int = DECODE_BLOCK
     ) -> tuple[npt.NDArray[np.float64], float, int]:
-        """(Σ w·Δ, Σ w, and with ``count`` the edge count, else 0)."""
+        """(Σ w·Δ, Σ w, and with ``count`` the edge count, else 0), decoded ``block``
+        coordinates at a time straight into the one float64 vector that is unrotated in
+        place: every step before the rotation is per coordinate, so the result is the
+        whole-vector decode's, bit for bit."""
         values = np.asarray(ring_sum).reshape(-1)
         if values.size != self.length:
             raise QuantizationError(
                 f"a ring sum of this round has {self.length} elements, got {values.size}"
             )
         if self.kind == "plain":
-            return (*dequantize_sum(values, members, self.quant), 0)
+            total = np.empty(self.dim, dtype=np.float64)
+            for a in range(0, self.dim, block):
+                b = min(a + block, self.dim)
+                dequantize_run(values[a:b], members, self.quant, out=total[a:b])
+            # the weight's element alone: dequantize_sum checks the member count first
+            return total, dequantize_sum(values[-1:], members, self.quant)[1], 0
         if self.kind == "distributed":
-            assert self.ddp is not None and self.rotation_seed is not None
-            centred = recentre(values, self.quant.ring_bits)
-            edges = self._count_edges(centred[:-1]) if count else 0
-            body = centred[:-1].astype(np.float64) * (1.0 / self.ddp.scale)
-            total = rotation.unrotate(body, self.rotation_seed, self.dim)
-            return total, float(centred[-1]), edges
+            return self._decode_distributed(values, count, block)
+        return self._decode_compressed(values, members, count, block)
+
+    def _decode_distributed(
+        self, values: RingVector, count: bool, block: int
+    ) -> tuple[npt.NDArray[np.float64], float, int]:
+        assert self.ddp is not None and self.rotation_seed is not None
+        m, n = self.quant.ring_bits, self.keep
+        work = np.empty(n, dtype=np.float64)
+        prescale = 1.0 / math.sqrt(n)  # unrotate's own factor at scale 1
         edges = 0
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            centred = recentre(values[a:b], m)
+            edges += self._count_edges(centred) if count else 0
+            run = work[a:b]
+            np.multiply(centred, 1.0 / self.ddp.scale, out=run)
+            run *= prescale
+        weight = float(recentre(values[-1:], m)[0])
+        return self._unrotated(work), weight, edges
+
+    def _decode_compressed(
+        self, values: RingVector, members: int, count: bool, block: int
+    ) -> tuple[npt.NDArray[np.float64], float, int]:
+        """Each run of kept sums goes straight to its coordinates in the rotated frame,
+        times the rescale (and the rotation's 1/√N, as :func:`~fedsec.crypto.rotation.
+        unrotate` would multiply them)."""
         if self.wraps:
-            twice = self._twice_centred(values[: self.keep], members)
-            kept, weight = self._decode_centred(values, members, twice)
-            edges = self._count_edges(twice) if count else 0
+            weight = self._centred_weight(values, members)
         else:
-            kept, weight = dequantize_sum(values, members, self._range_quant())
-        return self._scatter(kept, self.rescale), weight, edges
+            weight = dequantize_sum(values[self.keep :], members, self._range_quant())[1]
+        factor = self.rescale
+        if self.rotation_seed is not None:
+            factor /= math.sqrt(self.padded)
+        multiply = factor != 1.0 or self.rotation_seed is not None
+        work = np.zeros(self.padded, dtype=np.float64)
+        edges, used, quant = 0, 0, self._range_quant()
+        for start, kept in _kept_runs(self.subset_seed, self.padded, self.keep, block):
+            run = values[used : used + kept.size]
+            used += kept.size
+            if self.wraps:
+                twice = self._twice_centred(run, members)
+                edges += self._count_edges(twice) if count else 0
+                sums = twice.astype(np.float64) * (self.range / self.quant.levels)
+            else:
+                sums = dequantize_run(run, members, quant)
+            if multiply:
+                sums *= factor
+            work[start + kept] = sums
+        if self.rotation_seed is None:
+            return work, weight, edges
+        return self._unrotated(work), weight, edges
+
+    def _unrotated(self, work: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``work`` (N prescaled coordinates) unrotated in place to its first d, the rest
+        of it given back to the allocator."""
+        assert self.rotation_seed is not None
+        rotation.unrotate_prescaled(work, self.rotation_seed, self.dim)
+        work.resize(self.dim, refcheck=False)  # no view of work exists: nothing dangles
+        return work
 
     def _count_edges(self, centred: npt.NDArray[np.int64]) -> int:
         """How many of a may-wrap kind's centred sums lie in the ring's edge region: in
@@ -375,18 +460,26 @@ class UpdateCodec:
         Raises:
             QuantizationError: more members than the cohort whose weights the ring holds.
         """
-        if not 1 <= members <= self.cohort:
-            raise QuantizationError(
-                f"{members} members: this round's ring holds the sums of 1..{self.cohort}"
-            )
+        weight = self._centred_weight(values, members)
         if twice is None:
             twice = self._twice_centred(values[: self.keep], members)
         # a level is 2s/L wide, so half a level (one unit of ``twice``) is s/L
         total = twice.astype(np.float64) * (self.range / self.quant.levels)
+        return total, weight
+
+    def _centred_weight(self, values: RingVector, members: int) -> float:
+        """Σ w of the wrapping codec's ring sum, from its weight digits.
+
+        Raises:
+            QuantizationError: more members than the cohort whose weights the ring holds.
+        """
+        if not 1 <= members <= self.cohort:
+            raise QuantizationError(
+                f"{members} members: this round's ring holds the sums of 1..{self.cohort}"
+            )
         digits = np.asarray(values[self.keep :]).astype(np.int64) & self.quant.ring_mask
         q = self.weight_digit_bits
-        weight = sum(int(v) << (q * j) for j, v in enumerate(digits)) / self.quant.levels
-        return total, weight
+        return sum(int(v) << (q * j) for j, v in enumerate(digits)) / self.quant.levels
 
     def _weight_digits(self, weight: int) -> list[int]:
         """The weight's element(s): itself, or its base-2^q digits, least significant first."""
@@ -440,6 +533,41 @@ def _subset(seed: bytes, n: int, k: int) -> npt.NDArray[np.intp]:
     chosen = np.flatnonzero(kept)
     chosen.setflags(write=False)
     return chosen
+
+
+def _kept_runs(
+    seed: bytes | None, n: int, k: int, block: int
+) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
+    """:func:`_subset` (seed, n, k) a block of ``n`` at a time: (start, the kept
+    coordinates in [start, start + block) less start), in order, without holding the
+    n keys or the k indices (64 and 80 MB at 16.8M coordinates).  Three passes over the
+    keystream: the histogram of the keys' top 16 bits, the boundary bucket's keys, the
+    kept coordinates; the same rule, so the same coordinates.  ``seed`` None: all."""
+    if seed is None or k >= n:
+        for start in range(0, n, block):
+            yield start, np.arange(min(block, n - start))
+        return
+    below = np.zeros(1 << 16, dtype=np.int64)
+    for keys in prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block):
+        below += np.bincount(keys >> np.uint32(16), minlength=1 << 16)
+    np.cumsum(below, out=below)
+    bucket = int(np.searchsorted(below, k, side="left"))  # first with ≥ k keys at or below
+    rest = k - (int(below[bucket - 1]) if bucket else 0)
+    found: list[npt.NDArray[np.intp]] = []
+    keyed: list[npt.NDArray[np.uint32]] = []
+    for i, keys in enumerate(prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block)):
+        at = np.flatnonzero((keys >> np.uint32(16)) == bucket)
+        found.append(at + i * block)
+        keyed.append(keys[at])
+    candidates = np.concatenate(found)
+    # a stable sort of the bucket's keys (in index order) breaks ties by index
+    chosen = np.sort(candidates[np.argsort(np.concatenate(keyed), kind="stable")[:rest]])
+    for i, keys in enumerate(prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block)):
+        start = i * block
+        kept = (keys >> np.uint32(16)) < bucket
+        lo, hi = np.searchsorted(chosen, (start, start + keys.size))
+        kept[chosen[lo:hi] - start] = True
+        yield start, np.flatnonzero(kept)
 
 
 def _seed(spec: RoundSpec, domain: bytes) -> bytes:

@@ -83,9 +83,7 @@ class PlainSession(SummationSession):
             encoding.check_input(vector)
         except BadVector as exc:
             raise BadVector(f"{member}'s update: {exc.detail}") from None
-        update, weight = encoding.decode_one(vector)
-        self.total += update
-        self.weight += weight
+        self.weight += encoding.add_one(vector, self.total)
         self.members.append(member)
         if self.rule is not None:
             self.vectors[member] = vector

@@ -132,7 +132,8 @@ class SecAggPlusSession(SummationSession):
             weight_sum=weight,
             survivors=list(result.survivors),
             dropped=list(result.dropped),
-            sum_sha256=hashlib.sha256(result.ring_sum.tobytes()).hexdigest(),
+            # the ring sum's own buffer (contiguous, little-endian): no copy of it
+            sum_sha256=hashlib.sha256(result.ring_sum.data).hexdigest(),
             edge_count=edges,
         )
 

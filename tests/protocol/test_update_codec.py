@@ -331,3 +331,179 @@ def test_a_wrapping_round_masks_a_cohort_its_ring_would_otherwise_refuse() -> No
     assert plain.secagg_params().digest() != params.digest()
     with pytest.raises(ProtocolError, match="overflow ring"):
         dataclasses.replace(params, wraps=False)
+
+
+# -- decoding in runs: bit for bit the whole-vector decode -----------------------------------------
+
+
+def _whole_decode(codec: Any, ring_sum: np.ndarray, members: int) -> tuple[Any, float, int]:
+    """The decode as it was before it ran in blocks (kept here as the reference): the whole
+    ring sum at once, through full-length int64 and float64 temporaries."""
+    from fedsec.crypto import kernels, rotation
+    from fedsec.crypto.discretize import recentre
+
+    def unrotate(vec: np.ndarray, seed: bytes, d: int, scale: float = 1.0) -> np.ndarray:
+        work = vec * (scale / np.sqrt(float(vec.size)))
+        kernels.hadamard_inplace(work)
+        kernels.apply_signs(work[:d], rotation._sign_bytes(seed, d), rotation._SIGN_TABLE)
+        return work[:d]
+
+    def dequantize(values: np.ndarray, quant: Any) -> tuple[np.ndarray, float]:
+        q = values & quant.dtype.type(quant.ring_mask)
+        total = q[:-1].astype(np.float64)
+        total *= quant.step()
+        total -= members * quant.clip
+        return total, float(q[-1]) / quant.levels
+
+    if codec.kind == "plain":
+        return (*dequantize(ring_sum, codec.quant), 0)
+    if codec.kind == "distributed":
+        centred = recentre(ring_sum, codec.quant.ring_bits)
+        body = centred[:-1].astype(np.float64) * (1.0 / codec.ddp.scale)
+        edges = codec._count_edges(centred[:-1])
+        return unrotate(body, codec.rotation_seed, codec.dim), float(centred[-1]), edges
+    edges = 0
+    if codec.wraps:
+        twice = codec._twice_centred(ring_sum[: codec.keep], members)
+        kept = twice.astype(np.float64) * (codec.range / codec.quant.levels)
+        weight = codec._centred_weight(ring_sum, members)
+        edges = codec._count_edges(twice)
+    else:
+        kept, weight = dequantize(ring_sum, codec._range_quant())
+    idx = codec.subset()
+    full = kept
+    if idx is not None:
+        full = np.zeros(codec.padded)
+        full[idx] = kept
+    if codec.rotation_seed is not None:
+        return unrotate(full, codec.rotation_seed, codec.dim, codec.rescale), weight, edges
+    return (full * codec.rescale if codec.rescale != 1.0 else full), weight, edges
+
+
+def _random_sum(codec: Any, rng: np.random.Generator) -> np.ndarray:
+    """A ring sum of random elements of the ring: any value the masks leave is possible."""
+    m = codec.quant.ring_bits
+    values = rng.integers(0, 1 << m, size=codec.length, dtype=np.uint64)
+    return values.astype(codec.quant.dtype)
+
+
+def _assert_runs_decode_as_whole(codec: Any, members: int, seed: int) -> None:
+    ring_sum = _random_sum(codec, np.random.default_rng(seed))
+    expected, weight, edges = _whole_decode(codec, ring_sum, members)
+    for block in (1, 7, 64, 1000, update_codec.DECODE_BLOCK):
+        got = codec._decode(ring_sum, members, count=True, block=block)
+        assert got[0].shape == (codec.dim,) and got[0].dtype == np.float64
+        assert got[0].tobytes() == np.ascontiguousarray(expected).tobytes(), block
+        assert (got[1], got[2]) == (weight, edges)
+    assert codec.decode_sum(ring_sum, members)[0].tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("ring_bits", range(3, 57))
+def test_a_plain_sum_decodes_in_runs_as_whole_at_every_ring_width(ring_bits: int) -> None:
+    bits = min(16, ring_bits - 1)
+    members = min(5, (1 << ring_bits) // (1 << bits))
+    codec = codec_for(_spec(1001, members=members, bits=bits, ring_bits=ring_bits))
+    assert codec.kind == "plain" and codec.quant.ring_bits == ring_bits
+    _assert_runs_decode_as_whole(codec, members, ring_bits)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    d=st.integers(1, 3000),
+    n=st.integers(1, 8),
+    bits=st.sampled_from([2, 4, 6, 8, 12, 16]),
+    extra=st.integers(0, 40),
+    rotation=st.sampled_from(["none", "hadamard"]),
+    keep=st.sampled_from([1.0, 0.9, 0.33, 0.01]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_compressed_sum_decodes_in_runs_as_whole(
+    d: int, n: int, bits: int, extra: int, rotation: str, keep: float, seed: int
+) -> None:
+    """Ring widths from no-wrap up to 56 bits, odd lengths, with and without the subset
+    and the rotation."""
+    ring = min(56, default_ring_bits(bits, n) + extra)
+    stddevs = 3.0 if rotation == "hadamard" else 0.0
+    spec = _spec(
+        d,
+        members=n,
+        bits=bits,
+        ring_bits=ring,
+        codec=CodecSpec(rotation=rotation, keep=keep, range_stddevs=stddevs),
+    )
+    codec = codec_for(spec)
+    assert not codec.wraps  # (no rotation and every coordinate: the plain kind)
+    _assert_runs_decode_as_whole(codec, n, seed)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    d=st.integers(1, 3000),
+    n=st.integers(1, 50),
+    bits=st.sampled_from([2, 4, 6, 8]),
+    headroom=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_wrapping_sum_decodes_in_runs_as_whole_with_its_edge_count(
+    d: int, n: int, bits: int, headroom: int, seed: int
+) -> None:
+    # a cohort of 50 needs a ring of at least 6 bits for its weight digits
+    codec = codec_for(_wrapping(d, 50, bits, max(headroom, 6 - bits)))
+    assert codec.wraps
+    _assert_runs_decode_as_whole(codec, n, seed)
+
+
+@pytest.mark.parametrize(("d", "members"), [(1, 3), (300, 5), (1025, 4)])
+def test_a_distributed_sum_decodes_in_runs_as_whole_with_its_edge_count(
+    d: int, members: int
+) -> None:
+    dp = DPSpec(True, 1.0, 1.0, 1e-5, mode="distributed", sample_rate=0.5, min_survivors=2)
+    ring = default_ring_bits(16, members)
+    spec = _spec(d, members=members, bits=16, ring_bits=ring, clip_norm=5.0, dp=dp)
+    codec = codec_for(spec)
+    assert codec.kind == "distributed"
+    _assert_runs_decode_as_whole(codec, members, d)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 300_000),
+    fraction=st.floats(0.0, 1.0),
+    block=st.sampled_from([1, 3, 1000, 65_536, 1 << 18]),
+    seed=st.binary(min_size=32, max_size=32),
+)
+def test_the_subset_in_runs_is_the_subset(n: int, fraction: float, block: int, seed: bytes) -> None:
+    if block < 1000:
+        n = min(n, 5000)  # a block of one element is the slow path, not the one used
+    k = max(1, min(n, round(fraction * n)))
+    runs = list(update_codec._kept_runs(seed, n, k, block))
+    assert [start for start, _ in runs] == list(range(0, n, block))
+    joined = np.concatenate([start + kept for start, kept in runs])
+    assert np.array_equal(joined, update_codec._subset(seed, n, k))
+
+
+@pytest.mark.parametrize("ring_bits", [3, 9, 16, 17, 33, 56])
+@pytest.mark.parametrize("codec_spec", [CodecSpec(), CodecSpec(rotation="hadamard", keep=0.5)])
+def test_adding_one_input_in_runs_is_adding_its_decoding(
+    ring_bits: int, codec_spec: CodecSpec
+) -> None:
+    """What a trusted aggregator does per upload: the running sum after add_one is the
+    sum after adding decode_one's vector, bit for bit; a wrong length changes nothing."""
+    bits = min(8, ring_bits - 1)
+    spec = _spec(
+        update_codec.DECODE_BLOCK + 3, members=3, bits=bits, ring_bits=ring_bits, codec=codec_spec
+    )
+    codec = codec_for(spec)
+    rng = np.random.default_rng(ring_bits)
+    levels = rng.integers(0, codec.quant.levels + 1, size=codec.length, dtype=np.uint64)
+    vector = levels.astype(codec.quant.dtype)
+    start = rng.standard_normal(spec.dim)
+    expected = start.copy()
+    update, weight = codec.decode_one(vector)
+    expected += update
+    total = start.copy()
+    assert codec.add_one(vector, total) == weight
+    assert total.tobytes() == expected.tobytes()
+    with pytest.raises(QuantizationError, match="elements"):
+        codec.add_one(vector[:-1], total)
+    assert total.tobytes() == expected.tobytes()
