@@ -33,7 +33,7 @@ from fedsec.aggregator.http.keys import (
     WORKSPACE,
     Handler,
 )
-from fedsec.aggregator.http.leadership import leader_middleware
+from fedsec.aggregator.http.leadership import BUILT_UNDER, leader_middleware, leads_here, token_of
 from fedsec.aggregator.http.limits import ROSTER_RELOAD_S, TICK_S
 from fedsec.aggregator.http.longpoll import CHANGED, ChangeSignal
 from fedsec.aggregator.nonces import open_nonce_store
@@ -116,6 +116,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     )
     app[WORKSPACE] = workspace
     app[COORDINATOR] = coordinator or Coordinator(workspace)
+    app[BUILT_UNDER] = token_of(workspace.state)
     app[OPS] = Operations(app[COORDINATOR])
     app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = ChangeSignal()
@@ -168,8 +169,9 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                         signal.fire()
                     last_reload = now
                 # a standby's round logic and alert rules wait: every write of theirs
-                # would be fenced
-                if lease is None or (lease.token is not None and not lease.deposed):
+                # would be fenced, and once its process took the lease over, they would
+                # act on the round state loaded at start (the rebuilt app's run instead)
+                if lease is None or leads_here(app, lease):
                     coord.tick()
                     operations.tick()
             except Exception:

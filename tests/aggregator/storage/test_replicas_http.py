@@ -78,13 +78,24 @@ def _stored(store: PostgresStateStore) -> tuple[object, ...]:
     )
 
 
-async def test_a_replay_through_the_new_leader_is_refused(replicas: tuple[Api, Api]) -> None:
+async def _resumed(standby: Api, aiohttp_client: Callable[..., Awaitable[TestClient]]) -> Api:
+    """What the standby serves once it took the lease over: an application around a
+    coordinator rebuilt from the database (the replica's restart path)."""
+    ws = standby.coord.ws
+    resumed = Coordinator(ws, clock=standby.coord.context.clock)
+    return Api(await aiohttp_client(make_app(ws, resumed)), standby.fed, resumed)
+
+
+async def test_a_replay_through_the_new_leader_is_refused(
+    replicas: tuple[Api, Api], aiohttp_client: Callable[..., Awaitable[TestClient]]
+) -> None:
     a, b = replicas
     body = _join_body("a0")
     headers = a.headers("a0", "POST", JOIN, body)
     status, raw, _ = await a.send("POST", JOIN, body, headers)
     assert status == 200 and json.loads(raw)["accepted"] is True
     _take_over(a, b)
+    b = await _resumed(b, aiohttp_client)
     status, raw, _ = await b.send("POST", JOIN, body, headers)
     assert status == 401 and json.loads(raw)["error"] == "replayed", raw
     assert a.fed.ws.state.joins.samples(1, 0) == {"a0": 50}
@@ -217,3 +228,30 @@ async def test_a_standby_sends_member_reads_to_the_leader_too(
         assert resp.status == 200 and (await resp.json())["role"] == "standby"
     async with b.client.get("/dashboard/api/snapshot") as resp:
         assert resp.status == 200
+
+
+async def test_a_standby_that_just_took_the_lease_refuses_writes_until_it_resumed(
+    replicas: tuple[Api, Api], aiohttp_client: Callable[..., Awaitable[TestClient]]
+) -> None:
+    """Between taking the lease and serving a coordinator rebuilt from the database, the
+    standby's own application (its round state the one it loaded at start) must not
+    judge a member's request: it would call the round's stage wrong, a permanent
+    refusal, and the member would drop out of a round that is going on."""
+    a, b = replicas
+    cohort = await _to_masked_input(a)
+    for m in AGENTS[:2]:
+        await a.ok(m, "POST", *_upload(cohort, m))
+    _take_over(a, b)  # b leads now, but still serves the application it stood by with
+    store = _lease(b)
+    before = _stored(store)
+    path, body = _upload(cohort, "a2")
+    headers = b.headers("a2", "POST", path, body)
+    status, raw, _ = await b.send("POST", path, body, headers)
+    answer = json.loads(raw)
+    assert (status, answer["error"]) == (503, "not_leader"), raw
+    assert "resuming the round" in answer["detail"], answer
+    assert _stored(store) == before
+    # nothing of it was consumed: the same signed request is the resumed coordinator's
+    status, raw, _ = await (await _resumed(b, aiohttp_client)).send("POST", path, body, headers)
+    assert status == 200, raw
+    assert store.messages.count(1, 0, "masked_input") == 3
