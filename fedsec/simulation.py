@@ -424,7 +424,7 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
     reached = [
         r.closed_at
         for r, s in zip([r for r in rows if r.summary], summaries, strict=True)
-        if s.accuracy is not None and s.accuracy >= spec.target_accuracy and r.closed_at
+        if s.score is not None and _reaches(task, s.score, spec.target_accuracy) and r.closed_at
     ]
     time_to_target = (
         round(min(reached) - rows[0].opened_at, 2) if spec.target_accuracy and reached else None
@@ -485,9 +485,17 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
     float32 = 4 * dim
     vector = extra["bytes_up_by_request"].get("masked_input", {})
     payload = vector.get("body", 0.0) / vector["requests"] if vector.get("requests") else None
-    final_acc = final.accuracy if final and final.accuracy is not None else float("nan")
+    # the task's primary metric (RoundSummary.score: what the dashboard and alerts show)
+    final_score = final.score if final and final.score is not None else float("nan")
     if hidden_acc is not None:
-        final_acc = hidden_acc
+        final_score = hidden_acc
+    final_acc = final.accuracy if final and final.accuracy is not None else float("nan")
+    if task.primary_metric == "accuracy":
+        final_acc = final_score
+    # train_centralized's first value is the accuracy of integer labels, else the task's
+    # primary metric
+    central_score, central_acc = _centralized_scores(task, data, central_acc)
+    metric = task.primary_metric
     eps = [s.epsilon_max for s in summaries if s.epsilon_max is not None]
     return with_environment(
         {
@@ -507,10 +515,18 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
             "server_optimizer": optimizer,
             "server_lr": server_lr,
             "seed": spec.seed,
+            "primary_metric": metric,
+            "higher_is_better": task.higher_is_better,
+            f"final_{metric}": final_score,
+            f"centralized_{metric}": central_score,
+            # accuracy where the task has it (nan for a regression): read by older benches
             "final_accuracy": final_acc,
             "centralized_accuracy": central_acc,
             "centralized_epochs": spec.rounds * params.local_epochs,
-            "gap_pt": round(100 * (central_acc - final_acc), 2),
+            # in points of the primary metric, positive where the federation did worse
+            "gap_pt": round(
+                100 * (central_score - final_score) * (1 if task.higher_is_better else -1), 2
+            ),
             "rounds": len(closed),
             "aborted_rounds": sum(1 for s in summaries if s.stage == "aborted"),
             "dim": dim,
@@ -538,6 +554,22 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
             **extra,
         }
     )
+
+
+def _reaches(task: Task, score: float, target: float) -> bool:
+    """Whether ``score`` of the task's primary metric is at ``target`` or better."""
+    return score >= target if task.higher_is_better else score <= target
+
+
+def _centralized_scores(task: Task, data: Dataset, first: float) -> tuple[float, float]:
+    """(primary metric, accuracy) of the centralized baseline from
+    :func:`train_centralized`'s first value: the accuracy for integer labels, the
+    primary metric for floating ones; nan for what it does not give."""
+    floating = np.issubdtype(np.asarray(data.y_test).dtype, np.floating)
+    accuracy = float("nan") if floating else first
+    if floating or task.primary_metric == "accuracy":
+        return first, accuracy
+    return float("nan"), accuracy
 
 
 def central_dp_accuracy(
@@ -577,7 +609,7 @@ def central_dp_accuracy(
         mean = (ddp_decode(ring, spec, shared) / batch).astype(np.float32)
         flat, state = server_step(rule, flat, mean, state)
         load_flat_params(model, flat)
-    accuracy, _ = evaluate(model, data.x_test, data.y_test)
+    accuracy, _ = evaluate(model, data.x_test, data.y_test, task=task)
     return float(accuracy)
 
 
@@ -659,7 +691,8 @@ def _hidden_accuracy(ws: Workspace, custodian_home: Path, task: Task, data: Data
         ).model
     model = task.build_model(0)
     arrays_to_state(model, decode_model(model_file, max_bytes=MAX_MODEL_BYTES))
-    return evaluate(model, data.x_test, data.y_test)[0]
+    # the primary metric for floating labels (a regression), the accuracy otherwise
+    return evaluate(model, data.x_test, data.y_test, task=task)[0]
 
 
 async def _custodian(spec: SimulationSpec, root: Path, url: str, aggregator: bytes) -> None:
