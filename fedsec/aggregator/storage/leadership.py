@@ -125,6 +125,8 @@ class Replaceable(Protocol):
 def lease_of(state: object) -> Leased | None:
     """The lease of a state store, None for a store that is alone (SQLite)."""
     lease = getattr(state, "lease", None)
+    if lease is None:  # first: the runtime Protocol check costs ~60 µs, on every request
+        return None
     return lease if isinstance(lease, Leased) else None
 
 
