@@ -36,8 +36,11 @@ class ChangeSignal:
     async def wait(self, timeout: float) -> None:
         self.waiting += 1
         try:
+            # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own,
+            # one per held request and firing (~3 % of an aggregator's CPU at 300 members)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
         finally:
             self.waiting -= 1
 
