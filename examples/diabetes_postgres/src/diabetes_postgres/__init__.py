@@ -1,0 +1,1 @@
+"""A tabular regression fedsec task whose records live in a member's PostgreSQL table."""
