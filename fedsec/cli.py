@@ -131,6 +131,7 @@ def _register_optional() -> None:
         ("fedsec.bench.audit_cli", "bench_audit", "audit"),
         ("fedsec.bench.chaos", "bench_chaos", "chaos"),
         ("fedsec.bench.failover", "bench_failover", "failover"),
+        ("fedsec.bench.store", "bench_store", "store"),
         ("fedsec.bench.async_bench", "bench_async", "async"),
         ("fedsec.bench.ops", "bench_ops", "ops"),
         ("fedsec.bench.he", "bench_he", "he"),

@@ -185,6 +185,9 @@ class SimulationSpec:
     # open live dashboards (server-sent event streams) during the run, to measure what
     # they cost the aggregator (`fedsec bench ops`)
     dashboard_viewers: int = 0
+    # [storage] url: the aggregator's state in this (empty) PostgreSQL database instead
+    # of the workspace's SQLite file (`fedsec bench store`)
+    storage_url: str = ""
 
 
 # A RAM-backed directory for the throw-away workspace when there is one: the aggregator's
@@ -402,6 +405,8 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
         ),
         validation={"enabled": False} if spec.hide_model else None,
     )
+    if spec.storage_url:  # the rendered [storage] section holds url = "" once
+        text = text.replace('\nurl = ""\n', f"\nurl = {json.dumps(spec.storage_url)}\n", 1)
     ws = create_federation(root, "sim", spec.task, text)
     local = enrol_agents(ws, root, spec.agents)
     if spec.summation.custodian_decrypts:

@@ -60,7 +60,7 @@ from fedsec.bench.chaos import (
     audit_verify,
 )
 from fedsec.bench.common import federation_status, free_port, with_environment
-from fedsec.bench.pgcluster import temporary_cluster
+from fedsec.bench.pgcluster import Cluster, temporary_cluster
 from fedsec.errors import ConfigError
 from fedsec.protocol import wire
 
@@ -369,11 +369,13 @@ def _verified(workspace: Path) -> str:
 
 
 @contextmanager
-def _database_server(url: str | None) -> Iterator[Any]:
+def database_server(url: str | None) -> Iterator[Cluster]:
     """Fresh databases from the server at ``url`` (one the role may CREATE DATABASE on),
-    or from a temporary cluster of this machine's PostgreSQL when None."""
-    from fedsec.bench.pgcluster import Cluster
+    or from a temporary cluster of this machine's PostgreSQL when None.
 
+    Raises:
+        ConfigError: ``url`` is None and PostgreSQL is not installed.
+    """
     if url is not None:
         from urllib.parse import urlsplit
 
@@ -411,7 +413,7 @@ def run_failover(
     root = workdir or Path(tempfile.mkdtemp(prefix="fedsec-failover-"))
     schedule = tuple(aggregator_schedule(rounds, points))
     base = ChaosPlan(agents=agents, rounds=rounds, dp=False, timeout_s=timeout_s)
-    with _database_server(database_url) as server:
+    with database_server(database_url) as server:
         reference = run_replicated(
             replace(base, storage_url=server.fresh_database()), root / "reference"
         )
