@@ -27,6 +27,11 @@ def test_a_row_per_member_count_with_the_aggregators_cost() -> None:
     assert row["aggregator_cpu_ms_per_member_round"] > 0
     assert row["aggregator_peak_rss_mb"] > 0
     assert row["requests_per_member_round"] > 0 and row["bytes_up_per_member_round"] > 0
+    # the floor: the Ed25519 checks of a member-round's requests, timed in the same run
+    assert row["ed25519_check_us"] > 0
+    floor = row["requests_per_member_round"] * row["ed25519_check_us"] / 1000
+    assert abs(row["signature_floor_ms_per_member_round"] - floor) < 0.01
+    assert row["cpu_over_signature_floor"] > 0
 
 
 def test_member_counts_are_checked() -> None:
