@@ -6,14 +6,20 @@ real state machine (:class:`fedsec.peer.gossip.GossipPeer`, its messages encoded
 validated as on the wire, without the HTTP and signatures the tests cover), every peer
 trains with the members' training code (:func:`fedsec.peer.runner.task_trainer`), and
 the baseline is ``fedsec bench robust``'s FedAvg run (the aggregator's rule code) on the
-same split, the same local epochs and the same number of updates per round (every
-member, every round).  Peers run in lock step: each round every peer trains, sends its
-model to its neighbours and combines; the asynchronous schedule and the timeout are the
-loopback tests' concern.
+same split, the same local epochs, the same training seeds (member i's round r trains
+with the seed it has in FedAvg's round r, so the runs differ in how models are averaged
+and not in which batches were drawn: two seeds of the same FedAvg already differ by
+1.4 pt) and the same number of updates per round (every
+member, every round): "total updates" counts local trainings, which gossip's extra
+exchanges do not add to (they average, they do not train).  Peers run in lock step: each
+round every peer trains, sends its model to its neighbours and combines, then every peer
+sends its mixed model and combines again for each further exchange; the asynchronous
+schedule and the timeout are the loopback tests' concern.
 
 The sign-flip attacker trains honestly and keeps an honest model (so its messages stay
 near its neighbours' models and the flipped direction is what they see), but sends
-``SIGNFLIP_FACTOR`` times its update: ``fedsec bench robust``'s attack.
+``SIGNFLIP_FACTOR`` times its update: ``fedsec bench robust``'s attack.  In the mixing
+exchanges it sends its honest mixed model (the attack is on the update).
 Accuracy is the mean over the honest peers' own models on the task's test split.
 """
 
@@ -32,8 +38,9 @@ from fedsec.bench.common import with_environment
 from fedsec.bench.robust import SIGNFLIP_FACTOR, Federation, make_federation, run_rule
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.peer import messages
-from fedsec.peer.gossip import GossipPeer, GossipSettings
+from fedsec.peer.gossip import GossipPeer, GossipSettings, RoundOutcome
 from fedsec.peer.journal import PeerJournal
+from fedsec.peer.limits import DEFAULT_EXCHANGES
 from fedsec.peer.messages import Vector
 from fedsec.peer.runner import task_trainer
 from fedsec.peer.topology import sign_topology, topology_graph
@@ -87,7 +94,7 @@ def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> Gossip
         sent: dict[str, bytes] = {}
         for i, peer in enumerate(peers):
             start = peer.model.copy()
-            trained = trainers[i](start, r * 1_009)
+            trained = trainers[i](start, (r + 1) * 1_009)  # FedAvg's round r + 1 seeds
             message = peer.own_model(trained)
             if i in fed.bad:
                 flipped = SIGNFLIP_FACTOR * (trained - start)
@@ -95,16 +102,16 @@ def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> Gossip
                     FEDERATION_ID, r, peer.me, peer.samples, start, flipped
                 )
             sent[peer.me] = messages.encode(message)
-        for peer in peers:
-            for n in sorted(peer.neighbours):
-                peer.receive(n, sent[n], FEDERATION_ID, r)
-        for i, peer in enumerate(peers):
-            outcome = peer.combine()
+        outcomes = _exchange(peers, sent, r)
+        for i, outcome in enumerate(outcomes):
             if i not in fed.bad:
-                for n in peer.neighbours:
+                for n in peers[i].neighbours:
                     tally = refused[index[n] in fed.bad]
                     tally[0] += n in outcome.refused
                     tally[1] += 1
+        while peers[0].exchange:
+            mixed = {p.me: messages.encode(p.mixing_model()) for p in peers}
+            _exchange(peers, mixed, r)
     honest = [_accuracy(fed, p.model) for i, p in enumerate(peers) if i not in fed.bad]
     return GossipRun(
         float(np.mean(honest)),
@@ -113,6 +120,14 @@ def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> Gossip
         refused[False][0] / max(refused[False][1], 1),
         time.perf_counter() - started,
     )
+
+
+def _exchange(peers: list[GossipPeer], sent: dict[str, bytes], round_: int) -> list[RoundOutcome]:
+    """Every peer receives its neighbours' messages of this exchange, then combines."""
+    for peer in peers:
+        for n in sorted(peer.neighbours):
+            peer.receive(n, sent[n], FEDERATION_ID, round_)
+    return [peer.combine() for peer in peers]
 
 
 def _accuracy(fed: Federation, model: Vector) -> float:
@@ -137,6 +152,13 @@ def _emit(line: dict[str, Any], as_json: bool) -> None:
 @click.option("--local-epochs", type=int, default=2, show_default=True)
 @click.option("--partition", default="iid", show_default=True, help="iid or dirichlet:ALPHA")
 @click.option("--min-cosine", type=float, default=0.0, show_default=True)
+@click.option(
+    "--exchanges",
+    type=int,
+    default=DEFAULT_EXCHANGES,
+    show_default=True,
+    help="model exchanges per round, the first with the training (GossipSettings.exchanges)",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--reference",
@@ -162,6 +184,7 @@ def bench_gossip(
     local_epochs: int,
     partition: str,
     min_cosine: float,
+    exchanges: int,
     seed: int,
     reference: str,
     runs: str,
@@ -195,6 +218,7 @@ def bench_gossip(
                 robust=not name.endswith("plain"),
                 min_cosine=min_cosine,
                 reference=reference,  # type: ignore[arg-type]  # click.Choice checked it
+                exchanges=exchanges,
             )
             g = run_gossip(fed, degree, settings)
             line = {
@@ -203,6 +227,7 @@ def bench_gossip(
                 "robust": settings.robust,
                 "min_cosine": min_cosine,
                 "reference": reference,
+                "exchanges": exchanges,
                 "accuracy": round(g.accuracy, 4),
                 "worst_peer": round(g.worst, 4),
                 "refused_attacker_share": round(g.refused_bad, 4),

@@ -41,7 +41,7 @@ def run(config_path: Path) -> None:
         outcomes = asyncio.run(_run(config, config_path.parent))
     except FedsecError as exc:
         raise click.ClickException(str(exc)) from None
-    for o in outcomes:
+    for o in (o for o in outcomes if o.exchange == 0):  # where neighbours are judged
         click.echo(
             f"round={o.round} accepted={len(o.accepted)} refused={len(o.refused)} "
             f"missing={len(o.missing)}"
@@ -68,7 +68,9 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
         start,
         samples,
         journal,
-        GossipSettings(g.robust, g.min_cosine, g.staleness, g.reference),
+        GossipSettings(
+            g.robust, g.min_cosine, g.staleness, g.reference, g.exchanges, g.max_norm_ratio
+        ),
     )
     app = peer_app(state, roster)
     runner = web.AppRunner(app, access_log=None)

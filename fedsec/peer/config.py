@@ -14,6 +14,8 @@ import msgspec
 
 from fedsec.errors import ConfigError
 from fedsec.peer.limits import (
+    DEFAULT_EXCHANGES,
+    DEFAULT_MAX_NORM_RATIO,
     DEFAULT_MIN_COSINE,
     DEFAULT_ROUND_TIMEOUT_S,
     DEFAULT_SEND_TIMEOUT_S,
@@ -37,6 +39,8 @@ class GossipSection(_Section, frozen=True, kw_only=True):
     min_cosine: float = DEFAULT_MIN_COSINE
     reference: Literal["median", "own"] = "median"
     staleness: int = DEFAULT_STALENESS
+    exchanges: int = DEFAULT_EXCHANGES
+    max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
 

@@ -8,10 +8,14 @@ every neighbour's round is in, or the round's timeout has passed, it combines
 (:meth:`GossipPeer.combine`):
 
 - neighbours whose newest round is more than ``staleness`` rounds old are skipped;
-- with filtering on, a neighbour whose update Δ_j has cosine below ``min_cosine`` to the
-  reference is refused, the reason in the journal: FLTrust's trust test
+- with filtering on, a neighbour whose update Δ_j is longer than ``max_norm_ratio`` times
+  the peer's own Δ_i is refused (the own update is the one length the peer knows is
+  honest, so no honest majority among its neighbours is assumed); of the others, one
+  whose update has cosine below ``min_cosine`` to the reference is refused, each reason
+  in the journal: FLTrust's trust test
   (:func:`fedsec.learning.robust.fltrust`).  The reference is the coordinate-wise median
-  of Δ_i and the neighbours' updates (:func:`fedsec.learning.robust.median`), the
+  of Δ_i and the updates of the neighbours the norm test kept
+  (:func:`fedsec.learning.robust.median`), the
   direction the peer and its honest neighbours agree on while they are the majority, or
   Δ_i alone (``reference = "own"``), which refuses honest neighbours whenever the peer's
   own noisy update happens to point elsewhere;
@@ -21,6 +25,14 @@ every neighbour's round is in, or the round's timeout has passed, it combines
   or forged, moves x_i no further than a typical one) plus Δ_j;
 - the new model is x_i plus the mean of Δ_i and those contributions weighted by the
   records each was trained on (:func:`fedsec.learning.robust.fedavg`).
+
+That is the round's first exchange.  Each of its ``exchanges − 1`` further ones is one
+more averaging step with no training (:meth:`GossipPeer.mixing_model`): every peer sends
+its mixed model, and x_i moves by the volume-weighted mean of 0 (itself) and the pulls of
+the neighbours the first exchange accepted, each clipped as above.  A neighbour refused
+for its update is not heard again in that round; one that passed can move x_i by no more
+than the clipped pull per exchange.  Mixing is post-processing of what training released,
+so it spends no privacy budget.
 
 The update is judged on its own, not as the neighbour's end minus x_i: models drift
 apart between peers, and that difference is mostly the drift (measured: 69 % of honest
@@ -44,6 +56,7 @@ from fedsec.errors import (
     AggregationImpossible,
     AuthError,
     ConfigError,
+    PayloadError,
     ProtocolError,
     ReplayError,
     StaleUpdate,
@@ -54,9 +67,12 @@ from fedsec.peer import messages
 from fedsec.peer.journal import PeerCombined, PeerJournal, PeerReceived, PeerRefused, PeerSent
 from fedsec.peer.limits import (
     CONSENSUS_CLIP_OVER_MEDIAN,
+    DEFAULT_EXCHANGES,
+    DEFAULT_MAX_NORM_RATIO,
     DEFAULT_MIN_COSINE,
     DEFAULT_STALENESS,
     MAX_AHEAD,
+    MAX_EXCHANGES,
     MAX_MODEL_VALUES,
 )
 from fedsec.peer.messages import PeerModel, Vector
@@ -74,22 +90,31 @@ class GossipSettings:
     #: of the peer's own update and the round's neighbours' (the neighbourhood's direction,
     #: which an honest majority decides); "own", the peer's own update alone
     reference: Literal["median", "own"] = "median"
+    #: model exchanges per round, the first with the round's training
+    exchanges: int = DEFAULT_EXCHANGES
+    #: a neighbour's update longer than this many times the peer's own is refused; 0: off
+    max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
 
     def __post_init__(self) -> None:
         robust.check_parameter("min_trust_score", self.min_cosine)
+        robust.check_parameter("max_norm_ratio", self.max_norm_ratio)
         if not 0 <= self.staleness <= MAX_ID:
             raise ConfigError(f"peer.staleness must be in 0..{MAX_ID}, got {self.staleness}")
+        if not 1 <= self.exchanges <= MAX_EXCHANGES:
+            raise ConfigError(f"gossip.exchanges must be in 1..{MAX_EXCHANGES}")
 
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What :meth:`GossipPeer.combine` made of a round (key ids in sorted order)."""
+    """What :meth:`GossipPeer.combine` made of an exchange of a round (key ids in sorted
+    order); refusals happen in exchange 0 only."""
 
     round: int
     model: Vector
     accepted: tuple[str, ...]
     refused: dict[str, str]  # key id -> reason
     missing: tuple[str, ...]  # no model within the staleness bound
+    exchange: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,21 +157,28 @@ class GossipPeer:
         self.journal = journal
         self.settings = settings or GossipSettings()
         self.round = 0
+        self.exchange = 0
         self.model = np.asarray(model, dtype=np.float64).copy()
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, _Held] = {}  # each neighbour's newest message
+        self._trained: dict[str, _Held] = {}  # each neighbour's newest exchange 0
         self._own_update: Vector | None = None
+        self._accepted: tuple[str, ...] = ()  # the round's exchange 0 accepted these
 
     @property
     def values(self) -> int:
         return int(self.model.size)
 
     def own_model(self, trained: Vector) -> PeerModel:
-        """Record this round's locally trained model and return the message carrying it.
+        """Record this round's locally trained model and return the message carrying it
+        (the round's exchange 0).
 
         Raises:
             BadVector: ``trained`` holds NaN or an infinity.
             ConfigError: ``trained`` is not the size of the peer's model.
+            ProtocolError: the peer is in a later exchange of the round.
         """
+        if self.exchange:
+            raise ProtocolError(f"round {self.round} trains in exchange 0, not {self.exchange}")
         if trained.shape != self.model.shape:
             raise ConfigError(f"trained model has shape {trained.shape}, not {self.model.shape}")
         message = messages.make_model(
@@ -155,8 +187,22 @@ class GossipPeer:
         self._own_update = message.update_vector()
         return message
 
+    def mixing_model(self) -> PeerModel:
+        """The message carrying the peer's mixed model in a later exchange of the round.
+
+        Raises:
+            ProtocolError: the peer is in exchange 0 (it sends its training then).
+        """
+        if not self.exchange:
+            raise ProtocolError(f"round {self.round}: exchange 0 carries the training")
+        return messages.make_mix(
+            self.federation_id, self.round, self.exchange, self.me, self.samples, self.model
+        )
+
     def record_sent(self, to: str, message: PeerModel) -> None:
-        self.journal.append(PeerSent(round=message.round, to=to, sha256=message.sha256))
+        self.journal.append(
+            PeerSent(round=message.round, to=to, sha256=message.sha256, exchange=message.exchange)
+        )
 
     def receive(self, sender: str, raw: bytes, path_federation: str, path_round: int) -> PeerModel:
         """Validate a neighbour's message completely, then keep it as its newest.
@@ -172,9 +218,10 @@ class GossipPeer:
                 or round.
             AuthError: the message names a sender other than the one that signed it.
             UnknownMember: the sender is not one of this peer's neighbours.
-            ReplayError: a round the sender already sent (or an earlier one).
+            ReplayError: a round and exchange the sender already sent (or an earlier one).
             StaleUpdate: a round further behind than the staleness bound, or ahead of
                 the peer by more than :data:`~fedsec.peer.limits.MAX_AHEAD`.
+            PayloadError: an exchange beyond the federation's ``exchanges``.
         """
         message = messages.decode(raw, self.values)
         if message.federation_id != path_federation or message.round != path_round:
@@ -188,19 +235,33 @@ class GossipPeer:
             raise AuthError(f"the message names sender {message.sender}, but {sender} signed it")
         if sender not in self.neighbours:
             raise UnknownMember(f"{sender} is not a neighbour of this peer")
-        self._check_round(sender, message.round)
-        digest = message.sha256
-        self._held[sender] = _Held(message, digest)
+        if message.exchange >= self.settings.exchanges:
+            raise PayloadError(
+                f"exchange {message.exchange}: this federation's rounds have "
+                f"{self.settings.exchanges}"
+            )
+        self._check_round(sender, message.round, message.exchange)
+        held = _Held(message, message.sha256)
+        self._held[sender] = held
+        if message.exchange == 0:
+            self._trained[sender] = held
         self.journal.append(
-            PeerReceived(round=message.round, sender=sender, sha256=digest, samples=message.samples)
+            PeerReceived(
+                round=message.round,
+                sender=sender,
+                sha256=held.sha256,
+                samples=message.samples,
+                exchange=message.exchange,
+            )
         )
         return message
 
-    def _check_round(self, sender: str, round_: int) -> None:
+    def _check_round(self, sender: str, round_: int, exchange: int) -> None:
         held = self._held.get(sender)
-        if held is not None and round_ <= held.message.round:
+        if held is not None and (round_, exchange) <= _position(held):
             raise ReplayError(
-                f"{sender} already sent round {held.message.round}; round {round_} is a replay"
+                f"{sender} already sent round {held.message.round} exchange "
+                f"{held.message.exchange}; round {round_} exchange {exchange} is a replay"
             )
         if round_ < self.round - self.settings.staleness:
             raise StaleUpdate(
@@ -213,19 +274,33 @@ class GossipPeer:
             )
 
     def ready(self) -> bool:
-        """Whether every neighbour's model of the current round (or a later one) is in."""
+        """Whether every neighbour this exchange waits for has sent it (or a later one):
+        in exchange 0 every neighbour's training, later the first exchange's accepted."""
+        if not self.exchange:
+            return all(
+                (h := self._trained.get(n)) is not None and h.message.round >= self.round
+                for n in self.neighbours
+            )
+        now = (self.round, self.exchange)
         return all(
-            (h := self._held.get(n)) is not None and h.message.round >= self.round
-            for n in self.neighbours
+            (h := self._held.get(n)) is not None and _position(h) >= now for n in self._accepted
         )
 
     def combine(self) -> RoundOutcome:
-        """Average the round's usable neighbours into the peer's model and move to the
-        next round.
+        """Average the usable neighbours into the peer's model and move to the next
+        exchange (after the round's last, to the next round's first).
 
         Raises:
             ProtocolError: the peer has not trained this round (:meth:`own_model`).
         """
+        outcome = self._mix() if self.exchange else self._combine_trained()
+        self.model = outcome.model
+        self.exchange += 1
+        if self.exchange == self.settings.exchanges:
+            self.round, self.exchange = self.round + 1, 0
+        return outcome
+
+    def _combine_trained(self) -> RoundOutcome:
         own = self._own_update
         if own is None:
             raise ProtocolError(f"round {self.round}: combine before the local model")
@@ -233,9 +308,7 @@ class GossipPeer:
         refused = self._filter(own, fresh)
         accepted = sorted(n for n in fresh if n not in refused)
         pulls = {n: h.message.start_vector() - self.model for n, h in fresh.items()}
-        radius = CONSENSUS_CLIP_OVER_MEDIAN * float(
-            np.median([np.sqrt(np.einsum("i,i->", p, p)) for p in pulls.values()] or [0.0])
-        )
+        radius = _clip_radius(list(pulls.values()))
         rows = np.stack(
             [own] + [_clip(pulls[n], radius) + fresh[n].message.update_vector() for n in accepted]
         )
@@ -245,20 +318,40 @@ class GossipPeer:
         model = self.model + robust.fedavg(rows, weights).update
         outcome = RoundOutcome(self.round, model, tuple(accepted), refused, tuple(missing))
         self._journal_outcome(outcome, fresh)
-        self.model, self._own_update = model, None
-        self.round += 1
+        self._own_update, self._accepted = None, tuple(accepted)
+        return outcome
+
+    def _mix(self) -> RoundOutcome:
+        """One averaging step with the neighbours the round's exchange 0 accepted, each
+        heard at this exchange or later (the others are missing)."""
+        now = (self.round, self.exchange)
+        heard = sorted(n for n in self._accepted if _position(self._held[n]) >= now)
+        pulls = [self._held[n].message.start_vector() - self.model for n in heard]
+        radius = _clip_radius(pulls)
+        rows = np.stack([np.zeros_like(self.model)] + [_clip(p, radius) for p in pulls])
+        weights = np.array(
+            [float(self.samples)] + [float(self._held[n].message.samples) for n in heard]
+        )
+        model = self.model + robust.fedavg(rows, weights).update
+        missing = tuple(n for n in self._accepted if n not in heard)
+        outcome = RoundOutcome(self.round, model, tuple(heard), {}, missing, self.exchange)
+        self._journal_outcome(outcome, {})
         return outcome
 
     def _fresh(self) -> tuple[dict[str, _Held], list[str]]:
         oldest = self.round - self.settings.staleness
-        fresh = {n: h for n, h in self._held.items() if h.message.round >= oldest}
+        fresh = {n: h for n, h in self._trained.items() if h.message.round >= oldest}
         return fresh, sorted(self.neighbours - fresh.keys())
 
     def _filter(self, own: Vector, fresh: dict[str, _Held]) -> dict[str, str]:
-        """Neighbours refused for pointing away from the peer's own update."""
+        """Neighbours refused for an update longer than the own allows, or pointing away
+        from the reference direction."""
         if not self.settings.robust or not fresh:
             return {}
-        names = sorted(fresh)
+        refused = self._too_long(own, fresh)
+        names = sorted(n for n in fresh if n not in refused)
+        if not names:
+            return refused
         rows = np.stack([fresh[n].message.update_vector() for n in names])
         weights = np.ones(len(names))
         reference = own
@@ -268,8 +361,22 @@ class GossipPeer:
         try:
             judged = robust.fltrust(rows, weights, reference, self.settings.min_cosine)
         except AggregationImpossible as exc:  # every one refused, or no own direction
-            return dict.fromkeys(names, str(exc))
-        return {n: o.reason for n, o in zip(names, judged.outcomes, strict=True) if not o.accepted}
+            return refused | dict.fromkeys(names, str(exc))
+        outcomes = zip(names, judged.outcomes, strict=True)
+        return refused | {n: o.reason for n, o in outcomes if not o.accepted}
+
+    def _too_long(self, own: Vector, fresh: dict[str, _Held]) -> dict[str, str]:
+        ratio = self.settings.max_norm_ratio
+        if not ratio:
+            return {}
+        limit = ratio * _norm(own)
+        norms = {n: _norm(h.message.update_vector()) for n, h in fresh.items()}
+        return {
+            n: f"its update norm {norm:.4g} is over {ratio:g} times this peer's own "
+            f"{_norm(own):.4g}"
+            for n, norm in sorted(norms.items())
+            if norm > limit
+        }
 
     def _journal_outcome(self, outcome: RoundOutcome, fresh: dict[str, _Held]) -> None:
         for sender, reason in sorted(outcome.refused.items()):
@@ -286,11 +393,26 @@ class GossipPeer:
                 refused=sorted(outcome.refused),
                 missing=list(outcome.missing),
                 model_sha256=digest,
+                exchange=outcome.exchange,
             )
         )
 
 
+def _position(held: _Held) -> tuple[int, int]:
+    return held.message.round, held.message.exchange
+
+
+def _clip_radius(pulls: list[Vector]) -> float:
+    """How far one neighbour may pull: a multiple of the median pull (limits.py)."""
+    norms = [_norm(p) for p in pulls]
+    return CONSENSUS_CLIP_OVER_MEDIAN * float(np.median(norms or [0.0]))
+
+
+def _norm(v: Vector) -> float:
+    return float(np.sqrt(np.einsum("i,i->", v, v)))
+
+
 def _clip(v: Vector, radius: float) -> Vector:
     """``v`` scaled down to length ``radius`` if it is longer."""
-    norm = float(np.sqrt(np.einsum("i,i->", v, v)))
+    norm = _norm(v)
     return v * (radius / norm) if norm > radius else v

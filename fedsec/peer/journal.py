@@ -32,6 +32,7 @@ class PeerSent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     round: int
     to: str  # the neighbour's key id
     sha256: str  # of the message bytes
+    exchange: int = 0
 
 
 class PeerReceived(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -39,6 +40,7 @@ class PeerReceived(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sender: str
     sha256: str
     samples: int
+    exchange: int = 0
 
 
 class PeerRefused(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,13 +53,15 @@ class PeerRefused(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PeerCombined(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The peer's model after a round: its own update and the neighbours' it averaged."""
+    """The peer's model after an exchange of a round: its own update and the neighbours'
+    it averaged (exchange 0), or the neighbours' models it mixed in (later exchanges)."""
 
     round: int
     accepted: list[str]
     refused: list[str]
     missing: list[str]
     model_sha256: str
+    exchange: int = 0
 
 
 JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined

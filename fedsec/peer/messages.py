@@ -1,5 +1,6 @@
 """The one message peers exchange: a member's round, as the model it started from and
-the update its local training made.
+the update its local training made (the round's first exchange), or as the model it has
+mixed so far (each further exchange of the round: ``update`` is empty).
 
 Both halves travel because models drift apart between peers: the update alone says which
 way the member's training went (what a neighbour's direction filter judges), the start
@@ -20,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fedsec.errors import BadVector, PayloadError, PayloadTooLarge
-from fedsec.peer.limits import MAX_FEDERATION_ID, max_message_bytes
+from fedsec.peer.limits import MAX_EXCHANGES, MAX_FEDERATION_ID, max_message_bytes
 from fedsec.protocol.limits import MAX_COUNT, MAX_ID
 
 Vector = npt.NDArray[np.float64]
@@ -32,7 +33,9 @@ CONTENT_TYPE = "application/msgpack"
 class PeerModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A member's round ``round``: the model it started from and the update its local
     training on ``samples`` records made (the samples are its weight in the neighbours'
-    averages).  Both vectors are WIRE_DTYPE, one value per model parameter."""
+    averages).  Both vectors are WIRE_DTYPE, one value per model parameter; in an
+    ``exchange`` after the round's first, ``start`` is the sender's mixed model and
+    ``update`` is empty."""
 
     federation_id: str
     round: int
@@ -40,6 +43,7 @@ class PeerModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     samples: int
     start: bytes
     update: bytes
+    exchange: int = 0
 
     def start_vector(self) -> Vector:
         return np.frombuffer(self.start, dtype=WIRE_DTYPE).astype(np.float64)
@@ -64,6 +68,20 @@ def make_model(
     if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
         raise BadVector("a model holding NaN or an infinity is never sent")
     return PeerModel(federation_id, round_, sender, samples, a.tobytes(), b.tobytes())
+
+
+def make_mix(
+    federation_id: str, round_: int, exchange: int, sender: str, samples: int, model: Vector
+) -> PeerModel:
+    """The message carrying the model a sender has mixed by exchange ``exchange`` (≥ 1).
+
+    Raises:
+        BadVector: a NaN or an infinity in ``model``.
+    """
+    a = np.asarray(model, dtype=WIRE_DTYPE)
+    if not np.all(np.isfinite(a)):
+        raise BadVector("a model holding NaN or an infinity is never sent")
+    return PeerModel(federation_id, round_, sender, samples, a.tobytes(), b"", exchange)
 
 
 def encode(message: PeerModel) -> bytes:
@@ -94,8 +112,13 @@ def decode(raw: bytes, values: int) -> PeerModel:
         raise PayloadError(f"round {message.round} is outside 0..{MAX_ID}")
     if not 1 <= message.samples <= MAX_COUNT:
         raise PayloadError(f"samples {message.samples} is outside 1..{MAX_COUNT}")
-    for name, data in (("start", message.start), ("update", message.update)):
-        _check_vector(name, data, values)
+    if not 0 <= message.exchange < MAX_EXCHANGES:
+        raise PayloadError(f"exchange {message.exchange} is outside 0..{MAX_EXCHANGES - 1}")
+    _check_vector("start", message.start, values)
+    if message.exchange == 0:
+        _check_vector("update", message.update, values)
+    elif message.update:
+        raise BadVector("a mixing exchange carries no update")
     return message
 
 

@@ -1,4 +1,5 @@
-"""One peer's loop of rounds: train, send to the neighbours, wait for theirs, combine.
+"""One peer's loop of rounds: train, send to the neighbours, wait for theirs, combine;
+then each further exchange of the round: send the mixed model, wait, combine.
 
 The I/O around :class:`fedsec.peer.gossip.GossipPeer`: training runs in a worker thread
 (the members' training entry point, :func:`fedsec.learning.training.train_local`), sends
@@ -73,21 +74,31 @@ async def run_rounds(
     timing: Timing = DEFAULT_TIMING,
 ) -> list[RoundOutcome]:
     """Run ``rounds`` rounds of ``peer``; ``arrived`` is its endpoint's condition
-    (:data:`fedsec.peer.http.ARRIVED`).  Returns each round's outcome."""
+    (:data:`fedsec.peer.http.ARRIVED`).  Returns each exchange's outcome, in order."""
     outcomes = []
     async with aiohttp.ClientSession() as session:
         for _ in range(rounds):
             start = peer.model.copy()
             trained = await asyncio.to_thread(trainer, start, peer.round)
             message = peer.own_model(trained)
-            await _send_all(session, peer, identity, neighbour_urls, message, timing)
-            async with arrived:
-                try:
-                    await asyncio.wait_for(arrived.wait_for(peer.ready), timing.round_timeout_s)
-                except TimeoutError:
-                    log.info("event=peer_round_timeout round=%d", peer.round)
-            outcomes.append(peer.combine())
+            while True:
+                await _send_all(session, peer, identity, neighbour_urls, message, timing)
+                outcomes.append(await _combine_when_ready(peer, arrived, timing))
+                if peer.exchange == 0:
+                    break
+                message = peer.mixing_model()
     return outcomes
+
+
+async def _combine_when_ready(
+    peer: GossipPeer, arrived: asyncio.Condition, timing: Timing
+) -> RoundOutcome:
+    async with arrived:
+        try:
+            await asyncio.wait_for(arrived.wait_for(peer.ready), timing.round_timeout_s)
+        except TimeoutError:
+            log.info("event=peer_round_timeout round=%d exchange=%d", peer.round, peer.exchange)
+    return peer.combine()
 
 
 async def _send_all(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,14 @@ class Neighbourhood:
 
 
 def make_neighbourhood(
-    neighbours: int = 3, settings: GossipSettings | None = None, samples: int = 10
+    neighbours: int = 3,
+    settings: GossipSettings | None = None,
+    samples: int = 10,
+    exchanges: int = 1,
 ) -> Neighbourhood:
+    """A peer whose rounds have ``exchanges`` exchanges (one: each combine ends a round,
+    what the tests of a round's training and filtering need)."""
+    settings = dataclasses.replace(settings or GossipSettings(), exchanges=exchanges)
     me = SigningIdentity.generate()
     others = [SigningIdentity.generate() for _ in range(neighbours)]
     stranger = SigningIdentity.generate()

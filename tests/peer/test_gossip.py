@@ -40,14 +40,16 @@ def _raw(
     return messages.encode(messages.make_model(fed, round_, sender, samples, begin, update))
 
 
-def _state(hood: Neighbourhood) -> tuple[int, bytes, int, dict[str, int]]:
+def _state(hood: Neighbourhood) -> tuple[object, ...]:
     peer = hood.peer
-    held = {k: v.message.round for k, v in peer._held.items()}
-    return peer.round, peer.model.tobytes(), len(peer.journal.entries), held
+    held = {k: (v.message.round, v.message.exchange) for k, v in peer._held.items()}
+    trained = {k: v.message.round for k, v in peer._trained.items()}
+    state = peer.round, peer.exchange, peer.model.tobytes(), len(peer.journal.entries)
+    return (*state, held, trained)
 
 
 def test_accepted_models_are_averaged_by_volume(hood: Neighbourhood) -> None:
-    own = np.full(DIM, 1.0)
+    own = np.full(DIM, 2.0)
     hood.peer.own_model(own)
     a, b, c = hood.neighbours
     hood.peer.receive(a.key_id, _raw(a.key_id, 0, np.full(DIM, 2.0), samples=30), FED, 0)
@@ -56,7 +58,7 @@ def test_accepted_models_are_averaged_by_volume(hood: Neighbourhood) -> None:
     hood.peer.receive(c.key_id, _raw(c.key_id, 0, np.full(DIM, 1.0), samples=50), FED, 0)
     assert hood.peer.ready()
     outcome = hood.peer.combine()
-    expected = (10 * 1.0 + 30 * 2.0 + 10 * 3.0 + 50 * 1.0) / 100
+    expected = (10 * 2.0 + 30 * 2.0 + 10 * 3.0 + 50 * 1.0) / 100
     np.testing.assert_allclose(outcome.model, np.full(DIM, expected))
     assert outcome.accepted == tuple(sorted(n.key_id for n in hood.neighbours))
     assert hood.peer.round == 1
@@ -69,13 +71,35 @@ def test_a_sign_flipped_neighbour_is_refused_and_journalled(hood: Neighbourhood)
     good, also_good, flipped = hood.neighbours
     hood.peer.receive(good.key_id, _raw(good.key_id, 0, direction * 1.1), FED, 0)
     hood.peer.receive(also_good.key_id, _raw(also_good.key_id, 0, direction * 0.9), FED, 0)
-    hood.peer.receive(flipped.key_id, _raw(flipped.key_id, 0, -4 * direction), FED, 0)
+    hood.peer.receive(flipped.key_id, _raw(flipped.key_id, 0, -1.5 * direction), FED, 0)
     outcome = hood.peer.combine()
     assert flipped.key_id in outcome.refused and "cosine" in outcome.refused[flipped.key_id]
     assert flipped.key_id not in outcome.accepted
     np.testing.assert_allclose(outcome.model, direction, rtol=1e-5)
     refused = hood.peer.journal.of_kind("peer_refused")
     assert [r["sender"] for r in refused] == [flipped.key_id]
+
+
+def test_a_boosted_update_in_the_honest_direction_is_refused_for_its_length() -> None:
+    hood = make_neighbourhood()
+    direction = np.ones(DIM)
+    hood.peer.own_model(direction)
+    a, b, booster = hood.neighbours
+    for n in (a, b):
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, 1.5 * direction), FED, 0)
+    hood.peer.receive(booster.key_id, _raw(booster.key_id, 0, 10 * direction), FED, 0)
+    outcome = hood.peer.combine()
+    assert list(outcome.refused) == [booster.key_id]
+    assert "over 2 times this peer's own" in outcome.refused[booster.key_id]
+    np.testing.assert_allclose(outcome.model, (1 + 1.5 + 1.5) / 3 * direction)
+    refused = hood.peer.journal.of_kind("peer_refused")
+    assert [r["sender"] for r in refused] == [booster.key_id]
+    # without the length test the booster's direction passes and it drags the average
+    plain = make_neighbourhood(settings=GossipSettings(max_norm_ratio=0))
+    plain.peer.own_model(direction)
+    for n, scale in zip(plain.neighbours, (1.5, 1.5, 10), strict=True):
+        plain.peer.receive(n.key_id, _raw(n.key_id, 0, scale * direction), FED, 0)
+    assert not plain.peer.combine().refused
 
 
 def test_a_forged_start_pulls_no_further_than_the_neighbourhoods_typical_one(
@@ -221,3 +245,93 @@ def test_the_topology_is_k_regular_from_the_admin_signed_seed() -> None:
         topology_graph(forged, admin.public_bytes, FED, members)
     with pytest.raises(ProtocolError):
         topology_graph(topology, admin.public_bytes, "another", members)
+
+
+def _mix(sender: str, round_: int, exchange: int, model: np.ndarray, samples: int = 10) -> bytes:
+    return messages.encode(messages.make_mix(FED, round_, exchange, sender, samples, model))
+
+
+def test_later_exchanges_mix_in_only_the_neighbours_the_first_accepted() -> None:
+    hood = make_neighbourhood(exchanges=2)
+    direction = np.ones(DIM)
+    hood.peer.own_model(direction)
+    a, b, flipped = hood.neighbours
+    for n in (a, b):
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, direction), FED, 0)
+    hood.peer.receive(flipped.key_id, _raw(flipped.key_id, 0, -4 * direction), FED, 0)
+    first = hood.peer.combine()
+    assert (first.exchange, list(first.refused)) == (0, [flipped.key_id])
+    assert (hood.peer.round, hood.peer.exchange) == (0, 1)
+    assert not hood.peer.ready()
+    # the refused neighbour's mixed model is received and journalled, never averaged in
+    hood.peer.receive(flipped.key_id, _mix(flipped.key_id, 0, 1, np.full(DIM, -1e3)), FED, 0)
+    hood.peer.receive(a.key_id, _mix(a.key_id, 0, 1, np.full(DIM, 2.0)), FED, 0)
+    hood.peer.receive(b.key_id, _mix(b.key_id, 0, 1, np.full(DIM, 3.0), samples=20), FED, 0)
+    assert hood.peer.ready()
+    mixed = hood.peer.combine()
+    # x = 1; pulls 1 and 2 (the radius, twice their median 1.5·√8, clips neither)
+    np.testing.assert_allclose(mixed.model, np.full(DIM, 1 + (10 * 1 + 20 * 2) / 40))
+    assert mixed.accepted == tuple(sorted([a.key_id, b.key_id])) and not mixed.refused
+    assert (hood.peer.round, hood.peer.exchange) == (1, 0)
+    combined = hood.peer.journal.of_kind("peer_combined")
+    assert [(c["round"], c["exchange"]) for c in combined] == [(0, 0), (0, 1)]
+    assert flipped.key_id not in combined[1]["accepted"]
+
+
+def test_a_mixed_model_far_from_the_neighbourhood_pulls_no_further_than_the_clip() -> None:
+    hood = make_neighbourhood(exchanges=2)
+    hood.peer.own_model(np.zeros(DIM))
+    for n in hood.neighbours:
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, np.zeros(DIM)), FED, 0)
+    hood.peer.combine()
+    a, b, forger = hood.neighbours
+    for n in (a, b):
+        hood.peer.receive(n.key_id, _mix(n.key_id, 0, 1, np.ones(DIM)), FED, 0)
+    hood.peer.receive(forger.key_id, _mix(forger.key_id, 0, 1, np.full(DIM, 1e6)), FED, 0)
+    mixed = hood.peer.combine()
+    # the forged pull is clipped to twice the median (√8 ones): one more than 2 ones
+    assert float(np.linalg.norm(mixed.model)) <= (1 + 1 + 2) / 4 * np.sqrt(DIM) + 1e-9
+
+
+def test_exchanges_out_of_order_or_malformed_are_refused_without_a_trace() -> None:
+    hood = make_neighbourhood(exchanges=2)
+    a = hood.neighbours[0]
+    hood.peer.own_model(np.ones(DIM))
+    hood.peer.receive(a.key_id, _raw(a.key_id, 0, np.ones(DIM)), FED, 0)
+    hood.peer.receive(a.key_id, _mix(a.key_id, 0, 1, np.ones(DIM)), FED, 0)
+    ones = np.ones(DIM, dtype=messages.WIRE_DTYPE).tobytes()
+    with_update = PeerModel(FED, 0, a.key_id, 10, ones, ones, exchange=1)
+    before = _state(hood)
+    cases = [
+        (_mix(a.key_id, 0, 1, np.zeros(DIM)), ReplayError),  # the same exchange again
+        (_raw(a.key_id, 0, np.zeros(DIM)), ReplayError),  # an earlier exchange
+        (_mix(a.key_id, 0, 2, np.zeros(DIM)), PayloadError),  # the rounds have two
+        (messages.encode(with_update), BadVector),  # a mixing exchange carries no update
+    ]
+    for raw, error in cases:
+        with pytest.raises(error):
+            hood.peer.receive(a.key_id, raw, FED, 0)
+        assert _state(hood) == before
+    with pytest.raises(ProtocolError, match="exchange 0 carries"):
+        hood.peer.mixing_model()
+    hood.peer.combine()
+    with pytest.raises(ProtocolError, match="trains in exchange 0"):
+        hood.peer.own_model(np.ones(DIM))
+    assert hood.peer.mixing_model().update == b""
+
+
+def test_the_topology_mixes_as_a_random_regular_graph_not_a_ring_lattice() -> None:
+    admin = SigningIdentity.generate()
+    members = [f"member-{i:02d}" for i in range(20)]  # fixed, so the graph is too
+    topology = sign_topology(admin, FED, bytes(range(32)), 4)
+    graph = topology_graph(topology, admin.public_bytes, FED, members)
+    index = {m: i for i, m in enumerate(members)}
+    adjacency = np.zeros((20, 20))
+    for m in members:
+        for n in graph.neighbors(m):
+            adjacency[index[m], index[n]] = 1
+    assert (adjacency == adjacency.T).all() and adjacency.sum(axis=1).tolist() == [4] * 20
+    mixing = (np.eye(20) + adjacency) / 5
+    second = sorted(np.abs(np.linalg.eigvalsh(mixing)))[-2]
+    # the ring lattice of the same size mixes at 0.904; below 1 means connected
+    assert second < 0.85

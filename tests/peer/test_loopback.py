@@ -8,6 +8,7 @@ import torch
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.learning.training import train_local
+from fedsec.peer.gossip import GossipSettings
 from fedsec.peer.loopback import LoopbackMember, run_loopback
 from fedsec.peer.messages import Vector
 from fedsec.peer.runner import Timing, Trainer
@@ -46,19 +47,24 @@ async def test_five_peers_gossip_and_their_journals_match() -> None:
     members = [LoopbackMember(i, _trainer(n, flip=n == 4), 48) for n, i in enumerate(ids)]
     topology = sign_topology(admin, FED, bytes(32), 2)
     start = flatten_params(_net()).astype(np.float64)
+    settings = GossipSettings(exchanges=3)
     results = await run_loopback(
-        FED, admin.public_bytes, topology, members, start, 3, timing=Timing(20.0, 10.0)
+        FED, admin.public_bytes, topology, members, start, 3, settings, Timing(20.0, 10.0)
     )
     flipper = ids[4].key_id
     for key, result in results.items():
-        assert [o.round for o in result.outcomes] == [0, 1, 2]
+        steps = [(o.round, o.exchange) for o in result.outcomes]
+        assert steps == [(r, e) for r in range(3) for e in range(3)]
         assert all(not o.missing for o in result.outcomes)
         if flipper in result.peer.neighbours and key != flipper:
-            assert all(flipper in o.refused for o in result.outcomes[1:])
+            # refused for its update from round 1 on, and not mixed with in that round
+            assert all(flipper in o.refused for o in result.outcomes[3::3])
+            assert all(flipper not in o.accepted for o in result.outcomes[3:])
     # every model one peer journalled as sent, the receiver journalled with the same hash
+    fields = ("round", "exchange", "sender", "sha256")
     for key, result in results.items():
         for sent in result.peer.journal.of_kind("peer_sent"):
             received = results[sent["to"]].peer.journal.of_kind("peer_received")
-            assert {"round": sent["round"], "sender": key, "sha256": sent["sha256"]} in [
-                {k: r[k] for k in ("round", "sender", "sha256")} for r in received
+            assert {**{k: sent[k] for k in fields if k in sent}, "sender": key} in [
+                {k: r[k] for k in fields} for r in received
             ]

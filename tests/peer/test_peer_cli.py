@@ -47,6 +47,9 @@ shard = {k}
 shards = {n}
 local_epochs = 1
 
+[gossip]
+exchanges = 2
+
 {members}"""
         (home / "peer.toml").write_text(text)
         paths.append(home / "peer.toml")
@@ -59,7 +62,8 @@ async def test_three_peers_run_from_their_configs(tmp_path: Path) -> None:
     configs = [load_peer_config(p) for p in paths]
     runs = await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
     for outcomes, path in zip(runs, paths, strict=True):
-        assert len(outcomes) == 1 and len(outcomes[0].accepted) == 2
+        assert [o.exchange for o in outcomes] == [0, 1]
+        assert all(len(o.accepted) == 2 for o in outcomes)
         lines = (path.parent / "peer-journal.jsonl").read_bytes().splitlines()
         assert verify_journal(lines[:-1], _own_key(path), FED) == -1
         assert verify_journal(lines, _own_key(path), FED) == len(lines) - 2
