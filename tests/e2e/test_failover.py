@@ -65,6 +65,7 @@ def test_the_standby_takes_over_a_killed_leader_without_losing_the_round(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two runs of 6 rounds: 305 s under a CI run and two busy loops
 @pytest.mark.skipif(
     os.environ.get("FEDSEC_FAILOVER_FULL") != "1",
     reason="214 s, over one case's share of the suite: run it with FEDSEC_FAILOVER_FULL=1, "
