@@ -47,12 +47,15 @@ def test_digits_images_trains_in_a_federation_from_its_image_folder(tmp_path: Pa
     assert result["final_accuracy"] > 0.2
 
 
-# The table written and a federation trained in one interpreter (torch and scikit-learn
-# imported once); the aggregator in the same process, as `fedsec simulate` otherwise
-# starts it in its own.
-_TABLE_AND_FEDERATION = """
+# The package's own tests, its table written and a federation trained in one interpreter
+# (torch and scikit-learn imported once); the aggregator in the same process, as
+# `fedsec simulate` otherwise starts it in its own.
+_TESTS_TABLE_AND_FEDERATION = """
 import asyncio, json, sys
 from pathlib import Path
+import pytest
+if pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[3]]) != 0:
+    sys.exit("the package's own tests failed")
 from diabetes_postgres.load_table import load_table
 from fedsec.simulation import SimulationSpec, run_simulation
 print(json.dumps(load_table(sys.argv[1])))
@@ -68,15 +71,15 @@ def test_diabetes_postgres_trains_in_a_federation_from_its_table(tmp_path: Path)
     python = _make_venv(tmp_path / "venv")
     package = EXAMPLES / "diabetes_postgres"
     _pip_install(python, "-e", package)
-    _run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", package / "tests", cwd=tmp_path)
     with postgres_server() as server:
         url = server.url()
         done = subprocess.run(
-            [python, "-c", _TABLE_AND_FEDERATION, url, tmp_path / "federation"],
+            [python, "-c", _TESTS_TABLE_AND_FEDERATION, url, tmp_path / "federation",
+             package / "tests"],
             capture_output=True, text=True, env={**os.environ, "DIABETES_PG_URL": url},
-            timeout=STEP_TIMEOUT_S, check=False,
+            timeout=STEP_TIMEOUT_S, check=False, cwd=tmp_path,
         )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert PASSWORD not in done.stdout + done.stderr
     counts, result = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     print(json.dumps({k: result.get(k) for k in ("final_r2", "centralized_r2", "dim")}))
