@@ -32,12 +32,7 @@ from fedsec.learning.training import (
     train_dataset,
 )
 from fedsec.learning.worker_settings import TrainingWorkers
-from fedsec.learning.workers import (
-    check_dp_split,
-    clear_stale_jobs,
-    train_with_workers,
-    worker_count,
-)
+from fedsec.learning.workers import clear_stale_jobs, train_with_workers, worker_count
 from fedsec.modelfile import decode_model, sha256_hex, verify_manifest
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.he_release import sealed_release_allowance
@@ -180,7 +175,7 @@ class LocalTrainer:
         """Train in this process, or as a torchrun job where ``[training] workers`` asks.
 
         Raises:
-            ConfigError: DP-SGD split over workers, or a task workers cannot rebuild.
+            ConfigError: a task workers cannot rebuild.
             TrainingWorkersFailed: the job failed past its restarts.
         """
         local = self.local
@@ -189,7 +184,6 @@ class LocalTrainer:
             return train_dataset(
                 model, local.train, params, dp, self.device, seed, self.progress, local.task
             )
-        check_dp_split(count, dp is not None)
         if local.task.name == "table":
             raise ConfigError(
                 "training.workers > 1 needs a task its workers can build by name; task "
@@ -205,6 +199,7 @@ class LocalTrainer:
             self._task_options,
             self._state_dir,
             self._workers,
+            dp=dp,
         )
         log.info(
             "round_workers round=%d workers=%d restarts=%d resumed_from_step=%d",

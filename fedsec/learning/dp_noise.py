@@ -1,7 +1,8 @@
 """DP-SGD noise from fedsec's CSPRNG: Opacus' ``PrivacyEngine`` and ``DPOptimizer`` (flat
 clipping, one process) with every Gaussian drawn from the AES-256-CTR keystream of
 :mod:`fedsec.crypto.prg`, in Opacus' ``secure_mode`` shape (why: the docstring of
-:mod:`fedsec.learning.training`)."""
+:mod:`fedsec.learning.training`); and their distributed forms, where rank 0 of a
+torchrun job adds that same noise once per step (:mod:`fedsec.learning.workers`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from opacus import PrivacyEngine
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from fedsec.crypto import prg
@@ -90,6 +91,53 @@ class CsprngNoiseOptimizer(DPOptimizer):  # type: ignore[misc]  # opacus is unty
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
         self._noise_draws += 1
+
+
+class CsprngDistributedNoiseOptimizer(DistributedDPOptimizer, CsprngNoiseOptimizer):  # type: ignore[misc]
+    """Opacus' ``DistributedDPOptimizer`` (each rank clips its own records' gradients, the
+    clipped sums are all-reduced, rank 0 alone adds the noise before the reduce) with
+    :class:`CsprngNoiseOptimizer`'s noise: rank 0 draws the very streams one process
+    draws with the same seed, so the step's noise is added once and is one process's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, noise_seed: bytes, **kwargs: Any):
+        # DistributedDPOptimizer passes what it does not take on to CsprngNoiseOptimizer
+        super().__init__(optimizer, noise_seed=noise_seed, **kwargs)
+
+
+class CsprngDistributedPrivacyEngine(CsprngPrivacyEngine):
+    """:class:`CsprngPrivacyEngine` for a module wrapped in Opacus' ``DPDDP``: its
+    optimiser is :class:`CsprngDistributedNoiseOptimizer`."""
+
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        loss_reduction: str = "mean",
+        distributed: bool = False,
+        clipping: str = "flat",
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> DPOptimizer:
+        if not distributed or clipping != "flat" or grad_sample_mode != "hooks" or noise_generator:
+            raise ConfigError(  # fedsec.learning.workers asks for none of these
+                "distributed CSPRNG noise covers flat clipping of a DPDDP module, with no "
+                "noise generator"
+            )
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        return CsprngDistributedNoiseOptimizer(
+            optimizer,
+            self._noise_seed,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            **kwargs,
+        )
 
 
 def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:

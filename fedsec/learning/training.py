@@ -140,7 +140,8 @@ class LocalTrainResult:
 class StepSharing(Protocol):
     """How one process of a multi-process run (:mod:`fedsec.learning.workers`) takes its
     part of every step of :func:`train_dataset`: its slice of each batch, and a model
-    whose backward pass combines the processes' gradients into the whole batch's."""
+    whose backward pass combines the processes' gradients into the whole batch's (under
+    DP-SGD, :meth:`make_private` takes the place of both)."""
 
     def loader(
         self, data: TorchDataset[Any], batch_size: int, sampling_seed: int, workers: int
@@ -150,6 +151,19 @@ class StepSharing(Protocol):
 
     def wrap(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The module the steps run (``work`` stays the one whose weights are returned)."""
+        ...
+
+    def make_private(
+        self,
+        work: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DataLoader[Any],
+        dp: DPParams,
+        noise_seed: bytes,
+    ) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
+        """What :func:`_make_private` returns for one process, for this process's part:
+        its records of the Poisson batch one process would draw from ``loader``, and an
+        optimiser that adds the step's noise once across the processes."""
         ...
 
 
@@ -259,7 +273,7 @@ def train_dataset(
         progress: show a progress bar on the terminal.
         task: whose loss (or ``batch_step``) each step minimises; None: cross-entropy.
         workers: DataLoader worker processes; None: :func:`loader_workers`.
-        sharing: this process's part of each step across processes (no DP); None: all.
+        sharing: this process's part of each step across processes; None: all.
 
     Returns:
         steps, samples, sample rate, epsilon (DP only), mean training loss, wall time.
@@ -335,13 +349,12 @@ def _train_copy(
     loader = _loader(data, params.batch_size, sampling_seed, workers, target)
     engine: PrivacyEngine | None = None
     trained: torch.nn.Module = work
-    if sharing is not None:
-        if dp is not None:  # DP-SGD across processes needs Opacus' distributed optimiser
-            raise ConfigError("DP-SGD does not run split across training processes")
+    if sharing is not None and dp is None:
         loader = sharing.loader(data, params.batch_size, sampling_seed, workers)
         trained = sharing.wrap(work, optimizer)
     if dp is not None:
-        engine, trained, optimizer, loader = _make_private(work, optimizer, loader, dp, noise_seed)
+        private = _make_private if sharing is None else sharing.make_private
+        engine, trained, optimizer, loader = private(work, optimizer, loader, dp, noise_seed)
         sample_rate = float(loader.sample_rate)  # type: ignore[attr-defined]
     try:
         with _progress(progress, planned_steps, "local training") as advance:

@@ -25,11 +25,10 @@ with a :class:`StepSharing` that makes N processes take the step one process wou
   batches already taken, so the restarted run takes the same steps on the same records.
   The ledger is charged by the agent before the job starts, once, whatever happens
   inside it.
-
-DP-SGD is not split across processes (:func:`check_dp_split`): the project's DP-SGD
-draws its noise from its own CSPRNG in one process (see :mod:`fedsec.learning.training`),
-and Opacus' distributed optimiser would draw it from torch's generator on rank 0, a
-different and weaker guarantee; until that is joined, ``workers > 1`` with DP is refused.
+- **DP-SGD.** Each rank keeps its shard's records of the Poisson batch one process
+  draws, clips them, and rank 0 adds one process's CSPRNG noise to the all-reduced
+  sums, so the mechanism and its ε are one process's with the same q, σ and steps
+  (:mod:`fedsec.learning.worker_privacy`); the checkpoint carries the accounting.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -49,6 +48,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 import torch.distributed as dist
+from opacus import PrivacyEngine
+from opacus.optimizers import DPOptimizer
 from safetensors.torch import load_file, save
 from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 from torch.nn.parallel import DistributedDataParallel
@@ -64,7 +65,21 @@ from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.fsio import atomic_write
-from fedsec.learning.training import LocalTrainResult, loader_context, records, train_dataset
+from fedsec.learning.training import (
+    DPParams,
+    LocalTrainResult,
+    loader_context,
+    records,
+    train_dataset,
+)
+from fedsec.learning.worker_privacy import (
+    ShardOfBatch,
+    accounting_state,
+    poisson_batches,
+    private_over_ranks,
+    restore_accounting,
+    shard_loader,
+)
 from fedsec.learning.worker_settings import MAX_WORKERS, TrainingWorkers
 from fedsec.tasks import Task, TrainingParams, get_task
 
@@ -73,7 +88,6 @@ __all__ = [
     "TrainingWorkersFailed",
     "WorkersResult",
     "backend_for",
-    "check_dp_split",
     "clear_stale_jobs",
     "train_with_workers",
     "worker_count",
@@ -134,20 +148,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def check_dp_split(workers: int, dp_enabled: bool) -> None:
-    """Refuse DP-SGD split over processes (see the module docstring for why).
-
-    Raises:
-        ConfigError: ``workers > 1`` and DP-SGD on.
-    """
-    if workers > 1 and dp_enabled:
-        raise ConfigError(
-            f"training.workers = {workers} with DP-SGD: refused, because the round's "
-            "noise must come from fedsec's CSPRNG in one process and Opacus' distributed "
-            "optimiser draws it from torch's generator; train with workers = 1"
-        )
-
-
 def clear_stale_jobs(state_dir: Path) -> list[str]:
     """Remove the job directories a killed agent left in ``state_dir`` (they hold the
     records and the round's secret seed); returns their names. Call it before this
@@ -170,13 +170,16 @@ def train_with_workers(
     state_dir: Path,
     settings: TrainingWorkers,
     *,
+    dp: DPParams | None = None,
     crash_at_step: int | None = None,
 ) -> WorkersResult:
-    """Train ``model`` in place as :func:`train_dataset` would without DP, in a torchrun
-    job of :func:`worker_count` processes; blocks until the job ends.
+    """Train ``model`` in place as :func:`train_dataset` would, in a torchrun job of
+    :func:`worker_count` processes; blocks until the job ends.
 
     Args:
         task_options: what ``task`` was built with (each worker builds it again).
+        dp: DP-SGD settings, or None; the result's ``epsilon_round`` is the job's
+            accountant's, over all its steps once, restarts included.
         state_dir: the member's state directory; the job lives in ``training/`` in it and
             is removed afterwards.
         crash_at_step: tests only: the last rank SIGKILLs itself after this many steps
@@ -190,7 +193,8 @@ def train_with_workers(
     job = _write_job(model, data, state_dir)
     try:
         spec = _job_settings(params, device, seed, task, task_options, settings)
-        _write_json(job / _JOB, {**spec, "crash_at_step": crash_at_step})
+        dp_spec = None if dp is None else asdict(dp)
+        _write_json(job / _JOB, {**spec, "dp": dp_spec, "crash_at_step": crash_at_step})
         _run_torchrun(job, count, settings.max_restarts)
         return _read_result(job, model, count)
     finally:
@@ -302,7 +306,7 @@ def _read_result(job: Path, model: torch.nn.Module, count: int) -> WorkersResult
         steps=int(summary["steps"]),
         samples=int(summary["samples"]),
         sample_rate=float(summary["sample_rate"]),
-        epsilon_round=None,
+        epsilon_round=None if summary["epsilon_round"] is None else float(summary["epsilon_round"]),
         train_loss=float(summary["train_loss"]),
         duration_s=float(summary["duration_s"]),
     )
@@ -324,25 +328,41 @@ class _CollateOrEmpty:
         return default_collate(items) if items else self.empty
 
 
-class _SliceSampler(Sampler[list[int]]):
-    """This rank's contiguous slice of each batch one process draws, skipping the first
-    ``skip`` batches of the whole run (a resumed job's steps already taken)."""
+class _SliceOfBatch:
+    """A rank's contiguous slice of a batch (batch/N records)."""
 
-    def __init__(self, batches: BatchSampler, rank: int, world: int, skip: int) -> None:
-        self._batches = batches
+    def __init__(self, rank: int, world: int) -> None:
         self._rank = rank
         self._world = world
+
+    def __call__(self, batch: list[int]) -> list[int]:
+        return [int(i) for i in np.array_split(np.asarray(batch), self._world)[self._rank]]
+
+
+class _RankSampler(Sampler[list[int]]):
+    """This rank's part (``pick``) of each batch one process draws, skipping the first
+    ``skip`` batches of the whole run (a resumed job's steps already taken: they are
+    still drawn, so the generator is where one process's would be)."""
+
+    def __init__(
+        self,
+        batches: Sampler[list[int]],
+        pick: Callable[[list[int]], list[int]],
+        skip: int,
+    ) -> None:
+        self._batches = batches
+        self._pick = pick
         self._skip = skip
 
     def __len__(self) -> int:
-        return len(self._batches)
+        return len(self._batches)  # type: ignore[arg-type]  # batch samplers are sized
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self._batches:
             if self._skip > 0:
                 self._skip -= 1
                 continue
-            yield [int(i) for i in np.array_split(np.asarray(batch), self._world)[self._rank]]
+            yield self._pick(batch)
 
 
 class _Sharing:
@@ -363,6 +383,8 @@ class _Sharing:
         self._work: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._saved_optimizer: dict[str, torch.Tensor] = {}
+        self._saved_accounting: dict[str, torch.Tensor] = {}
+        self._accounting: tuple[PrivacyEngine, DPOptimizer] | None = None
 
     def loader(
         self, data: TorchDataset[Any], batch_size: int, sampling_seed: int, workers: int
@@ -371,9 +393,10 @@ class _Sharing:
         generator = torch.Generator().manual_seed(sampling_seed)
         order = RandomSampler(data, generator=generator)  # type: ignore[arg-type]  # sized
         batches = BatchSampler(order, batch_size, False)
+        pick = _SliceOfBatch(self.rank, self._world)
         return DataLoader(
             data,
-            batch_sampler=_SliceSampler(batches, self.rank, self._world, self.resumed),
+            batch_sampler=_RankSampler(batches, pick, self.resumed),
             generator=generator,
             num_workers=workers,
             multiprocessing_context=loader_context() if workers > 0 else None,
@@ -382,14 +405,42 @@ class _Sharing:
         )
 
     def wrap(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        self._work, self._optimizer = work, optimizer
-        _load_optimizer_state(optimizer, self._saved_optimizer)
-        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self._attach(work, optimizer)
         work.register_forward_pre_hook(self._count)
         ids = [self._device.index] if self._device.type == "cuda" else None
         shared = DistributedDataParallel(work, device_ids=ids)
         shared.register_comm_hook(self, _weighted_mean)
         return shared
+
+    def make_private(
+        self,
+        work: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DataLoader[Any],
+        dp: DPParams,
+        noise_seed: bytes,
+    ) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
+        """This rank's shard of one process's Poisson batches, and Opacus' distributed
+        private model and optimiser (:mod:`fedsec.learning.worker_privacy`).
+
+        Raises:
+            ConfigError: a model Opacus cannot train; a checkpoint whose accounting is
+                not its steps'.
+        """
+        self._attach(work, optimizer)
+        poisson = poisson_batches(loader)
+        pick = ShardOfBatch(len(poisson.dataset), self.rank, self._world)
+        shard = shard_loader(poisson, _RankSampler(poisson.batch_sampler, pick, self.resumed))
+        engine, trained, private = private_over_ranks(work, optimizer, shard, dp, noise_seed)
+        restore_accounting(engine, private, self._saved_accounting, self.resumed)
+        self._accounting = engine, private
+        return engine, trained, private, shard
+
+    def _attach(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Checkpoint ``work`` and ``optimizer`` after each step; restore the optimiser."""
+        self._work, self._optimizer = work, optimizer
+        _load_optimizer_state(optimizer, self._saved_optimizer)
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def resume(self, model: torch.nn.Module) -> None:
         """Load the job's checkpoint, if any, into ``model`` (which training copies), and
@@ -402,6 +453,7 @@ class _Sharing:
         weights = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
         model.load_state_dict(weights)
         self._saved_optimizer = {k: v for k, v in saved.items() if k.startswith("optim.")}
+        self._saved_accounting = {k: v for k, v in saved.items() if k.startswith("dp.")}
 
     def _count(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         self.count = int(args[0].shape[0])
@@ -422,6 +474,8 @@ class _Sharing:
                 if value is not None:
                     state[f"optim.{index}.{key}"] = torch.as_tensor(value)
         state["steps"] = torch.tensor(self.done)
+        if self._accounting is not None:
+            state.update(accounting_state(*self._accounting))
         atomic_write(self._job / _CHECKPOINT, save(_plain(state)), mode=0o600)
 
 
@@ -484,7 +538,7 @@ def _worker(job: Path) -> None:
             model,
             data,
             TrainingParams(**settings["params"]),
-            None,
+            None if settings["dp"] is None else DPParams(**settings["dp"]),
             device,
             int(settings["seed"]),
             task=task,
@@ -522,6 +576,7 @@ def _write_result(
             "steps": sharing.resumed + trained.steps,
             "samples": trained.samples,
             "sample_rate": trained.sample_rate,
+            "epsilon_round": trained.epsilon_round,
             "train_loss": trained.train_loss,
             "duration_s": trained.duration_s,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
