@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -291,6 +292,47 @@ def unpack(raw: bytes, count: int, ring_bits: int) -> RingVector:
     out = np.zeros(count, dtype=dt)
     packing.unpack_add(out, data, ring_bits)
     return out
+
+
+def check_packed(raw: bytes, count: int, ring_bits: int) -> None:
+    """What :func:`unpack` checks of ``raw``, without unpacking it.
+
+    Raises:
+        BadVector: wrong byte length, or non-zero padding (a non-canonical encoding).
+    """
+    _packed_bytes(raw, count, ring_bits)
+
+
+def unpack_runs(
+    raw: bytes, count: int, ring_bits: int, run: int
+) -> Iterator[tuple[int, RingVector]]:
+    """:func:`unpack` (raw, count, ring_bits), ``run`` elements at a time: (start,
+    elements [start, start + run)), for a reader whose memory must not grow with the
+    vector.  ``raw`` is checked whole before the first run.
+
+    Raises:
+        BadVector: as :func:`unpack`.
+        ValueError: ``run`` is not a positive multiple of 8 (runs must start on a byte).
+    """
+    if run < 8 or run % 8:
+        raise ValueError(f"a run of a packed vector is a positive multiple of 8, got {run}")
+    data = _packed_bytes(raw, count, ring_bits)
+    return _runs(raw, data, count, ring_bits, run)
+
+
+def _runs(
+    raw: bytes, data: npt.NDArray[np.uint8], count: int, ring_bits: int, run: int
+) -> Iterator[tuple[int, RingVector]]:
+    dt = ring_dtype(ring_bits)
+    for start in range(0, count, run):
+        n = min(run, count - start)
+        if ring_bits == dt.itemsize * 8:
+            yield start, np.frombuffer(raw, dtype=dt, count=n, offset=start * dt.itemsize)
+            continue
+        out = np.zeros(n, dtype=dt)
+        first = start * ring_bits // 8  # a run starts on a byte: start is a multiple of 8
+        packing.unpack_add(out, data[first : first + packed_size(n, ring_bits)], ring_bits)
+        yield start, out
 
 
 class RingSum:

@@ -66,6 +66,8 @@ from fedsec.crypto.quantize import (
     dequantize_run,
     dequantize_sum,
     quantize,
+    unpack,
+    unpack_runs,
 )
 from fedsec.errors import BadVector, ProtocolError, QuantizationError
 from fedsec.protocol.compat import check_spec
@@ -330,6 +332,49 @@ class UpdateCodec:
         for a in range(0, self.dim, DECODE_BLOCK):
             b = min(a + DECODE_BLOCK, self.dim)
             total[a:b] += dequantize_run(values[a:b], 1, self.quant)
+        return weight
+
+    def check_packed(self, raw: bytes) -> None:
+        """:meth:`check_input` of one member's wire vector (packed at the ring's width,
+        already checked by :func:`~fedsec.crypto.quantize.check_packed`), read
+        :data:`DECODE_BLOCK` elements at a time: no unpacked copy of it (plain kind; the
+        others unpack it whole).
+
+        Raises:
+            BadVector: as :meth:`check_input`.
+        """
+        m = self.quant.ring_bits
+        if self.kind != "plain":
+            self.check_input(unpack(raw, self.length, m))
+            return
+        levels, weight = self.quant.levels, 0
+        for start, run in unpack_runs(raw, self.length, m, DECODE_BLOCK):
+            body = run[: max(0, self.dim - start)]
+            if int(body.max(initial=0)) > levels:
+                raise BadVector(f"values above {levels} levels")
+            if start + run.size > self.dim:
+                weight = int(run[-1])
+        if weight > levels:
+            raise BadVector(f"a weight element above {levels}")
+
+    def add_packed(self, raw: bytes, total: npt.NDArray[np.float64]) -> float:
+        """:meth:`add_one` of one member's wire vector, checked by :meth:`check_packed`:
+        bit for bit ``add_one(unpack(raw))``, read :data:`DECODE_BLOCK` elements at a
+        time in the plain kind; returns w.
+
+        Raises:
+            BadVector: as :func:`~fedsec.crypto.quantize.unpack` (``total`` unchanged).
+        """
+        m = self.quant.ring_bits
+        if self.kind != "plain":
+            return self.add_one(unpack(raw, self.length, m), total)
+        weight = 0.0
+        for start, run in unpack_runs(raw, self.length, m, DECODE_BLOCK):
+            end = min(start + run.size, self.dim)
+            if end > start:
+                total[start:end] += dequantize_run(run[: end - start], 1, self.quant)
+            if start + run.size > self.dim:
+                weight = dequantize_sum(run[-1:], 1, self.quant)[1]
         return weight
 
     def edge_count(self, ring_sum: RingVector, members: int) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedsec.crypto.quantize import unpack
+from fedsec.crypto.quantize import check_packed, unpack
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import BadVector, DuplicateMessage, ProtocolError, RoundAborted
 from fedsec.learning import robust
@@ -33,7 +33,8 @@ class PlainSession(SummationSession):
     when the spec names an aggregation rule (``spec.aggregation``), combined by that rule
     (:mod:`fedsec.learning.robust`) once they are all in.
 
-    Without a rule, only the running sum is kept (O(dim)).  With one, each accepted update
+    Without a rule, only the running sum is kept (O(dim)), and each upload is read
+    from its packed bytes a run at a time (plain codec: no unpacked copy of it).  With one, each accepted update
     is kept as its ring vector (dim + 1 values of the ring's width, its smallest form) until
     finalize, so memory is bounded by the cohort cap: ``round.max_agents`` × (dim + 1) ×
     ring bytes, and finalize briefly holds ``n × dim`` float64 values and the rule's
@@ -78,6 +79,15 @@ class PlainSession(SummationSession):
         if member in self.members:
             raise DuplicateMessage(f"{member} already sent its update")
         encoding = codec_for(spec)
+        if self.rule is None:  # only the running sum is kept: read the upload in runs
+            check_packed(message.vector, encoding.length, spec.ring_bits)
+            try:
+                encoding.check_packed(message.vector)
+            except BadVector as exc:
+                raise BadVector(f"{member}'s update: {exc.detail}") from None
+            self.weight += encoding.add_packed(message.vector, self.total)
+            self.members.append(member)
+            return
         vector = unpack(message.vector, encoding.length, spec.ring_bits)
         try:
             encoding.check_input(vector)
@@ -85,9 +95,8 @@ class PlainSession(SummationSession):
             raise BadVector(f"{member}'s update: {exc.detail}") from None
         self.weight += encoding.add_one(vector, self.total)
         self.members.append(member)
-        if self.rule is not None:
-            self.vectors[member] = vector
-            self.digests[member] = hashlib.sha256(message.vector).hexdigest()
+        self.vectors[member] = vector
+        self.digests[member] = hashlib.sha256(message.vector).hexdigest()
 
     def replay(self, stage: str, member: str, raw: bytes) -> None:
         self.receive(stage, MaskedInput(member, raw))

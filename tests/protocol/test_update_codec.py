@@ -465,7 +465,7 @@ def test_a_distributed_sum_decodes_in_runs_as_whole_with_its_edge_count(
     _assert_runs_decode_as_whole(codec, members, d)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     n=st.integers(1, 300_000),
     fraction=st.floats(0.0, 1.0),
@@ -507,3 +507,35 @@ def test_adding_one_input_in_runs_is_adding_its_decoding(
     with pytest.raises(QuantizationError, match="elements"):
         codec.add_one(vector[:-1], total)
     assert total.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("ring_bits", [3, 8, 9, 16, 17, 32, 33, 56])
+@pytest.mark.parametrize("dim", [5, update_codec.DECODE_BLOCK, update_codec.DECODE_BLOCK + 3])
+def test_a_wire_vector_read_in_runs_is_checked_and_added_as_whole(ring_bits: int, dim: int) -> None:
+    """A trusted aggregator's upload, read from its packed bytes a run at a time: the same
+    sum as unpacking it whole, and the same refusals (the weight alone in the last run
+    when d is a whole number of runs)."""
+    from fedsec.crypto.quantize import pack
+
+    bits = min(8, ring_bits - 1)
+    codec = codec_for(_spec(dim, members=3, bits=bits, ring_bits=ring_bits))
+    assert codec.kind == "plain"
+    rng = np.random.default_rng(ring_bits + dim)
+    levels = codec.quant.levels
+    vector = rng.integers(0, levels + 1, size=codec.length, dtype=np.uint64)
+    vector = vector.astype(codec.quant.dtype)
+    start = rng.standard_normal(dim)
+    expected = start.copy()
+    weight = codec.add_one(vector, expected)
+    raw = pack(vector, ring_bits)
+    codec.check_packed(raw)
+    total = start.copy()
+    assert codec.add_packed(raw, total) == weight
+    assert total.tobytes() == expected.tobytes()
+    for where, message in ((dim - 1, f"values above {levels} levels"), (dim, "weight element")):
+        bad = vector.copy()
+        bad[where] = levels + 1
+        with pytest.raises(BadVector, match=message):
+            codec.check_input(bad)
+        with pytest.raises(BadVector, match=message):
+            codec.check_packed(pack(bad, ring_bits))
