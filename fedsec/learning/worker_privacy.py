@@ -17,7 +17,9 @@ The mechanism is the one process's, step for step, so the accountant's ε is too
   ``DistributedDPOptimizer`` shape); the sum is divided by the expected batch q·n.
 - **Accounting.** Rank 0's checkpoint carries the accountant's history and the count of
   noise draws with the model, so a resumed job neither counts the redone steps twice
-  nor reuses a noise stream: its ε is that of one run of all the steps.
+  nor gives a step another step's noise stream (a redone step draws its own stream
+  again, for a result that replaces the discarded one): its ε is that of one run of
+  all the steps.
 """
 
 from __future__ import annotations
