@@ -14,7 +14,11 @@ member, every round): "total updates" counts local trainings, which gossip's ext
 exchanges do not add to (they average, they do not train).  Peers run in lock step: each
 round every peer trains, sends its model to its neighbours and combines, then every peer
 sends its mixed model and combines again for each further exchange; the asynchronous
-schedule and the timeout are the loopback tests' concern.
+schedule and the timeout are the loopback tests' concern.  In the churn run a peer that is
+away neither trains, sends nor receives (its neighbours combine without it, as at a
+timeout); on return it catches up from its present neighbours' newest trained rounds
+(:meth:`fedsec.peer.gossip.GossipPeer.catch_up`) and its accuracy is compared with theirs
+:data:`RECOVERY_EXCHANGES` exchanges later.
 
 The sign-flip attacker trains honestly and keeps an honest model (so its messages stay
 near its neighbours' models and the flipped direction is what they see), but sends
@@ -48,6 +52,11 @@ from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params, load_flat_params
 
 FEDERATION_ID = "bench-gossip"
+#: The churn run's share of honest peers that leave and return (the issue's 30 %).
+CHURN_SHARE = 0.3
+#: Exchanges after its return at which a returning peer's accuracy is compared with its
+#: neighbours' (the issue: back within 1 pt within 3 exchanges).
+RECOVERY_EXCHANGES = 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,9 @@ class GossipRun:
     refused_bad: float  # share of attackers' messages refused by honest receivers
     refused_good: float  # share of honest messages refused by honest receivers
     seconds: float
+    #: each returning peer's accuracy below its neighbours' mean, RECOVERY_EXCHANGES
+    #: exchanges after it caught up
+    recovery_gaps: list[float]
 
 
 def _peers(fed: Federation, degree: int, settings: GossipSettings) -> list[GossipPeer]:
@@ -80,8 +92,16 @@ def _peers(fed: Federation, degree: int, settings: GossipSettings) -> list[Gossi
     ]
 
 
-def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> GossipRun:
-    """``fed.rounds`` lock-step gossip rounds of every peer (attackers as the module says)."""
+def run_gossip(
+    fed: Federation,
+    degree: int,
+    settings: GossipSettings,
+    flip: float = SIGNFLIP_FACTOR,
+    churn: float = 0.0,
+) -> GossipRun:
+    """``fed.rounds`` lock-step gossip rounds of every peer (attackers as the module says,
+    sending ``flip`` times their update); a ``churn`` share of the honest peers is away
+    for a while (:func:`_away`) and catches up from its neighbours on return."""
     started = time.perf_counter()
     peers = _peers(fed, degree, settings)
     index = {p.me: i for i, p in enumerate(peers)}
@@ -89,29 +109,36 @@ def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> Gossip
         task_trainer(fed.task, x, y, fed.params, fed.dp, fed.seed * 100_003 + i)
         for i, (x, y) in enumerate(fed.parts)
     ]
+    away = _away(fed, churn)
     refused = {True: [0, 0], False: [0, 0]}  # attacker? -> [refused, seen]
+    trained_last: dict[str, bytes] = {}  # each peer's newest exchange 0, what it offers
+    gaps: list[float] = []
     for r in range(fed.rounds):
+        here = [p for i, p in enumerate(peers) if r not in away.get(i, ())]
+        back = [p for p in here if _returns(peers, p, r, away, index, trained_last)]
+        here = [p for p in here if p.round == r]  # one whose neighbours are all away waits
         sent: dict[str, bytes] = {}
-        for i, peer in enumerate(peers):
+        for peer in here:
+            i = index[peer.me]
             start = peer.model.copy()
             trained = trainers[i](start, (r + 1) * 1_009)  # FedAvg's round r + 1 seeds
             message = peer.own_model(trained)
             if i in fed.bad:
-                flipped = SIGNFLIP_FACTOR * (trained - start)
+                flipped = flip * (trained - start)
                 message = messages.make_model(
                     FEDERATION_ID, r, peer.me, peer.samples, start, flipped
                 )
-            sent[peer.me] = messages.encode(message)
-        outcomes = _exchange(peers, sent, r)
-        for i, outcome in enumerate(outcomes):
-            if i not in fed.bad:
-                for n in peers[i].neighbours:
+            sent[peer.me] = trained_last[peer.me] = messages.encode(message)
+        for peer, outcome in zip(here, _exchange(here, sent, r), strict=True):
+            if index[peer.me] not in fed.bad:
+                for n in peer.neighbours & sent.keys():
                     tally = refused[index[n] in fed.bad]
                     tally[0] += n in outcome.refused
                     tally[1] += 1
-        while peers[0].exchange:
-            mixed = {p.me: messages.encode(p.mixing_model()) for p in peers}
-            _exchange(peers, mixed, r)
+        for step in range(1, settings.exchanges):
+            _exchange(here, {p.me: messages.encode(p.mixing_model()) for p in here}, r)
+            if step == RECOVERY_EXCHANGES - 1:
+                gaps += [_gap(fed, p, peers, index, here) for p in back]
     honest = [_accuracy(fed, p.model) for i, p in enumerate(peers) if i not in fed.bad]
     return GossipRun(
         float(np.mean(honest)),
@@ -119,13 +146,64 @@ def run_gossip(fed: Federation, degree: int, settings: GossipSettings) -> Gossip
         refused[True][0] / max(refused[True][1], 1),
         refused[False][0] / max(refused[False][1], 1),
         time.perf_counter() - started,
+        gaps,
     )
 
 
+def _away(fed: Federation, churn: float) -> dict[int, range]:
+    """The rounds each leaving peer misses: ⌊churn·honest⌋ honest peers, each away once
+    for 3 to 10 rounds starting between round 5 and 15 rounds before the end."""
+    honest = [i for i in range(fed.n) if i not in fed.bad]
+    rng = np.random.default_rng([fed.seed, 39])
+    count = int(churn * len(honest))
+    chosen = [int(i) for i in rng.choice(honest, size=count, replace=False)] if count else []
+    out = {}
+    for i in chosen:
+        leave = int(rng.integers(5, max(fed.rounds - 15, 6)))
+        out[i] = range(leave, leave + int(rng.integers(3, 11)))
+    return out
+
+
+def _returns(
+    peers: list[GossipPeer],
+    peer: GossipPeer,
+    r: int,
+    away: dict[int, range],
+    index: dict[str, int],
+    trained_last: dict[str, bytes],
+) -> bool:
+    """Whether ``peer`` comes back this round: it catches up from the neighbours here."""
+    if peer.round == r:
+        return False
+    offers = {
+        n: trained_last[n]
+        for n in peer.neighbours
+        if n in trained_last and r not in away.get(index[n], ()) and peers[index[n]].round == r
+    }
+    if not offers:
+        return False  # every neighbour is away too: it waits for one
+    peer.catch_up(offers)
+    return True
+
+
+def _gap(
+    fed: Federation,
+    peer: GossipPeer,
+    peers: list[GossipPeer],
+    index: dict[str, int],
+    here: list[GossipPeer],
+) -> float:
+    """How far a returning peer's accuracy is below its present neighbours' mean."""
+    near = [peers[index[n]] for n in peer.neighbours if peers[index[n]] in here]
+    theirs = np.mean([_accuracy(fed, q.model) for q in near]) if near else 0.0
+    return float(theirs) - _accuracy(fed, peer.model)
+
+
 def _exchange(peers: list[GossipPeer], sent: dict[str, bytes], round_: int) -> list[RoundOutcome]:
-    """Every peer receives its neighbours' messages of this exchange, then combines."""
+    """Every peer receives its present neighbours' messages of this exchange, then
+    combines (an absent one is missing, as at a round timeout)."""
     for peer in peers:
-        for n in sorted(peer.neighbours):
+        for n in sorted(peer.neighbours & sent.keys()):
             peer.receive(n, sent[n], FEDERATION_ID, round_)
     return [peer.combine() for peer in peers]
 
@@ -161,6 +239,14 @@ def _emit(line: dict[str, Any], as_json: bool) -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--flip",
+    type=float,
+    default=SIGNFLIP_FACTOR,
+    show_default=True,
+    help="what the attackers send, in multiples of their update (-1.5 stays within the "
+    "length test's 2x, so the direction test alone must refuse it)",
+)
+@click.option(
     "--reference",
     type=click.Choice(["median", "own"]),
     default="median",
@@ -172,7 +258,9 @@ def _emit(line: dict[str, Any], as_json: bool) -> None:
     default="fedavg,clean,robust,plain",
     show_default=True,
     help="fedavg: aggregator-based baseline; clean, clean-plain: gossip without attackers "
-    "with and without filtering; robust, plain: under sign-flip with and without filtering",
+    "with and without filtering; robust, plain: under sign-flip with and without filtering; "
+    "churn: without attackers, 30 %% of the honest peers away for 3-10 rounds each, "
+    "catching up on return",
 )
 @click.option("--json", "as_json", is_flag=True)
 def bench_gossip(
@@ -186,6 +274,7 @@ def bench_gossip(
     min_cosine: float,
     exchanges: int,
     seed: int,
+    flip: float,
     reference: str,
     runs: str,
     as_json: bool,
@@ -213,17 +302,19 @@ def bench_gossip(
             line = {"run": name, "accuracy": round(result.accuracy, 4)}
             line["seconds"] = round(time.perf_counter() - started, 1)
         else:
-            fed = clean if name.startswith("clean") else attacked
+            fed = clean if name.startswith(("clean", "churn")) else attacked
             settings = GossipSettings(
                 robust=not name.endswith("plain"),
                 min_cosine=min_cosine,
                 reference=reference,  # type: ignore[arg-type]  # click.Choice checked it
                 exchanges=exchanges,
             )
-            g = run_gossip(fed, degree, settings)
+            churn = CHURN_SHARE if name == "churn" else 0.0
+            g = run_gossip(fed, degree, settings, flip, churn)
             line = {
                 "run": name,
                 "attackers": len(fed.bad),
+                "flip": flip,
                 "robust": settings.robust,
                 "min_cosine": min_cosine,
                 "reference": reference,
@@ -234,4 +325,10 @@ def bench_gossip(
                 "refused_honest_share": round(g.refused_good, 4),
                 "seconds": round(g.seconds, 1),
             }
+            if churn:
+                gaps = g.recovery_gaps or [0.0]
+                line["churn_share"] = churn
+                line["returns"] = len(g.recovery_gaps)
+                line["recovery_gap_max"] = round(max(gaps), 4)
+                line["recovery_gap_mean"] = round(float(np.mean(gaps)), 4)
         _emit({**common, **line}, as_json)

@@ -46,7 +46,7 @@ send any number of them, and the journal keeps what the peer used.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,7 +64,15 @@ from fedsec.errors import (
 )
 from fedsec.learning import robust
 from fedsec.peer import messages
-from fedsec.peer.journal import PeerCombined, PeerJournal, PeerReceived, PeerRefused, PeerSent
+from fedsec.peer.catchup import CatchUp, judge_offers
+from fedsec.peer.journal import (
+    PeerCaughtUp,
+    PeerCombined,
+    PeerJournal,
+    PeerReceived,
+    PeerRefused,
+    PeerSent,
+)
 from fedsec.peer.limits import (
     CONSENSUS_CLIP_OVER_MEDIAN,
     DEFAULT_EXCHANGES,
@@ -198,6 +206,35 @@ class GossipPeer:
         return messages.make_mix(
             self.federation_id, self.round, self.exchange, self.me, self.samples, self.model
         )
+
+    def catch_up(self, offers: Mapping[str, bytes]) -> CatchUp:
+        """Rejoin after missing rounds from the neighbours' newest trained rounds
+        (key id that signed each -> its bytes; :mod:`fedsec.peer.catchup` says how),
+        continuing at the round after the newest.
+
+        Raises:
+            see :func:`fedsec.peer.catchup.judge_offers`; the peer is unchanged then.
+        """
+        caught = judge_offers(
+            self.federation_id,
+            self.neighbours,
+            self.values,
+            self.settings.staleness,
+            self.round,
+            offers,
+        )
+        self.round, self.exchange, self.model = caught.round, 0, caught.model
+        self._own_update, self._accepted = None, ()
+        sources = sorted(caught.sources)
+        self.journal.append(
+            PeerCaughtUp(
+                round=caught.round,
+                sources=sources,
+                sha256=[caught.sources[s] for s in sources],
+                model_sha256=_model_sha256(caught.model),
+            )
+        )
+        return caught
 
     def record_sent(self, to: str, message: PeerModel) -> None:
         self.journal.append(
@@ -385,7 +422,7 @@ class GossipPeer:
                     round=outcome.round, sender=sender, sha256=fresh[sender].sha256, reason=reason
                 )
             )
-        digest = hashlib.sha256(outcome.model.astype(messages.WIRE_DTYPE).tobytes()).hexdigest()
+        digest = _model_sha256(outcome.model)
         self.journal.append(
             PeerCombined(
                 round=outcome.round,
@@ -396,6 +433,10 @@ class GossipPeer:
                 exchange=outcome.exchange,
             )
         )
+
+
+def _model_sha256(model: Vector) -> str:
+    return hashlib.sha256(model.astype(messages.WIRE_DTYPE).tobytes()).hexdigest()
 
 
 def _position(held: _Held) -> tuple[int, int]:

@@ -25,7 +25,13 @@ from fedsec.errors import IntegrityError
 from fedsec.protocol.log import GENESIS_PREV, MAX_LINE_BYTES, LogEntry, head_body, verify_head
 from fedsec.protocol.log_entries import HeadEntry
 
-KINDS: Final[tuple[str, ...]] = ("peer_sent", "peer_received", "peer_refused", "peer_combined")
+KINDS: Final[tuple[str, ...]] = (
+    "peer_sent",
+    "peer_received",
+    "peer_refused",
+    "peer_combined",
+    "peer_caught_up",
+)
 
 
 class PeerSent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,12 +70,22 @@ class PeerCombined(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exchange: int = 0
 
 
-JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined
+class PeerCaughtUp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The peer rejoined at ``round`` after missing rounds, from its neighbours' offers."""
+
+    round: int
+    sources: list[str]  # the neighbours whose offers made the model, sorted
+    sha256: list[str]  # of each one's offer, in the same order
+    model_sha256: str
+
+
+JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined | PeerCaughtUp
 _KIND_OF: Final = {
     PeerSent: "peer_sent",
     PeerReceived: "peer_received",
     PeerRefused: "peer_refused",
     PeerCombined: "peer_combined",
+    PeerCaughtUp: "peer_caught_up",
 }
 
 

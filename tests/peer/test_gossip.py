@@ -335,3 +335,52 @@ def test_the_topology_mixes_as_a_random_regular_graph_not_a_ring_lattice() -> No
     second = sorted(np.abs(np.linalg.eigvalsh(mixing)))[-2]
     # the ring lattice of the same size mixes at 0.904; below 1 means connected
     assert second < 0.85
+
+
+def test_a_returning_peer_rejoins_from_the_median_of_its_neighbours_newest_rounds() -> None:
+    hood = make_neighbourhood()
+    a, b, forger = hood.neighbours
+    # away since round 0, the neighbours are at round 5: their models are out of reach
+    with pytest.raises(StaleUpdate):
+        hood.peer.receive(a.key_id, _raw(a.key_id, 5, np.ones(DIM)), FED, 5)
+    offers = {
+        a.key_id: _raw(a.key_id, 5, np.ones(DIM), start=np.full(DIM, 2.0)),
+        b.key_id: _raw(b.key_id, 4, np.ones(DIM), start=np.full(DIM, 4.0)),
+        forger.key_id: _raw(forger.key_id, 5, np.full(DIM, 1e6)),
+    }
+    caught = hood.peer.catch_up(offers)
+    # the median of the ends 3, 5 and 1e6: the forged offer moves it to the honest 5
+    np.testing.assert_allclose(hood.peer.model, np.full(DIM, 5.0))
+    assert (caught.round, hood.peer.round, hood.peer.exchange) == (6, 6, 0)
+    assert sorted(caught.sources) == sorted(offers)
+    (entry,) = hood.peer.journal.of_kind("peer_caught_up")
+    assert entry["round"] == 6 and entry["sources"] == sorted(offers)
+    # it trains and gossips on from there with its neighbours
+    hood.peer.own_model(hood.peer.model + 1)
+    hood.peer.receive(a.key_id, _raw(a.key_id, 6, np.ones(DIM), start=hood.peer.model), FED, 6)
+    assert a.key_id in hood.peer.combine().accepted
+
+
+def test_a_catch_up_offer_that_is_not_a_neighbours_training_changes_nothing() -> None:
+    hood = make_neighbourhood()
+    a, b, _ = hood.neighbours
+    ok = _raw(a.key_id, 5, np.ones(DIM))
+    cases: list[tuple[dict[str, bytes], type[Exception]]] = [
+        ({hood.stranger.key_id: _raw(hood.stranger.key_id, 5, np.ones(DIM))}, UnknownMember),
+        ({a.key_id: ok, b.key_id: ok}, AuthError),  # b offers what a signed
+        ({a.key_id: _mix(a.key_id, 5, 1, np.ones(DIM))}, ProtocolError),
+        ({a.key_id: _raw(a.key_id, 5, np.ones(DIM), fed="other")}, ProtocolError),
+        ({a.key_id: ok[:-3]}, PayloadError),
+        ({}, ProtocolError),
+    ]
+    before = _state(hood)
+    for offers, error in cases:
+        with pytest.raises(error):
+            hood.peer.catch_up(offers)
+        assert _state(hood) == before
+    hood.peer.own_model(np.ones(DIM))
+    for n in hood.neighbours:
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, np.ones(DIM)), FED, 0)
+    hood.peer.combine()
+    with pytest.raises(ProtocolError, match="no neighbour is past"):
+        hood.peer.catch_up({a.key_id: _raw(a.key_id, 0, np.ones(DIM))})
