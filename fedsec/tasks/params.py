@@ -21,6 +21,11 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters :func:`flatten_params` covers, in its order."""
+    return [p for _, p in _trainable(model)]
+
+
 def param_count(model: torch.nn.Module) -> int:
     """Length of :func:`flatten_params` for this model."""
     return sum(p.numel() for _, p in _trainable(model))
