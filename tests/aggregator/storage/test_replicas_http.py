@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http.app import make_app
 from fedsec.aggregator.http.errors import LEADER_HEADER
+from fedsec.aggregator.http.leadership import leads_here
 from fedsec.aggregator.rounds.events import ContributionRefused, Event
 from fedsec.aggregator.storage.postgres import PostgresStateStore
 from fedsec.aggregator.storage.postgres.lease import LEASE_S, NotLeader
@@ -251,7 +252,11 @@ async def test_a_standby_that_just_took_the_lease_refuses_writes_until_it_resume
     assert (status, answer["error"]) == (503, "not_leader"), raw
     assert "resuming the round" in answer["detail"], answer
     assert _stored(store) == before
+    # its round logic (deadlines, alert rules) stays idle too; the rebuilt one's runs
+    assert not leads_here(b.client.app, store.lease)
     # nothing of it was consumed: the same signed request is the resumed coordinator's
-    status, raw, _ = await (await _resumed(b, aiohttp_client)).send("POST", path, body, headers)
+    c = await _resumed(b, aiohttp_client)
+    assert leads_here(c.client.app, store.lease)
+    status, raw, _ = await c.send("POST", path, body, headers)
     assert status == 200, raw
     assert store.messages.count(1, 0, "masked_input") == 3
