@@ -6,9 +6,10 @@ tracebacks are for our own bugs only.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -16,7 +17,39 @@ from fedsec.cli_options import codec_options
 from fedsec.errors import FedsecError
 
 
-class _FedsecGroup(click.Group):
+class _LazyGroup(click.Group):
+    """A group whose subcommands from heavier modules are imported when one is named.
+
+    A process then holds only its own command's code: ``fedsec aggregator serve``
+    imported every role's stack with the group (the agent's, HE's tenseal, the
+    benchmarks', PostgreSQL's driver), 32 MB of its resident memory at start. A module
+    of fedsec's own that is not built is left out, as if the command did not exist.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy: dict[str, tuple[str, str]] = {}  # command name -> (module, attribute)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None or cmd_name not in self.lazy:
+            return command
+        module, attr = self.lazy[cmd_name]
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("fedsec"):
+                return None  # not built yet
+            raise
+        command = cast(click.Command, getattr(loaded, attr))
+        self.add_command(command, name=cmd_name)
+        return command
+
+
+class _FedsecGroup(_LazyGroup):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -31,7 +64,7 @@ def main() -> None:
     """fedsec: federated learning with DP-SGD, SecAgg+ and a verifiable audit trail."""
 
 
-@main.group()
+@main.group(cls=_LazyGroup)
 def bench() -> None:
     """Benchmarks; each prints one JSON object per line."""
 
@@ -85,7 +118,7 @@ def bench_secagg(
 ) -> None:
     """One full SecAgg+ round in one process."""
     from fedsec.bench.secagg import run_secagg
-    from fedsec.protocol.update_codec import default_range_stddevs
+    from fedsec.protocol.codec_choice import default_range_stddevs
 
     for _ in range(repeat):
         result = run_secagg(
@@ -107,9 +140,8 @@ def bench_secagg(
 
 
 def _register_optional() -> None:
-    """Attach command groups whose modules need the heavier extras (torch, aiohttp)."""
-    import importlib
-
+    """Name the command groups whose modules need the heavier extras (torch, aiohttp);
+    each is imported when its command is run (or listed by ``--help``)."""
     for module, names in (
         ("fedsec.aggregator.cli", ("aggregator",)),
         ("fedsec.agent.cli", ("agent",)),
@@ -119,14 +151,9 @@ def _register_optional() -> None:
         ("fedsec.peer.cli", ("peer",)),
         ("fedsec.task.cli", ("task",)),
     ):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("fedsec"):
-                continue  # not built yet
-            raise
         for name in names:
-            main.add_command(getattr(mod, name.replace("-", "_")))
+            main.lazy[name] = (module, name.replace("-", "_"))
+    assert isinstance(bench, _LazyGroup)  # its class, for the type checker
     for module, attr, name in (
         ("fedsec.bench.audit_cli", "bench_audit", "audit"),
         ("fedsec.bench.chaos", "bench_chaos", "chaos"),
@@ -145,13 +172,7 @@ def _register_optional() -> None:
         ("fedsec.bench.workers", "bench_workers", "workers"),
         ("fedsec.bench.scale", "bench_scale", "scale"),
     ):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("fedsec"):
-                continue
-            raise
-        bench.add_command(getattr(mod, attr), name=name)
+        bench.lazy[name] = (module, attr)
 
 
 _register_optional()

@@ -41,8 +41,8 @@ from fedsec.protocol import compat, wire
 from fedsec.protocol.data_schema import DataSchema
 from fedsec.protocol.ddp import DEFAULT_MIN_SURVIVORS
 from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
+from fedsec.protocol.ring_width import MAX_HEADROOM_BITS, weight_digit_bits
 from fedsec.protocol.roster import ID_PATTERN
-from fedsec.protocol.update_codec import MAX_HEADROOM_BITS, weight_digit_bits
 from fedsec.summation import mode_named
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")

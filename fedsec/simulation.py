@@ -81,8 +81,8 @@ from fedsec.learning.optimizers import ServerRule, server_rule, server_step
 from fedsec.learning.training import plan_round, train_centralized
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import default_range_stddevs
 from fedsec.protocol.limits import DEFAULT_DELTA, MAX_MODEL_BYTES
-from fedsec.protocol.update_codec import default_range_stddevs
 from fedsec.summation import SummationMode, mode_named
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset, Task

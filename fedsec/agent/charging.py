@@ -42,8 +42,8 @@ from fedsec.agent.member import Member
 from fedsec.agent.spec import training_params, update_key
 from fedsec.errors import ConfigError
 from fedsec.learning.training import plan_round
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import is_distributed
-from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import RoundSpec
 from fedsec.tasks import Task
 

@@ -92,10 +92,10 @@ from fedsec.agent.steps import member_steps
 from fedsec.crypto.quantize import clip_l2
 from fedsec.errors import DuplicateMessage, FedsecError, WrongStage
 from fedsec.faults import NO_FAULTS, SeededBytes
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.ddp import member_weight as ddp_member_weight
 from fedsec.protocol.stages import stage_index
-from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.wire import (
     Receipt,
     RoundSpec,

@@ -32,9 +32,9 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import ring_dtype
 from fedsec.errors import IntegrityError
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry, HeadEntry
-from fedsec.protocol.update_codec import codec_for
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from fedsec.errors import FedsecError, IntegrityError
 from fedsec.learning.training import DPParams
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.protocol.log_entries import kind_of
-from fedsec.protocol.update_codec import codec_for
 from fedsec.protocol.weights import volume_weight
 from fedsec.tasks import TrainingParams, get_task
 from fedsec.tasks.params import arrays_to_state, flatten_params

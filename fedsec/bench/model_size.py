@@ -67,7 +67,8 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg import ClientSession, default_neighbors
 from fedsec.protocol import wire
-from fedsec.protocol.update_codec import codec_for, ring_bits_for
+from fedsec.protocol.codec_choice import codec_for
+from fedsec.protocol.ring_width import ring_bits_for
 
 #: Rounding bits and headroom bits: a 9-bit ring, the issue's "SecAgg+ 8-bit" as
 #: close as a sum of 10 to 40 members allows. 8-bit rounding with one headroom bit wraps

@@ -76,8 +76,9 @@ from fedsec.crypto.quantize import QuantSpec, dequantize_sum, quantize
 from fedsec.crypto.secagg import ClientSession, SecAggParams, ServerSession, default_neighbors
 from fedsec.crypto.secagg.server import SHARE_CIPHERTEXT_BYTES, RoundResult
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import codec_for
+from fedsec.protocol.ring_width import ring_bits_for
 from fedsec.protocol.stages import SECAGG_STAGES
-from fedsec.protocol.update_codec import codec_for, ring_bits_for
 
 STAGES = ("advertise", "share", "masked", "unmask")
 F = TypeVar("F", bound=Callable[..., Any])

@@ -16,7 +16,7 @@ import msgspec
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.protocol.body import Count, HexDigest, Id, _Signed, unhex
-from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol.codec_choice import codec_for
 
 ROUND_SPEC_DOMAIN = "round-spec"
 

@@ -45,11 +45,8 @@ digits), so one secure sum yields both the weighted sum and the total weight.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,49 +59,28 @@ from fedsec.crypto.quantize import (
     QuantSpec,
     RingVector,
     clip_l2,
-    default_ring_bits,
     dequantize_run,
     dequantize_sum,
     quantize,
     unpack,
     unpack_runs,
 )
-from fedsec.errors import BadVector, ProtocolError, QuantizationError
-from fedsec.protocol.compat import check_spec
-from fedsec.protocol.ddp import ddp_spec, is_distributed, rotation_seed
+from fedsec.errors import BadVector, QuantizationError
+from fedsec.protocol.codec_subset import kept_runs, subset
 
 if TYPE_CHECKING:
-    from fedsec.protocol.spec import RoundSpec
+    pass
 
-_SUBSET_DOMAIN = b"fedsec/v1/codec/subset"
 _ROUNDING_DOMAIN = b"codec/rounding"
 _WEIGHT_DOMAIN = b"codec/weight"
-# A keep fraction below this sends fewer than one coordinate in a thousand: the
-# estimate's variance grows as N/k, so such a round would learn nothing.
-MIN_KEEP = 1e-3
-# Rounding range of a rotated coordinate in standard deviations: below 1 most
-# coordinates saturate; above 64 a 2-bit step is wider than any coordinate.
-MIN_RANGE_STDDEVS, MAX_RANGE_STDDEVS = 1.0, 64.0
-# A tool's range when rotation is on and none is given: ±3 standard deviations of a
-# rotated coordinate of a clipped update (one saturates with probability ≤ 0.3 %).
-DEFAULT_RANGE_STDDEVS = 3.0
 # A wrapped centred sum that overshot the ring's half range by less than this fraction
 # of it lands this close to the far edge; edge_count counts sums there as likely wraps.
 WRAP_EDGE_FRACTION = 1 / 8
 # Coordinates decoded at a time: a run's int64 and float64 temporaries stay near 4 MB
 # whatever the model's size, where whole-vector temporaries and the subset's index cost
-# about 40 bytes a coordinate (the decode peaked at 431 MB at 11M parameters); above
-# 2^16 the per-run overhead of the numpy calls is below 1 % of the run's work.
+# about 40 bytes a coordinate; above 2^16 the per-run overhead of the numpy calls is
+# below 1 % of the run's work.
 DECODE_BLOCK = 1 << 18
-# Headroom bits a codec may ask for: ⌈log₂ n⌉ of the largest cohort (MAX_COHORT, < 2^16)
-# is all any ring needs for sums that never wrap.
-MAX_HEADROOM_BITS = 16
-
-
-def default_range_stddevs(rotation: str) -> float:
-    """The rounding range a tool asks for when its user gives none: ±clip (0) without
-    rotation, :data:`DEFAULT_RANGE_STDDEVS` with it."""
-    return DEFAULT_RANGE_STDDEVS if rotation == "hadamard" else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +157,7 @@ class UpdateCodec:
         """The shared kept coordinates, ascending (None: all of them)."""
         if self.subset_seed is None:
             return None
-        return _subset(self.subset_seed, self.padded, self.keep)
+        return subset(self.subset_seed, self.padded, self.keep)
 
     # -- member side ---------------------------------------------------------------
 
@@ -452,7 +428,7 @@ class UpdateCodec:
         multiply = factor != 1.0 or self.rotation_seed is not None
         work = np.zeros(self.padded, dtype=np.float64)
         edges, used, quant = 0, 0, self._range_quant()
-        for start, kept in _kept_runs(self.subset_seed, self.padded, self.keep, block):
+        for start, kept in kept_runs(self.subset_seed, self.padded, self.keep, block):
             run = values[used : used + kept.size]
             used += kept.size
             if self.wraps:
@@ -554,196 +530,3 @@ def _round_weight(value: float, seed: bytes) -> int:
     low = math.floor(value)
     u = float(prg.uniform01(seed, _WEIGHT_DOMAIN, 1)[0])
     return low + (1 if u < value - low else 0)
-
-
-@lru_cache(maxsize=8)
-def _subset(seed: bytes, n: int, k: int) -> npt.NDArray[np.intp]:
-    """k of ``n`` coordinates, uniformly at random from ``seed``, ascending: those with
-    the k smallest of n 32-bit keystream keys, ties broken by the lower index.
-
-    Found in O(n) without sorting the keys: a histogram of their top 16 bits gives the
-    bucket in which the k-th smallest lies; every key in a lower bucket is kept, and only
-    that bucket's few keys (about n/2^16) are sorted to take the rest."""
-    if k >= n:
-        return np.arange(n)
-    keys = prg.expand(seed, _SUBSET_DOMAIN, n, np.uint32)
-    top = (keys >> np.uint32(16)).astype(np.intp)
-    below = np.cumsum(np.bincount(top, minlength=1 << 16))
-    bucket = int(np.searchsorted(below, k, side="left"))  # first with ≥ k keys at or below
-    kept = top < bucket
-    rest = k - (int(below[bucket - 1]) if bucket else 0)
-    candidates = np.flatnonzero(top == bucket)
-    # a stable sort of the bucket's keys (in index order) breaks ties by index
-    kept[candidates[np.argsort(keys[candidates], kind="stable")[:rest]]] = True
-    chosen = np.flatnonzero(kept)
-    chosen.setflags(write=False)
-    return chosen
-
-
-def _kept_runs(
-    seed: bytes | None, n: int, k: int, block: int
-) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
-    """:func:`_subset` (seed, n, k) a block of ``n`` at a time: (start, the kept
-    coordinates in [start, start + block) less start), in order, without holding the
-    n keys or the k indices (64 and 80 MB at 16.8M coordinates).  Three passes over the
-    keystream: the histogram of the keys' top 16 bits, the boundary bucket's keys, the
-    kept coordinates; the same rule, so the same coordinates.  ``seed`` None: all."""
-    if seed is None or k >= n:
-        for start in range(0, n, block):
-            yield start, np.arange(min(block, n - start))
-        return
-    below = np.zeros(1 << 16, dtype=np.int64)
-    for keys in prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block):
-        below += np.bincount(keys >> np.uint32(16), minlength=1 << 16)
-    np.cumsum(below, out=below)
-    bucket = int(np.searchsorted(below, k, side="left"))  # first with ≥ k keys at or below
-    rest = k - (int(below[bucket - 1]) if bucket else 0)
-    found: list[npt.NDArray[np.intp]] = []
-    keyed: list[npt.NDArray[np.uint32]] = []
-    for i, keys in enumerate(prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block)):
-        at = np.flatnonzero((keys >> np.uint32(16)) == bucket)
-        found.append(at + i * block)
-        keyed.append(keys[at])
-    candidates = np.concatenate(found)
-    # a stable sort of the bucket's keys (in index order) breaks ties by index
-    chosen = np.sort(candidates[np.argsort(np.concatenate(keyed), kind="stable")[:rest]])
-    for i, keys in enumerate(prg.expand_blocks(seed, _SUBSET_DOMAIN, n, np.uint32, block)):
-        start = i * block
-        kept = (keys >> np.uint32(16)) < bucket
-        lo, hi = np.searchsorted(chosen, (start, start + keys.size))
-        kept[chosen[lo:hi] - start] = True
-        yield start, np.flatnonzero(kept)
-
-
-def _seed(spec: RoundSpec, domain: bytes) -> bytes:
-    return hashlib.sha256(domain + bytes.fromhex(spec.seed)).digest()
-
-
-def codec_for(spec: RoundSpec) -> UpdateCodec:
-    """The codec ``spec`` prescribes.
-
-    Raises:
-        ProtocolError: features that do not go together (:func:`fedsec.protocol.compat.
-            check_spec`: compression or error feedback with distributed DP, compression
-            under homomorphic summation, ...), or stages that contradict one another or
-            the spec (a keep fraction, range or headroom out of bounds, a ring that does
-            not match the headroom).
-        QuantizationError: a bit budget the ring cannot meet.
-    """
-    check_spec(spec)
-    quant, d = spec.quant_spec(), spec.dim
-    if is_distributed(spec):
-        ddp = ddp_spec(spec)
-        return UpdateCodec(
-            "distributed", quant, d, rotation_seed(spec), ddp.padded, None, 0.0, 1.0, ddp, False
-        )
-    if not spec.codec.compresses and not spec.codec.error_feedback:
-        return UpdateCodec("plain", quant, d, None, d, None, quant.clip, 1.0, None, False)
-    return _compressed(spec)
-
-
-def _compressed(spec: RoundSpec) -> UpdateCodec:
-    """The compressed kind's codec (or plain rounding with error feedback).
-
-    Raises:
-        ProtocolError: a keep fraction, range or headroom out of bounds, or a ring that
-            does not match the headroom.
-    """
-    c, quant, d = spec.codec, spec.quant_spec(), spec.dim
-    where = f"round {spec.round}'s codec"
-    if not (math.isfinite(c.keep) and MIN_KEEP <= c.keep <= 1.0):
-        raise ProtocolError(f"{where} keeps a fraction {c.keep} outside [{MIN_KEEP}, 1]")
-    rotated = c.rotation == "hadamard"
-    n = rotation.padded_length(d) if rotated else d
-    keep = n if c.keep >= 1.0 else max(1, min(n, round(c.keep * d)))
-    if c.range_stddevs:
-        if not rotated:
-            raise ProtocolError(
-                f"{where} sets a rounding range in standard deviations without rotation; "
-                "only rotated coordinates are close to Gaussian"
-            )
-        if not MIN_RANGE_STDDEVS <= c.range_stddevs <= MAX_RANGE_STDDEVS:
-            raise ProtocolError(
-                f"{where} sets a rounding range of {c.range_stddevs} standard deviations, "
-                f"outside [{MIN_RANGE_STDDEVS:g}, {MAX_RANGE_STDDEVS:g}]"
-            )
-        s = c.range_stddevs * quant.clip / math.sqrt(n)
-    else:
-        s = quant.clip
-    rescale = 1.0 if c.error_feedback or keep == n else n / keep
-    wraps = bool(c.headroom_bits) and _check_headroom(spec, where)
-    return UpdateCodec(
-        "compressed",
-        quant,
-        d,
-        _seed(spec, b"fedsec/v1/codec/rotation") if rotated else None,
-        keep,
-        _seed(spec, _SUBSET_DOMAIN) if keep < n else None,
-        s,
-        rescale,
-        None,
-        c.error_feedback,
-        len(spec.cohort),
-        _weight_digit_bits(spec, where) if wraps else 0,
-    )
-
-
-def ring_bits_for(bits: int, members: int, headroom_bits: int) -> int:
-    """The ring a round of ``members`` at ``bits`` bits uses: the ring in which no sum
-    wraps (:func:`default_ring_bits`), or b + ``headroom_bits`` where that is smaller.
-
-    Raises:
-        QuantizationError: fewer than one member.
-    """
-    full = default_ring_bits(bits, members)
-    return min(full, bits + headroom_bits) if headroom_bits else full
-
-
-def _check_headroom(spec: RoundSpec, where: str) -> bool:
-    """Whether a spec that sets headroom bits wraps: its ring is smaller than the
-    cohort's no-wrap ring (a small cohort's is not, and then nothing wraps).
-
-    Raises:
-        ProtocolError: headroom bits without rotation or out of bounds, or a ring other
-            than :func:`ring_bits_for` prescribes.
-    """
-    c, b = spec.codec, spec.quant_bits
-    if c.rotation != "hadamard":
-        raise ProtocolError(
-            f"{where} sets headroom bits without rotation; only rotated coordinates sum "
-            "to values centred enough for a ring that may wrap"
-        )
-    if not 1 <= c.headroom_bits <= MAX_HEADROOM_BITS:
-        raise ProtocolError(
-            f"{where} sets {c.headroom_bits} headroom bits, outside 1..{MAX_HEADROOM_BITS}"
-        )
-    ring = ring_bits_for(b, len(spec.cohort), c.headroom_bits)
-    if spec.ring_bits != ring:
-        raise ProtocolError(
-            f"{where} has a ring of {spec.ring_bits} bits; {b} bits and {c.headroom_bits} "
-            f"headroom bits for {len(spec.cohort)} members make {ring}"
-        )
-    return ring < default_ring_bits(b, len(spec.cohort))
-
-
-def weight_digit_bits(members: int, bits: int, ring_bits: int) -> int:
-    """q: the widest weight digit whose sum over ``members``, n·(2^q − 1), still fits a
-    ring of ``ring_bits`` bits, at most the weight's own ``bits``; 0 where not even a
-    1-bit digit fits (``members`` ≥ 2^ring_bits)."""
-    return min(bits, (((1 << ring_bits) - 1) // members + 1).bit_length() - 1)
-
-
-def _weight_digit_bits(spec: RoundSpec, where: str) -> int:
-    """:func:`weight_digit_bits` of a wrapping round, which needs at least one bit.
-
-    Raises:
-        ProtocolError: a ring too small for the cohort's weights.
-    """
-    n, m = len(spec.cohort), spec.ring_bits
-    q = weight_digit_bits(n, spec.quant_bits, m)
-    if q < 1:
-        raise ProtocolError(
-            f"{where}: a ring of {m} bits cannot hold the weights of {n} members; "
-            "set more headroom bits"
-        )
-    return q

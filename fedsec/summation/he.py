@@ -32,9 +32,9 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.protocol import he_release, wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.roster import ID_PATTERN
 from fedsec.protocol.stages import HE_STAGES, Stage
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation.mode import SessionInputs, StageWindow, SummationMode, upload_window
 from fedsec.summation.session import (
     Decryption,

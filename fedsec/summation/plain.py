@@ -15,8 +15,8 @@ from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import BadVector, DuplicateMessage, ProtocolError, RoundAborted
 from fedsec.learning import robust
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.stages import Stage
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation.mode import SessionInputs, StageWindow, SummationMode, upload_window
 from fedsec.summation.session import (
     ReferenceUpdate,
@@ -33,12 +33,12 @@ class PlainSession(SummationSession):
     when the spec names an aggregation rule (``spec.aggregation``), combined by that rule
     (:mod:`fedsec.learning.robust`) once they are all in.
 
-    Without a rule, only the running sum is kept (O(dim)), and each upload is read
-    from its packed bytes a run at a time (plain codec: no unpacked copy of it).  With one, each accepted update
-    is kept as its ring vector (dim + 1 values of the ring's width, its smallest form) until
-    finalize, so memory is bounded by the cohort cap: ``round.max_agents`` × (dim + 1) ×
-    ring bytes, and finalize briefly holds ``n × dim`` float64 values and the rule's
-    temporaries (:mod:`fedsec.learning.robust`).
+    Without a rule, only the running sum is kept (O(dim)), and each upload is read from its
+    packed bytes a run at a time (plain codec: no unpacked copy of it).  With one, each
+    accepted update is kept as its ring vector (dim + 1 values of the ring's width, its
+    smallest form) until finalize, so memory is bounded by the cohort cap:
+    ``round.max_agents`` × (dim + 1) × ring bytes, and finalize briefly holds ``n × dim``
+    float64 values and the rule's temporaries (:mod:`fedsec.learning.robust`).
 
     Args:
         spec: the attempt's signed spec.

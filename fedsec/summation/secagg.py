@@ -22,10 +22,10 @@ from fedsec.crypto.secagg import (
 from fedsec.crypto.secagg.graph import default_threshold, max_degree
 from fedsec.errors import RoundAborted
 from fedsec.protocol import codec, wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.stages import SECAGG_STAGES, Stage
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation.mode import (
     SessionInputs,
     StageWindow,

@@ -33,7 +33,7 @@ from fedsec.aggregator.transport import start_server
 from fedsec.cli import main as fedsec_cli
 from fedsec.federation import agent_config, create_federation, enrol_agents, federation_toml
 from fedsec.protocol import wire
-from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol.codec_choice import codec_for
 
 pytestmark = pytest.mark.timeout(300)
 

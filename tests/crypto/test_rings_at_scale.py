@@ -20,7 +20,7 @@ from fedsec.crypto.quantize import (
     dequantize_sum,
     ring_from_integers,
 )
-from fedsec.protocol.update_codec import weight_digit_bits
+from fedsec.protocol.ring_width import weight_digit_bits
 
 # around the powers of two where the headroom grows by a bit, up to 10,000
 MEMBERS = (1_000, 1_024, 1_025, 4_096, 4_097, 10_000)

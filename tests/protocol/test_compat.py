@@ -11,7 +11,7 @@ import pytest
 from fedsec.config import parse_federation_config
 from fedsec.errors import ConfigError, ProtocolError
 from fedsec.protocol import compat
-from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.wire import AggregationSpec, CodecSpec, DPSpec
 from tests.protocol.test_update_codec import _spec
 

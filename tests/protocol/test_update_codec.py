@@ -17,8 +17,8 @@ from fedsec.crypto import prg
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.errors import BadVector, ProtocolError, QuantizationError
-from fedsec.protocol import update_codec
-from fedsec.protocol.update_codec import codec_for
+from fedsec.protocol import codec_subset, ring_width, update_codec
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.wire import CodecSpec, DPSpec, RoundSpec
 from fedsec.tasks import get_task
 from tests.support.agent import signed_spec
@@ -139,22 +139,22 @@ def test_the_subset_is_the_k_smallest_keys_ties_broken_by_index(
     n: int, fraction: float, seed: bytes
 ) -> None:
     k = max(1, min(n, round(fraction * n)))
-    keys = prg.expand(seed, update_codec._SUBSET_DOMAIN, n, np.uint32)
+    keys = prg.expand(seed, codec_subset.SUBSET_DOMAIN, n, np.uint32)
     expected = np.sort(np.lexsort((np.arange(n), keys))[:k])
-    assert np.array_equal(update_codec._subset(seed, n, k), expected)
+    assert np.array_equal(codec_subset.subset(seed, n, k), expected)
 
 
 def test_the_subset_breaks_a_tie_at_the_boundary_by_the_lower_index(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keys = np.array([7, 3, 3, 9, 3, 1], dtype=np.uint32)
-    monkeypatch.setattr(update_codec.prg, "expand", lambda *_: keys)
-    update_codec._subset.cache_clear()
+    monkeypatch.setattr(codec_subset.prg, "expand", lambda *_: keys)
+    codec_subset.subset.cache_clear()
     try:
-        assert update_codec._subset(b"t" * 32, 6, 3).tolist() == [1, 2, 5]
-        assert update_codec._subset(b"t" * 32, 6, 5).tolist() == [0, 1, 2, 4, 5]
+        assert codec_subset.subset(b"t" * 32, 6, 3).tolist() == [1, 2, 5]
+        assert codec_subset.subset(b"t" * 32, 6, 5).tolist() == [0, 1, 2, 4, 5]
     finally:
-        update_codec._subset.cache_clear()
+        codec_subset.subset.cache_clear()
 
 
 def test_wrong_length_and_out_of_range_vectors_are_refused() -> None:
@@ -235,7 +235,7 @@ def test_a_distributed_codec_sums_noise_shares_and_weights() -> None:
 
 def _wrapping(d: int, members: int, bits: int, headroom: int, **changes: Any) -> RoundSpec:
     codec = CodecSpec(rotation="hadamard", keep=0.5, range_stddevs=3.0, headroom_bits=headroom)
-    ring = update_codec.ring_bits_for(bits, members, headroom)
+    ring = ring_width.ring_bits_for(bits, members, headroom)
     return _spec(d, members=members, bits=bits, ring_bits=ring, codec=codec, **changes)
 
 
@@ -476,10 +476,10 @@ def test_the_subset_in_runs_is_the_subset(n: int, fraction: float, block: int, s
     if block < 1000:
         n = min(n, 5000)  # a block of one element is the slow path, not the one used
     k = max(1, min(n, round(fraction * n)))
-    runs = list(update_codec._kept_runs(seed, n, k, block))
+    runs = list(codec_subset.kept_runs(seed, n, k, block))
     assert [start for start, _ in runs] == list(range(0, n, block))
     joined = np.concatenate([start + kept for start, kept in runs])
-    assert np.array_equal(joined, update_codec._subset(seed, n, k))
+    assert np.array_equal(joined, codec_subset.subset(seed, n, k))
 
 
 @pytest.mark.parametrize("ring_bits", [3, 9, 16, 17, 33, 56])

@@ -9,7 +9,8 @@ import pytest
 from fedsec.crypto.quantize import pack
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import BadVector
-from fedsec.protocol.update_codec import DECODE_BLOCK, codec_for
+from fedsec.protocol.codec_choice import codec_for
+from fedsec.protocol.update_codec import DECODE_BLOCK
 from fedsec.summation.plain import PlainSession
 from tests.protocol.test_update_codec import _spec
 

@@ -16,7 +16,7 @@ from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.config import AggregationSection, CodecSection, DPSection
 from fedsec.errors import PayloadError, StaleUpdate, TaskDigestMismatch, TaskMismatch
 from fedsec.protocol import wire
-from fedsec.protocol.update_codec import ring_bits_for
+from fedsec.protocol.ring_width import ring_bits_for
 from fedsec.summation import mode_named
 from fedsec.task.digest import check_pin
 

@@ -41,9 +41,9 @@ from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, RoundAborted
 from fedsec.protocol import wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import realised_noise_multiplier
 from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation import (
     SessionInputs,
     SummationResult,

@@ -23,8 +23,8 @@ from fedsec.audit.verifier.retention import ArchiveRecords
 from fedsec.crypto.quantize import ring_from_integers
 from fedsec.errors import FedsecError
 from fedsec.protocol import he_release, wire
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.log_entries import AcceptedEntry, AggregateEntry
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation.he import CiphertextReplay
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from fedsec.audit.verifier.attempts import Attempt, Consulted, ModeAudit, Rederi
 from fedsec.audit.verifier.homomorphic import HeAudit
 from fedsec.crypto.quantize import unpack
 from fedsec.errors import BadVector, IntegrityError
+from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.log_entries import AggregateEntry
-from fedsec.protocol.update_codec import codec_for
 from fedsec.summation import SessionInputs, StoredAttempt, StoredMessage, SummationResult, replay
 
 #: Trusted-mode rules whose inputs the log does not hold entirely, and why.
