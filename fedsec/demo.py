@@ -412,6 +412,12 @@ def _parse_dp(value: str) -> float | None:
     "it reads --task, --agents, --rounds, --partition, --local-epochs, --seed and --degree",
 )
 @click.option("--degree", default=4, show_default=True, help="gossip: neighbours per peer")
+@click.option(
+    "--baseline/--no-baseline",
+    default=True,
+    show_default=True,
+    help="also train the task centrally on the pooled records, for comparison",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(
     task: str,
@@ -442,6 +448,7 @@ def simulate(
     hide_model: bool,
     topology: str,
     degree: int,
+    baseline: bool,
     as_json: bool,
 ) -> None:
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
@@ -480,6 +487,7 @@ def simulate(
                     kill_fraction=kill_fraction,
                     kill_round=kill_round,
                     hide_model=hide_model,
+                    baseline=baseline,
                 )
             )
         )
