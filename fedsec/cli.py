@@ -22,7 +22,7 @@ class _LazyGroup(click.Group):
 
     A process then holds only its own command's code: ``fedsec aggregator serve``
     imported every role's stack with the group (the agent's, HE's tenseal, the
-    benchmarks', PostgreSQL's driver), 32 MB of its resident memory at start. A module
+    benchmarks', PostgreSQL's driver), 37 MB of its resident memory at start. A module
     of fedsec's own that is not built is left out, as if the command did not exist.
     """
 
