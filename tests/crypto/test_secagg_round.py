@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedsec.crypto.quantize import clip_l2, dequantize_one, dequantize_sum
-from fedsec.crypto.secagg import ServerStage, prune
+from fedsec.crypto.secagg import ServerStage, masks, prune
 from fedsec.crypto.secagg.graph import NeighbourGraph
 from fedsec.crypto.secagg.messages import SecAggParams
 from fedsec.errors import RecoveryImpossible, RoundAborted
@@ -174,6 +174,15 @@ def test_secagg_plus_sparse_graph_with_a_dropout() -> None:
     r = Round(params)
     result = r.run(lost_masked={"m05"})
     assert result.dropped == ("m05",)
+    assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
+
+
+def test_the_server_keeps_no_mask_buffer_after_unmasking() -> None:
+    """The mask buffer would otherwise stay allocated while the round's sum is applied."""
+    params = make_params(12, 4, 3, dim=10)
+    r = Round(params)
+    result = r.run(lost_masked={"m05"})  # a pairwise mask recovered as well
+    assert getattr(masks._scratch, "buf", None) is None
     assert [int(v) for v in result.ring_sum] == r.plain_sum(result.survivors)
 
 

@@ -63,6 +63,13 @@ def _buffer(params: SecAggParams) -> RingVector:
     return buf
 
 
+def release_buffer() -> None:
+    """Drop this thread's mask buffer: the server's unmasking is the last mask of its
+    round, and the buffer (2 bytes a coordinate at 9 to 16 ring bits: 19 MiB at 11M)
+    would otherwise stay allocated through the model's application, the round's peak."""
+    _scratch.__dict__.pop("buf", None)
+
+
 def apply_self_mask(acc: RingVector, seed: bytes, params: SecAggParams, add: bool) -> None:
     """acc ± :func:`self_mask` (seed) in place, drawn into a reused buffer.
 

@@ -467,6 +467,7 @@ class ServerSession:
                 seed = masks.pair_seed(secret, self.advertised[peer].mask_public, p)
                 # the survivor added the mask if its id sorts first; undo what it did
                 masks.apply_pair_mask(total, seed, p, not masks.adds_pair_mask(peer, member))
+        masks.release_buffer()
         total &= p.quant.dtype.type(p.quant.ring_mask)
         self.stage = ServerStage.DONE
         return RoundResult(
