@@ -19,7 +19,9 @@ What is measured, and where:
   aggregator process (a pipe, standing in for loopback HTTP: the bytes are copied
   once, as a socket would). ``bytes_per_param`` is the masked vector over d; HTTP heads
   and the small control messages come on top (``bytes_up_per_member``).
-- **aggregator** (a separate, freshly spawned process, so its peak is its own): the
+- **aggregator** (a separate, freshly spawned process, so its peak is its own): it
+  starts as ``fedsec aggregator serve`` does (the aggregator's code, and the task
+  lookup's Opacus check, which imports Opacus), then the
   real :class:`~fedsec.summation.secagg.SecAggPlusSession` receives every message, each
   masked input is stored in a real SQLite state store as the aggregator's intake does,
   the stages close, the session finalizes (unmasking and the codec's decode), and the
@@ -41,6 +43,7 @@ A size that would not fit the machine (``--max-gib``) is skipped with the reason
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing
@@ -178,12 +181,16 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
     from fedsec.modelfile import decode_model, encode_model
     from fedsec.protocol.limits import MAX_MODEL_BYTES
     from fedsec.summation.secagg import SecAggPlusSession
+    from fedsec.task.dp import check_dp_compatible
     from fedsec.tasks.params import state_to_arrays
 
     spec = msgspec.msgpack.decode(spec_raw, type=wire.RoundSpec)
     model = _model(label)
-    # what the process holds before the round: the interpreter, torch and the code (an
-    # aggregator's own start-up), and the served model
+    # what the process holds before the round is a serving aggregator's start-up: its
+    # code (the CLI imports only the command's group), the task lookup's Opacus check
+    # (fedsec.tasks.registry.runnable; it imports Opacus), and the served model
+    importlib.import_module("fedsec.aggregator.cli")
+    check_dp_compatible(label, model)
     baseline = _peak_rss_mb()
     with tempfile.TemporaryDirectory(prefix="fedsec-model-size-") as tmp:
         store = SqliteStateStore(Path(tmp) / "state.db")
