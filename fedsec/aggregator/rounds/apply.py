@@ -79,6 +79,7 @@ class ModelApplier:
         arrays = decode_model(models.read(parent.version), max_bytes=MAX_MODEL_BYTES)
         opt = self.optimizer
         opt.state = apply_mean(self._model, arrays, weighted_sum, weight_sum, opt.rule, opt.state)
+        del arrays  # the parent's copy (4 bytes a parameter) is not held while encoding
         metrics: dict[str, float] = {}
         if self._validation is not None:
             metrics = evaluate_sums(self._model, *self._validation, task=self._ctx.task).values()
