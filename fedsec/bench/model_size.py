@@ -196,9 +196,11 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
         store = SqliteStateStore(Path(tmp) / "state.db")
         parent_file = Path(tmp) / "v1.safetensors"
         parent_file.write_bytes(encode_model(state_to_arrays(model)))
+        # the parent, as the previous round's close wrote it: the same encode as the
+        # new version's below, so its peak is reported apart from the inputs'
+        phases: dict[str, float] = {"parent": _peak_rss_mb()}
         session = SecAggPlusSession(spec, roster)
         server = session.server
-        phases: dict[str, float] = {}
         started = time.perf_counter()
         while True:
             stage, message = conn.recv()
