@@ -14,11 +14,13 @@ every neighbour's round is in, or the round's timeout has passed, it combines
   whose update has cosine below ``min_cosine`` to the reference is refused, each reason
   in the journal: FLTrust's trust test
   (:func:`fedsec.learning.robust.fltrust`).  The reference is the coordinate-wise median
-  of Δ_i and the updates of the neighbours the norm test kept
-  (:func:`fedsec.learning.robust.median`), the
-  direction the peer and its honest neighbours agree on while they are the majority, or
-  Δ_i alone (``reference = "own"``), which refuses honest neighbours whenever the peer's
-  own noisy update happens to point elsewhere;
+  of Δ_i and the updates of the *other* neighbours the length test kept
+  (:func:`fedsec.learning.robust.median`), the direction the peer and its honest
+  neighbours agree on while they are the majority, or Δ_i alone (``reference = "own"``).
+  The judged update is left out of its own reference: honest updates share only a small
+  common part, and a median it votes in follows it on every coordinate where it lies
+  between the others (measured: 92 % of −1.5Δ flips passed a median with them in, 20 %
+  pass one without);
 - each accepted neighbour contributes its round's end relative to x_i, its start's pull
   x_j − x_i clipped to :data:`~fedsec.peer.limits.CONSENSUS_CLIP_OVER_MEDIAN` times the
   median pull of the round's neighbours (so a start far from the neighbourhood, honest
@@ -95,8 +97,8 @@ class GossipSettings:
     min_cosine: float = DEFAULT_MIN_COSINE
     staleness: int = DEFAULT_STALENESS
     #: what a neighbour's update is judged against: "median", the coordinate-wise median
-    #: of the peer's own update and the round's neighbours' (the neighbourhood's direction,
-    #: which an honest majority decides); "own", the peer's own update alone
+    #: of the peer's own update and the round's other neighbours' (the neighbourhood's
+    #: direction, which an honest majority decides); "own", the peer's own update alone
     reference: Literal["median", "own"] = "median"
     #: model exchanges per round, the first with the round's training
     exchanges: int = DEFAULT_EXCHANGES
@@ -390,17 +392,20 @@ class GossipPeer:
         if not names:
             return refused
         rows = np.stack([fresh[n].message.update_vector() for n in names])
-        weights = np.ones(len(names))
-        reference = own
-        if self.settings.reference == "median":
-            everyone = np.vstack([own[None, :], rows])
-            reference = robust.median(everyone, np.ones(len(everyone))).update
-        try:
-            judged = robust.fltrust(rows, weights, reference, self.settings.min_cosine)
-        except AggregationImpossible as exc:  # every one refused, or no own direction
-            return refused | dict.fromkeys(names, str(exc))
-        outcomes = zip(names, judged.outcomes, strict=True)
-        return refused | {n: o.reason for n, o in outcomes if not o.accepted}
+        for k, name in enumerate(names):
+            reference = own
+            if self.settings.reference == "median":  # of all but the one judged
+                others = np.vstack([own[None, :], np.delete(rows, k, axis=0)])
+                reference = robust.median(others, np.ones(len(others))).update
+            try:  # FLTrust's trust test of one update: it raises when that one is refused
+                robust.fltrust(rows[k : k + 1], np.ones(1), reference, self.settings.min_cosine)
+            except AggregationImpossible:
+                refused[name] = (
+                    f"its update's cosine {_cosine(rows[k], reference):.3f} to the "
+                    f"{self.settings.reference} direction is not above "
+                    f"{self.settings.min_cosine:g}"
+                )
+        return refused
 
     def _too_long(self, own: Vector, fresh: dict[str, _Held]) -> dict[str, str]:
         ratio = self.settings.max_norm_ratio
@@ -451,6 +456,11 @@ def _clip_radius(pulls: list[Vector]) -> float:
 
 def _norm(v: Vector) -> float:
     return float(np.sqrt(np.einsum("i,i->", v, v)))
+
+
+def _cosine(a: Vector, b: Vector) -> float:
+    scale = _norm(a) * _norm(b)
+    return float(np.einsum("i,i->", a, b)) / scale if scale > 0 else 0.0
 
 
 def _clip(v: Vector, radius: float) -> Vector:

@@ -384,3 +384,27 @@ def test_a_catch_up_offer_that_is_not_a_neighbours_training_changes_nothing() ->
     hood.peer.combine()
     with pytest.raises(ProtocolError, match="no neighbour is past"):
         hood.peer.catch_up({a.key_id: _raw(a.key_id, 0, np.ones(DIM))})
+
+
+def test_a_flip_is_judged_against_the_others_direction_not_one_it_votes_on() -> None:
+    # noisy honest updates sharing a small common part (coordinate 0); the attacker sends
+    # -1.5 times its own, so on coordinates 1-7 its value sits between the honest ones
+    # and a median taken with it in would be its own vote (cosine +0.85 with it)
+    hood = make_neighbourhood(neighbours=4)
+    signs = np.array(
+        [
+            [1, 1, 1, -1, -1, -1, 1],
+            [1, -1, -1, 1, 1, -1, -1],
+            [-1, 1, -1, 1, -1, 1, 1],
+            [-1, -1, 1, -1, 1, 1, -1],
+        ]
+    )
+    honest = [np.concatenate([[0.3], row]) for row in signs]
+    flipped = -1.5 * np.concatenate([[0.3], np.full(DIM - 1, -1 / 3)])
+    hood.peer.own_model(honest[0])
+    *good, attacker = hood.neighbours
+    for n, update in zip(good, honest[1:], strict=True):
+        hood.peer.receive(n.key_id, _raw(n.key_id, 0, update), FED, 0)
+    hood.peer.receive(attacker.key_id, _raw(attacker.key_id, 0, flipped), FED, 0)
+    outcome = hood.peer.combine()
+    assert attacker.key_id in outcome.refused and "cosine" in outcome.refused[attacker.key_id]
