@@ -56,8 +56,8 @@ DEFAULT_EXCHANGES: Final = 8
 #: timeout, and after 32 the consensus error of 20 members of degree 4 is under 0.1 % of
 #: what it was, so more buys nothing measurable.
 MAX_EXCHANGES: Final = 32
-#: Seconds a peer waits for its neighbours' models of a round before it averages what it
-#: has: a slow or missing neighbour is skipped, not waited for.
+#: Seconds a peer waits for its neighbours' models of an exchange before it averages what
+#: it has: a slow or missing neighbour is skipped, not waited for.
 DEFAULT_ROUND_TIMEOUT_S: Final = 30.0
 #: Seconds one send to a neighbour may take: the neighbour's model is skipped after the
 #: round timeout anyway, so a send that has not finished by then is not worth keeping.
