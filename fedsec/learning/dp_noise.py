@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 from opacus import PrivacyEngine
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from opacus.validators.errors import UnsupportedModuleError
+from torch.utils.data import DataLoader
 
 from fedsec.crypto import prg
 from fedsec.errors import ConfigError
@@ -37,9 +40,17 @@ _NOISE_DRAWS = 4
 class CsprngPrivacyEngine(PrivacyEngine):  # type: ignore[misc]  # opacus is untyped
     """Opacus' ``PrivacyEngine`` whose optimiser is :class:`CsprngNoiseOptimizer`."""
 
+    #: Whether the engine prepares a ``DPDDP`` module's optimiser (torchrun workers) or
+    #: one process's; the optimiser class that adds the CSPRNG noise in that setting.
+    _distributed = False
+    _what = "flat clipping in one process"
+
     def __init__(self, noise_seed: bytes) -> None:
         super().__init__(accountant="rdp")
         self._noise_seed = noise_seed
+
+    def _optimizer_class(self) -> type[DPOptimizer]:
+        return CsprngNoiseOptimizer
 
     def _prepare_optimizer(
         self,
@@ -47,7 +58,7 @@ class CsprngPrivacyEngine(PrivacyEngine):  # type: ignore[misc]  # opacus is unt
         optimizer: torch.optim.Optimizer,
         noise_multiplier: float,
         max_grad_norm: float,
-        expected_batch_size: int,
+        expected_batch_size: float,
         loss_reduction: str = "mean",
         distributed: bool = False,
         clipping: str = "flat",
@@ -55,13 +66,24 @@ class CsprngPrivacyEngine(PrivacyEngine):  # type: ignore[misc]  # opacus is unt
         grad_sample_mode: str = "hooks",
         **kwargs: Any,
     ) -> DPOptimizer:
-        if distributed or clipping != "flat" or grad_sample_mode != "hooks" or noise_generator:
-            raise ConfigError(  # train_local asks for none of these
-                "CSPRNG noise covers flat clipping in one process, with no noise generator"
+        """Raises:
+        ConfigError: a setting the CSPRNG noise does not cover (fedsec's training asks
+            for none of them).
+        """
+        if (
+            distributed != self._distributed
+            or clipping != "flat"
+            or grad_sample_mode != "hooks"
+            or noise_generator
+        ):
+            raise ConfigError(
+                f"CSPRNG noise covers {self._what}, with no noise generator; asked for "
+                f"distributed={distributed}, clipping={clipping!r}, "
+                f"grad_sample_mode={grad_sample_mode!r}"
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        return CsprngNoiseOptimizer(
+        return self._optimizer_class()(
             optimizer,
             self._noise_seed,
             noise_multiplier=noise_multiplier,
@@ -108,36 +130,48 @@ class CsprngDistributedPrivacyEngine(CsprngPrivacyEngine):
     """:class:`CsprngPrivacyEngine` for a module wrapped in Opacus' ``DPDDP``: its
     optimiser is :class:`CsprngDistributedNoiseOptimizer`."""
 
-    def _prepare_optimizer(
-        self,
-        *,
-        optimizer: torch.optim.Optimizer,
-        noise_multiplier: float,
-        max_grad_norm: float,
-        expected_batch_size: float,
-        loss_reduction: str = "mean",
-        distributed: bool = False,
-        clipping: str = "flat",
-        noise_generator: torch.Generator | None = None,
-        grad_sample_mode: str = "hooks",
-        **kwargs: Any,
-    ) -> DPOptimizer:
-        if not distributed or clipping != "flat" or grad_sample_mode != "hooks" or noise_generator:
-            raise ConfigError(  # fedsec.learning.workers asks for none of these
-                "distributed CSPRNG noise covers flat clipping of a DPDDP module, with no "
-                "noise generator"
-            )
-        if isinstance(optimizer, DPOptimizer):
-            optimizer = optimizer.original_optimizer
-        return CsprngDistributedNoiseOptimizer(
-            optimizer,
-            self._noise_seed,
+    _distributed = True
+    _what = "flat clipping of a DPDDP module"
+
+    def _optimizer_class(self) -> type[DPOptimizer]:
+        return CsprngDistributedNoiseOptimizer
+
+
+def make_private(
+    engine_class: type[CsprngPrivacyEngine],
+    noise_seed: bytes,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader[Any],
+    noise_multiplier: float,
+    max_grad_norm: float,
+    *,
+    poisson_sampling: bool,
+) -> tuple[PrivacyEngine, torch.nn.Module, DPOptimizer, DataLoader[Any]]:
+    """Opacus' private model, optimiser and loader for ``module``, with the noise of an
+    ``engine_class`` seeded by ``noise_seed``: the engine, then what ``make_private``
+    returns.
+
+    Raises:
+        ConfigError: a model Opacus cannot train.
+    """
+    with warnings.catch_warnings():
+        # Opacus warns that secure_mode is off; the noise is drawn from a CSPRNG here
+        # instead (see the module docstring) and the warning would repeat every round.
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        engine = engine_class(noise_seed)
+    try:
+        trained, private_optimizer, private_loader = engine.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=loader,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction,
-            **kwargs,
+            poisson_sampling=poisson_sampling,
         )
+    except UnsupportedModuleError as exc:
+        raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc
+    return engine, trained, private_optimizer, private_loader
 
 
 def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:

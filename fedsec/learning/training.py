@@ -46,13 +46,12 @@ import numpy as np
 import torch
 from opacus import PrivacyEngine
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
-from opacus.validators.errors import UnsupportedModuleError
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
 from fedsec.errors import ConfigError, InvalidTask
-from fedsec.learning.dp_noise import CsprngPrivacyEngine
+from fedsec.learning.dp_noise import CsprngPrivacyEngine, make_private
 from fedsec.task.definition import as_targets
 from fedsec.tasks.base import Dataset, Task, TrainingParams
 from fedsec.tasks.evaluation import evaluate
@@ -435,24 +434,21 @@ def _make_private(
     dp: DPParams,
     noise_seed: bytes,
 ) -> tuple[PrivacyEngine, torch.nn.Module, torch.optim.Optimizer, DataLoader[Any]]:
-    """Opacus' private model, optimiser and Poisson-sampling loader for ``work``."""
-    with warnings.catch_warnings():
-        # Opacus warns that secure_mode is off; the noise is drawn from a CSPRNG here
-        # instead (see the module docstring) and the warning would repeat every round.
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        engine = CsprngPrivacyEngine(noise_seed)
-    try:
-        trained, private_optimizer, private_loader = engine.make_private(
-            module=work,
-            optimizer=optimizer,
-            data_loader=loader,
-            noise_multiplier=dp.noise_multiplier,
-            max_grad_norm=dp.max_grad_norm,
-            poisson_sampling=True,
-        )
-    except UnsupportedModuleError as exc:
-        raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc
-    return engine, trained, private_optimizer, private_loader
+    """Opacus' private model, optimiser and Poisson-sampling loader for ``work``.
+
+    Raises:
+        ConfigError: a model Opacus cannot train.
+    """
+    return make_private(
+        CsprngPrivacyEngine,
+        noise_seed,
+        work,
+        optimizer,
+        loader,
+        dp.noise_multiplier,
+        dp.max_grad_norm,
+        poisson_sampling=True,
+    )
 
 
 def _run_epochs(

@@ -25,7 +25,6 @@ The mechanism is the one process's, step for step, so the accountant's ε is too
 from __future__ import annotations
 
 import bisect
-import warnings
 from typing import Any, Final
 
 import torch
@@ -33,11 +32,10 @@ from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
-from opacus.validators.errors import UnsupportedModuleError
 from torch.utils.data import DataLoader, Sampler
 
 from fedsec.errors import ConfigError
-from fedsec.learning.dp_noise import CsprngDistributedPrivacyEngine
+from fedsec.learning.dp_noise import CsprngDistributedPrivacyEngine, make_private
 from fedsec.learning.training import DPParams
 
 __all__ = [
@@ -107,23 +105,18 @@ def private_over_ranks(
     Raises:
         ConfigError: a model Opacus cannot train.
     """
-    with warnings.catch_warnings():
-        # as in one process: the noise comes from a CSPRNG, not secure_mode
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        engine = CsprngDistributedPrivacyEngine(noise_seed)
-    try:
-        trained, private, _ = engine.make_private(
-            module=DPDDP(work),
-            optimizer=optimizer,
-            data_loader=loader,
-            noise_multiplier=dp.noise_multiplier,
-            max_grad_norm=dp.max_grad_norm,
-            # the loader samples by Poisson already, across the shards; Opacus' own
-            # distributed sampler draws each rank's shard from a generator of its own
-            poisson_sampling=False,
-        )
-    except UnsupportedModuleError as exc:
-        raise ConfigError(f"model cannot be trained with DP-SGD: {exc}") from exc
+    engine, trained, private, _ = make_private(
+        CsprngDistributedPrivacyEngine,
+        noise_seed,
+        DPDDP(work),
+        optimizer,
+        loader,
+        dp.noise_multiplier,
+        dp.max_grad_norm,
+        # the loader samples by Poisson already, across the shards; Opacus' own
+        # distributed sampler draws each rank's shard from a generator of its own
+        poisson_sampling=False,
+    )
     return engine, trained, private
 
 
