@@ -46,12 +46,8 @@ from fedsec.config import ServerSection
 from fedsec.crypto.quantize import QuantSpec, default_ring_bits
 from fedsec.learning.optimizers import AdamMoments, server_rule, server_step
 from fedsec.learning.training import train_local
-from fedsec.protocol.update_codec import (
-    WRAP_EDGE_FRACTION,
-    UpdateCodec,
-    codec_for,
-    default_range_stddevs,
-)
+from fedsec.protocol.codec_choice import codec_for, default_range_stddevs
+from fedsec.protocol.update_codec import WRAP_EDGE_FRACTION, UpdateCodec
 from fedsec.protocol.wire import CodecSpec
 from fedsec.simulation import FEDADAM_LR, SIM_DEFAULTS
 from fedsec.tasks import TrainingParams, get_task, parse_partition

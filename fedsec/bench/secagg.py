@@ -42,7 +42,7 @@ larger cohort would use (up to 32 bits and beyond), whose server and member work
 member is what the ring's width decides, without simulating that many members.
 
 Codec options (``rotation``, ``keep``, ``range_stddevs``): members encode with the
-round's :func:`~fedsec.protocol.update_codec.codec_for` codec (shared Hadamard rotation,
+round's :func:`~fedsec.protocol.codec_choice.codec_for` codec (shared Hadamard rotation,
 shared random subset, rounding over a shared range), as an agent does; the aggregator's
 decode of the unmasked sum is timed too (``codec_decode_s``), and ``codec_subset_s`` is
 deriving the round's subset once (each member and the aggregator pay it once a round).

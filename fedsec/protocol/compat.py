@@ -3,7 +3,7 @@ codec's compression and error feedback, a robust aggregation rule and the round 
 
 One table, :data:`RULES`, read twice: by the federation's configuration
 (:mod:`fedsec.config`, at load time, naming the key to change) and by the signed round
-spec (:func:`check_spec`, which :func:`fedsec.protocol.update_codec.codec_for` runs, so
+spec (:func:`check_spec`, which :func:`fedsec.protocol.codec_choice.codec_for` runs, so
 every member, the aggregator and the auditor refuse the same specs).  A federation that
 loads therefore never opens a round its own spec refuses.
 
