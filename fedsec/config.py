@@ -575,7 +575,8 @@ class AgentTrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     workers: int = 1
     """Processes the round's local training runs as, one torchrun job of DDP workers (gloo on
     CPUs, NCCL with one per GPU); 1 = in the agent as before, 0 = one per GPU (in-process
-    without CUDA). Not with DP-SGD yet (refused at the round); docs/agent.md."""
+    without CUDA). With DP-SGD, the single process's mechanism and ε (Poisson sampling
+    across shards, noise once on rank 0); docs/agent.md."""
     max_restarts: int = worker_settings.DEFAULT_MAX_RESTARTS
     """torchrun restarts of a round's job after a worker dies; 2: a worker lost twice in one
     round points at a broken node, and the next round starts fresh."""
