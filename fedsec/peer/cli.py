@@ -72,15 +72,23 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
             g.robust, g.min_cosine, g.staleness, g.reference, g.exchanges, g.max_norm_ratio
         ),
     )
-    app = peer_app(state, roster)
+    app = peer_app(state, roster, identity)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
         neighbours = {n: urls[n] for n in state.neighbours}
-        timing = Timing(g.round_timeout_s, g.send_timeout_s)
+        timing = Timing(g.round_timeout_s, g.send_timeout_s, g.send_timeout_s)
         outcomes = await run_rounds(
-            state, identity, neighbours, trainer, config.rounds, app[ARRIVED], timing
+            state,
+            identity,
+            neighbours,
+            trainer,
+            config.rounds,
+            app[ARRIVED],
+            timing,
+            roster,
+            catch_up_at_start=True,
         )
         journal.head()
         return outcomes

@@ -42,12 +42,16 @@ neighbours refused, 62 % accuracy against 93 % for FedAvg, ``fedsec bench gossip
 
 Refusals of the messages themselves (wrong federation, replayed or stale round, a sender
 that is not a neighbour, a malformed vector) are raised, never journalled: a sender can
-send any number of them, and the journal keeps what the peer used.
+send any number of them, and the journal keeps what the peer used.  The one trace a
+refused message leaves is a note that a neighbour's round was too far ahead
+(:meth:`GossipPeer.noticed_behind`): the peer may have missed rounds, and the runner asks
+its neighbours for offers to catch up from; only their signed offers' median can move it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -58,6 +62,7 @@ from fedsec.errors import (
     AggregationImpossible,
     AuthError,
     ConfigError,
+    NotFound,
     PayloadError,
     ProtocolError,
     ReplayError,
@@ -66,7 +71,7 @@ from fedsec.errors import (
 )
 from fedsec.learning import robust
 from fedsec.peer import messages
-from fedsec.peer.catchup import CatchUp, judge_offers
+from fedsec.peer.catchup import CatchUp, VersionStep, judge_offers, version_step
 from fedsec.peer.journal import (
     PeerCaughtUp,
     PeerCombined,
@@ -84,6 +89,7 @@ from fedsec.peer.limits import (
     MAX_AHEAD,
     MAX_EXCHANGES,
     MAX_MODEL_VALUES,
+    MAX_OFFER_HISTORY,
 )
 from fedsec.peer.messages import PeerModel, Vector
 from fedsec.protocol.limits import MAX_ID
@@ -173,6 +179,9 @@ class GossipPeer:
         self._trained: dict[str, _Held] = {}  # each neighbour's newest exchange 0
         self._own_update: Vector | None = None
         self._accepted: tuple[str, ...] = ()  # the round's exchange 0 accepted these
+        self._newest_trained: PeerModel | None = None  # what a catch-up offer carries
+        self._history: deque[VersionStep] = deque(maxlen=MAX_OFFER_HISTORY)
+        self._ahead_seen: int | None = None  # newest round heard too far ahead to use
 
     @property
     def values(self) -> int:
@@ -195,7 +204,26 @@ class GossipPeer:
             self.federation_id, self.round, self.me, self.samples, self.model, trained - self.model
         )
         self._own_update = message.update_vector()
+        self._newest_trained = message
+        self._history.append(version_step(message))
         return message
+
+    def offer(self) -> tuple[PeerModel, list[VersionStep]]:
+        """The peer's newest trained message, as it sent it, and its version history
+        (oldest first, ending at that message): what it offers a returning neighbour.
+
+        Raises:
+            NotFound: the peer has not trained a round yet.
+        """
+        if self._newest_trained is None:
+            raise NotFound("this peer has not trained a round yet: nothing to offer")
+        return self._newest_trained, list(self._history)
+
+    def noticed_behind(self) -> bool:
+        """Whether a neighbour sent a round too far ahead to use since the last call (the
+        peer may have missed rounds); the note is cleared."""
+        ahead, self._ahead_seen = self._ahead_seen, None
+        return ahead is not None and ahead > self.round + MAX_AHEAD
 
     def mixing_model(self) -> PeerModel:
         """The message carrying the peer's mixed model in a later exchange of the round.
@@ -226,7 +254,7 @@ class GossipPeer:
             offers,
         )
         self.round, self.exchange, self.model = caught.round, 0, caught.model
-        self._own_update, self._accepted = None, ()
+        self._own_update, self._accepted, self._ahead_seen = None, (), None
         sources = sorted(caught.sources)
         self.journal.append(
             PeerCaughtUp(
@@ -308,6 +336,7 @@ class GossipPeer:
                 f"this peer's round {self.round}"
             )
         if round_ > self.round + MAX_AHEAD:
+            self._ahead_seen = max(round_, self._ahead_seen or 0)
             raise StaleUpdate(
                 f"round {round_} is more than {MAX_AHEAD} ahead of this peer's round {self.round}"
             )

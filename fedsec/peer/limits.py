@@ -67,3 +67,25 @@ DEFAULT_SEND_TIMEOUT_S: Final = 10.0
 def max_message_bytes(values: int) -> int:
     """The largest model message a peer with ``values`` parameters reads."""
     return 2 * 4 * values + MESSAGE_OVERHEAD_BYTES
+
+
+#: Rounds of version history an offer carries: (round, SHA-256 of the model the offering
+#: peer started that round from), newest last.  A returning peer checks that the newest
+#: step is the offered model's and an auditor can match the steps with the offering
+#: peer's journal; 16 rounds cover any absence the staleness bound could bridge many
+#: times over, at 16 short pairs (about 1.2 KiB) per offer.
+MAX_OFFER_HISTORY: Final = 16
+#: Bytes an offer holds besides its model message: federation id, two key ids, a nonce,
+#: a signature and the history (under 80 bytes a step in msgpack); 4 KiB leaves room.
+OFFER_OVERHEAD_BYTES: Final = 4096
+#: Bytes of a catch-up request (federation id, requester key id, nonce in msgpack: under
+#: 300); anything longer is refused before it is read.
+MAX_OFFER_REQUEST_BYTES: Final = 1024
+#: Seconds a returning peer waits for a neighbour's offer: an offer is one model's bytes,
+#: as a send is, so the send timeout's reasoning holds.
+DEFAULT_OFFER_TIMEOUT_S: Final = DEFAULT_SEND_TIMEOUT_S
+
+
+def max_offer_bytes(values: int) -> int:
+    """The largest catch-up offer a peer with ``values`` parameters reads."""
+    return max_message_bytes(values) + MAX_OFFER_HISTORY * 80 + OFFER_OVERHEAD_BYTES

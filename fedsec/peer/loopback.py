@@ -65,7 +65,8 @@ async def run_loopback(
         )
         for m in members
     }
-    async with _served(peers, roster) as (urls, apps):
+    identities = {m.identity.key_id: m.identity for m in members}
+    async with _served(peers, roster, identities) as (urls, apps):
         runs = [
             run_rounds(
                 peers[k],
@@ -75,6 +76,7 @@ async def run_loopback(
                 rounds,
                 apps[k][ARRIVED],
                 timing,
+                roster,
             )
             for m in members
             for k in [m.identity.key_id]
@@ -85,12 +87,14 @@ async def run_loopback(
 
 @contextlib.asynccontextmanager
 async def _served(
-    peers: dict[str, GossipPeer], roster: dict[str, bytes]
+    peers: dict[str, GossipPeer],
+    roster: dict[str, bytes],
+    identities: dict[str, SigningIdentity],
 ) -> AsyncIterator[tuple[dict[str, str], dict[str, web.Application]]]:
     runners, urls, apps = [], {}, {}
     try:
         for key, peer in peers.items():
-            apps[key] = peer_app(peer, roster)
+            apps[key] = peer_app(peer, roster, identities[key])
             runner = web.AppRunner(apps[key], access_log=None)
             await runner.setup()
             runners.append(runner)

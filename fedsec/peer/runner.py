@@ -6,12 +6,20 @@ The I/O around :class:`fedsec.peer.gossip.GossipPeer`: training runs in a worker
 go to every neighbour at once, and the wait for the neighbours' models ends when all of
 them are in or at the round timeout, whichever is first: a slow or missing neighbour is
 skipped, never waited for past it.
+
+A peer that notices it missed rounds (a neighbour's round too far ahead to use,
+:meth:`fedsec.peer.gossip.GossipPeer.noticed_behind`; or, with ``catch_up_at_start``, a
+restarted peer) asks every neighbour for a signed offer (:func:`catch_up`) and rejoins
+from those that pass :func:`fedsec.peer.catchup.open_offer`; each refused offer is logged
+with its code and reason and left out, and the peer is unchanged unless a neighbour is
+more than :data:`~fedsec.peer.limits.MAX_AHEAD` rounds ahead of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -20,10 +28,18 @@ import aiohttp
 import numpy as np
 
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import FedsecError
 from fedsec.learning.training import DPParams, train_local
+from fedsec.peer import messages
+from fedsec.peer.catchup import NONCE_HEX, Asked, CatchUp, OfferRequest, open_offer
 from fedsec.peer.gossip import GossipPeer, RoundOutcome
-from fedsec.peer.http import send_model
-from fedsec.peer.limits import DEFAULT_ROUND_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
+from fedsec.peer.http import fetch_offer, send_model
+from fedsec.peer.limits import (
+    DEFAULT_OFFER_TIMEOUT_S,
+    DEFAULT_ROUND_TIMEOUT_S,
+    DEFAULT_SEND_TIMEOUT_S,
+    MAX_AHEAD,
+)
 from fedsec.peer.messages import PeerModel, Vector
 from fedsec.tasks.base import Task, TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params
@@ -38,6 +54,7 @@ Trainer = Callable[[Vector, int], Vector]
 class Timing:
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    offer_timeout_s: float = DEFAULT_OFFER_TIMEOUT_S
 
 
 DEFAULT_TIMING: Final = Timing()
@@ -72,12 +89,22 @@ async def run_rounds(
     rounds: int,
     arrived: asyncio.Condition,
     timing: Timing = DEFAULT_TIMING,
+    roster: Mapping[str, bytes] | None = None,
+    catch_up_at_start: bool = False,
 ) -> list[RoundOutcome]:
-    """Run ``rounds`` rounds of ``peer``; ``arrived`` is its endpoint's condition
-    (:data:`fedsec.peer.http.ARRIVED`).  Returns each exchange's outcome, in order."""
+    """Run ``peer`` until its round is ``rounds``; ``arrived`` is its endpoint's
+    condition (:data:`fedsec.peer.http.ARRIVED`).  With ``roster`` (key id -> public
+    key) the peer catches up when it notices it missed rounds, and first thing with
+    ``catch_up_at_start``.  Returns each exchange's outcome, in order."""
     outcomes = []
     async with aiohttp.ClientSession() as session:
-        for _ in range(rounds):
+        if roster is not None and catch_up_at_start:
+            await catch_up(session, peer, identity, neighbour_urls, roster, timing)
+        while peer.round < rounds:
+            if roster is not None and peer.noticed_behind():
+                await catch_up(session, peer, identity, neighbour_urls, roster, timing)
+                if peer.round >= rounds:
+                    break
             start = peer.model.copy()
             trained = await asyncio.to_thread(trainer, start, peer.round)
             message = peer.own_model(trained)
@@ -121,3 +148,57 @@ async def _send_all(
             log.info("event=peer_send_refused to=%s status=%d body=%s", to, status, text[:200])
 
     await asyncio.gather(*(one(to, url) for to, url in sorted(neighbour_urls.items())))
+
+
+async def catch_up(
+    session: aiohttp.ClientSession,
+    peer: GossipPeer,
+    identity: SigningIdentity,
+    neighbour_urls: Mapping[str, str],
+    roster: Mapping[str, bytes],
+    timing: Timing = DEFAULT_TIMING,
+) -> CatchUp | None:
+    """Ask every neighbour for its offer and, if one is more than
+    :data:`~fedsec.peer.limits.MAX_AHEAD` rounds ahead of ``peer``, rejoin from the
+    offers that pass every check (:meth:`fedsec.peer.gossip.GossipPeer.catch_up`).
+
+    Returns:
+        Where the peer continues, or None when it stays as it was (the log says why).
+    """
+    nonce = secrets.token_hex(NONCE_HEX // 2)
+    request = OfferRequest(peer.federation_id, identity.key_id, nonce)
+
+    async def one(sender: str, url: str) -> tuple[str, messages.PeerModel | None]:
+        asked = Asked(
+            peer.federation_id,
+            identity.key_id,
+            nonce,
+            sender,
+            roster[sender],
+            peer.values,
+            peer.round,
+        )
+        try:
+            raw = await fetch_offer(
+                session, url, identity, request, peer.values, timing.offer_timeout_s
+            )
+            return sender, open_offer(raw, asked)
+        except FedsecError as exc:
+            log.info("event=peer_offer_refused sender=%s code=%s detail=%s", sender, exc.code, exc)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("event=peer_offer_failed sender=%s error=%r", sender, exc)
+        return sender, None
+
+    answers = await asyncio.gather(*(one(n, u) for n, u in sorted(neighbour_urls.items())))
+    offered = {n: m for n, m in answers if m is not None}
+    newest = max((m.round for m in offered.values()), default=None)
+    if newest is None or newest <= peer.round + MAX_AHEAD:
+        log.info("event=peer_not_behind round=%d newest_offer=%s", peer.round, newest)
+        return None
+    try:
+        caught = peer.catch_up({n: messages.encode(m) for n, m in offered.items()})
+    except FedsecError as exc:
+        log.info("event=peer_catch_up_refused code=%s detail=%s", exc.code, exc)
+        return None
+    log.info("event=peer_caught_up round=%d sources=%s", caught.round, ",".join(caught.sources))
+    return caught

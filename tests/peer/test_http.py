@@ -44,7 +44,7 @@ class Served:
 @pytest_asyncio.fixture
 async def served() -> AsyncIterator[Served]:
     hood = make_neighbourhood()
-    runner = web.AppRunner(peer_app(hood.peer, hood.roster))
+    runner = web.AppRunner(peer_app(hood.peer, hood.roster, hood.me))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
