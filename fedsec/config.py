@@ -44,6 +44,7 @@ from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
 from fedsec.protocol.ring_width import MAX_HEADROOM_BITS, weight_digit_bits
 from fedsec.protocol.roster import ID_PATTERN
 from fedsec.summation import mode_named
+from fedsec.summation.sharded import shard_problems
 
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
 _PARTITION = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+))$")
@@ -122,6 +123,15 @@ class RoundSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_weight_samples: int = 10000
     """Sample count at which a member's weight w reaches 1.0 (w = min(1, samples / this)); caps
     the pull of one very large member."""
+    shards: int = 1
+    """Groups each round's cohort is split into, each summed by its own SecAgg+ session whose
+    ring sums the aggregator adds (the model is that of one session); 1 = one session. The
+    split comes from the round's signed seed and members check it; each group's sum is revealed
+    to the aggregator (docs/threat-model.md, docs/privacy.md). secure_sum = "secagg" only."""
+    min_shard_members: int = 100
+    """Fewest members a group may hold when shards > 1: each group's sum is revealed, so it must
+    be a sum of many (Bonawitz et al. 2019 sum groups of hundreds); round.min_agents must be at
+    least shards x this."""
 
 
 class TrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -814,6 +824,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.int_range("audit.archive_retention_rounds", cfg.audit.archive_retention_rounds, 0)
     # the mode's own settings ([he] for homomorphic summation)
     p.items.extend(mode_named(r.secure_sum).config_problems(cfg))
+    p.items.extend(shard_problems(cfg))
     al = cfg.alerts
     p.positive("alerts.stall_s", al.stall_s)
     p.int_range("alerts.degradation_window", al.degradation_window, 1, 1000)

@@ -15,8 +15,10 @@ import msgspec
 
 from fedsec.crypto.quantize import QuantSpec
 from fedsec.crypto.secagg.messages import SecAggParams
+from fedsec.errors import ProtocolError
 from fedsec.protocol.body import Count, HexDigest, Id, _Signed, unhex
 from fedsec.protocol.codec_choice import codec_for
+from fedsec.protocol.shards import ShardGroup, check_groups, group_index
 
 ROUND_SPEC_DOMAIN = "round-spec"
 
@@ -175,6 +177,9 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
     # [validation] federated: each member of the cohort scores the model this attempt
     # produces on its held-out split and sends a signed evaluation report
     federated_evaluation: bool = False
+    # [round] shards > 1: the cohort's groups (fedsec.protocol.shards), each summed by its
+    # own SecAgg+ session; empty: one session over the whole cohort
+    groups: list[ShardGroup] = msgspec.field(default_factory=list)
 
     def quant_spec(self) -> QuantSpec:
         """The quantization this round prescribes."""
@@ -190,26 +195,53 @@ class RoundSpec(_Signed, frozen=True, forbid_unknown_fields=True, omit_defaults=
         """
         return codec_for(self).length - 1
 
-    def secagg_params(self) -> SecAggParams:
+    def member_params(self, member: str) -> SecAggParams:
+        """The SecAgg+ parameters ``member`` runs under: its group's in a sharded attempt
+        (it is told no other group's members), the whole cohort's otherwise.
+
+        Raises:
+            UnknownMember: a sharded attempt none of whose groups holds ``member``.
+            ProtocolError / QuantizationError / PayloadError: see :meth:`secagg_params`.
+        """
+        return self.secagg_params(group_index(self.groups, member) if self.groups else None)
+
+    def secagg_params(self, group: int | None = None) -> SecAggParams:
         """SecAgg+ parameters of this attempt, identical for aggregator and members.
 
         Each attempt has a fresh seed, so its digest, and hence every signature,
         share and mask bound to it, differs from any other attempt's.
 
+        Args:
+            group: in a sharded attempt, the index of the group whose session these are:
+                the group is the cohort, with its own k, t and graph commitments (its
+                digest differs from every other group's), while the ring, the codec and
+                the seed stay the attempt's, so the groups' ring sums add up to the one
+                sum of the whole cohort.  None: the whole cohort.
+
         Raises:
-            ProtocolError / QuantizationError / PayloadError: invalid values in the spec.
+            ProtocolError / QuantizationError / PayloadError: invalid values in the spec;
+                groups that are not the split the seed gives; no such group.
         """
+        cohort, k, t = self.cohort, self.neighbors, self.threshold
+        commitments = self.graph_commitments
+        if group is not None:
+            check_groups(self.cohort, self.seed, self.groups)
+            if not 0 <= group < len(self.groups):
+                raise ProtocolError(f"round {self.round} has no shard group {group}")
+            shard = self.groups[group]
+            cohort, k, t = shard.members, shard.neighbors, shard.threshold
+            if commitments:
+                at = {m: i for i, m in enumerate(self.cohort)}
+                commitments = [commitments[at[m]] for m in cohort]
         return SecAggParams(
             federation_id=self.federation_id,
             round=self.round,
-            cohort=tuple(self.cohort),
-            neighbors=self.neighbors,
-            threshold=self.threshold,
+            cohort=tuple(cohort),
+            neighbors=k,
+            threshold=t,
             quant=self.quant_spec(),
             dim=self.encoded_dim(),
             seed=unhex(self.seed, "round seed", 32),
             wraps=self.codec.headroom_bits > 0,
-            graph_commitments=tuple(
-                unhex(c, "graph commitment", 32) for c in self.graph_commitments
-            ),
+            graph_commitments=tuple(unhex(c, "graph commitment", 32) for c in commitments),
         )

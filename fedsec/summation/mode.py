@@ -101,6 +101,8 @@ class SummationMode(ABC):
             cohort is fixed and decrypts each sum; members commit to their ciphertexts.
         held_answers: upload stage -> the stage whose data a held upload answer carries
             (SecAgg+: the masked input's answer waits for the consistency stage).
+        shards: a spec may split its cohort into groups, each summed by a session of its
+            own (:mod:`fedsec.summation.sharded`).
     """
 
     name: str
@@ -109,6 +111,7 @@ class SummationMode(ABC):
     commits_graph: bool = False
     custodian_decrypts: bool = False
     held_answers: Mapping[str, Stage] = field(default_factory=dict)
+    shards: bool = False
 
     # -- what the protocol's feature rules know of it (fedsec.protocol.compat) --------------
 
@@ -188,6 +191,11 @@ class SummationMode(ABC):
                 mode's own (e.g. a context or custodian key missing).
         """
         self.check_rule(spec)
+        if spec.groups and not self.shards:
+            raise ProtocolError(
+                f"round {spec.round}: {len(spec.groups)} shard groups, but {self.name} "
+                "sums a round in one session"
+            )
         return self._open(spec, inputs)
 
     def check_rule(self, spec: wire.RoundSpec) -> None:

@@ -13,6 +13,7 @@ from fedsec.crypto.secagg import (
     ConsistencyProof,
     ConsistencySignature,
     MaskedInput,
+    RoundResult,
     ServerSession,
     ShareKeys,
     ShareRelay,
@@ -41,9 +42,10 @@ from fedsec.summation.session import (
     log,
 )
 from fedsec.summation.settings import RoundSettings
+from fedsec.summation.sharded import GroupSession, ShardedSession
 
 
-class SecAggPlusSession(SummationSession):
+class SecAggPlusSession(GroupSession):
     """SecAgg+ (Bell et al. 2020): the aggregator learns only the survivors' sum.
 
     Args:
@@ -51,14 +53,24 @@ class SecAggPlusSession(SummationSession):
         roster_keys: member id -> Ed25519 public key, for the cohort.
         consistency: whether survivors sign the survivor sets before unmasking (every
             spec since graph commitments; False only to replay an attempt logged before).
+        group: in a sharded attempt, the group this session sums
+            (:class:`fedsec.summation.sharded.ShardedSession` holds one per group); its
+            members are its cohort and only their keys are its roster.
     """
 
     def __init__(
-        self, spec: wire.RoundSpec, roster_keys: Mapping[str, bytes], *, consistency: bool = True
+        self,
+        spec: wire.RoundSpec,
+        roster_keys: Mapping[str, bytes],
+        *,
+        consistency: bool = True,
+        group: int | None = None,
     ) -> None:
         super().__init__(spec)
         self.stages = tuple(s for s in SECAGG_STAGES if consistency or s != "consistency")
-        self.server = ServerSession(spec.secagg_params(), roster_keys, consistency=consistency)
+        params = spec.secagg_params(group)
+        keys = {m: roster_keys[m] for m in params.cohort if m in roster_keys}
+        self.server = ServerSession(params, keys, consistency=consistency)
         self._min_survivors = spec.dp.min_survivors if is_distributed(spec) else 0
         self._relays: dict[str, ShareRelay] = {}
         self._proofs: dict[str, ConsistencyProof] = {}
@@ -116,15 +128,7 @@ class SecAggPlusSession(SummationSession):
             raise ValueError(f"stage {stage!r} is not closed by close()")
 
     def finalize(self) -> SummationResult:
-        s = self.server
-        log.info(
-            "event=unmask_closed round=%d attempt=%d answered=%d survivors=%d",
-            self.spec.round,
-            self.spec.attempt,
-            len(s.answered),
-            len(s.survivors),
-        )
-        result = s.finalize()
+        result = self.finalize_ring()
         encoding = codec_for(self.spec)
         weighted, weight, edges = encoding.decode_counted(result.ring_sum, len(result.survivors))
         return SummationResult(
@@ -136,6 +140,24 @@ class SecAggPlusSession(SummationSession):
             sum_sha256=hashlib.sha256(result.ring_sum.data).hexdigest(),
             edge_count=edges,
         )
+
+    def finalize_ring(self) -> RoundResult:
+        """End the unmask stage: the survivors' sum in the ring, not yet decoded (a
+        sharded attempt adds its groups' ring sums before decoding once).
+
+        Raises:
+            RecoveryImpossible: a needed secret has fewer than t shares.
+            ProtocolError: the shares are inconsistent with the advertised keys.
+        """
+        s = self.server
+        log.info(
+            "event=unmask_closed round=%d attempt=%d answered=%d survivors=%d",
+            self.spec.round,
+            self.spec.attempt,
+            len(s.answered),
+            len(s.survivors),
+        )
+        return s.finalize()
 
     def participant_count(self) -> int:
         return len(self.server.participants)
@@ -187,6 +209,7 @@ class SecAggMode(SummationMode):
     stages: tuple[Stage, ...] = SECAGG_STAGES
     windows: Mapping[str, StageWindow] = field(default_factory=lambda: dict(_WINDOWS))
     commits_graph: bool = True
+    shards: bool = True
     # the masked input's answer is the unmask request, served once consistency begins
     held_answers: Mapping[str, Stage] = field(
         default_factory=lambda: {"masked_input": "consistency"}
@@ -204,8 +227,8 @@ class SecAggMode(SummationMode):
             return k, min(max(r.threshold, floor), k)
         return k, auto_t if not r.neighbors else floor
 
-    def _open(self, spec: wire.RoundSpec, inputs: SessionInputs) -> SecAggPlusSession:
-        return SecAggPlusSession(spec, inputs.keys)
+    def _open(self, spec: wire.RoundSpec, inputs: SessionInputs) -> SummationSession:
+        return _session(spec, inputs.keys, consistency=True)
 
     def replay(self, spec: wire.RoundSpec, stored: StoredAttempt) -> SummationResult:
         # an attempt logged before the consistency stage existed carries no graph
@@ -214,9 +237,20 @@ class SecAggMode(SummationMode):
         self.check_rule(spec)
         signed = any(m.stage == "consistency" for m in stored.messages)
         consistency = bool(spec.graph_commitments) or signed
-        session = SecAggPlusSession(spec, stored.inputs.keys, consistency=consistency)
+        session = _session(spec, stored.inputs.keys, consistency=consistency)
         feed(session, stored.messages)
         return session.finalize()
+
+
+def _session(
+    spec: wire.RoundSpec, keys: Mapping[str, bytes], *, consistency: bool
+) -> SummationSession:
+    """One session over the cohort, or one per group of a sharded spec."""
+    if spec.groups:
+        return ShardedSession(
+            spec, lambda i: SecAggPlusSession(spec, keys, consistency=consistency, group=i)
+        )
+    return SecAggPlusSession(spec, keys, consistency=consistency)
 
 
 SECAGG = SecAggMode()

@@ -101,6 +101,16 @@ ReferenceUpdate = Callable[[wire.RoundSpec], np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
+class GroupSum:
+    """One group's part of a sharded attempt's sum (the log's ``aggregate`` entry lists
+    them): whose contributions its ring sum holds and that ring sum's SHA-256."""
+
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    sum_sha256: str
+
+
+@dataclass(frozen=True, slots=True)
 class SummationResult:
     """What an attempt summed, and from whom."""
 
@@ -118,6 +128,8 @@ class SummationResult:
     # distributed DP or fewer codec headroom bits: coordinates of the ring sum at the
     # ring's edge, i.e. likely wraps (fedsec.protocol.update_codec.UpdateCodec.edge_count)
     edge_count: int = 0
+    # a sharded attempt: each group's survivors and ring-sum hash, in group order
+    groups: tuple[GroupSum, ...] = ()
 
 
 class SummationSession(ABC):

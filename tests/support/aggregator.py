@@ -287,7 +287,7 @@ class Cohort:
         roster = {m: identities[m].public_bytes for m in spec.cohort}
         self.sessions = {
             m: ClientSession(
-                self.params,
+                spec.member_params(m),  # a sharded attempt: the member's group only
                 m,
                 identities[m],
                 roster,
