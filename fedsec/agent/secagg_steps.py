@@ -108,7 +108,7 @@ class SecAggSteps:
         serial = attempt.tracker.state.roster_serial
         roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
         self._session = ClientSession(
-            spec.secagg_params(),
+            spec.member_params(member.id),  # a sharded attempt: its group only
             member.id,
             member.identity,
             roster.keys,

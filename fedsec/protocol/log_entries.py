@@ -96,6 +96,16 @@ class RefusedEntry(_Body, frozen=True, omit_defaults=True):
     codes: dict[str, int] | None = None  # aggregate entries: code -> how many of those
 
 
+class GroupSumEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One shard group's part of a sharded attempt's sum: its members (as the signed spec's
+    group lists them), whose masked inputs its ring sum holds, and that ring sum's SHA-256
+    (``fedsec audit verify`` unmasks each group again and compares)."""
+
+    members: list[str]
+    survivors: list[str]
+    sum_sha256: str
+
+
 class AggregateEntry(_Body, frozen=True, omit_defaults=True):
     """A round attempt closed: what was summed, from whom, applied to what.  Distributed
     DP adds the realised noise multiplier of the sum (z·√(survivors/min_survivors)·Δ₂/γC:
@@ -113,6 +123,8 @@ class AggregateEntry(_Body, frozen=True, omit_defaults=True):
     server_lr: float
     noise_multiplier: float = 0.0
     edge_count: int = 0
+    # [round] shards > 1: each group's membership and ring-sum hash, in the spec's order
+    groups: list[GroupSumEntry] = msgspec.field(default_factory=list)
 
 
 class ModelVersionEntry(_Body, frozen=True):

@@ -17,7 +17,9 @@ from fedsec.config import AggregationSection, CodecSection, DPSection
 from fedsec.errors import PayloadError, StaleUpdate, TaskDigestMismatch, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.ring_width import ring_bits_for
+from fedsec.protocol.shards import ShardGroup
 from fedsec.summation import mode_named
+from fedsec.summation.sharded import shard_groups
 from fedsec.task.digest import check_pin
 
 
@@ -245,6 +247,14 @@ class CohortDesk:
         k, t = mode.graph(len(cohort), cfg.round)
         manifest = ctx.ws.models.latest()
         he = mode.custodian_decrypts
+        seed = os.urandom(32).hex()
+        groups = [
+            ShardGroup(g, *mode.graph(len(g), cfg.round))
+            for g in shard_groups(cohort, seed, cfg.round.shards)
+        ]
+        # each group's sum is revealed: with distributed DP, the noise is sized for the
+        # survivors of the smallest group, so that every group's sum carries all of it
+        noise_members = min((len(g.members) for g in groups), default=len(cohort))
         return wire.RoundSpec(
             federation_id=ctx.ws.federation_id,
             round=live.round,
@@ -264,7 +274,7 @@ class CohortDesk:
             ),
             clip_norm=cfg.round.clip_norm,
             dim=ctx.dim,
-            seed=os.urandom(32).hex(),
+            seed=seed,
             max_weight_samples=cfg.round.max_weight_samples,
             weight_caps=self._weight_caps(cohort),
             training=wire.TrainingSpec(
@@ -273,7 +283,7 @@ class CohortDesk:
                 lr=cfg.training.lr,
                 optimizer=cfg.training.optimizer,
             ),
-            dp=_dp_spec(cfg.dp, len(cohort)),
+            dp=_dp_spec(cfg.dp, noise_members),
             deadlines=mode.spec_deadlines(cfg.round),
             mode=cfg.round.mode,
             staleness=staleness,
@@ -285,6 +295,7 @@ class CohortDesk:
             codec=_codec_spec(cfg.codec),
             task_pin=ctx.task_pin,
             federated_evaluation=cfg.validation.federated,
+            groups=groups,
         ).sign(ctx.ws.signer)
 
 

@@ -43,7 +43,12 @@ from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, Roun
 from fedsec.protocol import wire
 from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import realised_noise_multiplier
-from fedsec.protocol.log_entries import AggregateEntry, RoundAbortedEntry, RoundOpenEntry
+from fedsec.protocol.log_entries import (
+    AggregateEntry,
+    GroupSumEntry,
+    RoundAbortedEntry,
+    RoundOpenEntry,
+)
 from fedsec.summation import (
     SessionInputs,
     SummationResult,
@@ -314,6 +319,7 @@ class Lifecycle:
     ) -> AggregateEntry:
         """The log's ``aggregate`` entry: what was summed, from whom, applied to what."""
         server = self._ctx.cfg.server
+        groups = live.spec.groups if live.spec is not None else []
         return AggregateEntry(
             round=live.round,
             attempt=live.attempt,
@@ -326,6 +332,10 @@ class Lifecycle:
             server_lr=server.server_lr,
             noise_multiplier=realised_noise_multiplier(live.spec, len(result.survivors)),
             edge_count=result.edge_count,
+            groups=[
+                GroupSumEntry(group.members, list(part.survivors), part.sum_sha256)
+                for group, part in zip(groups, result.groups, strict=True)
+            ],
         )
 
     def _summary(

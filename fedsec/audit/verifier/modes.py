@@ -38,7 +38,35 @@ class ReplayedAudit(ModeAudit):
             raise EntryProblem(f"the archive gives survivors {sorted(replayed.survivors)}")
         if replayed.sum_sha256 != body.sum_sha256:
             raise EntryProblem("the sum recomputed from the archived inputs and reveals differs")
+        self._check_groups(body, replayed)
         return Rederived((replayed.weighted_sum, replayed.weight_sum))
+
+    def _check_groups(self, body: AggregateEntry, replayed: SummationResult) -> None:
+        """A sharded attempt: each group logged as the signed spec names it, with the
+        survivors and the ring sum its own unmasking gives again.
+
+        Raises:
+            EntryProblem: a group missing, added, or with other members, survivors or sum.
+        """
+        groups = self.attempt.spec.groups
+        if len(body.groups) != len(groups):
+            raise EntryProblem(
+                f"it logs {len(body.groups)} shard group(s); the signed spec names {len(groups)}"
+            )
+        for index, (logged, group, part) in enumerate(
+            zip(body.groups, groups, replayed.groups, strict=True)
+        ):
+            if logged.members != group.members:
+                raise EntryProblem(f"shard group {index}'s members are not the signed spec's")
+            if sorted(logged.survivors) != sorted(part.survivors):
+                raise EntryProblem(
+                    f"the archive gives shard group {index} survivors {sorted(part.survivors)}"
+                )
+            if logged.sum_sha256 != part.sum_sha256:
+                raise EntryProblem(
+                    f"shard group {index}'s sum recomputed from the archived inputs and "
+                    "reveals differs"
+                )
 
     def _replay(self) -> SummationResult:
         """The attempt summed again from its archived messages.
