@@ -593,11 +593,22 @@ class AgentTrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     checkpoint_steps: int = worker_settings.DEFAULT_CHECKPOINT_STEPS
     """Steps between the job's checkpoints in the state directory, which a restarted job
     resumes from; 0 = none (a restart trains the round again from its start)."""
+    checkpoint_interval_s: float = worker_settings.DEFAULT_CHECKPOINT_INTERVAL_S
+    """Seconds between the job's checkpoints as well, whichever of steps or seconds comes
+    first; 60 keeps a rollback to a minute of a round's 600 s; 0 = by steps only."""
+    straggler_timeout_s: float = worker_settings.DEFAULT_STRAGGLER_TIMEOUT_S
+    """Seconds a worker may keep the others waiting at a step's all-reduce before the job
+    restarts every worker from its last checkpoint; 60 is far above a step's imbalance and
+    far below a round's 600 s; docs/agent.md."""
 
     @property
     def settings(self) -> worker_settings.TrainingWorkers:
         return worker_settings.TrainingWorkers(
-            self.workers, self.max_restarts, self.checkpoint_steps
+            self.workers,
+            self.max_restarts,
+            self.checkpoint_steps,
+            self.checkpoint_interval_s,
+            self.straggler_timeout_s,
         )
 
 
@@ -1010,6 +1021,13 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
     p.int_range("training.workers", w.workers, 0, worker_settings.MAX_WORKERS)
     p.int_range("training.max_restarts", w.max_restarts, 0, worker_settings.MAX_RESTARTS)
     p.int_range("training.checkpoint_steps", w.checkpoint_steps, 0)
+    p.require(
+        math.isfinite(w.checkpoint_interval_s) and w.checkpoint_interval_s >= 0,
+        "training.checkpoint_interval_s",
+        "a number >= 0",
+        w.checkpoint_interval_s,
+    )
+    p.positive("training.straggler_timeout_s", w.straggler_timeout_s)
     p.int_range(
         "privacy.tolerated_corrupt_neighbours", cfg.privacy.tolerated_corrupt_neighbours, 0, 1000
     )

@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -31,6 +31,9 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError, FedsecError
 from fedsec.faults import Faults
 from fedsec.keys import load_identity, save_identity, save_public_key
+
+if TYPE_CHECKING:
+    from fedsec.learning.worker_status import WorkersStatus
 
 __all__ = ["agent"]
 
@@ -245,32 +248,74 @@ def inventory_command(config_path: Path, as_json: bool, html_path: Path | None, 
     required=True,
     help="the agent's agent.toml",
 )
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
 @_user_errors
-def status_command(config_path: Path) -> None:
-    """Privacy spent per dataset, and receipts held."""
+def status_command(config_path: Path, as_json: bool) -> None:
+    """Privacy spent per dataset, receipts held, and the last training workers job."""
+    import json
+
     from fedsec.agent.ledger import PrivacyLedger
     from fedsec.agent.vault import Vault
+    from fedsec.learning.worker_status import read_status
 
     cfg = load_agent_config(config_path)
     state_dir = Path(cfg.agent.state_dir)
     ledger = PrivacyLedger(state_dir)
+    datasets = {
+        dataset_id: {
+            "epsilon_spent": ledger.spent(dataset_id),
+            "epsilon_budget": ledger.budget(dataset_id).epsilon,
+            "delta": ledger.budget(dataset_id).delta,
+            "rounds": len(ledger.history(dataset_id)),
+        }
+        for dataset_id in ledger.datasets()
+    }
+    receipts = Vault(state_dir).receipts()
+    workers = read_status(state_dir)
+    if as_json:
+        status = {
+            "agent": cfg.agent.id,
+            "state_dir": str(state_dir),
+            "datasets": datasets,
+            "receipts": len(receipts),
+            "last_receipt_round": receipts[-1].round if receipts else None,
+            "training_workers": None if workers is None else workers.to_json(),
+        }
+        click.echo(json.dumps(status, indent=2))
+        return
     click.echo(f"agent {cfg.agent.id} (state in {state_dir})")
-    datasets = ledger.datasets()
     if not datasets:
         click.echo("privacy ledger: no rounds trained yet")
-    for dataset_id in datasets:
-        budget = ledger.budget(dataset_id)
-        spent = ledger.spent(dataset_id)
-        rounds = len(ledger.history(dataset_id))
+    for dataset_id, d in datasets.items():
         click.echo(
-            f"dataset {dataset_id}: epsilon spent {spent:.3f} of {budget.epsilon:g} "
-            f"(delta {budget.delta:g}) over {rounds} round(s)"
+            f"dataset {dataset_id}: epsilon spent {d['epsilon_spent']:.3f} of "
+            f"{d['epsilon_budget']:g} (delta {d['delta']:g}) over {d['rounds']} round(s)"
         )
-    vault = Vault(state_dir)
-    receipts = vault.receipts()
     click.echo(
         f"receipts: {len(receipts)}" + (f" (last round {receipts[-1].round})" if receipts else "")
     )
+    if workers is not None:
+        click.echo(_workers_line(workers))
+
+
+def _workers_line(status: WorkersStatus) -> str:
+    """``training workers: ...``: the last job's workers, restarts and checkpoint ages."""
+    job = "" if status.round is None else f" of round {status.round}"
+    line = (
+        f"training workers: job{job} {status.state}, {status.workers} worker(s), "
+        f"{status.restarts} restart(s) ({status.stragglers} for stragglers)"
+    )
+    age = status.checkpoint_age_s()
+    if age is None:
+        line += ", no checkpoint yet"
+    else:
+        line += f", last checkpoint at step {status.checkpoint_step}, {age:.0f} s ago"
+    if status.resumed_checkpoint_age_s is not None:
+        line += (
+            f"; last restart resumed from step {status.resumed_from_step}, "
+            f"a checkpoint {status.resumed_checkpoint_age_s:.0f} s old"
+        )
+    return line
 
 
 @agent.command("answer-challenges")

@@ -200,13 +200,19 @@ class LocalTrainer:
             self._state_dir,
             self._workers,
             dp=dp,
+            round_=round_,
         )
+        age = done.resumed_checkpoint_age_s
         log.info(
-            "round_workers round=%d workers=%d restarts=%d resumed_from_step=%d",
+            "round_workers round=%d workers=%d restarts=%d stragglers=%d resumed_from_step=%d"
+            " resumed_checkpoint_age_s=%s straggler_waits_s=%s",
             round_,
             done.workers,
             done.restarts,
+            len(done.straggler_waits_s),
             done.resumed_from_step,
+            "none" if age is None else f"{age:.1f}",
+            ",".join(f"{w:.1f}" for w in done.straggler_waits_s) or "none",
         )
         return done.trained
 

@@ -17,6 +17,14 @@ MAX_RESTARTS: Final = 100
 #: is one atomic write of the model and optimiser state (milliseconds for the bundled
 #: models, so 50 keeps that under 1 % of the steps' time).
 DEFAULT_CHECKPOINT_STEPS: Final = 50
+#: Seconds between checkpoints as well: a round's training has ``round.open_s`` (600 s by
+#: default), so a rollback of at most a minute leaves a restarted job most of it.
+DEFAULT_CHECKPOINT_INTERVAL_S: Final = 60.0
+#: How long a worker may keep the others waiting at a step's all-reduce before the job
+#: restarts from its checkpoint: far above a step's own imbalance (rank 0 alone adds the
+#: DP noise and writes checkpoints, milliseconds to seconds), far below ``round.open_s``,
+#: so a lagging node costs the round a minute, not its deadline.
+DEFAULT_STRAGGLER_TIMEOUT_S: Final = 60.0
 
 
 @dataclass(frozen=True)
@@ -24,10 +32,14 @@ class TrainingWorkers:
     """How a member splits its local training (``[training]`` of ``agent.toml``).
 
     ``workers``: processes; 0 = one per GPU when training on CUDA, else in-process;
-    1 = in-process (no torchrun). ``checkpoint_steps``: 0 = no checkpoints (a restart
-    starts the round's training over).
+    1 = in-process (no torchrun). ``checkpoint_steps`` and ``checkpoint_interval_s``: a
+    checkpoint after every that many steps or seconds, whichever comes first; 0 turns
+    either off (both 0: a restart starts the round's training over).
+    ``straggler_timeout_s``: seconds a worker may hold a step's all-reduce.
     """
 
     workers: int = 1
     max_restarts: int = DEFAULT_MAX_RESTARTS
     checkpoint_steps: int = DEFAULT_CHECKPOINT_STEPS
+    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
+    straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S

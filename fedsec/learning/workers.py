@@ -20,11 +20,17 @@ with a :class:`StepSharing` that makes N processes take the step one process wou
   worker whose slice is empty sends zeros). The updates of 1 and N workers differ by
   float summation order only (tested).
 - **Elasticity.** Rank 0 writes a checkpoint (model, optimiser state, steps done)
-  atomically every ``checkpoint_steps`` steps; ``torchrun --max-restarts`` restarts
-  every worker when one dies, and each resumes from the checkpoint, skipping the
-  batches already taken, so the restarted run takes the same steps on the same records.
-  The ledger is charged by the agent before the job starts, once, whatever happens
-  inside it.
+  atomically every ``checkpoint_steps`` steps or ``checkpoint_interval_s`` seconds;
+  ``torchrun --max-restarts`` restarts every worker when one dies, and each resumes from
+  the checkpoint, skipping the batches already taken, so the restarted run takes the
+  same steps on the same records. The ledger is charged by the agent before the job
+  starts, once, whatever happens inside it.
+- **Stragglers.** Once the ranks have met (DDP's first broadcast), the process group's
+  timeout becomes ``straggler_timeout_s``: a worker that keeps the others waiting at a
+  step's all-reduce longer makes their collective fail, torchrun restarts every worker,
+  and the job resumes from the checkpoint as after a crash (the waiting ranks log
+  ``worker_straggler``). No step is taken while a worker is out, so the effective batch
+  never shrinks.
 - **DP-SGD.** Each rank keeps its shard's records of the Poisson batch one process
   draws, clips them, and rank 0 adds one process's CSPRNG noise to the all-reduced
   sums, so the mechanism and its ε are one process's with the same q, σ and steps
@@ -40,8 +46,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,6 +60,7 @@ from opacus import PrivacyEngine
 from opacus.optimizers import DPOptimizer
 from safetensors.torch import load_file, save
 from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
     BatchSampler,
@@ -81,6 +90,7 @@ from fedsec.learning.worker_privacy import (
     shard_loader,
 )
 from fedsec.learning.worker_settings import MAX_WORKERS, TrainingWorkers
+from fedsec.learning.worker_status import JOBS_DIR, WorkersStatus, update_status, write_status
 from fedsec.tasks import Task, TrainingParams, get_task
 
 __all__ = [
@@ -96,6 +106,11 @@ __all__ = [
 #: How often torchrun checks its workers: 0.1 s notices a dead worker at once and costs
 #: nothing next to a training step.
 MONITOR_INTERVAL_S: Final = 0.1
+#: Tests only: a stalled worker sleeps this many straggler timeouts, then goes on, so a
+#: straggler that is not detected shows as a job without restarts instead of a hang.
+STALL_TIMEOUTS: Final = 10
+#: The event the ranks left waiting by a straggler print before they fail.
+STRAGGLER_EVENT: Final = "worker_straggler"
 
 _JOB: Final = "job.json"
 _MODEL: Final = "model.safetensors"
@@ -104,8 +119,6 @@ _TRAINED: Final = "trained.safetensors"
 _RESULT: Final = "result.json"
 _CHECKPOINT: Final = "checkpoint.safetensors"
 _LOG: Final = "torchrun.log"
-#: Where jobs live under the member's state directory (0700: they hold the records).
-JOBS_DIR: Final = "training"
 
 
 class TrainingWorkersFailed(FedsecError):
@@ -117,13 +130,17 @@ class TrainingWorkersFailed(FedsecError):
 
 @dataclass(frozen=True)
 class WorkersResult:
-    """What a job did: the training result, how often torchrun restarted it, and the
-    step its last attempt resumed from (0: from the round's start)."""
+    """What a job did: the training result, how often torchrun restarted it, the step
+    its last attempt resumed from (0: from the round's start) and how old that
+    checkpoint was then (None: no restart resumed from one), and for each restart a
+    straggler caused, how long the others waited for it."""
 
     trained: LocalTrainResult
     workers: int
     restarts: int
     resumed_from_step: int = 0
+    resumed_checkpoint_age_s: float | None = None
+    straggler_waits_s: tuple[float, ...] = ()
 
 
 def worker_count(workers: int, device: torch.device) -> int:
@@ -171,7 +188,9 @@ def train_with_workers(
     settings: TrainingWorkers,
     *,
     dp: DPParams | None = None,
+    round_: int | None = None,
     crash_at_step: int | None = None,
+    stall_at_step: int | None = None,
 ) -> WorkersResult:
     """Train ``model`` in place as :func:`train_dataset` would, in a torchrun job of
     :func:`worker_count` processes; blocks until the job ends.
@@ -181,9 +200,13 @@ def train_with_workers(
         dp: DP-SGD settings, or None; the result's ``epsilon_round`` is the job's
             accountant's, over all its steps once, restarts included.
         state_dir: the member's state directory; the job lives in ``training/`` in it and
-            is removed afterwards.
+            is removed afterwards, and its progress stays in ``training/workers.json``
+            (:mod:`fedsec.learning.worker_status`).
+        round_: the round trained, for that record.
         crash_at_step: tests only: the last rank SIGKILLs itself after this many steps
             on the job's first attempt.
+        stall_at_step: tests only: the last rank stalls after this many steps on the
+            job's first attempt (for :data:`STALL_TIMEOUTS` straggler timeouts).
 
     Raises:
         ConfigError: see :func:`worker_count`; an empty dataset.
@@ -191,12 +214,27 @@ def train_with_workers(
     """
     count = worker_count(settings.workers, device)
     job = _write_job(model, data, state_dir)
+    write_status(state_dir, WorkersStatus(round_, count, "running", time.time()))
     try:
         spec = _job_settings(params, device, seed, task, task_options, settings)
+        faults = {"crash_at_step": crash_at_step, "stall_at_step": stall_at_step}
         dp_spec = None if dp is None else asdict(dp)
-        _write_json(job / _JOB, {**spec, "dp": dp_spec, "crash_at_step": crash_at_step})
-        _run_torchrun(job, count, settings.max_restarts)
-        return _read_result(job, model, count)
+        _write_json(job / _JOB, {**spec, "dp": dp_spec, **faults})
+        try:
+            _run_torchrun(job, count, settings.max_restarts)
+            done = _read_result(job, model, count)
+        except TrainingWorkersFailed:
+            ended = {"stragglers": len(_straggler_waits(job / _LOG)), "ended_at": time.time()}
+            update_status(state_dir, state="failed", **ended)
+            raise
+        update_status(
+            state_dir,
+            state="done",
+            restarts=done.restarts,
+            stragglers=len(done.straggler_waits_s),
+            ended_at=time.time(),
+        )
+        return done
     finally:
         shutil.rmtree(job, ignore_errors=True)
 
@@ -216,6 +254,8 @@ def _job_settings(
         "task": task.name,
         "task_options": task_options,
         "checkpoint_steps": settings.checkpoint_steps,
+        "checkpoint_interval_s": settings.checkpoint_interval_s,
+        "straggler_timeout_s": settings.straggler_timeout_s,
     }
 
 
@@ -279,6 +319,23 @@ def _run_torchrun(job: Path, count: int, max_restarts: int) -> None:
         )
 
 
+def _straggler_waits(log: Path) -> tuple[float, ...]:
+    """For each attempt of the job that a straggler ended (one in which a rank printed
+    :data:`STRAGGLER_EVENT`; every rank left waiting prints one), the longest a rank
+    waited for it, in seconds."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ()
+    waits: dict[str, float] = {}
+    for line in lines:
+        if line.startswith(STRAGGLER_EVENT + " "):
+            fields = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+            attempt, waited = fields.get("attempt", "?"), float(fields.get("waited_s", "nan"))
+            waits[attempt] = max(waits.get(attempt, waited), waited)
+    return tuple(waits[attempt] for attempt in sorted(waits))
+
+
 def _worker_error(log: Path) -> str:
     """The last error a worker printed (``[rankN]: SomeError: ...``), else the log's end."""
     lines = log.read_text(errors="replace").splitlines()
@@ -310,7 +367,15 @@ def _read_result(job: Path, model: torch.nn.Module, count: int) -> WorkersResult
         train_loss=float(summary["train_loss"]),
         duration_s=float(summary["duration_s"]),
     )
-    return WorkersResult(result, count, int(summary["restarts"]), int(summary["resumed_from_step"]))
+    age = summary["resumed_checkpoint_age_s"]
+    return WorkersResult(
+        result,
+        count,
+        int(summary["restarts"]),
+        int(summary["resumed_from_step"]),
+        None if age is None else float(age),
+        _straggler_waits(job / _LOG),
+    )
 
 
 # -- inside each worker -------------------------------------------------------------------
@@ -376,10 +441,19 @@ class _Sharing:
         self._world = world
         self._device = device
         self._every = int(settings["checkpoint_steps"])
+        self._interval = float(settings["checkpoint_interval_s"])
+        self.straggler_timeout_s = float(settings["straggler_timeout_s"])
         self._crash_at = settings.get("crash_at_step")
+        self._stall_at = settings.get("stall_at_step")
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.count = 0  # records in this rank's slice of the current step
         self.done = 0  # steps taken, those of a resumed checkpoint included
         self.resumed = 0
+        self.resumed_checkpoint_age_s: float | None = None
+        # monotonic times: the last checkpoint (or this attempt's start), and the last
+        # step taken since the straggler timeout was armed (None: not armed yet)
+        self._checkpointed_at = _now()
+        self.stepped_at: float | None = None
         self._work: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._saved_optimizer: dict[str, torch.Tensor] = {}
@@ -410,6 +484,7 @@ class _Sharing:
         ids = [self._device.index] if self._device.type == "cuda" else None
         shared = DistributedDataParallel(work, device_ids=ids)
         shared.register_comm_hook(self, _weighted_mean)
+        self._arm_straggler_timeout()
         return shared
 
     def make_private(
@@ -434,7 +509,17 @@ class _Sharing:
         engine, trained, private = private_over_ranks(work, optimizer, shard, dp, noise_seed)
         restore_accounting(engine, private, self._saved_accounting, self.resumed)
         self._accounting = engine, private
+        self._arm_straggler_timeout()
         return engine, trained, private, shard
+
+    def _arm_straggler_timeout(self) -> None:
+        """From here on a collective fails after ``straggler_timeout_s``. Armed only once
+        the ranks have met at the model's first broadcast (DDP's constructor), so the
+        skew of their start-up (imports, loading the records) is not taken for a
+        straggler; from then on every rank does the same work between collectives,
+        but for rank 0's noise and checkpoints."""
+        _set_pg_timeout(timedelta(seconds=self.straggler_timeout_s))
+        self.stepped_at = _now()
 
     def _attach(self, work: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Checkpoint ``work`` and ``optimizer`` after each step; restore the optimiser."""
@@ -444,10 +529,21 @@ class _Sharing:
 
     def resume(self, model: torch.nn.Module) -> None:
         """Load the job's checkpoint, if any, into ``model`` (which training copies), and
-        keep its optimiser state for :meth:`wrap`."""
+        keep its optimiser state for :meth:`wrap`; rank 0 records the attempt in the
+        member's workers status."""
         path = self._job / _CHECKPOINT
-        if not path.exists():
-            return
+        if path.exists():
+            self.resumed_checkpoint_age_s = max(0.0, time.time() - path.stat().st_mtime)
+            self._load_checkpoint(path, model)
+        if self.rank == 0 and self.attempt > 0:
+            update_status(
+                _state_dir(self._job),
+                restarts=self.attempt,
+                resumed_from_step=self.resumed,
+                resumed_checkpoint_age_s=self.resumed_checkpoint_age_s,
+            )
+
+    def _load_checkpoint(self, path: Path, model: torch.nn.Module) -> None:
         saved = load_file(str(path))
         self.resumed = self.done = int(saved.pop("steps").item())
         weights = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
@@ -460,11 +556,19 @@ class _Sharing:
 
     def _after_step(self) -> None:
         self.done += 1
-        if self.rank == 0 and self._every > 0 and self.done % self._every == 0:
+        now = _now()
+        if self.stepped_at is not None:
+            self.stepped_at = now
+        by_steps = self._every > 0 and self.done % self._every == 0
+        by_time = self._interval > 0 and now - self._checkpointed_at >= self._interval
+        if self.rank == 0 and (by_steps or by_time):
             self._checkpoint()
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if self._crash_at == self.done and self.rank == self._world - 1 and first_attempt:
+            self._checkpointed_at = now
+        faulty = self.rank == self._world - 1 and self.attempt == 0
+        if faulty and self._crash_at == self.done:
             os.kill(os.getpid(), signal.SIGKILL)
+        if faulty and self._stall_at == self.done:
+            time.sleep(STALL_TIMEOUTS * self.straggler_timeout_s)
 
     def _checkpoint(self) -> None:
         assert self._work is not None and self._optimizer is not None
@@ -477,6 +581,17 @@ class _Sharing:
         if self._accounting is not None:
             state.update(accounting_state(*self._accounting))
         atomic_write(self._job / _CHECKPOINT, save(_plain(state)), mode=0o600)
+        update_status(_state_dir(self._job), checkpoint_step=self.done, checkpoint_at=time.time())
+
+
+def _now() -> float:
+    """The clock of checkpoint intervals and straggler waits (monotonic)."""
+    return time.monotonic()
+
+
+def _state_dir(job: Path) -> Path:
+    """The member's state directory of a job directory (``STATE/training/job-*``)."""
+    return job.parent.parent
 
 
 def _weighted_mean(sharing: _Sharing, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -534,20 +649,41 @@ def _worker(job: Path) -> None:
         data = TensorDataset(stored["x"], stored["y"])
         sharing = _Sharing(job, rank, world, device, settings)
         sharing.resume(model)
-        trained = train_dataset(
-            model,
-            data,
-            TrainingParams(**settings["params"]),
-            None if settings["dp"] is None else DPParams(**settings["dp"]),
-            device,
-            int(settings["seed"]),
-            task=task,
-            sharing=sharing,
-        )
+        try:
+            trained = train_dataset(
+                model,
+                data,
+                TrainingParams(**settings["params"]),
+                None if settings["dp"] is None else DPParams(**settings["dp"]),
+                device,
+                int(settings["seed"]),
+                task=task,
+                sharing=sharing,
+            )
+        except RuntimeError:
+            _report_straggler(sharing)
+            raise
         if rank == 0:
             _write_result(job, model, trained, sharing)
     finally:
         dist.destroy_process_group()
+
+
+def _report_straggler(sharing: _Sharing) -> None:
+    """Print :data:`STRAGGLER_EVENT` if this rank's failure came after waiting the whole
+    straggler timeout since its last step (a collective timed out on a lagging peer; a
+    dead peer fails the collective at once, and is not a straggler)."""
+    if sharing.stepped_at is None:
+        return
+    waited = _now() - sharing.stepped_at
+    if waited >= sharing.straggler_timeout_s:
+        print(
+            f"{STRAGGLER_EVENT} attempt={sharing.attempt} rank={sharing.rank} "
+            f"step={sharing.done + 1} waited_s={waited:.1f} "
+            f"timeout_s={sharing.straggler_timeout_s:g}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _join_group(backend: str, rank: int, world: int) -> None:
@@ -579,8 +715,9 @@ def _write_result(
             "epsilon_round": trained.epsilon_round,
             "train_loss": trained.train_loss,
             "duration_s": trained.duration_s,
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "restarts": sharing.attempt,
             "resumed_from_step": sharing.resumed,
+            "resumed_checkpoint_age_s": sharing.resumed_checkpoint_age_s,
         },
     )
 

@@ -1,8 +1,9 @@
 """A round's training split over torchrun workers (2 gloo processes on loopback) takes
 the step one process takes: the same update within float tolerance, with and without
 DP-SGD (the same Poisson batches, clipping, noise added once, and ε), and a worker
-killed mid-round is restarted and resumes from its checkpoint to the same update, its
-privacy accounting included, without a second charge to the ledger."""
+killed mid-round, or one that stalls past the straggler timeout, is restarted and
+resumes from its checkpoint to the same update, its privacy accounting included,
+without a second charge to the ledger; the member's workers status records it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsec.agent import trainer as trainer_module
@@ -23,6 +24,7 @@ from fedsec.agent.local_data import LocalData
 from fedsec.agent.trainer import LocalTrainer
 from fedsec.config import parse_agent_config
 from fedsec.errors import ConfigError
+from fedsec.learning import workers as workers_module
 from fedsec.learning.dp_noise import CsprngPrivacyEngine
 from fedsec.learning.training import DPParams, plan_round, train_dataset
 from fedsec.learning.worker_privacy import (
@@ -32,7 +34,9 @@ from fedsec.learning.worker_privacy import (
     restore_accounting,
 )
 from fedsec.learning.worker_settings import TrainingWorkers
+from fedsec.learning.worker_status import WorkersStatus, read_status, write_status
 from fedsec.learning.workers import (
+    STALL_TIMEOUTS,
     TrainingWorkersFailed,
     _RankSampler,
     _read_result,
@@ -49,6 +53,9 @@ DATA = TASK.load()
 X, Y = DATA.x_train[:203], DATA.y_train[:203]
 PARAMS = replace(TASK.defaults, batch_size=16, local_epochs=2, momentum=0.9)
 SEED = 2**200 + 12345
+#: Far above a step of this model (milliseconds) even on 2 busy cores: the straggler
+#: timeout is armed only once the ranks have met, so start-up skew does not count.
+STRAGGLER_TIMEOUT_S = 5.0
 
 
 def _dataset() -> TensorDataset:
@@ -82,14 +89,22 @@ def test_two_workers_one_killed_train_the_update_one_process_trains(tmp_path: Pa
         TASK,
         {},
         tmp_path,
-        TrainingWorkers(workers=2, max_restarts=1, checkpoint_steps=4),
+        TrainingWorkers(workers=2, max_restarts=1, checkpoint_steps=4, checkpoint_interval_s=0),
+        round_=7,
         crash_at_step=steps // 2 + 1,
     )
-    assert done.restarts == 1
+    assert (done.restarts, done.straggler_waits_s) == (1, ())  # a death, not a straggler
     assert (done.workers, done.trained.steps) == (2, steps)  # redone steps count once
-    assert done.resumed_from_step == (steps // 2 + 1) // 4 * 4  # the last checkpoint
+    resumed = (steps // 2 + 1) // 4 * 4  # the last checkpoint
+    assert done.resumed_from_step == resumed
+    assert done.resumed_checkpoint_age_s is not None and done.resumed_checkpoint_age_s >= 0
     _close(flatten_params(model), expected)
-    assert list((tmp_path / "training").iterdir()) == []  # the job and its records are gone
+    status = read_status(tmp_path)
+    assert status is not None
+    assert (status.round, status.state, status.workers, status.restarts) == (7, "done", 2, 1)
+    assert (status.resumed_from_step, status.checkpoint_step) == (resumed, steps // 4 * 4)
+    # the job and its records are gone; the status (counts and times only) stays
+    assert [p.name for p in (tmp_path / "training").iterdir()] == ["workers.json"]
 
 
 def test_cpu_uses_gloo_and_the_configured_count() -> None:
@@ -101,16 +116,18 @@ def test_cpu_uses_gloo_and_the_configured_count() -> None:
 
 
 @pytest.mark.slow  # a torchrun job: 15-30 s of process start-up on 2 busy cores
-def test_dp_sgd_over_two_workers_one_killed_is_one_processs_mechanism_charged_once(
+def test_dp_sgd_over_two_workers_one_stalled_is_one_processs_mechanism_charged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Rank 0 adds one process's CSPRNG noise once to the all-reduced clipped sums of the
     # same Poisson batch, so the 2-worker update is one process's within float rounding
     # with the noise on (noise added on both ranks, or by neither, or a batch sampled
     # differently would be off by the noise's size), and ε is one process's exactly. The
-    # last worker is SIGKILLed mid-round: the accounting resumes from the checkpoint
-    # (redone steps counted once, no noise stream reused) and the agent's one charge
-    # stands alone in the ledger, which sits in the job's own state directory.
+    # last worker stalls mid-round, holding the ring: rank 0's all-reduce times out after
+    # the straggler timeout (not the stall's 10 timeouts), torchrun restarts both, and
+    # the accounting resumes from the checkpoint (redone steps counted once, no noise
+    # stream reused); the agent's one charge stands alone in the ledger, which sits in
+    # the job's own state directory.
     dp = DPParams(noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)
     alone = TASK.build_model(0)
     expected = train_dataset(alone, _dataset(), PARAMS, dp, "cpu", SEED, task=TASK)
@@ -127,22 +144,36 @@ def test_dp_sgd_over_two_workers_one_killed_is_one_processs_mechanism_charged_on
         LocalData(task=TASK, train=_dataset()),
         torch.device("cpu"),
         None,
-        workers=TrainingWorkers(workers=2, max_restarts=1, checkpoint_steps=4),
+        workers=TrainingWorkers(
+            workers=2,
+            max_restarts=1,
+            checkpoint_steps=4,
+            checkpoint_interval_s=0,
+            straggler_timeout_s=STRAGGLER_TIMEOUT_S,
+        ),
         state_dir=tmp_path,
     )
     assert not (tmp_path / "training" / "job-left").exists()  # a killed agent's job
-    crash = functools.partial(train_with_workers, crash_at_step=steps // 2 + 1)
-    monkeypatch.setattr(trainer_module, "train_with_workers", crash)
+    stall = functools.partial(train_with_workers, stall_at_step=steps // 2 + 1)
+    monkeypatch.setattr(trainer_module, "train_with_workers", stall)
     model = TASK.build_model(0)
     with caplog.at_level(logging.INFO, logger="fedsec.agent.runtime"):
         done = trainer._train_model(model, PARAMS, dp, SEED, 1)
-    assert f"restarts=1 resumed_from_step={(steps // 2 + 1) // 4 * 4}" in caplog.text
+    resumed = (steps // 2 + 1) // 4 * 4
+    assert f"restarts=1 stragglers=1 resumed_from_step={resumed}" in caplog.text
+    # rank 0 gave up on the stalled worker after the timeout, not the stall's
+    # STALL_TIMEOUTS timeouts
+    waited = float(caplog.text.split("straggler_waits_s=")[1].split()[0])
+    assert STRAGGLER_TIMEOUT_S <= waited < 2 * STRAGGLER_TIMEOUT_S
+    assert STALL_TIMEOUTS >= 10
     assert (done.steps, done.sample_rate) == (steps, rate)
     assert done.epsilon_round == expected.epsilon_round
     _close(flatten_params(model), flatten_params(alone))
     assert (tmp_path / "privacy_ledger.json").read_bytes() == charged
     assert len(PrivacyLedger(tmp_path).history("local")) == 1
-    assert list((tmp_path / "training").iterdir()) == []
+    status = read_status(tmp_path)
+    assert status is not None and (status.round, status.restarts) == (1, 1)
+    assert [p.name for p in (tmp_path / "training").iterdir()] == ["workers.json"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -213,3 +244,73 @@ def test_weights_that_are_not_the_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TrainingWorkersFailed, match="not this model's"):
         _read_result(tmp_path, model, 2)
     assert np.array_equal(flatten_params(model), before)
+
+
+def test_rank_0_checkpoints_every_interval_as_well_as_every_n_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # checkpoints after 10 s or 5 steps, whichever comes first, and records each in the
+    # member's workers status; the clock is the only thing faked
+    clock = [100.0]
+    monkeypatch.setattr(workers_module, "_now", lambda: clock[0])
+    job = tmp_path / "training" / "job-x"
+    job.mkdir(parents=True)
+    write_status(tmp_path, WorkersStatus(3, 2, "running", 0.0))
+    settings = {"checkpoint_steps": 5, "checkpoint_interval_s": 10.0, "straggler_timeout_s": 60.0}
+    sharing = workers_module._Sharing(job, 0, 2, torch.device("cpu"), settings)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharing._attach(model, optimizer)
+    taken = []
+    for advance in (4.0, 4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0):
+        clock[0] += advance
+        optimizer.step()
+        status = read_status(tmp_path)
+        assert status is not None
+        taken.append(status.checkpoint_step)
+    # step 3 at 12 s (interval), step 5 (steps), then none until step 10 or 10 s after 5
+    assert taken == [None, None, 3, 3, 5, 5, 5, 5]
+    saved = load_file(str(job / "checkpoint.safetensors"))
+    assert int(saved["steps"].item()) == 5
+
+
+def test_only_a_rank_that_waited_the_whole_timeout_reports_a_straggler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a collective that fails at once (a dead peer) is a crash; one that fails after the
+    # straggler timeout since this rank's last step is a straggler; and the job's log
+    # yields, per attempt, the longest wait of its ranks
+    clock = [50.0]
+    monkeypatch.setattr(workers_module, "_now", lambda: clock[0])
+    settings = {"checkpoint_steps": 0, "checkpoint_interval_s": 0.0, "straggler_timeout_s": 3.0}
+    sharing = workers_module._Sharing(tmp_path, 1, 3, torch.device("cpu"), settings)
+    workers_module._report_straggler(sharing)  # not armed: start-up skew is no straggler
+    sharing.stepped_at = 50.0
+    clock[0] = 51.0
+    workers_module._report_straggler(sharing)
+    assert capsys.readouterr().err == ""
+    clock[0] = 53.5
+    workers_module._report_straggler(sharing)
+    line = capsys.readouterr().err
+    assert line == "worker_straggler attempt=0 rank=1 step=1 waited_s=3.5 timeout_s=3\n"
+    log = tmp_path / "torchrun.log"
+    other = line.replace("rank=1", "rank=0").replace("3.5", "3.2")
+    later = line.replace("attempt=0", "attempt=1")
+    log.write_text(f"noise\n{line}{other}[rank0]: RuntimeError: Timed out\n{later}")
+    assert workers_module._straggler_waits(log) == (3.5, 3.5)
+    assert workers_module._straggler_waits(tmp_path / "absent.log") == ()
+
+
+def test_agent_toml_straggler_and_interval_settings_are_checked_with_their_keys() -> None:
+    base = (
+        '[agent]\nid = "a0"\naggregator_url = "http://127.0.0.1:1"\n'
+        f'aggregator_public_key = "{"ab" * 32}"\n[training]\n'
+    )
+    settings = parse_agent_config(
+        base + "straggler_timeout_s = 5.5\ncheckpoint_interval_s = 0\n"
+    ).training.settings
+    assert (settings.straggler_timeout_s, settings.checkpoint_interval_s) == (5.5, 0.0)
+    with pytest.raises(ConfigError, match=r"training\.straggler_timeout_s: expected a number > 0"):
+        parse_agent_config(base + "straggler_timeout_s = 0\n")
+    with pytest.raises(ConfigError, match=r"training\.checkpoint_interval_s: expected a number"):
+        parse_agent_config(base + "checkpoint_interval_s = -1\n")

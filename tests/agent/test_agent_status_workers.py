@@ -1,0 +1,58 @@
+"""``fedsec agent status`` shows the last training workers job: workers, restarts (and
+how many a straggler caused) and checkpoint ages, as text and as ``--json``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from fedsec.agent.cli import agent
+from fedsec.learning.worker_status import WorkersStatus, write_status
+
+_CONFIG = (
+    '[agent]\nid = "a0"\naggregator_url = "http://127.0.0.1:1"\n'
+    f'aggregator_public_key = "{"ab" * 32}"\nstate_dir = "state"\n'
+)
+
+
+def _status(home: Path, *args: str) -> str:
+    result = CliRunner().invoke(agent, ["status", "--config", str(home / "agent.toml"), *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_status_shows_workers_restarts_and_checkpoint_ages(tmp_path: Path) -> None:
+    (tmp_path / "agent.toml").write_text(_CONFIG)
+    assert "training workers" not in _status(tmp_path)  # no job yet: no line
+    assert json.loads(_status(tmp_path, "--json"))["training_workers"] is None
+    now = time.time()
+    write_status(
+        tmp_path / "state",
+        WorkersStatus(
+            round=12,
+            workers=4,
+            state="running",
+            started_at=now - 300,
+            restarts=1,
+            stragglers=1,
+            checkpoint_step=150,
+            checkpoint_at=now - 20,
+            resumed_from_step=100,
+            resumed_checkpoint_age_s=42.0,
+        ),
+    )
+    text = _status(tmp_path)
+    assert (
+        "training workers: job of round 12 running, 4 worker(s), 1 restart(s) (1 for "
+        "stragglers), last checkpoint at step 150, 20 s ago; last restart resumed from "
+        "step 100, a checkpoint 42 s old"
+    ) in text
+    shown = json.loads(_status(tmp_path, "--json"))
+    assert shown["agent"] == "a0" and shown["receipts"] == 0
+    workers = shown["training_workers"]
+    assert (workers["workers"], workers["restarts"], workers["stragglers"]) == (4, 1, 1)
+    assert 19 <= workers["checkpoint_age_s"] < 60
+    assert workers["resumed_checkpoint_age_s"] == 42.0
