@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+T = TypeVar("T")
 
 TMP_MARK = ".tmp-"
 
@@ -35,6 +39,25 @@ def atomic_write(
 
     On any failure the temp file is removed and the old file is untouched.
     """
+    atomic_write_with(path, lambda fh: fh.write(body), mode=mode, parents_mode=parents_mode)
+
+
+def atomic_write_with(
+    path: Path,
+    write: Callable[[BinaryIO], T],
+    *,
+    mode: int = 0o644,
+    parents_mode: int | None = None,
+) -> T:
+    """As :func:`atomic_write`, the body written by ``write`` into the open temp file, so
+    a large body (a model file) is written in pieces and never held whole.
+
+    Returns:
+        What ``write`` returned.
+
+    Raises:
+        Whatever ``write`` raises; the temp file is removed and the old file untouched.
+    """
     path = Path(path)
     if parents_mode is not None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=parents_mode)
@@ -42,7 +65,7 @@ def atomic_write(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
+            result = write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -50,6 +73,7 @@ def atomic_write(
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return result
 
 
 def atomic_create(

@@ -20,14 +20,13 @@ import re
 import struct
 import time
 from collections.abc import Collection, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 from safetensors import SafetensorError
 from safetensors.numpy import load as _st_load
-from safetensors.numpy import save as _st_save
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
 from fedsec.errors import IntegrityError, PayloadTooLarge, SignatureError
@@ -46,6 +45,9 @@ MODEL_DTYPE = "F32"
 # A safetensors header is a few hundred bytes per tensor; 16 MiB allows ~50k tensors
 # (large transformer checkpoints have a few thousand) while bounding the JSON parse.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+# safetensors pads its header with spaces so the tensor data starts 8-byte aligned.
+_HEADER_ALIGN = 8
 
 # Manifests hold a handful of numbers, a note and metrics; 64 KiB is generous and keeps
 # a hostile manifest from costing more than a page of memory to parse.
@@ -68,6 +70,12 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class ByteSink(Protocol):
+    """Where :func:`write_model` puts a model file's bytes: a binary file, a hash."""
+
+    def write(self, data: memoryview | bytes, /) -> object: ...
+
+
 def encode_model(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
     """Encode named tensors as deterministic safetensors bytes.
 
@@ -80,16 +88,84 @@ def encode_model(arrays: Mapping[str, npt.ArrayLike]) -> bytes:
     Raises:
         IntegrityError: no tensors, a bad name, or a tensor with NaN/inf values.
     """
+    head, tensors = _layout(arrays)
+    # one copy of the tensors' bytes, into the result (join sizes it first)
+    return b"".join([head, *(_raw(value) for _, value in tensors)])
+
+
+def write_model(arrays: Mapping[str, npt.ArrayLike], sink: ByteSink) -> str:
+    """Write the bytes :func:`encode_model` returns to ``sink``, a tensor at a time,
+    without building them: the file costs no memory beyond the tensors themselves
+    (and a float32 copy of a tensor that is not already one, contiguous).
+
+    Returns:
+        The sha256 hex of the bytes written (the model file's name in stores).
+
+    Raises:
+        IntegrityError: as :func:`encode_model`, before anything is written.
+    """
+    head, tensors = _layout(arrays)
+    digest = hashlib.sha256(head)
+    sink.write(head)
+    for _, value in tensors:
+        raw = _raw(value)
+        digest.update(raw)
+        sink.write(raw)
+    return digest.hexdigest()
+
+
+def model_sha256(arrays: Mapping[str, npt.ArrayLike]) -> str:
+    """sha256 hex of :func:`encode_model`'s bytes, computed without building them.
+
+    Raises:
+        IntegrityError: as :func:`encode_model`.
+    """
+    return write_model(arrays, _NoSink())
+
+
+class _NoSink:
+    def write(self, data: memoryview | bytes, /) -> object:
+        return None
+
+
+def _layout(
+    arrays: Mapping[str, npt.ArrayLike],
+) -> tuple[bytes, list[tuple[str, np.ndarray[Any, Any]]]]:
+    """The file's first bytes (length, header) and its tensors in file order.
+
+    The bytes are safetensors' own for these tensors (tests/test_modelfile.py compares
+    them with ``safetensors.numpy.save`` byte for byte): a little-endian u64 header
+    length, then the header, compact JSON with raw UTF-8 as serde_json writes it,
+    metadata first, tensors sorted by name (one dtype, so safetensors' sort by
+    alignment then name is by name), padded with spaces to a multiple of 8 bytes;
+    then each tensor's little-endian bytes in that order.
+    """
     if not arrays:
         raise IntegrityError("a model needs at least one tensor")
-    ordered: dict[str, np.ndarray[Any, Any]] = {}
+    tensors: list[tuple[str, np.ndarray[Any, Any]]] = []
+    header: dict[str, Any] = {"__metadata__": dict(MODEL_METADATA)}
+    offset = 0
     for name in sorted(arrays):
         _check_name(name)
         value = np.ascontiguousarray(np.asarray(arrays[name], dtype="<f4"))
         if not bool(np.isfinite(value).all()):
             raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
-        ordered[name] = value
-    return bytes(_st_save(ordered, metadata=dict(MODEL_METADATA)))
+        tensors.append((name, value))
+        end = offset + value.nbytes
+        header[name] = {
+            "dtype": MODEL_DTYPE,
+            "shape": list(value.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text, tensors
+
+
+def _raw(value: np.ndarray[Any, Any]) -> memoryview:
+    """The bytes of a contiguous array, without copying them."""
+    return value.reshape(-1).data.cast("B")
 
 
 def decode_model(
@@ -168,6 +244,10 @@ def decode_model(
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name or name == "__metadata__" or len(name) > 1024:
         raise IntegrityError(f"invalid tensor name {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file can name it
+        raise IntegrityError(f"invalid tensor name {name!r}: not valid UTF-8") from None
 
 
 def _parse_header(data: bytes) -> dict[str, Any]:

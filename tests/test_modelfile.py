@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -15,14 +19,17 @@ from hypothesis.extra import numpy as hnp
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import IntegrityError, PayloadTooLarge, SignatureError
 from fedsec.modelfile import (
+    MODEL_METADATA,
     ModelManifest,
     decode_model,
     encode_model,
     manifest_from_json,
     manifest_to_json,
+    model_sha256,
     sha256_hex,
     sign_manifest,
     verify_manifest,
+    write_model,
 )
 
 LIMIT = 1 << 20
@@ -73,6 +80,112 @@ def test_round_trip_property(arrays: dict[str, np.ndarray]) -> None:
     for name, value in arrays.items():
         np.testing.assert_array_equal(out[name], value)
     assert encode_model(out) == data
+
+
+# -- the streaming encoder against safetensors' own bytes ---------------------------
+
+
+def _safetensors_bytes(arrays: Mapping[str, Any]) -> bytes:
+    """What ``safetensors.numpy.save`` writes for the tensors ``encode_model`` encodes:
+    the reference the streaming encoder must equal byte for byte."""
+    from safetensors.numpy import save
+
+    prepared = {
+        name: np.ascontiguousarray(np.asarray(value, dtype="<f4"))
+        for name, value in sorted(arrays.items())
+    }
+    return bytes(save(prepared, metadata=dict(MODEL_METADATA)))
+
+
+def _assert_same_bytes(ours: bytes, reference: bytes) -> None:
+    if ours != reference:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(ours, reference, strict=False)) if a != b),
+            min(len(ours), len(reference)),
+        )
+        raise AssertionError(
+            f"encoded bytes differ from safetensors' at byte {at} "
+            f"(lengths {len(ours)} and {len(reference)}): "
+            f"{ours[max(0, at - 20) : at + 20]!r} vs {reference[max(0, at - 20) : at + 20]!r}"
+        )
+
+
+def _assert_encodes_like_safetensors(arrays: Mapping[str, Any]) -> None:
+    reference = _safetensors_bytes(arrays)
+    _assert_same_bytes(encode_model(arrays), reference)
+    sink = io.BytesIO()
+    digest = write_model(arrays, sink)
+    _assert_same_bytes(sink.getvalue(), reference)
+    assert digest == model_sha256(arrays) == hashlib.sha256(reference).hexdigest()
+
+
+# tensor names as a state_dict or a hostile writer may spell them: dots, quotes,
+# backslashes, control characters, non-ASCII (no lone surrogates: no file can hold one)
+_NAMES = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12
+).filter(lambda name: name != "__metadata__")
+
+
+@st.composite
+def _tensor(draw: st.DrawFn) -> np.ndarray:
+    dtype = draw(st.sampled_from(["<f4", ">f4", "<f2", "<f8", "<i8"]))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
+    value = draw(hnp.arrays(dtype, shape, elements=st.integers(-1000, 1000)))
+    layout = draw(st.sampled_from(["as is", "transposed", "strided"]))
+    if layout == "transposed":
+        value = value.T
+    elif layout == "strided" and value.ndim:
+        value = np.repeat(value, 2, axis=0)[::2]  # equal values, not contiguous
+    return value
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(_NAMES, _tensor(), min_size=1, max_size=6))
+def test_streaming_encoder_writes_safetensors_bytes(arrays: dict[str, np.ndarray]) -> None:
+    _assert_encodes_like_safetensors(arrays)
+
+
+def test_streaming_encoder_writes_safetensors_bytes_for_torch_models() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)),
+        # buffers: running statistics and an int64 batch counter
+        torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten()),
+        torch.nn.Sequential(torch.nn.Embedding(40, 6), torch.nn.LayerNorm(6), torch.nn.GRU(6, 4)),
+        torch.nn.Linear(0, 3),  # an empty weight
+    ]
+    models[1].train()(torch.randn(2, 3, 5, 5))  # buffers away from their initial values
+    for model in models:
+        state = model.state_dict()
+        _assert_encodes_like_safetensors(state)
+        # parameters as the encoder sees a transposed or sliced view of them
+        views = {name: t.T if t.ndim == 2 else t for name, t in state.items()}
+        _assert_encodes_like_safetensors(views)
+
+
+def test_the_comparison_catches_a_one_byte_difference() -> None:
+    arrays = _arrays()
+    reference = _safetensors_bytes(arrays)
+    for at in (0, 8, len(reference) // 2, len(reference) - 1):
+        changed = bytearray(reference)
+        changed[at] ^= 1
+        with pytest.raises(AssertionError, match=f"at byte {at} "):
+            _assert_same_bytes(bytes(changed), reference)
+    with pytest.raises(AssertionError, match="lengths"):
+        _assert_same_bytes(reference + b" ", reference)
+
+
+def test_encoder_refuses_before_writing() -> None:
+    sink = io.BytesIO()
+    with pytest.raises(IntegrityError, match="NaN"):
+        write_model({"a": np.ones(3), "b": np.array([1.0, np.nan])}, sink)
+    with pytest.raises(IntegrityError, match="not valid UTF-8"):
+        write_model({"\ud800": np.ones(1)}, sink)
+    with pytest.raises(IntegrityError, match="at least one"):
+        write_model({}, sink)
+    assert sink.getvalue() == b""
 
 
 def test_size_checked_before_parsing() -> None:

@@ -14,10 +14,9 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.derive import apply_mean
 from fedsec.errors import FedsecError, RoundAborted
 from fedsec.learning.optimizers import AdamMoments, ServerRule
-from fedsec.modelfile import ModelManifest, decode_model, encode_model
+from fedsec.modelfile import ModelManifest, decode_model, model_sha256
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks.evaluation import evaluate_sums
-from fedsec.tasks.params import state_to_arrays
 
 
 class ServerStep(Protocol):
@@ -83,10 +82,12 @@ class ModelApplier:
         metrics: dict[str, float] = {}
         if self._validation is not None:
             metrics = evaluate_sums(self._model, *self._validation, task=self._ctx.task).values()
-        arrays_out = state_to_arrays(self._model)
-        digest = hashlib.sha256(encode_model(arrays_out)).hexdigest()
+        # hashed and written from the model's own tensors, a tensor at a time: neither a
+        # copy of the state nor the file's bytes is held
+        state = self._model.state_dict()
+        digest = model_sha256(state)
         manifest = self._written_before(digest, parent.version, round_) or models.put(
-            arrays_out, parent=parent.version, round=round_, kind="aggregate", metrics=metrics
+            state, parent=parent.version, round=round_, kind="aggregate", metrics=metrics
         )
         self._ctx.faults.crash(round_, "model_write")
         return NewVersion(manifest, parent, metrics)

@@ -25,22 +25,24 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy.typing as npt
 
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import FedsecError, IntegrityError, NotFound
-from fedsec.fsio import TMP_MARK, atomic_write
+from fedsec.fsio import TMP_MARK, atomic_write, atomic_write_with
 from fedsec.modelfile import (
     ManifestKind,
     ModelManifest,
-    encode_model,
     manifest_from_json,
     manifest_to_json,
+    model_sha256,
     sha256_hex,
     sign_manifest,
     verify_manifest,
+    write_model,
 )
 
 log = logging.getLogger(__name__)
@@ -108,11 +110,14 @@ class ModelStore:
         Raises:
             IntegrityError: bad arrays, metrics, or a parent that is not a good version.
         """
-        data = encode_model(arrays)
+        sha = model_sha256(arrays)  # refuses bad arrays before anything is written
         with self._lock:
             self._check_parent(parent)
-            sha = sha256_hex(data)
-            self._write_model(sha, data)
+            if not self._has_model(sha):
+                # streamed a tensor at a time: the file is never held whole
+                written = atomic_write_with(self.model_path(sha), partial(write_model, arrays))
+                if written != sha:
+                    raise IntegrityError(f"model arrays changed while being stored ({sha})")
             return self._publish(
                 sha, parent=parent, round=round, kind=kind, metrics=metrics, note=note
             )
@@ -127,7 +132,8 @@ class ModelStore:
         with self._lock:
             self._check_parent(parent)
             sha = sha256_hex(data)
-            self._write_model(sha, data)
+            if not self._has_model(sha):
+                atomic_write(self.model_path(sha), data)
             return self._publish(
                 sha, parent=parent, round=round, kind="sealed", metrics={}, note=""
             )
@@ -159,16 +165,19 @@ class ModelStore:
         except FedsecError as exc:
             raise IntegrityError(f"parent version {parent} is not a good version: {exc}") from None
 
-    def _write_model(self, sha: str, data: bytes) -> None:
+    def _has_model(self, sha: str) -> bool:
+        """Whether the model file named ``sha`` is on disk and holds those bytes (a file
+        that does not is rewritten)."""
         path = self.model_path(sha)
-        if path.exists():
-            try:
-                if sha256_hex(path.read_bytes()) == sha:
-                    return
-            except OSError:
-                pass
-            log.warning("model_file_rewritten sha256=%s reason=content_mismatch", sha)
-        atomic_write(path, data)
+        if not path.exists():
+            return False
+        try:
+            if sha256_hex(path.read_bytes()) == sha:
+                return True
+        except OSError:
+            pass
+        log.warning("model_file_rewritten sha256=%s reason=content_mismatch", sha)
+        return False
 
     def _publish(
         self,
