@@ -128,6 +128,21 @@ def audit() -> None:
     help="require every round spec to pin the task package installed here (same "
     "distribution, version and digest of its files)",
 )
+@click.option(
+    "--peer-journal",
+    "peer_journals",
+    type=click.Path(path_type=Path, exists=True),
+    multiple=True,
+    help="a gossip peer's journal, or a directory of them (*.jsonl); repeatable: their "
+    "chains and heads are checked and they are cross-checked against each other",
+)
+@click.option(
+    "--peer-key",
+    "peer_keys",
+    multiple=True,
+    help="a peer member's public key (hex), repeatable: each journal's heads must be "
+    "signed by one of them",
+)
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(
     log_path: Path | None,
@@ -138,12 +153,20 @@ def verify_cmd(
     aggregator_key: str | None,
     key: Path | None,
     check_task_pin: bool,
+    peer_journals: tuple[Path, ...],
+    peer_keys: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all hold."""
+    """Check the chain, signatures, aggregates, models, receipts and ε; exit 0 only if all
+    hold.  With --peer-journal, cross-check gossip peers' journals (alone, or as well)."""
     from fedsec.audit.verify import verify_log
     from fedsec.keys import load_identity
 
+    peers_ok = True
+    if peer_journals:
+        peers_ok = _verify_peer_journals(peer_journals, peer_keys, as_json)
+        if log_path is None and workspace is None:
+            sys.exit(0 if peers_ok else 1)
     log_path, archive, models, pinned = _records(
         log_path, archive, models, workspace, aggregator_key
     )
@@ -176,7 +199,32 @@ def verify_cmd(
                 f"({underived['rule']}): {underived['detail']}"
             )
         click.echo("OK: every check holds" if result.ok else f"FAILED: {result.problem}")
-    sys.exit(0 if result.ok else 1)
+    sys.exit(0 if result.ok and peers_ok else 1)
+
+
+def _verify_peer_journals(paths: tuple[Path, ...], keys: tuple[str, ...], as_json: bool) -> bool:
+    from fedsec.audit.peer_journals import cross_check_journals, journal_files
+    from fedsec.crypto.identity import key_id
+
+    if not keys:
+        raise ConfigError("--peer-journal needs the members' public keys: give --peer-key HEX")
+    try:
+        publics = [bytes.fromhex(k) for k in keys]
+    except ValueError:
+        raise ConfigError("--peer-key must be hex") from None
+    if any(len(p) != 32 for p in publics):
+        raise ConfigError("--peer-key must be a 32-byte Ed25519 public key in hex")
+    result = cross_check_journals(journal_files(paths), {key_id(p): p for p in publics})
+    if as_json:
+        click.echo(json.dumps({"peer_journals": result.as_dict()}))
+    else:
+        click.echo(
+            f"peer journals {result.journals}, entries {result.entries}, messages matched "
+            f"{result.matched}, with members not given {result.outside}, catch-ups matched "
+            f"{result.catch_ups}"
+        )
+        click.echo("OK: peer journals agree" if result.ok else f"FAILED: {result.problem}")
+    return result.ok
 
 
 def _auditor_options(fn: F) -> F:

@@ -60,7 +60,7 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
         raise click.ClickException(f"this member's key {identity.key_id} is not in members")
     trainer, samples, start = _trainer(config)
     g = config.gossip
-    journal = PeerJournal(config.federation_id, identity, home / config.journal_file)
+    journal = PeerJournal.resume(config.federation_id, identity, home / config.journal_file)
     state = GossipPeer(
         config.federation_id,
         identity.key_id,

@@ -72,14 +72,7 @@ from fedsec.errors import (
 from fedsec.learning import robust
 from fedsec.peer import messages
 from fedsec.peer.catchup import CatchUp, VersionStep, judge_offers, version_step
-from fedsec.peer.journal import (
-    PeerCaughtUp,
-    PeerCombined,
-    PeerJournal,
-    PeerReceived,
-    PeerRefused,
-    PeerSent,
-)
+from fedsec.peer.journal import PeerJournal
 from fedsec.peer.limits import (
     CONSENSUS_CLIP_OVER_MEDIAN,
     DEFAULT_EXCHANGES,
@@ -93,6 +86,13 @@ from fedsec.peer.limits import (
 )
 from fedsec.peer.messages import PeerModel, Vector
 from fedsec.protocol.limits import MAX_ID
+from fedsec.protocol.peer_journal import (
+    PeerCaughtUp,
+    PeerCombined,
+    PeerReceived,
+    PeerRefused,
+    PeerSent,
+)
 
 
 @dataclass(frozen=True)

@@ -1,92 +1,25 @@
-"""A peer's own hash-chained record of what it sent, received and refused.
+"""A peer's own hash-chained record of what it sent, received, refused and combined.
 
-Each peer keeps one, so that a later cross-check can match a message one side logged as
-sent with the other side's record of receiving it (same round, same SHA-256).  The lines
-are the transparency log's (:mod:`fedsec.protocol.log`): canonical JSON of ``index``,
-``prev``, ``time``, ``kind`` and ``body``, each entry's hash the SHA-256 of its line, and a
-``head`` entry signing the chain up to the entry before it with the peer's own key.  The
-kinds are the peer's own (the aggregator's log registry is closed: its verifier treats
-every kind it holds), so a peer journal is read with :func:`verify_journal`, not by the
-aggregator-log reader.
+The format, its entry kinds and its checks are :mod:`fedsec.protocol.peer_journal`'s (one
+definition, which the auditor's cross-check reads too); this module keeps the chain in
+memory and appends each line to the peer's file.  A peer restarted on the same file
+continues its chain (:meth:`PeerJournal.resume`) rather than starting a second one in it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
 from fedsec.crypto.identity import SigningIdentity, canonical_json
-from fedsec.errors import IntegrityError
-from fedsec.protocol.log import GENESIS_PREV, MAX_LINE_BYTES, LogEntry, head_body, verify_head
-from fedsec.protocol.log_entries import HeadEntry
+from fedsec.protocol.log import GENESIS_PREV, LogEntry, head_body
+from fedsec.protocol.peer_journal import JournalBody, encode, verify_journal
 
-KINDS: Final[tuple[str, ...]] = (
-    "peer_sent",
-    "peer_received",
-    "peer_refused",
-    "peer_combined",
-    "peer_caught_up",
-)
-
-
-class PeerSent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    round: int
-    to: str  # the neighbour's key id
-    sha256: str  # of the message bytes
-    exchange: int = 0
-
-
-class PeerReceived(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    round: int
-    sender: str
-    sha256: str
-    samples: int
-    exchange: int = 0
-
-
-class PeerRefused(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A neighbour's model kept out of the peer's average (filtered, or too stale)."""
-
-    round: int
-    sender: str
-    sha256: str
-    reason: str
-
-
-class PeerCombined(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The peer's model after an exchange of a round: its own update and the neighbours'
-    it averaged (exchange 0), or the neighbours' models it mixed in (later exchanges)."""
-
-    round: int
-    accepted: list[str]
-    refused: list[str]
-    missing: list[str]
-    model_sha256: str
-    exchange: int = 0
-
-
-class PeerCaughtUp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The peer rejoined at ``round`` after missing rounds, from its neighbours' offers."""
-
-    round: int
-    sources: list[str]  # the neighbours whose offers made the model, sorted
-    sha256: list[str]  # of each one's offer, in the same order
-    model_sha256: str
-
-
-JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined | PeerCaughtUp
-_KIND_OF: Final = {
-    PeerSent: "peer_sent",
-    PeerReceived: "peer_received",
-    PeerRefused: "peer_refused",
-    PeerCombined: "peer_combined",
-    PeerCaughtUp: "peer_caught_up",
-}
+__all__ = ["PeerJournal", "verify_journal"]
 
 
 class PeerJournal:
@@ -114,7 +47,29 @@ class PeerJournal:
 
     def append(self, body: JournalBody) -> LogEntry:
         """Chain ``body`` after the last entry."""
-        return self._chain(_KIND_OF[type(body)], msgspec.to_builtins(body))
+        return self._chain(*encode(body))
+
+    @classmethod
+    def resume(
+        cls,
+        federation_id: str,
+        signer: SigningIdentity,
+        path: Path,
+        clock: Callable[[], float] = time.time,
+    ) -> PeerJournal:
+        """The journal in ``path`` (empty when the file is absent), checked under the
+        peer's own key, to continue.
+
+        Raises:
+            IntegrityError: the file's chain, bodies or heads do not hold.
+            OSError: it cannot be read.
+        """
+        journal = cls(federation_id, signer, path, clock)
+        if path.exists():
+            lines = path.read_bytes().splitlines()
+            verify_journal(lines, signer.public_bytes, federation_id)
+            journal.entries = [_entry(line) for line in lines]
+        return journal
 
     def head(self) -> LogEntry:
         """A ``head`` signing the chain up to the last entry with the peer's key.
@@ -142,35 +97,6 @@ class PeerJournal:
         return entry
 
 
-def verify_journal(lines: Sequence[bytes], peer_public: bytes, federation_id: str) -> int:
-    """Check a journal's chain and every head in it against the peer's key.
-
-    Returns:
-        The index of the last entry a head signs (-1 when no head does).
-
-    Raises:
-        IntegrityError: a line that is not canonical, a broken link, an unknown kind, or
-            a head that does not verify.
-    """
-    prev, signed = GENESIS_PREV, -1
-    entries: list[LogEntry] = []
-    for i, line in enumerate(lines):
-        if len(line) > MAX_LINE_BYTES:
-            raise IntegrityError(f"journal line {i}: longer than {MAX_LINE_BYTES} bytes")
-        doc = msgspec.json.decode(line)
-        if not isinstance(doc, dict) or canonical_json(doc) != line:
-            raise IntegrityError(f"journal line {i}: not in canonical form (altered)")
-        if doc.get("index") != i or doc.get("prev") != prev:
-            raise IntegrityError(f"journal line {i}: the chain breaks here")
-        if doc.get("kind") not in (*KINDS, "head"):
-            raise IntegrityError(f"journal line {i}: unknown kind {doc.get('kind')!r}")
-        entry = LogEntry(i, prev, float(doc["time"]), doc["kind"], doc["body"], line)
-        if entry.kind == "head":
-            head = msgspec.convert(entry.body, HeadEntry)
-            if i == 0 or head.federation_id != federation_id:
-                raise IntegrityError(f"journal line {i}: a head of another federation")
-            verify_head(head, peer_public, entries[-1])
-            signed = i - 1
-        entries.append(entry)
-        prev = hashlib.sha256(line).hexdigest()
-    return signed
+def _entry(line: bytes) -> LogEntry:
+    doc = msgspec.json.decode(line)
+    return LogEntry(doc["index"], doc["prev"], float(doc["time"]), doc["kind"], doc["body"], line)
