@@ -23,13 +23,7 @@ from fedsec.learning.optimizers import AdamMoments, FedAdam, ServerRule, server_
 from fedsec.modelfile import decode_model, encode_model
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks import get_task
-from fedsec.tasks.params import (
-    arrays_to_state,
-    param_count,
-    state_to_arrays,
-    trainable_parameters,
-)
-from fedsec.tasks.table_task import table_task_for_model
+from fedsec.tasks.params import arrays_to_state, param_count, trainable_parameters
 
 #: Coordinates stepped at a time: the mean and the step's temporaries are a few float32
 #: runs of this length (1 MiB each), never the model's size (an 11M model's float64 mean,
@@ -66,10 +60,16 @@ def derive_model(
     if not weight_sum > 0:  # before the parent is read
         raise RoundAborted("the survivors' total weight is zero")
     arrays = decode_model(parent, max_bytes=MAX_MODEL_BYTES)
-    # task "table" is shaped by the federation's schema, which the log does not hold
-    model = (table_task_for_model(arrays) if task == "table" else get_task(task)).build_model(0)
+    if task == "table":  # shaped by the federation's schema, which the log does not hold
+        # imported here: its data code (scikit-learn, 60 MB) is no serving aggregator's
+        from fedsec.tasks.table_task import table_task_for_model
+
+        model = table_task_for_model(arrays).build_model(0)
+    else:
+        model = get_task(task).build_model(0)
     state = apply_mean(model, arrays, weighted_sum, weight_sum, rule, state)
-    return encode_model(state_to_arrays(model)), state
+    # encoded from the model's own tensors (a float32 CPU tensor is read in place)
+    return encode_model(model.state_dict()), state
 
 
 def apply_mean(

@@ -17,12 +17,14 @@ from typing import Literal, cast
 import numpy as np
 
 from fedsec.aggregator.rounds.context import RoundContext, log
-from fedsec.learning.reference import reference_seed, reference_update, root_dataset
-from fedsec.learning.training import TrainingParams
 from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_MODEL_BYTES
+from fedsec.tasks.base import TrainingParams
 from fedsec.tasks.params import arrays_to_state
+
+# fedsec.learning.reference (the members' training code, and with it Opacus: 50 MB of a
+# serving aggregator's memory) is imported only by a federation whose rule is fltrust.
 
 
 class RootReference:
@@ -45,6 +47,8 @@ class RootReference:
 
     def _root_dataset(self, records: int) -> tuple[np.ndarray, np.ndarray]:
         if records not in self._root:
+            from fedsec.learning.reference import root_dataset
+
             self._root[records] = root_dataset(self._ctx.task.load(seed=0), records)
         return self._root[records]
 
@@ -52,6 +56,8 @@ class RootReference:
         """The reference Δ₀ of ``spec``'s attempt: its model trained on the root dataset
         (the spec's training settings, no DP, a seed from the spec's), clipped to its
         clip norm."""
+        from fedsec.learning.reference import reference_seed, reference_update
+
         assert spec.aggregation is not None  # the session asks only for an fltrust spec
         x, y = self._root_dataset(spec.aggregation.root_records)
         task = self._ctx.task
