@@ -52,7 +52,6 @@ from fedsec.protocol.log_entries import GenesisEntry
 from fedsec.protocol.stages import ACTIVE_STAGES, Stage
 from fedsec.summation import mode_named, mode_of
 from fedsec.task.digest import loaded_task_pin
-from fedsec.tasks import get_task
 from fedsec.tasks.base import Task
 
 __all__ = ["LOG_LINES_PER_READ", "REFUSED_ENTRIES_PER_ATTEMPT", "Coordinator"]
@@ -100,7 +99,7 @@ class Coordinator:
         # in JSON) makes a repeat across restarts vanishingly unlikely.
         self.token = secrets.randbits(52) + 1
         fed = workspace.config.federation
-        self.task = get_task(fed.task, **fed.task_options)
+        self.task = workspace.served_task()
         model = self.task.build_model(seed=0)
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # a config edited after init (e.g. to secure_sum = "he") meets the same refusal

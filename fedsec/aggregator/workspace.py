@@ -11,6 +11,8 @@ Layout::
                          database (docs/deployment.md)
     he/context.json      secure_sum = "he": the key custodian's public CKKS context and
                          its signed statement (wire.HeContext), once published
+    dp-verdict.json      the task whose model last passed Opacus's check (pin, options,
+                         versions; fedsec.task.dp_verdict), so serving need not import Opacus
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import ConfigError
 from fedsec.keys import load_identity, load_public_key, save_identity, save_public_key
 from fedsec.summation import mode_named
+from fedsec.task import Task, load_task
+from fedsec.task.dp_verdict import ensure_checked, record_passed
 from fedsec.tasks import get_task
 from fedsec.tasks.params import state_to_arrays
 
@@ -41,6 +45,7 @@ AGGREGATOR_KEY = "aggregator.key"
 ADMIN_KEY = "admin.key"
 STATE_DB = "state.db"
 HE_CONTEXT_FILE = "he/context.json"
+DP_VERDICT_FILE = "dp-verdict.json"
 
 
 @dataclass
@@ -95,6 +100,20 @@ class Workspace:
     def admin(self) -> SigningIdentity:
         """The admin signing key (only where it is kept beside the workspace)."""
         return load_identity(self.root / ADMIN_KEY)
+
+    def served_task(self) -> Task:
+        """The federation's task, refused if Opacus cannot train its model: checked at
+        init, and again (in a child process, so a serving aggregator never imports
+        Opacus) only if the task package, its options or the validator changed since.
+
+        Raises:
+            DpIncompatibleModel: a layer Opacus refuses; the message names it and its fix.
+            UnknownTask, ConfigError, InvalidTask: the task cannot be loaded or checked.
+        """
+        fed = self.config.federation
+        task = load_task(fed.task, **fed.task_options)
+        ensure_checked(task, self.root / DP_VERDICT_FILE)
+        return task
 
     def close(self) -> None:
         self.state.close()
@@ -164,6 +183,7 @@ def init_workspace(
     initial = the_task.build_model(seed=model_seed)
     check_model_size(config, sum(p.numel() for p in initial.parameters() if p.requires_grad))
     root.mkdir(parents=True, exist_ok=True)
+    record_passed(the_task, root / DP_VERDICT_FILE)  # get_task checked it
     signer = SigningIdentity.generate()
     admin = SigningIdentity.generate()
     save_identity(signer, root / AGGREGATOR_KEY)
