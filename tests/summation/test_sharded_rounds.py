@@ -110,3 +110,34 @@ def _group_entries(groups: list[dict[str, Any]]) -> list[GroupSumEntry]:
 def test_a_configuration_whose_groups_would_be_too_small_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"round.min_agents: expected >= shards × "):
         make_federation(tmp_path / "ws", agents=MEMBERS, round={**SHARDED, "min_agents": 7})
+
+
+def test_distributed_noise_is_sized_for_each_groups_survivors(tmp_path: Path) -> None:
+    """Each group's sum is revealed to the aggregator, so it must carry all the noise:
+    the spec sizes the shares for ⌈0.8 × 4⌉ = 4 survivors of a group, not 7 of the 8."""
+    fed = make_federation(
+        tmp_path / "ws",
+        agents=MEMBERS,
+        round={**SHARDED, "quant_bits": 16},
+        validation=False,
+        sections={"dp": {"mode": "distributed", "unit": "member"}},
+    )
+    coord = Coordinator(fed.ws, clock=FakeClock())
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    coord.tick()
+    spec = coord.live.spec
+    assert spec is not None and [len(g.members) for g in spec.groups] == [4, 4]
+    assert spec.dp.min_survivors == 4
+
+
+def test_a_group_noise_share_of_one_survivor_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"⌈0.2 × 4⌉ = 1 survivor\(s\)"):
+        make_federation(
+            tmp_path / "ws",
+            agents=MEMBERS,
+            round=SHARDED,
+            sections={
+                "dp": {"mode": "distributed", "unit": "member", "min_survivors_fraction": 0.2}
+            },
+        )
