@@ -120,6 +120,9 @@ class ChaosPlan:
     federation_id: str = "chaos"
     dp: bool = True  # DP-SGD with noise_multiplier, or no DP at all
     storage_url: str = ""  # [storage] url: a PostgreSQL database replicas share
+    # more [round] keys (secure_sum, mode, buffer_size, ...) and the [he] section
+    round_settings: Mapping[str, Any] = field(default_factory=dict)
+    he: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,10 +167,12 @@ def _federation_text(plan: ChaosPlan) -> str:
             "rounds": plan.rounds,
             "max_weight_samples": 200,
             **plan.deadlines,
+            **plan.round_settings,
         },
         training={"local_epochs": 1, "batch_size": 32, "lr": 0.1},
         dp={"enabled": plan.dp, "noise_multiplier": plan.noise_multiplier, "max_grad_norm": 1.0},
         server={"port": 0},
+        he=dict(plan.he),
     )
     if plan.storage_url:  # the rendered [storage] section holds url = "" once
         text = text.replace('\nurl = ""\n', f"\nurl = {json.dumps(plan.storage_url)}\n", 1)

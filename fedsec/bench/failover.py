@@ -24,8 +24,10 @@ SIGCONTs it: the fence must refuse every write it still tries (its
 ``fedsec_fenced_writes_refused`` counter) and it must stand by by itself.
 
 Results are compared with an uninterrupted run of the same federation (leader and
-standby, no fault).  Everything waits on conditions with deadlines; every process is
-ended on the way out.
+standby, no fault).  The same in homomorphic-summation and buffered rounds, one kill
+mid-round each: :mod:`fedsec.bench.failover_modes` (an HE federation's key custodian,
+a process given both URLs, is started here).  Everything waits on conditions with
+deadlines; every process is ended on the way out.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class _Replicas(_Federation):
         self.replicas: list[subprocess.Popen[bytes] | None] = [None, None]
         self.log_names = ["", ""]  # each slot's current process's log
         self.started = 0
+        self.custodian_id: str = plan.he.get("custodian", "")
+        self.custodian: subprocess.Popen[bytes] | None = None
+        self.aggregator_public = b""  # the custodian pins it (known once created)
 
     def create(self) -> None:
         from fedsec.config import load_agent_config
@@ -140,6 +145,55 @@ class _Replicas(_Federation):
             agent = msgspec.structs.replace(cfg.agent, aggregator_url=list(self.urls))
             privacy = msgspec.structs.replace(cfg.privacy, require_dp=self.plan.dp)
             write_agent_config(a, msgspec.structs.replace(cfg, agent=agent, privacy=privacy))
+        if self.custodian_id:
+            self._enrol_custodian()
+
+    def _enrol_custodian(self) -> None:
+        """An HE federation's key custodian: its directory beside the workspace, its
+        entry on the roster (in the shared database, where both replicas read it)."""
+        from fedsec.aggregator.workspace import Workspace
+        from fedsec.crypto.he import HeParams
+        from fedsec.custodian.store import create_custodian
+        from fedsec.protocol.roster import sign_roster_entry
+
+        fid = self.plan.federation_id
+        manifest = create_custodian(self.root / self.custodian_id, fid, HeParams())
+        ws = Workspace.open(self.workspace)
+        try:
+            self.aggregator_public = ws.signer.public_bytes
+            entry = sign_roster_entry(
+                federation_id=fid,
+                agent_id=self.custodian_id,
+                public_key=bytes.fromhex(manifest.public_key),
+                role="custodian",
+                admin=ws.admin(),
+            )
+            ws.roster.add(entry)
+        finally:
+            ws.close()
+
+    def start_agents(self) -> None:
+        """The agents, and first the key custodian where there is one: given both
+        replicas' URLs as the agents are, it moves to whichever leads."""
+        if self.custodian_id:
+            args = ["custodian", "serve", "--dir", str(self.root / self.custodian_id)]
+            args += ["--id", self.custodian_id]
+            args += ["--aggregator-public-key", self.aggregator_public.hex()]
+            for url in self.urls:
+                args += ["--aggregator-url", url]
+            self.custodian = self._spawn(self.custodian_id, args, {})
+        super().start_agents()
+
+    def custodian_alive(self) -> None:
+        """Check that the key custodian, where there is one, still serves.
+
+        Raises:
+            ConfigError: it exited (it serves until the run ends).
+        """
+        if self.custodian is not None and self.custodian.poll() is not None:
+            raise ConfigError(
+                f"the key custodian exited with {self.custodian.returncode}; see {self.logs}"
+            )
 
     def start_replica(self, slot: int, crash_at: str | None) -> None:
         self.started += 1
@@ -213,7 +267,7 @@ class _Replicas(_Federation):
         return None
 
     def close(self) -> None:
-        procs = [p for p in self.replicas if p is not None]
+        procs = [p for p in (*self.replicas, self.custodian) if p is not None]
         for proc in procs:  # a paused one cannot take SIGTERM
             with suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGCONT)
@@ -277,6 +331,7 @@ def run_replicated(
                     break
             if all(p.poll() is not None for p in fed.agents.values()):
                 raise ConfigError(f"every agent exited before the federation finished; {fed.logs}")
+            fed.custodian_alive()
             time.sleep(STATUS_POLL_S)
         run.history = list(last.history)
         if run.pause:
@@ -464,6 +519,14 @@ def run_failover(
 
 
 @click.command("failover")
+@click.option(
+    "--mode",
+    type=click.Choice(["secagg", "he", "buffered"]),
+    default="secagg",
+    show_default=True,
+    help="secagg: sync SecAgg+ rounds, killed at every stage, and the pause run; he or "
+    "buffered: those rounds, killed once mid-round (one JSON line per kill)",
+)
 @click.option("--agents", default=6, show_default=True)
 @click.option("--rounds", default=5, show_default=True)
 @click.option(
@@ -478,6 +541,7 @@ def run_failover(
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_failover(
+    mode: str,
     agents: int,
     rounds: int,
     database_url: str | None,
@@ -485,9 +549,18 @@ def bench_failover(
     workdir: Path | None,
     as_json: bool,
 ) -> None:
-    """Kill the leading aggregator replica at every stage; a standby takes over."""
+    """Kill the leading aggregator replica at every stage (HE, buffered: once
+    mid-round); a standby takes over."""
     if workdir is not None and workdir.exists() and any(workdir.iterdir()):
         raise ConfigError(f"{workdir} exists and is not empty; choose a new directory")
+    if mode != "secagg":
+        from fedsec.bench.failover_modes import run_mode_failover
+
+        for row in run_mode_failover(
+            mode, agents, rounds, database_url=database_url, workdir=workdir
+        ):
+            click.echo(json.dumps(row))
+        return
     result = run_failover(
         agents, rounds, database_url=database_url, workdir=workdir, pause=not no_pause
     )
