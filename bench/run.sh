@@ -93,6 +93,17 @@ for eps in 8 3; do
 done
 echo "== chaos: aggregator killed at every stage, compared with an uninterrupted run"
 $FEDSEC bench chaos --agents 6 --rounds 5 --json | tee -a "$out/chaos.jsonl"
+# Replicated aggregator (docs/deployment.md): a temporary PostgreSQL cluster of this
+# machine's server, so these need Debian's postgresql (make system-deps installs it).
+echo "== failover: leader SIGKILLed once per round at every stage, standby takes over;"
+echo "   then the leader paused past its lease (the fence); both against an uninterrupted run"
+$FEDSEC bench failover --agents 6 --rounds 5 --json | tee -a "$out/failover.jsonl"
+echo "== failover: HE (key custodian) and buffered rounds, the leader killed once mid-round"
+for mode in he buffered; do
+  $FEDSEC bench failover --mode $mode --agents 6 --rounds 5 --json | tee -a "$out/failover.jsonl"
+done
+echo "== store: simulate round time on PostgreSQL against SQLite (50 members, 3 interleaved pairs)"
+$FEDSEC bench store --agents 50 --rounds 5 --pairs 3 --json | tee -a "$out/store.jsonl"
 echo "== async: buffered vs synchronous rounds, 20% of members 10x slower"
 $FEDSEC bench async --json | tee -a "$out/async.jsonl"
 echo "== ops: /metrics latency (100 members, 1,000 closed rounds) and the dashboard's cost"
