@@ -9,8 +9,11 @@ A revocation is the same entry re-signed with ``status = "revoked"`` and the tim
 revocation.  Each change travels in the transparency log as an event
 (:func:`roster_event`, read back with :func:`entry_from_event`).
 
-This is the part agent, aggregator and auditor share, with no I/O; the on-disk store
-(``roster.json``, its lock and live reload) is :mod:`fedsec.aggregator.storage.roster_file`.
+This is the part agent, aggregator, auditor and peers share, with no I/O: the entries and
+the ``roster.json`` document that holds them (:func:`read_roster_document`); the
+aggregator's on-disk store (its lock and live reload) is
+:mod:`fedsec.aggregator.storage.roster_file`, and gossip peers read the same file
+(``roster_file`` in ``peer.toml``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_js
 from fedsec.errors import IntegrityError, SignatureError
 
 ROSTER_ENTRY_DOMAIN = "roster-entry"
+ROSTER_FORMAT = "fedsec-roster/1"
+# A roster of 100k members is ~30 MB of JSON; refusing larger files bounds what a
+# corrupted or hostile file can cost to parse.
+MAX_ROSTER_BYTES = 64 * 1024 * 1024
 
 #: agent: contributes updates; observer: reads status, dashboard, metrics; auditor:
 #: challenges and checks contributions; custodian: holds the homomorphic secret key and
@@ -198,3 +205,52 @@ def entry_from_event(event: dict[str, Any]) -> RosterEntry:
         return msgspec.convert(event["entry"], type=RosterEntry, strict=True)
     except (KeyError, TypeError, msgspec.ValidationError) as exc:
         raise IntegrityError(f"roster event is malformed: {exc}") from None
+
+
+class RosterDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``roster.json``: every entry of one federation, and the serial of its last change."""
+
+    format: str
+    federation_id: str
+    admin_key_id: str
+    serial: int
+    entries: list[RosterEntry]
+
+
+def read_roster_document(
+    raw: bytes, admin_public: bytes, federation_id: str, source: str
+) -> RosterDocument:
+    """The roster document in ``raw`` (read from ``source``, which errors name), once its
+    size, format, federation, admin key and every entry's signature are checked and no
+    two entries share an id or a key.
+
+    Raises:
+        IntegrityError: any of those does not hold.
+        SignatureError: an entry's admin signature is missing or does not verify.
+    """
+    if len(raw) > MAX_ROSTER_BYTES:
+        raise IntegrityError(f"{source} is {len(raw)} bytes, the limit is {MAX_ROSTER_BYTES}")
+    try:
+        doc = msgspec.json.decode(raw, type=RosterDocument)
+    except msgspec.DecodeError as exc:
+        raise IntegrityError(f"{source} is malformed: {exc}") from None
+    if doc.format != ROSTER_FORMAT:
+        raise IntegrityError(f"{source}: format {doc.format!r} is not {ROSTER_FORMAT!r}")
+    if doc.federation_id != federation_id:
+        raise IntegrityError(
+            f"{source} belongs to federation {doc.federation_id!r}, not {federation_id!r}"
+        )
+    admin_id = key_id(admin_public)
+    if doc.admin_key_id != admin_id:
+        raise IntegrityError(
+            f"{source} was written for admin key {doc.admin_key_id}, not {admin_id}"
+        )
+    ids: set[str] = set()
+    keys: set[str] = set()
+    for entry in doc.entries:
+        verify_roster_entry(entry, admin_public, federation_id)
+        if entry.agent_id in ids or entry.public_key in keys:
+            raise IntegrityError(f"{source}: entry {entry.agent_id!r} duplicates an id or a key")
+        ids.add(entry.agent_id)
+        keys.add(entry.public_key)
+    return doc

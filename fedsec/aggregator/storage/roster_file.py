@@ -25,13 +25,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, key_id
 from fedsec.errors import ConfigError, FedsecError, IntegrityError, NotFound, SignatureError
 from fedsec.fsio import atomic_write
 from fedsec.protocol.roster import (
+    MAX_ROSTER_BYTES,
+    ROSTER_FORMAT,
     RosterEntry,
+    read_roster_document,
     revoke_roster_entry,
     roster_event,
     verify_roster_entry,
@@ -39,20 +40,7 @@ from fedsec.protocol.roster import (
 
 log = logging.getLogger(__name__)
 
-ROSTER_FORMAT = "fedsec-roster/1"
 ROSTER_FILE = "roster.json"
-
-# A roster of 100k members is ~30 MB of JSON; refusing larger files bounds what a
-# corrupted or hostile file can cost to parse.
-MAX_ROSTER_BYTES = 64 * 1024 * 1024
-
-
-class _RosterDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    format: str
-    federation_id: str
-    admin_key_id: str
-    serial: int
-    entries: list[RosterEntry]
 
 
 class Roster:
@@ -252,32 +240,7 @@ class Roster:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return 0, [], None
-        try:
-            doc = msgspec.json.decode(raw, type=_RosterDocument)
-        except msgspec.DecodeError as exc:
-            raise IntegrityError(f"{self.path} is malformed: {exc}") from None
-        if doc.format != ROSTER_FORMAT:
-            raise IntegrityError(f"{self.path}: format {doc.format!r} is not {ROSTER_FORMAT!r}")
-        if doc.federation_id != self.federation_id:
-            raise IntegrityError(
-                f"{self.path} belongs to federation {doc.federation_id!r}, "
-                f"not {self.federation_id!r}"
-            )
-        admin_id = key_id(self.admin_public)
-        if doc.admin_key_id != admin_id:
-            raise IntegrityError(
-                f"{self.path} was written for admin key {doc.admin_key_id}, not {admin_id}"
-            )
-        ids: set[str] = set()
-        keys: set[str] = set()
-        for entry in doc.entries:
-            verify_roster_entry(entry, self.admin_public, self.federation_id)
-            if entry.agent_id in ids or entry.public_key in keys:
-                raise IntegrityError(
-                    f"{self.path}: entry {entry.agent_id!r} duplicates an id or a key"
-                )
-            ids.add(entry.agent_id)
-            keys.add(entry.public_key)
+        doc = read_roster_document(raw, self.admin_public, self.federation_id, str(self.path))
         return doc.serial, doc.entries, stat
 
     def _install(
