@@ -16,6 +16,10 @@ across machines, and ``cpu_over_signature_floor`` the one that compares across l
 the aggregator's CPU per member-round over the Ed25519 checks alone that a member-round's
 signed requests need (``requests_per_member_round`` x one check, timed in the same run),
 the part of its work no implementation of the protocol can skip.
+
+``--shards 1,2,4`` reports the sharded summation instead (:mod:`fedsec.bench.scale_shards`):
+for each member count, the aggregator's side of one round in one SecAgg+ session and in
+that many groups, in this process, whose sums must be equal bit for bit.
 """
 
 from __future__ import annotations
@@ -111,14 +115,47 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _shard_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter("--shards takes comma-separated integers") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("--shards needs shard counts of at least 1")
+    return counts
+
+
 @click.command()
 @click.option("--members", default=DEFAULT_MEMBERS, show_default=True, help="member counts")
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--task", default="mnist1d", show_default=True, help="mnist1d: d = 5,210")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--shards",
+    default="",
+    help="e.g. 1,2,4: instead of federations, the aggregator's summation of one round of "
+    "each member count in one session and in that many shard groups, in this process "
+    "(fedsec/bench/scale_shards.py); rows of one count must have the same sum",
+)
+@click.option("--dim", type=int, default=5210, show_default=True, help="with --shards")
+@click.option(
+    "--dropout", type=float, default=0.0, show_default=True, help="with --shards: share lost"
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per member count")
-def bench_scale(members: str, rounds: int, task: str, seed: int, as_json: bool) -> None:
+def bench_scale(
+    members: str,
+    rounds: int,
+    task: str,
+    seed: int,
+    shards: str,
+    dim: int,
+    dropout: float,
+    as_json: bool,
+) -> None:
     """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
+    if shards:
+        _bench_shards(_counts(members), _shard_counts(shards), dim, dropout, seed, as_json)
+        return
     for count in _counts(members):
         row = scale_row(count, rounds, task, seed)
         if as_json:
@@ -131,3 +168,22 @@ def bench_scale(members: str, rounds: int, task: str, seed: int, as_json: bool) 
                 f"{row['wall_s_per_round']} s per round, "
                 f"{row['connections_refused']} connections refused"
             )
+
+
+def _bench_shards(
+    members: list[int], shards: list[int], dim: int, dropout: float, seed: int, as_json: bool
+) -> None:
+    from fedsec.bench.scale_shards import shards_rows
+
+    for count in members:
+        for row in shards_rows(count, shards, dim, dropout, seed):
+            if as_json:
+                click.echo(json.dumps(row, sort_keys=True))
+            else:
+                click.echo(
+                    f"{count:>5} members, {row['shards']} shard(s) of "
+                    f"{row['group_members_min']}-{row['group_members_max']}: "
+                    f"{row['aggregator_cpu_ms_per_member']} ms CPU per member, unmask "
+                    f"{row['unmask_cpu_s']} s, same sum as one session: "
+                    f"{row['same_sum_as_one_session']}"
+                )

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from fedsec.bench.scale_shards import shards_rows
 from fedsec.config import RoundSection
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import (
@@ -234,3 +235,11 @@ def test_groups_the_seed_does_not_give_are_refused_by_every_member() -> None:
         forged.member_params(a)
     with pytest.raises(ProtocolError, match="not the one the round's seed gives"):
         Members(forged).session()
+
+
+def test_bench_scale_shards_rows_have_one_sessions_sum() -> None:
+    rows = shards_rows(12, [1, 2], dim=16, dropout=0.1, seed=0)
+    assert [r["shards"] for r in rows] == [1, 2]
+    assert all(r["same_sum_as_one_session"] for r in rows)
+    assert [r["survivors"] for r in rows] == [11, 11]
+    assert len(rows[1]["group_sum_sha256"]) == 2
