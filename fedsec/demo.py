@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from fedsec import faults
 from fedsec.bench.common import federation_status
 from fedsec.cli_options import codec_options
 from fedsec.config import AgentConfig
-from fedsec.errors import ConfigError
+from fedsec.errors import ConfigError, FedsecError
 from fedsec.federation import (
     LocalAgent,
     agent_config,
@@ -418,6 +419,41 @@ def _parse_dp(value: str) -> float | None:
     show_default=True,
     help="also train the task centrally on the pooled records, for comparison",
 )
+@click.option(
+    "--member-processes",
+    default=0,
+    show_default=True,
+    help="processes the members run in; 0 = one per 100 members, at most cores - 1 "
+    "(docs/simulation.md)",
+)
+@click.option(
+    "--member-range",
+    default="",
+    help="A:B: only members A to B-1 (from 0) run here; the others run elsewhere with "
+    "--members-only (default: all)",
+)
+@click.option(
+    "--members-only",
+    "plan",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="run members --member-range of the simulation whose plan (members.json) this "
+    "is, beside their homes; reads no other option but --training-threads",
+)
+@click.option("--training-threads", default=0, help="--members-only: 0 = one per core")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="keep the federation (workspace, members' homes, plan) in this new directory",
+)
+@click.option(
+    "--listen",
+    default="127.0.0.1",
+    show_default=True,
+    help="the aggregator's address: one the machines running members reach",
+)
+@click.option("--port", default=0, help="the aggregator's port; 0 = a free one")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def simulate(
     task: str,
@@ -449,9 +485,19 @@ def simulate(
     topology: str,
     degree: int,
     baseline: bool,
+    member_processes: int,
+    member_range: str,
+    plan: Path | None,
+    training_threads: int,
+    workdir: Path | None,
+    listen: str,
+    port: int,
     as_json: bool,
 ) -> None:
     """Federated vs centralized training of a bundled task, over loopback HTTP."""
+    if plan is not None:
+        _simulate_members_only(plan, member_range, training_threads)
+        return
     if topology == "gossip":
         _simulate_gossip(task, agents, rounds, degree, partition, local_epochs, seed, as_json)
         return
@@ -488,9 +534,16 @@ def simulate(
                     kill_round=kill_round,
                     hide_model=hide_model,
                     baseline=baseline,
-                )
+                    member_processes=member_processes,
+                    local_members=member_range,
+                    listen=listen,
+                    port=port,
+                ),
+                workdir,
             )
         )
+    except FedsecError as exc:
+        raise click.ClickException(str(exc)) from None
     except asyncio.CancelledError:
         raise click.ClickException(
             "simulation stopped (SIGTERM); its aggregator was stopped too"
@@ -500,6 +553,17 @@ def simulate(
     else:
         for key, value in result.items():
             click.echo(f"{key:>32}: {value}")
+
+
+def _simulate_members_only(plan: Path, member_range: str, training_threads: int) -> None:
+    """Run members of a simulation served elsewhere; print their tally as one JSON line."""
+    from fedsec.simulation import run_members_only
+
+    try:
+        tally = asyncio.run(run_members_only(plan, member_range, training_threads))
+    except FedsecError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(msgspec.json.encode(tally).decode())
 
 
 def _simulate_gossip(

@@ -1,9 +1,10 @@
-"""``fedsec simulate``: a real aggregator on loopback HTTP and N agents in one process.
+"""``fedsec simulate``: a real aggregator on loopback HTTP and N agents.
 
 The aggregator is a ``fedsec aggregator serve`` child process, as deployed (or, with
 ``aggregator_process=False``, an app in this process's event loop).  Each agent is
 a full :class:`AgentRuntime` (signed requests, SecAgg+ or plain intake, DP-SGD when
-asked) running as an asyncio task; training runs in worker threads.  The same model
+asked) running as an asyncio task, in this process or spread over member processes
+(:mod:`fedsec.simulated_members`); training runs in worker threads.  The same model
 is also trained centrally on the union of the agents' data for the same number of
 epochs, and the gap between the two is reported.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import gc
 import json
 import logging
 import math
@@ -46,7 +46,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedsec.agent.ledger import noise_for_budget
-from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.capacity import (
     CONNECTIONS_PER_IDENTITY,
     connection_limit,
@@ -69,13 +68,7 @@ from fedsec.crypto.discretize import decode_sum as ddp_decode
 from fedsec.crypto.discretize import encode as ddp_encode
 from fedsec.crypto.quantize import default_ring_bits
 from fedsec.errors import ConfigError
-from fedsec.federation import (
-    LocalAgent,
-    agent_config,
-    create_federation,
-    enrol_agents,
-    federation_toml,
-)
+from fedsec.federation import LocalAgent, create_federation, enrol_agents, federation_toml
 from fedsec.learning.distributed import clipped_gradient_sum, poisson_sample
 from fedsec.learning.optimizers import ServerRule, server_rule, server_step
 from fedsec.learning.training import plan_round, train_centralized
@@ -83,6 +76,21 @@ from fedsec.modelfile import decode_model
 from fedsec.protocol import wire
 from fedsec.protocol.codec_choice import default_range_stddevs
 from fedsec.protocol.limits import DEFAULT_DELTA, MAX_MODEL_BYTES
+from fedsec.simulated_members import (
+    MemberPlan,
+    MemberTally,
+    default_member_processes,
+    frozen_heap,
+    member_runtimes,
+    parse_member_range,
+    read_plan,
+    run_member_processes,
+    run_member_range,
+    split,
+    tally,
+    usable_cores,
+    write_plan,
+)
 from fedsec.summation import SummationMode, mode_named
 from fedsec.tasks import TrainingParams, get_task, parse_partition
 from fedsec.tasks.base import Dataset, Task
@@ -188,6 +196,18 @@ class SimulationSpec:
     # [storage] url: the aggregator's state in this (empty) PostgreSQL database instead
     # of the workspace's SQLite file (`fedsec bench store`)
     storage_url: str = ""
+    # the members spread over this many `fedsec simulate --members-only` processes (0 =
+    # simulated_members.default_member_processes; 1 = in this process, as before)
+    member_processes: int = 0
+    # only members A:B run here ("" = all); the others run elsewhere from the plan
+    # (members.json) and their homes, e.g. on another machine (docs/simulation.md)
+    local_members: str = ""
+    # the aggregator's address: another machine's members need one they can reach
+    listen: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port
+    # fedsec.faults' unsafe deterministic seed for every member ("" = the OS CSPRNG): two
+    # runs of the same spec give the same model, however the members are spread
+    unsafe_seed: str = ""
 
 
 # A RAM-backed directory for the throw-away workspace when there is one: the aggregator's
@@ -242,26 +262,27 @@ async def _child(args: list[str], log_path: Path) -> AsyncIterator[subprocess.Po
 
 
 @contextlib.asynccontextmanager
-async def _serving(ws: Workspace, separate: bool) -> AsyncIterator[str]:
-    """Serve ``ws`` on an ephemeral 127.0.0.1 port; yield its URL.
+async def _serving(ws: Workspace, spec: SimulationSpec) -> AsyncIterator[str]:
+    """Serve ``ws`` on ``spec.listen`` (port ``spec.port``, 0 = a free one); yield its URL.
 
-    ``separate``: run ``fedsec aggregator serve`` as a child process (logging to
-    ``serve.log`` in the workspace), stopped with SIGTERM afterwards; otherwise serve
-    in this process's event loop.
+    ``spec.aggregator_process``: run ``fedsec aggregator serve`` as a child process
+    (logging to ``serve.log`` in the workspace), stopped with SIGTERM afterwards;
+    otherwise serve in this process's event loop.
     """
-    if not separate:
+    if not spec.aggregator_process:
         identities = len(ws.roster.entries())
         server = await start_server(
-            make_app(ws), "127.0.0.1", 0, None, ws.config.server, identities=identities
+            make_app(ws), spec.listen, spec.port, None, ws.config.server, identities=identities
         )
         try:
             yield server.url
         finally:
             await server.close()
         return
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    port = spec.port or free_port()
+    url = f"http://{spec.listen}:{port}"
     args = ["aggregator", "serve", "--workspace", str(ws.root), "--port", str(port)]
+    args += ["--host", spec.listen]
     # A simulation stopped with SIGTERM (kill, a CI or shell timeout) would die at once and
     # leave its children serving: cancel the run instead, so the cleanups stop them.
     loop = asyncio.get_running_loop()
@@ -300,6 +321,23 @@ async def run_simulation(spec: SimulationSpec, workdir: Path | None = None) -> d
             return await _run_simulation(spec, root, temporary=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+async def run_members_only(
+    plan_path: Path, member_range: str, training_threads: int = 0
+) -> MemberTally:
+    """Run members ``member_range`` (``A:B``; "" = all) of a simulation started elsewhere,
+    from its plan (``members.json``) and the members' homes beside it, until the
+    federation finishes (``fedsec simulate --members-only``).
+
+    Raises:
+        ConfigError: no such plan or range, or too few descriptors for the members.
+        KeyFileError: a member's home lacks its identity key.
+        FedsecError: a member's fatal error (see :meth:`AgentRuntime.run`).
+    """
+    members = parse_member_range(member_range, read_plan(plan_path).members)
+    with _quiet_fedsec_logs():
+        return await run_member_range(plan_path, members, training_threads)
 
 
 async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> dict[str, Any]:
@@ -414,17 +452,13 @@ async def _run_simulation(spec: SimulationSpec, root: Path, temporary: bool) -> 
     aggregator_public = ws.signer.public_bytes
     if spec.aggregator_process:
         ws.close()  # the serving process owns the workspace until it exits
-    # One training thread per core: the default pool (cores + 4 threads) made the 50
-    # agents' event loop wait for the GIL behind up to six training threads.
-    trainers = concurrent.futures.ThreadPoolExecutor(
-        max_workers=_usable_cores(), thread_name_prefix="fedsec-train"
-    )
     extra: dict[str, Any] = {}
-    with trainers:
-        wall = await _run_agents(spec, ws, local, aggregator_public, trainers, extra)
+    wall = await _run_agents(spec, ws, local, aggregator_public, extra)
     if spec.aggregator_process:
         ws = Workspace.open(ws.root)
     rows = ws.state.rounds.history(100000)
+    # the newest model's hash: runs of one spec under spec.unsafe_seed compare by it
+    extra["model_sha256"] = ws.models.latest().sha256
     summaries = [msgspec.json.decode(r.summary, type=wire.RoundSummary) for r in rows if r.summary]
     reached = [
         r.closed_at
@@ -646,13 +680,6 @@ def _secure_descriptors(spec: SimulationSpec) -> None:
     ensure_descriptors(needed, f"a simulation of {spec.agents} members")
 
 
-def _usable_cores() -> int:
-    """Cores this process may run on (its affinity where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
-
-
 #: The key custodian of a simulated homomorphic-summation federation (its own task here;
 #: a separate organisation in a deployment).
 CUSTODIAN_ID = "custodian"
@@ -733,64 +760,55 @@ async def _run_agents(
     ws: Workspace,
     local: list[LocalAgent],
     aggregator_public: bytes,
-    trainers: concurrent.futures.Executor,
     extra: dict[str, Any],
 ) -> float:
-    """Serve ``ws`` and run one AgentRuntime per enrolled agent until the federation
-    finishes; return the wall time from the first agent's start.  With
-    ``spec.dashboard_viewers``, that many live dashboards watch the run and ``extra``
-    receives what they cost the aggregator."""
-    async with _serving(ws, spec.aggregator_process) as url:
+    """Serve ``ws`` and run this machine's members (``spec.local_members``), in this
+    process or in member processes, until the federation finishes; return the wall time
+    from the members' start.  With ``spec.dashboard_viewers``, that many live dashboards
+    watch the run and ``extra`` receives what they cost the aggregator.
+
+    Raises:
+        ConfigError: a bad member range or process count, the aggregator or a member
+            process failed.
+        FedsecError: a member's fatal error (in this process).
+    """
+    here = parse_member_range(spec.local_members, spec.agents)
+    processes = _member_processes(spec, here)
+    extra["member_processes"] = processes
+    async with _serving(ws, spec) as url:
+        plan = MemberPlan(
+            url=url,
+            aggregator_public_key=aggregator_public.hex(),
+            task=spec.task,
+            members=spec.agents,
+            partition=spec.partition,
+            seed=spec.seed,
+            dp_epsilon=spec.dp_epsilon,
+            distributed_dp=spec.dp_mode == "distributed",
+            slow_members=math.ceil(spec.slow_fraction * spec.agents),
+            slowdown=spec.slowdown,
+            unsafe_seed=spec.unsafe_seed,
+        )
+        # members elsewhere start from it (docs/simulation.md); it holds no secret
+        plan_path = write_plan(plan, ws.root.parent)
         start = time.perf_counter()
-        runtimes = [
-            AgentRuntime(
-                agent_config(
-                    a,
-                    url=url,
-                    aggregator_public=aggregator_public,
-                    task=spec.task,
-                    part_index=i,
-                    parts=spec.agents,
-                    partition=spec.partition,
-                    seed=spec.seed,
-                    epsilon=spec.dp_epsilon or 1e9,
-                    require_dp=spec.dp_epsilon is not None,
-                    allow_distributed=spec.dp_mode == "distributed",
-                ),
-                a.identity,
-                slowdown=spec.slowdown if i < math.ceil(spec.slow_fraction * spec.agents) else 1.0,
-                training_executor=trainers,
-            )
-            for i, a in enumerate(local)
-        ]
-        await asyncio.gather(*(asyncio.to_thread(rt.prepare) for rt in runtimes))
+        members = [(i, local[i]) for i in here]
         # the serving process's own pid (serve.json): its CPU and memory over the run
         serving = _serving_pid(ws) if spec.aggregator_process else None
         before = _process_usage(serving)
         viewers = [asyncio.create_task(_watch(url)) for _ in range(spec.dashboard_viewers)]
         custodian = asyncio.create_task(_custodian(spec, ws.root.parent, url, aggregator_public))
-        # Everything loaded so far (torch, datasets, the agents' state) lives for the
-        # whole run: keep it out of the collector's full passes, which otherwise
-        # stopped every agent for ~0.2 s every few rounds (50 agents, MNIST-1D).
-        gc.collect()
-        gc.freeze()
-        tasks = [asyncio.create_task(rt.run()) for rt in runtimes]
-        killer = asyncio.create_task(_kill_some(spec, ws.root.parent, url, tasks, extra))
         try:
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException) and not isinstance(
-                    result, asyncio.CancelledError
-                ):
-                    raise result
-            outcomes = [o for r in results if isinstance(r, list) for o in r]
-            rounded = sum(o.rounded for o in outcomes)
-            extra["saturation_rate"] = (
-                sum(o.saturated for o in outcomes) / rounded if rounded else None
-            )
+            if processes == 1:
+                members_tally = await _members_in_process(spec, plan, members, extra)
+            else:
+                threads = max(1, usable_cores() // processes)
+                ranges = split(here, processes)
+                members_tally = await run_member_processes(plan_path, ranges, threads)
+            rounded = members_tally.rounded
+            extra["saturation_rate"] = members_tally.saturated / rounded if rounded else None
         finally:
-            gc.unfreeze()
-            await cancel_and_wait(killer, *viewers, custodian)
+            await cancel_and_wait(*viewers, custodian)
             if not custodian.cancelled():
                 custodian.result()  # a custodian that failed says why
         wall = time.perf_counter() - start
@@ -802,6 +820,56 @@ async def _run_agents(
         extra.update(await _dashboard_cost(url))
         extra["wire_up"] = await _wire_up(url)
         return wall
+
+
+def _member_processes(spec: SimulationSpec, here: range) -> int:
+    """How many processes run this machine's members: ``spec.member_processes``, or by
+    default one per MEMBERS_PER_PROCESS members on the cores the aggregator leaves (one
+    where members are lost on purpose: ``--kill`` cancels their tasks in this process).
+
+    Raises:
+        ConfigError: a negative count, or several processes with ``kill_fraction``.
+    """
+    if spec.member_processes < 0:
+        raise ConfigError(
+            f"member processes must be 0 (automatic) or more, not {spec.member_processes}"
+        )
+    if spec.kill_fraction > 0 and spec.member_processes > 1:
+        raise ConfigError(
+            "losing members on purpose (--kill) cancels their tasks in this process: "
+            "run them in one (--member-processes 1)"
+        )
+    chosen = spec.member_processes or (
+        1 if spec.kill_fraction > 0 else default_member_processes(len(here), usable_cores())
+    )
+    return min(chosen, len(here))
+
+
+async def _members_in_process(
+    spec: SimulationSpec,
+    plan: MemberPlan,
+    members: list[tuple[int, LocalAgent]],
+    extra: dict[str, Any],
+) -> MemberTally:
+    """Run ``members`` as tasks of this process until the federation finishes, losing
+    ``spec.kill_fraction`` of them on purpose.
+
+    Raises:
+        FedsecError: the first member's fatal error.
+    """
+    # One training thread per core: the default pool (cores + 4 threads) made the 50
+    # agents' event loop wait for the GIL behind up to six training threads.
+    with concurrent.futures.ThreadPoolExecutor(usable_cores(), "fedsec-train") as trainers:
+        runtimes = member_runtimes(plan, members, trainers)
+        await asyncio.gather(*(asyncio.to_thread(rt.prepare) for rt in runtimes))
+        with frozen_heap():
+            tasks = [asyncio.create_task(rt.run()) for rt in runtimes]
+            root = members[0][1].root.parent
+            killer = asyncio.create_task(_kill_some(spec, root, plan.url, tasks, extra))
+            try:
+                return tally(await asyncio.gather(*tasks, return_exceptions=True))
+            finally:
+                await cancel_and_wait(killer)
 
 
 def _serving_pid(ws: Workspace) -> int | None:
