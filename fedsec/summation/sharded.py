@@ -185,6 +185,11 @@ def shard_problems(cfg: FederationSettings) -> list[str]:
             f"round.shards: expected 1 with secure_sum = {r.secure_sum!r} (groups' sums add "
             f"exactly only in SecAgg+'s ring: secure_sum = 'secagg'), got {r.shards}"
         )
+    if r.mode != "sync":
+        problems.append(
+            f"round.shards: expected 1 with round.mode = {r.mode!r} (a buffered aggregate "
+            f"has no cohort fixed in advance to split), got {r.shards}"
+        )
     least = 3  # SecAgg+: a sum of two lets each member read the other's update
     if r.min_shard_members < least:
         problems.append(

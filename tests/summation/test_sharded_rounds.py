@@ -110,6 +110,10 @@ def _group_entries(groups: list[dict[str, Any]]) -> list[GroupSumEntry]:
 def test_a_configuration_whose_groups_would_be_too_small_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"round.min_agents: expected >= shards × "):
         make_federation(tmp_path / "ws", agents=MEMBERS, round={**SHARDED, "min_agents": 7})
+    with pytest.raises(ConfigError, match=r"round.shards: expected 1 with secure_sum = 'none'"):
+        make_federation(tmp_path / "ws2", agents=MEMBERS, round={**SHARDED, "secure_sum": "none"})
+    with pytest.raises(ConfigError, match=r"round.shards: expected 1 with round.mode = 'buff"):
+        make_federation(tmp_path / "ws3", agents=MEMBERS, round={**SHARDED, "mode": "buffered"})
 
 
 def test_distributed_noise_is_sized_for_each_groups_survivors(tmp_path: Path) -> None:
