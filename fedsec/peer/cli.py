@@ -15,7 +15,7 @@ from fedsec.crypto.identity import key_id
 from fedsec.errors import FedsecError
 from fedsec.keys import load_identity
 from fedsec.learning.training import DPParams, fresh_seed
-from fedsec.peer.config import PeerConfig, load_peer_config
+from fedsec.peer.config import PeerConfig, load_peer_config, member_keys, tls_contexts
 from fedsec.peer.gossip import GossipPeer, GossipSettings, RoundOutcome
 from fedsec.peer.http import ARRIVED, peer_app
 from fedsec.peer.journal import PeerJournal
@@ -50,9 +50,8 @@ def run(config_path: Path) -> None:
 
 async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
     identity = load_identity(home / config.key_file)
-    roster = {
-        key_id(bytes.fromhex(m.public_key)): bytes.fromhex(m.public_key) for m in config.members
-    }
+    roster = member_keys(config, home)
+    server_tls, client_tls = tls_contexts(config, home)
     urls = {key_id(bytes.fromhex(m.public_key)): m.url for m in config.members}
     admin = bytes.fromhex(config.admin_public_key)
     graph = topology_graph(config.topology, admin, config.federation_id, roster)
@@ -76,7 +75,7 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        await web.TCPSite(runner, config.host, config.port, ssl_context=server_tls).start()
         neighbours = {n: urls[n] for n in state.neighbours}
         timing = Timing(g.round_timeout_s, g.send_timeout_s, g.send_timeout_s)
         outcomes = await run_rounds(
@@ -89,6 +88,7 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
             timing,
             roster,
             catch_up_at_start=True,
+            tls=client_tls,
         )
         journal.head()
         return outcomes

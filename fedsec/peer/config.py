@@ -6,12 +6,14 @@ e.g. ``$.topology.degree``).  See docs/decentralised.md for an example.
 
 from __future__ import annotations
 
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from fedsec.crypto.identity import key_id
 from fedsec.errors import ConfigError
 from fedsec.peer.limits import (
     DEFAULT_EXCHANGES,
@@ -23,6 +25,7 @@ from fedsec.peer.limits import (
 )
 from fedsec.peer.topology import SignedTopology
 from fedsec.protocol.limits import DEFAULT_DELTA, MAX_COHORT
+from fedsec.protocol.roster import read_roster_document
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -72,6 +75,14 @@ class PeerConfig(_Section, frozen=True, kw_only=True):
     training: TrainingSection
     gossip: GossipSection = GossipSection()
     journal_file: str = "peer-journal.jsonl"
+    #: the admin-signed roster (``fedsec-roster/1``, as the aggregator keeps it): when
+    #: set, ``members`` must be exactly its active agents; "" trusts ``members`` as listed
+    roster_file: str = ""
+    #: PEM certificate chain and key to serve the peer endpoint over TLS; both or neither
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: PEM CA bundle the peer trusts for its neighbours' https urls; "" the system's
+    tls_ca: str = ""
 
 
 def load_peer_config(path: Path) -> PeerConfig:
@@ -104,6 +115,8 @@ def _check_ranges(path: Path, config: PeerConfig) -> None:
     t = config.training
     if not 0 <= t.shard < t.shards or t.local_epochs < 0:
         raise ConfigError(f"{path}: training.shard must be in 0..shards − 1")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError(f"{path}: tls_cert and tls_key are set both or neither")
     g = config.gossip
     if not (g.round_timeout_s > 0 and g.send_timeout_s > 0):
         raise ConfigError(f"{path}: gossip timeouts must be positive")
@@ -113,3 +126,54 @@ def _check_ranges(path: Path, config: PeerConfig) -> None:
         bytes.fromhex(config.admin_public_key)
     except ValueError:
         raise ConfigError(f"{path}: public keys are hex") from None
+
+
+def member_keys(config: PeerConfig, home: Path) -> dict[str, bytes]:
+    """Each member's key id -> public key; with ``roster_file``, once the members are
+    checked to be exactly the signed roster's active agents.
+
+    Raises:
+        ConfigError: the roster file cannot be read, or a member is not an active agent
+            of it, or an active agent is not among the members.
+        IntegrityError, SignatureError: the roster file's document or an entry's admin
+            signature does not hold (:func:`fedsec.protocol.roster.read_roster_document`).
+    """
+    keys = {
+        key_id(bytes.fromhex(m.public_key)): bytes.fromhex(m.public_key) for m in config.members
+    }
+    if not config.roster_file:
+        return keys
+    path = home / config.roster_file
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"roster_file: {exc}") from None
+    admin = bytes.fromhex(config.admin_public_key)
+    doc = read_roster_document(raw, admin, config.federation_id, str(path))
+    agents = {e.key_id for e in doc.entries if e.is_active and e.role == "agent"}
+    if outside := sorted(keys.keys() - agents):
+        raise ConfigError(f"members: {outside[0]} is not an active agent of the signed roster")
+    if unlisted := sorted(agents - keys.keys()):
+        raise ConfigError(f"members: the signed roster's agent {unlisted[0]} has no url here")
+    return keys
+
+
+def tls_contexts(
+    config: PeerConfig, home: Path
+) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The server context (None: plain HTTP) and the client context (None: aiohttp's
+    default, the system's trust store) of ``config``.
+
+    Raises:
+        ConfigError: a certificate, key or CA file that cannot be loaded.
+    """
+    server = client = None
+    try:
+        if config.tls_cert:
+            server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server.load_cert_chain(home / config.tls_cert, home / config.tls_key)
+        if config.tls_ca:
+            client = ssl.create_default_context(cafile=home / config.tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls: {exc}") from None
+    return server, client

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -91,13 +92,16 @@ async def run_rounds(
     timing: Timing = DEFAULT_TIMING,
     roster: Mapping[str, bytes] | None = None,
     catch_up_at_start: bool = False,
+    tls: ssl.SSLContext | None = None,
 ) -> list[RoundOutcome]:
     """Run ``peer`` until its round is ``rounds``; ``arrived`` is its endpoint's
     condition (:data:`fedsec.peer.http.ARRIVED`).  With ``roster`` (key id -> public
     key) the peer catches up when it notices it missed rounds, and first thing with
-    ``catch_up_at_start``.  Returns each exchange's outcome, in order."""
+    ``catch_up_at_start``; ``tls`` verifies the neighbours' https endpoints (None: the
+    system's trust store).  Returns each exchange's outcome, in order."""
     outcomes = []
-    async with aiohttp.ClientSession() as session:
+    connector = aiohttp.TCPConnector(ssl=tls) if tls is not None else None
+    async with aiohttp.ClientSession(connector=connector) as session:
         if roster is not None and catch_up_at_start:
             await catch_up(session, peer, identity, neighbour_urls, roster, timing)
         while peer.round < rounds:

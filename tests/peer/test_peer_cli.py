@@ -3,30 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from fedsec.bench.common import free_port
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import ConfigError, IntegrityError
 from fedsec.keys import load_identity, save_identity
 from fedsec.peer.cli import _run
 from fedsec.peer.config import load_peer_config
 from fedsec.peer.journal import verify_journal
 from fedsec.peer.topology import sign_topology
+from fedsec.protocol.roster import ROSTER_FORMAT, sign_roster_entry
 
 FED = "fed-cli"
 
 
-def _configs(tmp_path: Path, n: int = 3) -> list[Path]:
-    admin = SigningIdentity.generate()
-    ids = [SigningIdentity.generate() for _ in range(n)]
+def _configs(
+    tmp_path: Path,
+    n: int = 3,
+    admin: SigningIdentity | None = None,
+    ids: list[SigningIdentity] | None = None,
+    extra: str = "",
+    scheme: str = "http",
+) -> list[Path]:
+    """Each member's ``peer.toml``; ``extra`` top-level keys are added to each, and
+    ``scheme`` is that of every member's url."""
+    admin = admin or SigningIdentity.generate()
+    ids = ids or [SigningIdentity.generate() for _ in range(n)]
     ports = [free_port() for _ in ids]
     topology = sign_topology(admin, FED, bytes(32), 2)
     members = "".join(
-        f'[[members]]\npublic_key = "{i.public_bytes.hex()}"\nurl = "http://127.0.0.1:{p}"\n'
+        f'[[members]]\npublic_key = "{i.public_bytes.hex()}"\nurl = "{scheme}://127.0.0.1:{p}"\n'
         for i, p in zip(ids, ports, strict=True)
     )
     paths = []
@@ -38,6 +56,7 @@ key_file = "member.key"
 port = {port}
 admin_public_key = "{admin.public_bytes.hex()}"
 rounds = 1
+{extra}
 topology = {{ federation_id = "{FED}", seed = "{topology.seed}", degree = 2, \
 signature = "{topology.signature}" }}
 
@@ -79,3 +98,90 @@ def test_an_invalid_config_is_refused_with_its_key_path(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["peer", "run", "--config", str(path)])
     assert result.exit_code != 0
     assert "$.training.shard" in result.output and "Traceback" not in result.output
+
+
+def _signed_roster(path: Path, admin: SigningIdentity, members: list[SigningIdentity]) -> None:
+    entries = [
+        sign_roster_entry(
+            federation_id=FED,
+            agent_id=f"m{k}",
+            public_key=m.public_bytes,
+            role="agent",
+            admin=admin,
+        ).to_dict()
+        for k, m in enumerate(members)
+    ]
+    doc = {
+        "format": ROSTER_FORMAT,
+        "federation_id": FED,
+        "admin_key_id": admin.key_id,
+        "serial": len(entries),
+        "entries": entries,
+    }
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.asyncio
+async def test_peers_whose_members_are_the_signed_roster_run(tmp_path: Path) -> None:
+    admin, ids = SigningIdentity.generate(), [SigningIdentity.generate() for _ in range(3)]
+    _signed_roster(tmp_path / "roster.json", admin, ids)
+    paths = _configs(tmp_path, admin=admin, ids=ids, extra='roster_file = "../roster.json"')
+    configs = [load_peer_config(p) for p in paths]
+    runs = await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
+    assert all(len(o.accepted) == 2 for outcomes in runs for o in outcomes)
+
+
+@pytest.mark.asyncio
+async def test_a_member_outside_the_signed_roster_or_a_forged_roster_is_refused(
+    tmp_path: Path,
+) -> None:
+    admin, ids = SigningIdentity.generate(), [SigningIdentity.generate() for _ in range(3)]
+    roster = tmp_path / "roster.json"
+    paths = _configs(tmp_path, admin=admin, ids=ids, extra='roster_file = "../roster.json"')
+    config = load_peer_config(paths[0])
+    _signed_roster(roster, admin, ids[:2])  # the third member was never enrolled
+    with pytest.raises(ConfigError, match=f"{ids[2].key_id} is not an active agent"):
+        await _run(config, paths[0].parent)
+    _signed_roster(roster, SigningIdentity.generate(), ids)  # not the federation's admin
+    with pytest.raises(IntegrityError, match="was written for admin key"):
+        await _run(config, paths[0].parent)
+    assert not (paths[0].parent / "peer-journal.jsonl").exists()
+
+
+@pytest.mark.asyncio
+async def test_peers_gossip_over_tls(tmp_path: Path) -> None:
+    _self_signed(tmp_path / "cert.pem", tmp_path / "key.pem")
+    tls = 'tls_cert = "../cert.pem"\ntls_key = "../key.pem"\ntls_ca = "../cert.pem"'
+    paths = _configs(tmp_path, extra=tls, scheme="https")
+    configs = [load_peer_config(p) for p in paths]
+    runs = await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
+    assert all(len(o.accepted) == 2 for outcomes in runs for o in outcomes)
+
+
+def _self_signed(cert_file: Path, key_file: Path) -> None:
+    """A fresh self-signed certificate for 127.0.0.1 and its key, in PEM."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
