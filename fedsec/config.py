@@ -600,6 +600,16 @@ class AgentTrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     """Seconds a worker may keep the others waiting at a step's all-reduce before the job
     restarts every worker from its last checkpoint; 60 is far above a step's imbalance and
     far below a round's 600 s; docs/agent.md."""
+    nodes: int = 1
+    """Machines of the member's cluster a round's job spans, each running `workers`
+    processes; 1 = this one. Node 0 is the agent's; the others run `fedsec agent
+    train-node` with the same file but their own `node_rank`; docs/agent.md."""
+    node_rank: int = 0
+    """This machine's place in the job: 0 = the agent's node, which holds rank 0 (it alone
+    talks to the aggregator); 1..nodes-1 = a node running `fedsec agent train-node`."""
+    rendezvous_endpoint: str = ""
+    """host:port on node 0 where the nodes meet (torchrun's static rendezvous), inside the
+    member's perimeter, never the aggregator's network; needed when nodes > 1."""
 
     @property
     def settings(self) -> worker_settings.TrainingWorkers:
@@ -609,6 +619,9 @@ class AgentTrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             self.checkpoint_steps,
             self.checkpoint_interval_s,
             self.straggler_timeout_s,
+            self.nodes,
+            self.node_rank,
+            self.rendezvous_endpoint,
         )
 
 
@@ -1028,6 +1041,14 @@ def _validate_agent(cfg: AgentConfig) -> list[str]:
         w.checkpoint_interval_s,
     )
     p.positive("training.straggler_timeout_s", w.straggler_timeout_s)
+    p.int_range("training.nodes", w.nodes, 1, worker_settings.MAX_NODES)
+    p.int_range("training.node_rank", w.node_rank, 0, max(w.nodes - 1, 0))
+    p.require(
+        w.nodes == 1 or worker_settings.endpoint_parts(w.rendezvous_endpoint) is not None,
+        "training.rendezvous_endpoint",
+        "host:port (port 1..65535) when training.nodes > 1",
+        w.rendezvous_endpoint,
+    )
     p.int_range(
         "privacy.tolerated_corrupt_neighbours", cfg.privacy.tolerated_corrupt_neighbours, 0, 1000
     )

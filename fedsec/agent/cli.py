@@ -205,6 +205,30 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
             click.echo(f"round {o.round} (attempt {o.attempt}): update refused: {o.detail}")
 
 
+@agent.command("train-node")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="this node's agent.toml: the agent's, with its own [training] node_rank",
+)
+@click.option("--verbose", is_flag=True, help="debug logging")
+@_user_errors
+def train_node_command(config_path: Path, verbose: bool) -> None:
+    """On another node of the member's cluster: join each round's training job the agent
+    starts (state_dir on shared storage), until interrupted."""
+    from fedsec.learning.worker_nodes import follow_jobs
+
+    _configure_logging(verbose)
+    cfg = load_agent_config(config_path)
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: stopping.append(number))
+    joined = follow_jobs(Path(cfg.agent.state_dir), cfg.training.settings, lambda: bool(stopping))
+    click.echo(f"node {cfg.training.node_rank}: joined {joined} training job(s)")
+
+
 @agent.command("inventory")
 @click.option(
     "--config",

@@ -103,7 +103,7 @@ class LocalTrainer:
         self._task_options = dict(task_options or {})
         # a job a killed agent left behind holds records and a secret seed; no job of
         # this agent runs before its trainer exists
-        stale = clear_stale_jobs(state_dir) if self._workers.workers != 1 else []
+        stale = clear_stale_jobs(state_dir) if self._workers.uses_torchrun else []
         for name in stale:
             log.warning("stale_training_job_removed job=%s", name)
         self._model: tuple[int, str, dict[str, npt.NDArray[np.float32]]] | None = None
@@ -180,7 +180,7 @@ class LocalTrainer:
         """
         local = self.local
         count = worker_count(self._workers.workers, self.device)
-        if count <= 1:
+        if count <= 1 and self._workers.nodes == 1:
             return train_dataset(
                 model, local.train, params, dp, self.device, seed, self.progress, local.task
             )

@@ -9,6 +9,9 @@ from typing import Final
 #: Most processes on one node: a node has at most 8-16 accelerators, and CPU workers
 #: beyond the cores only contend; 64 leaves room without letting a typo start 10,000.
 MAX_WORKERS: Final = 64
+#: Most nodes one member's job spans: the brief's largest member trains on 40; 1024
+#: leaves room without letting a typo make every node wait for a million others.
+MAX_NODES: Final = 1024
 #: Restarts torchrun grants a round's job: a worker lost twice in one round points at a
 #: broken node, not a transient fault, so the round fails and the next one starts fresh.
 DEFAULT_MAX_RESTARTS: Final = 2
@@ -36,6 +39,10 @@ class TrainingWorkers:
     checkpoint after every that many steps or seconds, whichever comes first; 0 turns
     either off (both 0: a restart starts the round's training over).
     ``straggler_timeout_s``: seconds a worker may hold a step's all-reduce.
+    ``nodes``: machines the job spans, each running ``workers`` processes; node 0 is
+    the agent's and holds rank 0, the others (``node_rank`` 1..nodes-1) run
+    ``fedsec agent train-node`` and meet at ``rendezvous_endpoint`` (``host:port`` of
+    node 0 inside the member's perimeter).
     """
 
     workers: int = 1
@@ -43,3 +50,21 @@ class TrainingWorkers:
     checkpoint_steps: int = DEFAULT_CHECKPOINT_STEPS
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
     straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S
+    nodes: int = 1
+    node_rank: int = 0
+    rendezvous_endpoint: str = ""
+
+    @property
+    def uses_torchrun(self) -> bool:
+        """Whether a round trains as a torchrun job (else in the agent's process)."""
+        return self.workers != 1 or self.nodes > 1
+
+
+def endpoint_parts(endpoint: str) -> tuple[str, int] | None:
+    """``host:port`` as (host, port), or None where it is not one (an IPv6 host is
+    written in brackets, ``[::1]:29400``)."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return host, int(port)

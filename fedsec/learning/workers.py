@@ -81,6 +81,7 @@ from fedsec.learning.training import (
     records,
     train_dataset,
 )
+from fedsec.learning.worker_nodes import JOB_FILE, torchrun_command
 from fedsec.learning.worker_privacy import (
     ShardOfBatch,
     accounting_state,
@@ -103,16 +104,13 @@ __all__ = [
     "worker_count",
 ]
 
-#: How often torchrun checks its workers: 0.1 s notices a dead worker at once and costs
-#: nothing next to a training step.
-MONITOR_INTERVAL_S: Final = 0.1
 #: Tests only: a stalled worker sleeps this many straggler timeouts, then goes on, so a
 #: straggler that is not detected shows as a job without restarts instead of a hang.
 STALL_TIMEOUTS: Final = 10
 #: The event the ranks left waiting by a straggler print before they fail.
 STRAGGLER_EVENT: Final = "worker_straggler"
 
-_JOB: Final = "job.json"
+_JOB: Final = JOB_FILE
 _MODEL: Final = "model.safetensors"
 _RECORDS: Final = "records.safetensors"
 _TRAINED: Final = "trained.safetensors"
@@ -213,16 +211,20 @@ def train_with_workers(
         TrainingWorkersFailed: the job failed past its restarts, or left no result.
     """
     count = worker_count(settings.workers, device)
+    if settings.node_rank != 0:
+        raise ConfigError("training.node_rank must be 0 on the agent's node, which holds rank 0")
+    world = count * settings.nodes
     job = _write_job(model, data, state_dir)
-    write_status(state_dir, WorkersStatus(round_, count, "running", time.time()))
+    write_status(state_dir, WorkersStatus(round_, world, "running", time.time()))
     try:
         spec = _job_settings(params, device, seed, task, task_options, settings)
         faults = {"crash_at_step": crash_at_step, "stall_at_step": stall_at_step}
         dp_spec = None if dp is None else asdict(dp)
-        _write_json(job / _JOB, {**spec, "dp": dp_spec, **faults})
+        # written last: a following node takes the job's presence from this file
+        _write_json(job / _JOB, {**spec, "dp": dp_spec, **faults, "nproc_per_node": count})
         try:
-            _run_torchrun(job, count, settings.max_restarts)
-            done = _read_result(job, model, count)
+            _run_torchrun(job, torchrun_command(job, count, settings), world)
+            done = _read_result(job, model, world)
         except TrainingWorkersFailed:
             ended = {"stragglers": len(_straggler_waits(job / _LOG)), "ended_at": time.time()}
             update_status(state_dir, state="failed", **ended)
@@ -292,30 +294,18 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(value).encode(), mode=0o600)
 
 
-def _run_torchrun(job: Path, count: int, max_restarts: int) -> None:
+def _run_torchrun(job: Path, command: list[str], world: int) -> None:
     """Run the job's torchrun on this node to its end.
 
     Raises:
         TrainingWorkersFailed: torchrun exited non-zero (its log names the worker).
     """
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={count}",
-        f"--max-restarts={max_restarts}",
-        f"--monitor-interval={MONITOR_INTERVAL_S}",
-        "-m",
-        "fedsec.learning.workers",
-        str(job),
-    ]
     with (job / _LOG).open("wb") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
         raise TrainingWorkersFailed(
-            f"training job of {count} worker(s) failed with exit status {done.returncode} "
-            f"after up to {max_restarts} restart(s): {_worker_error(job / _LOG)}"
+            f"training job of {world} worker(s) failed with exit status {done.returncode} "
+            f"past its restarts: {_worker_error(job / _LOG)}"
         )
 
 
