@@ -8,6 +8,7 @@ continues its chain (:meth:`PeerJournal.resume`) rather than starting a second o
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from fedsec.protocol.log import GENESIS_PREV, LogEntry, head_body
 from fedsec.protocol.peer_journal import JournalBody, encode, verify_journal
 
 __all__ = ["PeerJournal", "verify_journal"]
+
+log = logging.getLogger("fedsec.peer")
 
 
 class PeerJournal:
@@ -58,17 +61,28 @@ class PeerJournal:
         clock: Callable[[], float] = time.time,
     ) -> PeerJournal:
         """The journal in ``path`` (empty when the file is absent), checked under the
-        peer's own key, to continue.
+        peer's own key, to continue.  A last line with no newline is a write the peer's
+        end cut short: it is dropped (and logged), never completed.
 
         Raises:
             IntegrityError: the file's chain, bodies or heads do not hold.
             OSError: it cannot be read.
         """
         journal = cls(federation_id, signer, path, clock)
-        if path.exists():
-            lines = path.read_bytes().splitlines()
-            verify_journal(lines, signer.public_bytes, federation_id)
-            journal.entries = [_entry(line) for line in lines]
+        if not path.exists():
+            return journal
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):  # a write the peer's end cut short
+            kept = data[: data.rfind(b"\n") + 1]
+            log.warning(
+                "event=peer_journal_torn_line path=%s bytes=%d", path, len(data) - len(kept)
+            )
+            with path.open("r+b") as f:
+                f.truncate(len(kept))
+            data = kept
+        lines = data.splitlines()
+        verify_journal(lines, signer.public_bytes, federation_id)
+        journal.entries = [_entry(line) for line in lines]
         return journal
 
     def head(self) -> LogEntry:

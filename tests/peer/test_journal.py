@@ -43,3 +43,17 @@ def test_a_journal_altered_while_the_peer_was_away_is_refused(tmp_path: Path) ->
     path.write_bytes(original)
     with pytest.raises(IntegrityError, match="head"):
         PeerJournal.resume(FED, SigningIdentity.generate(), path)  # another key's file
+
+
+def test_a_line_cut_short_by_a_crash_is_dropped_and_the_chain_continues(tmp_path: Path) -> None:
+    me, path = SigningIdentity.generate(), tmp_path / "journal.jsonl"
+    journal = PeerJournal.resume(FED, me, path)
+    journal.append(_sent(0))
+    whole = path.read_bytes()
+    journal.append(_sent(1))
+    path.write_bytes(path.read_bytes()[: len(whole) + 40])  # the second line half written
+    again = PeerJournal.resume(FED, me, path)
+    assert path.read_bytes() == whole and len(again.entries) == 1
+    again.append(_sent(1))
+    again.head()
+    assert verify_journal(path.read_bytes().splitlines(), me.public_bytes, FED) == 1
