@@ -17,6 +17,7 @@ from aiohttp import web
 
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
+from fedsec.errors import StaleUpdate
 from fedsec.peer import catchup, messages
 from fedsec.peer.gossip import GossipPeer, GossipSettings
 from fedsec.peer.http import offer_path, peer_app
@@ -263,3 +264,26 @@ def test_a_neighbour_far_ahead_tells_the_peer_it_missed_rounds(hood: Neighbourho
         hood.peer.receive(a.key_id, messages.encode(ahead), FED, 3)
     assert hood.peer.noticed_behind()
     assert not hood.peer.noticed_behind()  # the note is taken once
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_hears_a_neighbour_far_ahead_catches_up_before_its_next_round(
+    served: Served,
+) -> None:
+    hood = served.hood
+    ends = zip(hood.neighbours, (5.0, 7.0, 6.0), strict=True)
+    neighbours = [await served.honest(w, 5, e) for w, e in ends]
+    ahead, _ = neighbours[0].offer()
+    with pytest.raises(StaleUpdate):  # what its endpoint answers the neighbour's round 5
+        hood.peer.receive(ahead.sender, messages.encode(ahead), FED, 5)
+    trained: list[int] = []
+
+    def trainer(model: np.ndarray, round_: int) -> np.ndarray:
+        trained.append(round_)
+        return model + 1.0
+
+    outcomes = await run_rounds(
+        hood.peer, hood.me, served.urls, trainer, 6, asyncio.Condition(), roster=hood.roster
+    )
+    assert (outcomes, trained, hood.peer.round) == ([], [], 6)
+    np.testing.assert_allclose(hood.peer.model, np.full(DIM, 6.0))
