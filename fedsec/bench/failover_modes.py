@@ -7,7 +7,7 @@ Where the kill falls (:data:`MODES`), in round :data:`KILL_ROUND`:
 
 - ``he``: ``decrypt``, right after the leader durably entered the decrypt stage: every
   ciphertext is in and the custodian has not released the sum yet.  The standby
-  resumes the attempt (re-adding the archived ciphertexts) and the custodian, moving
+  resumes the attempt (replaying the accepted ciphertexts) and the custodian, moving
   to it, releases the sum there.
 - ``buffered``: ``masked_input:2``, two of the buffer's three masked updates accepted
   and the third still to come, which reaches the standby.
