@@ -14,6 +14,13 @@ floor, measured in the same run):
   way through the round: its restarts, the step it resumed from (its checkpoint's
   age is ``killed_at_step`` minus that), its steps (the redone ones count once), its
   difference from the in-process update, and the resumed attempt's training time;
+- with ``--stall``: one more job of the largest N whose last worker stalls half way
+  (for 10 straggler timeouts): how long rank 0 waited for it before the job restarted
+  (``straggler_wait_s``, against ``--straggler-timeout``), the step it resumed from,
+  its steps and difference from the in-process update;
+- with ``--nodes M`` (M > 1, case ``nodes``): one job over M nodes of one worker each on
+  loopback (nodes 1.. follow the agent's jobs in threads of this process, as
+  ``fedsec agent train-node`` does on its own machine), its difference and wall time;
 - with ``--dp-seeds K`` (case ``dp``): DP-SGD (``--noise-multiplier``, ``--clip``) for K
   seeds, each N against one process in-process: the ε each run's accountant reports,
   the test accuracy of each, their difference in points, and the update's relative
@@ -26,7 +33,9 @@ One JSON object per line with its parameters, the software versions and the floo
 from __future__ import annotations
 
 import json
+import socket
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,8 +48,9 @@ from torch.utils.data import TensorDataset
 
 from fedsec.bench.common import with_environment
 from fedsec.learning.training import DPParams, train_dataset
+from fedsec.learning.worker_nodes import follow_jobs
 from fedsec.learning.worker_settings import TrainingWorkers
-from fedsec.learning.workers import train_with_workers
+from fedsec.learning.workers import WorkersResult, train_with_workers
 from fedsec.tasks import Task, TrainingParams, get_task
 from fedsec.tasks.base import Dataset
 from fedsec.tasks.evaluation import evaluate
@@ -64,6 +74,9 @@ def run_workers(
     dp_seeds: int = 0,
     noise_multiplier: float = 1.0,
     clip: float = 1.0,
+    stall: bool = False,
+    straggler_timeout: float = 5.0,
+    nodes: int = 1,
 ) -> list[dict[str, Any]]:
     """The rows of ``fedsec bench workers`` (see the module docstring).
 
@@ -113,6 +126,18 @@ def run_workers(
                 checkpoint_steps,
             )
         )
+    faulty = TrainingWorkers(
+        workers=max(max(counts), 2),
+        max_restarts=1,
+        checkpoint_steps=checkpoint_steps,
+        checkpoint_interval_s=0,
+        straggler_timeout_s=straggler_timeout,
+    )
+    job = _Job(task, dataset, params, seed, reference, start)
+    if stall:
+        rows.append(_stall_row(base, job, faulty, floor.steps // 2 + 1))
+    if nodes > 1:
+        rows.append(_nodes_row(base, job, nodes))
     if dp_seeds > 0:
         dp = DPParams(noise_multiplier, clip, DP_DELTA)
         rows.extend(_dp_rows(base, task, data, dataset, params, counts, seed, dp_seeds, dp))
@@ -267,6 +292,107 @@ def _job_row(
     return with_environment(row)
 
 
+class _Job:
+    """What every job of the bench trains, and the in-process update it is held to."""
+
+    def __init__(
+        self,
+        task: Task,
+        dataset: TensorDataset,
+        params: TrainingParams,
+        seed: int,
+        reference: np.ndarray,
+        start: np.ndarray,
+    ) -> None:
+        self.task, self.dataset, self.params, self.seed = task, dataset, params, seed
+        self.reference, self.start = reference, start
+
+    def run(
+        self, settings: TrainingWorkers, state: Path, **faults: int
+    ) -> tuple[WorkersResult, float, float]:
+        """Train a job: its result, its wall seconds and its update's relative difference."""
+        model = self.task.build_model(0)
+        started = time.perf_counter()
+        done = train_with_workers(
+            model,
+            self.dataset,
+            self.params,
+            torch.device("cpu"),
+            self.seed,
+            self.task,
+            {},
+            state,
+            settings,
+            **faults,  # type: ignore[arg-type]  # crash_at_step / stall_at_step
+        )
+        wall = time.perf_counter() - started
+        diff = float(np.max(np.abs(flatten_params(model) - self.start - self.reference)))
+        scale = float(np.max(np.abs(self.reference)))
+        return done, wall, diff / scale if scale else diff
+
+
+def _stall_row(
+    base: dict[str, Any], job: _Job, settings: TrainingWorkers, stall_at: int
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as state:
+        done, wall, rel_diff = job.run(settings, Path(state), stall_at_step=stall_at)
+    return with_environment(
+        {
+            **base,
+            "workers": settings.workers,
+            "case": "stall",
+            "stalled_at_step": stall_at,
+            "straggler_timeout_s": settings.straggler_timeout_s,
+            "straggler_wait_s": max(done.straggler_waits_s, default=None),
+            "checkpoint_steps": settings.checkpoint_steps,
+            "restarts": done.restarts,
+            "resumed_from_step": done.resumed_from_step,
+            "job_steps": done.trained.steps,
+            "rel_diff": rel_diff,
+            "job_seconds": round(wall, 3),
+        }
+    )
+
+
+def _nodes_row(base: dict[str, Any], job: _Job, nodes: int) -> dict[str, Any]:
+    with socket.socket() as probe:  # a free loopback port for node 0's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = TrainingWorkers(
+        workers=1, max_restarts=0, nodes=nodes, rendezvous_endpoint=f"127.0.0.1:{port}"
+    )
+    ended = threading.Event()
+    with tempfile.TemporaryDirectory() as state:
+        followers = [
+            threading.Thread(
+                target=follow_jobs,
+                args=(Path(state), replace(settings, node_rank=rank), ended.is_set),
+                kwargs={"poll_s": 0.1},
+            )
+            for rank in range(1, nodes)
+        ]
+        for follower in followers:
+            follower.start()
+        try:
+            done, wall, rel_diff = job.run(settings, Path(state))
+        finally:
+            ended.set()
+            for follower in followers:
+                follower.join()
+    return with_environment(
+        {
+            **base,
+            "workers": done.workers,
+            "nodes": nodes,
+            "case": "nodes",
+            "job_steps": done.trained.steps,
+            "rel_diff": rel_diff,
+            "seconds_per_epoch": round(done.trained.duration_s / base["epochs"], 4),
+            "job_seconds": round(wall, 3),
+        }
+    )
+
+
 _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 
 
@@ -287,6 +413,20 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 )
 @click.option("--checkpoint-steps", default=4, show_default=True, type=click.IntRange(1))
 @click.option(
+    "--stall/--no-stall",
+    default=True,
+    show_default=True,
+    help="Also stall a worker half way: the straggler timeout restarts the job.",
+)
+@click.option("--straggler-timeout", default=5.0, show_default=True, type=_POSITIVE)
+@click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Also one job over this many loopback nodes of one worker each (1: none).",
+)
+@click.option(
     "--dp-seeds",
     default=3,
     show_default=True,
@@ -298,7 +438,8 @@ _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line (always).")
 def bench_workers(counts: str, as_json: bool, **options: Any) -> None:
     """Train with 1..N torchrun workers against one process: same update, time per epoch,
-    a killed worker's restart, and DP-SGD's ε and accuracy over several seeds."""
+    a killed and a stalled worker's restart, several nodes, and DP-SGD's ε and accuracy
+    over several seeds."""
     del as_json
     try:
         parsed = [int(c) for c in counts.split(",") if c.strip()]
