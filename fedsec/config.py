@@ -132,6 +132,10 @@ class RoundSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Fewest members a group may hold when shards > 1: each group's sum is revealed, so it must
     be a sum of many (Bonawitz et al. 2019 sum groups of hundreds); round.min_agents must be at
     least shards x this."""
+    shard_workers: bool = False
+    """With shards > 1, each group's SecAgg+ session in a worker process of its own, so the
+    groups unmask their dropped members' masks on as many cores; a worker that dies is started
+    again and fed the group's messages. Off: every group in the aggregator's process."""
 
 
 class TrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

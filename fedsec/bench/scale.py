@@ -141,6 +141,11 @@ def _shard_counts(text: str) -> list[int]:
 @click.option(
     "--dropout", type=float, default=0.0, show_default=True, help="with --shards: share lost"
 )
+@click.option(
+    "--shard-workers",
+    is_flag=True,
+    help="with --shards: also each shard count above 1 with its groups in worker processes",
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per member count")
 def bench_scale(
     members: str,
@@ -150,11 +155,13 @@ def bench_scale(
     shards: str,
     dim: int,
     dropout: float,
+    shard_workers: bool,
     as_json: bool,
 ) -> None:
     """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
     if shards:
-        _bench_shards(_counts(members), _shard_counts(shards), dim, dropout, seed, as_json)
+        counts, groups = _counts(members), _shard_counts(shards)
+        _bench_shards(counts, groups, dim, dropout, seed, shard_workers, as_json)
         return
     for count in _counts(members):
         row = scale_row(count, rounds, task, seed)
@@ -171,19 +178,26 @@ def bench_scale(
 
 
 def _bench_shards(
-    members: list[int], shards: list[int], dim: int, dropout: float, seed: int, as_json: bool
+    members: list[int],
+    shards: list[int],
+    dim: int,
+    dropout: float,
+    seed: int,
+    workers: bool,
+    as_json: bool,
 ) -> None:
     from fedsec.bench.scale_shards import shards_rows
 
     for count in members:
-        for row in shards_rows(count, shards, dim, dropout, seed):
+        for row in shards_rows(count, shards, dim, dropout, seed, workers):
             if as_json:
                 click.echo(json.dumps(row, sort_keys=True))
             else:
                 click.echo(
                     f"{count:>5} members, {row['shards']} shard(s) of "
                     f"{row['group_members_min']}-{row['group_members_max']}: "
+                    f"{'workers' if row['shard_workers'] else 'in-process'}, "
                     f"{row['aggregator_cpu_ms_per_member']} ms CPU per member, unmask "
-                    f"{row['unmask_cpu_s']} s, same sum as one session: "
+                    f"{row['unmask_wall_s']} s, same sum as one session: "
                     f"{row['same_sum_as_one_session']}"
                 )

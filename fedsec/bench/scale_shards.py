@@ -16,7 +16,9 @@ rows of one member count must report the same ``sum_sha256``: the groups' ring s
 up to one session's, bit for bit (``same_sum_as_one_session``).  The groups run one after
 another here, in one process: a row shows what splitting does to the work (a group's
 graph is of its own size, so each member has fewer neighbours), not the speed-up of
-groups summed by worker processes side by side, which this build does not have yet.
+groups summed by worker processes side by side: ``--shard-workers`` adds a row per shard
+count with each group in a worker process (``round.shard_workers``), whose
+``unmask_wall_s`` against the in-process row's is what unmasking on several cores buys.
 """
 
 from __future__ import annotations
@@ -74,9 +76,15 @@ def _spec(members: list[str], dim: int, shards: int, seed: bytes) -> wire.RoundS
 
 
 def shards_row(
-    members: int, shards: int, dim: int = DEFAULT_DIM, dropout: float = 0.0, seed: int = 0
+    members: int,
+    shards: int,
+    dim: int = DEFAULT_DIM,
+    dropout: float = 0.0,
+    seed: int = 0,
+    workers: bool = False,
 ) -> dict[str, Any]:
-    """One round of ``members`` in ``shards`` groups (1: one session); its row.
+    """One round of ``members`` in ``shards`` groups (1: one session), each group in a
+    worker process with ``workers`` (``round.shard_workers``); its row.
 
     Raises:
         FedsecError: the round cannot close (too many dropped for a group's threshold).
@@ -88,7 +96,8 @@ def shards_row(
     clients = {m: ClientSession(spec.member_params(m), m, keys[m], roster) for m in names}
     lost = set(names[: math.floor(dropout * members)])
     clock = _Clock()
-    session = clock(open_session, spec, SessionInputs(roster, 3))
+    inputs = SessionInputs(roster, 3, shard_workers=workers and shards > 1)
+    session = clock(open_session, spec, inputs)
     started = time.perf_counter()
     _key_stages(session, clients, clock)
     encoding = codec_for(spec)
@@ -109,8 +118,9 @@ def shards_row(
     for m in alive:
         proof = codec.consistency_proof(clock(session.consistency_proof, m, 1), m)
         clock(session.receive, "unmask", clients[m].unmask(proof))
-    before = clock.seconds
+    before, unmask_started = clock.seconds, time.perf_counter()
     result = clock(session.finalize)
+    unmask_wall_s = time.perf_counter() - unmask_started
     sizes = [len(g.members) for g in spec.groups] or [members]
     return with_environment(
         {
@@ -126,7 +136,10 @@ def shards_row(
             "survivors": len(result.survivors),
             "aggregator_cpu_s": round(clock.seconds, 3),
             "aggregator_cpu_ms_per_member": round(1000 * clock.seconds / members, 3),
+            "shard_workers": workers and shards > 1,
+            # in the aggregator's process; a worker's CPU is its own process's
             "unmask_cpu_s": round(clock.seconds - before, 3),
+            "unmask_wall_s": round(unmask_wall_s, 3),
             "wall_s": round(time.perf_counter() - started, 3),
             "sum_sha256": result.sum_sha256,
             "group_sum_sha256": [g.sum_sha256 for g in result.groups],
@@ -150,12 +163,14 @@ def _key_stages(
 
 
 def shards_rows(
-    members: int, shards: list[int], dim: int, dropout: float, seed: int
+    members: int, shards: list[int], dim: int, dropout: float, seed: int, workers: bool = False
 ) -> list[dict[str, Any]]:
-    """One row per shard count for ``members``; each row says whether its sum is that of
-    the one-session row (the first shard count given when 1 is not among them)."""
+    """One row per shard count for ``members`` (and with ``workers``, one more per shard
+    count above 1, its groups in worker processes); each row says whether its sum is that
+    of the one-session row (the first shard count given when 1 is not among them)."""
     shards_row(8, 1, dim, 0.0, seed)  # warm-up: the first round also loads compiled loops
-    rows = [shards_row(members, n, dim, dropout, seed) for n in shards]
+    runs = [(n, False) for n in shards] + [(n, True) for n in shards if workers and n > 1]
+    rows = [shards_row(members, n, dim, dropout, seed, w) for n, w in runs]
     reference = next((r for r in rows if r["shards"] == 1), rows[0])["sum_sha256"]
     for row in rows:
         row["same_sum_as_one_session"] = row["sum_sha256"] == reference

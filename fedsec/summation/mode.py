@@ -52,6 +52,9 @@ class SessionInputs:
         he_context_sha256: its SHA-256, which the spec must name.
         max_json_bytes: bound on a stored decryption statement (``server.max_json_bytes``).
         reference: FLTrust's reference update (trusted mode with rule ``fltrust``).
+        shard_workers: a sharded attempt's groups each in a worker process of its own
+            (``round.shard_workers``; the aggregator's sessions only: a replay sums in
+            this process).
     """
 
     keys: Mapping[str, bytes]
@@ -60,6 +63,7 @@ class SessionInputs:
     he_context_sha256: str = ""
     max_json_bytes: int = 1 << 20
     reference: ReferenceUpdate | None = None
+    shard_workers: bool = False
 
 
 class StoredMessage(NamedTuple):

@@ -27,6 +27,7 @@ from fedsec.protocol.codec_choice import codec_for
 from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.stages import SECAGG_STAGES, Stage
+from fedsec.summation.group_worker import GroupWorker
 from fedsec.summation.mode import (
     SessionInputs,
     StageWindow,
@@ -228,7 +229,7 @@ class SecAggMode(SummationMode):
         return k, auto_t if not r.neighbors else floor
 
     def _open(self, spec: wire.RoundSpec, inputs: SessionInputs) -> SummationSession:
-        return _session(spec, inputs.keys, consistency=True)
+        return _session(spec, inputs.keys, consistency=True, workers=inputs.shard_workers)
 
     def replay(self, spec: wire.RoundSpec, stored: StoredAttempt) -> SummationResult:
         # an attempt logged before the consistency stage existed carries no graph
@@ -243,9 +244,15 @@ class SecAggMode(SummationMode):
 
 
 def _session(
-    spec: wire.RoundSpec, keys: Mapping[str, bytes], *, consistency: bool
+    spec: wire.RoundSpec, keys: Mapping[str, bytes], *, consistency: bool, workers: bool = False
 ) -> SummationSession:
-    """One session over the cohort, or one per group of a sharded spec."""
+    """One session over the cohort, or one per group of a sharded spec (each in a worker
+    process of its own with ``workers``)."""
+    if spec.groups and workers:
+        return ShardedSession(
+            spec,
+            lambda i: GroupWorker(SecAggPlusSession, spec, keys, consistency=consistency, group=i),
+        )
     if spec.groups:
         return ShardedSession(
             spec, lambda i: SecAggPlusSession(spec, keys, consistency=consistency, group=i)

@@ -55,6 +55,12 @@ class GroupSession(SummationSession):
             RoundAborted, RecoveryImpossible, ProtocolError: as finalize.
         """
 
+    def start_finalize(self) -> Callable[[], RoundResult]:
+        """Start :meth:`finalize_ring`; the returned call gives its result (or raises as
+        it does).  A group in a worker process unmasks while the others do; here it runs
+        when collected."""
+        return self.finalize_ring
+
 
 class ShardedSession(SummationSession):
     """The groups' SecAgg+ sessions as one (see the module docstring).
@@ -109,9 +115,10 @@ class ShardedSession(SummationSession):
 
     def finalize(self) -> SummationResult:
         rings = []
-        for index, g in enumerate(self.groups):
+        started = [g.start_finalize() for g in self.groups]  # workers unmask side by side
+        for index, collect in enumerate(started):
             try:
-                rings.append(g.finalize_ring())
+                rings.append(collect())
             except RoundAborted as exc:
                 raise RoundAborted(f"shard group {index}: {exc.detail}") from None
         total = rings[0].ring_sum.copy()

@@ -5,6 +5,10 @@ and shares never cross groups."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+
 import msgspec
 import numpy as np
 import pytest
@@ -21,7 +25,8 @@ from fedsec.errors import (
 )
 from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import ShardGroup, split_cohort
-from fedsec.summation import StoredAttempt, SummationResult, replay
+from fedsec.summation import StoredAttempt, SummationResult, open_session, replay
+from fedsec.summation.group_worker import GroupWorker
 from fedsec.summation.secagg import SECAGG, SecAggPlusSession
 from fedsec.summation.sharded import ShardedSession
 from tests.aggregator.test_summation import Members, _expected, _run, _spec
@@ -243,3 +248,51 @@ def test_bench_scale_shards_rows_have_one_sessions_sum() -> None:
     assert all(r["same_sum_as_one_session"] for r in rows)
     assert [r["survivors"] for r in rows] == [11, 11]
     assert len(rows[1]["group_sum_sha256"]) == 2
+
+
+# -- groups in worker processes ------------------------------------------------------------
+
+
+def _worker_session(members: Members) -> ShardedSession:
+    session = open_session(members.spec, dataclasses.replace(members.inputs(), shard_workers=True))
+    assert isinstance(session, ShardedSession)
+    assert all(isinstance(g, GroupWorker) for g in session.groups)
+    return session
+
+
+def test_groups_in_worker_processes_give_the_same_sum_and_survive_a_killed_worker() -> None:
+    """A group's worker killed mid-round (after the masked inputs) is started again and fed
+    what it had taken: the round closes, with the sum of the in-process groups."""
+    spec = sharded(_spec("secagg", COHORT), 2)
+    here = Members(spec)
+    expected = _run(here.session(), here, COHORT, lost_at={"m03": "masked_input"})
+    members = Members(spec)
+    session = _worker_session(members)
+    worker = session.groups[1]
+    assert isinstance(worker, GroupWorker) and worker.pid != os.getpid()
+    lost = {"m03"}
+    for stage in session.stages:
+        for member in COHORT:
+            if member not in lost or stage in ("advertise", "share_keys"):
+                session.receive(stage, members.message(session, stage, member))
+        if stage == "masked_input":
+            assert worker.pid is not None
+            os.kill(worker.pid, signal.SIGKILL)
+        if session.next_stage(stage) is not None:
+            session.close(stage)
+    result = session.finalize()
+    assert worker.restarts == 1
+    assert result.sum_sha256 == expected.sum_sha256 and result.groups == expected.groups
+    np.testing.assert_array_equal(result.weighted_sum, expected.weighted_sum)
+
+
+def test_a_worker_refuses_as_its_group_session_does_and_changes_nothing() -> None:
+    spec = sharded(_spec("secagg", COHORT), 2)
+    members = Members(spec)
+    session = _worker_session(members)
+    stranger = spec.groups[1].members[0]
+    message = members.message(session, "advertise", stranger)
+    with pytest.raises(UnknownMember):
+        session.groups[0].receive("advertise", message)
+    assert not session.groups[0].complete("advertise")
+    session.receive("advertise", message)

@@ -17,6 +17,7 @@ from fedsec.audit.verify import verify_log
 from fedsec.errors import ConfigError
 from fedsec.protocol.log_entries import GroupSumEntry
 from fedsec.protocol.shards import split_cohort
+from fedsec.summation.group_worker import GroupWorker
 from fedsec.summation.sharded import ShardedSession
 from tests.aggregator.test_robust_rounds import _rewrite_aggregate
 from tests.support.aggregator import (
@@ -39,8 +40,11 @@ MEMBERS = tuple(f"a{i}" for i in range(8))
 SHARDED = {"min_agents": 8, "shards": 2, "min_shard_members": 4}
 
 
-def _start(root: Path, clock: FakeClock) -> tuple[Federation, Coordinator, Cohort]:
-    fed = make_federation(root, agents=MEMBERS, round=SHARDED, validation=False)
+def _start(
+    root: Path, clock: FakeClock, workers: bool = False
+) -> tuple[Federation, Coordinator, Cohort]:
+    round_ = {**SHARDED, "shard_workers": workers}
+    fed = make_federation(root, agents=MEMBERS, round=round_, validation=False)
     coord = Coordinator(fed.ws, clock=clock)
     for m in MEMBERS:
         assert coord.join(m, 1, 0, join_request(m, 1)).accepted
@@ -57,12 +61,21 @@ def _finish(coord: Coordinator, cohort: Cohort) -> None:
         coord.unmask(m, r, a, cohort.unmask(m, coord.consistency_proof(m, r, a)))
 
 
-def test_a_sharded_round_closes_with_one_sessions_model_and_verifies(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "workers",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # four worker processes start
+    ids=["in-process", "worker-processes"],
+)
+def test_a_sharded_round_closes_with_one_sessions_model_and_verifies(
+    tmp_path: Path, workers: bool
+) -> None:
     clock = FakeClock()
-    fed, coord, cohort = _start(tmp_path / "ws", clock)
+    fed, coord, cohort = _start(tmp_path / "ws", clock, workers)
     spec = cohort.spec
     assert [g.members for g in spec.groups] == split_cohort(spec.cohort, spec.seed, 2)
-    assert isinstance(coord.live.summation, ShardedSession)
+    session = coord.live.summation
+    assert isinstance(session, ShardedSession)
+    assert all(isinstance(g, GroupWorker) == workers for g in session.groups)
     advertise_all(coord, cohort, MEMBERS)
     r, a = attempt_of(coord)
     for m in MEMBERS:  # each member is told only its group's keys

@@ -174,6 +174,7 @@ class Lifecycle:
             he_context_sha256=self._he.sha256,
             max_json_bytes=self._ctx.cfg.server.max_json_bytes,
             reference=self._reference,
+            shard_workers=self._ctx.cfg.round.shard_workers,
         )
         return open_session(spec, inputs)
 
