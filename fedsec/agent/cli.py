@@ -177,6 +177,12 @@ def run_command(config_path: Path, rounds: int | None, verbose: bool) -> None:
 
     _configure_logging(verbose)
     cfg = load_agent_config(config_path)
+    if cfg.training.node_rank != 0:
+        # refused before any round is charged: rank 0, which the agent reads, is node 0's
+        raise ConfigError(
+            f"training.node_rank = {cfg.training.node_rank}: this is not the agent's node; "
+            "run fedsec agent train-node here, and fedsec agent run on node 0"
+        )
     identity = load_identity(Path(cfg.agent.state_dir) / IDENTITY_FILE)
     # chaos tests and the demo hand a child agent its faults through the environment
     faults = Faults.from_environment("agent")

@@ -71,6 +71,10 @@ class LocalTrainer:
         workers: how training is split over processes (``[training]`` of agent.toml).
         state_dir: the member's state directory, where a split job's files live.
         task_options: what the task was built with, for workers building it again.
+
+    Raises:
+        ConfigError: ``workers`` of a node other than the agent's (``node_rank`` > 0),
+            refused here, before any round is charged.
     """
 
     def __init__(
@@ -99,6 +103,11 @@ class LocalTrainer:
         self._faults = faults
         self._hidden = hidden
         self._workers = workers or TrainingWorkers()
+        if self._workers.node_rank != 0:
+            raise ConfigError(
+                "training.node_rank must be 0 where the agent runs (its node holds rank 0); "
+                "run the other nodes with fedsec agent train-node"
+            )
         self._state_dir = state_dir
         self._task_options = dict(task_options or {})
         # a job a killed agent left behind holds records and a secret seed; no job of

@@ -207,7 +207,9 @@ def train_with_workers(
             job's first attempt (for :data:`STALL_TIMEOUTS` straggler timeouts).
 
     Raises:
-        ConfigError: see :func:`worker_count`; an empty dataset.
+        ConfigError: see :func:`worker_count` and
+            :func:`~fedsec.learning.worker_nodes.torchrun_command`; an empty dataset; a
+            ``node_rank`` other than 0 (rank 0 must be this node's).
         TrainingWorkersFailed: the job failed past its restarts, or left no result.
     """
     count = worker_count(settings.workers, device)

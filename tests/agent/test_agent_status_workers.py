@@ -1,5 +1,6 @@
 """``fedsec agent status`` shows the last training workers job: workers, restarts (and
-how many a straggler caused) and checkpoint ages, as text and as ``--json``."""
+how many a straggler caused) and checkpoint ages, as text and as ``--json``; ``fedsec
+agent run`` refuses a following node's file before it starts."""
 
 from __future__ import annotations
 
@@ -56,3 +57,16 @@ def test_status_shows_workers_restarts_and_checkpoint_ages(tmp_path: Path) -> No
     assert (workers["workers"], workers["restarts"], workers["stragglers"]) == (4, 1, 1)
     assert 19 <= workers["checkpoint_age_s"] < 60
     assert workers["resumed_checkpoint_age_s"] == 42.0
+
+
+def test_agent_run_on_a_following_node_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    # node_rank > 0 is a train-node's file: run there would train as a rank-0 it is not
+    (tmp_path / "agent.toml").write_text(
+        _CONFIG + '[training]\nnodes = 2\nnode_rank = 1\nrendezvous_endpoint = "n0:29400"\n'
+    )
+    result = CliRunner().invoke(agent, ["run", "--config", str(tmp_path / "agent.toml")])
+    assert result.exit_code == 1
+    assert "training.node_rank = 1: this is not the agent's node" in result.output
+    assert not (tmp_path / "state").exists()  # no ledger, no keys read, nothing written

@@ -314,3 +314,20 @@ def test_agent_toml_straggler_and_interval_settings_are_checked_with_their_keys(
         parse_agent_config(base + "straggler_timeout_s = 0\n")
     with pytest.raises(ConfigError, match=r"training\.checkpoint_interval_s: expected a number"):
         parse_agent_config(base + "checkpoint_interval_s = -1\n")
+
+
+def test_a_trainer_on_a_following_node_is_refused(tmp_path: Path) -> None:
+    # rank 0, whose weights the agent reads, lives on node 0: a trainer elsewhere is
+    # refused when built, and leaves the state directory as it was
+    following = TrainingWorkers(nodes=2, node_rank=1, rendezvous_endpoint="n0:29400")
+    with pytest.raises(ConfigError, match="node_rank must be 0 where the agent runs"):
+        LocalTrainer(
+            "a0",
+            b"\x00" * 32,
+            LocalData(task=TASK, train=_dataset()),
+            torch.device("cpu"),
+            None,
+            workers=following,
+            state_dir=tmp_path,
+        )
+    assert list(tmp_path.iterdir()) == []
