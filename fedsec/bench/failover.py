@@ -488,6 +488,7 @@ def run_failover(
     takeovers = [k.takeover_s for k in killed.kills if k.takeover_s is not None]
     result: dict[str, Any] = {
         "bench": "failover",
+        "mode": "secagg",  # sync SecAgg+ rounds (the others: fedsec.bench.failover_modes)
         "task": "breast_cancer",
         "agents": agents,
         "rounds": rounds,
