@@ -91,7 +91,13 @@ from fedsec.learning.worker_privacy import (
     shard_loader,
 )
 from fedsec.learning.worker_settings import MAX_WORKERS, TrainingWorkers
-from fedsec.learning.worker_status import JOBS_DIR, WorkersStatus, update_status, write_status
+from fedsec.learning.worker_status import (
+    JOBS_DIR,
+    WorkersStatus,
+    read_status,
+    update_status,
+    write_status,
+)
 from fedsec.tasks import Task, TrainingParams, get_task
 
 __all__ = [
@@ -165,12 +171,21 @@ def backend_for(device: torch.device) -> str:
 
 def clear_stale_jobs(state_dir: Path) -> list[str]:
     """Remove the job directories a killed agent left in ``state_dir`` (they hold the
-    records and the round's secret seed); returns their names. Call it before this
-    agent's first job: it removes every job, running or not."""
+    records and the round's secret seed), and mark its job failed in the workers status
+    if it still says running; returns their names. Call it before this agent's first
+    job: it removes every job, running or not.
+
+    Raises:
+        ConfigError: a workers status that is not one
+            (:func:`~fedsec.learning.worker_status.read_status`).
+    """
     jobs = Path(state_dir) / JOBS_DIR
     stale = sorted(p for p in jobs.glob("job-*") if p.is_dir()) if jobs.is_dir() else []
     for job in stale:
         shutil.rmtree(job, ignore_errors=True)
+    last = read_status(state_dir)
+    if last is not None and last.state == "running":
+        update_status(state_dir, state="failed", ended_at=time.time())
     return [job.name for job in stale]
 
 

@@ -41,6 +41,7 @@ from fedsec.learning.workers import (
     _RankSampler,
     _read_result,
     backend_for,
+    clear_stale_jobs,
     train_with_workers,
     worker_count,
 )
@@ -331,3 +332,17 @@ def test_a_trainer_on_a_following_node_is_refused(tmp_path: Path) -> None:
             state_dir=tmp_path,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_agents_job_is_removed_and_its_status_no_longer_says_running(
+    tmp_path: Path,
+) -> None:
+    write_status(tmp_path, WorkersStatus(5, 2, "running", 10.0, checkpoint_step=8))
+    (tmp_path / "training" / "job-left").mkdir()
+    assert clear_stale_jobs(tmp_path) == ["job-left"]
+    status = read_status(tmp_path)
+    assert status is not None and status.ended_at is not None
+    assert (status.state, status.round, status.checkpoint_step) == ("failed", 5, 8)
+    write_status(tmp_path, WorkersStatus(6, 2, "done", 20.0, ended_at=30.0))
+    assert clear_stale_jobs(tmp_path) == []
+    assert read_status(tmp_path) == WorkersStatus(6, 2, "done", 20.0, ended_at=30.0)
