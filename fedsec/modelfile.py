@@ -25,8 +25,6 @@ from typing import Any, Literal, Protocol
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from safetensors import SafetensorError
-from safetensors.numpy import load as _st_load
 
 from fedsec.crypto.identity import PublicIdentity, SigningIdentity, canonical_json
 from fedsec.errors import IntegrityError, PayloadTooLarge, SignatureError
@@ -197,6 +195,9 @@ def decode_model(
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"model file is {len(data)} bytes, the limit is {max_bytes}")
     header = _parse_header(data)
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise IntegrityError("model file metadata is not an object of strings")
     names = [k for k in header if k != "__metadata__"]
     if not names:
         raise IntegrityError("model file holds no tensors")
@@ -228,17 +229,61 @@ def decode_model(
             if name in header and tuple(header[name]["shape"]) != tuple(want):
                 got = tuple(header[name]["shape"])
                 raise IntegrityError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
-    try:
-        loaded = _st_load(bytes(data))
-    except (SafetensorError, ValueError) as exc:
-        raise IntegrityError(f"model file is malformed: {exc}") from None
+    start = 8 + struct.unpack("<Q", data[:8])[0]
     result: dict[str, FloatArray] = {}
-    for name in sorted(loaded):
-        value = np.array(loaded[name], dtype=np.float32, copy=True)
+    for name, begin, count in _tensor_layout(header, names, len(data) - start):
+        flat = np.frombuffer(data, dtype="<f4", count=count, offset=start + begin)
+        # the one copy: a writable, native float32 array of the tensor's shape
+        value = flat.astype(np.float32, copy=True).reshape(header[name]["shape"])
         if not bool(np.isfinite(value).all()):
             raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
         result[name] = value
-    return result
+    return dict(sorted(result.items()))
+
+
+def _tensor_layout(
+    header: Mapping[str, Any], names: list[str], data_bytes: int
+) -> list[tuple[str, int, int]]:
+    """(name, first byte, element count) of each tensor, in file order, once the
+    offsets are checked as safetensors checks them: in offset order the tensors tile
+    the data region from its first byte to the file's last, each exactly as long as
+    its shape says.
+
+    Raises:
+        IntegrityError: malformed offsets, a gap, an overlap, a length that is not the
+            shape's, or bytes past the last tensor.
+    """
+    placed: list[tuple[int, int, str, int]] = []
+    for name in names:
+        offsets = header[name].get("data_offsets")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+        ):
+            raise IntegrityError(f"tensor {name!r} has malformed data offsets {offsets!r}")
+        count = math.prod(header[name]["shape"])
+        placed.append((offsets[0], offsets[1], name, count))
+    placed.sort()
+    layout: list[tuple[str, int, int]] = []
+    end = 0
+    for begin, stop, name, count in placed:
+        if begin != end or stop < begin:
+            raise IntegrityError(
+                f"model file is malformed: tensor {name!r} offsets leave a gap or overlap"
+            )
+        if stop - begin != count * 4:
+            raise IntegrityError(
+                f"model file is malformed: tensor {name!r} holds {stop - begin} bytes, "
+                f"its shape needs {count * 4}"
+            )
+        layout.append((name, begin, count))
+        end = stop
+    if end != data_bytes:
+        raise IntegrityError(
+            f"model file is malformed: its tensors end at byte {end} of {data_bytes}"
+        )
+    return layout
 
 
 def _check_name(name: object) -> None:
@@ -250,6 +295,15 @@ def _check_name(name: object) -> None:
         raise IntegrityError(f"invalid tensor name {name!r}: not valid UTF-8") from None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a name given twice is refused, never
+    resolved (which of the two would a reader take?)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("a key appears twice")
+    return result
+
+
 def _parse_header(data: bytes) -> dict[str, Any]:
     if len(data) < 8:
         raise IntegrityError(f"model file is {len(data)} bytes, too short for a safetensors header")
@@ -259,8 +313,11 @@ def _parse_header(data: bytes) -> dict[str, Any]:
             f"model file header length {header_len} exceeds the file or the "
             f"{MAX_HEADER_BYTES}-byte limit"
         )
+    raw = bytes(data[8 : 8 + header_len])
+    if not raw.startswith(b"{"):  # as safetensors: no other encoding, no leading bytes
+        raise IntegrityError("model file header does not start with '{'")
     try:
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"model file header is not JSON: {exc}") from None
     if not isinstance(header, dict):
