@@ -525,6 +525,8 @@ class _Sharing:
         skew of their start-up (imports, loading the records) is not taken for a
         straggler; from then on every rank does the same work between collectives,
         but for rank 0's noise and checkpoints."""
+        # torch's setter of the timeout init_process_group(timeout=) sets (private in
+        # torch 2.x); that argument would also time the start-up
         _set_pg_timeout(timedelta(seconds=self.straggler_timeout_s))
         self.stepped_at = _now()
 
