@@ -1,6 +1,7 @@
 """``fedsec agent status`` shows the last training workers job: workers, restarts (and
 how many a straggler caused) and checkpoint ages, as text and as ``--json``; ``fedsec
-agent run`` refuses a following node's file before it starts."""
+agent run`` refuses a following node's file before it starts, and ``train-node`` the
+agent's."""
 
 from __future__ import annotations
 
@@ -70,3 +71,13 @@ def test_agent_run_on_a_following_node_is_refused_before_anything_starts(
     assert result.exit_code == 1
     assert "training.node_rank = 1: this is not the agent's node" in result.output
     assert not (tmp_path / "state").exists()  # no ledger, no keys read, nothing written
+
+
+def test_train_node_on_the_agents_node_is_one_sentence(tmp_path: Path) -> None:
+    (tmp_path / "agent.toml").write_text(_CONFIG)
+    result = CliRunner().invoke(agent, ["train-node", "--config", str(tmp_path / "agent.toml")])
+    assert result.exit_code == 1
+    assert "train-node needs training.nodes > 1 and training.node_rank in 1..nodes-1" in (
+        result.output
+    )
+    assert "Traceback" not in result.output
