@@ -56,8 +56,13 @@ def ed25519_check_us() -> float:
     return 1e6 * (time.process_time() - start) / FLOOR_CHECKS
 
 
-def scale_row(members: int, rounds: int, task: str, seed: int) -> dict[str, Any]:
+def scale_row(
+    members: int, rounds: int, task: str, seed: int, member_processes: int = 0
+) -> dict[str, Any]:
     """Run one federation of ``members`` for ``rounds`` rounds; return its row.
+
+    ``member_processes``: the processes the simulated members run in (0 = the
+    simulation's default, :func:`fedsec.simulated_members.default_member_processes`).
 
     Raises:
         ConfigError: the process may not open the descriptors the roster needs, or the
@@ -66,7 +71,14 @@ def scale_row(members: int, rounds: int, task: str, seed: int) -> dict[str, Any]
     """
     from fedsec.simulation import SimulationSpec, run_simulation
 
-    spec = SimulationSpec(task=task, agents=members, rounds=rounds, seed=seed, baseline=False)
+    spec = SimulationSpec(
+        task=task,
+        agents=members,
+        rounds=rounds,
+        seed=seed,
+        baseline=False,
+        member_processes=member_processes,
+    )
     result = asyncio.run(run_simulation(spec))
     closed = int(result["rounds"])
     member_rounds = members * closed
@@ -99,6 +111,7 @@ def scale_row(members: int, rounds: int, task: str, seed: int) -> dict[str, Any]
             "bytes_up_per_member_round": result["bytes_up_per_agent_round"],
             "final_accuracy": result["final_accuracy"],
             "seed": seed,
+            "member_processes": result["member_processes"],
             # members and the aggregator share this machine's cores
             "cores": len(os.sched_getaffinity(0)),
         }
@@ -146,6 +159,13 @@ def _shard_counts(text: str) -> list[int]:
     is_flag=True,
     help="with --shards: also each shard count above 1 with its groups in worker processes",
 )
+@click.option(
+    "--member-processes",
+    type=int,
+    default=0,
+    show_default=True,
+    help="processes the simulated members run in; 0 = one per 100, at most cores - 1",
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per member count")
 def bench_scale(
     members: str,
@@ -156,6 +176,7 @@ def bench_scale(
     dim: int,
     dropout: float,
     shard_workers: bool,
+    member_processes: int,
     as_json: bool,
 ) -> None:
     """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
@@ -164,7 +185,7 @@ def bench_scale(
         _bench_shards(counts, groups, dim, dropout, seed, shard_workers, as_json)
         return
     for count in _counts(members):
-        row = scale_row(count, rounds, task, seed)
+        row = scale_row(count, rounds, task, seed, member_processes)
         if as_json:
             click.echo(json.dumps(row, sort_keys=True))
         else:
