@@ -15,6 +15,7 @@ import pytest
 
 from fedsec.bench.scale_shards import shards_rows
 from fedsec.config import RoundSection
+from fedsec.crypto.quantize import default_ring_bits
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import (
     DuplicateMessage,
@@ -296,3 +297,26 @@ def test_a_worker_refuses_as_its_group_session_does_and_changes_nothing() -> Non
         session.groups[0].receive("advertise", message)
     assert not session.groups[0].complete("advertise")
     session.receive("advertise", message)
+
+
+def test_a_group_short_of_its_noise_survivors_aborts_before_unmasking() -> None:
+    """Distributed DP: each group's sum is revealed, so each must carry the full noise on
+    its own: a group with fewer masked inputs than ``dp.min_survivors`` ends the attempt
+    before anything is unmasked, though the other group and the total have enough."""
+    dp = wire.DPSpec(
+        enabled=True,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        mode="distributed",
+        unit="member",
+        min_survivors=5,  # the whole of a group of 5
+    )
+    base = _spec("secagg", COHORT)
+    ring = default_ring_bits(16, len(COHORT))
+    spec = sharded(msgspec.structs.replace(base, dim=16, quant_bits=16, ring_bits=ring, dp=dp), 2)
+    members = Members(spec)
+    victim = spec.groups[1].members[0]
+    with pytest.raises(RoundAborted, match=r"shard group 1: .* 4 masked inputs arrived, fewer"):
+        _run(members.session(), members, COHORT, lost_at={victim: "masked_input"})
+    assert not any(m.stage in ("consistency", "unmask") for m in members.stored)
