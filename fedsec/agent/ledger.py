@@ -34,6 +34,10 @@ would otherwise subtract that member's update out of the two sums, and under
 distributed DP every sum carries fresh noise that one charge does not pay for.  A
 retried attempt after a release is trained and charged anew
 (:meth:`fedsec.agent.charging.Carryover.reusable`).
+
+A gossip peer (:mod:`fedsec.peer.privacy`) charges the same ledger the same way, each
+charge naming it as ``holder`` and marked released before its update leaves, so that a
+restarted peer reuses the charge of an update that never left instead of paying twice.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class RoundCharge:
     recorded_at: str = ""
     # (round, attempt) whose SecAgg+ sum took the update trained on this charge
     released_to: tuple[int, int] | None = None
+    # who charged it when not the agent ("" for the agent): a gossip peer finds its own
+    # unreleased charge by it after a restart (fedsec.peer.privacy)
+    holder: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ def _round_charge(item: dict[str, Any]) -> RoundCharge:
         steps=int(item["steps"]),
         recorded_at=str(item.get("recorded_at", "")),
         released_to=_released_to(item),
+        holder=str(item.get("holder", "")),
     )
 
 
@@ -178,6 +186,8 @@ class PrivacyLedger:
                 )
                 int(item["round"])
                 _released_to(item)
+                if not isinstance(item.get("holder", ""), str):
+                    raise TypeError("a charge's 'holder' must be a string")
             if not 0 <= int(entry.get("reported_through", 0)) <= len(entry["history"]):
                 raise ValueError("'reported_through' must be within the history")
             for item in entry.get("pure", []):
@@ -275,6 +285,41 @@ class PrivacyLedger:
             return {}
         released = ((i, _released_to(item)) for i, item in enumerate(entry["history"]))
         return {i: to for i, to in released if to is not None}
+
+    def last_held(self, dataset_id: str, holder: str) -> tuple[int, RoundCharge] | None:
+        """The newest charge of ``dataset_id`` that ``holder`` made, with its index (None
+        when it made none, or the dataset has no budget); read from the file, so a
+        restarted process sees what the one before it charged."""
+        self._reload()
+        entry = self._datasets.get(dataset_id)
+        history = [] if entry is None else entry["history"]
+        for i in range(len(history) - 1, -1, -1):
+            if str(history[i].get("holder", "")) == holder:
+                return i, _round_charge(history[i])
+        return None
+
+    def ensure_budget(self, dataset_id: str, epsilon: float, delta: float) -> float:
+        """Set the budget of ``dataset_id`` to ``epsilon``/``delta`` unless it is that
+        already, and refuse to go on when nothing of it is left.
+
+        Returns:
+            the epsilon already spent.
+
+        Raises:
+            ConfigError: see :meth:`set_budget`.
+            BudgetExhausted: the spent epsilon has reached the budget.
+        """
+        known = dataset_id in self._datasets
+        budget = self.budget(dataset_id) if known else None
+        if budget is None or (budget.epsilon, budget.delta) != (epsilon, delta):
+            self.set_budget(dataset_id, epsilon, delta)
+        spent = self.spent(dataset_id)
+        if spent >= epsilon:
+            raise BudgetExhausted(
+                f"dataset '{dataset_id}': epsilon {spent:.2f} of the budget {epsilon:g} is "
+                "already spent; refusing to train"
+            )
+        return spent
 
     def record_release(self, dataset_id: str, index: int, round: int, attempt: int) -> None:
         """Record that the update trained on charge ``index`` goes into the sum of
@@ -460,8 +505,11 @@ class PrivacyLedger:
         noise_multiplier: float,
         sample_rate: float,
         steps: int,
+        *,
+        holder: str = "",
     ) -> LedgerCharge:
         """Check the budget and record the round atomically; call before training.
+        ``holder`` names who charged when it is not the agent (see :meth:`last_held`).
 
         Returns:
             the charge's index, the new total epsilon spent, and the earlier charges
@@ -473,7 +521,7 @@ class PrivacyLedger:
         """
         with self._locked():
             self.check_can_train(dataset_id, round, noise_multiplier, sample_rate, steps)
-            self._append(dataset_id, round, noise_multiplier, sample_rate, steps)
+            self._append(dataset_id, round, noise_multiplier, sample_rate, steps, holder)
             index = len(self._entry(dataset_id)["history"]) - 1
             unreported = tuple(self.unreported(dataset_id, index))
         return LedgerCharge(index, self.spent(dataset_id), unreported)
@@ -485,16 +533,18 @@ class PrivacyLedger:
         noise_multiplier: float,
         sample_rate: float,
         steps: int,
+        holder: str = "",
     ) -> None:
         self._entry(dataset_id)
         datasets = json.loads(json.dumps(self._datasets))
-        datasets[dataset_id]["history"].append(
-            {
-                "round": int(round),
-                "noise_multiplier": float(noise_multiplier),
-                "sample_rate": float(sample_rate),
-                "steps": int(steps),
-                "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
-        )
+        item: dict[str, Any] = {
+            "round": int(round),
+            "noise_multiplier": float(noise_multiplier),
+            "sample_rate": float(sample_rate),
+            "steps": int(steps),
+            "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        if holder:  # the agent's charges keep the form they always had
+            item["holder"] = holder
+        datasets[dataset_id]["history"].append(item)
         self._write(datasets)
