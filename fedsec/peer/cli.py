@@ -11,17 +11,26 @@ import click
 import numpy as np
 from aiohttp import web
 
+from fedsec.agent.ledger import PrivacyLedger
 from fedsec.crypto.identity import key_id
 from fedsec.errors import FedsecError
 from fedsec.keys import load_identity
 from fedsec.learning.training import DPParams, fresh_seed
-from fedsec.peer.config import PeerConfig, load_peer_config, member_keys, tls_contexts
+from fedsec.peer.config import (
+    PeerConfig,
+    dataset_id,
+    load_peer_config,
+    member_keys,
+    tls_contexts,
+)
 from fedsec.peer.gossip import GossipPeer, GossipSettings, RoundOutcome
 from fedsec.peer.http import ARRIVED, peer_app
 from fedsec.peer.journal import PeerJournal
+from fedsec.peer.privacy import PeerCharging, holder_of
 from fedsec.peer.runner import Timing, Trainer, run_rounds, task_trainer
 from fedsec.peer.topology import topology_graph
 from fedsec.tasks import get_task
+from fedsec.tasks.base import TrainingParams
 from fedsec.tasks.params import flatten_params
 from fedsec.tasks.partition import parse_partition
 
@@ -57,7 +66,8 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
     graph = topology_graph(config.topology, admin, config.federation_id, roster)
     if identity.key_id not in roster:
         raise click.ClickException(f"this member's key {identity.key_id} is not in members")
-    trainer, samples, start = _trainer(config)
+    trainer, samples, start, params, dp = _trainer(config)
+    charging = _charging(config, home, samples, params, dp)
     g = config.gossip
     journal = PeerJournal.resume(config.federation_id, identity, home / config.journal_file)
     state = GossipPeer(
@@ -89,6 +99,7 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
             roster,
             catch_up_at_start=True,
             tls=client_tls,
+            charging=charging,
         )
         journal.head()
         return outcomes
@@ -96,7 +107,32 @@ async def _run(config: PeerConfig, home: Path) -> list[RoundOutcome]:
         await runner.cleanup()
 
 
-def _trainer(config: PeerConfig) -> tuple[Trainer, int, np.ndarray]:
+def _charging(
+    config: PeerConfig, home: Path, samples: int, params: TrainingParams, dp: DPParams | None
+) -> PeerCharging:
+    """The member's ledger in ``state_dir``, its budget set as ``[privacy]`` says; refused
+    before the endpoint starts when DP is off but required, or nothing is left."""
+    ledger = PrivacyLedger(home / config.state_dir)
+    dataset = dataset_id(config)
+    charging = PeerCharging(
+        ledger,
+        dataset,
+        holder_of(config.federation_id),
+        samples,
+        params,
+        dp,
+        config.privacy.require_dp,
+    )
+    spent = ledger.ensure_budget(dataset, config.privacy.epsilon, config.training.delta)
+    logging.getLogger("fedsec.peer").info(
+        "event=peer_ready dataset=%s spent=%.3f budget=%g", dataset, spent, config.privacy.epsilon
+    )
+    return charging
+
+
+def _trainer(
+    config: PeerConfig,
+) -> tuple[Trainer, int, np.ndarray, TrainingParams, DPParams | None]:
     t = config.training
     task = get_task(t.task)
     data = task.load()
@@ -107,4 +143,4 @@ def _trainer(config: PeerConfig) -> tuple[Trainer, int, np.ndarray]:
     dp = DPParams(t.noise_multiplier, t.max_grad_norm, t.delta) if t.noise_multiplier else None
     trainer = task_trainer(task, data.x_train[idx], data.y_train[idx], params, dp, fresh_seed())
     start = flatten_params(task.build_model(t.seed)).astype(np.float64)
-    return trainer, len(idx), start
+    return trainer, len(idx), start, params, dp

@@ -6,6 +6,7 @@ e.g. ``$.topology.degree``).  See docs/decentralised.md for an example.
 
 from __future__ import annotations
 
+import math
 import ssl
 import tomllib
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from fedsec.config import PrivacySection as AgentPrivacySection
 from fedsec.crypto.identity import key_id
 from fedsec.errors import ConfigError
 from fedsec.peer.limits import (
@@ -63,6 +65,18 @@ class TrainingSection(_Section, frozen=True, kw_only=True):
     delta: float = DEFAULT_DELTA
 
 
+class PrivacySection(_Section, frozen=True, kw_only=True):
+    """The member's privacy budget for this shard, in the agent's ledger
+    (:mod:`fedsec.peer.privacy`); ``delta`` is ``training.delta``."""
+
+    epsilon: float = AgentPrivacySection().epsilon  # agent.toml's default
+    #: refuse to train without DP-SGD (training.noise_multiplier = 0), as agent.toml's
+    require_dp: bool = AgentPrivacySection().require_dp
+    #: the ledger's name for this data; "": the agent's name for the same shard of a
+    #: bundled task, ``task:partition:seed:shard/shards``, so both charge one budget
+    dataset_id: str = ""
+
+
 class PeerConfig(_Section, frozen=True, kw_only=True):
     federation_id: str
     key_file: str
@@ -74,7 +88,11 @@ class PeerConfig(_Section, frozen=True, kw_only=True):
     members: list[MemberEntry]
     training: TrainingSection
     gossip: GossipSection = GossipSection()
+    privacy: PrivacySection = PrivacySection()
     journal_file: str = "peer-journal.jsonl"
+    #: where the member's privacy ledger lives (the agent's ``privacy_ledger.json``);
+    #: the agent's state_dir makes the peer and the agent spend one budget
+    state_dir: str = "state"
     #: the admin-signed roster (``fedsec-roster/1``, as the aggregator keeps it): when
     #: set, ``members`` must be exactly its active agents; "" trusts ``members`` as listed
     roster_file: str = ""
@@ -117,6 +135,9 @@ def _check_ranges(path: Path, config: PeerConfig) -> None:
         raise ConfigError(f"{path}: training.shard must be in 0..shards − 1")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError(f"{path}: tls_cert and tls_key are set both or neither")
+    p = config.privacy
+    if not (p.epsilon > 0 and math.isfinite(p.epsilon)) or t.noise_multiplier < 0:
+        raise ConfigError(f"{path}: privacy.epsilon must be > 0, training.noise_multiplier ≥ 0")
     g = config.gossip
     if not (g.round_timeout_s > 0 and g.send_timeout_s > 0):
         raise ConfigError(f"{path}: gossip timeouts must be positive")
@@ -126,6 +147,15 @@ def _check_ranges(path: Path, config: PeerConfig) -> None:
         bytes.fromhex(config.admin_public_key)
     except ValueError:
         raise ConfigError(f"{path}: public keys are hex") from None
+
+
+def dataset_id(config: PeerConfig) -> str:
+    """The ledger's name for this member's data (``privacy.dataset_id``, or the agent's
+    for the same shard of a bundled task)."""
+    t = config.training
+    if config.privacy.dataset_id:
+        return config.privacy.dataset_id
+    return f"{t.task}:{t.partition}:{t.seed}:{t.shard}/{t.shards}"
 
 
 def member_keys(config: PeerConfig, home: Path) -> dict[str, bytes]:

@@ -18,6 +18,7 @@ from fedsec.peer.gossip import GossipPeer, GossipSettings, RoundOutcome
 from fedsec.peer.http import ARRIVED, peer_app
 from fedsec.peer.journal import PeerJournal
 from fedsec.peer.messages import Vector
+from fedsec.peer.privacy import PeerCharging
 from fedsec.peer.runner import DEFAULT_TIMING, Timing, Trainer, run_rounds
 from fedsec.peer.topology import SignedTopology, topology_graph
 
@@ -27,6 +28,7 @@ class LoopbackMember:
     identity: SigningIdentity
     trainer: Trainer
     samples: int
+    charging: PeerCharging | None = None  # the member's ledger; None charges nothing
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ async def run_loopback(
                 apps[k][ARRIVED],
                 timing,
                 roster,
+                charging=m.charging,
             )
             for m in members
             for k in [m.identity.key_id]

@@ -5,7 +5,9 @@ The I/O around :class:`fedsec.peer.gossip.GossipPeer`: training runs in a worker
 (the members' training entry point, :func:`fedsec.learning.training.train_local`), sends
 go to every neighbour at once, and the wait for the neighbours' models ends when all of
 them are in or at the round timeout, whichever is first: a slow or missing neighbour is
-skipped, never waited for past it.
+skipped, never waited for past it.  Each round's training is charged to the member's
+privacy ledger before it starts and marked released before its update can leave
+(:mod:`fedsec.peer.privacy`); a spent budget stops the peer before it trains.
 
 A peer that notices it missed rounds (a neighbour's round too far ahead to use,
 :meth:`fedsec.peer.gossip.GossipPeer.noticed_behind`; or, with ``catch_up_at_start``, a
@@ -42,6 +44,7 @@ from fedsec.peer.limits import (
     MAX_AHEAD,
 )
 from fedsec.peer.messages import PeerModel, Vector
+from fedsec.peer.privacy import PeerCharging
 from fedsec.tasks.base import Task, TrainingParams
 from fedsec.tasks.params import flatten_params, load_flat_params
 
@@ -93,12 +96,23 @@ async def run_rounds(
     roster: Mapping[str, bytes] | None = None,
     catch_up_at_start: bool = False,
     tls: ssl.SSLContext | None = None,
+    charging: PeerCharging | None = None,
 ) -> list[RoundOutcome]:
     """Run ``peer`` until its round is ``rounds``; ``arrived`` is its endpoint's
     condition (:data:`fedsec.peer.http.ARRIVED`).  With ``roster`` (key id -> public
     key) the peer catches up when it notices it missed rounds, and first thing with
     ``catch_up_at_start``; ``tls`` verifies the neighbours' https endpoints (None: the
-    system's trust store).  Returns each exchange's outcome, in order."""
+    system's trust store).  With ``charging`` each round's training is charged to the
+    member's privacy ledger before it starts and released before its update leaves
+    (:mod:`fedsec.peer.privacy`); None charges nothing (simulations without DP).
+
+    Returns:
+        Each exchange's outcome, in order.
+
+    Raises:
+        BudgetExhausted: the next round would exceed the member's budget; the peer
+            stops before training it, as it was (nothing sent, nothing journalled).
+    """
     outcomes = []
     connector = aiohttp.TCPConnector(ssl=tls) if tls is not None else None
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -109,8 +123,13 @@ async def run_rounds(
                 await catch_up(session, peer, identity, neighbour_urls, roster, timing)
                 if peer.round >= rounds:
                     break
+            charge = None
+            if charging is not None:  # before training: see fedsec.peer.privacy
+                charge = await asyncio.to_thread(charging.charge, peer.round)
             start = peer.model.copy()
             trained = await asyncio.to_thread(trainer, start, peer.round)
+            if charging is not None and charge is not None:  # before it can leave
+                await asyncio.to_thread(charging.release, charge, peer.round)
             message = peer.own_model(trained)
             while True:
                 await _send_all(session, peer, identity, neighbour_urls, message, timing)

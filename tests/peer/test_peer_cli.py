@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from fedsec.agent.ledger import PrivacyLedger
 from fedsec.bench.common import free_port
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
@@ -36,9 +37,12 @@ def _configs(
     ids: list[SigningIdentity] | None = None,
     extra: str = "",
     scheme: str = "http",
+    privacy: str = "require_dp = false  # a simulation on public data: no DP noise",
+    training: str = "",
 ) -> list[Path]:
-    """Each member's ``peer.toml``; ``extra`` top-level keys are added to each, and
-    ``scheme`` is that of every member's url."""
+    """Each member's ``peer.toml``; ``extra`` top-level keys are added to each,
+    ``privacy`` and ``training`` keys to those sections, and ``scheme`` is that of every
+    member's url."""
     admin = admin or SigningIdentity.generate()
     ids = ids or [SigningIdentity.generate() for _ in range(n)]
     ports = [free_port() for _ in ids]
@@ -65,9 +69,13 @@ task = "breast_cancer"
 shard = {k}
 shards = {n}
 local_epochs = 1
+{training}
 
 [gossip]
 exchanges = 2
+
+[privacy]
+{privacy}
 
 {members}"""
         (home / "peer.toml").write_text(text)
@@ -86,6 +94,28 @@ async def test_three_peers_run_from_their_configs(tmp_path: Path) -> None:
         lines = (path.parent / "peer-journal.jsonl").read_bytes().splitlines()
         assert verify_journal(lines[:-1], _own_key(path), FED) == -1
         assert verify_journal(lines, _own_key(path), FED) == len(lines) - 2
+
+
+@pytest.mark.asyncio
+async def test_peers_charge_their_members_ledgers_before_each_round(tmp_path: Path) -> None:
+    paths = _configs(tmp_path, privacy="epsilon = 20.0", training="noise_multiplier = 1.0")
+    configs = [load_peer_config(p) for p in paths]
+    await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
+    for k, path in enumerate(paths):
+        ledger = PrivacyLedger(path.parent / "state")
+        (charge,) = ledger.history(f"breast_cancer:iid:0:{k}/3")
+        assert charge.released_to == (0, 0) and charge.holder == f"peer:{FED}"
+        assert 0 < ledger.spent(f"breast_cancer:iid:0:{k}/3") < 20.0
+
+
+@pytest.mark.asyncio
+async def test_a_peer_without_dp_noise_is_refused_unless_the_member_allows_it(
+    tmp_path: Path,
+) -> None:
+    path = _configs(tmp_path, privacy="")[0]
+    with pytest.raises(ConfigError, match="require_dp"):
+        await _run(load_peer_config(path), path.parent)
+    assert not (path.parent / "peer-journal.jsonl").exists()
 
 
 def _own_key(path: Path) -> bytes:
