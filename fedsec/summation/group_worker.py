@@ -12,11 +12,12 @@ started before any is collected, so the groups remove their dropped members' mas
 reaches its group in the leader's request order, one answer at a time: intake is the
 leader's, as before.
 
-A worker that dies (killed, out of memory) is started again on the next call and fed every
-call it had taken, in order, before the call is retried: the group loses nothing the
-leader has (the leader's store holds the same messages, so a restarted leader replays
-them the same way).  The child ends when its pipe closes: the session's end, or the
-leader's.
+A worker that dies (killed, out of memory) is started again on the next call and rebuilt
+before the call is retried: from the leader's state store when the session was given it
+(``SessionInputs.stored``: the group's accepted messages fed as crash resume feeds them,
+so the leader keeps nothing of a group's messages in memory), else from every call it had
+taken, kept for that purpose.  The child ends when its pipe closes: the session's end, or
+the leader's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,6 +33,7 @@ from fedsec.crypto.secagg import RoundResult
 from fedsec.errors import FedsecError, ProtocolError
 from fedsec.protocol import wire
 from fedsec.protocol.stages import SECAGG_STAGES
+from fedsec.summation.mode import StoredMessage, feed
 from fedsec.summation.session import StageMessage, SummationResult
 from fedsec.summation.sharded import GroupSession
 
@@ -41,6 +43,9 @@ log = logging.getLogger("fedsec.aggregator.coordinator")
 #: started again after its predecessor died.
 _STATEFUL = frozenset({"receive", "replay", "close"})
 
+
+#: The attempt's accepted messages of the given stages, as the leader's store holds them.
+StoredMessages = Callable[[Sequence[str]], Sequence[StoredMessage]]
 
 #: How a worker opens its group's session: ``(spec, keys, consistency=..., group=...)``
 #: (:class:`~fedsec.summation.secagg.SecAggPlusSession`; it crosses to the worker by name).
@@ -63,6 +68,10 @@ def _serve(
         except (EOFError, OSError):
             return
         try:
+            if name == "feed":  # rebuilding from the store, as crash resume does
+                feed(session, *args)
+                conn.send(("ok", None))
+                continue
             conn.send(("ok", getattr(session, name)(*args)))
         except (FedsecError, ValueError) as exc:  # the session's refusals
             conn.send(("raised", exc))
@@ -85,6 +94,8 @@ class GroupWorker(GroupSession):
         roster_keys: member id -> Ed25519 public key, for the cohort.
         consistency: as :class:`~fedsec.summation.secagg.SecAggPlusSession`'s.
         group: the group's index in ``spec.groups``.
+        stored: the attempt's accepted messages from the leader's store, to rebuild a
+            worker started again; None: keep every call taken in memory for that.
     """
 
     def __init__(
@@ -95,9 +106,11 @@ class GroupWorker(GroupSession):
         *,
         consistency: bool = True,
         group: int,
+        stored: StoredMessages | None = None,
     ) -> None:
         super().__init__(spec)
-        self._factory = factory
+        self._factory, self._stored = factory, stored
+        self._closed = 0  # stages closed so far
         self.stages = tuple(s for s in SECAGG_STAGES if consistency or s != "consistency")
         members = spec.groups[group].members
         self._args = (spec, {m: roster_keys[m] for m in members if m in roster_keys})
@@ -145,6 +158,9 @@ class GroupWorker(GroupSession):
             len(self._taken),
         )
         self._start()
+        if self._stored is not None:
+            self._rebuild(self._stored)
+            return
         for name, args in self._taken:
             status, value = self._exchange(name, args)
             if status != "ok":
@@ -152,6 +168,18 @@ class GroupWorker(GroupSession):
                     f"shard group {self._group}'s restarted worker refused a {name} it had "
                     f"taken: {value}"
                 )
+
+    def _rebuild(self, stored: StoredMessages) -> None:
+        """Feed the new worker its group's stored messages, through the stage open now.
+
+        Raises:
+            ProtocolError: a stored message is refused now (the store was altered).
+        """
+        members = set(self.spec.groups[self._group].members)
+        messages = [m for m in stored(self.stages) if m.member in members]
+        status, value = self._exchange("feed", (messages, self.stages[self._closed]))
+        if status != "ok":
+            raise ProtocolError(f"shard group {self._group}'s stored messages: {value}")
 
     def _exchange(self, name: str, args: tuple[Any, ...]) -> tuple[str, Any]:
         self._conn.send((name, args))
@@ -162,7 +190,8 @@ class GroupWorker(GroupSession):
         status, value = answer
         if status == "raised":
             raise value
-        if name in _STATEFUL:
+        self._closed += name == "close"
+        if name in _STATEFUL and self._stored is None:
             self._taken.append((name, args))
         return value
 

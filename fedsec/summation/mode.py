@@ -55,6 +55,8 @@ class SessionInputs:
         shard_workers: a sharded attempt's groups each in a worker process of its own
             (``round.shard_workers``; the aggregator's sessions only: a replay sums in
             this process).
+        stored: the attempt's accepted messages of the given stages, as the state store
+            holds them: a group's worker started again is rebuilt from them.
     """
 
     keys: Mapping[str, bytes]
@@ -64,6 +66,7 @@ class SessionInputs:
     max_json_bytes: int = 1 << 20
     reference: ReferenceUpdate | None = None
     shard_workers: bool = False
+    stored: Callable[[Sequence[str]], Sequence[StoredMessage]] | None = None
 
 
 class StoredMessage(NamedTuple):

@@ -229,7 +229,7 @@ class SecAggMode(SummationMode):
         return k, auto_t if not r.neighbors else floor
 
     def _open(self, spec: wire.RoundSpec, inputs: SessionInputs) -> SummationSession:
-        return _session(spec, inputs.keys, consistency=True, workers=inputs.shard_workers)
+        return _session(spec, inputs, consistency=True, workers=inputs.shard_workers)
 
     def replay(self, spec: wire.RoundSpec, stored: StoredAttempt) -> SummationResult:
         # an attempt logged before the consistency stage existed carries no graph
@@ -238,20 +238,28 @@ class SecAggMode(SummationMode):
         self.check_rule(spec)
         signed = any(m.stage == "consistency" for m in stored.messages)
         consistency = bool(spec.graph_commitments) or signed
-        session = _session(spec, stored.inputs.keys, consistency=consistency)
+        session = _session(spec, stored.inputs, consistency=consistency)
         feed(session, stored.messages)
         return session.finalize()
 
 
 def _session(
-    spec: wire.RoundSpec, keys: Mapping[str, bytes], *, consistency: bool, workers: bool = False
+    spec: wire.RoundSpec, inputs: SessionInputs, *, consistency: bool, workers: bool = False
 ) -> SummationSession:
     """One session over the cohort, or one per group of a sharded spec (each in a worker
-    process of its own with ``workers``)."""
+    process of its own with ``workers``, rebuilt from ``inputs.stored`` if it dies)."""
+    keys = inputs.keys
     if spec.groups and workers:
         return ShardedSession(
             spec,
-            lambda i: GroupWorker(SecAggPlusSession, spec, keys, consistency=consistency, group=i),
+            lambda i: GroupWorker(
+                SecAggPlusSession,
+                spec,
+                keys,
+                consistency=consistency,
+                group=i,
+                stored=inputs.stored,
+            ),
         )
     if spec.groups:
         return ShardedSession(

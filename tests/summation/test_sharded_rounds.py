@@ -5,6 +5,8 @@ group's members and sum hash, and ``fedsec audit verify`` unmasks each group aga
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +92,15 @@ def test_a_sharded_round_closes_with_one_sessions_model_and_verifies(
     fed.ws.close()
     fed = Federation(Workspace.open(fed.root), fed.identities)
     coord = Coordinator(fed.ws, clock=clock)
-    assert isinstance(coord.live.summation, ShardedSession) and coord.live.stage == "consistency"
+    session = coord.live.summation
+    assert isinstance(session, ShardedSession) and coord.live.stage == "consistency"
+    if workers:  # a group's worker killed: rebuilt from the store on the next call
+        worker = session.groups[1]
+        assert isinstance(worker, GroupWorker) and worker.pid is not None
+        os.kill(worker.pid, signal.SIGKILL)
     _finish(coord, cohort)
+    if workers:
+        assert worker.restarts == 1
     assert coord.live.round == 2
 
     old, new = model_params(fed.ws, 1), model_params(fed.ws, 2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
@@ -51,6 +52,7 @@ from fedsec.protocol.log_entries import (
 )
 from fedsec.summation import (
     SessionInputs,
+    StoredMessage,
     SummationResult,
     SummationSession,
     mode_of,
@@ -175,8 +177,19 @@ class Lifecycle:
             max_json_bytes=self._ctx.cfg.server.max_json_bytes,
             reference=self._reference,
             shard_workers=self._ctx.cfg.round.shard_workers,
+            stored=lambda stages: self._stored(spec, stages),
         )
         return open_session(spec, inputs)
+
+    def _stored(self, spec: wire.RoundSpec, stages: Sequence[str]) -> list[StoredMessage]:
+        """``spec``'s attempt's accepted messages of ``stages``, as the store holds them
+        (a shard group's worker started again is rebuilt from them)."""
+        store = self._ctx.ws.state.messages
+        return [
+            StoredMessage(stage, member, body)
+            for stage in stages
+            for member, body in store.of_stage(spec.round, spec.attempt, stage)
+        ]
 
     # -- stage transitions ---------------------------------------------------------------------
 
