@@ -4,8 +4,11 @@ Each journal must hold on its own: its chain, every body and every head, signed 
 member's key, with nothing after its last head (:func:`fedsec.protocol.peer_journal.read_journal`).
 Then, for every two members whose journals are both given, what one logged as sent to
 the other the other logged as received from it, and the other way round: the same round,
-exchange and SHA-256 of the message, as many times on each side.  A model one member
-rejoined from (``peer_caught_up``) must be a trained message its source logged as sent.
+exchange and SHA-256 of the message, as many times on each side.  Every offer a member
+rejoined from (``peer_caught_up``) must be one its source logged offering to that member
+for that request (``peer_offer_sent``: requester, SHA-256 and nonce): the source journals
+each offer before it leaves, so a catch-up its source never journalled is forged, or the
+source hid the offer.
 Messages to or from members whose journals are not given are counted, not checked.
 
 A send whose answer was lost (the sender's timeout) is logged by the receiver only, and
@@ -23,6 +26,7 @@ from typing import Any
 from fedsec.errors import IntegrityError
 from fedsec.protocol.peer_journal import (
     PeerCaughtUp,
+    PeerOfferSent,
     PeerReceived,
     PeerSent,
     VerifiedJournal,
@@ -157,8 +161,8 @@ def _unmatched(
 def _unmatched_catch_ups(
     journals: Mapping[str, VerifiedJournal], paths: Mapping[str, Path]
 ) -> str | None:
-    trained = {
-        owner: {b.sha256 for b in j.bodies if isinstance(b, PeerSent) and b.exchange == 0}
+    offered = {
+        owner: {(b.to, b.sha256, b.nonce) for b in j.bodies if isinstance(b, PeerOfferSent)}
         for owner, j in journals.items()
     }
     for owner, journal in journals.items():
@@ -166,11 +170,11 @@ def _unmatched_catch_ups(
             if len(body.sources) != len(body.sha256):
                 return f"{paths[owner]}: a catch-up at round {body.round} names unequal lists"
             for source, digest in zip(body.sources, body.sha256, strict=False):
-                if source in journals and digest not in trained[source]:
+                if source in journals and (owner, digest, body.nonce) not in offered[source]:
                     return (
                         f"{paths[owner]} caught up at round {body.round} from {source}'s "
                         f"offer (sha256 {digest[:16]}…), which {paths[source]} does not log "
-                        "sending"
+                        f"offering to {owner} for that request"
                     )
     return None
 

@@ -65,6 +65,7 @@ from fedsec.errors import (
     NotFound,
     PayloadError,
     ProtocolError,
+    RateLimited,
     ReplayError,
     StaleUpdate,
     UnknownMember,
@@ -83,12 +84,14 @@ from fedsec.peer.limits import (
     MAX_EXCHANGES,
     MAX_MODEL_VALUES,
     MAX_OFFER_HISTORY,
+    MAX_OFFERS_PER_ROUND,
 )
 from fedsec.peer.messages import PeerModel, Vector
 from fedsec.protocol.limits import MAX_ID
 from fedsec.protocol.peer_journal import (
     PeerCaughtUp,
     PeerCombined,
+    PeerOfferSent,
     PeerReceived,
     PeerRefused,
     PeerSent,
@@ -182,6 +185,7 @@ class GossipPeer:
         self._newest_trained: PeerModel | None = None  # what a catch-up offer carries
         self._history: deque[VersionStep] = deque(maxlen=MAX_OFFER_HISTORY)
         self._ahead_seen: int | None = None  # newest round heard too far ahead to use
+        self._offers_made: dict[str, tuple[int, int]] = {}  # requester -> (round, count)
 
     @property
     def values(self) -> int:
@@ -219,6 +223,28 @@ class GossipPeer:
             raise NotFound("this peer has not trained a round yet: nothing to offer")
         return self._newest_trained, list(self._history)
 
+    def record_offer(self, to: str, nonce: str, message: PeerModel) -> None:
+        """Journal that ``message`` (this peer's newest trained one) is offered to the
+        neighbour ``to`` for its request ``nonce``, before the offer leaves: an auditor
+        matches the requester's catch-up with it.
+
+        Raises:
+            RateLimited: ``to`` already had
+                :data:`~fedsec.peer.limits.MAX_OFFERS_PER_ROUND` offers in this peer's
+                round; nothing is journalled.
+        """
+        round_, count = self._offers_made.get(to, (self.round, 0))
+        if round_ != self.round:
+            count = 0
+        if count >= MAX_OFFERS_PER_ROUND:
+            raise RateLimited(
+                f"{to} had {count} offers in round {self.round}, the most one round gives"
+            )
+        self._offers_made[to] = (self.round, count + 1)
+        self.journal.append(
+            PeerOfferSent(round=message.round, to=to, sha256=message.sha256, nonce=nonce)
+        )
+
     def noticed_behind(self) -> bool:
         """Whether a neighbour sent a round too far ahead to use since the last call (the
         peer may have missed rounds); the note is cleared."""
@@ -237,10 +263,11 @@ class GossipPeer:
             self.federation_id, self.round, self.exchange, self.me, self.samples, self.model
         )
 
-    def catch_up(self, offers: Mapping[str, bytes]) -> CatchUp:
+    def catch_up(self, offers: Mapping[str, bytes], nonce: str = "") -> CatchUp:
         """Rejoin after missing rounds from the neighbours' newest trained rounds
         (key id that signed each -> its bytes; :mod:`fedsec.peer.catchup` says how),
-        continuing at the round after the newest.
+        continuing at the round after the newest; ``nonce`` is the request the offers
+        answered, which the journal records with them.
 
         Raises:
             see :func:`fedsec.peer.catchup.judge_offers`; the peer is unchanged then.
@@ -262,6 +289,7 @@ class GossipPeer:
                 sources=sources,
                 sha256=[caught.sources[s] for s in sources],
                 model_sha256=_model_sha256(caught.model),
+                nonce=nonce,
             )
         )
         return caught

@@ -123,6 +123,7 @@ async def _make_offer(request: web.Request) -> web.Response:
         if keyid not in peer.neighbours:
             raise UnknownMember(f"{keyid} is not a neighbour of this peer")
         newest, history = peer.offer()
+        peer.record_offer(keyid, asked.nonce, newest)  # journalled before it leaves
     except FedsecError as exc:
         log.info("event=peer_offer_refused code=%s detail=%s", exc.code, exc)
         return web.json_response({"error": exc.code, "detail": str(exc)}, status=exc.http_status)

@@ -75,6 +75,11 @@ def max_message_bytes(values: int) -> int:
 #: peer's journal; 16 rounds cover any absence the staleness bound could bridge many
 #: times over, at 16 short pairs (about 1.2 KiB) per offer.
 MAX_OFFER_HISTORY: Final = 16
+#: Offers a peer makes one neighbour within one of its own rounds.  Every offer is a line
+#: in the peer's journal (the auditor matches catch-ups with it), so a neighbour must not
+#: be able to grow it without bound; an honest returning peer asks once at start and at
+#: most once a round after that, so four leave room for retries after lost answers.
+MAX_OFFERS_PER_ROUND: Final = 4
 #: Bytes an offer holds besides its model message: federation id, two key ids, a nonce,
 #: a signature and the history (under 80 bytes a step in msgpack); 4 KiB leaves room.
 OFFER_OVERHEAD_BYTES: Final = 4096

@@ -219,7 +219,7 @@ async def catch_up(
         log.info("event=peer_not_behind round=%d newest_offer=%s", peer.round, newest)
         return None
     try:
-        caught = peer.catch_up({n: messages.encode(m) for n, m in offered.items()})
+        caught = peer.catch_up({n: messages.encode(m) for n, m in offered.items()}, nonce)
     except FedsecError as exc:
         log.info("event=peer_catch_up_refused code=%s detail=%s", exc.code, exc)
         return None

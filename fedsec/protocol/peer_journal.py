@@ -3,7 +3,8 @@ writes it (:mod:`fedsec.peer.journal`) and the auditor that cross-checks several
 (:mod:`fedsec.audit.peer_journals`), which never import each other.
 
 Each peer keeps one, so that a later cross-check can match a message one side logged as
-sent with the other side's record of receiving it (same round, exchange and SHA-256).
+sent with the other side's record of receiving it (same round, exchange and SHA-256),
+and a catch-up with the offer its source logged making (requester, SHA-256, nonce).
 The lines are the transparency log's (:mod:`fedsec.protocol.log`): canonical JSON of
 ``index``, ``prev``, ``time``, ``kind`` and ``body``, each entry's hash the SHA-256 of its
 line, and a ``head`` entry signing the chain up to the entry before it with the peer's
@@ -73,15 +74,27 @@ class PeerCaughtUp(_Body, frozen=True):
     sources: list[str]  # the neighbours whose offers made the model, sorted
     sha256: list[str]  # of each one's offered message, in the same order
     model_sha256: str
+    nonce: str = ""  # of the request the offers answered ("": made with no request)
 
 
-JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined | PeerCaughtUp
+class PeerOfferSent(_Body, frozen=True):
+    """The peer offered its newest trained message to a returning neighbour, answering
+    that neighbour's request ``nonce``; the requester's ``peer_caught_up`` must name it."""
+
+    round: int
+    to: str  # the requester's key id
+    sha256: str  # of the offered message
+    nonce: str
+
+
+JournalBody = PeerSent | PeerReceived | PeerRefused | PeerCombined | PeerCaughtUp | PeerOfferSent
 KIND_OF: Final[dict[type[JournalBody], str]] = {
     PeerSent: "peer_sent",
     PeerReceived: "peer_received",
     PeerRefused: "peer_refused",
     PeerCombined: "peer_combined",
     PeerCaughtUp: "peer_caught_up",
+    PeerOfferSent: "peer_offer_sent",
 }
 _TYPE_OF: Final = {kind: cls for cls, kind in KIND_OF.items()}
 KINDS: Final[tuple[str, ...]] = tuple(KIND_OF.values())

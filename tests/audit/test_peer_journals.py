@@ -190,7 +190,28 @@ def test_a_catch_up_from_an_offer_never_sent_fails(honest: Honest, tmp_path: Pat
     run.rewrite(key, lambda bodies: [*bodies, forged])
     problem = run.check()
     assert problem is not None and "caught up at round 5 from" in problem
-    assert problem.endswith(f"which {run.files[source]} does not log sending")
+    assert problem.endswith(
+        f"which {run.files[source]} does not log offering to {key} for that request"
+    )
+
+
+def test_a_catch_up_from_a_sent_model_its_source_never_offered_fails(
+    honest: Honest, tmp_path: Path
+) -> None:
+    """The digest is a trained message the source did send to this member, but the source
+    never journalled offering it (to this member, for this request): the catch-up is not
+    backed by the source's record."""
+    run = _run(honest, tmp_path)
+    source = sorted(run.files)[0]
+    sent = next(b for b in run.bodies(source) if isinstance(b, PeerSent) and b.exchange == 0)
+    key = sent.to
+    forged = PeerCaughtUp(
+        round=5, sources=[source], sha256=[sent.sha256], model_sha256="0" * 64, nonce="ab" * 32
+    )
+    run.rewrite(key, lambda bodies: [*bodies, forged])
+    problem = run.check()
+    assert problem is not None and "caught up at round 5 from" in problem
+    assert problem.endswith(f"does not log offering to {key} for that request")
 
 
 def test_a_journal_with_an_unsigned_tail_or_an_unknown_signer_fails(

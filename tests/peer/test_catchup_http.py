@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -15,6 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from fedsec.audit.peer_journals import cross_check_journals
 from fedsec.crypto.httpsig import sign_request
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.errors import StaleUpdate
@@ -22,7 +24,7 @@ from fedsec.peer import catchup, messages
 from fedsec.peer.gossip import GossipPeer, GossipSettings
 from fedsec.peer.http import offer_path, peer_app
 from fedsec.peer.journal import PeerJournal
-from fedsec.peer.limits import max_offer_bytes
+from fedsec.peer.limits import MAX_OFFERS_PER_ROUND, max_offer_bytes
 from fedsec.peer.runner import catch_up, run_rounds
 from tests.peer.conftest import DIM, FED, Neighbourhood, make_neighbourhood
 
@@ -46,8 +48,8 @@ def _neighbour_at(hood: Neighbourhood, who: SigningIdentity, round_: int, end: f
 
 
 class Served:
-    def __init__(self, hood: Neighbourhood, session: aiohttp.ClientSession) -> None:
-        self.hood, self.session = hood, session
+    def __init__(self, hood: Neighbourhood, session: aiohttp.ClientSession, tmp: Path) -> None:
+        self.hood, self.session, self.tmp = hood, session, tmp
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
 
@@ -78,9 +80,9 @@ class Served:
 
 
 @pytest_asyncio.fixture
-async def served() -> AsyncIterator[Served]:
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
     async with aiohttp.ClientSession() as session:
-        s = Served(make_neighbourhood(), session)
+        s = Served(make_neighbourhood(), session, tmp_path)
         yield s
         await s.close()
 
@@ -119,8 +121,7 @@ async def test_a_returning_peer_catches_up_from_its_neighbours_signed_offers(
     served: Served,
 ) -> None:
     a, b, c = served.hood.neighbours
-    for who, end in ((a, 5.0), (b, 7.0), (c, 6.0)):
-        await served.honest(who, 5, end)
+    offerers = [await served.honest(who, 5, end) for who, end in ((a, 5.0), (b, 7.0), (c, 6.0))]
     caught = await served.catch_up()
     assert caught is not None and caught.round == 6
     peer = served.hood.peer
@@ -128,6 +129,18 @@ async def test_a_returning_peer_catches_up_from_its_neighbours_signed_offers(
     assert (peer.round, sorted(caught.sources)) == (6, sorted(n.key_id for n in (a, b, c)))
     (entry,) = peer.journal.of_kind("peer_caught_up")
     assert entry["round"] == 6
+    # each offerer journalled its offer, which the auditor matches with the catch-up
+    for q in offerers:
+        (offered,) = q.journal.of_kind("peer_offer_sent")
+        assert (offered["to"], offered["nonce"]) == (served.hood.me.key_id, entry["nonce"])
+        assert offered["sha256"] == caught.sources[q.me]
+    files = []
+    for n, journal in enumerate([peer.journal, *(q.journal for q in offerers)]):
+        journal.head()
+        files.append(served.tmp / f"peer{n}.jsonl")
+        files[-1].write_bytes(b"".join(e.line + b"\n" for e in journal.entries))
+    checked = cross_check_journals(files, served.hood.roster)
+    assert (checked.problem, checked.catch_ups) == (None, 3)
 
 
 @pytest.mark.asyncio
@@ -234,6 +247,29 @@ async def test_an_offer_is_made_only_to_a_neighbour_that_signs_its_request(
     assert await ask(SigningIdentity.generate(), served.urls[a.key_id]) == (401, "unauthenticated")
     assert await ask(hood.me, served.urls["untrained"]) == (404, "not_found")
     assert len(q.journal.entries) == journal
+
+
+@pytest.mark.asyncio
+async def test_a_neighbour_asking_for_offers_over_and_over_cannot_grow_the_journal(
+    served: Served,
+) -> None:
+    hood = served.hood
+    a = hood.neighbours[0]
+    q = await served.honest(a, 5, 5.0)
+
+    async def ask(nonce: str) -> int:
+        request = catchup.OfferRequest(FED, hood.me.key_id, nonce)
+        body = msgspec.msgpack.encode(request)
+        headers = sign_request(hood.me, "POST", offer_path(FED), {}, body)
+        url = served.urls[a.key_id] + offer_path(FED)
+        async with served.session.post(url, data=body, headers=headers) as r:
+            return r.status
+
+    statuses = [await ask(f"{n:064x}") for n in range(MAX_OFFERS_PER_ROUND)]
+    assert statuses == [200] * MAX_OFFERS_PER_ROUND
+    journal = len(q.journal.entries)
+    assert await ask("ef" * 32) == 429  # rate_limited, and nothing journalled
+    assert len(q.journal.entries) == journal == MAX_OFFERS_PER_ROUND
 
 
 @pytest.mark.asyncio
