@@ -156,6 +156,10 @@ class CohortDesk:
             return False
         if joined >= self.cap or now >= self.join_deadline(live):
             return True
+        # O(1) first: fewer joins than the active members less the quarantined ones (a
+        # lower bound of those expected) means one is still missing
+        if joined < ws.roster.active_agent_count() - len(self._ctx.quarantined):
+            return False
         active = {e.agent_id for e in ws.roster.active_agents()} - self._ctx.quarantined.keys()
         if joined < len(active):
             return False

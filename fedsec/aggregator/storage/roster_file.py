@@ -63,6 +63,8 @@ class Roster:
         self._serial = 0
         self._entries: dict[str, RosterEntry] = {}
         self._by_key: dict[str, RosterEntry] = {}
+        # kept with the entries: the cohort asks after every join (O(n) each was O(n^2))
+        self._active_agents: tuple[RosterEntry, ...] = ()
         self._stat: tuple[int, int, int] | None = None
         self._failed_stat: tuple[int, int, int] | None = None
         serial, entries, stat = self._read_disk()
@@ -93,7 +95,12 @@ class Roster:
     def active_agents(self) -> list[RosterEntry]:
         """Active entries with role "agent": the members that may contribute updates."""
         with self._mutex:
-            return [e for e in self._entries.values() if e.is_active and e.role == "agent"]
+            return list(self._active_agents)
+
+    def active_agent_count(self) -> int:
+        """How many :meth:`active_agents` there are, without listing them."""
+        with self._mutex:
+            return len(self._active_agents)
 
     def verify_all(self, admin_public: bytes | None = None) -> None:
         """Re-check every entry's signature (against ``admin_public`` if given).
@@ -249,6 +256,7 @@ class Roster:
         self._serial = serial
         self._entries = {e.agent_id: e for e in entries}
         self._by_key = {e.key_id: e for e in entries}
+        self._active_agents = tuple(e for e in entries if e.is_active and e.role == "agent")
         self._stat = stat
         self._failed_stat = None
 
