@@ -157,7 +157,7 @@ def _register_optional() -> None:
     for module, attr, name in (
         ("fedsec.bench.audit_cli", "bench_audit", "audit"),
         ("fedsec.bench.chaos", "bench_chaos", "chaos"),
-        ("fedsec.bench.failover", "bench_failover", "failover"),
+        ("fedsec.bench.failover_cli", "bench_failover", "failover"),
         ("fedsec.bench.store", "bench_store", "store"),
         ("fedsec.bench.async_bench", "bench_async", "async"),
         ("fedsec.bench.ops", "bench_ops", "ops"),

@@ -24,9 +24,11 @@ from fedsec.agent.local_data import LocalData
 from fedsec.agent.trainer import LocalTrainer
 from fedsec.config import parse_agent_config
 from fedsec.errors import ConfigError
+from fedsec.learning import worker_job
 from fedsec.learning import workers as workers_module
 from fedsec.learning.dp_noise import CsprngPrivacyEngine
 from fedsec.learning.training import DPParams, plan_round, train_dataset
+from fedsec.learning.worker_job import STALL_TIMEOUTS, _RankSampler
 from fedsec.learning.worker_privacy import (
     ShardOfBatch,
     accounting_state,
@@ -36,9 +38,7 @@ from fedsec.learning.worker_privacy import (
 from fedsec.learning.worker_settings import TrainingWorkers
 from fedsec.learning.worker_status import WorkersStatus, read_status, write_status
 from fedsec.learning.workers import (
-    STALL_TIMEOUTS,
     TrainingWorkersFailed,
-    _RankSampler,
     _read_result,
     backend_for,
     clear_stale_jobs,
@@ -253,12 +253,12 @@ def test_rank_0_checkpoints_every_interval_as_well_as_every_n_steps(
     # checkpoints after 10 s or 5 steps, whichever comes first, and records each in the
     # member's workers status; the clock is the only thing faked
     clock = [100.0]
-    monkeypatch.setattr(workers_module, "_now", lambda: clock[0])
+    monkeypatch.setattr(worker_job, "_now", lambda: clock[0])
     job = tmp_path / "training" / "job-x"
     job.mkdir(parents=True)
     write_status(tmp_path, WorkersStatus(3, 2, "running", 0.0))
     settings = {"checkpoint_steps": 5, "checkpoint_interval_s": 10.0, "straggler_timeout_s": 60.0}
-    sharing = workers_module._Sharing(job, 0, 2, torch.device("cpu"), settings)
+    sharing = worker_job._Sharing(job, 0, 2, torch.device("cpu"), settings)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sharing._attach(model, optimizer)
@@ -282,16 +282,16 @@ def test_only_a_rank_that_waited_the_whole_timeout_reports_a_straggler(
     # straggler timeout since this rank's last step is a straggler; and the job's log
     # yields, per attempt, the longest wait of its ranks
     clock = [50.0]
-    monkeypatch.setattr(workers_module, "_now", lambda: clock[0])
+    monkeypatch.setattr(worker_job, "_now", lambda: clock[0])
     settings = {"checkpoint_steps": 0, "checkpoint_interval_s": 0.0, "straggler_timeout_s": 3.0}
-    sharing = workers_module._Sharing(tmp_path, 1, 3, torch.device("cpu"), settings)
-    workers_module._report_straggler(sharing)  # not armed: start-up skew is no straggler
+    sharing = worker_job._Sharing(tmp_path, 1, 3, torch.device("cpu"), settings)
+    worker_job._report_straggler(sharing)  # not armed: start-up skew is no straggler
     sharing.stepped_at = 50.0
     clock[0] = 51.0
-    workers_module._report_straggler(sharing)
+    worker_job._report_straggler(sharing)
     assert capsys.readouterr().err == ""
     clock[0] = 53.5
-    workers_module._report_straggler(sharing)
+    worker_job._report_straggler(sharing)
     line = capsys.readouterr().err
     assert line == "worker_straggler attempt=0 rank=1 step=1 waited_s=3.5 timeout_s=3\n"
     log = tmp_path / "torchrun.log"
