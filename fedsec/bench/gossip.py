@@ -16,9 +16,12 @@ round every peer trains, sends its model to its neighbours and combines, then ev
 sends its mixed model and combines again for each further exchange; the asynchronous
 schedule and the timeout are the loopback tests' concern.  In the churn run a peer that is
 away neither trains, sends nor receives (its neighbours combine without it, as at a
-timeout); on return it catches up from its present neighbours' newest trained rounds
-(:meth:`fedsec.peer.gossip.GossipPeer.catch_up`) and its accuracy is compared with theirs
-:data:`RECOVERY_EXCHANGES` exchanges later.
+timeout); on return it catches up over HTTP as ``fedsec peer run`` does
+(:func:`fedsec.peer.runner.catch_up`): its present neighbours' real endpoints are served
+on loopback (:func:`fedsec.peer.loopback.serve_peers`), each answers its signed request
+with a signed offer of its newest trained round, which it journals, and the returning peer
+checks every offer (:func:`fedsec.peer.catchup.open_offer`) and rejoins from their median.
+Its accuracy is compared with its neighbours' :data:`RECOVERY_EXCHANGES` exchanges later.
 
 The sign-flip attacker trains honestly and keeps an honest model (so its messages stay
 near its neighbours' models and the flipped direction is what they see), but sends
@@ -29,11 +32,13 @@ Accuracy is the mean over the honest peers' own models on the task's test split.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import click
 import numpy as np
 import torch
@@ -42,11 +47,13 @@ from fedsec.bench.common import with_environment
 from fedsec.bench.robust import SIGNFLIP_FACTOR, Federation, make_federation, run_rule
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.peer import messages
+from fedsec.peer.catchup import CatchUp
 from fedsec.peer.gossip import GossipPeer, GossipSettings, RoundOutcome
 from fedsec.peer.journal import PeerJournal
 from fedsec.peer.limits import DEFAULT_EXCHANGES
+from fedsec.peer.loopback import serve_peers
 from fedsec.peer.messages import Vector
-from fedsec.peer.runner import task_trainer
+from fedsec.peer.runner import catch_up, task_trainer
 from fedsec.peer.topology import sign_topology, topology_graph
 from fedsec.tasks.evaluation import evaluate
 from fedsec.tasks.params import flatten_params, load_flat_params
@@ -71,8 +78,9 @@ class GossipRun:
     recovery_gaps: list[float]
 
 
-def _peers(fed: Federation, degree: int, settings: GossipSettings) -> list[GossipPeer]:
-    ids = [SigningIdentity.generate() for _ in range(fed.n)]
+def _peers(
+    fed: Federation, degree: int, settings: GossipSettings, ids: list[SigningIdentity]
+) -> list[GossipPeer]:
     admin = SigningIdentity.generate()
     topology = sign_topology(admin, FEDERATION_ID, fed.seed.to_bytes(32, "big"), degree)
     keys = [i.key_id for i in ids]
@@ -103,7 +111,8 @@ def run_gossip(
     sending ``flip`` times their update); a ``churn`` share of the honest peers is away
     for a while (:func:`_away`) and catches up from its neighbours on return."""
     started = time.perf_counter()
-    peers = _peers(fed, degree, settings)
+    ids = [SigningIdentity.generate() for _ in range(fed.n)]
+    peers = _peers(fed, degree, settings, ids)
     index = {p.me: i for i, p in enumerate(peers)}
     trainers = [
         task_trainer(fed.task, x, y, fed.params, fed.dp, fed.seed * 100_003 + i)
@@ -111,11 +120,10 @@ def run_gossip(
     ]
     away = _away(fed, churn)
     refused = {True: [0, 0], False: [0, 0]}  # attacker? -> [refused, seen]
-    trained_last: dict[str, bytes] = {}  # each peer's newest exchange 0, what it offers
     gaps: list[float] = []
     for r in range(fed.rounds):
         here = [p for i, p in enumerate(peers) if r not in away.get(i, ())]
-        back = [p for p in here if _returns(peers, p, r, away, index, trained_last)]
+        back = [p for p in here if _returns(peers, ids, p, r, away, index)]
         here = [p for p in here if p.round == r]  # one whose neighbours are all away waits
         sent: dict[str, bytes] = {}
         for peer in here:
@@ -128,7 +136,7 @@ def run_gossip(
                 message = messages.make_model(
                     FEDERATION_ID, r, peer.me, peer.samples, start, flipped
                 )
-            sent[peer.me] = trained_last[peer.me] = messages.encode(message)
+            sent[peer.me] = messages.encode(message)
         for peer, outcome in zip(here, _exchange(here, sent, r), strict=True):
             if index[peer.me] not in fed.bad:
                 for n in peer.neighbours & sent.keys():
@@ -166,24 +174,41 @@ def _away(fed: Federation, churn: float) -> dict[int, range]:
 
 def _returns(
     peers: list[GossipPeer],
+    ids: list[SigningIdentity],
     peer: GossipPeer,
     r: int,
     away: dict[int, range],
     index: dict[str, int],
-    trained_last: dict[str, bytes],
 ) -> bool:
-    """Whether ``peer`` comes back this round: it catches up from the neighbours here."""
+    """Whether ``peer`` comes back this round: it catches up over HTTP from the
+    neighbours here."""
     if peer.round == r:
         return False
-    offers = {
-        n: trained_last[n]
-        for n in peer.neighbours
-        if n in trained_last and r not in away.get(index[n], ()) and peers[index[n]].round == r
-    }
-    if not offers:
+    present = [
+        n for n in peer.neighbours if r not in away.get(index[n], ()) and peers[index[n]].round == r
+    ]
+    if not present:
         return False  # every neighbour is away too: it waits for one
-    peer.catch_up(offers)
-    return True
+    caught = asyncio.run(_catch_up_over_http(peers, ids, peer, present, index))
+    return caught is not None
+
+
+async def _catch_up_over_http(
+    peers: list[GossipPeer],
+    ids: list[SigningIdentity],
+    peer: GossipPeer,
+    present: list[str],
+    index: dict[str, int],
+) -> CatchUp | None:
+    """``peer`` asks the ``present`` neighbours' real endpoints for signed offers."""
+    roster = {i.key_id: i.public_bytes for i in ids}
+    neighbours = {n: peers[index[n]] for n in present}
+    signers = {n: ids[index[n]] for n in present}
+    async with (
+        serve_peers(neighbours, roster, signers) as (urls, _),
+        aiohttp.ClientSession() as session,
+    ):
+        return await catch_up(session, peer, ids[index[peer.me]], urls, roster)
 
 
 def _gap(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -68,7 +68,7 @@ async def run_loopback(
         for m in members
     }
     identities = {m.identity.key_id: m.identity for m in members}
-    async with _served(peers, roster, identities) as (urls, apps):
+    async with serve_peers(peers, roster, identities) as (urls, apps):
         runs = [
             run_rounds(
                 peers[k],
@@ -89,11 +89,13 @@ async def run_loopback(
 
 
 @contextlib.asynccontextmanager
-async def _served(
-    peers: dict[str, GossipPeer],
-    roster: dict[str, bytes],
-    identities: dict[str, SigningIdentity],
+async def serve_peers(
+    peers: Mapping[str, GossipPeer],
+    roster: Mapping[str, bytes],
+    identities: Mapping[str, SigningIdentity],
 ) -> AsyncIterator[tuple[dict[str, str], dict[str, web.Application]]]:
+    """Each of ``peers`` (by key id) served on its own ephemeral 127.0.0.1 port, signing
+    with its identity; yields their base urls and apps, and stops them all on exit."""
     runners, urls, apps = [], {}, {}
     try:
         for key, peer in peers.items():
