@@ -20,22 +20,27 @@ What is measured, and where:
   once, as a socket would). ``bytes_per_param`` is the masked vector over d; HTTP heads
   and the small control messages come on top (``bytes_up_per_member``).
 - **aggregator** (a separate, freshly spawned process, so its peak is its own): it
-  starts as ``fedsec aggregator serve`` does (the aggregator's code, and the task
-  lookup's Opacus check, which imports Opacus), then the
+  starts as ``fedsec aggregator serve`` does (the CLI's aggregator group and the
+  replica it serves; not the task's Opacus check, whose verdict ``init`` recorded:
+  :mod:`fedsec.task.dp_verdict`; ``aggregator_imports_opacus`` says whether Opacus was
+  imported all the same), then the
   real :class:`~fedsec.summation.secagg.SecAggPlusSession` receives every message, each
   masked input is stored in a real SQLite state store as the aggregator's intake does,
   the stages close, the session finalizes (unmasking and the codec's decode), and the
   round is applied as :class:`~fedsec.aggregator.rounds.apply.ModelApplier` does: the
   parent model file read and decoded, :func:`fedsec.derive.apply_mean`, the new version
-  encoded and written. ``aggregator_peak_rss_mb`` is that process's VmHWM, against the
+  written a tensor at a time from the model's own tensors. ``aggregator_peak_rss_mb``
+  is that process's VmHWM, against the
   target 4·d·4 B + 400 MB. The HTTP server's request buffers are not in it: an
   aggregator reads at most ``server.max_concurrent_uploads`` (8) bodies at once, at most
   8 · 1.01 · d bytes more.
 - **DP loop** (``dp_loop_over_opacus``, one row): one epoch of
   :func:`fedsec.learning.training.train_dataset` (Opacus with fedsec's CSPRNG noise,
   Poisson sampling, the task loss) against a plain Opacus loop (``make_private`` with
-  Poisson sampling, torch's noise) on the same ResNet-18, the same 32x32 records and
-  batch size, alternated and repeated, the ratio of the medians.
+  Poisson sampling, torch's noise) on the same ResNet-18 weights, the same 32x32
+  records and batch size, in back-to-back pairs whose order alternates; the median of
+  the pairs' ratios and their spread, and one step's noise time for each
+  (:func:`dp_loop_ratio`).
 
 A size that would not fit the machine (``--max-gib``) is skipped with the reason printed.
 """
@@ -49,6 +54,7 @@ import math
 import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -178,26 +184,27 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
     from fedsec.aggregator.storage.sqlite.store import SqliteStateStore
     from fedsec.derive import apply_mean
     from fedsec.learning.optimizers import FedAvg
-    from fedsec.modelfile import decode_model, encode_model
+    from fedsec.modelfile import decode_model, write_model
     from fedsec.protocol.limits import MAX_MODEL_BYTES
     from fedsec.summation.secagg import SecAggPlusSession
-    from fedsec.task.dp import check_dp_compatible
-    from fedsec.tasks.params import state_to_arrays
 
     spec = msgspec.msgpack.decode(spec_raw, type=wire.RoundSpec)
     model = _model(label)
     # what the process holds before the round is a serving aggregator's start-up: its
-    # code (the CLI imports only the command's group), the task lookup's Opacus check
-    # (fedsec.tasks.registry.runnable; it imports Opacus), and the served model
+    # code (the CLI imports only the command's group; serve imports the replica) and
+    # the served model. The task's Opacus check is not in it: init recorded its verdict
+    # (fedsec.task.dp_verdict), which serving only compares.
     importlib.import_module("fedsec.aggregator.cli")
-    check_dp_compatible(label, model)
+    importlib.import_module("fedsec.aggregator.replica")
+    opacus_imported = "opacus" in sys.modules
     baseline = _peak_rss_mb()
     with tempfile.TemporaryDirectory(prefix="fedsec-model-size-") as tmp:
         store = SqliteStateStore(Path(tmp) / "state.db")
         parent_file = Path(tmp) / "v1.safetensors"
-        parent_file.write_bytes(encode_model(state_to_arrays(model)))
-        # the parent, as the previous round's close wrote it: the same encode as the
-        # new version's below, so its peak is reported apart from the inputs'
+        with parent_file.open("wb") as out:  # as ModelStore.put streams it
+            write_model(model.state_dict(), out)
+        # the parent, as the previous round's close wrote it: the same write as the new
+        # version's below, so its peak is reported apart from the inputs'
         phases: dict[str, float] = {"parent": _peak_rss_mb()}
         session = SecAggPlusSession(spec, roster)
         server = session.server
@@ -229,8 +236,8 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
         before = _head(model)  # the parent: the model was written from it
         apply_mean(model, arrays, result.weighted_sum, result.weight_sum, FedAvg(1.0))
         del arrays
-        written = encode_model(state_to_arrays(model))
-        (Path(tmp) / "v2.safetensors").write_bytes(written)
+        with (Path(tmp) / "v2.safetensors").open("wb") as out:  # as ModelApplier does
+            written = write_model(model.state_dict(), out)
         phases["apply"] = _peak_rss_mb()
         first = _head(model) - before
         seconds = time.perf_counter() - started
@@ -239,7 +246,8 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
         {
             "survivors": len(result.survivors),
             "weight_sum": result.weight_sum,
-            "model_sha256": hashlib.sha256(written).hexdigest(),
+            "model_sha256": written,
+            "opacus_imported": opacus_imported,
             "head": first.tolist(),
             "phases": phases,
             "peak_rss_mb": _peak_rss_mb(),
@@ -344,6 +352,7 @@ def _round(label: str, members: int, seed: int) -> dict[str, Any]:
         aggregator_round_target_mb=round((4 * d * 4) / 2**20, 1),
         aggregator_peak_after_mb={k: round(v, 1) for k, v in final["phases"].items()},
         aggregator_s=round(final["server_s"], 3),
+        aggregator_imports_opacus=final["opacus_imported"],
         model_sha256=final["model_sha256"],
         # the new model's first coordinates against the exact mean update (FedAvg, lr 1,
         # from zeros): the codec's rounding and subset error, relative to the mean's norm
@@ -434,12 +443,24 @@ def _statement(spec: wire.RoundSpec, member: _Member, ring: np.ndarray, vector: 
 # -- the DP loop against plain Opacus ------------------------------------------------------
 
 
-def dp_loop_ratio(records: int, batch: int, repeats: int, seed: int = 0) -> dict[str, Any]:
+def dp_loop_ratio(records: int, batch: int, pairs: int, seed: int = 0) -> dict[str, Any]:
     """Seconds per epoch of fedsec's DP-SGD loop and of a plain Opacus loop on ResNet-18
-    (32x32 RGB, 10 classes), alternated ``repeats`` times; the ratio of the medians."""
+    (32x32 RGB, 10 classes), run in ``pairs`` back-to-back pairs.
+
+    The two loops of a pair start from the same weights, on the same records, with the
+    same expected batch and learning settings; the pairs alternate which loop goes first
+    (AB BA AB ...), so neither always runs warm or under the load a neighbour just
+    started. A pair's two epochs run under nearly the same load, so its ratio is
+    comparable where the epochs of different pairs are not: ``dp_loop_over_opacus`` is
+    the median of the pairs' ratios, with their spread. ``noise_s_per_step`` times what
+    fedsec's loop does and plain Opacus' does not: drawing one step's Gaussian noise for
+    every parameter from the AES-CTR stream (4 normals a value, Opacus' secure-mode
+    shape), against ``torch_noise_s_per_step``, torch's one normal a value.
+    """
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
+    from fedsec.learning.dp_noise import secure_gaussian
     from fedsec.learning.training import DPParams, TrainingParams, train_dataset
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -449,23 +470,31 @@ def dp_loop_ratio(records: int, batch: int, repeats: int, seed: int = 0) -> dict
     data = TensorDataset(x, y)
     params = TrainingParams(lr=0.05, batch_size=batch, local_epochs=1, momentum=0.9)
     dp = DPParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    torch.manual_seed(seed)
+    initial = ResNet18().state_dict()
     ours: list[float] = []
     plain: list[float] = []
 
-    def fedsec_epoch(run: int) -> None:
-        model = ResNet18()
-        start = time.perf_counter()
-        train_dataset(model, data, params, dp, device, seed + run)
-        ours.append(time.perf_counter() - start)
+    def model() -> nn.Module:
+        fresh = ResNet18()
+        fresh.load_state_dict(initial)
+        return fresh
 
-    def opacus_epoch(run: int) -> None:
-        torch.manual_seed(seed + run)
-        model = ResNet18().to(device)
+    def fedsec_epoch(run: int, on: TensorDataset = data, out: list[float] = ours) -> None:
         start = time.perf_counter()
-        optimizer = torch.optim.SGD(model.parameters(), lr=params.lr, momentum=params.momentum)
-        loader = DataLoader(data, batch_size=batch, shuffle=True)
+        train_dataset(model(), on, params, dp, device, seed + run)
+        out.append(time.perf_counter() - start)
+
+    def opacus_epoch(run: int, on: TensorDataset = data, out: list[float] = plain) -> None:
+        torch.manual_seed(seed + run)  # Opacus' Poisson sampler and noise draw from it
+        start = time.perf_counter()
+        private_model = model().to(device)
+        optimizer = torch.optim.SGD(
+            private_model.parameters(), lr=params.lr, momentum=params.momentum
+        )
+        loader = DataLoader(on, batch_size=batch, shuffle=True)
         private, optimizer, loader = PrivacyEngine().make_private(
-            module=model,
+            module=private_model,
             optimizer=optimizer,
             data_loader=loader,
             noise_multiplier=dp.noise_multiplier,
@@ -477,27 +506,68 @@ def dp_loop_ratio(records: int, batch: int, repeats: int, seed: int = 0) -> dict
             optimizer.zero_grad(set_to_none=True)
             torch.autograd.backward(nn.functional.cross_entropy(private(xb), yb))
             optimizer.step()
-        plain.append(time.perf_counter() - start)
+        out.append(time.perf_counter() - start)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        for run in range(repeats):  # alternate which goes first: neither always warms up
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        # one untimed step of each first: their one-time costs (imports, first kernel
+        # calls, allocator growth) are in neither loop's epochs
+        warm = TensorDataset(x[:batch], y[:batch])
+        fedsec_epoch(pairs, warm, [])
+        opacus_epoch(pairs, warm, [])
+        for run in range(pairs):
             first, second = (
-                (fedsec_epoch, opacus_epoch) if run % 2 else (opacus_epoch, fedsec_epoch)
+                (opacus_epoch, fedsec_epoch) if run % 2 else (fedsec_epoch, opacus_epoch)
             )
             first(run)
             second(run)
+        noise_s, torch_noise_s = _noise_step_seconds(secure_gaussian, dp.noise_multiplier)
+    ratios = sorted(a / b for a, b in zip(ours, plain, strict=True))
     return {
         "device": str(device),
         "records": records,
         "batch_size": batch,
-        "fedsec_epoch_s": [round(s, 2) for s in ours],
-        "opacus_epoch_s": [round(s, 2) for s in plain],
-        "dp_loop_over_opacus": round(statistics.median(ours) / statistics.median(plain), 3),
-        # each alternated pair ran back to back, under the same load: its own ratio
+        "steps_expected": math.ceil(records / batch),
+        "pairs": pairs,
+        "fedsec_epoch_s": [round(v, 2) for v in ours],
+        "opacus_epoch_s": [round(v, 2) for v in plain],
         "pair_ratios": [round(a / b, 3) for a, b in zip(ours, plain, strict=True)],
+        "dp_loop_over_opacus": round(statistics.median(ratios), 3),
+        "pair_ratio_min": round(ratios[0], 3),
+        "pair_ratio_max": round(ratios[-1], 3),
+        # half the distance between the quartiles of the pair ratios (0 for one pair)
+        "pair_ratio_spread": round(_half_iqr(ratios), 3),
+        "ratio_of_medians": round(statistics.median(ours) / statistics.median(plain), 3),
+        "noise_s_per_step": round(noise_s, 3),
+        "torch_noise_s_per_step": round(torch_noise_s, 3),
+        "load_average": [round(v, 2) for v in os.getloadavg()],
     }
+
+
+def _half_iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 2
+
+
+def _noise_step_seconds(secure_gaussian: Any, std: float) -> tuple[float, float]:
+    """One optimiser step's noise for every ResNet-18 parameter: fedsec's CSPRNG draw
+    and torch's, each the best of three (the least disturbed by other load)."""
+    shapes = [p.detach() for p in ResNet18().parameters()]
+    ours, theirs = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        for i, p in enumerate(shapes):
+            secure_gaussian(b"\0" * 32, b"bench" + bytes([i % 256]), std, p)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for p in shapes:
+            torch.normal(0.0, std, p.shape)
+        theirs.append(time.perf_counter() - start)
+    return min(ours), min(theirs)
 
 
 # -- command ------------------------------------------------------------------------------
@@ -534,7 +604,12 @@ def _fits(label: str, max_gib: float) -> tuple[bool, str]:
 @click.option("--max-gib", default=12.0, show_default=True, help="skip sizes needing more")
 @click.option("--dp-records", default=256, show_default=True, help="records of the DP epoch")
 @click.option("--dp-batch", default=32, show_default=True, help="expected batch of the DP loop")
-@click.option("--dp-repeats", default=3, show_default=True, help="alternated DP epochs each")
+@click.option(
+    "--dp-repeats",
+    default=5,
+    show_default=True,
+    help="back-to-back pairs of DP epochs (fedsec's, plain Opacus'); 0: no DP row",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (the default format)")
 def bench_model_size(
