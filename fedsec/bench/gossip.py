@@ -3,7 +3,8 @@ robust filtering against sign-flip attackers.
 
 In-process on purpose, as ``fedsec bench robust`` (two shared cores): every peer is the
 real state machine (:class:`fedsec.peer.gossip.GossipPeer`, its messages encoded and
-validated as on the wire, without the HTTP and signatures the tests cover), every peer
+validated as on the wire, without the HTTP and signatures the tests cover, catch-up
+excepted: see below), every peer
 trains with the members' training code (:func:`fedsec.peer.runner.task_trainer`), and
 the baseline is ``fedsec bench robust``'s FedAvg run (the aggregator's rule code) on the
 same split, the same local epochs, the same training seeds (member i's round r trains
