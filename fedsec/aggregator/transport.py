@@ -259,6 +259,23 @@ class _GuardedHandler(RequestHandler):
             self._first_head_timer.cancel()
         super().connection_lost(exc)
 
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's (write the response, log it), then let go of the body it wrote.
+
+        aiohttp's connection loop keeps a keep-alive connection's last response until the
+        next request on it arrives, and members hold their connections between stages: each
+        kept what it was last sent, so 1,000 members idle after advertising their keys kept
+        1,000 copies of the key list (n^2: ~400 MB), and every model download stayed
+        resident per connection.  A written body is in the socket (or the transport's
+        buffer, which holds its own copy), and nothing reads it again.
+        """
+        answered, reset = await super().finish_response(request, resp, start_time)
+        if isinstance(answered, web.Response):
+            answered.body = None
+        return answered, reset
+
     @property
     def idle(self) -> bool:
         """No request is being handled: the connection waits for (the rest of) a head."""

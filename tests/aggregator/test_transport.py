@@ -8,10 +8,12 @@ reads its body, and one with a bug.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import json
 import logging
 import ssl
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,6 +50,9 @@ PROMPT_S = 5.0
 
 UPLOAD_STARTED = web.AppKey("upload_started", asyncio.Event)
 UPLOAD_ENDED = web.AppKey("upload_ended", asyncio.Event)
+SENT_BODIES = web.AppKey("sent_bodies", list)
+#: A body the size of a 1,000-member key list, as the advertisement's answer carries.
+LARGE_BODY_BYTES = 400_000
 GET_OK = b"GET /ok HTTP/1.1\r\nHost: test\r\n\r\n"
 
 Start = Callable[..., Awaitable[RunningServer]]
@@ -57,6 +62,7 @@ def _app() -> web.Application:
     app = web.Application()
     app[UPLOAD_STARTED] = asyncio.Event()
     app[UPLOAD_ENDED] = asyncio.Event()
+    app[SENT_BODIES] = []
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -76,11 +82,21 @@ def _app() -> web.Application:
     async def bug(request: web.Request) -> web.Response:
         raise RuntimeError("a deliberate bug")
 
+    async def large(request: web.Request) -> web.Response:
+        body = _Body(LARGE_BODY_BYTES)
+        app[SENT_BODIES].append(weakref.ref(body))
+        return web.Response(body=body, content_type="application/octet-stream")
+
     app.router.add_get("/ok", ok)
     app.router.add_get("/hold", hold)
     app.router.add_post("/upload", upload)
     app.router.add_get("/bug", bug)
+    app.router.add_get("/large", large)
     return app
+
+
+class _Body(bytearray):
+    """A response body the test can hold a weak reference to (bytes cannot have one)."""
 
 
 @pytest_asyncio.fixture
@@ -450,6 +466,30 @@ async def test_a_server_bug_still_logs_an_error_with_its_traceback(
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and errors[0].exc_info is not None
     assert isinstance(errors[0].exc_info[1], RuntimeError)
+
+
+# -- memory -----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_sent_body_is_not_kept_by_its_idle_keep_alive_connection(start: Start) -> None:
+    # aiohttp keeps a connection's last response until its next request: 1,000 members
+    # idle after an advertisement kept 1,000 copies of the key list (n^2 bytes).
+    server = await start(header_timeout_s=4 * PROMPT_S)  # idle, it stays open
+    conn = await _connect(server)
+    reader, writer = conn
+    writer.write(b"GET /large HTTP/1.1\r\nHost: test\r\n\r\n")
+    status, _, body = await _response(reader)
+    assert (status, len(body)) == (200, LARGE_BODY_BYTES)
+    [sent] = server.app[SENT_BODIES]
+
+    def released() -> bool:
+        gc.collect()
+        return sent() is None
+
+    await _wait_until(released)
+    assert server.open_connections == 1  # released while the connection is open and idle
+    assert await _get_ok(conn) == 200  # and it still serves
 
 
 # -- throttle and note ----------------------------------------------------------------
