@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 from datetime import UTC, datetime, timedelta
@@ -15,17 +16,23 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from fedsec.agent.accountant import epsilon_of
 from fedsec.agent.ledger import PrivacyLedger
 from fedsec.bench.common import free_port
 from fedsec.cli import main
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import ConfigError, IntegrityError
+from fedsec.errors import BudgetExhausted, ConfigError, IntegrityError
 from fedsec.keys import load_identity, save_identity
+from fedsec.learning.training import DPParams
 from fedsec.peer.cli import _run
 from fedsec.peer.config import load_peer_config
 from fedsec.peer.journal import verify_journal
+from fedsec.peer.privacy import plan_peer_charge
 from fedsec.peer.topology import sign_topology
+from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.protocol.roster import ROSTER_FORMAT, sign_roster_entry
+from fedsec.tasks import get_task
+from fedsec.tasks.partition import parse_partition
 
 FED = "fed-cli"
 
@@ -39,6 +46,7 @@ def _configs(
     scheme: str = "http",
     privacy: str = "require_dp = false  # a simulation on public data: no DP noise",
     training: str = "",
+    rounds: int = 1,
 ) -> list[Path]:
     """Each member's ``peer.toml``; ``extra`` top-level keys are added to each,
     ``privacy`` and ``training`` keys to those sections, and ``scheme`` is that of every
@@ -59,7 +67,7 @@ def _configs(
 key_file = "member.key"
 port = {port}
 admin_public_key = "{admin.public_bytes.hex()}"
-rounds = 1
+rounds = {rounds}
 {extra}
 topology = {{ federation_id = "{FED}", seed = "{topology.seed}", degree = 2, \
 signature = "{topology.signature}" }}
@@ -97,15 +105,30 @@ async def test_three_peers_run_from_their_configs(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_peers_charge_their_members_ledgers_before_each_round(tmp_path: Path) -> None:
-    paths = _configs(tmp_path, privacy="epsilon = 20.0", training="noise_multiplier = 1.0")
+async def test_peers_charge_their_ledgers_and_stop_signed_when_the_budget_is_spent(
+    tmp_path: Path,
+) -> None:
+    task = get_task("breast_cancer")
+    params = dataclasses.replace(task.defaults, local_epochs=1)
+    shards = parse_partition("iid").apply(task.load().y_train, 3, 0)
+    costs = [plan_peer_charge(0, len(s), params, DPParams(1.0, 1.0, DEFAULT_DELTA)) for s in shards]
+    one = max(epsilon_of([c.cost], DEFAULT_DELTA) for c in costs)
+    two = min(epsilon_of([c.cost] * 2, DEFAULT_DELTA) for c in costs)
+    assert one < two
+    budget = f"epsilon = {(one + two) / 2}"  # round 0 fits, round 1 does not
+    paths = _configs(tmp_path, privacy=budget, training="noise_multiplier = 1.0", rounds=2)
     configs = [load_peer_config(p) for p in paths]
-    await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
+    runs = [_run(c, p.parent) for c, p in zip(configs, paths, strict=True)]
+    stopped = await asyncio.gather(*runs, return_exceptions=True)
+    assert all(isinstance(e, BudgetExhausted) for e in stopped), stopped
+    assert "training round 1 would spend epsilon" in str(stopped[0])
     for k, path in enumerate(paths):
-        ledger = PrivacyLedger(path.parent / "state")
-        (charge,) = ledger.history(f"breast_cancer:iid:0:{k}/3")
-        assert charge.released_to == (0, 0) and charge.holder == f"peer:{FED}"
-        assert 0 < ledger.spent(f"breast_cancer:iid:0:{k}/3") < 20.0
+        (charge,) = PrivacyLedger(path.parent / "state").history(f"breast_cancer:iid:0:{k}/3")
+        assert (charge.round, charge.released_to, charge.holder) == (0, (0, 0), f"peer:{FED}")
+        lines = (path.parent / "peer-journal.jsonl").read_bytes().splitlines()
+        assert verify_journal(lines, _own_key(path), FED) == len(lines) - 2  # signed to the end
+        rounds = {json.loads(line)["body"].get("round") for line in lines[:-1]}
+        assert rounds == {0}  # round 0 gossiped; nothing of round 1 was trained or sent
 
 
 @pytest.mark.asyncio
