@@ -93,3 +93,12 @@ def test_members_only_without_a_plan_says_so(tmp_path: Path) -> None:
     )
     assert result.exit_code != 0
     assert "cannot read the members' plan" in result.output
+
+
+def test_simulate_says_which_member_range_is_wrong(tmp_path: Path) -> None:
+    args = ["--task", "breast_cancer", "--agents", "4", "--member-range", "3:9"]
+    result = CliRunner().invoke(simulate, [*args, "--workdir", str(tmp_path / "fed")])
+    assert result.exit_code != 0
+    assert "member range '3:9': give A:B with 0 <= A < B <= 4" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "fed" / PLAN_FILE).exists()  # refused before serving
