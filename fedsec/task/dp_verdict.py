@@ -16,7 +16,8 @@ recorded, bound to everything that decides it:
   imported. Different or missing (the task package was upgraded, its options edited, a
   workspace from before the record): the check runs again in a child process
   (:func:`check_in_child`), which refuses the start with the same sentence ``init``
-  would, or records the new verdict.
+  would, or records the new verdict. A process that has imported Opacus already (a
+  test, a tool) checks in its own: that costs it nothing more.
 
 The record is a file of the aggregator's own workspace, beside its signing key: whoever
 can forge it can sign as the aggregator, so it is not signed.
@@ -107,15 +108,18 @@ def ensure_checked(task: Task, record: Path) -> None:
         UnknownTask: the task's distribution cannot be pinned.
     """
     verdict = dp_verdict(task)
-    if verdict is None:
+    if verdict is not None and _recorded(record) == verdict:
+        return
+    if verdict is None or "opacus" in sys.modules:
+        # in this process: options no child can be handed, or Opacus already loaded
+        # (a process that imported it pays nothing more to check here)
         from fedsec.task.dp import check_dp_compatible
 
         check_dp_compatible(task.name, task.build_model(0))
-        return
-    if _recorded(record) == verdict:
-        return
-    check_in_child(task.name, verdict.options)
-    atomic_write(record, msgspec.json.encode(verdict))
+    else:
+        check_in_child(task.name, verdict.options)
+    if verdict is not None:
+        atomic_write(record, msgspec.json.encode(verdict))
 
 
 def check_in_child(name: str, options_json: str) -> None:

@@ -76,16 +76,38 @@ def test_init_records_the_verdict_and_serving_does_not_check_again(
 
 
 def test_a_task_upgraded_to_an_incompatible_model_is_refused_at_serve(
-    install_dist: InstallDist, tmp_path: Path
+    install_dist: InstallDist, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     site = _install(install_dist, LINEAR)
     init_workspace(tmp_path / "ws", "fed", "xray").close()
     record = (tmp_path / "ws" / DP_VERDICT_FILE).read_bytes()
     _rewrite(site, BATCHNORM)  # the digest changes: the record no longer applies
+    refusal = r"layer '1' \(BatchNorm1d\): replace it with"
+    # a serving aggregator has no Opacus loaded: a child process imports the new code
+    with pytest.raises(DpIncompatibleModel, match=refusal):
+        dp_verdict.check_in_child("xray", "{}")
     ws = Workspace.open(tmp_path / "ws")
-    with pytest.raises(DpIncompatibleModel, match=r"layer '1' \(BatchNorm1d\): replace it with"):
-        ws.served_task()  # checked by a child process, which imported the new code
+    # this test's process has Opacus loaded, so it checks in process; same refusal
+    monkeypatch.setattr(dp_verdict, "check_in_child", _never)
+    with pytest.raises(DpIncompatibleModel, match=refusal):
+        ws.served_task()
     assert (tmp_path / "ws" / DP_VERDICT_FILE).read_bytes() == record  # nothing recorded
+    ws.close()
+
+
+def test_serving_without_opacus_loaded_checks_in_a_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = init_workspace(tmp_path / "ws", "fed", "breast_cancer")
+    path = tmp_path / "ws" / DP_VERDICT_FILE
+    record = path.read_bytes()
+    path.unlink()
+    monkeypatch.delitem(sys.modules, "opacus")  # as in a serving aggregator
+    monkeypatch.setattr("fedsec.task.dp.check_dp_compatible", _never)
+    checked: list[str] = []
+    monkeypatch.setattr(dp_verdict, "check_in_child", lambda name, _: checked.append(name))
+    ws.served_task()
+    assert checked == ["breast_cancer"] and path.read_bytes() == record
     ws.close()
 
 
@@ -97,10 +119,7 @@ def test_a_compatible_upgrade_is_checked_once_and_recorded(
     before = (tmp_path / "ws" / DP_VERDICT_FILE).read_bytes()
     _rewrite(site, "torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))")
     ws = Workspace.open(tmp_path / "ws")
-    checked: list[str] = []  # the child's own verdicts are tested above
-    monkeypatch.setattr(dp_verdict, "check_in_child", lambda name, _: checked.append(name))
-    ws.served_task()
-    assert checked == ["xray"]
+    ws.served_task()  # checked (here, in process: Opacus is loaded) and recorded
     after = (tmp_path / "ws" / DP_VERDICT_FILE).read_bytes()
     assert after != before and loaded_task_pin("xray").digest in after.decode()
     monkeypatch.setattr(dp_verdict, "check_in_child", _never)
@@ -115,7 +134,7 @@ def test_a_missing_or_damaged_record_is_checked_again(
     path = tmp_path / "ws" / DP_VERDICT_FILE
     record = path.read_bytes()
     checked: list[str] = []
-    monkeypatch.setattr(dp_verdict, "check_in_child", lambda name, _: checked.append(name))
+    monkeypatch.setattr("fedsec.task.dp.check_dp_compatible", lambda name, _: checked.append(name))
     for damaged in (None, b"{", record.replace(b'"opacus":"', b'"opacus":"0.')):
         if damaged is None:
             path.unlink()
