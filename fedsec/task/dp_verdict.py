@@ -39,9 +39,9 @@ from fedsec.fsio import atomic_write
 from fedsec.task.definition import Task
 from fedsec.task.digest import loaded_task_pin
 
-#: A child process imports torch, Opacus and the task's code, and builds one model;
-#: 10 s on an idle machine for ResNet-18. Five minutes allow a machine under load
-#: without letting a hung task hold an aggregator's start for ever.
+#: A child process imports torch, Opacus and the task's code, and builds one model:
+#: 5 to 11 s measured on the 2-core development machine at load 4-5. Five minutes
+#: allow a slower machine without letting a hung task hold a start for ever.
 CHILD_TIMEOUT_S = 300.0
 
 #: Exit status of a child whose check refused the model (its stdout is the sentence).
