@@ -14,6 +14,7 @@ round that produced it and its validation metrics, signed by the aggregator in t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -66,6 +67,14 @@ FloatArray = npt.NDArray[np.float32]
 def sha256_hex(data: bytes) -> str:
     """Lowercase hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+class ByteSource(Protocol):
+    """What :func:`read_model` reads a model file from: a binary file, ``io.BytesIO``."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
 class ByteSink(Protocol):
@@ -194,7 +203,38 @@ def decode_model(
     """
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"model file is {len(data)} bytes, the limit is {max_bytes}")
-    header = _parse_header(data)
+    arrays, _ = read_model(
+        io.BytesIO(data), len(data), expected_names=expected_names, expected_shapes=expected_shapes
+    )
+    return arrays
+
+
+def read_model(
+    source: ByteSource,
+    size: int,
+    *,
+    expected_names: Collection[str] | None = None,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> tuple[dict[str, FloatArray], str]:
+    """Decode and validate the ``size`` bytes of a model file that ``source`` reads
+    next, a tensor at a time: each tensor's bytes are read straight into its array, so
+    the file's bytes are never held whole (a store reads its own files this way).
+
+    The header (names, dtypes, shapes, offsets) is checked before any tensor is read.
+
+    Args:
+        source: a binary file positioned at the model file's first byte.
+        size: the model file's length (the caller has checked it against its limit).
+        expected_names, expected_shapes: as for :func:`decode_model`.
+
+    Returns:
+        tensor name -> float32 array (writable), and the sha256 hex of the bytes read.
+
+    Raises:
+        IntegrityError: as :func:`decode_model`, or ``source`` ends early.
+    """
+    digest = hashlib.sha256()
+    header, header_bytes = _parse_header(source, size, digest)
     metadata = header.get("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise IntegrityError("model file metadata is not an object of strings")
@@ -229,16 +269,27 @@ def decode_model(
             if name in header and tuple(header[name]["shape"]) != tuple(want):
                 got = tuple(header[name]["shape"])
                 raise IntegrityError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
-    start = 8 + struct.unpack("<Q", data[:8])[0]
     result: dict[str, FloatArray] = {}
-    for name, begin, count in _tensor_layout(header, names, len(data) - start):
-        flat = np.frombuffer(data, dtype="<f4", count=count, offset=start + begin)
-        # the one copy: a writable, native float32 array of the tensor's shape
-        value = flat.astype(np.float32, copy=True).reshape(header[name]["shape"])
+    for name, _, count in _tensor_layout(header, names, size - 8 - header_bytes):
+        # the tensors tile the data region in this order: read in sequence, one copy
+        value = np.empty(count, dtype="<f4")
+        raw = value.data.cast("B")
+        _read_into(source, raw, name)
+        digest.update(raw)
+        value = value.astype(np.float32, copy=False).reshape(header[name]["shape"])
         if not bool(np.isfinite(value).all()):
             raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
         result[name] = value
-    return dict(sorted(result.items()))
+    return dict(sorted(result.items())), digest.hexdigest()
+
+
+def _read_into(source: ByteSource, buffer: memoryview, name: str) -> None:
+    filled = 0
+    while filled < len(buffer):
+        got = source.readinto(buffer[filled:])
+        if not got:
+            raise IntegrityError(f"model file ends inside tensor {name!r}")
+        filled += got
 
 
 def _tensor_layout(
@@ -304,16 +355,25 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _parse_header(data: bytes) -> dict[str, Any]:
-    if len(data) < 8:
-        raise IntegrityError(f"model file is {len(data)} bytes, too short for a safetensors header")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > MAX_HEADER_BYTES or header_len > len(data) - 8:
+def _parse_header(source: ByteSource, size: int, digest: Any) -> tuple[dict[str, Any], int]:
+    """The header of a ``size``-byte model file read from ``source`` (its bytes added
+    to ``digest``) and its length."""
+    if size < 8:
+        raise IntegrityError(f"model file is {size} bytes, too short for a safetensors header")
+    length = source.read(8)
+    if len(length) != 8:
+        raise IntegrityError("model file ends inside its header length")
+    (header_len,) = struct.unpack("<Q", length)
+    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
         raise IntegrityError(
             f"model file header length {header_len} exceeds the file or the "
             f"{MAX_HEADER_BYTES}-byte limit"
         )
-    raw = bytes(data[8 : 8 + header_len])
+    raw = source.read(header_len)
+    if len(raw) != header_len:
+        raise IntegrityError("model file ends inside its header")
+    digest.update(length)
+    digest.update(raw)
     if not raw.startswith(b"{"):  # as safetensors: no other encoding, no leading bytes
         raise IntegrityError("model file header does not start with '{'")
     try:
@@ -322,7 +382,7 @@ def _parse_header(data: bytes) -> dict[str, Any]:
         raise IntegrityError(f"model file header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise IntegrityError("model file header is not a JSON object")
-    return header
+    return header, header_len
 
 
 class ModelManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

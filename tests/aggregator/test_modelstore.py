@@ -12,7 +12,7 @@ import pytest
 
 from fedsec.aggregator.storage.models import ModelStore
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import IntegrityError, NotFound, SignatureError
+from fedsec.errors import IntegrityError, NotFound, PayloadTooLarge, SignatureError
 from fedsec.modelfile import decode_model, encode_model, sha256_hex
 
 FED = "fed-1"
@@ -258,3 +258,26 @@ def test_real_crash_mid_write_keeps_previous_version(tmp_path: Path, crash_at: s
     assert reopened.problems() == []
     assert not list(tmp_path.rglob(".*.tmp-*"))
     assert reopened.put(_arrays(3), parent=2, round=2, kind="aggregate", metrics={}).version == 3
+
+
+def test_read_arrays_reads_the_file_a_tensor_at_a_time_and_checks_its_hash(
+    store: ModelStore,
+) -> None:
+    arrays = store.read_arrays(2, max_bytes=1 << 20)
+    expected = decode_model(store.read(2), max_bytes=1 << 20)
+    assert sorted(arrays) == sorted(expected)
+    for name, value in expected.items():
+        assert arrays[name].flags.writeable
+        np.testing.assert_array_equal(arrays[name], value)
+    # the same length and timestamps, other bytes: the verified-manifest cache keeps
+    # them from get(), so read_arrays' own hash is what refuses them
+    path = store.model_path(store.get(2).sha256)
+    stat = path.stat()
+    tampered = bytearray(path.read_bytes())
+    tampered[-1] ^= 0x01  # a low exponent bit of the last float: still finite
+    path.write_bytes(bytes(tampered))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(IntegrityError, match="does not match manifest v2"):
+        store.read_arrays(2, max_bytes=1 << 20)
+    with pytest.raises(PayloadTooLarge):
+        store.read_arrays(1, max_bytes=16)

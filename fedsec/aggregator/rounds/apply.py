@@ -14,7 +14,7 @@ from fedsec.aggregator.rounds.context import RoundContext, log
 from fedsec.derive import apply_mean
 from fedsec.errors import FedsecError, RoundAborted
 from fedsec.learning.optimizers import AdamMoments, ServerRule
-from fedsec.modelfile import ModelManifest, decode_model, model_sha256
+from fedsec.modelfile import ModelManifest, model_sha256
 from fedsec.protocol.limits import MAX_MODEL_BYTES
 from fedsec.tasks.evaluation import evaluate_sums
 
@@ -75,7 +75,8 @@ class ModelApplier:
             raise RoundAborted(f"round {round_}: the survivors' total weight is zero")
         models = self._ctx.ws.models
         parent = self._parent_model(round_)
-        arrays = decode_model(models.read(parent.version), max_bytes=MAX_MODEL_BYTES)
+        # read a tensor at a time: the parent's file bytes are not held beside its arrays
+        arrays = models.read_arrays(parent.version, max_bytes=MAX_MODEL_BYTES)
         opt = self.optimizer
         opt.state = apply_mean(self._model, arrays, weighted_sum, weight_sum, opt.rule, opt.state)
         del arrays  # the parent's copy (4 bytes a parameter) is not held while encoding

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import numpy.typing as npt
 
 from fedsec.crypto.identity import SigningIdentity
-from fedsec.errors import FedsecError, IntegrityError, NotFound
+from fedsec.errors import FedsecError, IntegrityError, NotFound, PayloadTooLarge
 from fedsec.fsio import TMP_MARK, atomic_write, atomic_write_with
 from fedsec.modelfile import (
     ManifestKind,
@@ -39,6 +40,7 @@ from fedsec.modelfile import (
     manifest_from_json,
     manifest_to_json,
     model_sha256,
+    read_model,
     sha256_hex,
     sign_manifest,
     verify_manifest,
@@ -256,6 +258,39 @@ class ModelStore:
             data = self._read_model(version, manifest.sha256)
             verify_manifest(manifest, self._public, data, federation_id=self.federation_id)
             return data
+
+    def read_arrays(self, version: int, *, max_bytes: int) -> dict[str, npt.NDArray[np.float32]]:
+        """The tensors of ``version``'s model file, read a tensor at a time (the file's
+        bytes are never held whole) and checked against its signed manifest.
+
+        Raises:
+            NotFound, SignatureError: as for :meth:`get`.
+            IntegrityError: as for :meth:`get`, a malformed file
+                (:func:`fedsec.modelfile.read_model`), or bytes that are not the ones the
+                manifest names.
+            PayloadTooLarge: the file is larger than ``max_bytes``.
+        """
+        with self._lock:
+            manifest = self.get(version)
+            path = self.model_path(manifest.sha256)
+            try:
+                with path.open("rb") as source:
+                    size = os.fstat(source.fileno()).st_size
+                    if size > max_bytes:
+                        raise PayloadTooLarge(
+                            f"model file is {size} bytes, the limit is {max_bytes}"
+                        )
+                    arrays, sha = read_model(source, size)
+            except FileNotFoundError:
+                raise IntegrityError(
+                    f"model file {manifest.sha256}.safetensors of version {version} is missing"
+                ) from None
+            if sha != manifest.sha256:
+                raise IntegrityError(
+                    f"model file sha256 {sha} does not match manifest v{version} "
+                    f"sha256 {manifest.sha256}"
+                )
+            return arrays
 
     def latest(self) -> ModelManifest:
         """The newest version whose manifest and model file both verify.
