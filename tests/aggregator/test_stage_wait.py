@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
+import sys
+import tracemalloc
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -446,6 +449,30 @@ async def test_unmask_long_poll_is_answered_when_the_last_input_arrives(api: Api
     assert _now() - start < 1.5
     request = msgspec.json.decode(body, type=wire.UnmaskRequestBody)
     assert (request.survivors, request.dropped) == (list(AGENTS), [])
+
+
+async def test_a_held_masked_input_does_not_keep_its_upload(api: Api) -> None:
+    """A masked input is summed on arrival; its held answer then waits for the stage to
+    close (with 1,000 members, most of the stage) without a copy of the upload: one kept
+    per held member made the aggregator's memory grow by the model's size per member."""
+    cohort = await _to_masked_input(api)
+    path, raw = _upload(cohort, "a0")
+    tracemalloc.start()
+    try:
+        held = asyncio.create_task(api.ok("a0", "POST", f"{path}&wait=5", raw))
+        await _held(api, 1)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    # a bytes object as long as the upload (what the request's body was read into)
+    kept = [t for t in snapshot.traces if t.size == sys.getsizeof(raw)]
+    assert kept == [], "the held request keeps its upload"
+    for m in AGENTS[1:]:  # and the held answer still comes, with the unmask request
+        path, raw = _upload(cohort, m)
+        await api.ok(m, "POST", path, raw)
+    answer = msgspec.convert(await _bounded(held, 3.0), wire.MaskedInputAnswer)
+    assert answer.unmask is not None and answer.unmask.survivors == list(AGENTS)
 
 
 async def test_long_poll_for_another_attempt_is_answered_at_once(api: Api) -> None:

@@ -174,6 +174,7 @@ async def advertise(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.advertise(member, r, a, msg)
+    del body, msg  # accepted: not held through the wait (see masked_input)
     keys = await next_stage_data(
         request, r, a, "share_keys", wait, lambda: coord.key_list(member, r, a)
     )
@@ -221,6 +222,7 @@ async def post_shares(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.share_keys(member, r, a, msg)
+    del body, msg  # accepted: not held through the wait (see masked_input)
     relay = await next_stage_data(
         request, r, a, "masked_input", wait, lambda: coord.share_relay(member, r, a)
     )
@@ -241,6 +243,7 @@ async def post_commit(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.commit(member, r, a, msg)
+    del body, msg  # accepted: not held through the wait (see masked_input)
     commitments = await next_stage_data(
         request, r, a, "masked_input", wait, lambda: coord.commitment_set(member, r, a)
     )
@@ -267,6 +270,9 @@ async def masked_input(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     receipt = coord.masked_input(member, r, a, body, commitment, signature)
+    # summed and stored: a held answer waits for the stage to close (most of it, with
+    # 1,000 members) and must not keep a model-sized upload per member meanwhile
+    del body
     if "wait" not in request.query:
         return json_response(receipt)
     # the mode says what the answer waits for: SecAgg+ the unmask request, from stage
@@ -293,6 +299,7 @@ async def post_consistency(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.consistency(member, r, a, msg)
+    del body, msg  # accepted: not held through the wait (see masked_input)
     proof = await next_stage_data(
         request, r, a, "unmask", wait, lambda: coord.consistency_proof(member, r, a)
     )
@@ -313,6 +320,7 @@ async def post_unmask(request: web.Request) -> web.Response:
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     coord.unmask(member, r, a, msg)
+    del body, msg  # accepted: not held through the wait (see masked_input)
     if wait <= 0:
         return json_response(wire.Accepted(accepted=True))
 
