@@ -28,7 +28,7 @@ What is measured, and where:
   masked input is stored in a real SQLite state store as the aggregator's intake does,
   the stages close, the session finalizes (unmasking and the codec's decode), and the
   round is applied as :class:`~fedsec.aggregator.rounds.apply.ModelApplier` does: the
-  parent model file read and decoded, :func:`fedsec.derive.apply_mean`, the new version
+  parent model file read a tensor at a time, :func:`fedsec.derive.apply_mean`, the new version
   written a tensor at a time from the model's own tensors. ``aggregator_peak_rss_mb``
   is that process's VmHWM, against the
   target 4·d·4 B + 400 MB. The HTTP server's request buffers are not in it: an
@@ -184,8 +184,7 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
     from fedsec.aggregator.storage.sqlite.store import SqliteStateStore
     from fedsec.derive import apply_mean
     from fedsec.learning.optimizers import FedAvg
-    from fedsec.modelfile import decode_model, write_model
-    from fedsec.protocol.limits import MAX_MODEL_BYTES
+    from fedsec.modelfile import read_model, write_model
     from fedsec.summation.secagg import SecAggPlusSession
 
     spec = msgspec.msgpack.decode(spec_raw, type=wire.RoundSpec)
@@ -232,7 +231,8 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
         phases["inputs"] = _peak_rss_mb()
         result = session.finalize()
         phases["finalize"] = _peak_rss_mb()
-        arrays = decode_model(parent_file.read_bytes(), max_bytes=MAX_MODEL_BYTES)
+        with parent_file.open("rb") as source:  # as ModelStore.read_arrays reads it
+            arrays, _ = read_model(source, parent_file.stat().st_size)
         before = _head(model)  # the parent: the model was written from it
         apply_mean(model, arrays, result.weighted_sum, result.weight_sum, FedAvg(1.0))
         del arrays
