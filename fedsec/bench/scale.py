@@ -25,9 +25,11 @@ that many groups, in this process, whose sums must be equal bit for bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -166,6 +168,13 @@ def _shard_counts(text: str) -> list[int]:
     show_default=True,
     help="processes the simulated members run in; 0 = one per 100, at most cores - 1",
 )
+@click.option(
+    "--trace-memory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="trace the aggregator's memory into DIR/<members>/ (tracemalloc snapshots, RSS "
+    "log: fedsec/bench/scale_memory.py); its CPU figures are then not comparable",
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per member count")
 def bench_scale(
     members: str,
@@ -177,6 +186,7 @@ def bench_scale(
     dropout: float,
     shard_workers: bool,
     member_processes: int,
+    trace_memory: Path | None,
     as_json: bool,
 ) -> None:
     """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
@@ -184,8 +194,14 @@ def bench_scale(
         counts, groups = _counts(members), _shard_counts(shards)
         _bench_shards(counts, groups, dim, dropout, seed, shard_workers, as_json)
         return
+    from fedsec.bench.scale_memory import traced_aggregator
+
     for count in _counts(members):
-        row = scale_row(count, rounds, task, seed, member_processes)
+        traced = trace_memory / str(count) if trace_memory else None
+        with traced_aggregator(traced) if traced else contextlib.nullcontext():
+            row = scale_row(count, rounds, task, seed, member_processes)
+        if traced:
+            row["memory_traced"] = str(traced)
         if as_json:
             click.echo(json.dumps(row, sort_keys=True))
         else:

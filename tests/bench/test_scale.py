@@ -4,10 +4,15 @@ separate aggregator process and real members over loopback)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from fedsec.bench.scale import bench_scale
+from fedsec.bench.scale_memory import growth, traced_aggregator
 
 MEMBERS = 4
 
@@ -38,3 +43,30 @@ def test_a_row_per_member_count_with_the_aggregators_cost() -> None:
 def test_member_counts_are_checked() -> None:
     result = CliRunner().invoke(bench_scale, ["--members", "100,x"])
     assert result.exit_code != 0 and "comma-separated integers" in result.output
+
+
+# The child waits for the hook's first snapshot, as a bench waits for its aggregator.
+_WAIT_FOR_SNAPSHOT = """
+import pathlib, sys, time
+snap = pathlib.Path(sys.argv[1]) / "last.snap"
+deadline = time.monotonic() + 20
+while not snap.exists() and "aggregator" in sys.argv and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def test_trace_memory_samples_the_serving_aggregator_only(tmp_path: Path) -> None:
+    out, workspace = tmp_path / "trace", tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "serve.json").write_text("{}")  # what the hook waits for: it serves
+    before = dict(os.environ)
+    with traced_aggregator(out):
+        member = [sys.executable, "-c", _WAIT_FOR_SNAPSHOT, str(out), "member"]
+        subprocess.run(member, check=True, timeout=60)
+        assert list(out.iterdir()) == []  # a member process traces nothing
+        serve = ["aggregator", "serve", "--workspace", str(workspace)]
+        subprocess.run([sys.executable, "-c", _WAIT_FOR_SNAPSHOT, str(out), *serve], timeout=60)
+    assert dict(os.environ) == before
+    line = (out / "memory.log").read_text().splitlines()[0]
+    assert "rss=" in line and "traced=" in line
+    assert growth(out / "peak.snap", out / "last.snap") is not None
