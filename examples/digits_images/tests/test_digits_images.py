@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from digits_images.make_folder import make_folder
 
-from fedsec.task import load_task
+from fedsec.learning.training import DPParams, train_dataset
+from fedsec.task import TrainingParams, load_task
 from fedsec.task.dp import check_dp_compatible
 
 
@@ -34,3 +35,54 @@ def test_folder_task_reads_images_lazily_and_trains(tmp_path: Path) -> None:
         optimizer.step()
     with torch.no_grad():
         assert float(task.batch_loss(model, batch)) < 0.95 * first  # 0.89 in one run
+
+
+def _torchvision_resnet18_parameters() -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters of torchvision's ``resnet18(num_classes=10, norm_layer=lambda c:
+    nn.GroupNorm(32, c))``, in its registration order, written from its structure:
+    stem, four stages of two basic blocks (64/128/256/512 channels; a 1x1 downsample
+    where a stage starts at stride 2), fc."""
+    expected = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
+    cin = 64
+    for stage, width in enumerate((64, 128, 256, 512), start=1):
+        for block in (0, 1):
+            prefix = f"layer{stage}.{block}"
+            inputs = cin if block == 0 else width
+            expected += [
+                (f"{prefix}.conv1.weight", (width, inputs, 3, 3)),
+                (f"{prefix}.bn1.weight", (width,)),
+                (f"{prefix}.bn1.bias", (width,)),
+                (f"{prefix}.conv2.weight", (width, width, 3, 3)),
+                (f"{prefix}.bn2.weight", (width,)),
+                (f"{prefix}.bn2.bias", (width,)),
+            ]
+            if block == 0 and stage > 1:
+                expected += [
+                    (f"{prefix}.downsample.0.weight", (width, cin, 1, 1)),
+                    (f"{prefix}.downsample.1.weight", (width,)),
+                    (f"{prefix}.downsample.1.bias", (width,)),
+                ]
+        cin = width
+    return [*expected, ("fc.weight", (10, 512)), ("fc.bias", (10,))]
+
+
+def test_resnet18_is_torchvisions_layer_for_layer_and_trains_under_dp() -> None:
+    task = load_task("digits_images_resnet18", path="unused")
+    model = task.build_model(0)
+    params = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert params == _torchvision_resnet18_parameters()
+    assert sum(p.numel() for p in model.parameters()) == 11_181_642
+    assert list(model.state_dict()) == [name for name, _ in params]  # no buffers
+    # a state dict under torchvision's names and shapes loads strictly
+    model.load_state_dict({name: 0.01 * torch.randn(shape) for name, shape in params})
+    check_dp_compatible(task.name, model)
+    # One DP-SGD step through fedsec's loop (Opacus' hooks refuse an in-place ReLU on a
+    # hooked layer's output, which torchvision's own resnet18 has).
+    records = torch.utils.data.TensorDataset(torch.rand(2, 3, 32, 32), torch.arange(2))
+    before = model.fc.weight.detach().clone()
+    result = train_dataset(
+        model, records, TrainingParams(lr=0.1, batch_size=2, local_epochs=1),
+        DPParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5), "cpu", seed=0,
+        task=task, workers=0,
+    )  # fmt: skip
+    assert result.steps == 1 and not torch.equal(model.fc.weight, before)
