@@ -90,7 +90,7 @@ def federated(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         lr=args.lr,
         batch_size=args.batch_size,
         server_optimizer="fedavg",
-        server_lr=args.server_lr or float(args.agents),
+        server_lr=args.server_lr,
         seed=args.seed,
         baseline=False,
     )
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.0)
-    parser.add_argument("--server-lr", type=float, default=0.0, help="FedAvg's; 0 = agents")
+    parser.add_argument("--server-lr", type=float, default=1.0, help="FedAvg's")
     parser.add_argument("--update-clip", type=float, default=40.0)
     parser.add_argument("--quant-bits", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             "agents": args.agents,
             "batch_size": args.batch_size,
             "lr": args.lr,
-            "server_lr": args.server_lr or float(args.agents),
+            "server_lr": args.server_lr,
             "update_clip": args.update_clip,
             "quant_bits": args.quant_bits,
             "seed": args.seed,
