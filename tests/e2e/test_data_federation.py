@@ -27,12 +27,14 @@ from fedsec.federation import (
     table_agent_config,
 )
 from fedsec.modelfile import decode_model
-from fedsec.simulation import _serving
+from fedsec.simulation import SimulationSpec, _serving
 from fedsec.tasks import get_task
 from fedsec.tasks.params import arrays_to_state
 from tests.support.aggregator import log_entries
 
 ROUNDS = 3
+#: Serve the aggregator in this test's event loop.
+IN_PROCESS = SimulationSpec(aggregator_process=False)
 
 
 def _accuracy(ws: Workspace, exports: dict[str, Path]) -> float:
@@ -71,7 +73,7 @@ def test_three_hospital_exports_train_together(tmp_path: Path) -> None:
     baseline = _accuracy(ws, exports)
 
     async def run() -> None:
-        async with _serving(ws, separate=False) as url:
+        async with _serving(ws, IN_PROCESS) as url:
             runtimes = [
                 AgentRuntime(
                     table_agent_config(
@@ -157,7 +159,7 @@ def test_noised_summary_counts_are_charged_reported_and_audited(tmp_path: Path) 
     members = enrol_agents(ws, tmp_path, 3, prefix="hospital")
 
     async def run() -> None:
-        async with _serving(ws, separate=False) as url:
+        async with _serving(ws, IN_PROCESS) as url:
             runtimes = []
             for m, h in zip(members, ["hospital-a", "hospital-b", "hospital-c"], strict=True):
                 cfg = table_agent_config(
