@@ -93,7 +93,8 @@ class Task:
         primary_metric: the metric that dashboards and alerts follow.
         batch_step: ``(model, batch) -> loss``, for a forward that needs more than ``x``.
         dp_fix: apply Opacus's ``ModuleValidator.fix`` to every model built (e.g.
-            BatchNorm -> GroupNorm), so a model with such layers can train under DP.
+            BatchNorm -> GroupNorm) and turn in-place activations off, so a model with
+            such layers can train under DP.
         options: the member's task options, handed to ``data`` in its
             :class:`DataSource`; ``load_task`` sets them.
 
@@ -169,7 +170,9 @@ class Task:
             if self.dp_fix:
                 from opacus.validators import ModuleValidator
 
-                model = ModuleValidator.fix(model)
+                from fedsec.task.dp import turn_off_in_place
+
+                model = turn_off_in_place(ModuleValidator.fix(model))
         return model.float()
 
     def datasets(self, source: DataSource | None = None) -> TaskData:

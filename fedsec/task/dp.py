@@ -3,6 +3,11 @@
 Opacus's ``ModuleValidator.validate`` lists its objections without saying which layer
 raised them; here its per-layer validators run on each trainable layer by name, so a
 refusal names every offending layer (``features.1``) and the fix for it.
+
+The validator passes one pattern that Opacus's own hooks then refuse at the first step:
+a module that changes its input in place (``nn.ReLU(inplace=True)`` after a norm layer,
+as torchvision's ResNets build it) modifies the view Opacus's backward hook returned.
+Every in-place module is refused here, before training, with the fix.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ _FIXES: dict[str, str] = {
     "RNN": "use opacus.layers.DPRNN (Task(dp_fix=True) swaps it)",
     "MultiheadAttention": "use opacus.layers.DPMultiheadAttention (Task(dp_fix=True) swaps it)",
 }
+
+
+#: The fix for a module that modifies its input in place.
+_INPLACE_FIX = "set inplace=False (Task(dp_fix=True) does so)"
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,24 @@ def dp_problems(model: torch.nn.Module) -> list[DpProblem]:
             reason = str(error).split(". ")[0]
             fix = _FIXES.get(kind, f"Opacus refuses it: {reason}")
             problems.append(DpProblem(layer=name or "<model>", kind=kind, reason=reason, fix=fix))
+    for name, module in _in_place_modules(model):
+        kind = type(module).__name__
+        reason = "modifies its input in place, which Opacus's per-sample hooks forbid"
+        problems.append(DpProblem(name or "<model>", kind, reason, _INPLACE_FIX))
     return problems
+
+
+def turn_off_in_place(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every in-place module set to ``inplace=False`` (the same values,
+    computed out of place); part of ``Task(dp_fix=True)``."""
+    for _name, module in _in_place_modules(model):
+        setattr(module, "inplace", False)  # noqa: B010  # nn.Module types attributes as tensors
+    return model
+
+
+def _in_place_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose ``inplace`` flag is set (activations, dropout), by name."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "inplace", False) is True]
 
 
 def check_dp_compatible(task_name: str, model: torch.nn.Module) -> None:

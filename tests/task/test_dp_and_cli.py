@@ -67,3 +67,52 @@ def test_inspect_takes_task_options() -> None:
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
     assert report["input_shape"] == [2] and report["num_classes"] == 3
+
+
+def _inplace_net() -> torch.nn.Module:
+    """torchvision's pattern: a norm layer's output activated in place."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, bias=False),
+        torch.nn.GroupNorm(2, 4),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 4 * 4, 2),
+    )
+
+
+def _one_dp_step(model: torch.nn.Module) -> None:
+    from fedsec.learning.training import DPParams, train_dataset
+    from fedsec.tasks import TrainingParams
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 1, 6, 6), torch.randint(0, 2, (8,)))
+    params = TrainingParams(lr=0.1, batch_size=4, local_epochs=1)
+    train_dataset(model, data, params, DPParams(1.0, 1.0, 1e-5), "cpu", seed=0)
+
+
+def test_an_in_place_activation_is_refused_before_it_breaks_the_first_dp_step() -> None:
+    # Opacus's validator passes it, and its per-sample hooks then fail at the first
+    # step ("a view ... is being modified inplace"): the check must say so first.
+    with pytest.raises(RuntimeError, match="inplace"):
+        _one_dp_step(_inplace_net())
+    model = _inplace_net()
+    with pytest.raises(DpIncompatibleModel) as info:
+        check_dp_compatible("xray", model)
+    assert "layer '2' (ReLU): set inplace=False" in info.value.detail
+    assert model[2].inplace  # the check changes nothing
+
+
+def test_the_dp_fix_option_turns_in_place_activations_off() -> None:
+    from fedsec.task import Task, TaskData, TaskSchema, TrainingParams
+
+    task = Task(
+        name="xray",
+        version="1",
+        schema=TaskSchema(input_shape=(1, 6, 6), num_classes=2),
+        defaults=TrainingParams(lr=0.1, batch_size=4, local_epochs=1),
+        model=_inplace_net,
+        data=lambda _source: TaskData(train=[], test=[]),
+        dp_fix=True,
+    )
+    model = task.build_model(0)
+    assert dp_problems(model) == []
+    _one_dp_step(model)
