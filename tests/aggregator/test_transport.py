@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import ipaddress
 import json
 import logging
 import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import msgspec
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from fedsec.aggregator.transport import (
     LOG_LINES_PER_WINDOW,
@@ -37,6 +31,7 @@ from fedsec.aggregator.transport import (
     start_server,
 )
 from fedsec.config import ServerSection
+from tests.support.tls import self_signed
 
 HEADER_TIMEOUT_S = 0.5
 # A deadline close must come after the timeout (less timer jitter) and well before 3x it.
@@ -245,32 +240,8 @@ async def test_a_long_poll_held_past_the_header_deadline_is_answered(start: Star
 def _tls_contexts(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """A server context with a fresh self-signed certificate for 127.0.0.1, and a client
     context that trusts it."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=5))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
     cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    self_signed(cert_file, key_file)
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert_file, key_file)
     return server, ssl.create_default_context(cafile=cert_file)

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from fedsec.agent.accountant import epsilon_of
 from fedsec.agent.ledger import PrivacyLedger
@@ -33,6 +27,7 @@ from fedsec.protocol.limits import DEFAULT_DELTA
 from fedsec.protocol.roster import ROSTER_FORMAT, sign_roster_entry
 from fedsec.tasks import get_task
 from fedsec.tasks.partition import parse_partition
+from tests.support.tls import self_signed
 
 FED = "fed-cli"
 
@@ -203,38 +198,9 @@ async def test_a_member_outside_the_signed_roster_or_a_forged_roster_is_refused(
 
 @pytest.mark.asyncio
 async def test_peers_gossip_over_tls(tmp_path: Path) -> None:
-    _self_signed(tmp_path / "cert.pem", tmp_path / "key.pem")
+    self_signed(tmp_path / "cert.pem", tmp_path / "key.pem")
     tls = 'tls_cert = "../cert.pem"\ntls_key = "../key.pem"\ntls_ca = "../cert.pem"'
     paths = _configs(tmp_path, extra=tls, scheme="https")
     configs = [load_peer_config(p) for p in paths]
     runs = await asyncio.gather(*(_run(c, p.parent) for c, p in zip(configs, paths, strict=True)))
     assert all(len(o.accepted) == 2 for outcomes in runs for o in outcomes)
-
-
-def _self_signed(cert_file: Path, key_file: Path) -> None:
-    """A fresh self-signed certificate for 127.0.0.1 and its key, in PEM."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=5))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
