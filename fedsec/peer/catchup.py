@@ -38,7 +38,6 @@ from fedsec.errors import (
     AuthError,
     IntegrityError,
     PayloadError,
-    PayloadTooLarge,
     ProtocolError,
     ReplayError,
     StaleUpdate,
@@ -53,6 +52,7 @@ from fedsec.peer.limits import (
     max_offer_bytes,
 )
 from fedsec.peer.messages import PeerModel, Vector
+from fedsec.protocol import body
 from fedsec.protocol.limits import MAX_ID
 
 OFFER_DOMAIN: Final = "peer-offer"
@@ -177,12 +177,9 @@ def decode_request(raw: bytes) -> OfferRequest:
         PayloadTooLarge: longer than :data:`~fedsec.peer.limits.MAX_OFFER_REQUEST_BYTES`.
         PayloadError: not a request, or a field out of range.
     """
-    if len(raw) > MAX_OFFER_REQUEST_BYTES:
-        raise PayloadTooLarge(f"a catch-up request of {len(raw)} bytes is too long")
-    try:
-        request = msgspec.msgpack.decode(raw, type=OfferRequest)
-    except msgspec.DecodeError as exc:
-        raise PayloadError(f"not a catch-up request: {exc}") from None
+    request = body.decode_msgpack(
+        raw, OfferRequest, max_bytes=MAX_OFFER_REQUEST_BYTES, what="a catch-up request"
+    )
     if not 0 < len(request.federation_id) <= MAX_FEDERATION_ID:
         raise PayloadError(f"federation id must be 1..{MAX_FEDERATION_ID} characters")
     if not _HEX64.fullmatch(request.nonce):
@@ -242,13 +239,9 @@ def open_offer(raw: bytes, asked: Asked) -> PeerModel:
         IntegrityError: the history does not end at the offered model.
         StaleUpdate: an offer of a round behind this peer's own.
     """
-    limit = max_offer_bytes(asked.values)
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"an offer of {len(raw)} bytes exceeds the limit of {limit}")
-    try:
-        offer = msgspec.msgpack.decode(raw, type=Offer)
-    except msgspec.DecodeError as exc:
-        raise PayloadError(f"not a catch-up offer: {exc}") from None
+    offer = body.decode_msgpack(
+        raw, Offer, max_bytes=max_offer_bytes(asked.values), what="a catch-up offer"
+    )
     if offer.federation_id != asked.federation_id:
         raise ProtocolError(f"an offer for federation {offer.federation_id[:MAX_FEDERATION_ID]!r}")
     if offer.sender != asked.sender:

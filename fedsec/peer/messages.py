@@ -20,8 +20,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from fedsec.errors import BadVector, PayloadError, PayloadTooLarge
+from fedsec.errors import BadVector, PayloadError
 from fedsec.peer.limits import MAX_EXCHANGES, MAX_FEDERATION_ID, max_message_bytes
+from fedsec.protocol import body
 from fedsec.protocol.limits import MAX_COUNT, MAX_ID
 
 Vector = npt.NDArray[np.float64]
@@ -98,14 +99,9 @@ def decode(raw: bytes, values: int) -> PeerModel:
         PayloadError: not a model message, or a field out of range.
         BadVector: a vector of the wrong length, or a NaN or an infinity in one.
     """
-    if len(raw) > max_message_bytes(values):
-        raise PayloadTooLarge(
-            f"a model message of {len(raw)} bytes is longer than any of {values} values"
-        )
-    try:
-        message = msgspec.msgpack.decode(raw, type=PeerModel)
-    except msgspec.DecodeError as exc:
-        raise PayloadError(f"not a peer model message: {exc}") from None
+    message = body.decode_msgpack(
+        raw, PeerModel, max_bytes=max_message_bytes(values), what="a peer model message"
+    )
     if not 0 < len(message.federation_id) <= MAX_FEDERATION_ID:
         raise PayloadError(f"federation id must be 1..{MAX_FEDERATION_ID} characters")
     if not 0 <= message.round <= MAX_ID:

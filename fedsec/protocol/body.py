@@ -218,6 +218,27 @@ def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str, unique_keys:
     return value
 
 
+def decode_msgpack(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T:
+    """Decode a msgpack message into ``kind``, checking its size first: :func:`decode`'s
+    rules for the binary encodings (compact uploads, peer messages).
+
+    Raises:
+        PayloadTooLarge: more than ``max_bytes``.
+        PayloadError: not msgpack, wrong types, numbers out of range or not finite, a
+            rule between fields broken (``__post_init__``), or unknown fields (named).
+    """
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
+    try:
+        value = msgspec.msgpack.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
+    except msgspec.DecodeError as exc:
+        raise PayloadError(f"{what} is not valid msgpack: {str(exc)[:300]}") from None
+    check_finite(value, what)  # msgpack, unlike JSON, carries NaN and infinity
+    return value
+
+
 def encode(value: Any) -> bytes:
     return msgspec.json.encode(value)
 

@@ -36,7 +36,8 @@ from typing import Annotated, Final, TypeAlias, TypeVar
 
 import msgspec
 
-from fedsec.errors import PayloadError, PayloadTooLarge
+from fedsec.errors import PayloadError
+from fedsec.protocol import body as body_codec
 from fedsec.protocol import wire
 
 #: The media type of a compact upload.
@@ -120,19 +121,17 @@ def to_body(raw: bytes, kind: type[B], *, max_bytes: int, what: str) -> B:
             finite or out of its field's range, a member named twice among an unmask
             answer's shares, or ``kind`` has no compact form.
     """
-    if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
     body: Body
     if kind is wire.AdvertiseKeysBody:
-        a = _decode(raw, AdvertiseUpload, what)
+        a = body_codec.decode_msgpack(raw, AdvertiseUpload, max_bytes=max_bytes, what=what)
         body = wire.AdvertiseKeysBody(
             a.enc_public.hex(), a.mask_public.hex(), a.signature.hex(), a.graph_nonce.hex()
         )
     elif kind is wire.ShareKeysBody:
-        s = _decode(raw, SharesUpload, what)
+        s = body_codec.decode_msgpack(raw, SharesUpload, max_bytes=max_bytes, what=what)
         body = wire.ShareKeysBody([wire.OutgoingShare(m, c.hex()) for m, c in s.shares], s.report)
     elif kind is wire.UnmaskResponseBody:
-        u = _decode(raw, UnmaskUpload, what)
+        u = body_codec.decode_msgpack(raw, UnmaskUpload, max_bytes=max_bytes, what=what)
         body = wire.UnmaskResponseBody(
             _unique(u.seed_shares, what, "seed"), _unique(u.key_shares, what, "key")
         )
@@ -141,18 +140,6 @@ def to_body(raw: bytes, kind: type[B], *, max_bytes: int, what: str) -> B:
     assert isinstance(body, kind)
     wire.check_finite(body, what)  # msgpack, unlike JSON, carries NaN and infinity
     return body
-
-
-U = TypeVar("U", AdvertiseUpload, SharesUpload, UnmaskUpload)
-
-
-def _decode(raw: bytes, kind: type[U], what: str) -> U:
-    try:
-        return msgspec.msgpack.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
-    except msgspec.DecodeError as exc:
-        raise PayloadError(f"{what} is not valid msgpack: {str(exc)[:300]}") from None
 
 
 def _unique(pairs: list[_Pair], what: str, kind: str) -> dict[str, str]:
