@@ -2,13 +2,15 @@
 
 An agent signs every request to the aggregator with its identity key; the
 aggregator verifies it before acting on it.  The maintained
-``http_message_signatures`` library signs (it builds the RFC 9421 signature base) and
-resolves a request's derived components when verifying; the verifier parses the fields
-and builds the base itself, for the one shape of signature fedsec accepts, because the
-library's general path (``http_sf``'s parser and serializer, run twice) cost four
-times the Ed25519 check on every request.  Tests hold both to the general code: the
-fields' parse to ``http_sf``'s, the base to the library's verifier.  The checks come
-in this order:
+``http_message_signatures`` library signs (it builds the RFC 9421 signature base); the
+verifier parses the fields, resolves a path-and-query target and builds the base
+itself, for the one shape of signature fedsec accepts, because the library's general
+path (``http_sf``'s parser and serializer, run twice, and a resolver per request) cost
+four times the Ed25519 check on every request; the library resolves whatever other
+target comes.  Tests hold all three to the general code: the fields' parse to
+``http_sf``'s, the derived components to the library's resolver, the base to the
+library's verifier.  The Ed25519 check is libsodium's (pynacl, as for fedsec's other
+signatures).  The checks come in this order:
 
 1. sizes of the authentication fields (``Signature-Input``, ``Signature`` and, for a
    request with a body, ``Content-Digest``), each present at most once;
@@ -78,8 +80,6 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 import http_sf
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from http_message_signatures import (
     HTTPMessageSignaturesException,
     HTTPMessageSigner,
@@ -87,8 +87,14 @@ from http_message_signatures import (
     algorithms,
 )
 
-from fedsec.crypto.errors import AuthError, ClockSkewError, PayloadError, ReplayError
-from fedsec.crypto.identity import SigningIdentity, key_id
+from fedsec.crypto.errors import (
+    AuthError,
+    ClockSkewError,
+    PayloadError,
+    ReplayError,
+    SignatureError,
+)
+from fedsec.crypto.identity import PublicIdentity, SigningIdentity
 
 __all__ = [
     "BODILESS_COMPONENTS",
@@ -96,6 +102,7 @@ __all__ = [
     "DEFAULT_MAX_SKEW_S",
     "DEFAULT_NONCES_PER_KEY",
     "MAX_AUTH_FIELD_BYTES",
+    "MAX_CACHED_KEYS",
     "MAX_TARGET_BYTES",
     "NonceCache",
     "NonceStore",
@@ -126,6 +133,10 @@ DEFAULT_MAX_SKEW_S: Final = 300.0
 #: requests/s from one key sustained over a 10-minute (2 x skew) window, above the
 #: aggregator's per-member rate limit, which is what normally binds.
 DEFAULT_NONCES_PER_KEY: Final = 50_000
+#: Verification keys a verifier keeps built (~1 KB each with their key ids): above the
+#: largest roster fedsec serves from one process (1,000 members and their operators) so
+#: that steady traffic never rebuilds one; past it the cache starts over.
+MAX_CACHED_KEYS: Final = 16_384
 #: Random bytes per nonce: 128 bits make a collision between two honest requests
 #: negligible (birthday bound ~2^-64 after 2^32 requests by one key).
 NONCE_BYTES: Final = 16
@@ -433,6 +444,10 @@ class RequestVerifier:
         self._nonces = nonce_cache
         self._max_skew_s = float(max_skew_s)
         self._clock = clock
+        # Verification keys by public key bytes: building one (and its fingerprint) on
+        # every request cost more than a tenth of the Ed25519 check.  Keyed by the bytes
+        # the resolver returns now, so a revoked or replaced key is never served from here.
+        self._keys: dict[bytes, tuple[str, PublicIdentity]] = {}
 
     def verify(self, method: str, url_or_path: str, headers: Mapping[str, str], body: bytes) -> str:
         """Authenticate one request and record its nonce.
@@ -481,14 +496,7 @@ class RequestVerifier:
         fields = _authentication_fields(headers)
         if not method or method != method.upper() or not method.isascii():
             raise PayloadError(f"HTTP method must be an uppercase ASCII token, got {method[:16]!r}")
-        # No headers: the resolver resolves the derived components only; the one field
-        # a signature covers, content-digest, is taken from ``fields`` as checked.
-        view = _RequestView(method=method, url=_absolute_url(url_or_path, PayloadError))
-        try:
-            # Validates method and URL syntax; the library leaves __init__ unannotated.
-            resolver = HTTPSignatureComponentResolver(view)  # type: ignore[no-untyped-call]
-        except HTTPMessageSignaturesException as exc:
-            raise PayloadError(f"malformed request target: {exc}") from None
+        derived = _derived_components(method, url_or_path)
         claims = _parse_signature_fields(fields)
         _check_policy(claims, "content-digest" in fields)
         claimed_digest = (
@@ -506,23 +514,39 @@ class RequestVerifier:
         public_bytes = self._resolve_key(claims.keyid)
         if public_bytes is None:
             raise AuthError(f"unknown or revoked key {claims.keyid}: it is not on the roster")
-        if key_id(public_bytes) != claims.keyid:
+        fingerprint, public = self._public_identity(public_bytes)
+        if fingerprint != claims.keyid:
             raise AuthError(
-                f"key resolver returned a key whose fingerprint is {key_id(public_bytes)}, "
+                f"key resolver returned a key whose fingerprint is {fingerprint}, "
                 f"not the signed keyid {claims.keyid}"
             )
-        base = _signature_base(claims, resolver, fields)
-        try:
-            Ed25519PublicKey.from_public_bytes(public_bytes).verify(claims.signature, base)
-        except InvalidSignature:
+        base = _signature_base(claims, derived, fields)
+        if not public.verify_http_signature_base(base, claims.signature):
             raise AuthError(
                 f"bad signature: the signature by {claims.keyid} does not verify over this "
                 "request's method, path, query and Content-Digest if any (Ed25519 verification "
                 "failed)"
-            ) from None
+            )
         return SignedHeaders(
             keyid=claims.keyid, nonce=claims.nonce, created=claims.created, digest=claimed_digest
         )
+
+    def _public_identity(self, public_bytes: bytes) -> tuple[str, PublicIdentity]:
+        """The key id and verification key of ``public_bytes``, built once per key.
+
+        Raises:
+            AuthError: the resolver returned something that is not an Ed25519 public key.
+        """
+        known = self._keys.get(public_bytes)
+        if known is None:
+            try:
+                public = PublicIdentity(public_bytes)
+            except SignatureError as exc:
+                raise AuthError(f"key resolver returned no Ed25519 public key: {exc}") from None
+            if len(self._keys) >= MAX_CACHED_KEYS:
+                self._keys.clear()  # rare (a roster past the bound): rebuilt as requests come
+            known = self._keys[public_bytes] = (public.key_id, public)
+        return known
 
     def verify_body(self, signed: SignedHeaders, body: bytes) -> str:
         """Steps 7-8 of the module doc: the body against the signed digest (no body when
@@ -772,7 +796,7 @@ def _check_policy(claims: _SignatureClaims, has_digest: bool) -> None:
 
 
 def _signature_base(
-    claims: _SignatureClaims, resolver: HTTPSignatureComponentResolver, fields: Mapping[str, str]
+    claims: _SignatureClaims, derived: Mapping[str, str], fields: Mapping[str, str]
 ) -> bytes:
     """The RFC 9421 §2.5 signature base of a request whose ``claims`` passed
     :func:`_check_policy`: each covered component's value, in the signed order, then
@@ -780,8 +804,9 @@ def _signature_base(
 
     Built here rather than by the library, whose general path re-parses both fields and
     re-serializes every parameter through ``http_sf`` (~4 times the Ed25519 check's own
-    cost); its values come from the same resolver, and the same checks of the values as
-    the library's apply.  A test holds it to the library's base.
+    cost); ``derived`` holds the derived components' values as the library resolves them
+    (:func:`_derived_components`), and the same checks of the values as the library's
+    apply.  A test holds it to the library's base.
 
     Raises:
         AuthError: a component value the signature base may not hold.
@@ -792,7 +817,7 @@ def _signature_base(
             value = fields["content-digest"]
             printable = value.replace("\t", " ").isprintable()
         else:
-            value = _DERIVED[component](resolver)
+            value = derived[component]
             printable = value.isprintable() and value == value.strip(" ")
         if not (printable and value.isascii()):
             raise AuthError(
@@ -804,6 +829,39 @@ def _signature_base(
     params = "".join(f";{name}={_sf_bare_item(value)}" for name, value in claims.parameters)
     lines.append(f'"@signature-params": ({covered}){params}')
     return "".join(lines).encode("ascii")
+
+
+# RFC 3986's path-absolute and query grammar, as the library's URL parser spells them
+# (``http_message_signatures._url``): a request target of this shape is resolved here,
+# ~10 times cheaper than the library's resolver (an absolute-URL parse and a header
+# dictionary per request); anything else (an absolute URL, a fragment, a character
+# outside the grammar) goes to the library, which resolves or refuses it as before.  A
+# property test holds the two to the same values.
+_PCHARS: Final = r"A-Za-z0-9._~!$&'()*+,;=:@/\-"
+_PATH_AND_QUERY: Final = re.compile(
+    rf"(/(?:[{_PCHARS}]|%[0-9A-Fa-f]{{2}})*)(?:\?((?:[{_PCHARS}?]|%[0-9A-Fa-f]{{2}})*))?"
+)
+
+
+def _derived_components(method: str, url_or_path: str) -> dict[str, str]:
+    """The values of the derived components a fedsec signature may cover, as the
+    library's resolver gives them (``@path`` and ``@query`` in their received spelling).
+
+    Raises:
+        PayloadError: the method or target is malformed, or the target too long.
+    """
+    if len(url_or_path) > MAX_TARGET_BYTES:
+        raise PayloadError(f"request target is {len(url_or_path)} bytes, over {MAX_TARGET_BYTES}")
+    match = _PATH_AND_QUERY.fullmatch(url_or_path)
+    if match is not None:
+        return {"@method": method, "@path": match[1], "@query": "?" + (match[2] or "")}
+    view = _RequestView(method=method, url=_absolute_url(url_or_path, PayloadError))
+    try:
+        # Validates method and URL syntax; the library leaves __init__ unannotated.
+        resolver = HTTPSignatureComponentResolver(view)  # type: ignore[no-untyped-call]
+    except HTTPMessageSignaturesException as exc:
+        raise PayloadError(f"malformed request target: {exc}") from None
+    return {name: derive(resolver) for name, derive in _DERIVED.items()}
 
 
 #: The derived components a fedsec signature may cover, resolved as the library does.

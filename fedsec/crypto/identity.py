@@ -80,6 +80,21 @@ class PublicIdentity:
         except nacl.exceptions.BadSignatureError:
             raise SignatureError(f"{domain}: signature by {self.key_id} does not verify") from None
 
+    def verify_http_signature_base(self, signature_base: bytes, signature: bytes) -> bool:
+        """Whether ``signature`` is this key's plain Ed25519 signature over an RFC 9421
+        signature base (see :meth:`SigningIdentity.sign_http_signature_base`).
+
+        libsodium's check (pynacl), as for every other fedsec signature: half the CPU of
+        OpenSSL's on the aggregator's hottest path, one check per signed request.
+        """
+        if len(signature) != SIGNATURE_BYTES or not signature_base.startswith(b'"'):
+            return False
+        try:
+            self._verify_key.verify(signature_base, signature)
+        except nacl.exceptions.BadSignatureError:
+            return False
+        return True
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PublicIdentity) and other.public_bytes == self.public_bytes
 

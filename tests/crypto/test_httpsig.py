@@ -326,6 +326,20 @@ def test_revoked_key_is_refused() -> None:
         verifier.verify("POST", PATH, signed(), BODY)
 
 
+def test_a_key_revoked_after_it_verified_is_refused() -> None:
+    # the verifier keeps built keys; the roster's answer still decides every request
+    cache = NonceCache(600.0, 10)
+    roster = dict(ROSTER)
+    verifier = RequestVerifier(roster.get, cache, clock=Clock())
+    assert verifier.verify("POST", PATH, signed(nonce="a" * 22), BODY) == ALICE.key_id
+    del roster[ALICE.key_id]
+    with refused(cache, AuthError, "unknown or revoked key"):
+        verifier.verify("POST", PATH, signed(), BODY)
+    roster[ALICE.key_id] = BOB.public_bytes  # replaced by another key under the same id
+    with refused(cache, AuthError, "fingerprint"):
+        verifier.verify("POST", PATH, signed(), BODY)
+
+
 def test_roster_key_must_match_keyid_fingerprint() -> None:
     cache = NonceCache(600.0, 10)
     verifier = RequestVerifier(lambda _kid: BOB.public_bytes, cache, clock=Clock())
