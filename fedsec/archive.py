@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from fedsec.errors import IntegrityError, NotFound
-from fedsec.fsio import atomic_write
+from fedsec.fsio import atomic_write, fsync_dir
 from fedsec.protocol.log_entries import (
     AcceptedEntry,
     AggregateEntry,
@@ -52,6 +53,10 @@ def _is_digest(value: object) -> bool:
 class Archive:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._root = os.fspath(self.root)
+        # the fan-out directories known to exist durably, so that a put (one per accepted
+        # message) neither asks the filesystem again nor fsyncs the root
+        self._directories: set[str] = set()
 
     def path(self, digest: str) -> Path:
         if not _is_digest(digest):
@@ -61,11 +66,27 @@ class Archive:
     def put(self, data: bytes) -> str:
         """Store ``data``; return its sha256 hex.  Idempotent."""
         digest = hashlib.sha256(data).hexdigest()
-        target = self.path(digest)
-        if target.exists():
+        directory = os.path.join(self._root, digest[:2])
+        target = os.path.join(directory, digest)
+        if os.path.exists(target):
             return digest
-        atomic_write(target, data, mode=OBJECT_MODE, parents_mode=DIR_MODE)
+        if directory not in self._directories:
+            self._make_directory(directory)
+        try:
+            atomic_write(target, data, mode=OBJECT_MODE)
+        except FileNotFoundError:  # the directory went away since: make it again
+            self._directories.discard(directory)
+            self._make_directory(directory)
+            atomic_write(target, data, mode=OBJECT_MODE)
         return digest
+
+    def _make_directory(self, directory: str) -> None:
+        """Create a fan-out directory (and the root) if missing, durably: the new name
+        is fsynced into its parent before an object in it is acknowledged."""
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
+            fsync_dir(self._root)
+        self._directories.add(directory)
 
     def get(self, digest: str) -> bytes:
         """The archived bytes for ``digest``, checked against it.

@@ -8,6 +8,7 @@ in their name so stores can clean them up at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Callable
@@ -19,7 +20,7 @@ T = TypeVar("T")
 TMP_MARK = ".tmp-"
 
 
-def fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path | str) -> None:
     """Make a rename in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -29,7 +30,7 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(
-    path: Path, body: bytes, *, mode: int = 0o644, parents_mode: int | None = None
+    path: Path | str, body: bytes, *, mode: int = 0o644, parents_mode: int | None = None
 ) -> None:
     """Write ``body`` to ``path`` durably with permission ``mode``, replacing any file.
 
@@ -39,7 +40,30 @@ def atomic_write(
 
     On any failure the temp file is removed and the old file is untouched.
     """
-    atomic_write_with(path, lambda fh: fh.write(body), mode=mode, parents_mode=parents_mode)
+    # os-level calls rather than pathlib and a buffered file: the archive writes every
+    # accepted message through here, on the aggregator's event loop
+    target = os.fspath(path)
+    directory = os.path.dirname(target) or "."
+    if parents_mode is not None:
+        os.makedirs(directory, mode=parents_mode, exist_ok=True)
+    tmp = os.path.join(
+        directory, f".{os.path.basename(target)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    )
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(body).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
 
 
 def atomic_write_with(
