@@ -136,6 +136,11 @@ class RoundSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """With shards > 1, each group's SecAgg+ session in a worker process of its own, so the
     groups unmask their dropped members' masks on as many cores; a worker that dies is started
     again and fed the group's messages. Off: every group in the aggregator's process."""
+    group_servers: list[str] = msgspec.field(default_factory=list)
+    """With shards > 1, base URLs of group server processes (fedsec aggregator group-serve, over
+    the same state store) that take their groups' stage requests, dealt round-robin over the
+    groups; the signed spec tells each member its group's URL. Empty: the leader takes every
+    request (docs/deployment.md)."""
 
 
 class TrainingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

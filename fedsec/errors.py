@@ -53,6 +53,7 @@ __all__ = [
     "DuplicateMessage",
     "FedsecError",
     "ForbiddenError",
+    "GroupServedElsewhere",
     "IntegrityError",
     "InvalidKeyList",
     "InvalidTask",
@@ -80,6 +81,7 @@ __all__ = [
     "UnknownMember",
     "UnknownTask",
     "UnsupportedEncoding",
+    "WrongGroup",
     "WrongStage",
 ]
 
@@ -107,6 +109,23 @@ class RetryLater(FedsecError):
     def __init__(self, detail: str, retry_after: float = 1.0) -> None:
         super().__init__(detail)
         self.retry_after = retry_after
+
+
+class WrongGroup(FedsecError):
+    """A shard group's stage message sent to a group server that does not serve that
+    group (``round.group_servers``): the detail names the URL the signed spec gives it.
+    421 Misdirected Request: the request is sound, this server is the wrong one."""
+
+    code = "wrong_group"
+    http_status = 421
+
+
+class GroupServedElsewhere(RetryLater):
+    """A stage message reached the leader for a shard group that a group server serves
+    (the member fell back from it): retried until that server answers again or the
+    leader has taken its group over."""
+
+    code = "group_served_elsewhere"
 
 
 class RateLimited(RetryLater):

@@ -14,6 +14,7 @@ neighbour graph, its shares and its masks never leave the group.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -22,15 +23,23 @@ from fedsec.errors import ProtocolError, UnknownMember
 from fedsec.protocol.body import Count
 
 _SHARD_DOMAIN = b"fedsec/v1/shard"
+#: A group server's base URL as a spec may carry it: scheme, host[:port], an optional
+#: path prefix; no query, fragment or credentials (members sign the path they send to).
+_GROUP_URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?")
 
 
-class ShardGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One group of a sharded attempt: its members (sorted) and its neighbour graph's
-    k and t (the mode's choice for a cohort of the group's size)."""
+class ShardGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One group of a sharded attempt: its members (sorted), its neighbour graph's k and
+    t (the mode's choice for a cohort of the group's size) and, when a group server
+    serves its stage requests (``round.group_servers``), that server's base URL: the
+    signed spec is the only place a member learns it, so no unsigned redirect can send
+    its messages elsewhere.  Empty: the leader serves the group (and the spec encodes
+    as it did before group servers)."""
 
     members: list[str]
     neighbors: Count
     threshold: Count
+    url: str = ""
 
 
 def split_cohort(cohort: Sequence[str], seed: str, shards: int) -> list[list[str]]:
@@ -66,12 +75,28 @@ def check_groups(cohort: Sequence[str], seed: str, groups: Sequence[ShardGroup])
                 f"shard group {index} is not the one the round's seed gives: "
                 f"{len(group.members)} members named, {len(members)} expected"
             )
+        if group.url and not is_group_url(group.url):
+            raise ProtocolError(
+                f"shard group {index}'s server URL is not an http(s) base URL: {group.url[:80]!r}"
+            )
         n = len(members)
         if not (2 <= group.neighbors <= n - 1 and 1 <= group.threshold <= group.neighbors):
             raise ProtocolError(
                 f"shard group {index} of {n} members has k = {group.neighbors}, "
                 f"t = {group.threshold}"
             )
+
+
+def is_group_url(url: str) -> bool:
+    """Whether ``url`` is a group server's base URL a spec may carry."""
+    return _GROUP_URL.fullmatch(url) is not None
+
+
+def group_url(urls: Sequence[str], index: int) -> str:
+    """The server of group ``index`` among ``urls`` (``round.group_servers``): dealt
+    round-robin, so N servers serve ⌈groups / N⌉ groups at most; "" (the leader) when
+    there are none."""
+    return urls[index % len(urls)].rstrip("/") if urls else ""
 
 
 def group_index(groups: Sequence[ShardGroup], member: str) -> int:

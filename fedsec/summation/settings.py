@@ -45,6 +45,9 @@ class RoundSettings(Protocol):
     @property
     def min_shard_members(self) -> int: ...
 
+    @property
+    def group_servers(self) -> Sequence[str]: ...
+
 
 class HeSettings(Protocol):
     """``[he]``: the key custodian and the CKKS parameters."""

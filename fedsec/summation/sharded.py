@@ -28,7 +28,7 @@ from fedsec.crypto.secagg import RoundResult
 from fedsec.errors import RoundAborted
 from fedsec.protocol import wire
 from fedsec.protocol.codec_choice import codec_for
-from fedsec.protocol.shards import group_index, split_cohort
+from fedsec.protocol.shards import group_index, is_group_url, split_cohort
 from fedsec.summation.session import (
     GroupSum,
     StageMessage,
@@ -184,9 +184,18 @@ def shard_problems(cfg: FederationSettings) -> list[str]:
     r = cfg.round
     if r.shards < 1:
         return [f"round.shards: expected an integer >= 1, got {r.shards}"]
+    problems = [
+        f"round.group_servers: expected http(s) base URLs (no query), got {url[:80]!r}"
+        for url in r.group_servers
+        if not is_group_url(url)
+    ]
+    if r.group_servers and r.shards == 1:
+        problems.append(
+            f"round.group_servers: expected none with shards = 1 (a group server serves "
+            f"shard groups), got {len(r.group_servers)}"
+        )
     if r.shards == 1:
-        return []
-    problems = []
+        return problems
     if r.secure_sum not in SHARDED_MODES:
         problems.append(
             f"round.shards: expected 1 with secure_sum = {r.secure_sum!r} (groups' sums add "

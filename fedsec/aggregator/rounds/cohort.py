@@ -17,7 +17,7 @@ from fedsec.config import AggregationSection, CodecSection, DPSection
 from fedsec.errors import PayloadError, StaleUpdate, TaskDigestMismatch, TaskMismatch
 from fedsec.protocol import wire
 from fedsec.protocol.ring_width import ring_bits_for
-from fedsec.protocol.shards import ShardGroup
+from fedsec.protocol.shards import ShardGroup, group_url
 from fedsec.summation import mode_named
 from fedsec.summation.sharded import shard_groups
 from fedsec.task.digest import check_pin
@@ -253,8 +253,8 @@ class CohortDesk:
         he = mode.custodian_decrypts
         seed = os.urandom(32).hex()
         groups = [
-            ShardGroup(g, *mode.graph(len(g), cfg.round))
-            for g in shard_groups(cohort, seed, cfg.round.shards)
+            ShardGroup(g, *mode.graph(len(g), cfg.round), group_url(cfg.round.group_servers, i))
+            for i, g in enumerate(shard_groups(cohort, seed, cfg.round.shards))
         ]
         # each group's sum is revealed: with distributed DP, the noise is sized for the
         # survivors of the smallest group, so that every group's sum carries all of it

@@ -25,7 +25,14 @@ from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.crypto.secagg import MaskedInput
-from fedsec.errors import DuplicateMessage, FedsecError, NotFound, UnknownMember, WrongStage
+from fedsec.errors import (
+    DuplicateMessage,
+    FedsecError,
+    GroupServedElsewhere,
+    NotFound,
+    UnknownMember,
+    WrongStage,
+)
 from fedsec.protocol import codec, wire
 from fedsec.protocol.log_entries import AcceptedEntry
 from fedsec.protocol.stages import Stage
@@ -167,8 +174,10 @@ class Intake:
         :meth:`fedsec.aggregator.coordinator.Coordinator.masked_input`."""
         try:
             return self._masked_input(member, r, a, raw, commitment, signature)
-        except NotLeader:
-            raise  # not the member's doing: this replica may not write (deposed)
+        except (NotLeader, GroupServedElsewhere):
+            # not the member's doing: this replica may not write (deposed), or the
+            # member's group server still answers (fedsec.summation.served_group)
+            raise
         except FedsecError as exc:
             in_cohort = self._refusals.refused(member, r, a, raw, exc)
             now = self._ctx.clock()

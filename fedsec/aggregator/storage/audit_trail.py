@@ -85,10 +85,7 @@ class AuditTrail:
     def append(self, body: LogBody) -> LogEntry:
         """Add an entry carrying ``body`` (inside the caller's transaction, if any); its
         kind is the body's (:mod:`fedsec.protocol.log_entries`)."""
-        tail = self.state.log_tail()
-        index, prev = (0, GENESIS_PREV) if tail is None else (tail[0] + 1, _hash(tail[1]))
-        entry = make_entry(index, prev, self.clock(), body)
-        self.state.add_log_line(entry.index, entry.line)
+        entry = append_entry(self.state, self.clock(), body)
         if not self.state.in_transaction():
             self.sync_file()
         return entry
@@ -235,6 +232,19 @@ class AuditTrail:
         if count < len(db):
             self.sync_file()
         return len(db)
+
+
+def append_entry(state: LogStore, now: float, body: LogBody) -> LogEntry:
+    """Add the entry carrying ``body`` after the log's tail, inside the caller's
+    transaction (if any): the one definition of where the next entry goes, for the
+    leader's :class:`AuditTrail` and a group server's writes
+    (:mod:`fedsec.aggregator.groups`).  Two writers keep one chain because each reads
+    the tail inside its own write transaction (SQLite's ``BEGIN IMMEDIATE``)."""
+    tail = state.log_tail()
+    index, prev = (0, GENESIS_PREV) if tail is None else (tail[0] + 1, _hash(tail[1]))
+    entry = make_entry(index, prev, now, body)
+    state.add_log_line(entry.index, entry.line)
+    return entry
 
 
 def _hash(line: bytes) -> str:

@@ -180,6 +180,14 @@ class MessageStore(Protocol):
         """(member, body) of that stage, in the order they were accepted."""
         ...
 
+    def after(
+        self, round_: int, attempt: int, stage: str, seq: int
+    ) -> Iterator[tuple[int, str, bytes]]:
+        """(sequence number, member, body) of that stage's messages stored after ``seq``,
+        in the order they were accepted: what a reader that saw up to ``seq`` lacks (the
+        leader reading what group servers took, :mod:`fedsec.aggregator.groups`)."""
+        ...
+
 
 class ReportStore(Protocol):
     """Signed privacy reports and the ε they declare."""

@@ -46,6 +46,17 @@ class SqlMessages:
         for member, body in cur:
             yield member, bytes(body)
 
+    def after(
+        self, round_: int, attempt: int, stage: str, seq: int
+    ) -> Iterator[tuple[int, str, bytes]]:
+        cur = self._db.read(
+            "SELECT seq, member, body FROM messages WHERE round=? AND attempt=? AND stage=? "
+            "AND seq > ? ORDER BY seq",
+            (round_, attempt, stage, seq),
+        )
+        for number, member, body in cur:
+            yield int(number), member, bytes(body)
+
 
 class SqlReports:
     """:class:`~fedsec.aggregator.storage.interfaces.ReportStore` in table ``reports``."""
