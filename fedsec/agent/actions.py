@@ -475,6 +475,17 @@ class Unmask(StageUpload):
 
 
 @dataclass(frozen=True)
+class RouteStages(Action):
+    """Send this attempt's stage messages to ``url`` first: its shard group's server,
+    as the verified spec names it (``round.group_servers``)."""
+
+    answer: ClassVar[type[Event]] = Passed
+    round: int
+    attempt: int
+    url: str
+
+
+@dataclass(frozen=True)
 class FaultPoint(Action):
     """A stage is complete: where a chaos test may crash the agent (fedsec.faults)."""
 

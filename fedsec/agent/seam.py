@@ -84,30 +84,43 @@ class MemberSeam(Protocol):
 
 
 class StarSeam:
-    """The star: every stage message goes through the aggregator (``client``)."""
+    """The star: every stage message goes through the aggregator (``client``), or, for
+    an attempt whose spec names this member's shard group a server (:meth:`route`),
+    through that group server first."""
 
     def __init__(self, client: AggregatorClient) -> None:
         self.client = client
-        self._uploads: Mapping[type, Callable[..., Awaitable[Accepted]]] = {
-            AdvertiseKeysBody: client.advertise,
-            ShareKeysBody: client.post_shares,
-            ConsistencyBody: client.consistency,
-            CommitBody: client.commit,
-            UnmaskResponseBody: client.unmask,
-        }
-        self._answers: Mapping[type, Callable[..., Awaitable[Any]]] = {
-            KeyListBody: client.keys,
-            ShareRelayBody: client.get_shares,
-            UnmaskRequestBody: client.get_unmask,
-            ConsistencyProofBody: client.get_consistency,
-            CommitmentSetBody: client.get_commit,
-        }
+        self._routes: dict[tuple[int, int], AggregatorClient] = {}
+
+    def route(self, round: int, attempt: int, url: str) -> None:
+        """Send attempt (``round``, ``attempt``)'s stage messages to ``url`` first (the
+        verified spec's group server), then to the aggregator's URLs."""
+        self._routes = {(round, attempt): self.client.for_group(url)}  # older ones are over
+
+    def _client(self, round: int, attempt: int) -> AggregatorClient:
+        return self._routes.get((round, attempt), self.client)
 
     async def send(self, round: int, attempt: int, body: UploadBody, wait: float) -> Accepted:
-        return await self._uploads[type(body)](round, attempt, body, wait)
+        c = self._client(round, attempt)
+        uploads: Mapping[type, Callable[..., Awaitable[Accepted]]] = {
+            AdvertiseKeysBody: c.advertise,
+            ShareKeysBody: c.post_shares,
+            ConsistencyBody: c.consistency,
+            CommitBody: c.commit,
+            UnmaskResponseBody: c.unmask,
+        }
+        return await uploads[type(body)](round, attempt, body, wait)
 
     async def answer(self, round: int, attempt: int, kind: type[A], wait: float) -> A:
-        return cast(A, await self._answers[kind](round, attempt, wait))
+        c = self._client(round, attempt)
+        answers: Mapping[type, Callable[..., Awaitable[Any]]] = {
+            KeyListBody: c.keys,
+            ShareRelayBody: c.get_shares,
+            UnmaskRequestBody: c.get_unmask,
+            ConsistencyProofBody: c.get_consistency,
+            CommitmentSetBody: c.get_commit,
+        }
+        return cast(A, await answers[kind](round, attempt, wait))
 
     async def contribute(
         self,
@@ -117,4 +130,5 @@ class StarSeam:
         statement: ContributionStatement,
         wait: float,
     ) -> tuple[Receipt, UnmaskRequestBody | None]:
-        return await self.client.masked_input(round, attempt, vector, statement, wait)
+        client = self._client(round, attempt)
+        return await client.masked_input(round, attempt, vector, statement, wait)

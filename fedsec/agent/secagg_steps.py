@@ -28,6 +28,7 @@ from fedsec.agent.actions import (
     Passed,
     ProofFetched,
     RosterFetched,
+    RouteStages,
     SendConsistency,
     SendShares,
     SharesFetched,
@@ -45,6 +46,7 @@ from fedsec.crypto.secagg import ClientSession
 from fedsec.errors import FedsecError, ProtocolError, WrongStage
 from fedsec.protocol import codec
 from fedsec.protocol.ddp import is_distributed
+from fedsec.protocol.shards import group_index
 from fedsec.protocol.stages import Stage
 from fedsec.protocol.wire import (
     Accepted,
@@ -107,6 +109,10 @@ class SecAggSteps:
         # any privacy.
         serial = attempt.tracker.state.roster_serial
         roster = yield from ask(FetchRoster(spec.federation_id, serial), RosterFetched)
+        if spec.groups:  # a sharded attempt: the verified spec may name our group's server
+            url = spec.groups[group_index(spec.groups, member.id)].url
+            if url:
+                yield from ask(RouteStages(spec.round, spec.attempt, url), Passed)
         self._session = ClientSession(
             spec.member_params(member.id),  # a sharded attempt: its group only
             member.id,

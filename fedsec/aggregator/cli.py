@@ -148,6 +148,60 @@ def configure_logging(level: str) -> None:
     )
 
 
+@aggregator.command("group-serve")
+@click.option("--workspace", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--url",
+    required=True,
+    help="this server's base URL, exactly as round.group_servers lists it",
+)
+@click.option("--host", default=None, help="default: the URL's host")
+@click.option("--port", type=int, default=None, help="default: the URL's port; 0 = any free")
+@click.option("--tls-cert", type=click.Path(path_type=Path), default=None)
+@click.option("--tls-key", type=click.Path(path_type=Path), default=None)
+@click.option("--log-level", default="INFO", show_default=True)
+def group_serve(
+    workspace: Path,
+    url: str,
+    host: str | None,
+    port: int | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    log_level: str,
+) -> None:
+    """Serve the stage requests of the shard groups the spec gives URL, over the
+    leader's state store (docs/deployment.md, "Group servers")."""
+    from urllib.parse import urlsplit
+
+    from fedsec.aggregator.groups.server import serve_group
+
+    configure_logging(log_level)
+    ws = Workspace.open(workspace)
+    if url.rstrip("/") not in [u.rstrip("/") for u in ws.config.round.group_servers]:
+        raise ConfigError(f"--url {url!r} is not one of round.group_servers")
+    parts = urlsplit(url)
+    ssl_ctx = None
+    if tls_cert and tls_key:
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(tls_cert, tls_key)
+    bind_host = host or parts.hostname or "127.0.0.1"
+    bind_port = (parts.port or 0) if port is None else port
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+        def serving(bound: str) -> None:
+            click.echo(f"group server {url} listening on {bound}", err=True)
+
+        await serve_group(ws, url, bind_host, bind_port, ssl_ctx, stop, serving)
+
+    asyncio.run(main())
+    ws.close()
+
+
 @aggregator.command("rollback")
 @click.option("--workspace", type=click.Path(path_type=Path), required=True)
 @click.option("--to", "version", type=int, required=True)

@@ -142,6 +142,25 @@ class AggregatorClient(StageCalls, AuditCalls, CustodianCalls):
         """Close the session if this client created it."""
         await self._transport.close()
 
+    def for_group(self, url: str) -> AggregatorClient:
+        """A client for a shard group's server at ``url`` (from the signed spec), with
+        this client's URLs after it: a try that cannot reach the group server moves on
+        to them as the transport's rules say.  Same identity, pinned key, settings and
+        connection pool (not closed by the new client's :meth:`close`)."""
+        transport = self._transport
+        return AggregatorClient(
+            (url, *(u for u in self.base_urls if u != url)),
+            self.identity,
+            self.aggregator.public_bytes,
+            timeout_s=self.timeout_s,
+            retry_max=self.retry_max,
+            backoff_initial_s=self.backoff_initial_s,
+            backoff_max_s=self.backoff_max_s,
+            session=transport.shared_session(),
+            sleep=transport.sleep,
+            clock=transport.clock,
+        )
+
     # -- rounds, models, roster -------------------------------------------------------
 
     async def health(self) -> bool:

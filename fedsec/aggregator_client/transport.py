@@ -204,6 +204,20 @@ class Transport:
             await self._session.close()
             self._session = None
 
+    @property
+    def sleep(self) -> Callable[[float], Awaitable[None]]:
+        """How retries wait."""
+        return self._sleep
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The Unix time source signatures' ``created`` is read from."""
+        return self._clock
+
+    def shared_session(self) -> aiohttp.ClientSession:
+        """The HTTP session (created now if none yet), for another transport to share."""
+        return self._http()
+
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(

@@ -26,6 +26,7 @@ from fedsec.summation.settings import FederationSettings, RoundSettings
 
 if TYPE_CHECKING:  # TenSEAL is the ``he`` extra's: only an he federation loads it
     from fedsec.crypto.he import PublicContext
+    from fedsec.summation.served_group import GroupHosts
 
 #: A stage's window in seconds from its start, given ``[round]`` and whether the
 #: federation runs buffered rounds.
@@ -57,6 +58,10 @@ class SessionInputs:
             this process).
         stored: the attempt's accepted messages of the given stages, as the state store
             holds them: a group's worker started again is rebuilt from them.
+        group_hosts: the attempt's group servers (``round.group_servers``), as the
+            store knows them: a group the spec gives a server URL is read from the
+            store (:class:`~fedsec.summation.served_group.ServedGroup`; the aggregator's
+            sessions only).
     """
 
     keys: Mapping[str, bytes]
@@ -67,6 +72,7 @@ class SessionInputs:
     reference: ReferenceUpdate | None = None
     shard_workers: bool = False
     stored: Callable[[Sequence[str]], Sequence[StoredMessage]] | None = None
+    group_hosts: GroupHosts | None = None
 
 
 class StoredMessage(NamedTuple):

@@ -36,6 +36,7 @@ from fedsec.summation.mode import (
     feed,
     upload_window,
 )
+from fedsec.summation.served_group import ServedGroup
 from fedsec.summation.session import (
     StageMessage,
     SummationResult,
@@ -247,25 +248,32 @@ def _session(
     spec: wire.RoundSpec, inputs: SessionInputs, *, consistency: bool, workers: bool = False
 ) -> SummationSession:
     """One session over the cohort, or one per group of a sharded spec (each in a worker
-    process of its own with ``workers``, rebuilt from ``inputs.stored`` if it dies)."""
+    process of its own with ``workers``, rebuilt from ``inputs.stored`` if it dies; read
+    from the store, :class:`ServedGroup`, where the spec names the group's server and
+    ``inputs.group_hosts`` is given)."""
     keys = inputs.keys
-    if spec.groups and workers:
-        return ShardedSession(
-            spec,
-            lambda i: GroupWorker(
+    if not spec.groups:
+        return SecAggPlusSession(spec, keys, consistency=consistency)
+
+    def open_group(i: int) -> GroupSession:
+        inner: GroupSession
+        if workers:
+            inner = GroupWorker(
                 SecAggPlusSession,
                 spec,
                 keys,
                 consistency=consistency,
                 group=i,
                 stored=inputs.stored,
-            ),
-        )
-    if spec.groups:
-        return ShardedSession(
-            spec, lambda i: SecAggPlusSession(spec, keys, consistency=consistency, group=i)
-        )
-    return SecAggPlusSession(spec, keys, consistency=consistency)
+            )
+        else:
+            inner = SecAggPlusSession(spec, keys, consistency=consistency, group=i)
+        hosts = inputs.group_hosts
+        if spec.groups[i].url and hosts is not None:
+            return ServedGroup(inner, spec, i, hosts)
+        return inner
+
+    return ShardedSession(spec, open_group)
 
 
 SECAGG = SecAggMode()

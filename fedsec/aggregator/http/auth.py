@@ -61,6 +61,25 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
             :func:`_authorised`, :func:`_upload_slot`, :func:`_read_body` and
             :meth:`RequestVerifier.verify_body`).
     """
+    member, body = await verify_request(request)
+    coord = request.app[COORDINATOR]
+    key = coord.current_attempt()
+    request[MEMBER] = key
+    request.app[OPS].live.seen(member, time.time())
+    # counted on arrival: a held answer (e.g. the unmask answer, held until the round
+    # is over) must not leave its upload out of the round's summary
+    coord.count_traffic(key, head_bytes(request) + len(body), 0)
+    return member, body
+
+
+async def verify_request(request: web.Request) -> tuple[str, bytes]:
+    """:func:`authenticate`'s checks, without counting the request in a round: what a
+    group server (:mod:`fedsec.aggregator.groups.server`), which holds no coordinator,
+    runs on the same application keys (workspace, verifier, rate, upload slots).
+
+    Raises:
+        FedsecError: as :func:`authenticate`.
+    """
     endpoint = _endpoint(request)
     limit = _body_limit(request, endpoint)
     _check_framing(request, limit)
@@ -70,13 +89,6 @@ async def authenticate(request: web.Request) -> tuple[str, bytes]:
         body = await _read_body(request, limit, _config(request).body_timeout_s)
     request.app[VERIFIER].verify_body(request[SIGNED], body)
     mark_authenticated(request)
-    coord = request.app[COORDINATOR]
-    key = coord.current_attempt()
-    request[MEMBER] = key
-    request.app[OPS].live.seen(member, time.time())
-    # counted on arrival: a held answer (e.g. the unmask answer, held until the round
-    # is over) must not leave its upload out of the round's summary
-    coord.count_traffic(key, head_bytes(request) + len(body), 0)
     return member, body
 
 

@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from fedsec.aggregator.groups.hosts import StoreGroupHosts
 from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
@@ -178,6 +179,8 @@ class Lifecycle:
             reference=self._reference,
             shard_workers=self._ctx.cfg.round.shard_workers,
             stored=lambda stages: self._stored(spec, stages),
+            # groups that group servers take: read from the store (round.group_servers)
+            group_hosts=StoreGroupHosts(self._ctx.ws.state, spec.round, spec.attempt),
         )
         return open_session(spec, inputs)
 

@@ -1,0 +1,387 @@
+"""A group server's intake: the stage messages of the shard groups the signed spec
+gives this server's URL, taken as the leader's intake takes them
+(:mod:`fedsec.aggregator.rounds.intake`), over the leader's state store.
+
+The attempt is the store's: its newest row (round, attempt, stage, spec).  The leader
+moves the stages; this desk follows.  For each of its groups it holds that group's
+SecAgg+ session, fed from the store's messages through the stored stage whenever the
+stage moved (:func:`fedsec.summation.feed`, as a resumed aggregator rebuilds its own),
+so its survivor sets are the leader's.
+
+A message is checked against the attempt (round, stage, cohort, group), decoded and
+validated by the group's session before anything is stored; then it is archived, and
+stored, logged (and, for a masked input, receipted) in one transaction that first
+re-reads the attempt's stage and the leader's take-over mark: a message the leader may
+already have closed its stage without, or of a group the leader took over, is refused
+with nothing stored.  Since that transaction is SQLite's ``BEGIN IMMEDIATE`` the log's
+tail is read under the write lock, so the leader's and every group server's entries
+form one hash chain in one order.  A refusal there leaves the session holding a message
+the store lacks: it is rebuilt from the store before its next use.
+
+A group server never writes ``audit/log.jsonl``: the leader copies the committed lines
+there at its next commit (:class:`~fedsec.aggregator.storage.audit_trail.AuditTrail`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from fedsec.aggregator.groups.hosts import GroupFence
+from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
+from fedsec.aggregator.workspace import Workspace
+from fedsec.archive import Archive
+from fedsec.crypto.secagg import MaskedInput
+from fedsec.errors import (
+    DuplicateMessage,
+    NotFound,
+    PayloadError,
+    UnknownMember,
+    WrongGroup,
+    WrongStage,
+)
+from fedsec.protocol import codec, wire
+from fedsec.protocol.log_entries import AcceptedEntry
+from fedsec.protocol.shards import group_index
+from fedsec.protocol.stages import SECAGG_STAGES, Stage
+from fedsec.summation import StoredMessage, feed
+from fedsec.summation.secagg import SecAggPlusSession
+from fedsec.summation.session import StageMessage
+
+log = logging.getLogger("fedsec.aggregator.groups")
+
+#: Each answer a member fetches (or an upload's held answer carries): the stage it
+#: waits for.
+ANSWER_STAGES: dict[str, Stage] = {
+    "key_list": "share_keys",
+    "share_relay": "masked_input",
+    "unmask_request": "consistency",
+    "consistency_proof": "unmask",
+}
+
+
+@dataclass
+class _Served:
+    """The attempt in progress as this server serves it."""
+
+    live: Attempt
+    spec: wire.RoundSpec
+    groups: dict[int, SecAggPlusSession] = field(default_factory=dict)
+    fed_through: str = ""  # the stored stage the sessions were fed through; "": stale
+
+
+class GroupDesk:
+    """The stage messages of the groups ``url`` serves, for ``ws``'s federation.
+
+    Args:
+        ws: the workspace (its roster, signing key and state store: the leader's).
+        url: this server's base URL, as ``round.group_servers`` lists it.
+        clock: Unix time (log entries, receipts).
+    """
+
+    def __init__(self, ws: Workspace, url: str, clock: Callable[[], float] = time.time) -> None:
+        self.ws, self.url, self._clock = ws, url.rstrip("/"), clock
+        self._archive = Archive(ws.root / ARCHIVE_DIR)
+        self._served: _Served | None = None
+        #: Messages this server stored (the bench reads it).
+        self.accepted = 0
+
+    # -- the attempt, as stored ------------------------------------------------------------------
+
+    def served(self) -> _Served:
+        """The attempt in progress, its sessions fed through its stored stage.
+
+        Raises:
+            WrongStage: no attempt has a spec yet.
+        """
+        row = self.ws.state.rounds.latest()
+        if row is None or row.spec is None:
+            raise WrongStage("no round is in progress past its cohort")
+        s = self._served
+        if s is None or (s.live.round, s.live.attempt) != (row.round, row.attempt):
+            spec = msgspec.json.decode(row.spec, type=wire.RoundSpec)
+            live = Attempt(row.round, row.attempt, row.stage, row.opened_at, row.stage_started_at)
+            live.spec = spec
+            s = self._served = _Served(live, spec)
+        s.live.stage, s.live.stage_started_at = row.stage, row.stage_started_at
+        if s.fed_through != row.stage:
+            self._feed(s, row.stage)
+        return s
+
+    def _feed(self, s: _Served, stage: str) -> None:
+        """Rebuild each of this server's groups from the store, through ``stage``."""
+        mine = [i for i, g in enumerate(s.spec.groups) if g.url == self.url]
+        messages = self.ws.state.messages
+        groups = {}
+        for i in mine:
+            members = s.spec.groups[i].members
+            keys = {}
+            for m in members:
+                entry = self.ws.roster.get(m)
+                if entry is not None:
+                    keys[m] = entry.public_key_bytes
+            session = SecAggPlusSession(s.spec, keys, consistency=True, group=i)
+            if stage in session.stages:
+                reached = session.stages[: session.stages.index(stage) + 1]
+                wanted = set(members)
+                stored = [
+                    StoredMessage(st, m, body)
+                    for st in reached
+                    for m, body in messages.of_stage(s.live.round, s.live.attempt, st)
+                    if m in wanted
+                ]
+                feed(session, stored, through=stage)
+            groups[i] = session
+        s.groups, s.fed_through = groups, stage
+
+    def _group_of(self, s: _Served, member: str) -> tuple[int, SecAggPlusSession]:
+        """Raises: UnknownMember: not in the cohort; WrongGroup: in a group another
+        server (or the leader) serves, which the detail names."""
+        s.live.in_cohort(member)
+        index = group_index(s.spec.groups, member)
+        session = s.groups.get(index)
+        if session is None:
+            where = s.spec.groups[index].url or "the leader's URL"
+            raise WrongGroup(
+                f"{member} is in shard group {index} of round {s.live.round}, served at "
+                f"{where}, not at {self.url}"
+            )
+        return index, session
+
+    # -- uploads ---------------------------------------------------------------------------------
+
+    def accept(
+        self,
+        member: str,
+        r: int,
+        a: int,
+        stage: Stage,
+        raw: bytes,
+        decode: Callable[[str], StageMessage],
+        **entry: Any,
+    ) -> wire.Receipt | None:
+        """Take one stage message (``raw``: as stored) of a member of this server's
+        groups; an identical retry gets the same answer (its receipt, for a masked
+        input).  ``entry``: a masked input's ``commitment``, ``signature`` and
+        ``receipt_for`` (its SHA-256).
+
+        Raises:
+            WrongStage: not the attempt in progress, or not its stage (also when the
+                stage moved on while this message was checked).
+            UnknownMember: not in the cohort.
+            WrongGroup: in a group this server does not serve, or the leader took over.
+            DuplicateMessage: a different message of this stage was stored before.
+            ProtocolError, PayloadError, SignatureError: the group's session refuses it.
+        """
+        state = self.ws.state
+        if state.messages.get(r, a, stage, member) == raw:
+            return self._receipt_of(member, r, a, entry)
+        s = self.served()
+        s.live.expect(member, r, a, stage)
+        index, session = self._group_of(s, member)
+        if state.messages.get(r, a, stage, member) is not None:
+            raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
+        session.receive(stage, decode(member))
+        try:
+            return self._record(s, index, stage, member, raw, entry)
+        except BaseException:
+            s.fed_through = ""  # the session took what the store did not: rebuild it
+            raise
+
+    def masked_input(
+        self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
+    ) -> wire.Receipt:
+        """A member's masked input with its signed contribution statement; its receipt.
+
+        Raises:
+            SignatureError: the statement is not the member's.
+            WrongStage, UnknownMember, WrongGroup, DuplicateMessage, BadVector: as
+                :meth:`accept`.
+        """
+        digest = hashlib.sha256(raw).hexdigest()
+        fields = {"commitment": commitment, "signature": signature, "receipt_for": digest}
+        if self.ws.state.messages.get(r, a, "masked_input", member) != raw:
+            statement = wire.ContributionStatement(
+                federation_id=self.ws.federation_id,
+                round=r,
+                attempt=a,
+                member=member,
+                vector_sha256=digest,
+                commitment=commitment,
+                signature=signature,
+            )
+            entry = self.ws.roster.get(member)
+            if entry is None:
+                raise UnknownMember(f"{member} is not on the roster")
+            statement.verify(entry.public_key_bytes)
+        receipt = self.accept(
+            member, r, a, "masked_input", raw, lambda m: MaskedInput(m, raw), **fields
+        )
+        assert receipt is not None
+        return receipt
+
+    def share_keys(self, member: str, r: int, a: int, body: wire.ShareKeysBody) -> None:
+        """A member's shares; the privacy report they carry is checked first and stored
+        with them, in their transaction.
+
+        Raises:
+            PayloadError: the report names another member, round or federation, or an
+                ε that is not a finite number >= 0.
+            SignatureError: the report is not the member's.
+            as :meth:`accept`.
+        """
+        raw = wire.encode(wire.ShareKeysBody(shares=body.shares))
+        report = body.report
+        checked = None
+        if report is not None and self.ws.state.reports.get(r, a, member) is None:
+            checked = self._check_report(member, r, a, report)
+        extra = {} if checked is None or report is None else {"report": (report, checked)}
+        self.accept(
+            member,
+            r,
+            a,
+            "share_keys",
+            raw,
+            lambda m: codec.share_keys_message(m, body),
+            **extra,
+        )
+
+    def _check_report(self, member: str, r: int, a: int, report: wire.PrivacyReport) -> bytes:
+        if (report.member, report.round, report.attempt, report.federation_id) != (
+            member,
+            r,
+            a,
+            self.ws.federation_id,
+        ):
+            raise PayloadError(
+                f"{member}: privacy report names another member, round or federation"
+            )
+        if not (report.epsilon >= 0 and report.epsilon < float("inf")):
+            raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
+        report.check_charges()
+        entry = self.ws.roster.get(member)
+        if entry is None:
+            raise UnknownMember(f"{member} is not on the roster")
+        report.verify(entry.public_key_bytes)
+        return wire.encode(report)
+
+    def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> None:
+        """A survivor's unmask answer; one that comes after the attempt closed without
+        needing it is answered as accepted, with nothing stored (as the leader does).
+
+        Raises:
+            as :meth:`accept`.
+        """
+        row = self.ws.state.rounds.get(r, a)
+        if row is not None and row.stage == "closed":
+            return
+        self.accept(
+            member,
+            r,
+            a,
+            "unmask",
+            wire.encode(body),
+            lambda m: codec.unmask_message(m, body),
+        )
+
+    # -- storage ---------------------------------------------------------------------------------
+
+    def _record(
+        self, s: _Served, group: int, stage: Stage, member: str, raw: bytes, extra: dict[str, Any]
+    ) -> wire.Receipt | None:
+        """Archive, then store and log (and receipt) in one transaction, after checking
+        there that the attempt is still in ``stage`` and the group still this server's.
+
+        Raises:
+            WrongStage: the leader moved the stage on meanwhile.
+            WrongGroup: the leader took the group over.
+        """
+        state, live = self.ws.state, s.live
+        archived = self._archive.put(raw)
+        receipt = None
+        fence = GroupFence(state, live.round, live.attempt, group)
+        with state.transaction():
+            row = state.rounds.get(live.round, live.attempt)
+            if row is None or row.stage != stage:
+                raise WrongStage(
+                    f"{member}: {stage} message refused: round {live.round} moved on to "
+                    f"stage {row.stage if row else 'none'}"
+                )
+            fence.check()
+            state.messages.add(live.round, live.attempt, stage, member, raw)
+            if "report" in extra:
+                report, body = extra["report"]
+                state.reports.add(live.round, live.attempt, member, report.epsilon, body)
+                append_entry(state.log, self._clock(), report)
+            logged = append_entry(
+                state.log,
+                self._clock(),
+                AcceptedEntry(
+                    round=live.round,
+                    attempt=live.attempt,
+                    stage=stage,
+                    member=member,
+                    sha256=archived,
+                    bytes=len(raw),
+                    commitment=extra.get("commitment"),
+                    signature=extra.get("signature"),
+                ),
+            )
+            if "receipt_for" in extra:
+                receipt = wire.Receipt(
+                    federation_id=self.ws.federation_id,
+                    round=live.round,
+                    attempt=live.attempt,
+                    member=member,
+                    contribution_sha256=extra["receipt_for"],
+                    log_index=logged.index,
+                    issued_at=self._clock(),
+                ).sign(self.ws.signer)
+                state.receipts.add(live.round, live.attempt, member, wire.encode(receipt))
+        self.accepted += 1
+        return receipt
+
+    def _receipt_of(
+        self, member: str, r: int, a: int, extra: dict[str, Any]
+    ) -> wire.Receipt | None:
+        """An identical retry's answer: the stored receipt of a masked input."""
+        if "receipt_for" not in extra:
+            return None
+        stored = self.ws.state.receipts.latest(r, member)
+        if stored is None:
+            raise NotFound(f"no accepted contribution from {member} in round {r}")
+        return msgspec.json.decode(stored, type=wire.Receipt)
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def reached(self, r: int, a: int, stage: str) -> bool:
+        """Whether attempt (r, a) is the stored one and has reached ``stage`` (not aborted)."""
+        row = self.ws.state.rounds.get(r, a)
+        if row is None or row.spec is None or row.stage in ("aborted", "closed"):
+            return False
+        order = SECAGG_STAGES
+        return row.stage in order and order.index(row.stage) >= order.index(stage)
+
+    def answer(self, name: str, member: str, r: int, a: int) -> Any:
+        """``name`` (key_list, share_relay, unmask_request, consistency_proof) for
+        ``member`` of attempt (r, a), once it reached that answer's stage.
+
+        Raises:
+            WrongStage: not that attempt, or it has not reached the stage.
+            UnknownMember, WrongGroup: as :meth:`accept`.
+        """
+        s = self.served()
+        s.live.expect_at_least(member, r, a, ANSWER_STAGES[name])
+        _, session = self._group_of(s, member)
+        if name in ("unmask_request", "consistency_proof"):
+            # the leader's change token means nothing here: the member's next poll of the
+            # leader reads the state anew
+            return getattr(session, name)(member, 0)
+        return getattr(session, name)(member)

@@ -1,0 +1,91 @@
+"""What the leader and its group servers share in the state store, besides the
+messages themselves: each server's heartbeat and the leader's take-overs.
+
+Both are named values (:class:`~fedsec.aggregator.storage.interfaces.KeyValueStore`),
+so SQLite and PostgreSQL stores hold them unchanged.  A take-over is written in a
+transaction of its own; a group server reads it inside each transaction that stores a
+message (:meth:`GroupFence.check`), so once it has committed, the server stores nothing
+more for that group and attempt: the leader's view of the group is final.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from fedsec.aggregator.storage.interfaces import StateStore
+from fedsec.errors import WrongGroup
+from fedsec.summation.mode import StoredMessage
+
+#: How often a group server writes its heartbeat: one small write, 4 a second.
+HEARTBEAT_S: Final = 0.25
+#: A group server whose heartbeat is older than this is taken over by the leader: eight
+#: missed beats, so a server busy with a large upload (its event loop answers between
+#: chunks) or a slow fsync is not taken for dead, and a killed one is replaced within
+#: ~2 s, well inside a stage's window (round.advertise_s, 30 s by default).
+STALE_S: Final = 2.0
+
+
+def heartbeat_key(url: str) -> str:
+    """The named value holding the last heartbeat (Unix time) of the server at ``url``."""
+    return f"group_server_heartbeat {url}"
+
+
+def taken_over_key(round_: int, attempt: int, group: int) -> str:
+    """The named value marking group ``group`` of the attempt as taken over."""
+    return f"group_taken_over {round_}.{attempt}.{group}"
+
+
+def beat(state: StateStore, url: str, now: float) -> None:
+    """Record that the server at ``url`` is alive at ``now`` (a write of its own)."""
+    state.values.put(heartbeat_key(url), repr(now).encode())
+
+
+class StoreGroupHosts:
+    """:class:`~fedsec.summation.served_group.GroupHosts` of attempt (``round_``,
+    ``attempt``) over ``state``; ``clock`` reads Unix time (the servers' heartbeats are
+    theirs: the processes share a host or synchronised clocks)."""
+
+    def __init__(
+        self,
+        state: StateStore,
+        round_: int,
+        attempt: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._state, self._round, self._attempt, self._clock = state, round_, attempt, clock
+
+    def stored_after(self, stage: str, seq: int) -> Sequence[tuple[int, StoredMessage]]:
+        rows = self._state.messages.after(self._round, self._attempt, stage, seq)
+        return [(n, StoredMessage(stage, member, body)) for n, member, body in rows]
+
+    def alive(self, url: str) -> bool:
+        stored = self._state.values.get(heartbeat_key(url))
+        return stored is not None and self._clock() - float(stored) <= STALE_S
+
+    def taken_over(self, group: int) -> bool:
+        key = taken_over_key(self._round, self._attempt, group)
+        return self._state.values.get(key) is not None
+
+    def take_over(self, group: int) -> None:
+        with self._state.transaction():
+            self._state.values.put(taken_over_key(self._round, self._attempt, group), b"leader")
+
+
+class GroupFence:
+    """The check a group server runs inside each transaction that stores a message of
+    group ``group`` of the attempt: the leader has not taken the group over."""
+
+    def __init__(self, state: StateStore, round_: int, attempt: int, group: int) -> None:
+        self._state = state
+        self._key = taken_over_key(round_, attempt, group)
+        self._group = group
+
+    def check(self) -> None:
+        """Raises: WrongGroup: the leader took the group over; nothing may be stored."""
+        if self._state.values.get(self._key) is not None:
+            raise WrongGroup(
+                f"shard group {self._group} was taken over by the leader; send its "
+                "messages to the leader's URL"
+            )

@@ -1,0 +1,269 @@
+"""A group server: the aiohttp application that takes the stage requests of the shard
+groups the signed spec gives its URL (:class:`~fedsec.aggregator.groups.desk.GroupDesk`),
+and ``fedsec aggregator group-serve`` around it.
+
+It authenticates as the leader does (:func:`fedsec.aggregator.http.auth.verify_request`:
+the same signature, roster and rate checks, and the same durable nonce store, so a
+request accepted here is a replay at the leader and at every other group server), and
+answers in the leader's formats, held answers included: a held request waits on the
+store's stage (polled every :data:`POLL_S`), since the leader's change signal does not
+cross processes.  Only the stage routes are served; a member asks the leader for
+everything else.  While it runs it writes its heartbeat to the store every
+:data:`~fedsec.aggregator.groups.hosts.HEARTBEAT_S`; the leader takes over the groups of
+a server whose heartbeat stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+from aiohttp import web
+
+from fedsec.aggregator.groups.desk import ANSWER_STAGES, GroupDesk
+from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat
+from fedsec.aggregator.http.auth import expect_continue, verify_request
+from fedsec.aggregator.http.errors import error_middleware, json_response
+from fedsec.aggregator.http.keys import (
+    ENDPOINT_OF,
+    NONCES,
+    RATE,
+    UPLOADS,
+    VERIFIER,
+    WORKSPACE,
+    Handler,
+)
+from fedsec.aggregator.http.params import (
+    decode_json,
+    decode_upload,
+    round_args,
+    wait_seconds,
+)
+from fedsec.aggregator.nonces import open_nonce_store
+from fedsec.aggregator.ratelimit import MemberRateLimit
+from fedsec.aggregator.transport import start_server
+from fedsec.aggregator.workspace import Workspace
+from fedsec.aio import cancel_and_wait
+from fedsec.crypto.httpsig import RequestVerifier
+from fedsec.errors import FedsecError, PayloadError
+from fedsec.protocol import codec, wire
+from fedsec.protocol.endpoints import BY_NAME, Endpoint
+
+log = logging.getLogger("fedsec.aggregator.groups")
+
+#: How often a held answer re-reads the store's stage: the leader closes a stage within
+#: its tick (50 ms), so a held member learns of it within ~0.1 s; one indexed read each.
+POLL_S: Final = 0.05
+
+DESK = web.AppKey("group_desk", GroupDesk)
+
+
+async def _held(desk: GroupDesk, r: int, a: int, stage: str, wait: float) -> bool:
+    """Wait at most ``wait`` s for attempt (r, a) to reach ``stage``; whether it did."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while not desk.reached(r, a, stage):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(POLL_S)
+    return True
+
+
+async def _next(desk: GroupDesk, name: str, member: str, r: int, a: int, wait: float) -> Any:
+    """The answer ``name`` once its stage is reached within ``wait`` s, else None (the
+    member then fetches it)."""
+    if wait <= 0 or not await _held(desk, r, a, ANSWER_STAGES[name], wait):
+        return None
+    try:
+        return desk.answer(name, member, r, a)
+    except FedsecError:
+        return None
+
+
+def _fetch(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The handler of a stage fetch: ``name``'s answer, held until its stage."""
+
+    async def handler(request: web.Request) -> web.Response:
+        member, _ = await verify_request(request)
+        r, a = round_args(request)
+        desk = request.app[DESK]
+        await _held(desk, r, a, ANSWER_STAGES[name], wait_seconds(request))
+        return json_response(desk.answer(name, member, r, a))
+
+    return handler
+
+
+async def advertise(request: web.Request) -> web.Response:
+    member, body = await verify_request(request)
+    r, a = round_args(request)
+    msg = decode_upload(body, wire.AdvertiseKeysBody, request, "key advertisement")
+    wait = wait_seconds(request)
+    desk = request.app[DESK]
+    desk.accept(
+        member, r, a, "advertise", wire.encode(msg), lambda m: codec.advertise_message(m, msg)
+    )
+    keys = await _next(desk, "key_list", member, r, a, wait)
+    return json_response(wire.Accepted(accepted=True, keys=keys))
+
+
+async def post_shares(request: web.Request) -> web.Response:
+    member, body = await verify_request(request)
+    r, a = round_args(request)
+    msg = decode_upload(body, wire.ShareKeysBody, request, "encrypted shares")
+    wait = wait_seconds(request)
+    desk = request.app[DESK]
+    desk.share_keys(member, r, a, msg)
+    relay = await _next(desk, "share_relay", member, r, a, wait)
+    return json_response(wire.Accepted(accepted=True, relay=relay))
+
+
+async def masked_input(request: web.Request) -> web.Response:
+    member, body = await verify_request(request)
+    r, a = round_args(request)
+    commitment = request.query.get("commitment", "")
+    signature = request.query.get("signature", "")
+    if not commitment or not signature:
+        raise PayloadError(
+            "masked input needs the commitment and signature query parameters "
+            "(the member's signed contribution statement)"
+        )
+    wait = wait_seconds(request)
+    desk = request.app[DESK]
+    receipt = desk.masked_input(member, r, a, body, commitment, signature)
+    del body  # stored: not held through the wait
+    if "wait" not in request.query:
+        return json_response(receipt)
+    unmask = await _next(desk, "unmask_request", member, r, a, wait)
+    return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
+
+
+async def post_consistency(request: web.Request) -> web.Response:
+    member, body = await verify_request(request)
+    r, a = round_args(request)
+    msg = decode_json(body, wire.ConsistencyBody, request, "consistency signature")
+    wait = wait_seconds(request)
+    desk = request.app[DESK]
+    desk.accept(
+        member, r, a, "consistency", wire.encode(msg), lambda m: codec.consistency_message(m, msg)
+    )
+    proof = await _next(desk, "consistency_proof", member, r, a, wait)
+    return json_response(wire.Accepted(accepted=True, proof=proof))
+
+
+async def post_unmask(request: web.Request) -> web.Response:
+    member, body = await verify_request(request)
+    r, a = round_args(request)
+    msg = decode_upload(body, wire.UnmaskResponseBody, request, "unmask answer")
+    wait = wait_seconds(request)
+    desk = request.app[DESK]
+    desk.unmask(member, r, a, msg)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    # held while the attempt unmasks; the member then reads the round state at the
+    # leader (this server holds none of it)
+    while loop.time() < deadline and desk.reached(r, a, "unmask"):
+        await asyncio.sleep(POLL_S)
+    return json_response(wire.Accepted(accepted=True))
+
+
+async def health(request: web.Request) -> web.Response:
+    desk = request.app[DESK]
+    return json_response(
+        {"status": "ok", "role": "group_server", "url": desk.url, "accepted": desk.accepted}
+    )
+
+
+_HANDLERS: dict[str, Handler] = {
+    "advertise": advertise,
+    "keys": _fetch("key_list"),
+    "post_shares": post_shares,
+    "get_shares": _fetch("share_relay"),
+    "masked_input": masked_input,
+    "get_unmask": _fetch("unmask_request"),
+    "post_consistency": post_consistency,
+    "get_consistency": _fetch("consistency_proof"),
+    "post_unmask": post_unmask,
+    "health": health,
+}
+
+
+def make_group_app(workspace: Workspace, url: str) -> web.Application:
+    """The group server's application for ``workspace`` at ``url``.
+
+    Raises:
+        sqlite3.Error, psycopg.Error: the nonce store cannot be opened.
+    """
+    cfg = workspace.config.server
+    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app[WORKSPACE] = workspace
+    app[DESK] = GroupDesk(workspace, url)
+    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
+    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
+
+    def resolve(key_id: str) -> bytes | None:
+        entry = workspace.roster.by_key_id(key_id)
+        return entry.public_key_bytes if entry is not None and entry.is_active else None
+
+    # the leader's nonce store (nonces.db in the workspace, or the shared database): a
+    # request accepted by any of them is a replay at every other
+    app[NONCES] = open_nonce_store(
+        workspace.root, workspace.config.storage.url, 2 * cfg.clock_skew_s
+    )
+    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+    endpoint_of: dict[Handler, Endpoint] = {
+        handler: BY_NAME[name] for name, handler in _HANDLERS.items()
+    }
+    app[ENDPOINT_OF] = endpoint_of
+    for name, handler in _HANDLERS.items():
+        endpoint = BY_NAME[name]
+        app.router.add_route(
+            endpoint.method, endpoint.template, handler, expect_handler=expect_continue
+        )
+    app.cleanup_ctx.append(_heartbeat)
+    return app
+
+
+async def _heartbeat(app: web.Application) -> AsyncIterator[None]:
+    ws, desk = app[WORKSPACE], app[DESK]
+
+    async def run() -> None:
+        while True:
+            try:
+                beat(ws.state, desk.url, time.time())
+                ws.roster.reload_if_changed()
+            except Exception:  # the store is busy or away: the next beat tries again
+                log.exception("event=group_heartbeat_failed url=%s", desk.url)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    task = asyncio.create_task(run())
+    yield
+    await cancel_and_wait(task)
+
+
+async def serve_group(
+    ws: Workspace,
+    url: str,
+    host: str,
+    port: int,
+    ssl_ctx: ssl.SSLContext | None,
+    stop: asyncio.Event,
+    on_serving: Callable[[str], None] = lambda url: None,
+) -> None:
+    """Serve ``ws``'s groups at ``url`` on ``host``:``port`` until ``stop`` is set.
+
+    Raises:
+        ConfigError: the descriptor limit is too low (see ``start_server``).
+        OSError: the address cannot be bound.
+    """
+    app = make_group_app(ws, url)
+    server = await start_server(app, host, port, ssl_ctx, ws.config.server)
+    log.info("event=group_server_listening url=%s bound=%s", url, server.url)
+    on_serving(server.url)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()

@@ -1,0 +1,301 @@
+"""Shard groups served by group server processes (``round.group_servers``): two real
+``fedsec aggregator group-serve`` processes on loopback take their groups' stage
+requests over the leader's SQLite store, members sign to them as to the leader, and the
+leader reads their messages from the store, unmasks and decodes once.
+
+The model is the exact sum of every member's input, as in the leader-only sharded round
+(tests/summation/test_sharded_rounds.py asserts the same ``expected_params``), and
+``fedsec audit verify`` re-derives it from the one log both kinds of process wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from fedsec.aggregator_client import AggregatorClient
+from fedsec.audit.verify import verify_log
+from fedsec.crypto.httpsig import sign_request
+from fedsec.errors import WrongGroup
+from fedsec.protocol import wire
+from fedsec.protocol.shards import group_index
+from tests.support.agent import LiveAggregator, live_aggregator
+from tests.support.aggregator import (
+    Cohort,
+    Federation,
+    contribution_statement,
+    expected_params,
+    join_request,
+    log_entries,
+    make_federation,
+    model_params,
+)
+
+pytestmark = pytest.mark.slow  # group server processes start; a round runs over HTTP
+
+MEMBERS = tuple(f"g{i}" for i in range(6))
+SERVE = (sys.executable, "-m", "fedsec", "aggregator", "group-serve")
+START_S = 60.0
+WAIT_S = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _group_servers(root: Path, urls: list[str]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = [
+        subprocess.Popen(
+            [*SERVE, "--workspace", str(root), "--url", url, "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for url in urls
+    ]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+async def _until(check: Callable[[], bool], what: str, deadline_s: float = WAIT_S) -> None:
+    """Wait for ``check()`` (polled; the leader ticks in this loop) within the deadline."""
+    end = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def _healthy(urls: list[str]) -> None:
+    end = time.monotonic() + START_S
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            while True:
+                try:
+                    async with http.get(f"{url}/v1/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < end, f"group server {url} did not start"
+                await asyncio.sleep(0.05)
+
+
+def _federation(root: Path, urls: list[str]) -> Federation:
+    return make_federation(
+        root,
+        MEMBERS,
+        round={
+            "min_agents": len(MEMBERS),
+            "max_agents": len(MEMBERS),
+            "shards": 2,
+            "min_shard_members": 3,
+            "group_servers": urls,
+            "advertise_s": 120.0,
+            "share_s": 120.0,
+            "masked_s": 120.0,
+            "unmask_s": 120.0,
+        },
+        validation=False,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _round(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Federation, LiveAggregator, list[str], list[subprocess.Popen[bytes]]]]:
+    urls = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
+    fed = _federation(tmp_path / "ws", urls)
+    with _group_servers(fed.root, urls) as procs:
+        async with live_aggregator(fed) as live:
+            await _healthy(urls)
+            coord = live.coordinator
+            for m in MEMBERS:
+                assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+            await _until(lambda: coord.live.spec is not None, "the cohort")
+            yield fed, live, urls, procs
+
+
+@contextlib.asynccontextmanager
+async def _clients(
+    fed: Federation, live: LiveAggregator, spec: wire.RoundSpec
+) -> AsyncIterator[dict[str, AggregatorClient]]:
+    """Each member's client as the agent builds it: its group's server from the signed
+    spec first, then the leader."""
+    key = fed.ws.signer.public_bytes
+    leader = {
+        m: AggregatorClient(
+            live.url,
+            fed.identities[m],
+            key,
+            retry_max=12,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.5,
+        )
+        for m in MEMBERS
+    }
+    try:
+        yield {
+            m: c.for_group(spec.groups[group_index(spec.groups, m)].url) for m, c in leader.items()
+        }
+    finally:
+        for c in leader.values():
+            await c.close()
+
+
+async def _stage(live: LiveAggregator, stage: str) -> None:
+    await _until(lambda: live.coordinator.live.stage == stage, f"stage {stage}")
+
+
+async def _run(
+    fed: Federation,
+    live: LiveAggregator,
+    clients: dict[str, AggregatorClient],
+    cohort: Cohort,
+    after_advertise: Callable[[], None] = lambda: None,
+) -> None:
+    spec, (r, a) = cohort.spec, (cohort.spec.round, cohort.spec.attempt)
+    await asyncio.gather(*(clients[m].advertise(r, a, cohort.advertise(m)) for m in MEMBERS))
+    await _stage(live, "share_keys")
+    after_advertise()
+    keys = await asyncio.gather(*(clients[m].keys(r, a) for m in MEMBERS))
+    await asyncio.gather(
+        *(
+            clients[m].post_shares(r, a, cohort.share_keys(m, k))
+            for m, k in zip(MEMBERS, keys, strict=True)
+        )
+    )
+    await _stage(live, "masked_input")
+    relays = await asyncio.gather(*(clients[m].get_shares(r, a) for m in MEMBERS))
+    for m, relay in zip(MEMBERS, relays, strict=True):
+        cohort.receive_shares(m, relay)
+
+    async def mask(m: str) -> wire.Receipt:
+        raw, _, _ = cohort.upload(m)
+        statement = contribution_statement(m, spec, raw, cohort.quantized[m], fed.identities[m])
+        receipt, _ = await clients[m].masked_input(r, a, raw, statement, 0.0)
+        return receipt
+
+    # each receipt is checked against the aggregator's key by the client, whichever
+    # process signed it
+    await asyncio.gather(*(mask(m) for m in MEMBERS))
+    await _stage(live, "consistency")
+    requests = await asyncio.gather(*(clients[m].get_unmask(r, a) for m in MEMBERS))
+    await asyncio.gather(
+        *(
+            clients[m].consistency(r, a, cohort.sign(m, q))
+            for m, q in zip(MEMBERS, requests, strict=True)
+        )
+    )
+    await _stage(live, "unmask")
+    proofs = await asyncio.gather(*(clients[m].get_consistency(r, a) for m in MEMBERS))
+    await asyncio.gather(
+        *(
+            clients[m].unmask(r, a, cohort.unmask(m, p))
+            for m, p in zip(MEMBERS, proofs, strict=True)
+        )
+    )
+    await _until(lambda: live.coordinator.live.round == 2, "the round's close")
+
+
+def _check_model(fed: Federation, cohort: Cohort) -> None:
+    old, new = model_params(fed.ws, 1), model_params(fed.ws, 2)
+    np.testing.assert_array_equal(
+        new, expected_params(old, [cohort.quantized[m] for m in MEMBERS], cohort.spec)
+    )
+    audit = fed.root / "audit"
+    verified = verify_log(audit / "log.jsonl", audit / "archive", fed.root)
+    assert verified.ok, verified.problem
+    assert (verified.rounds_verified, verified.models_verified) == (1, 1)
+
+
+def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with _round(tmp_path) as (fed, live, urls, _):
+            spec = live.coordinator.live.spec
+            assert spec is not None
+            assert [g.url for g in spec.groups] == urls  # signed: members follow no other
+            cohort = Cohort(spec, fed.identities)
+            outsider = spec.groups[0].members[0]
+            path = "/v1/rounds/1/advertise?attempt=0"
+            body = wire.encode(cohort.advertise(outsider))
+            async with aiohttp.ClientSession() as http:
+                # a member of group 0 at group 1's server: 421, naming group 0's server
+                headers = {"Content-Type": "application/json"}
+                headers |= sign_request(
+                    fed.identities[outsider], "POST", path, headers, body, created=int(time.time())
+                )
+                async with http.post(urls[1] + path, data=body, headers=headers) as resp:
+                    refused = await resp.json()
+                    assert resp.status == WrongGroup.http_status == 421
+                assert refused["error"] == "wrong_group" and urls[0] in refused["detail"]
+                assert fed.ws.state.messages.count(1, 0, "advertise") == 0  # nothing stored
+                # the same signed request again, at the right server and at the leader:
+                # its nonce was spent at the first server
+                for target in (urls[0], live.url):
+                    async with http.post(target + path, data=body, headers=headers) as resp:
+                        replayed = await resp.json()
+                        assert resp.status == 401, replayed
+                    assert "replayed nonce" in replayed["detail"]
+                assert fed.ws.state.messages.count(1, 0, "advertise") == 0
+            before = len(live.requests)
+            async with _clients(fed, live, spec) as clients:
+                await _run(fed, live, clients, cohort)
+            # every message went through a group server: none was taken by the leader
+            async with aiohttp.ClientSession() as http:
+                counts = []
+                for url in urls:
+                    async with http.get(f"{url}/v1/health") as resp:
+                        counts.append((await resp.json())["accepted"])
+            assert counts == [5 * len(g.members) for g in spec.groups]
+            uploads = ("advertise", "shares", "masked-input", "consistency", "unmask")
+            assert not [
+                p
+                for method, p in live.requests[before:]
+                if method == "POST" and p.endswith(uploads)
+            ]
+            _check_model(fed, cohort)
+
+    asyncio.run(main())
+
+
+def test_a_killed_group_server_is_taken_over_without_losing_the_round(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with _round(tmp_path) as (fed, live, _, procs):
+            spec = live.coordinator.live.spec
+            assert spec is not None
+            cohort = Cohort(spec, fed.identities)
+
+            def kill() -> None:  # its group's advertisements are stored; it dies
+                os.kill(procs[1].pid, signal.SIGKILL)
+                procs[1].wait()
+
+            async with _clients(fed, live, spec) as clients:
+                await _run(fed, live, clients, cohort, after_advertise=kill)
+            taken = [
+                e["body"]["member"]
+                for e in log_entries(fed.ws)
+                if e["kind"] == "accepted" and e["body"]["stage"] == "share_keys"
+            ]
+            assert sorted(taken) == sorted(MEMBERS)
+            assert fed.ws.state.values.get("group_taken_over 1.0.1") is not None
+            assert fed.ws.state.values.get("group_taken_over 1.0.0") is None
+            _check_model(fed, cohort)
+
+    asyncio.run(main())
