@@ -109,8 +109,38 @@ def expand_into(seed: bytes, domain: bytes, out: npt.NDArray[np.unsignedinteger]
         raise ValueError(
             f"expand_into needs a contiguous little-endian unsigned array, got {out.dtype}"
         )
-    raw = out.reshape(-1).view(np.uint8)
-    encryptor = _encryptor(seed, domain)
+    _fill(_encryptor(seed, domain), out.reshape(-1).view(np.uint8))
+
+
+def expand_into_at(
+    seed: bytes, domain: bytes, first: int, out: npt.NDArray[np.unsignedinteger]
+) -> None:
+    """Fill ``out`` with values ``first .. first + out.size`` of :func:`expand`
+    (seed, domain, ·, ``out.dtype``), the earlier ones never computed: the counter
+    starts at the AES block that holds byte ``first · itemsize`` of the stream, so
+    callers can draw disjoint pieces of one stream on separate threads.
+
+    Raises:
+        ValueError: ``seed`` is not 32 bytes, ``first`` is negative, or ``out`` is not
+            a contiguous little-endian unsigned array.
+    """
+    if out.dtype.kind != "u" or out.dtype.byteorder == ">" or not out.flags.c_contiguous:
+        raise ValueError(
+            f"expand_into_at needs a contiguous little-endian unsigned array, got {out.dtype}"
+        )
+    if first < 0:
+        raise ValueError(f"the first value must be at or after the start, got {first}")
+    block, skip = divmod(first * out.dtype.itemsize, 16)
+    encryptor = Cipher(
+        algorithms.AES(derive_key(seed, domain)), modes.CTR(block.to_bytes(16, "big"))
+    ).encryptor()
+    if skip:
+        encryptor.update(_zeros(skip))
+    _fill(encryptor, out.reshape(-1).view(np.uint8))
+
+
+def _fill(encryptor: CipherContext, raw: npt.NDArray[np.uint8]) -> None:
+    """Write the encryptor's next ``raw.size`` keystream bytes into ``raw``."""
     # update_into wants room for a block beyond what it writes: the last block comes
     # from update, continuing the same stream
     head = max(0, raw.size - 16)

@@ -10,6 +10,7 @@ import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,21 @@ from fedsec.errors import ConfigError
 #: The PRG domain of the noise streams (one per optimiser step and parameter).
 _NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
 
-#: Noise values computed per block, and threads computing blocks: 2^16 values keep a
-#: block's float64 temporaries (8 arrays of 512 KiB) in cache; 11.2M values (ResNet-18)
-#: took 1.6 s in one pass over whole arrays, dominating a DP-SGD step on the CPU.
-NOISE_BLOCK = 1 << 16
+#: Noise values a CPU thread computes at a time, and threads computing them. A block's
+#: words and float32 scratch (0.8 MiB) stay in L2 between the 17 passes over them, where
+#: passes over whole tensors go to memory each time (ResNet-18's 11.2M values a step:
+#: 0.48 s in whole-tensor passes, 0.14-0.24 s in blocks of 2^14, under load). The CPU
+#: passes are numpy's: torch's float kernels start their OpenMP team on every call of
+#: a few thousand elements, and on this shared 2-core machine a call on a block waited
+#: milliseconds for it (log1p of 16K values: 6 ms against numpy's 0.01 ms).
+NOISE_BLOCK = 1 << 14
 MAX_NOISE_THREADS = 2
+
+#: A block's values are rounded up to a multiple of this (the stream continues past the
+#: tensor and the extra values are dropped), so every vectorised pass covers whole SIMD
+#: registers (AVX-512: 16 float32, twice unrolled) and no element takes a scalar path
+#: whose last bit could differ from the vector one.
+_NOISE_LANES = 64
 
 #: Standard normals summed per noise value: Opacus' secure_mode (2n draws with n = 2, the
 #: least that defeats the floating-point attack on the Gaussian mechanism).
@@ -174,58 +185,149 @@ def make_private(
     return engine, trained, private_optimizer, private_loader
 
 
-def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:
-    """N(0, std²) noise shaped like ``like``: the sum of 4 standard normals from the
-    AES-CTR stream of ``(seed, domain)``, times ``std / 2`` (Opacus' secure_mode shape).
+@dataclass(frozen=True)
+class _Precision:
+    """The uniforms of noise computed in ``dtype`` (torch's ``dtype_torch``): ``bits``-bit
+    integers from the low bits of little-endian stream words of ``word`` (torch holds
+    them as the signed type of the same width, ``word_torch``, which it computes on)."""
 
-    Value j of ``count`` sums the Box-Muller normals j and count + j of the cosine half
-    and of the sine half, from the 53-bit uniforms ``u`` of the stream's words: radii
-    from ``u[:2·count]``, angles from ``u[2·count:]``. Large tensors are computed in
-    blocks of :data:`NOISE_BLOCK` values on :data:`MAX_NOISE_THREADS` threads (numpy
-    releases the GIL), the same element-wise operations in the same order, so the
-    values are bit-identical to one pass over the whole tensor (tested); the blocks keep
-    the float64 temporaries in cache instead of 8 arrays of 32·count bytes.
+    dtype: type[np.floating[Any]]
+    dtype_torch: torch.dtype
+    word: type[np.unsignedinteger[Any]]
+    word_torch: torch.dtype
+    bits: int
+
+
+#: float32 takes 24-bit uniforms from 32-bit words (its mantissa holds 24 bits, so each
+#: uniform is exact); float64 takes 53-bit ones from 64-bit words. Narrower parameter
+#: dtypes (float16, bfloat16) get float32 noise rounded to their dtype.
+_FLOAT32 = _Precision(np.float32, torch.float32, np.uint32, torch.int32, 24)
+_FLOAT64 = _Precision(np.float64, torch.float64, np.uint64, torch.int64, 53)
+
+
+def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:
+    """N(0, std²) noise shaped like ``like``, on its device and in its dtype: the sum of
+    4 standard normals from the AES-CTR stream of ``(seed, domain)``, times ``std / 2``
+    (Opacus' secure_mode shape).
+
+    Value j is ``(std/2)·(r₀cos θ₀ + r₁cos θ₁ + r₀sin θ₀ + r₁sin θ₁)``, two Box-Muller
+    pairs from the stream's words 4j .. 4j+3 (little-endian; 32-bit words for float32
+    noise, 64-bit for float64): each word's low k bits m give the uniform u = m·2^-k on
+    [0, 1), k = 24 or 53; r₀, r₁ = √(-2 ln(1 - u)) of words 4j and 4j+1 (computed as
+    ``log1p(-u)``), θ₀, θ₁ = 2π·u of words 4j+2 and 4j+3. 1 - u is at
+    least 2^-k, so ln never sees 0 and a radius is at most √(2k ln 2): 5.77 at k = 24,
+    8.57 at k = 53. Each step is one operation rounded to the noise's dtype, in the
+    order of :func:`_normals_sum`.
+
+    Why float32 suffices for float32 parameters: Opacus' secure_mode draws in the
+    parameter's own dtype, with torch's float32 Box-Muller from 24-bit uniforms and
+    float32 log, cos and sin, so this is its precision exactly, and the 4-normal sum
+    (Holohan and Braghin, 2021) is the defence against the floating-point attack at that
+    precision. float32 log1p, sin and cos err by at most a few units in the last place,
+    about 10⁻⁷ of a value, and the noise is rounded to float32 when it is added to the
+    float32 gradient anyway. A radius's largest value, 5.77, cuts from each normal the
+    tail of mass 2^-24 beyond it (the Rayleigh tail is exp(-r²/2)), the cut torch's and
+    Opacus' float32 normals make. float64 parameters keep 53-bit uniforms and float64
+    math.
+
+    The values are a function of (seed, domain, std, shape, dtype) and of the processor
+    that computes them: bit for bit the same on one machine whatever the blocks and
+    threads (each value depends on its own 4 words alone, and every operation is
+    element-wise; tested against one pass over the whole tensor), while a CPU with other
+    SIMD code, or a GPU, may round the last bit of a logarithm, sine or cosine
+    differently. Nothing compares noise across machines bit for bit: torchrun's rank 0
+    alone draws a step's noise, and the audit judges updates statistically.
+
+    On the CPU the values are computed with numpy's SIMD loops in blocks of
+    :data:`NOISE_BLOCK` on up to :data:`MAX_NOISE_THREADS` threads, each block's words
+    drawn at its own offset of the stream (:func:`fedsec.crypto.prg.expand_into_at`); on
+    a GPU the stream's words are moved to the device and torch computes the whole tensor
+    there, the same operations in the same order.
     """
     if std == 0:
         return torch.zeros_like(like)
+    precision = _FLOAT64 if like.dtype == torch.float64 else _FLOAT32
     count = like.numel()
-    half = (count * _NOISE_DRAWS + 1) // 2
-    words = prg.expand(seed, domain, 2 * half, np.uint64) >> np.uint64(11)
-    summed = np.empty(count, dtype=np.float64)
     scale = std / math.sqrt(_NOISE_DRAWS)
+    if like.device.type == "cpu":
+        noise = torch.from_numpy(_cpu_noise(seed, domain, count, scale, precision))
+    else:
+        noise = _device_noise(seed, domain, count, scale, precision, like.device)
+    return noise.to(dtype=like.dtype).view_as(like)
+
+
+def _padded(count: int) -> int:
+    return -(-count // _NOISE_LANES) * _NOISE_LANES
+
+
+def _cpu_noise(
+    seed: bytes, domain: bytes, count: int, scale: float, precision: _Precision
+) -> np.ndarray:
+    """:func:`secure_gaussian`'s values on the CPU, a block at a time on threads."""
+    out = np.empty(count, dtype=precision.dtype)
     starts = range(0, count, NOISE_BLOCK)
     threads = min(MAX_NOISE_THREADS, len(starts), os.cpu_count() or 1)
 
-    def block(start: int) -> None:
-        _gaussian_block(words, count, start, min(count, start + NOISE_BLOCK), scale, summed)
+    def blocks(lane: int) -> None:
+        # the thread's blocks, interleaved with the other threads', in its own buffers
+        size = _padded(min(count, NOISE_BLOCK))
+        words = np.empty((size, _NOISE_DRAWS), dtype=precision.word)
+        work = np.empty((2 * _NOISE_DRAWS + 1, size), dtype=precision.dtype)
+        for start in starts[lane::threads]:
+            stop = min(count, start + NOISE_BLOCK)
+            n = _padded(stop - start)
+            prg.expand_into_at(seed, domain, _NOISE_DRAWS * start, words[:n])
+            total = _normals_sum(np, words[:n], precision.bits, scale, work[:, :n])
+            out[start:stop] = total[: stop - start]
 
     if threads <= 1:
-        for start in starts:
-            block(start)
+        blocks(0)
     else:
+        # numpy releases the GIL in its loops and cryptography in the cipher
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(block, starts))
-    return torch.from_numpy(summed).to(dtype=like.dtype, device=like.device).view_as(like)
+            list(pool.map(blocks, range(threads)))
+    return out
 
 
-def _gaussian_block(
-    words: np.ndarray, count: int, lo: int, hi: int, scale: float, out: np.ndarray
-) -> None:
-    """Values ``lo..hi`` of :func:`secure_gaussian` into ``out`` (``words``: the
-    stream's words shifted to 53 bits, ``4·count`` of them)."""
-    half = 2 * count
+def _device_noise(
+    seed: bytes,
+    domain: bytes,
+    count: int,
+    scale: float,
+    precision: _Precision,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`secure_gaussian`'s values computed by torch on ``device``, the whole
+    tensor at once (the stream itself is drawn on the CPU, where AES-NI is)."""
+    n = _padded(count)
+    words = torch.empty((n, _NOISE_DRAWS), dtype=precision.word_torch)
+    prg.expand_into_at(seed, domain, 0, words.numpy().view(precision.word))
+    work = torch.empty((2 * _NOISE_DRAWS + 1, n), dtype=precision.dtype_torch, device=device)
+    total: torch.Tensor = _normals_sum(torch, words.to(device), precision.bits, scale, work)
+    return total[:count]
 
-    def uniform(first: int) -> np.ndarray:
-        # 53-bit uniforms on (0, 1]: log never sees 0
-        return (words[first + lo : first + hi].astype(np.float64) + 1.0) * 2.0**-53
 
-    radius_a = np.sqrt(-2.0 * np.log(uniform(0)))
-    radius_b = np.sqrt(-2.0 * np.log(uniform(count)))
-    angle_a = (2.0 * math.pi) * uniform(half)
-    angle_b = (2.0 * math.pi) * uniform(half + count)
-    total = radius_a * np.cos(angle_a)
-    total += radius_b * np.cos(angle_b)
-    total += radius_a * np.sin(angle_a)
-    total += radius_b * np.sin(angle_b)
-    total *= scale
-    out[lo:hi] = total
+def _normals_sum(xp: Any, words: Any, bits: int, scale: float, work: Any) -> Any:
+    """``scale`` times the sum of the 4 normals of each value of :func:`secure_gaussian`,
+    from its row of 4 ``words`` (overwritten), by ``xp`` (numpy on its arrays, or torch
+    on its tensors: the same element-wise operations, each rounded once in ``work``'s
+    dtype, Python scalars taking that dtype): the last row of ``work`` (9 rows as long
+    as ``words``, its scratch)."""
+    xp.bitwise_and(words, (1 << bits) - 1, out=words)
+    uniform, cosine, sine, total = work[:4], work[4:6], work[6:8], work[8]
+    uniform[...] = words.T  # rows: radius 0, radius 1, angle 0, angle 1; exact, m < 2^bits
+    radius, angle = uniform[:2], uniform[2:]
+    xp.multiply(radius, -(2.0**-bits), out=radius)  # -u on (-1, 0]
+    xp.log1p(radius, out=radius)  # ln(1 - u), 1 - u >= 2^-bits: never ln 0
+    xp.multiply(radius, -2.0, out=radius)
+    xp.sqrt(radius, out=radius)
+    xp.multiply(angle, 2.0 * math.pi * 2.0**-bits, out=angle)
+    xp.cos(angle, out=cosine)
+    xp.sin(angle, out=sine)
+    xp.multiply(cosine, radius, out=cosine)  # rows: the normals of pair 0, of pair 1
+    xp.multiply(sine, radius, out=sine)
+    xp.add(cosine[0], cosine[1], out=total)
+    xp.add(total, sine[0], out=total)
+    xp.add(total, sine[1], out=total)
+    xp.multiply(total, scale, out=total)
+    return total

@@ -13,7 +13,9 @@ and subtract it from the update. Fixed seeds are for tests and simulations.
 The noise is what Opacus' ``secure_mode`` would draw, from fedsec's own CSPRNG: each
 parameter's noise at each step comes from the AES-256-CTR keystream of :mod:`fedsec.crypto.prg`
 (keyed by a hash of the whole seed, one stream per step and parameter), turned into
-Gaussians by Box-Muller on 53-bit uniforms, and is the sum of four such draws halved,
+Gaussians by Box-Muller on uniforms with the bits of the parameter's dtype (24 for
+float32, as Opacus' own float32 normals; 53 for float64), in that dtype
+(:func:`fedsec.learning.dp_noise.secure_gaussian`), and is the sum of four such draws halved,
 Opacus' defence against floating-point attacks on the Gaussian mechanism (Holohan and
 Braghin, 2021: 2n draws, n = 2).  Opacus' ``secure_mode`` itself needs ``torchcsprng``,
 whose last release (0.2.1, 2021) is built for torch 1.8 and Python <= 3.9 only; torch's

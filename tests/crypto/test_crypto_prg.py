@@ -237,3 +237,27 @@ def test_expand_into_refuses_a_signed_or_strided_buffer() -> None:
         prg.expand_into(bytes(32), b"x", np.zeros(8, dtype=np.int32))
     with pytest.raises(ValueError, match="unsigned"):
         prg.expand_into(bytes(32), b"x", np.zeros(16, dtype=np.uint32)[::2])
+
+
+@given(
+    first=st.integers(min_value=0, max_value=300),
+    count=st.integers(min_value=0, max_value=70),
+    dtype=st.sampled_from([np.uint8, np.uint32, np.uint64]),
+)
+@settings(max_examples=60, deadline=None)
+def test_expand_into_at_continues_the_stream_from_any_value(
+    first: int, count: int, dtype: type[np.unsignedinteger]
+) -> None:
+    # offsets inside an AES block as well as on its edges
+    out = np.full(count, 7, dtype=dtype)
+    prg.expand_into_at(SEED, b"x", first, out)
+    np.testing.assert_array_equal(out, prg.expand(SEED, b"x", first + count, dtype)[first:])
+
+
+def test_expand_into_at_refuses_a_negative_start_or_a_signed_buffer() -> None:
+    out = np.full(8, 7, dtype=np.uint32)
+    with pytest.raises(ValueError, match="first value"):
+        prg.expand_into_at(SEED, b"x", -1, out)
+    with pytest.raises(ValueError, match="unsigned"):
+        prg.expand_into_at(SEED, b"x", 0, np.zeros(8, dtype=np.int32))
+    assert np.all(out == 7)
