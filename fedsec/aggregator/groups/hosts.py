@@ -45,7 +45,9 @@ def beat(state: StateStore, url: str, now: float) -> None:
 class StoreGroupHosts:
     """:class:`~fedsec.summation.served_group.GroupHosts` of attempt (``round_``,
     ``attempt``) over ``state``; ``clock`` reads Unix time (the servers' heartbeats are
-    theirs: the processes share a host or synchronised clocks)."""
+    theirs: the processes share a host or synchronised clocks).  ``keep`` archives each
+    message read (the leader's archive, which a group server on another machine does
+    not write: its log entries name objects the leader then holds; idempotent)."""
 
     def __init__(
         self,
@@ -53,11 +55,15 @@ class StoreGroupHosts:
         round_: int,
         attempt: int,
         clock: Callable[[], float] = time.time,
+        keep: Callable[[bytes], str] = lambda body: "",
     ) -> None:
         self._state, self._round, self._attempt, self._clock = state, round_, attempt, clock
+        self._keep = keep
 
     def stored_after(self, stage: str, seq: int) -> Sequence[tuple[int, StoredMessage]]:
-        rows = self._state.messages.after(self._round, self._attempt, stage, seq)
+        rows = list(self._state.messages.after(self._round, self._attempt, stage, seq))
+        for _, _, body in rows:
+            self._keep(body)
         return [(n, StoredMessage(stage, member, body)) for n, member, body in rows]
 
     def alive(self, url: str) -> bool:

@@ -180,7 +180,9 @@ class Lifecycle:
             shard_workers=self._ctx.cfg.round.shard_workers,
             stored=lambda stages: self._stored(spec, stages),
             # groups that group servers take: read from the store (round.group_servers)
-            group_hosts=StoreGroupHosts(self._ctx.ws.state, spec.round, spec.attempt),
+            group_hosts=StoreGroupHosts(
+                self._ctx.ws.state, spec.round, spec.attempt, keep=self._ctx.trail.keep
+            ),
         )
         return open_session(spec, inputs)
 
