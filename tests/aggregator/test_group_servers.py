@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
