@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+from digits_images import accuracy
 from digits_images.make_folder import make_folder
+from PIL import Image
 
 from fedsec.learning.training import DPParams, train_dataset
+from fedsec.simulation import SimulationSpec
 from fedsec.task import TrainingParams, load_task
 from fedsec.task.dp import check_dp_compatible
 
@@ -86,3 +90,37 @@ def test_resnet18_is_torchvisions_layer_for_layer_and_trains_under_dp() -> None:
         task=task, workers=0,
     )  # fmt: skip
     assert result.steps == 1 and not torch.equal(model.fc.weight, before)
+
+
+def test_distributed_federation_is_the_central_dp_sgd_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The accuracy bench's distributed-DP federation takes the central run's steps: one
+    round per step, its sampling rate, learning rate and (so) its noise multiplier."""
+    for split, per_class in (("train", 7), ("test", 1)):
+        for digit in range(10):
+            folder = tmp_path / split / str(digit)
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (32, 32)).save(folder / f"{i}.png")
+    specs: list[SimulationSpec] = []
+
+    async def simulate(spec: SimulationSpec) -> dict[str, object]:
+        specs.append(spec)
+        raise _Stop
+
+    monkeypatch.setattr(accuracy, "run_simulation", simulate)
+    args = ["--epochs", "3", "--batch-size", "16", "--lr", "0.2", "--folder", str(tmp_path)]
+    with pytest.raises(_Stop):
+        accuracy.main([*args, "--only", "federated"])
+    (spec,) = specs
+    rate, steps = 1 / 5, 15  # 70 records in batches of 16: 5 batches an epoch, 3 epochs
+    assert (spec.dp_mode, spec.dp_unit, spec.dp_epsilon) == ("distributed", "record", 8.0)
+    assert (spec.dp_sample_rate, spec.rounds) == (rate, steps)
+    assert (spec.server_optimizer, spec.server_lr, spec.dp_min_survivors) == ("fedavg", 0.2, 1.0)
+    # (the simulation sizes σ for `rounds` rounds of one step, the central run for one
+    # run of `steps` steps: noise_for_budget composes them alike, so σ is the same)
+
+
+class _Stop(Exception):
+    """Ends a run once its simulation spec is captured."""
