@@ -105,7 +105,8 @@ def test_distributed_federation_is_the_central_dp_sgd_run(
                 Image.new("RGB", (32, 32)).save(folder / f"{i}.png")
     specs: list[SimulationSpec] = []
 
-    async def simulate(spec: SimulationSpec) -> dict[str, object]:
+    async def simulate(spec: SimulationSpec, workdir: Path) -> dict[str, object]:
+        assert workdir.is_dir() and not str(workdir).startswith("/dev/shm")
         specs.append(spec)
         raise _Stop
 
