@@ -46,6 +46,7 @@ digits), so one secure sum yields both the weighted sum and the total weight.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,11 @@ WRAP_EDGE_FRACTION = 1 / 8
 # about 40 bytes a coordinate; above 2^16 the per-run overhead of the numpy calls is
 # below 1 % of the run's work.
 DECODE_BLOCK = 1 << 18
+# Shortest run of a decode in :meth:`UpdateCodec.decode_space`: runs of a power-of-two
+# length of at least 8 tile the power-of-two work vector, so every run but the last ends
+# at least 8 coordinates (64 bytes) before its end, more than the weight's elements take
+# (at most 16 of at most 2 bytes) behind the sums not yet read.
+_SPACE_MIN_RUN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,15 +274,60 @@ class UpdateCodec:
         return total, weight
 
     def decode_counted(
-        self, ring_sum: RingVector, members: int
+        self,
+        ring_sum: RingVector,
+        members: int,
+        work: npt.NDArray[np.float64] | None = None,
     ) -> tuple[npt.NDArray[np.float64], float, int]:
         """:meth:`decode_sum` and :meth:`edge_count` of one ring sum, from one pass
         over it (the aggregator's, as it closes a round).
 
+        Args:
+            ring_sum: the sum; where it lies in ``work`` (:meth:`decode_space`) it is
+                spent by the decode (overwritten, then zeros).
+            members: how many encodings it sums.
+            work: the float64 vector of :meth:`decode_space` to decode in; None: one of
+                the decode's own.
+
         Raises:
-            QuantizationError: see :meth:`decode_sum`.
+            QuantizationError: see :meth:`decode_sum`, or a ``work`` that is not
+                :meth:`decode_space`'s.
         """
-        return self._decode(ring_sum, members, count=True)
+        return self._decode(ring_sum, members, count=True, work=work)
+
+    def decode_space(self) -> tuple[npt.NDArray[np.float64], RingVector] | None:
+        """Room to unmask and decode one ring sum in: a zeroed float64 vector of
+        :attr:`padded` coordinates for :meth:`decode_counted`'s ``work``, and a zeroed
+        ring vector of :attr:`length` elements in its last bytes for the sum.
+
+        The decode fills the work vector a run of coordinates at a time, ascending: it
+        reads a run's sums, then writes the run's coordinates (zeros where the run
+        overlays the sum, the kept ones' values).  A run's coordinates take 8 bytes each
+        where its sums took at most 2, so no run reaches the sums not yet read
+        (:data:`_SPACE_MIN_RUN`).  The sum then costs no memory beside the decode's
+        vector, which is the round's peak (at 11M parameters the sum is 19 MiB beside
+        128 MiB; at 50M, 86 beside 512).
+
+        Returns None where the decode needs no such vector (the plain and distributed
+        kinds, no rotation) or the ring's elements are wider than 2 bytes.
+        """
+        if self.kind != "compressed" or self.rotation_seed is None:
+            return None
+        offset = self._space_offset()
+        if offset is None:
+            return None
+        space = _zeroed_space(8 * self.padded)
+        work = np.frombuffer(space, dtype=np.float64)
+        ring: RingVector = np.frombuffer(
+            space, dtype=self.quant.dtype, count=self.length, offset=offset
+        )
+        return work, ring
+
+    def _space_offset(self) -> int | None:
+        """Where :meth:`decode_space` puts the sum: its last byte the work vector's."""
+        itemsize = self.quant.dtype.itemsize
+        offset = 8 * self.padded - itemsize * self.length
+        return offset if itemsize <= 2 and offset >= 0 else None
 
     def decode_one(self, vector: RingVector) -> tuple[npt.NDArray[np.float64], float]:
         """One member's input back to (w·Δ, w), e.g. for a trusted-mode rule or an audit.
@@ -372,7 +423,12 @@ class UpdateCodec:
         return self._decode(ring_sum, members, count=True)[2]
 
     def _decode(
-        self, ring_sum: RingVector, members: int, count: bool, block: int = DECODE_BLOCK
+        self,
+        ring_sum: RingVector,
+        members: int,
+        count: bool,
+        block: int = DECODE_BLOCK,
+        work: npt.NDArray[np.float64] | None = None,
     ) -> tuple[npt.NDArray[np.float64], float, int]:
         """(Σ w·Δ, Σ w, and with ``count`` the edge count, else 0), decoded ``block``
         coordinates at a time straight into the one float64 vector that is unrotated in
@@ -392,7 +448,7 @@ class UpdateCodec:
             return total, dequantize_sum(values[-1:], members, self.quant)[1], 0
         if self.kind == "distributed":
             return self._decode_distributed(values, count, block)
-        return self._decode_compressed(values, members, count, block)
+        return self._decode_compressed(values, members, count, block, work)
 
     def _decode_distributed(
         self, values: RingVector, count: bool, block: int
@@ -413,11 +469,28 @@ class UpdateCodec:
         return self._unrotated(work), weight, edges
 
     def _decode_compressed(
-        self, values: RingVector, members: int, count: bool, block: int
+        self,
+        values: RingVector,
+        members: int,
+        count: bool,
+        block: int,
+        work: npt.NDArray[np.float64] | None,
     ) -> tuple[npt.NDArray[np.float64], float, int]:
         """Each run of kept sums goes straight to its coordinates in the rotated frame,
         times the rescale (and the rotation's 1/√N, as :func:`~fedsec.crypto.rotation.
-        unrotate` would multiply them)."""
+        unrotate` would multiply them).  The weight is read first and each run's sums
+        before its coordinates are written, the order :meth:`decode_space` relies on."""
+        overlaid = self.padded  # the first coordinate whose bytes may hold the sum
+        if work is None:
+            work = np.frombuffer(_zeroed_space(8 * self.padded), dtype=np.float64)
+        else:
+            offset = self._space_offset()
+            if work.shape != (self.padded,) or _space_of(work) is None or offset is None:
+                raise QuantizationError(
+                    f"a decode's work vector is decode_space()'s {self.padded} float64 values"
+                )
+            overlaid = offset // 8
+            block = max(_SPACE_MIN_RUN, 1 << (block - 1).bit_length())
         if self.wraps:
             weight = self._centred_weight(values, members)
         else:
@@ -426,7 +499,6 @@ class UpdateCodec:
         if self.rotation_seed is not None:
             factor /= math.sqrt(self.padded)
         multiply = factor != 1.0 or self.rotation_seed is not None
-        work = np.zeros(self.padded, dtype=np.float64)
         edges, used, quant = 0, 0, self._range_quant()
         for start, kept in kept_runs(self.subset_seed, self.padded, self.keep, block):
             run = values[used : used + kept.size]
@@ -439,6 +511,8 @@ class UpdateCodec:
                 sums = dequantize_run(run, members, quant)
             if multiply:
                 sums *= factor
+            if start + block > overlaid:  # the sum's bytes: every coordinate is written
+                work[start : start + block] = 0.0
             work[start + kept] = sums
         if self.rotation_seed is None:
             return work, weight, edges
@@ -446,11 +520,19 @@ class UpdateCodec:
 
     def _unrotated(self, work: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """``work`` (N prescaled coordinates) unrotated in place to its first d, the rest
-        of it given back to the allocator."""
+        of it given back: to the allocator (a vector of its own), or its pages to the
+        system (:func:`_zeroed_space`'s; a view of them, such as the spent ring sum of
+        :meth:`decode_space`, then reads zeros and never freed memory)."""
         assert self.rotation_seed is not None
         rotation.unrotate_prescaled(work, self.rotation_seed, self.dim)
-        work.resize(self.dim, refcheck=False)  # no view of work exists: nothing dangles
-        return work
+        space = _space_of(work)
+        if space is None:
+            work.resize(self.dim, refcheck=False)  # no view of work exists: nothing dangles
+            return work
+        first = -(-8 * self.dim // mmap.PAGESIZE) * mmap.PAGESIZE
+        if first < len(space):
+            space.madvise(mmap.MADV_DONTNEED, first, len(space) - first)
+        return work[: self.dim]
 
     def _count_edges(self, centred: npt.NDArray[np.int64]) -> int:
         """How many of a may-wrap kind's centred sums lie in the ring's edge region: in
@@ -523,6 +605,22 @@ class UpdateCodec:
         if self.rotation_seed is not None:
             return rotation.unrotate(full, self.rotation_seed, self.dim, scale=factor)
         return full * factor if factor != 1.0 else full
+
+
+def _zeroed_space(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of zeroed memory of the process's own, mapped apart from the
+    allocator's heap, so that a decode can give back the pages it no longer needs
+    (:meth:`UpdateCodec._unrotated`) while views of it stay valid memory."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+
+
+def _space_of(work: npt.NDArray[np.float64]) -> mmap.mmap | None:
+    """The :func:`_zeroed_space` that ``work`` is the whole of, or None."""
+    view: object = work.base
+    space = view.obj if isinstance(view, memoryview) else None
+    if isinstance(space, mmap.mmap) and work.flags.c_contiguous and work.nbytes == len(space):
+        return space
+    return None
 
 
 def _round_weight(value: float, seed: bytes) -> int:

@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fedsec.crypto.quantize import RingVector
 from fedsec.crypto.secagg import (
     AdvertiseKeys,
     ConsistencyProof,
@@ -130,22 +131,33 @@ class SecAggPlusSession(GroupSession):
             raise ValueError(f"stage {stage!r} is not closed by close()")
 
     def finalize(self) -> SummationResult:
-        result = self.finalize_ring()
         encoding = codec_for(self.spec)
-        weighted, weight, edges = encoding.decode_counted(result.ring_sum, len(result.survivors))
+        # the sum is unmasked at the end of the vector it is decoded in, which the
+        # decode overwrites: it is hashed first, and not held beside that vector
+        space = encoding.decode_space()
+        work, into = space if space is not None else (None, None)
+        result = self.finalize_ring(into)
+        # the ring sum's own buffer (contiguous, little-endian): no copy of it
+        sum_sha256 = hashlib.sha256(result.ring_sum.data).hexdigest()
+        weighted, weight, edges = encoding.decode_counted(
+            result.ring_sum, len(result.survivors), work
+        )
         return SummationResult(
             weighted_sum=weighted,
             weight_sum=weight,
             survivors=list(result.survivors),
             dropped=list(result.dropped),
-            # the ring sum's own buffer (contiguous, little-endian): no copy of it
-            sum_sha256=hashlib.sha256(result.ring_sum.data).hexdigest(),
+            sum_sha256=sum_sha256,
             edge_count=edges,
         )
 
-    def finalize_ring(self) -> RoundResult:
+    def finalize_ring(self, into: RingVector | None = None) -> RoundResult:
         """End the unmask stage: the survivors' sum in the ring, not yet decoded (a
         sharded attempt adds its groups' ring sums before decoding once).
+
+        Args:
+            into: where to unmask the sum (:meth:`UpdateCodec.decode_space`'s ring
+                vector); None: a vector of its own.
 
         Raises:
             RecoveryImpossible: a needed secret has fewer than t shares.
@@ -159,7 +171,7 @@ class SecAggPlusSession(GroupSession):
             len(s.answered),
             len(s.survivors),
         )
-        return s.finalize()
+        return s.finalize(into)
 
     def participant_count(self) -> int:
         return len(self.server.participants)

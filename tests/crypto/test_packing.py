@@ -111,5 +111,19 @@ def test_a_ring_sum_refuses_a_bad_vector_and_stays_unchanged(ring_bits: int) -> 
         np.testing.assert_array_equal(total.total(), before)
 
 
+@pytest.mark.parametrize("ring_bits", [9, 16, 23])
+def test_taking_a_ring_sum_gives_its_total_and_ends_it(ring_bits: int) -> None:
+    # the server's last use: the accumulator is given back, so nothing more is summed
+    count = 3 * 64 + 5
+    total = RingSum(count, ring_bits)
+    raw = pack(_random_ring(count, ring_bits, 7), ring_bits)
+    total.add(raw)
+    expected = total.total()
+    np.testing.assert_array_equal(total.take(), expected)
+    for refused in (lambda: total.add(raw), total.total, total.take):
+        with pytest.raises(ValueError, match="taken"):
+            refused()
+
+
 def test_warm_compiles_every_width_but_the_dtype_ones() -> None:
     assert packing.warm() == 2 * len(WIDTHS)

@@ -395,6 +395,13 @@ def _assert_runs_decode_as_whole(codec: Any, members: int, seed: int) -> None:
         assert got[0].shape == (codec.dim,) and got[0].dtype == np.float64
         assert got[0].tobytes() == np.ascontiguousarray(expected).tobytes(), block
         assert (got[1], got[2]) == (weight, edges)
+        space = codec.decode_space()
+        if space is not None:  # the sum at the end of the vector it is decoded in
+            work, into = space
+            into[...] = ring_sum
+            got = codec._decode(into, members, count=True, block=block, work=work)
+            assert got[0].tobytes() == np.ascontiguousarray(expected).tobytes(), block
+            assert (got[1], got[2]) == (weight, edges)
     assert codec.decode_sum(ring_sum, members)[0].tobytes() == expected.tobytes()
 
 
@@ -451,6 +458,49 @@ def test_a_wrapping_sum_decodes_in_runs_as_whole_with_its_edge_count(
     codec = codec_for(_wrapping(d, 50, bits, max(headroom, 6 - bits)))
     assert codec.wraps
     _assert_runs_decode_as_whole(codec, n, seed)
+
+
+def test_a_sum_decoded_in_its_space_is_spent_and_the_unneeded_pages_given_back() -> None:
+    # the aggregator's close: the sum is unmasked at the end of the vector it is decoded
+    # in; afterwards the pages past d are the system's again and the spent sum reads zeros
+    d, members = 3000, 10
+    codec = codec_for(_wrapping(d, members, 6, 3))
+    space = codec.decode_space()
+    assert space is not None
+    work, into = space
+    assert work.shape == (codec.padded,) and into.shape == (codec.length,)
+    ring_sum = _random_sum(codec, np.random.default_rng(1))
+    into[...] = ring_sum
+    got = codec.decode_counted(into, members, work)
+    expected = _whole_decode(codec, ring_sum, members)
+    assert got[0].tobytes() == np.ascontiguousarray(expected[0]).tobytes()
+    assert got[1:] == expected[1:]
+    assert not into.any()
+    # sums that decode to zero: a coordinate that kept the sum's bytes would not be
+    work, into = codec.decode_space() or (None, None)
+    assert work is not None and into is not None
+    into[: codec.keep] = members * codec.quant.levels // 2
+    into[codec.keep :] = ring_sum[codec.keep :]
+    assert not codec.decode_counted(into, members, work)[0].any()
+
+
+def test_a_decode_refuses_a_work_vector_that_is_not_its_space() -> None:
+    codec = codec_for(_wrapping(3000, 10, 6, 3))
+    ring_sum = _random_sum(codec, np.random.default_rng(2))
+    before = ring_sum.copy()
+    for work in (np.zeros(codec.padded), np.zeros(codec.padded + 1)):
+        with pytest.raises(QuantizationError, match="work vector"):
+            codec.decode_counted(ring_sum, 10, work)
+        assert not work.any()
+    assert np.array_equal(ring_sum, before)
+
+
+def test_only_a_rotated_compressed_codec_of_narrow_rings_offers_a_decode_space() -> None:
+    assert codec_for(_spec(300)).decode_space() is None  # plain
+    narrow = CodecSpec(rotation="hadamard", keep=0.5, range_stddevs=3.0)
+    assert codec_for(_spec(300, bits=8, codec=narrow)).decode_space() is not None
+    wide = _spec(300, bits=16, ring_bits=40, codec=narrow)  # 8-byte ring elements
+    assert codec_for(wide).decode_space() is None
 
 
 @pytest.mark.parametrize(("d", "members"), [(1, 3), (300, 5), (1025, 4)])

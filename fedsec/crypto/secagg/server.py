@@ -437,13 +437,18 @@ class ServerSession:
         except ShamirError as exc:
             raise ProtocolError(f"shares of {owner!r} are inconsistent: {exc}") from None
 
-    def finalize(self) -> RoundResult:
+    def finalize(self, into: RingVector | None = None) -> RoundResult:
         """Reconstruct the needed secrets and remove every mask.
+
+        Args:
+            into: a zeroed ring vector of the input length for the sum (its decoder's
+                placement, :meth:`fedsec.crypto.quantize.RingSum.take`); None: a new one.
 
         Raises:
             WrongStage: not in the unmask stage.
             RecoveryImpossible: a needed secret has fewer than t shares.
             ProtocolError: shares are inconsistent with the advertised keys.
+            ValueError: ``into`` is not a zeroed vector of the input length and dtype.
         """
         self._expect(ServerStage.UNMASK, "(finalize)")
         p = self.params
@@ -459,7 +464,8 @@ class ServerSession:
                 raise ProtocolError(
                     f"reconstructed mask key of {member!r} does not match its advertised key"
                 )
-        total = self._sum.total()
+        # the running sum ends here: its accumulator is not held beside the decode's
+        total = self._sum.take(into)
         for seed in seeds.values():
             masks.apply_self_mask(total, seed, p, add=False)
         for member, secret in keys.items():
