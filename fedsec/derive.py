@@ -74,7 +74,7 @@ def derive_model(
 
 def apply_mean(
     model: torch.nn.Module,
-    parent: dict[str, np.ndarray],
+    parent: dict[str, np.ndarray] | None,
     weighted_sum: np.ndarray,
     weight_sum: float,
     rule: ServerRule,
@@ -86,7 +86,8 @@ def apply_mean(
 
     Args:
         model: the task's model (its parameter order is the sum's).
-        parent: the parent version's arrays (:func:`fedsec.modelfile.decode_model`).
+        parent: the parent version's arrays (:func:`fedsec.modelfile.decode_model`);
+            None: ``model`` holds the parent already (read into its own tensors).
         weighted_sum: Σ w·Δ, one entry per parameter.
         weight_sum: Σ w.
         rule: the server optimiser.
@@ -100,7 +101,8 @@ def apply_mean(
         TaskMismatch: ``parent`` or ``weighted_sum`` does not fit ``model``.
         ValueError: FedAdam's moments do not have one entry per parameter.
         PayloadError: the step makes a parameter NaN or infinite; ``model`` then holds
-            ``parent``.
+            ``parent`` (given as None: part of the step, so the caller reads the parent
+            again before using ``model``).
     """
     if not weight_sum > 0:
         raise RoundAborted("the survivors' total weight is zero")
@@ -113,7 +115,8 @@ def apply_mean(
     adam = isinstance(rule, FedAdam)
     if adam and state is not None and (state.m.shape != (dim,) or state.v.shape != (dim,)):
         raise ValueError(f"FedAdam moments of shape {state.m.shape} for {(dim,)} parameters")
-    arrays_to_state(model, parent)
+    if parent is not None:
+        arrays_to_state(model, parent)
     moments = AdamMoments(np.empty(dim, np.float32), np.empty(dim, np.float32)) if adam else None
     offset = 0
     with torch.no_grad():
@@ -130,7 +133,8 @@ def apply_mean(
                 )
                 new, after = server_step(rule, values[start : start + hi - lo], mean, before)
                 if not np.all(np.isfinite(new)):
-                    arrays_to_state(model, parent)  # as if nothing had been stepped
+                    if parent is not None:
+                        arrays_to_state(model, parent)  # as if nothing had been stepped
                     raise PayloadError("parameter vector contains NaN or infinite values")
                 values[start : start + hi - lo] = new
                 if moments is not None and after is not None:

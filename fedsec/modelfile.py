@@ -155,7 +155,7 @@ def _layout(
     for name in sorted(arrays):
         _check_name(name)
         value = np.ascontiguousarray(np.asarray(arrays[name], dtype="<f4"))
-        if not bool(np.isfinite(value).all()):
+        if not _all_finite(value):
             raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
         tensors.append((name, value))
         end = offset + value.nbytes
@@ -168,6 +168,20 @@ def _layout(
     text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _HEADER_ALIGN)
     return struct.pack("<Q", len(text)) + text, tensors
+
+
+#: Elements checked for NaN and infinity at a time: the check's boolean temporary stays
+#: at 256 KiB, where a whole tensor's is a byte a parameter (48 MiB at 50M, the peak of
+#: reading or writing such a model).
+_FINITE_RUN = 1 << 18
+
+
+def _all_finite(value: np.ndarray[Any, Any]) -> bool:
+    """Whether every element of ``value`` is finite, checked a run at a time."""
+    flat = value.reshape(-1)
+    return all(
+        bool(np.isfinite(flat[i : i + _FINITE_RUN]).all()) for i in range(0, flat.size, _FINITE_RUN)
+    )
 
 
 def _raw(value: np.ndarray[Any, Any]) -> memoryview:
@@ -215,6 +229,7 @@ def read_model(
     *,
     expected_names: Collection[str] | None = None,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    into: Mapping[str, FloatArray] | None = None,
 ) -> tuple[dict[str, FloatArray], str]:
     """Decode and validate the ``size`` bytes of a model file that ``source`` reads
     next, a tensor at a time: each tensor's bytes are read straight into its array, so
@@ -226,13 +241,28 @@ def read_model(
         source: a binary file positioned at the model file's first byte.
         size: the model file's length (the caller has checked it against its limit).
         expected_names, expected_shapes: as for :func:`decode_model`.
+        into: tensor name -> a writable, contiguous little-endian float32 array of the
+            tensor's shape to read it into (e.g. a model's own parameters, so the file
+            costs no copy beside them); the file must hold exactly these names.  If the
+            read fails after the header, the arrays hold part of the file.
 
     Returns:
-        tensor name -> float32 array (writable), and the sha256 hex of the bytes read.
+        tensor name -> float32 array (writable; views of ``into``'s arrays where
+        given), and the sha256 hex of the bytes read.
 
     Raises:
-        IntegrityError: as :func:`decode_model`, or ``source`` ends early.
+        IntegrityError: as :func:`decode_model`, or ``source`` ends early; with
+            ``into``, names or shapes that are not its arrays' (before any is written).
+        ValueError: an array of ``into`` that is not such an array.
     """
+    if into is not None:
+        for name, target in into.items():
+            if target.dtype != np.dtype("<f4") or not target.flags.c_contiguous:
+                raise ValueError(f"tensor {name!r} is read into contiguous <f4 arrays only")
+            if not target.flags.writeable:
+                raise ValueError(f"tensor {name!r} cannot be read into a read-only array")
+        expected_names = list(into)
+        expected_shapes = {name: tuple(target.shape) for name, target in into.items()}
     digest = hashlib.sha256()
     header, header_bytes = _parse_header(source, size, digest)
     metadata = header.get("__metadata__", {})
@@ -272,12 +302,12 @@ def read_model(
     result: dict[str, FloatArray] = {}
     for name, _, count in _tensor_layout(header, names, size - 8 - header_bytes):
         # the tensors tile the data region in this order: read in sequence, one copy
-        value = np.empty(count, dtype="<f4")
+        value = np.empty(count, dtype="<f4") if into is None else into[name].reshape(-1)
         raw = value.data.cast("B")
         _read_into(source, raw, name)
         digest.update(raw)
         value = value.astype(np.float32, copy=False).reshape(header[name]["shape"])
-        if not bool(np.isfinite(value).all()):
+        if not _all_finite(value):
             raise IntegrityError(f"tensor {name!r} holds NaN or infinite values")
         result[name] = value
     return dict(sorted(result.items())), digest.hexdigest()

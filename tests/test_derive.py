@@ -106,6 +106,19 @@ def test_the_resnet_sized_run_boundaries_match(monkeypatch: pytest.MonkeyPatch) 
     assert flatten_params(models[0]).tobytes() == flatten_params(models[1]).tobytes()
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_a_model_that_holds_its_parent_steps_as_one_given_the_parent(rule: ServerRule) -> None:
+    # the aggregator reads the parent into the model's own tensors and passes None
+    ours, parent, weighted_sum = _case(5, np.float64)
+    theirs, _, _ = _case(5, np.float64)
+    arrays_to_state(ours, parent)
+    got = apply_mean(ours, None, weighted_sum, 3.0, rule)
+    want = apply_mean(theirs, parent, weighted_sum, 3.0, rule)
+    mine, reference = state_to_arrays(ours), state_to_arrays(theirs)
+    assert all(mine[k].tobytes() == reference[k].tobytes() for k in reference)
+    assert (got is None) == (want is None)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_a_non_finite_step_is_refused_and_leaves_the_parent() -> None:
     model, parent, weighted_sum = _case(3, np.float64)

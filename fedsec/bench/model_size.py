@@ -28,12 +28,11 @@ What is measured, and where:
   masked input is stored in a real SQLite state store as the aggregator's intake does,
   the stages close, the session finalizes (unmasking and the codec's decode), and the
   round is applied as :class:`~fedsec.aggregator.rounds.apply.ModelApplier` does: the
-  parent model file read a tensor at a time, :func:`fedsec.derive.apply_mean`, the new version
-  written a tensor at a time from the model's own tensors. ``aggregator_peak_rss_mb``
-  is that process's VmHWM, against the
-  target 4·d·4 B + 400 MB. The HTTP server's request buffers are not in it: an
-  aggregator reads at most ``server.max_concurrent_uploads`` (8) bodies at once, at most
-  8 · 1.01 · d bytes more.
+  parent model file read a tensor at a time into the model's own tensors,
+  :func:`fedsec.derive.apply_mean`, the new version written a tensor at a time from them.
+  ``aggregator_peak_rss_mb`` is that process's VmHWM, against the target 4·d·4 B + 400 MB.
+  The HTTP server's request buffers are not in it: an aggregator reads at most
+  ``server.max_concurrent_uploads`` (8) bodies at once, at most 8 · 1.01 · d bytes more.
 - **DP loop** (``dp_loop_over_opacus``, one row): one epoch of
   :func:`fedsec.learning.training.train_dataset` (Opacus with fedsec's CSPRNG noise,
   Poisson sampling, the task loss) against a plain Opacus loop (``make_private`` with
@@ -181,6 +180,7 @@ def _peak_rss_mb() -> float:
 def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], label: str) -> None:
     """The aggregator's side of one round, driven by messages on ``conn``; answers each
     with what the members need next, and the result and peak memory at the end."""
+    from fedsec.aggregator.rounds.apply import own_arrays
     from fedsec.aggregator.storage.sqlite.store import SqliteStateStore
     from fedsec.derive import apply_mean
     from fedsec.learning.optimizers import FedAvg
@@ -231,11 +231,11 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
         phases["inputs"] = _peak_rss_mb()
         result = session.finalize()
         phases["finalize"] = _peak_rss_mb()
-        with parent_file.open("rb") as source:  # as ModelStore.read_arrays reads it
-            arrays, _ = read_model(source, parent_file.stat().st_size)
         before = _head(model)  # the parent: the model was written from it
-        apply_mean(model, arrays, result.weighted_sum, result.weight_sum, FedAvg(1.0))
-        del arrays
+        # as ModelApplier reads it: ModelStore.read_arrays into the model's own tensors
+        with parent_file.open("rb") as source:
+            read_model(source, parent_file.stat().st_size, into=own_arrays(model))
+        apply_mean(model, None, result.weighted_sum, result.weight_sum, FedAvg(1.0))
         with (Path(tmp) / "v2.safetensors").open("wb") as out:  # as ModelApplier does
             written = write_model(model.state_dict(), out)
         phases["apply"] = _peak_rss_mb()

@@ -281,3 +281,31 @@ def test_read_arrays_reads_the_file_a_tensor_at_a_time_and_checks_its_hash(
         store.read_arrays(2, max_bytes=1 << 20)
     with pytest.raises(PayloadTooLarge):
         store.read_arrays(1, max_bytes=16)
+
+
+def test_read_arrays_into_a_models_own_arrays_holds_no_copy(store: ModelStore) -> None:
+    # the aggregator reads the parent into its model's tensors: the arrays it gets back
+    # are views of those, holding the file's values
+    own = {"w": np.zeros((3, 2), np.float32), "b": np.full(3, 7.0, np.float32)}
+    arrays = store.read_arrays(2, max_bytes=1 << 20, into=own)
+    for name, value in decode_model(store.read(2), max_bytes=1 << 20).items():
+        np.testing.assert_array_equal(own[name], value)
+        assert np.shares_memory(arrays[name], own[name])
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)},  # a shape
+        {"w": np.zeros((3, 2), np.float32)},  # a tensor short
+        {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32), "c": np.zeros(1)},
+    ],
+)
+def test_read_arrays_into_arrays_of_another_model_changes_none(
+    store: ModelStore, own: dict[str, np.ndarray]
+) -> None:
+    before = {name: value.copy() for name, value in own.items()}
+    with pytest.raises((IntegrityError, ValueError)):
+        store.read_arrays(2, max_bytes=1 << 20, into=own)
+    for name, value in own.items():
+        np.testing.assert_array_equal(value, before[name])

@@ -259,9 +259,21 @@ class ModelStore:
             verify_manifest(manifest, self._public, data, federation_id=self.federation_id)
             return data
 
-    def read_arrays(self, version: int, *, max_bytes: int) -> dict[str, npt.NDArray[np.float32]]:
+    def read_arrays(
+        self,
+        version: int,
+        *,
+        max_bytes: int,
+        into: Mapping[str, npt.NDArray[np.float32]] | None = None,
+    ) -> dict[str, npt.NDArray[np.float32]]:
         """The tensors of ``version``'s model file, read a tensor at a time (the file's
         bytes are never held whole) and checked against its signed manifest.
+
+        Args:
+            version: the model version.
+            max_bytes: refuse a larger file.
+            into: arrays to read the tensors into (:func:`fedsec.modelfile.read_model`);
+                on an error they may hold part of the file.
 
         Raises:
             NotFound, SignatureError: as for :meth:`get`.
@@ -269,6 +281,7 @@ class ModelStore:
                 (:func:`fedsec.modelfile.read_model`), or bytes that are not the ones the
                 manifest names.
             PayloadTooLarge: the file is larger than ``max_bytes``.
+            ValueError: an array of ``into`` is not contiguous writable ``<f4``.
         """
         with self._lock:
             manifest = self.get(version)
@@ -280,7 +293,7 @@ class ModelStore:
                         raise PayloadTooLarge(
                             f"model file is {size} bytes, the limit is {max_bytes}"
                         )
-                    arrays, sha = read_model(source, size)
+                    arrays, sha = read_model(source, size, into=into)
             except FileNotFoundError:
                 raise IntegrityError(
                     f"model file {manifest.sha256}.safetensors of version {version} is missing"
