@@ -155,6 +155,13 @@ def federated(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         "federated_total_s": round(time.perf_counter() - started, 1),
         "federated_round_s_mean": result["round_s_mean"],
         "dim": result["dim"],
+        # distributed DP: the noise the sums carried (≥ the central run's) and the
+        # share of their coordinates at the ring's edge
+        **{
+            f"federated_{key}": result[key]
+            for key in ("realised_noise_multiplier_min", "survivors_min", "wrap_rate")
+            if key in result
+        },
     }
 
 
