@@ -48,8 +48,13 @@ class GroupHosts(Protocol):
         with its own, in the order they were stored."""
         ...
 
-    def alive(self, url: str) -> bool:
-        """Whether the group server at ``url`` wrote its heartbeat recently enough."""
+    def now(self) -> float:
+        """The clock :meth:`alive` reads (Unix time)."""
+        ...
+
+    def alive(self, url: str, last_message_at: float) -> bool:
+        """Whether the group server at ``url`` wrote its heartbeat, or stored one of its
+        group's messages (read at ``last_message_at``), recently enough."""
         ...
 
     def taken_over(self, group: int) -> bool:
@@ -84,6 +89,7 @@ class ServedGroup(GroupSession):
         self._open = 0  # index in stages of the stage open now
         self._cursor = 0  # the store's sequence number read up to, in that stage
         self._seen: set[tuple[str, str]] = set()  # (stage, member) the inner session has
+        self._last_message_at = hosts.now()  # when a message of the server's was last read
         self.served_here = hosts.taken_over(group)
 
     # -- what the group server stored ---------------------------------------------------------
@@ -102,10 +108,12 @@ class ServedGroup(GroupSession):
                 continue
             self.inner.replay(stage_, member, raw)
             self._seen.add((stage_, member))
+            self._last_message_at = self._hosts.now()
 
     def _watch(self) -> None:
-        """Take the group over once its server stopped writing its heartbeat."""
-        if not self.served_here and not self._hosts.alive(self.url):
+        """Take the group over once its server stopped writing its heartbeat and
+        storing its messages."""
+        if not self.served_here and not self._hosts.alive(self.url, self._last_message_at):
             self._hosts.take_over(self.group)
             self.served_here = True
             self.pull()  # what the server stored before the take-over committed

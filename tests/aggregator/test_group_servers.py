@@ -25,11 +25,16 @@ import aiohttp
 import numpy as np
 import pytest
 
+from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.groups import hosts
+from fedsec.aggregator.groups.desk import GroupDesk
+from fedsec.aggregator.groups.hosts import StoreGroupHosts
+from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.httpsig import sign_request
-from fedsec.errors import WrongGroup
-from fedsec.protocol import wire
+from fedsec.errors import WrongGroup, WrongStage
+from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import group_index
 from tests.support.agent import LiveAggregator, live_aggregator
 from tests.support.aggregator import (
@@ -42,8 +47,6 @@ from tests.support.aggregator import (
     make_federation,
     model_params,
 )
-
-pytestmark = pytest.mark.slow  # group server processes start; a round runs over HTTP
 
 MEMBERS = tuple(f"g{i}" for i in range(6))
 SERVE = (sys.executable, "-m", "fedsec", "aggregator", "group-serve")
@@ -226,6 +229,7 @@ def _check_model(fed: Federation, cohort: Cohort) -> None:
     assert (verified.rounds_verified, verified.models_verified) == (1, 1)
 
 
+@pytest.mark.slow  # group server processes start; a round runs over HTTP
 def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
     async def main() -> None:
         async with _round(tmp_path) as (fed, live, urls, _):
@@ -276,7 +280,13 @@ def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_a_killed_group_server_is_taken_over_without_losing_the_round(tmp_path: Path) -> None:
+@pytest.mark.slow  # group server processes start; a round runs over HTTP
+def test_a_killed_group_server_is_taken_over_without_losing_the_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the leader runs in this process: it gives up on a silent server after 1.5 s here
+    monkeypatch.setattr(hosts, "STALE_S", 1.5)
+
     async def main() -> None:
         async with _round(tmp_path) as (fed, live, _, procs):
             spec = live.coordinator.live.spec
@@ -300,3 +310,45 @@ def test_a_killed_group_server_is_taken_over_without_losing_the_round(tmp_path: 
             _check_model(fed, cohort)
 
     asyncio.run(main())
+
+
+def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
+    """The desk's refusals, in process: another group's member (421 naming its server),
+    a group the leader took over (503 not_leader: the member moves on to the leader),
+    a stage the store is not in; each leaves the store as it was."""
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    fed = _federation(tmp_path / "ws", urls)
+    coord = Coordinator(fed.ws)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    spec = coord.live.spec
+    assert spec is not None and coord.live.stage == "advertise"
+    cohort = Cohort(spec, fed.identities)
+    desk = GroupDesk(fed.ws, urls[0])
+
+    def advertise(m: str) -> None:
+        body = cohort.advertise(m)
+        desk.accept(
+            m, 1, 0, "advertise", wire.encode(body), lambda m: codec.advertise_message(m, body)
+        )
+
+    ours, theirs = spec.groups[0].members, spec.groups[1].members
+    with pytest.raises(WrongGroup, match=f"group 1 of round 1, served at {urls[1]}"):
+        advertise(theirs[0])
+    advertise(ours[0])
+    assert fed.ws.state.messages.count(1, 0, "advertise") == 1
+    StoreGroupHosts(fed.ws.state, 1, 0).take_over(0)
+    with pytest.raises(NotLeader, match="taken over by the leader"):
+        advertise(ours[1])
+    assert fed.ws.state.messages.count(1, 0, "advertise") == 1
+    shares = wire.ShareKeysBody(shares=[])
+    with pytest.raises(WrongStage, match="is in stage advertise"):
+        desk.accept(
+            ours[2],
+            1,
+            0,
+            "share_keys",
+            wire.encode(shares),
+            lambda m: codec.share_keys_message(m, shares),
+        )
+    assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
