@@ -222,11 +222,12 @@ def _aggregator(conn: Connection, spec_raw: bytes, roster: dict[str, bytes], lab
             if stage == "finalize":
                 break
             session.receive(stage, message)
-            if stage == "masked_input":  # stored as received, as the intake does
-                with store.transaction():
-                    store.messages.add(
-                        spec.round, spec.attempt, stage, message.member, message.vector
-                    )
+            # every accepted message is stored as the intake stores it (SQLite's cached
+            # INSERT then holds the last body bound until the next: a masked input's
+            # only until the consistency stage's first signature)
+            body = message.vector if stage == "masked_input" else msgspec.msgpack.encode(message)
+            with store.transaction():
+                store.messages.add(spec.round, spec.attempt, stage, message.member, body)
             conn.send(None)
         phases["inputs"] = _peak_rss_mb()
         result = session.finalize()

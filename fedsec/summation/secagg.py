@@ -29,6 +29,7 @@ from fedsec.protocol.ddp import is_distributed
 from fedsec.protocol.replay import feed_accepted
 from fedsec.protocol.stages import SECAGG_STAGES, Stage
 from fedsec.summation.group_worker import GroupWorker
+from fedsec.summation.heap import release_free_heap
 from fedsec.summation.mode import (
     SessionInputs,
     StageWindow,
@@ -132,6 +133,7 @@ class SecAggPlusSession(GroupSession):
 
     def finalize(self) -> SummationResult:
         encoding = codec_for(self.spec)
+        release_free_heap()  # what the round's inputs left free, before its peak
         # the sum is unmasked at the end of the vector it is decoded in, which the
         # decode overwrites: it is hashed first, and not held beside that vector
         space = encoding.decode_space()
