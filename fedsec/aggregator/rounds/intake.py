@@ -154,13 +154,13 @@ class Intake:
         ``body``, validated by the session, stored, archived and logged (with
         ``commitment`` and ``signature``, a commit's, in the entry); the stage closes
         once complete."""
-        if self._accepted_before(member, r, a, stage, raw):
+        stored = self._stored(member, r, a, stage)
+        if stored == raw:
             return
         live = self._live
         live.expect(member, r, a, stage)
         live.in_cohort(member)
-        if self._idempotent(live, stage, member, raw):
-            return
+        _refuse_different(stored, stage, member)
         live.summing().receive(stage, decode(member, body))
         self._record(live, stage, member, raw, commitment=commitment, signature=signature)
         self._lifecycle.close_if_complete()
@@ -187,13 +187,13 @@ class Intake:
     def _masked_input(
         self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
     ) -> wire.Receipt:
-        if self._accepted_before(member, r, a, "masked_input", raw):
+        stored = self._stored(member, r, a, "masked_input")
+        if stored == raw:
             return self.receipt(member, r)
         live = self._live
         live.expect(member, r, a, "masked_input")
         live.in_cohort(member)
-        if self._idempotent(live, "masked_input", member, raw):
-            return self.receipt(member, r)
+        _refuse_different(stored, "masked_input", member)
         digest = hashlib.sha256(raw).hexdigest()
         session = live.summing()
         statement = wire.ContributionStatement(
@@ -254,15 +254,15 @@ class Intake:
             PayloadError, SignatureError, ProtocolError, IntegrityError, BadVector: the
                 decryption does not check out (:class:`HeSession`); nothing stored.
         """
-        if self._accepted_before(member, r, a, "decrypt", raw):
+        stored = self._stored(member, r, a, "decrypt")
+        if stored == raw:
             return
         # decoded first: a malformed body is refused as such, whatever the stage
         message = decode_decryption(member, raw, self._ctx.cfg.server.max_json_bytes)
         live = self._live
         live.expect(member, r, a, "decrypt")
         session = self.he_session(member, r, a, "decrypt")
-        if self._idempotent(live, "decrypt", member, raw):
-            return
+        _refuse_different(stored, "decrypt", member)
         session.receive("decrypt", message)
         ctx = self._ctx
         try:
@@ -324,21 +324,15 @@ class Intake:
             ctx.faults.crash(live.round, f"{stage}:{count}")
         return receipt
 
-    def _accepted_before(self, member: str, r: int, a: int, stage: str, body: bytes) -> bool:
-        """True when this exact message was already durably accepted for that attempt,
-        whatever the stage is now: the member's retry after an answer lost to a crash
-        (the message that moved the round on, e.g. the last advertise, was stored, then
-        the aggregator died before answering) gets the same answer, not wrong_stage."""
-        return self._ctx.ws.state.messages.get(r, a, stage, member) == body
-
-    def _idempotent(self, live: Attempt, stage: str, member: str, body: bytes) -> bool:
-        """True when this exact message was already accepted; refuse a different one."""
-        stored = self._ctx.ws.state.messages.get(live.round, live.attempt, stage, member)
-        if stored is None:
-            return False
-        if stored == body:
-            return True
-        raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
+    def _stored(self, member: str, r: int, a: int, stage: str) -> bytes | None:
+        """The message ``member`` had durably accepted for that attempt's ``stage``, if
+        any.  One identical to it is the member's retry and gets the same answer whatever
+        the stage is now, e.g. after an answer lost to a crash (the message that moved
+        the round on, say the last advertise, was stored, then the aggregator died before
+        answering), not wrong_stage; a different one is refused (:func:`_refuse_different`)
+        once the attempt is known to be the current one.  Read once: nothing is written
+        between the read and the refusal."""
+        return self._ctx.ws.state.messages.get(r, a, stage, member)
 
     def _closed_without(self, member: str, r: int, a: int) -> bool:
         """True for the late unmask answer of a member whose masked input the attempt,
@@ -360,3 +354,10 @@ class Intake:
         if stored is None:
             raise NotFound(f"no accepted contribution from {member} in round {round_}")
         return msgspec.json.decode(stored, type=wire.Receipt)
+
+
+def _refuse_different(stored: bytes | None, stage: str, member: str) -> None:
+    """Raises DuplicateMessage: ``member`` had another ``stage`` message accepted in the
+    current attempt (``stored``, already known to differ from the one now sent)."""
+    if stored is not None:
+        raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
