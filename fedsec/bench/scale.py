@@ -163,6 +163,13 @@ def _shard_counts(text: str) -> list[int]:
     help="with --shards: also each shard count above 1 with its groups in worker processes",
 )
 @click.option(
+    "--intake",
+    default="",
+    help="with one --shards count > 1, e.g. 0,1,2,4: instead, each member count's upload "
+    "stages taken by that many group server processes (0: the leader), accepted messages "
+    "per second at the store (fedsec/bench/scale_intake.py)",
+)
+@click.option(
     "--member-processes",
     type=int,
     default=0,
@@ -186,11 +193,18 @@ def bench_scale(
     dim: int,
     dropout: float,
     shard_workers: bool,
+    intake: str,
     member_processes: int,
     trace_memory: Path | None,
     as_json: bool,
 ) -> None:
     """One aggregator under growing rosters: CPU per member-round, peak RSS, wall time."""
+    if intake:
+        groups = _shard_counts(shards) if shards else []
+        if len(groups) != 1 or groups[0] < 2:
+            raise click.BadParameter("--intake needs one --shards count of at least 2")
+        _bench_intake(_counts(members), groups[0], _server_counts(intake), as_json)
+        return
     if shards:
         counts, groups = _counts(members), _shard_counts(shards)
         _bench_shards(counts, groups, dim, dropout, seed, shard_workers, as_json)
@@ -213,6 +227,33 @@ def bench_scale(
                 f"{row['wall_s_per_round']} s per round, "
                 f"{row['connections_refused']} connections refused"
             )
+
+
+def _server_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("--intake takes comma-separated integers") from None
+    if not counts or min(counts) < 0:
+        raise click.BadParameter("--intake needs group server counts of at least 0")
+    return counts
+
+
+def _bench_intake(members: list[int], shards: int, servers: list[int], as_json: bool) -> None:
+    from fedsec.bench.scale_intake import intake_rows
+
+    def emit(row: dict[str, Any]) -> None:
+        if as_json:
+            click.echo(json.dumps(row, sort_keys=True))
+        else:
+            click.echo(
+                f"{row['members']:>5} members in {row['shards']} groups, "
+                f"{row['group_servers']} group server(s): {row['accepted_per_s']} accepted "
+                f"messages/s ({row['accepted_per_s_by_stage']})"
+            )
+
+    for count in members:
+        intake_rows(count, shards, servers, emit)
 
 
 def _bench_shards(

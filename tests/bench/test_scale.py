@@ -45,6 +45,13 @@ def test_member_counts_are_checked() -> None:
     assert result.exit_code != 0 and "comma-separated integers" in result.output
 
 
+def test_intake_needs_one_shard_count_and_server_counts() -> None:
+    result = CliRunner().invoke(bench_scale, ["--members", "8", "--intake", "0,1"])
+    assert result.exit_code != 0 and "one --shards count of at least 2" in result.output
+    result = CliRunner().invoke(bench_scale, ["--shards", "2", "--intake", "1,x"])
+    assert result.exit_code != 0 and "comma-separated integers" in result.output
+
+
 # The child waits for the hook's first snapshot, as a bench waits for its aggregator.
 _WAIT_FOR_SNAPSHOT = """
 import pathlib, sys, time
