@@ -25,6 +25,8 @@ import aiohttp
 import numpy as np
 import pytest
 
+from fedsec.agent.runtime import AgentRuntime
+from fedsec.agent.vault import Vault
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import GroupDesk
@@ -36,6 +38,9 @@ from fedsec.crypto.httpsig import sign_request
 from fedsec.errors import WrongGroup, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import group_index
+from tests.agent.test_agent_runtime import round_spec
+from tests.summation.test_sharded_agents import MEMBERS as AGENTS
+from tests.summation.test_sharded_agents import _config as agent_config
 from tests.support.agent import LiveAggregator, live_aggregator
 from tests.support.aggregator import (
     Cohort,
@@ -101,13 +106,15 @@ async def _healthy(urls: list[str]) -> None:
                 await asyncio.sleep(0.05)
 
 
-def _federation(root: Path, urls: list[str]) -> Federation:
+def _federation(root: Path, urls: list[str], members: tuple[str, ...] = MEMBERS) -> Federation:
     return make_federation(
         root,
-        MEMBERS,
+        members,
         round={
-            "min_agents": len(MEMBERS),
-            "max_agents": len(MEMBERS),
+            "rounds": 1,
+            "max_weight_samples": 1000,
+            "min_agents": len(members),
+            "max_agents": len(members),
             "shards": 2,
             "min_shard_members": 3,
             "group_servers": urls,
@@ -122,17 +129,20 @@ def _federation(root: Path, urls: list[str]) -> Federation:
 
 @contextlib.asynccontextmanager
 async def _round(
-    tmp_path: Path,
+    tmp_path: Path, members: tuple[str, ...] = MEMBERS, *, join: bool = True
 ) -> AsyncIterator[tuple[Federation, LiveAggregator, list[str], list[subprocess.Popen[bytes]]]]:
+    """The leader (in this process) and two group servers; with ``join``, the members
+    joined and the cohort fixed."""
     urls = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
-    fed = _federation(tmp_path / "ws", urls)
+    fed = _federation(tmp_path / "aggregator", urls, members)
     with _group_servers(fed.root, urls) as procs:
         async with live_aggregator(fed) as live:
             await _healthy(urls)
             coord = live.coordinator
-            for m in MEMBERS:
-                assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-            await _until(lambda: coord.live.spec is not None, "the cohort")
+            if join:
+                for m in members:
+                    assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+                await _until(lambda: coord.live.spec is not None, "the cohort")
             yield fed, live, urls, procs
 
 
@@ -223,19 +233,63 @@ def _check_model(fed: Federation, cohort: Cohort) -> None:
     np.testing.assert_array_equal(
         new, expected_params(old, [cohort.quantized[m] for m in MEMBERS], cohort.spec)
     )
+    _verified(fed)
+
+
+def _verified(fed: Federation) -> None:
     audit = fed.root / "audit"
     verified = verify_log(audit / "log.jsonl", audit / "archive", fed.root)
     assert verified.ok, verified.problem
     assert (verified.rounds_verified, verified.models_verified) == (1, 1)
 
 
-@pytest.mark.slow  # group server processes start; a round runs over HTTP
+@pytest.mark.slow  # group server processes start; six real agents train and run a round
 def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
+    """Real agents: each learns its group's server from the signed spec and sends it its
+    stage messages; the leader takes none of them, and the model is the exact sum of the
+    updates the members kept."""
+
+    async def main() -> None:
+        async with _round(tmp_path, AGENTS, join=False) as (fed, live, urls, _):
+            key = fed.ws.signer.public_bytes
+            runtimes = [
+                AgentRuntime(
+                    agent_config(tmp_path, live.url, m, key), fed.identities[m], poll_timeout_s=2.0
+                )
+                for m in AGENTS
+            ]
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(rt.run(max_rounds=1) for rt in runtimes)), 120
+            )
+            assert [[o.status for o in outs] for outs in outcomes] == [["closed"]] * len(AGENTS)
+            spec = round_spec(fed, 1, 0)
+            assert [g.url for g in spec.groups] == urls  # signed: members follow no other
+            # every stage upload went to a group server: the leader took none of them
+            uploads = ("advertise", "shares", "masked-input", "consistency", "unmask")
+            assert not [
+                p for method, p in live.requests if method == "POST" and p.endswith(uploads)
+            ]
+            async with aiohttp.ClientSession() as http:
+                counts = []
+                for url in urls:
+                    async with http.get(f"{url}/v1/health") as resp:
+                        counts.append((await resp.json())["accepted"])
+            assert counts == [5 * len(g.members) for g in spec.groups]
+            kept = [Vault(tmp_path / m).load_update(1, 0).update for m in AGENTS]
+            np.testing.assert_array_equal(
+                model_params(fed.ws, 2), expected_params(model_params(fed.ws, 1), kept, spec)
+            )
+            _verified(fed)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow  # group server processes start
+def test_a_request_for_another_group_or_replayed_elsewhere_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
         async with _round(tmp_path) as (fed, live, urls, _):
             spec = live.coordinator.live.spec
             assert spec is not None
-            assert [g.url for g in spec.groups] == urls  # signed: members follow no other
             cohort = Cohort(spec, fed.identities)
             outsider = spec.groups[0].members[0]
             path = "/v1/rounds/1/advertise?attempt=0"
@@ -259,23 +313,6 @@ def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
                         assert resp.status == 401, replayed
                     assert "replayed nonce" in replayed["detail"]
                 assert fed.ws.state.messages.count(1, 0, "advertise") == 0
-            before = len(live.requests)
-            async with _clients(fed, live, spec) as clients:
-                await _run(fed, live, clients, cohort)
-            # every message went through a group server: none was taken by the leader
-            async with aiohttp.ClientSession() as http:
-                counts = []
-                for url in urls:
-                    async with http.get(f"{url}/v1/health") as resp:
-                        counts.append((await resp.json())["accepted"])
-            assert counts == [5 * len(g.members) for g in spec.groups]
-            uploads = ("advertise", "shares", "masked-input", "consistency", "unmask")
-            assert not [
-                p
-                for method, p in live.requests[before:]
-                if method == "POST" and p.endswith(uploads)
-            ]
-            _check_model(fed, cohort)
 
     asyncio.run(main())
 
