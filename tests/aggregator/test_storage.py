@@ -171,6 +171,14 @@ def test_messages_replay_in_acceptance_order(backend: Backend, state: StateStore
         state.messages.add(1, 0, "advertise", "m0", b"again")
     assert state.messages.get(1, 0, "advertise", "m0") == b"m0"
     assert state.messages.count(1, 0, "advertise") == 3
+    # what a reader that saw up to a sequence number lacks (the leader reading what
+    # group servers stored): that stage and attempt only, in order
+    assert list(state.messages.after(1, 0, "advertise", seqs[0])) == [
+        (seqs[1], "m0", b"m0"),
+        (seqs[2], "m1", b"m1"),
+    ]
+    assert list(state.messages.after(1, 0, "advertise", seqs[2])) == []
+    assert [m for _, m, _ in state.messages.after(1, 0, "share_keys", 0)] == ["m0"]
 
 
 def test_reports_and_their_epsilons(backend: Backend, state: StateStore) -> None:
