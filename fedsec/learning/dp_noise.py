@@ -28,7 +28,7 @@ from fedsec.errors import ConfigError
 _NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
 
 #: Noise values a CPU thread computes at a time, and threads computing them. A block's
-#: words and float32 scratch (0.8 MiB) stay in L2 between the 17 passes over them, where
+#: words and float32 scratch (0.8 MiB) stay in L2 between the 19 passes over them, where
 #: passes over whole tensors go to memory each time (ResNet-18's 11.2M values a step:
 #: 0.48 s in whole-tensor passes, 0.14-0.24 s in blocks of 2^14, under load). The CPU
 #: passes are numpy's: torch's float kernels start their OpenMP team on every call of
@@ -187,22 +187,24 @@ def make_private(
 
 @dataclass(frozen=True)
 class _Precision:
-    """The uniforms of noise computed in ``dtype`` (torch's ``dtype_torch``): ``bits``-bit
-    integers from the low bits of little-endian stream words of ``word`` (torch holds
-    them as the signed type of the same width, ``word_torch``, which it computes on)."""
+    """How noise in ``dtype`` (torch's ``dtype_torch``) reads the stream: words of
+    ``word`` (torch holds them as the signed ``word_torch`` of that width), a radius's
+    uniform from a word's low ``radius_bits``, an angle's from its low ``angle_bits``."""
 
     dtype: type[np.floating[Any]]
     dtype_torch: torch.dtype
     word: type[np.unsignedinteger[Any]]
     word_torch: torch.dtype
-    bits: int
+    radius_bits: int
+    angle_bits: int
 
 
-#: float32 takes 24-bit uniforms from 32-bit words (its mantissa holds 24 bits, so each
-#: uniform is exact); float64 takes 53-bit ones from 64-bit words. Narrower parameter
-#: dtypes (float16, bfloat16) get float32 noise rounded to their dtype.
-_FLOAT32 = _Precision(np.float32, torch.float32, np.uint32, torch.int32, 24)
-_FLOAT64 = _Precision(np.float64, torch.float64, np.uint64, torch.int64, 53)
+#: float32 noise reads 32-bit words: an angle takes 24 bits (the mantissa's, so the
+#: uniform is exact), a radius the whole word, so the normal's tail reaches 6.66 instead
+#: of 5.77 (see :func:`secure_gaussian`); float64 noise reads 64-bit words, 53 bits for
+#: both. Narrower parameter dtypes (float16, bfloat16) get float32 noise rounded to them.
+_FLOAT32 = _Precision(np.float32, torch.float32, np.uint32, torch.int32, 32, 24)
+_FLOAT64 = _Precision(np.float64, torch.float64, np.uint64, torch.int64, 53, 53)
 
 
 def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) -> torch.Tensor:
@@ -212,23 +214,28 @@ def secure_gaussian(seed: bytes, domain: bytes, std: float, like: torch.Tensor) 
 
     Value j is ``(std/2)·(r₀cos θ₀ + r₁cos θ₁ + r₀sin θ₀ + r₁sin θ₁)``, two Box-Muller
     pairs from the stream's words 4j .. 4j+3 (little-endian; 32-bit words for float32
-    noise, 64-bit for float64): each word's low k bits m give the uniform u = m·2^-k on
-    [0, 1), k = 24 or 53; r₀, r₁ = √(-2 ln(1 - u)) of words 4j and 4j+1 (computed as
-    ``log1p(-u)``), θ₀, θ₁ = 2π·u of words 4j+2 and 4j+3. 1 - u is at
-    least 2^-k, so ln never sees 0 and a radius is at most √(2k ln 2): 5.77 at k = 24,
-    8.57 at k = 53. Each step is one operation rounded to the noise's dtype, in the
-    order of :func:`_normals_sum`.
+    noise, 64-bit for float64), m a word's low k bits: r₀, r₁ = √(-2 ln x) of words 4j
+    and 4j+1, x = (m + 1)·2^-k with k = 32 (the whole word; m and then m + 1 rounded to
+    float32, exact below 2^24, where the tail is) or 53; θ₀, θ₁ = 2π·m·2^-k of
+    words 4j+2 and 4j+3 with k = 24 (exact in float32) or 53. x is at least 2^-k, so ln
+    never sees 0, and a radius is at most √(2k ln 2): 6.66 at k = 32, 8.57 at k = 53.
+    Each step is one operation rounded to the noise's dtype, in the order of
+    :func:`_normals_sum`.
 
     Why float32 suffices for float32 parameters: Opacus' secure_mode draws in the
-    parameter's own dtype, with torch's float32 Box-Muller from 24-bit uniforms and
-    float32 log, cos and sin, so this is its precision exactly, and the 4-normal sum
-    (Holohan and Braghin, 2021) is the defence against the floating-point attack at that
-    precision. float32 log1p, sin and cos err by at most a few units in the last place,
-    about 10⁻⁷ of a value, and the noise is rounded to float32 when it is added to the
-    float32 gradient anyway. A radius's largest value, 5.77, cuts from each normal the
-    tail of mass 2^-24 beyond it (the Rayleigh tail is exp(-r²/2)), the cut torch's and
-    Opacus' float32 normals make. float64 parameters keep 53-bit uniforms and float64
-    math.
+    parameter's own dtype, with torch's float32 Box-Muller (24-bit uniforms) and float32
+    log, cos and sin, and the 4-normal sum (Holohan and Braghin, 2021) is its defence
+    against the floating-point attack at that precision. float32 log, sin and cos err by
+    at most a few units in the last place, about 10⁻⁷ of a value, and the noise is
+    rounded to float32 when it is added to the float32 gradient anyway. What the
+    precision does bound is the tail: a value is at most √2·(largest radius) standard
+    deviations, so an output one neighbouring dataset's noise can reach and the other's
+    cannot needs a coordinate beyond that bound less Δ/σ = 1/z. With the whole
+    sensitivity on one coordinate (the worst case), numerical integration of the sum's
+    law gives that 5.4·10⁻¹⁴ a step at noise multiplier z = 0.5 and 10⁻¹⁷ at z = 1 with
+    32-bit radii; with 24-bit ones (torch's float32 normals) 3.4·10⁻¹⁰ and 2.2·10⁻¹³, which
+    over 10⁵ steps would reach a δ of 10⁻⁵. So radii take the whole word: the same
+    keystream, one more pass. float64 parameters keep 53 bits and float64 math.
 
     The values are a function of (seed, domain, std, shape, dtype) and of the processor
     that computes them: bit for bit the same on one machine whatever the blocks and
@@ -272,12 +279,13 @@ def _cpu_noise(
         # the thread's blocks, interleaved with the other threads', in its own buffers
         size = _padded(min(count, NOISE_BLOCK))
         words = np.empty((size, _NOISE_DRAWS), dtype=precision.word)
+        draws = np.empty((_NOISE_DRAWS, size), dtype=precision.word)
         work = np.empty((2 * _NOISE_DRAWS + 1, size), dtype=precision.dtype)
         for start in starts[lane::threads]:
             stop = min(count, start + NOISE_BLOCK)
             n = _padded(stop - start)
             prg.expand_into_at(seed, domain, _NOISE_DRAWS * start, words[:n])
-            total = _normals_sum(np, words[:n], precision.bits, scale, work[:, :n])
+            total = _normals_sum(np, words[:n], draws[:, :n], precision, scale, work[:, :n])
             out[start:stop] = total[: stop - start]
 
     if threads <= 1:
@@ -302,26 +310,38 @@ def _device_noise(
     n = _padded(count)
     words = torch.empty((n, _NOISE_DRAWS), dtype=precision.word_torch)
     prg.expand_into_at(seed, domain, 0, words.numpy().view(precision.word))
+    # int64 on the device: a 32-bit word's radius bits are its unsigned value, which the
+    # signed int32 torch holds it in cannot be
+    wide = words.to(device).to(torch.int64)
+    draws = torch.empty((_NOISE_DRAWS, n), dtype=torch.int64, device=device)
     work = torch.empty((2 * _NOISE_DRAWS + 1, n), dtype=precision.dtype_torch, device=device)
-    total: torch.Tensor = _normals_sum(torch, words.to(device), precision.bits, scale, work)
+    total: torch.Tensor = _normals_sum(torch, wide, draws, precision, scale, work)
     return total[:count]
 
 
-def _normals_sum(xp: Any, words: Any, bits: int, scale: float, work: Any) -> Any:
+def _normals_sum(
+    xp: Any, words: Any, draws: Any, precision: _Precision, scale: float, work: Any
+) -> Any:
     """``scale`` times the sum of the 4 normals of each value of :func:`secure_gaussian`,
-    from its row of 4 ``words`` (overwritten), by ``xp`` (numpy on its arrays, or torch
-    on its tensors: the same element-wise operations, each rounded once in ``work``'s
-    dtype, Python scalars taking that dtype): the last row of ``work`` (9 rows as long
-    as ``words``, its scratch)."""
-    xp.bitwise_and(words, (1 << bits) - 1, out=words)
+    from its row of 4 ``words`` (unsigned or non-negative), by ``xp`` (numpy on its
+    arrays, or torch on its tensors: the same element-wise operations, each rounded once
+    in ``work``'s dtype, Python scalars taking that dtype): the last row of ``work`` (9
+    rows as long as ``words``, its scratch; ``draws``, 4 rows of ``words``' dtype, is the
+    scratch that turns them to rows)."""
+    # one row per draw, so every pass below runs over contiguous rows
+    draws[...] = words.T
+    radius_words, angle_words = draws[:2], draws[2:]
+    xp.bitwise_and(radius_words, (1 << precision.radius_bits) - 1, out=radius_words)
+    xp.bitwise_and(angle_words, (1 << precision.angle_bits) - 1, out=angle_words)
     uniform, cosine, sine, total = work[:4], work[4:6], work[6:8], work[8]
-    uniform[...] = words.T  # rows: radius 0, radius 1, angle 0, angle 1; exact, m < 2^bits
-    radius, angle = uniform[:2], uniform[2:]
-    xp.multiply(radius, -(2.0**-bits), out=radius)  # -u on (-1, 0]
-    xp.log1p(radius, out=radius)  # ln(1 - u), 1 - u >= 2^-bits: never ln 0
+    uniform[...] = draws  # angles exact (m < 2^angle_bits), 32-bit radii rounded
+    radius, angle = uniform[:2], uniform[2:]  # rows: of pair 0, of pair 1
+    xp.add(radius, 1.0, out=radius)
+    xp.multiply(radius, 2.0**-precision.radius_bits, out=radius)  # x >= 2^-bits, <= 1
+    xp.log(radius, out=radius)  # never of 0
     xp.multiply(radius, -2.0, out=radius)
     xp.sqrt(radius, out=radius)
-    xp.multiply(angle, 2.0 * math.pi * 2.0**-bits, out=angle)
+    xp.multiply(angle, 2.0 * math.pi * 2.0**-precision.angle_bits, out=angle)
     xp.cos(angle, out=cosine)
     xp.sin(angle, out=sine)
     xp.multiply(cosine, radius, out=cosine)  # rows: the normals of pair 0, of pair 1

@@ -22,11 +22,17 @@ DOMAIN = b"dp-sgd-noise/3/1"
 def _one_pass(std: float, count: int, dtype: type[np.floating]) -> np.ndarray:
     """The docstring's definition over the whole tensor at once, each operation
     rounded once in ``dtype``."""
-    word, bits = (np.uint32, 24) if dtype is np.float32 else (np.uint64, 53)
-    words = prg.expand(SEED, DOMAIN, 4 * count, word).reshape(count, 4)
-    m = (words & word((1 << bits) - 1)).T.astype(dtype)  # exact
-    radius = np.sqrt(np.log1p(m[:2] * dtype(-(2.0**-bits))) * dtype(-2.0))
-    angle = m[2:] * dtype(2.0 * math.pi * 2.0**-bits)
+    word, radius_bits, angle_bits = (
+        (np.uint32, 32, 24) if dtype is np.float32 else (np.uint64, 53, 53)
+    )
+    words = prg.expand(SEED, DOMAIN, 4 * count, word).reshape(count, 4).T
+    x = ((words[:2] & word((1 << radius_bits) - 1)).astype(dtype) + dtype(1)) * dtype(
+        2.0**-radius_bits
+    )
+    radius = np.sqrt(np.log(x) * dtype(-2.0))
+    angle = (words[2:] & word((1 << angle_bits) - 1)).astype(dtype) * dtype(
+        2.0 * math.pi * 2.0**-angle_bits
+    )
     cosine, sine = radius * np.cos(angle), radius * np.sin(angle)
     out: np.ndarray = (cosine[0] + cosine[1] + sine[0] + sine[1]) * dtype(std / 2)
     return out
@@ -69,34 +75,37 @@ def test_float_noise_has_mean_zero_and_the_asked_std(dtype: torch.dtype) -> None
     assert float(np.mean((values / values.std()) ** 4)) == pytest.approx(3.0, abs=0.05)
 
 
-@pytest.mark.parametrize(("word", "bits"), [(np.uint32, 24), (np.uint64, 53)])
+@pytest.mark.parametrize("precision", [dp_noise._FLOAT32, dp_noise._FLOAT64])
 def test_the_extreme_words_give_finite_noise_within_the_largest_radius(
-    word: type[np.unsignedinteger], bits: int
+    precision: dp_noise._Precision,
 ) -> None:
-    # every bit set: u = 1 - 2^-bits, the smallest 1 - u, the largest radius √(2·bits·ln 2);
-    # all clear: u = 0, radius 0
-    dtype = np.float32 if bits == 24 else np.float64
-    largest = math.sqrt(2 * bits * math.log(2))
-    words = np.full((64, 4), np.iinfo(word).max, dtype=word)
-    words[32:] = 0
-    work = np.empty((9, 64), dtype=dtype)
-    total = dp_noise._normals_sum(np, words, bits, 1.0, work)
+    # radius words all clear: x = 2^-bits, the largest radius √(2·bits·ln 2), angle 0;
+    # every bit set: x = 1 (float32 rounds 2^32 - 1 + 1 to 2^32), radius 0
+    largest = math.sqrt(2 * precision.radius_bits * math.log(2))
+    words = np.zeros((64, 4), dtype=precision.word)
+    words[32:] = np.iinfo(precision.word).max
+    draws = np.empty((4, 64), dtype=precision.word)
+    work = np.empty((9, 64), dtype=precision.dtype)
+    total = dp_noise._normals_sum(np, words, draws, precision, 1.0, work)
     assert np.all(np.isfinite(total))
-    # θ just below 2π: cos 1, sin 0, so the value is the two radii
-    assert total[:32] == pytest.approx(2 * largest, rel=1e-5)
+    assert total[:32] == pytest.approx(2 * largest, rel=1e-6)  # cos 0 = 1, sin 0 = 0
     assert np.all(total[32:] == 0)
     # |r₀(cos θ₀ + sin θ₀) + r₁(cos θ₁ + sin θ₁)|·std/2 <= √2·largest·std
     noise = _secure_gaussian(SEED, DOMAIN, 2.0, torch.zeros(10_000)).numpy()
     assert np.all(np.abs(noise) <= math.sqrt(2) * largest * 2.0)
 
 
-def test_no_24_bit_uniform_reaches_ln_0() -> None:
-    # all 2^24 float32 uniforms, exhaustively: ln(1 - u) is finite and the radius at
-    # most √(48 ln 2) = 5.77
-    m = np.arange(1 << 24, dtype=np.float32)
-    logs = np.log1p(m * np.float32(-(2.0**-24)))
-    assert np.all(np.isfinite(logs))
-    assert float(np.sqrt(-2 * logs.min())) == pytest.approx(math.sqrt(48 * math.log(2)), rel=1e-6)
+def test_no_32_bit_radius_word_reaches_ln_0() -> None:
+    # float32(m) + 1 is exact below 2^24, where it is small, and rounds monotonically
+    # above, so the smallest x is 2^-32 and the largest 1: ln is finite over every word
+    below = np.arange(1 << 24, dtype=np.uint32)
+    x = (below.astype(np.float32) + np.float32(1)) * np.float32(2.0**-32)
+    assert np.array_equal(x.astype(np.float64), (below + 1.0) * 2.0**-32)
+    edges = np.array([0, 1, (1 << 24) - 1, 1 << 24, (1 << 24) + 1, 2**32 - 2, 2**32 - 1])
+    x = (edges.astype(np.uint32).astype(np.float32) + np.float32(1)) * np.float32(2.0**-32)
+    assert np.all(np.diff(x) >= 0) and x[0] == 2.0**-32 and x[-1] == 1.0
+    assert np.all(np.isfinite(np.log(x)))
+    assert float(np.sqrt(-2 * np.log(x[0]))) == pytest.approx(math.sqrt(64 * math.log(2)))
 
 
 def test_torch_computes_the_same_formula_as_numpy() -> None:
