@@ -482,7 +482,7 @@ class UpdateCodec:
         before its coordinates are written, the order :meth:`decode_space` relies on."""
         overlaid = self.padded  # the first coordinate whose bytes may hold the sum
         if work is None:
-            work = np.frombuffer(_zeroed_space(8 * self.padded), dtype=np.float64)
+            work = np.zeros(self.padded, dtype=np.float64)
         else:
             offset = self._space_offset()
             if work.shape != (self.padded,) or _space_of(work) is None or offset is None:
