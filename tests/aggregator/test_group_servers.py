@@ -32,6 +32,7 @@ from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
 from fedsec.aggregator.storage.leadership import NotLeader
+from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.httpsig import sign_request
@@ -44,6 +45,7 @@ from tests.summation.test_sharded_agents import _config as agent_config
 from tests.support.agent import LiveAggregator, live_aggregator
 from tests.support.aggregator import (
     Cohort,
+    FakeClock,
     Federation,
     contribution_statement,
     expected_params,
@@ -389,3 +391,67 @@ def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
             lambda m: codec.share_keys_message(m, shares),
         )
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
+
+
+def test_a_round_through_group_desks_survives_a_leader_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both groups' messages taken by group desks (each on a workspace of its own, as a
+    group server process opens it), the leader restarted mid-round: it rebuilds each
+    served group from the store, closes the round with the exact sum, and the one log
+    verifies."""
+    monkeypatch.setattr(hosts, "STALE_S", 600.0)  # no heartbeats here: nothing is taken over
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    fed = _federation(tmp_path / "aggregator", urls)
+    clock = FakeClock()
+    coord = Coordinator(fed.ws, clock=clock)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    spec = coord.live.spec
+    assert spec is not None
+    cohort = Cohort(spec, fed.identities)
+    desks = [GroupDesk(Workspace.open(fed.root), url) for url in urls]
+    desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
+
+    def moved(stage: str) -> None:
+        coord.tick()
+        assert coord.live.stage == stage
+
+    for m in MEMBERS:
+        body = cohort.advertise(m)
+        desk[m].accept(
+            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
+        )
+    moved("share_keys")
+    for m in MEMBERS:
+        desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
+    moved("masked_input")
+    for m in MEMBERS:
+        cohort.receive_shares(m, desk[m].answer("share_relay", m, 1, 0))
+        desk[m].masked_input(m, 1, 0, *cohort.upload(m))
+    moved("consistency")
+    for m in MEMBERS:
+        signed = cohort.sign(m, desk[m].answer("unmask_request", m, 1, 0))
+        desk[m].accept(
+            m,
+            1,
+            0,
+            "consistency",
+            wire.encode(signed),
+            lambda m, s=signed: codec.consistency_message(m, s),
+        )
+    # the leader restarts: every served group is rebuilt from the store
+    fed.ws.close()
+    fed = Federation(Workspace.open(fed.root), fed.identities)
+    coord = Coordinator(fed.ws, clock=clock)
+    assert coord.live.stage == "consistency"
+    moved("unmask")
+    for m in MEMBERS:
+        desk[m].unmask(m, 1, 0, cohort.unmask(m, desk[m].answer("consistency_proof", m, 1, 0)))
+    coord.tick()
+    assert coord.live.round == 2
+    assert [d.accepted for d in desks] == [5 * len(g.members) for g in spec.groups]
+    _check_model(fed, cohort)
+    for d in desks:
+        d.ws.close()
+    fed.ws.close()
