@@ -28,7 +28,7 @@ from fedsec.errors import ConfigError
 _NOISE_STREAM_DOMAIN = b"dp-sgd-noise"
 
 #: Noise values a CPU thread computes at a time, and threads computing them. A block's
-#: words and float32 scratch (0.8 MiB) stay in L2 between the 19 passes over them, where
+#: words and float32 scratch (1.1 MiB) stay in L2 between the 19 passes over them, where
 #: passes over whole tensors go to memory each time (ResNet-18's 11.2M values a step:
 #: 0.48 s in whole-tensor passes, 0.14-0.24 s in blocks of 2^14, under load). The CPU
 #: passes are numpy's: torch's float kernels start their OpenMP team on every call of
