@@ -28,6 +28,7 @@ from typing import Final
 import msgspec
 import numpy as np
 
+from fedsec.aggregator.groups.hosts import share_store
 from fedsec.aggregator.optimizers import make_optimizer
 from fedsec.aggregator.rounds.alerts import AlertDesk
 from fedsec.aggregator.rounds.apply import ModelApplier
@@ -93,6 +94,8 @@ class Coordinator:
     ) -> None:
         self.ws = workspace
         self.on_change = on_change
+        if workspace.config.round.group_servers:  # their writes are ordered with ours
+            share_store(workspace.state, follower=False)
         # Agents long-poll "until the token differs from the one I saw".  A restarted
         # aggregator must not hand out tokens its predecessor used, or an agent holding
         # one would sleep through the resumed round; a random start (below 2^53, exact

@@ -66,8 +66,9 @@ class Workspace:
         return self.config.federation.id
 
     @classmethod
-    def open(cls, root: Path) -> Workspace:
-        """Open an initialised workspace.
+    def open(cls, root: Path, *, lead: bool = True) -> Workspace:
+        """Open an initialised workspace (``lead``: take the PostgreSQL store's leader
+        lease if nobody holds it; a group server opens it with False).
 
         Raises:
             ConfigError: not a workspace, or an invalid federation.toml.
@@ -89,7 +90,7 @@ class Workspace:
             admin_public=admin_public,
             roster=Roster(root, fid, admin_public),
             models=ModelStore(root, signer, fid),
-            state=open_state(root, config),
+            state=open_state(root, config, lead=lead),
         )
 
     @property
@@ -119,10 +120,10 @@ class Workspace:
         self.state.close()
 
 
-def open_state(root: Path, config: FederationConfig) -> StateStore:
+def open_state(root: Path, config: FederationConfig, *, lead: bool = True) -> StateStore:
     """The state store ``config`` names: SQLite in ``root`` by default, PostgreSQL when
     ``[storage] url`` is set (psycopg is imported only then, so an embedded deployment
-    does not need it), holding the leader lease if no other replica does.
+    does not need it), holding the leader lease if no other replica does (and ``lead``).
 
     Raises:
         ConfigError: the PostgreSQL database cannot be reached or opened.
@@ -137,7 +138,7 @@ def open_state(root: Path, config: FederationConfig) -> StateStore:
         store = PostgresStateStore(config.storage.url)
         # leads unless another replica's lease is live; then every write is refused
         # (NotLeader) until this one takes the lease over
-        if store.lease.acquire(time.time()):
+        if lead and store.lease.acquire(time.time()):
             store.lease.keep()
         return store
     except (psycopg.Error, ValueError) as exc:

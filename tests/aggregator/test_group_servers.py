@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -36,7 +37,7 @@ from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.httpsig import sign_request
-from fedsec.errors import WrongGroup, WrongStage
+from fedsec.errors import RetryLater, WrongGroup, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import group_index
 from tests.agent.test_agent_runtime import round_spec
@@ -54,6 +55,7 @@ from tests.support.aggregator import (
     make_federation,
     model_params,
 )
+from tests.support.postgres import Postgres, fresh_database, postgres_server
 
 MEMBERS = tuple(f"g{i}" for i in range(6))
 SERVE = (sys.executable, "-m", "fedsec", "aggregator", "group-serve")
@@ -108,10 +110,16 @@ async def _healthy(urls: list[str]) -> None:
                 await asyncio.sleep(0.05)
 
 
-def _federation(root: Path, urls: list[str], members: tuple[str, ...] = MEMBERS) -> Federation:
+def _federation(
+    root: Path,
+    urls: list[str],
+    members: tuple[str, ...] = MEMBERS,
+    sections: dict[str, Any] | None = None,
+) -> Federation:
     return make_federation(
         root,
         members,
+        sections=sections,
         round={
             "rounds": 1,
             "max_weight_samples": 1000,
@@ -401,8 +409,29 @@ def test_a_round_through_group_desks_survives_a_leader_restart(
     served group from the store, closes the round with the exact sum, and the one log
     verifies."""
     monkeypatch.setattr(hosts, "STALE_S", 600.0)  # no heartbeats here: nothing is taken over
+    _desk_round(tmp_path, {})
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    with postgres_server() as server:
+        yield server
+
+
+def test_group_desks_write_under_the_leaders_token_on_postgresql(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, postgres: Postgres
+) -> None:
+    """The same round over PostgreSQL: the desks hold no lease and write under the
+    leader's fencing token, ordered with its writes (one log chain). A restarted leader
+    takes the lease with a new token: a desk's next write is refused in its transaction
+    (RetryLater, nothing stored), and its retry passes under the new token."""
+    monkeypatch.setattr(hosts, "STALE_S", 600.0)
+    _desk_round(tmp_path, {"storage": {"url": fresh_database(postgres)}})
+
+
+def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    fed = _federation(tmp_path / "aggregator", urls)
+    fed = _federation(tmp_path / "aggregator", urls, sections=sections)
     clock = FakeClock()
     coord = Coordinator(fed.ws, clock=clock)
     for m in MEMBERS:
@@ -410,7 +439,7 @@ def test_a_round_through_group_desks_survives_a_leader_restart(
     spec = coord.live.spec
     assert spec is not None
     cohort = Cohort(spec, fed.identities)
-    desks = [GroupDesk(Workspace.open(fed.root), url) for url in urls]
+    desks = [GroupDesk(Workspace.open(fed.root, lead=False), url) for url in urls]
     desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
 
     def moved(stage: str) -> None:
@@ -446,8 +475,17 @@ def test_a_round_through_group_desks_survives_a_leader_restart(
     coord = Coordinator(fed.ws, clock=clock)
     assert coord.live.stage == "consistency"
     moved("unmask")
+    retried = 0
     for m in MEMBERS:
-        desk[m].unmask(m, 1, 0, cohort.unmask(m, desk[m].answer("consistency_proof", m, 1, 0)))
+        answer = cohort.unmask(m, desk[m].answer("consistency_proof", m, 1, 0))
+        try:
+            desk[m].unmask(m, 1, 0, answer)
+        except RetryLater:  # PostgreSQL: the desk's token was the previous leader's
+            assert fed.ws.state.messages.get(1, 0, "unmask", m) is None
+            retried += 1
+            desk[m].unmask(m, 1, 0, answer)
+    # on PostgreSQL each desk's first write after the restart is fenced, then it follows
+    assert retried == (len(desks) if sections else 0)
     coord.tick()
     assert coord.live.round == 2
     assert [d.accepted for d in desks] == [5 * len(g.members) for g in spec.groups]

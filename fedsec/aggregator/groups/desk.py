@@ -33,9 +33,10 @@ from typing import Any
 
 import msgspec
 
-from fedsec.aggregator.groups.hosts import GroupFence
+from fedsec.aggregator.groups.hosts import GroupFence, GroupTakenOver, follow_again, share_store
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
+from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.workspace import Workspace
 from fedsec.archive import Archive
 from fedsec.crypto.secagg import MaskedInput
@@ -43,6 +44,7 @@ from fedsec.errors import (
     DuplicateMessage,
     NotFound,
     PayloadError,
+    RetryLater,
     UnknownMember,
     WrongGroup,
     WrongStage,
@@ -88,6 +90,7 @@ class GroupDesk:
 
     def __init__(self, ws: Workspace, url: str, clock: Callable[[], float] = time.time) -> None:
         self.ws, self.url, self._clock = ws, url.rstrip("/"), clock
+        share_store(ws.state, follower=True)  # PostgreSQL: the leader's token, in order
         self._archive = Archive(ws.root / ARCHIVE_DIR)
         self._served: _Served | None = None
         #: Messages this server stored (the bench reads it).
@@ -191,8 +194,17 @@ class GroupDesk:
         session.receive(stage, decode(member))
         try:
             return self._record(s, index, stage, member, raw, entry)
-        except BaseException:
+        except NotLeader as exc:
             s.fed_through = ""  # the session took what the store did not: rebuild it
+            if not isinstance(exc, GroupTakenOver) and follow_again(state):
+                # another leader took the lease over (it resumes the round): the member
+                # retries here, under the new leader's token
+                raise RetryLater(
+                    f"the leader changed while {member}'s {stage} was stored"
+                ) from None
+            raise
+        except BaseException:
+            s.fed_through = ""
             raise
 
     def masked_input(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from fedsec.aggregator.storage.interfaces import StateStore
-from fedsec.aggregator.storage.leadership import NotLeader
+from fedsec.aggregator.storage.leadership import NotLeader, lease_of
 from fedsec.summation.mode import StoredMessage
 
 #: How often a group server writes its heartbeat: one small write, 4 a second.
@@ -88,6 +88,43 @@ class StoreGroupHosts:
             self._state.values.put(taken_over_key(self._round, self._attempt, group), b"leader")
 
 
+class GroupTakenOver(NotLeader):
+    """The leader took this group over: its server may store nothing more for it (503
+    not_leader: the member's client moves on to the next of its URLs, the leader's)."""
+
+
+def share_store(state: StateStore, *, follower: bool) -> None:
+    """Make ``state`` fit for writers in several processes: on PostgreSQL, every fenced
+    transaction takes the writers' lock (each reads the log's tail inside it), and a
+    group server (``follower``) writes under the leader's token without holding the
+    lease.  SQLite's ``BEGIN IMMEDIATE`` orders the writers already.
+
+    Raises:
+        psycopg.Error: the database fails.
+    """
+    lease = lease_of(state)
+    if lease is None:
+        return
+    if follower:
+        lease.follow()
+    else:
+        lease.order_writers = True
+
+
+def follow_again(state: StateStore) -> bool:
+    """After a write refused by the fence: follow whoever leads now (a group server's
+    store); whether ``state`` follows a leader (False: SQLite, or a leader's own store).
+
+    Raises:
+        psycopg.Error: the database fails.
+    """
+    lease = lease_of(state)
+    if lease is None or not lease.following:
+        return False
+    lease.follow()
+    return True
+
+
 class GroupFence:
     """The check a group server runs inside each transaction that stores a message of
     group ``group`` of the attempt: the leader has not taken the group over."""
@@ -102,7 +139,7 @@ class GroupFence:
         (503 not_leader: the member's client moves on to the next of its URLs, the
         leader's)."""
         if self._state.values.get(self._key) is not None:
-            raise NotLeader(
+            raise GroupTakenOver(
                 f"shard group {self._group} was taken over by the leader; send its "
                 "messages to the leader's URL",
                 None,

@@ -25,7 +25,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from fedsec.aggregator.groups.desk import ANSWER_STAGES, GroupDesk
-from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat
+from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat, follow_again
 from fedsec.aggregator.http.auth import expect_continue, verify_request
 from fedsec.aggregator.http.errors import error_middleware, json_response
 from fedsec.aggregator.http.keys import (
@@ -45,6 +45,7 @@ from fedsec.aggregator.http.params import (
 )
 from fedsec.aggregator.nonces import open_nonce_store
 from fedsec.aggregator.ratelimit import MemberRateLimit
+from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aio import cancel_and_wait
@@ -235,6 +236,8 @@ async def _heartbeat(app: web.Application) -> AsyncIterator[None]:
             try:
                 beat(ws.state, desk.url, time.time())
                 ws.roster.reload_if_changed()
+            except NotLeader:  # another leader took over: write under its token now
+                follow_again(ws.state)
             except Exception:  # the store is busy or away: the next beat tries again
                 log.exception("event=group_heartbeat_failed url=%s", desk.url)
             await asyncio.sleep(HEARTBEAT_S)

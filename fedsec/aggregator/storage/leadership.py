@@ -72,6 +72,10 @@ class Leased(Protocol):
     token: int | None
     #: Writes the fence refused this process (the fencing counter).
     refused: int
+    #: Every fenced transaction takes the writers' lock: set where group servers
+    #: (:mod:`fedsec.aggregator.groups`) write beside the leader, each reading the
+    #: log's tail inside its own transaction.
+    order_writers: bool
 
     @property
     def deposed(self) -> bool:
@@ -91,6 +95,23 @@ class Leased(Protocol):
 
         Returns:
             True when this process leads now.
+
+        Raises:
+            Exception: the database fails (the driver's error).
+        """
+        ...
+
+    @property
+    def following(self) -> bool:
+        """True once :meth:`follow` was called: this process writes under another's token."""
+        ...
+
+    def follow(self) -> int | None:
+        """Write under the token of whoever leads now without taking the lease (a group
+        server), writes ordered with the leader's; never renew nor release it.
+
+        Returns:
+            The token followed, None when nobody leads.
 
         Raises:
             Exception: the database fails (the driver's error).

@@ -44,6 +44,10 @@ LEASE_S: Final = 5.0
 #: try (the leader's transactions are short; a stopped leader's is ended by
 #: ``idle_in_transaction_session_timeout``).
 TAKEOVER_WAIT_S: Final = 1.0
+#: The advisory lock that orders the writers of one database when group servers write
+#: beside the leader (:meth:`LeaderLease.order_writers`): each reads the log's tail
+#: inside its transaction, and two that read it together would both append after it.
+WRITERS_LOCK: Final = 0x66656473_6C6F67  # "feds" "log"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +87,21 @@ class LeaderLease:
         # its keeper's renewal finding another token); cleared when it leads again
         self._deposed = threading.Event()
         self._keeper: LeaseKeeper | None = None
+        # a group server writes under the leader's token without holding the lease
+        self._following = False
+        #: Take :data:`WRITERS_LOCK` in every fenced transaction (group servers share
+        #: the database): the transactions of every process then commit one at a time.
+        self.order_writers = False
 
     def current(self) -> LeaseRow | None:
         """The lease as stored now, or None before anyone led."""
         row = self._conn.read("SELECT holder, token, expires_at, url FROM leader_lease").fetchone()
         return LeaseRow(str(row[0]), int(row[1]), float(row[2]), str(row[3])) if row else None
+
+    @property
+    def following(self) -> bool:
+        """True once :meth:`follow` was called: this store writes under another's token."""
+        return self._following
 
     @property
     def deposed(self) -> bool:
@@ -110,6 +124,8 @@ class LeaderLease:
         """
         row = self._conn.read("SELECT holder, token, url FROM leader_lease FOR SHARE").fetchone()
         if row is not None and self.token is not None and int(row[1]) == self.token:
+            if self.order_writers:
+                self._conn.read("SELECT pg_advisory_xact_lock(%s)", (WRITERS_LOCK,))
             return
         self.refused += 1
         leader = str(row[0]) if row is not None else None
@@ -138,6 +154,25 @@ class LeaderLease:
             leader,
             url,
         )
+
+    def follow(self) -> int | None:
+        """Write under the token of whoever leads now, without taking the lease: what a
+        group server (:mod:`fedsec.aggregator.groups`) does, so that its writes pass
+        the fence while that leader leads and are refused once another took over (it
+        then follows again).  Its writes are ordered with the leader's
+        (:attr:`order_writers`).  A follower never renews nor releases the lease.
+
+        Returns:
+            The token followed, None when nobody leads.
+
+        Raises:
+            psycopg.Error: the database fails.
+        """
+        lease = self.current()
+        self._following, self.order_writers = True, True
+        self.token = None if lease is None else lease.token
+        self._deposed.clear()
+        return self.token
 
     def leadership(self) -> Leadership:
         """This store's role: ``leader`` while it holds a token (the fence still checks
@@ -287,6 +322,8 @@ class LeaderLease:
             psycopg.Error: the database fails.
         """
         self.stop_keeping()
+        if self._following:
+            return  # the token is the leader's: expiring it would depose the leader
         if self.token is not None and not self._conn.in_transaction():
             self._conn.read(
                 "UPDATE leader_lease SET expires_at = '-Infinity' WHERE token = %s", (self.token,)
