@@ -221,7 +221,7 @@ def server_state(server: ServerSession) -> tuple[Any, ...]:
         {m: msg for m, msg in server._shares.items()},
         server.participants,
         tuple(server.contributed),
-        server._sum.total().tobytes(),
+        None if server._sum._taken else server._sum.total().tobytes(),  # taken at finalize
         server.survivors,
         server.dropped,
         dict(server.signatures),
