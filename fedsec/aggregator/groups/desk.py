@@ -35,6 +35,7 @@ import msgspec
 
 from fedsec.aggregator.groups.hosts import GroupFence, GroupTakenOver, follow_again, share_store
 from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.reports import check_report
 from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.workspace import Workspace
@@ -43,7 +44,6 @@ from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import (
     DuplicateMessage,
     NotFound,
-    PayloadError,
     RetryLater,
     UnknownMember,
     WrongGroup,
@@ -266,18 +266,7 @@ class GroupDesk:
         )
 
     def _check_report(self, member: str, r: int, a: int, report: wire.PrivacyReport) -> bytes:
-        if (report.member, report.round, report.attempt, report.federation_id) != (
-            member,
-            r,
-            a,
-            self.ws.federation_id,
-        ):
-            raise PayloadError(
-                f"{member}: privacy report names another member, round or federation"
-            )
-        if not (report.epsilon >= 0 and report.epsilon < float("inf")):
-            raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
-        report.check_charges()
+        check_report(report, self.ws.federation_id, member, r, a)
         entry = self.ws.roster.get(member)
         if entry is None:
             raise UnknownMember(f"{member} is not on the roster")

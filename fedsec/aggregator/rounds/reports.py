@@ -12,6 +12,30 @@ from fedsec.errors import PayloadError, WrongStage
 from fedsec.protocol import wire
 
 
+def check_report(
+    report: wire.PrivacyReport, federation_id: str, member: str, round_: int, attempt: int
+) -> None:
+    """What a privacy report must say to be ``member``'s for that attempt, whichever
+    process takes it (the leader, or a group server: :mod:`fedsec.aggregator.groups`);
+    its signature is checked next, by the caller, against the member's roster key.
+
+    Raises:
+        PayloadError: the report names another member, round or federation, an ε that
+            is not a finite number >= 0, or earlier charges it cannot declare
+            (:meth:`~fedsec.protocol.wire.PrivacyReport.check_charges`).
+    """
+    if (report.member, report.round, report.attempt, report.federation_id) != (
+        member,
+        round_,
+        attempt,
+        federation_id,
+    ):
+        raise PayloadError(f"{member}: privacy report names another member, round or federation")
+    if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
+        raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
+    report.check_charges()
+
+
 class PrivacyReports:
     """Checks and stores privacy reports."""
 
@@ -37,18 +61,7 @@ class PrivacyReports:
         if not live.is_current(round_, attempt) or live.spec is None:
             raise WrongStage(f"{member}: privacy report for a round that is not in progress")
         live.in_cohort(member)
-        if (report.member, report.round, report.attempt, report.federation_id) != (
-            member,
-            round_,
-            attempt,
-            ws.federation_id,
-        ):
-            raise PayloadError(
-                f"{member}: privacy report names another member, round or federation"
-            )
-        if not (math.isfinite(report.epsilon) and report.epsilon >= 0):
-            raise PayloadError(f"{member}: privacy report epsilon must be a finite number >= 0")
-        report.check_charges()
+        check_report(report, ws.federation_id, member, round_, attempt)
         return self._ctx.signed_once(
             member,
             report,
