@@ -46,9 +46,7 @@ digits), so one secure sum yields both the weighted sum and the total weight.
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -67,10 +65,8 @@ from fedsec.crypto.quantize import (
     unpack_runs,
 )
 from fedsec.errors import BadVector, QuantizationError
+from fedsec.protocol import decode_space
 from fedsec.protocol.codec_subset import kept_runs, subset
-
-if TYPE_CHECKING:
-    pass
 
 _ROUNDING_DOMAIN = b"codec/rounding"
 _WEIGHT_DOMAIN = b"codec/weight"
@@ -82,11 +78,6 @@ WRAP_EDGE_FRACTION = 1 / 8
 # about 40 bytes a coordinate; above 2^16 the per-run overhead of the numpy calls is
 # below 1 % of the run's work.
 DECODE_BLOCK = 1 << 18
-# Shortest run of a decode in :meth:`UpdateCodec.decode_space`: runs of a power-of-two
-# length of at least 8 tile the power-of-two work vector, so every run but the last ends
-# at least 8 coordinates (64 bytes) before its end, more than the weight's elements take
-# (at most 16 of at most 2 bytes) behind the sums not yet read.
-_SPACE_MIN_RUN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,30 +295,24 @@ class UpdateCodec:
         reads a run's sums, then writes the run's coordinates (zeros where the run
         overlays the sum, the kept ones' values).  A run's coordinates take 8 bytes each
         where its sums took at most 2, so no run reaches the sums not yet read
-        (:data:`_SPACE_MIN_RUN`).  The sum then costs no memory beside the decode's
-        vector, which is the round's peak (at 11M parameters the sum is 19 MiB beside
-        128 MiB; at 50M, 86 beside 512).
+        (:data:`fedsec.protocol.decode_space.MIN_RUN`).  The sum then costs no memory
+        beside the decode's vector, which is the round's peak (at 11M parameters the sum
+        is 19 MiB beside 128 MiB; at 50M, 86 beside 512).
 
         Returns None where the decode needs no such vector (the plain and distributed
         kinds, no rotation) or the ring's elements are wider than 2 bytes.
         """
         if self.kind != "compressed" or self.rotation_seed is None:
             return None
-        offset = self._space_offset()
+        offset = decode_space.sum_offset(self.padded, self.length, self.quant.dtype.itemsize)
         if offset is None:
             return None
-        space = _zeroed_space(8 * self.padded)
+        space = decode_space.zeroed(8 * self.padded)
         work = np.frombuffer(space, dtype=np.float64)
         ring: RingVector = np.frombuffer(
             space, dtype=self.quant.dtype, count=self.length, offset=offset
         )
         return work, ring
-
-    def _space_offset(self) -> int | None:
-        """Where :meth:`decode_space` puts the sum: its last byte the work vector's."""
-        itemsize = self.quant.dtype.itemsize
-        offset = 8 * self.padded - itemsize * self.length
-        return offset if itemsize <= 2 and offset >= 0 else None
 
     def decode_one(self, vector: RingVector) -> tuple[npt.NDArray[np.float64], float]:
         """One member's input back to (w·Δ, w), e.g. for a trusted-mode rule or an audit.
@@ -484,13 +469,17 @@ class UpdateCodec:
         if work is None:
             work = np.zeros(self.padded, dtype=np.float64)
         else:
-            offset = self._space_offset()
-            if work.shape != (self.padded,) or _space_of(work) is None or offset is None:
+            offset = decode_space.sum_offset(self.padded, self.length, self.quant.dtype.itemsize)
+            if (
+                work.shape != (self.padded,)
+                or decode_space.space_of(work) is None
+                or offset is None
+            ):
                 raise QuantizationError(
                     f"a decode's work vector is decode_space()'s {self.padded} float64 values"
                 )
             overlaid = offset // 8
-            block = max(_SPACE_MIN_RUN, 1 << (block - 1).bit_length())
+            block = max(decode_space.MIN_RUN, 1 << (block - 1).bit_length())
         if self.wraps:
             weight = self._centred_weight(values, members)
         else:
@@ -521,18 +510,13 @@ class UpdateCodec:
     def _unrotated(self, work: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """``work`` (N prescaled coordinates) unrotated in place to its first d, the rest
         of it given back: to the allocator (a vector of its own), or its pages to the
-        system (:func:`_zeroed_space`'s; a view of them, such as the spent ring sum of
-        :meth:`decode_space`, then reads zeros and never freed memory)."""
+        system (:func:`fedsec.protocol.decode_space.release_after`)."""
         assert self.rotation_seed is not None
         rotation.unrotate_prescaled(work, self.rotation_seed, self.dim)
-        space = _space_of(work)
-        if space is None:
+        if decode_space.space_of(work) is None:
             work.resize(self.dim, refcheck=False)  # no view of work exists: nothing dangles
             return work
-        first = -(-8 * self.dim // mmap.PAGESIZE) * mmap.PAGESIZE
-        if first < len(space):
-            space.madvise(mmap.MADV_DONTNEED, first, len(space) - first)
-        return work[: self.dim]
+        return decode_space.release_after(work, self.dim)
 
     def _count_edges(self, centred: npt.NDArray[np.int64]) -> int:
         """How many of a may-wrap kind's centred sums lie in the ring's edge region: in
@@ -605,22 +589,6 @@ class UpdateCodec:
         if self.rotation_seed is not None:
             return rotation.unrotate(full, self.rotation_seed, self.dim, scale=factor)
         return full * factor if factor != 1.0 else full
-
-
-def _zeroed_space(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed memory of the process's own, mapped apart from the
-    allocator's heap, so that a decode can give back the pages it no longer needs
-    (:meth:`UpdateCodec._unrotated`) while views of it stay valid memory."""
-    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
-
-
-def _space_of(work: npt.NDArray[np.float64]) -> mmap.mmap | None:
-    """The :func:`_zeroed_space` that ``work`` is the whole of, or None."""
-    view: object = work.base
-    space = view.obj if isinstance(view, memoryview) else None
-    if isinstance(space, mmap.mmap) and work.flags.c_contiguous and work.nbytes == len(space):
-        return space
-    return None
 
 
 def _round_weight(value: float, seed: bytes) -> int:
