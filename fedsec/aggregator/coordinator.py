@@ -135,7 +135,7 @@ class Coordinator:
         applier = ModelApplier(ctx, model, optimizer, _validation_data(workspace, self.task))
         self._he = HeContextDesk(ctx)
         self._cohort = CohortDesk(ctx, self._he)
-        self._refusals = RefusalLog(ctx, lambda: self._lifecycle.live)
+        self._refusals = RefusalLog(ctx.ws.state, ctx.trail.append, lambda: self._lifecycle.live)
         self._lifecycle = Lifecycle(ctx, self._cohort, applier, self._refusals, self._he)
         self._reports = PrivacyReports(ctx)
         self._evaluation = FederatedEvaluation(ctx)

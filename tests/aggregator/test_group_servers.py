@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -32,7 +33,9 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
+from fedsec.aggregator.groups.server import make_group_app
 from fedsec.aggregator.storage.leadership import NotLeader
+from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
@@ -492,4 +495,108 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     _check_model(fed, cohort)
     for d in desks:
         d.ws.close()
+    fed.ws.close()
+
+
+def _desk_cohort(tmp_path: Path, urls: list[str]) -> tuple[Federation, Coordinator, Cohort]:
+    """The leader in process with both groups' keys shared through group desks: the
+    attempt waits in stage masked_input."""
+    fed = _federation(tmp_path / "aggregator", urls)
+    coord = Coordinator(fed.ws, clock=FakeClock())
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    spec = coord.live.spec
+    assert spec is not None
+    cohort = Cohort(spec, fed.identities)
+    desks = [GroupDesk(fed.ws, url) for url in urls]
+    desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
+    for m in MEMBERS:
+        body = cohort.advertise(m)
+        desk[m].accept(
+            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
+        )
+    coord.tick()
+    for m in MEMBERS:
+        desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
+    coord.tick()
+    assert coord.live.stage == "masked_input"
+    for m in MEMBERS:
+        cohort.receive_shares(m, desk[m].answer("share_relay", m, 1, 0))
+    return fed, coord, cohort
+
+
+def test_a_masked_input_refused_at_a_group_server_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: a member posts its group server a masked input of the wrong length
+    (under a statement it signed over those bytes), then one whose statement another
+    member signed.  Each is refused over HTTP, nothing is stored, and each refusal is a
+    ``refused`` entry of the one log chain (as the leader writes its own), which
+    ``fedsec audit verify`` reads through once the round closes."""
+    monkeypatch.setattr(hosts, "STALE_S", 600.0)  # the leader takes nothing over here
+    port = _free_port()
+    urls = [f"http://127.0.0.1:{port}", "http://127.0.0.1:2"]
+    fed, coord, cohort = _desk_cohort(tmp_path, urls)
+    spec = cohort.spec
+    attacker = spec.groups[0].members[0]
+    other = spec.groups[0].members[1]
+    good, _, _ = cohort.upload(attacker)
+    short = good[:-8]
+    attacks = [cohort.upload(attacker, short), cohort.upload(attacker, signer=other)]
+
+    async def main() -> list[tuple[int, dict[str, Any]]]:
+        group_ws = Workspace.open(fed.root, lead=False)
+        app = make_group_app(group_ws, urls[0])
+        server = await start_server(app, "127.0.0.1", port, None, group_ws.config.server)
+        answers = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for raw, commitment, signature in attacks:
+                    path = (
+                        f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}"
+                        f"&signature={signature}"
+                    )
+                    headers = {"Content-Type": "application/octet-stream"}
+                    headers |= sign_request(
+                        fed.identities[attacker],
+                        "POST",
+                        path,
+                        headers,
+                        raw,
+                        created=int(time.time()),
+                    )
+                    async with http.post(urls[0] + path, data=raw, headers=headers) as resp:
+                        answers.append((resp.status, await resp.json()))
+        finally:
+            await server.close()
+            group_ws.close()
+        return answers
+
+    before = len(log_entries(fed.ws))
+    answers = asyncio.run(main())
+    assert [(s, a["error"]) for s, a in answers] == [
+        (400, "bad_vector"),
+        (401, "bad_signature"),
+    ], answers
+    assert fed.ws.state.messages.count(1, 0, "masked_input") == 0
+    assert fed.ws.state.receipts.latest(1, attacker) is None
+    added = log_entries(fed.ws, before)
+    assert [(e["kind"], e["body"]["member"], e["body"]["code"]) for e in added] == [
+        ("refused", attacker, "bad_vector"),
+        ("refused", attacker, "bad_signature"),
+    ]
+    assert [e["body"]["sha256"] for e in added] == [
+        hashlib.sha256(raw).hexdigest() for raw, _, _ in attacks
+    ]
+    # the round goes on as if nothing happened; the leader's file gets the entries
+    desk = GroupDesk(fed.ws, urls[0]), GroupDesk(fed.ws, urls[1])
+    for m in MEMBERS:
+        desk[group_index(spec.groups, m)].masked_input(m, 1, 0, *cohort.upload(m))
+    coord.tick()
+    assert coord.live.stage == "consistency"
+    lines = (fed.root / "audit" / "log.jsonl").read_text().splitlines()
+    assert sum('"kind":"refused"' in line for line in lines) == 2
+    audit = fed.root / "audit"
+    verified = verify_log(audit / "log.jsonl", audit / "archive", fed.root)
+    assert verified.ok, verified.problem
     fed.ws.close()

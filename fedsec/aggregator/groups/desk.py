@@ -35,6 +35,7 @@ import msgspec
 
 from fedsec.aggregator.groups.hosts import GroupFence, GroupTakenOver, follow_again, share_store
 from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import check_report
 from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
 from fedsec.aggregator.storage.leadership import NotLeader
@@ -43,6 +44,7 @@ from fedsec.archive import Archive
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import (
     DuplicateMessage,
+    FedsecError,
     NotFound,
     RetryLater,
     UnknownMember,
@@ -50,7 +52,7 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.protocol import codec, wire
-from fedsec.protocol.log_entries import AcceptedEntry
+from fedsec.protocol.log_entries import AcceptedEntry, LogBody
 from fedsec.protocol.shards import group_index
 from fedsec.protocol.stages import SECAGG_STAGES, Stage
 from fedsec.summation import StoredMessage, feed
@@ -93,6 +95,7 @@ class GroupDesk:
         share_store(ws.state, follower=True)  # PostgreSQL: the leader's token, in order
         self._archive = Archive(ws.root / ARCHIVE_DIR)
         self._served: _Served | None = None
+        self._refusals = RefusalLog(ws.state, self._log_refusal, self._live)
         #: Messages this server stored (the bench reads it).
         self.accepted = 0
 
@@ -117,6 +120,17 @@ class GroupDesk:
         if s.fed_through != row.stage:
             self._feed(s, row.stage)
         return s
+
+    def _live(self) -> Attempt:
+        """The attempt in progress (for :class:`RefusalLog`: which attempts a refusal
+        may be logged for); the stored newest one while none has a spec yet."""
+        try:
+            return self.served().live
+        except WrongStage:
+            row = self.ws.state.rounds.latest()
+            if row is None:
+                return Attempt(0, 0, "none", 0.0, 0.0)  # no round: no refusal is logged
+            return Attempt(row.round, row.attempt, row.stage, row.opened_at, row.stage_started_at)
 
     def _feed(self, s: _Served, stage: str) -> None:
         """Rebuild each of this server's groups from the store, through ``stage``."""
@@ -211,12 +225,40 @@ class GroupDesk:
         self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
     ) -> wire.Receipt:
         """A member's masked input with its signed contribution statement; its receipt.
+        A refusal of a member of this server's groups is logged as the leader logs its
+        own (:class:`~fedsec.aggregator.rounds.refusals.RefusalLog`, within its bounds).
 
         Raises:
             SignatureError: the statement is not the member's.
             WrongStage, UnknownMember, WrongGroup, DuplicateMessage, BadVector: as
                 :meth:`accept`.
         """
+        try:
+            return self._masked_input(member, r, a, raw, commitment, signature)
+        except (NotLeader, RetryLater, WrongGroup):
+            # not this server's to log: the leader takes (or took) the member's group, the
+            # leader changed, or the member is another server's
+            raise
+        except FedsecError as exc:
+            self._refusals.refused(member, r, a, raw, exc)
+            raise
+
+    def _log_refusal(self, body: LogBody) -> None:
+        """A ``refused`` entry, in a transaction of its own: the tail is read under the
+        write lock (PostgreSQL: in the leader's writer order), so the chain stays one."""
+        state = self.ws.state
+        try:
+            with state.transaction():
+                append_entry(state.log, self._clock(), body)
+        except NotLeader:
+            # the leader changed (or lost the lease): the member's refusal stands, its
+            # entry is not written; the process log keeps it
+            log.warning("event=refusal_not_logged reason=fenced entry=%r", body)
+            follow_again(state)
+
+    def _masked_input(
+        self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
+    ) -> wire.Receipt:
         digest = hashlib.sha256(raw).hexdigest()
         fields = {"commitment": commitment, "signature": signature, "receipt_for": digest}
         if self.ws.state.messages.get(r, a, "masked_input", member) != raw:

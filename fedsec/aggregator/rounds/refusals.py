@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fedsec.aggregator.rounds.attempt import Attempt
-from fedsec.aggregator.rounds.context import RoundContext, log
+from fedsec.aggregator.rounds.context import log
+from fedsec.aggregator.storage.interfaces import StateStore
 from fedsec.errors import FedsecError, RefusedByRule
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_ID
 from fedsec.protocol.log import entry_from_line
-from fedsec.protocol.log_entries import RefusedEntry, kind_of
+from fedsec.protocol.log_entries import LogBody, RefusedEntry, kind_of
 from fedsec.summation.session import RuleRefusal
 
 # `refused` entries written one by one per (member, round, attempt).  An honest agent meets
@@ -124,19 +125,27 @@ class RefusalLog:
     """Writes ``refused`` entries within the budget.
 
     Args:
-        ctx: the round engine's shared context.
+        state: the state store (its rounds and log).
+        append: adds an entry to the log: the leader's
+            :meth:`~fedsec.aggregator.storage.audit_trail.AuditTrail.append`, or a group
+            server's own transaction around
+            :func:`~fedsec.aggregator.storage.audit_trail.append_entry`
+            (:mod:`fedsec.aggregator.groups.desk`).
         current: the attempt in progress.
     """
 
-    def __init__(self, ctx: RoundContext, current: Callable[[], Attempt]) -> None:
-        self._ctx = ctx
+    def __init__(
+        self, state: StateStore, append: Callable[[LogBody], object], current: Callable[[], Attempt]
+    ) -> None:
+        self._state = state
+        self._append = append
         self._current = current
         self._budget = RefusalBudget()
         self._load()
 
     def _load(self) -> None:
         """Rebuild the budget from the log, so a restart grants no new entries."""
-        for _, line in self._ctx.ws.state.log.log_lines():
+        for _, line in self._state.log.log_lines():
             # canonical JSON: the kind appears exactly so; decode only those lines
             if _REFUSED_KIND in line:
                 body = entry_from_line(line).decode()
@@ -169,7 +178,7 @@ class RefusalLog:
         if reason is None:
             reason = self._budget.admit(key, body)
         if reason is None:
-            self._ctx.trail.append(body)
+            self._append(body)
             self._budget.logged(key, body)
             return True
         log.info(
@@ -201,7 +210,7 @@ class RefusalLog:
             )
             reason = self._budget.admit(key, body)
             if reason is None:
-                self._ctx.trail.append(body)
+                self._append(body)
                 self._budget.logged(key, body)
             log.info(
                 "event=refused_by_rule round=%d attempt=%d member=%s sha256=%s entry=%s reason=%r",
@@ -222,7 +231,7 @@ class RefusalLog:
             row = None
             # rounds exist from 1 to the live one; no stored attempt exceeds MAX_ID
             if 1 <= round_ <= live.round and 0 <= attempt <= MAX_ID:
-                row = self._ctx.ws.state.rounds.get(round_, attempt)
+                row = self._state.rounds.get(round_, attempt)
             if row is None:
                 return "no_such_attempt"
             if row.spec is None:
@@ -236,7 +245,7 @@ class RefusalLog:
         :meth:`committed` once the transaction is committed."""
         due = self._budget.due()
         for _, body in due:
-            self._ctx.trail.append(body)
+            self._append(body)
         return [key for key, _ in due]
 
     def committed(self, keys: list[RefusalKey]) -> None:
