@@ -61,6 +61,12 @@ class GroupHosts(Protocol):
         """Whether the leader took group ``group`` of the attempt over (stored)."""
         ...
 
+    def replayed(self, stage: str, member: str) -> None:
+        """``member``'s ``stage`` message, stored by a group server, is now in the
+        leader's session: what the leader does for a message it takes itself, bar the
+        write (a share_keys message's privacy report is announced once)."""
+        ...
+
     def take_over(self, group: int) -> None:
         """Record that the leader takes group ``group`` over; from its commit on, the
         group's server may store nothing more for the attempt."""
@@ -109,6 +115,7 @@ class ServedGroup(GroupSession):
             self.inner.replay(stage_, member, raw)
             self._seen.add((stage_, member))
             self._last_message_at = self._hosts.now()
+            self._hosts.replayed(stage_, member)
 
     def _watch(self) -> None:
         """Take the group over once its server stopped writing its heartbeat and

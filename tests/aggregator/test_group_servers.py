@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 
@@ -34,13 +35,14 @@ from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
 from fedsec.aggregator.groups.server import make_group_app
+from fedsec.aggregator.rounds.events import EventBus, PrivacyReported
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.httpsig import sign_request
-from fedsec.errors import RetryLater, WrongGroup, WrongStage
+from fedsec.errors import PayloadError, RetryLater, WrongGroup, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import group_index
 from tests.agent.test_agent_runtime import round_spec
@@ -57,6 +59,7 @@ from tests.support.aggregator import (
     log_entries,
     make_federation,
     model_params,
+    privacy_report,
 )
 from tests.support.postgres import Postgres, fresh_database, postgres_server
 
@@ -498,11 +501,14 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     fed.ws.close()
 
 
-def _desk_cohort(tmp_path: Path, urls: list[str]) -> tuple[Federation, Coordinator, Cohort]:
-    """The leader in process with both groups' keys shared through group desks: the
-    attempt waits in stage masked_input."""
+def _desk_cohort(
+    tmp_path: Path, urls: list[str], events: EventBus | None = None, epsilon: float = 0.0
+) -> tuple[Federation, Coordinator, Cohort]:
+    """The leader in process with both groups' keys shared through group desks (with
+    each member's signed privacy report when ``epsilon``): the attempt waits in stage
+    masked_input."""
     fed = _federation(tmp_path / "aggregator", urls)
-    coord = Coordinator(fed.ws, clock=FakeClock())
+    coord = Coordinator(fed.ws, clock=FakeClock(), events=events)
     for m in MEMBERS:
         assert coord.join(m, 1, 0, join_request(m, 1)).accepted
     spec = coord.live.spec
@@ -517,7 +523,11 @@ def _desk_cohort(tmp_path: Path, urls: list[str]) -> tuple[Federation, Coordinat
         )
     coord.tick()
     for m in MEMBERS:
-        desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
+        body = cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0))
+        if epsilon:
+            report = privacy_report(m, epsilon, federation_id=fed.ws.federation_id)
+            body = msgspec.structs.replace(body, report=report.sign(fed.identities[m]))
+        desk[m].share_keys(m, 1, 0, body)
     coord.tick()
     assert coord.live.stage == "masked_input"
     for m in MEMBERS:
@@ -599,4 +609,53 @@ def test_a_masked_input_refused_at_a_group_server_is_logged(
     audit = fed.root / "audit"
     verified = verify_log(audit / "log.jsonl", audit / "archive", fed.root)
     assert verified.ok, verified.problem
+    fed.ws.close()
+
+
+def test_the_leader_announces_each_report_a_group_server_stored_once(tmp_path: Path) -> None:
+    """Privacy reports sent with the shares to group servers reach the leader's events
+    (metrics, ε alerts) as its own do: one ``PrivacyReported`` per member, when the
+    leader replays the member's shares, and none again at later ticks."""
+    bus = EventBus()
+    heard: list[PrivacyReported] = []
+    bus.subscribe(lambda e: heard.append(e) if isinstance(e, PrivacyReported) else None)
+    fed, coord, _ = _desk_cohort(tmp_path, ["http://127.0.0.1:1", "http://127.0.0.1:2"], bus, 0.5)
+    coord.tick()
+    assert sorted((e.member, e.epsilon, e.round) for e in heard) == [(m, 0.5, 1) for m in MEMBERS]
+    assert fed.ws.state.reports.get(1, 0, MEMBERS[0]) is not None
+    fed.ws.close()
+
+
+def test_a_group_server_refuses_a_report_as_the_leader_does(tmp_path: Path) -> None:
+    """The report check is the leader's: a report naming another member, or with an ε
+    that is not finite, is refused with the shares, and nothing is stored."""
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    fed = _federation(tmp_path / "ws", urls)
+    coord = Coordinator(fed.ws)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    spec = coord.live.spec
+    assert spec is not None
+    cohort = Cohort(spec, fed.identities)
+    desk = GroupDesk(fed.ws, urls[0])
+    ours = spec.groups[0].members
+    for m in MEMBERS:
+        body = cohort.advertise(m)
+        d = desk if m in ours else GroupDesk(fed.ws, urls[1])
+        d.accept(
+            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
+        )
+    coord.tick()
+    m = ours[0]
+    shares = cohort.share_keys(m, desk.answer("key_list", m, 1, 0))
+    fid = fed.ws.federation_id
+    for bad, why in (
+        (privacy_report(ours[1], federation_id=fid), "names another member"),
+        (privacy_report(m, float("nan"), federation_id=fid), "finite number"),
+    ):
+        body = msgspec.structs.replace(shares, report=bad.sign(fed.identities[m]))
+        with pytest.raises(PayloadError, match=why):
+            desk.share_keys(m, 1, 0, body)
+    assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
+    assert fed.ws.state.reports.get(1, 0, m) is None
     fed.ws.close()

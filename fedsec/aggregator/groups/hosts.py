@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
+import msgspec
+
 from fedsec.aggregator.storage.interfaces import StateStore
 from fedsec.aggregator.storage.leadership import NotLeader, lease_of
+from fedsec.protocol import wire
 from fedsec.summation.mode import StoredMessage
 
 #: How often a group server writes its heartbeat: one small write, 4 a second.
@@ -50,7 +53,9 @@ class StoreGroupHosts:
     ``attempt``) over ``state``; ``clock`` reads Unix time (the servers' heartbeats are
     theirs: the processes share a host or synchronised clocks).  ``keep`` archives each
     message read (the leader's archive, which a group server on another machine does
-    not write: its log entries name objects the leader then holds; idempotent)."""
+    not write: its log entries name objects the leader then holds; idempotent).
+    ``reported`` is given each privacy report a group server stored with a member's
+    shares, once the leader replayed them (the leader's events, as for its own)."""
 
     def __init__(
         self,
@@ -59,15 +64,24 @@ class StoreGroupHosts:
         attempt: int,
         clock: Callable[[], float] = time.time,
         keep: Callable[[bytes], str] = lambda body: "",
+        reported: Callable[[wire.PrivacyReport], None] = lambda report: None,
     ) -> None:
         self._state, self._round, self._attempt, self._clock = state, round_, attempt, clock
-        self._keep = keep
+        self._keep, self._reported = keep, reported
 
     def stored_after(self, stage: str, seq: int) -> Sequence[tuple[int, StoredMessage]]:
         rows = list(self._state.messages.after(self._round, self._attempt, stage, seq))
         for _, _, body in rows:
             self._keep(body)
         return [(n, StoredMessage(stage, member, body)) for n, member, body in rows]
+
+    def replayed(self, stage: str, member: str) -> None:
+        if stage != "share_keys":
+            return
+        # stored in the share_keys message's own transaction (groups.desk): here if any
+        body = self._state.reports.get(self._round, self._attempt, member)
+        if body is not None:
+            self._reported(msgspec.json.decode(body, type=wire.PrivacyReport))
 
     def now(self) -> float:
         return self._clock()

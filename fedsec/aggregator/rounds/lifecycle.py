@@ -40,6 +40,7 @@ from fedsec.aggregator.rounds.events import (
 from fedsec.aggregator.rounds.he_context import HeContextDesk
 from fedsec.aggregator.rounds.reference import RootReference
 from fedsec.aggregator.rounds.refusals import RefusalLog
+from fedsec.aggregator.rounds.reports import privacy_reported
 from fedsec.aggregator.rounds.resume import rebuild
 from fedsec.errors import ProtocolError, RecoveryImpossible, RefusedByRule, RoundAborted
 from fedsec.protocol import wire
@@ -181,7 +182,11 @@ class Lifecycle:
             stored=lambda stages: self._stored(spec, stages),
             # groups that group servers take: read from the store (round.group_servers)
             group_hosts=StoreGroupHosts(
-                self._ctx.ws.state, spec.round, spec.attempt, keep=self._ctx.trail.keep
+                self._ctx.ws.state,
+                spec.round,
+                spec.attempt,
+                keep=self._ctx.trail.keep,
+                reported=lambda report: self._ctx.emit(privacy_reported(report)),
             ),
         )
         return open_session(spec, inputs)

@@ -77,7 +77,10 @@ class PrivacyReports:
                 report.round, report.attempt, report.member, report.epsilon, body
             )
             ctx.trail.append(report)
-        budget = report.epsilon_budget if report.epsilon_budget > 0 else None
-        ctx.emit(
-            PrivacyReported(report.round, report.attempt, report.member, report.epsilon, budget)
-        )
+        ctx.emit(privacy_reported(report))
+
+
+def privacy_reported(report: wire.PrivacyReport) -> PrivacyReported:
+    """The event of a stored report (the leader's own, or one a group server stored)."""
+    budget = report.epsilon_budget if report.epsilon_budget > 0 else None
+    return PrivacyReported(report.round, report.attempt, report.member, report.epsilon, budget)
