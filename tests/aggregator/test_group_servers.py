@@ -535,6 +535,39 @@ def _desk_cohort(
     return fed, coord, cohort
 
 
+async def _post_masked(
+    fed: Federation, url: str, member: str, uploads: list[tuple[bytes, str, str]]
+) -> tuple[list[tuple[int, dict[str, Any]]], str]:
+    """Serve ``url``'s groups in this process (a group server's app on its own
+    workspace), post ``member``'s ``uploads`` to it in turn; their answers, and the
+    server's ``/metrics`` exposition after them."""
+    group_ws = Workspace.open(fed.root, lead=False)
+    app = make_group_app(group_ws, url)
+    port = int(url.rsplit(":", 1)[1])
+    server = await start_server(app, "127.0.0.1", port, None, group_ws.config.server)
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for raw, commitment, signature in uploads:
+                path = (
+                    f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}"
+                    f"&signature={signature}"
+                )
+                headers = {"Content-Type": "application/octet-stream"}
+                headers |= sign_request(
+                    fed.identities[member], "POST", path, headers, raw, created=int(time.time())
+                )
+                async with http.post(url + path, data=raw, headers=headers) as resp:
+                    answers.append((resp.status, await resp.json()))
+            async with http.get(f"{url}/metrics") as resp:  # loopback: open by default
+                assert resp.status == 200
+                exposition = await resp.text()
+    finally:
+        await server.close()
+        group_ws.close()
+    return answers, exposition
+
+
 def test_a_masked_input_refused_at_a_group_server_is_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -544,8 +577,7 @@ def test_a_masked_input_refused_at_a_group_server_is_logged(
     ``refused`` entry of the one log chain (as the leader writes its own), which
     ``fedsec audit verify`` reads through once the round closes."""
     monkeypatch.setattr(hosts, "STALE_S", 600.0)  # the leader takes nothing over here
-    port = _free_port()
-    urls = [f"http://127.0.0.1:{port}", "http://127.0.0.1:2"]
+    urls = [f"http://127.0.0.1:{_free_port()}", "http://127.0.0.1:2"]
     fed, coord, cohort = _desk_cohort(tmp_path, urls)
     spec = cohort.spec
     attacker = spec.groups[0].members[0]
@@ -554,36 +586,8 @@ def test_a_masked_input_refused_at_a_group_server_is_logged(
     short = good[:-8]
     attacks = [cohort.upload(attacker, short), cohort.upload(attacker, signer=other)]
 
-    async def main() -> list[tuple[int, dict[str, Any]]]:
-        group_ws = Workspace.open(fed.root, lead=False)
-        app = make_group_app(group_ws, urls[0])
-        server = await start_server(app, "127.0.0.1", port, None, group_ws.config.server)
-        answers = []
-        try:
-            async with aiohttp.ClientSession() as http:
-                for raw, commitment, signature in attacks:
-                    path = (
-                        f"/v1/rounds/1/masked-input?attempt=0&commitment={commitment}"
-                        f"&signature={signature}"
-                    )
-                    headers = {"Content-Type": "application/octet-stream"}
-                    headers |= sign_request(
-                        fed.identities[attacker],
-                        "POST",
-                        path,
-                        headers,
-                        raw,
-                        created=int(time.time()),
-                    )
-                    async with http.post(urls[0] + path, data=raw, headers=headers) as resp:
-                        answers.append((resp.status, await resp.json()))
-        finally:
-            await server.close()
-            group_ws.close()
-        return answers
-
     before = len(log_entries(fed.ws))
-    answers = asyncio.run(main())
+    answers, _ = asyncio.run(_post_masked(fed, urls[0], attacker, attacks))
     assert [(s, a["error"]) for s, a in answers] == [
         (400, "bad_vector"),
         (401, "bad_signature"),
@@ -658,4 +662,35 @@ def test_a_group_server_refuses_a_report_as_the_leader_does(tmp_path: Path) -> N
             desk.share_keys(m, 1, 0, body)
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
     assert fed.ws.state.reports.get(1, 0, m) is None
+    fed.ws.close()
+
+
+def test_a_group_server_counts_what_it_serves_on_its_own_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group server's requests, bytes and contributions are on its own ``/metrics``
+    (the leader's registry, less the federation's state, which the leader exports): a
+    refused and an accepted masked input, counted once each, by status and code."""
+    monkeypatch.setattr(hosts, "STALE_S", 600.0)
+    urls = [f"http://127.0.0.1:{_free_port()}", "http://127.0.0.1:2"]
+    fed, _, cohort = _desk_cohort(tmp_path, urls)
+    m = cohort.spec.groups[0].members[0]
+    good = cohort.upload(m)
+    answers, exposition = asyncio.run(
+        _post_masked(fed, urls[0], m, [cohort.upload(m, good[0][:-8]), good])
+    )
+    assert [s for s, _ in answers] == [400, 200]
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in exposition.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['fedsec_http_requests_total{endpoint="masked_input",status="400"}'] == 1
+    assert samples['fedsec_http_requests_total{endpoint="masked_input",status="200"}'] == 1
+    sent = len(good[0]) + len(good[0]) - 8
+    assert samples['fedsec_http_request_bytes_total{endpoint="masked_input"}'] == sent
+    assert samples["fedsec_contributions_accepted_total"] == 1
+    assert samples['fedsec_contributions_refused_total{code="bad_vector"}'] == 1
+    # the federation's state is the leader's to export: no round gauges here
+    assert not any(k.startswith("fedsec_round_stage") for k in samples)
     fed.ws.close()

@@ -35,6 +35,7 @@ import msgspec
 
 from fedsec.aggregator.groups.hosts import GroupFence, GroupTakenOver, follow_again, share_store
 from fedsec.aggregator.rounds.attempt import Attempt
+from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRefused, Event
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import check_report
 from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
@@ -88,10 +89,18 @@ class GroupDesk:
         ws: the workspace (its roster, signing key and state store: the leader's).
         url: this server's base URL, as ``round.group_servers`` lists it.
         clock: Unix time (log entries, receipts).
+        events: told of each masked input accepted or refused, as the leader's intake
+            tells its bus (the group server's own metrics).
     """
 
-    def __init__(self, ws: Workspace, url: str, clock: Callable[[], float] = time.time) -> None:
-        self.ws, self.url, self._clock = ws, url.rstrip("/"), clock
+    def __init__(
+        self,
+        ws: Workspace,
+        url: str,
+        clock: Callable[[], float] = time.time,
+        events: Callable[[Event], None] = lambda event: None,
+    ) -> None:
+        self.ws, self.url, self._clock, self._events = ws, url.rstrip("/"), clock, events
         share_store(ws.state, follower=True)  # PostgreSQL: the leader's token, in order
         self._archive = Archive(ws.root / ARCHIVE_DIR)
         self._served: _Served | None = None
@@ -240,7 +249,8 @@ class GroupDesk:
             # leader changed, or the member is another server's
             raise
         except FedsecError as exc:
-            self._refusals.refused(member, r, a, raw, exc)
+            in_cohort = self._refusals.refused(member, r, a, raw, exc)
+            self._events(ContributionRefused(r, a, member, exc.code, self._clock(), in_cohort))
             raise
 
     def _log_refusal(self, body: LogBody) -> None:
@@ -389,6 +399,8 @@ class GroupDesk:
                 ).sign(self.ws.signer)
                 state.receipts.add(live.round, live.attempt, member, wire.encode(receipt))
         self.accepted += 1
+        if stage == "masked_input":
+            self._events(ContributionAccepted(live.round, live.attempt, member, len(raw)))
         return receipt
 
     def _receipt_of(

@@ -7,8 +7,10 @@ the same signature, roster and rate checks, and the same durable nonce store, so
 request accepted here is a replay at the leader and at every other group server), and
 answers in the leader's formats, held answers included: a held request waits on the
 store's stage (polled every :data:`POLL_S`), since the leader's change signal does not
-cross processes.  Only the stage routes are served; a member asks the leader for
-everything else.  While it runs it writes its heartbeat to the store every
+cross processes.  Only the stage routes are served, with the server's own ``/metrics``
+(:class:`~fedsec.aggregator.ops.metrics.FederationMetrics`, without the federation's
+state, which the leader exports); a member asks the leader for everything else.  While
+it runs it writes its heartbeat to the store every
 :data:`~fedsec.aggregator.groups.hosts.HEARTBEAT_S`; the leader takes over the groups of
 a server whose heartbeat stopped.
 """
@@ -26,10 +28,12 @@ from aiohttp import web
 
 from fedsec.aggregator.groups.desk import ANSWER_STAGES, GroupDesk
 from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat, follow_again
-from fedsec.aggregator.http.auth import expect_continue, verify_request
+from fedsec.aggregator.http import ops
+from fedsec.aggregator.http.auth import expect_continue, metrics_middleware, verify_request
 from fedsec.aggregator.http.errors import error_middleware, json_response
 from fedsec.aggregator.http.keys import (
     ENDPOINT_OF,
+    METRICS,
     NONCES,
     RATE,
     UPLOADS,
@@ -44,6 +48,7 @@ from fedsec.aggregator.http.params import (
     wait_seconds,
 )
 from fedsec.aggregator.nonces import open_nonce_store
+from fedsec.aggregator.ops.metrics import FederationMetrics
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
@@ -189,6 +194,7 @@ _HANDLERS: dict[str, Handler] = {
     "get_consistency": _fetch("consistency_proof"),
     "post_unmask": post_unmask,
     "health": health,
+    "metrics": ops.metrics,
 }
 
 
@@ -199,9 +205,14 @@ def make_group_app(workspace: Workspace, url: str) -> web.Application:
         sqlite3.Error, psycopg.Error: the nonce store cannot be opened.
     """
     cfg = workspace.config.server
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    # requests counted as the leader counts its own, refusals included (outside the
+    # error middleware); its /metrics has this process's counts only
+    app = web.Application(
+        middlewares=[metrics_middleware, error_middleware], client_max_size=cfg.max_body_bytes
+    )
     app[WORKSPACE] = workspace
-    app[DESK] = GroupDesk(workspace, url)
+    app[METRICS] = FederationMetrics(None, member_labels=False)
+    app[DESK] = GroupDesk(workspace, url, events=app[METRICS].on_event)
     app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
     app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
 

@@ -25,6 +25,7 @@ from fedsec.aggregator.http.keys import (
     CHALLENGES,
     COORDINATOR,
     ENDPOINT_OF,
+    METRICS,
     NONCES,
     OPS,
     RATE,
@@ -118,6 +119,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     app[COORDINATOR] = coordinator or Coordinator(workspace)
     app[BUILT_UNDER] = token_of(workspace.state)
     app[OPS] = Operations(app[COORDINATOR])
+    app[METRICS] = app[OPS].metrics
     app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = ChangeSignal()
     app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)

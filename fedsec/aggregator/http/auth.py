@@ -26,6 +26,7 @@ from fedsec.aggregator.http.keys import (
     COORDINATOR,
     ENDPOINT_OF,
     MEMBER,
+    METRICS,
     OPS,
     RATE,
     SIGNED,
@@ -137,7 +138,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 def _observe(request: web.Request, status: int, sent: int) -> None:
     endpoint = request.app[ENDPOINT_OF].get(request.match_info.handler)
     name = endpoint.name if endpoint is not None else "unmatched"
-    request.app[OPS].metrics.observe_request(
+    request.app[METRICS].observe_request(
         name, status, request.content_length or 0, sent, head=head_bytes(request)
     )
 

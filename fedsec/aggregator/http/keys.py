@@ -17,6 +17,7 @@ from fedsec.aggregator.challenges import ChallengeDesk
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.nonces import DurableNonceStore
 from fedsec.aggregator.ops import Operations
+from fedsec.aggregator.ops.metrics import FederationMetrics
 from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.workspace import Workspace
 from fedsec.crypto.httpsig import RequestVerifier, SignedHeaders
@@ -32,6 +33,9 @@ NONCES = web.AppKey("nonces", DurableNonceStore)
 RATE = web.AppKey("rate", MemberRateLimit)
 UPLOADS = web.AppKey("uploads", asyncio.Semaphore)
 OPS = web.AppKey("ops", Operations)
+# The process's metrics (the leader's are its operations'; a group server has its own):
+# what the request-counting middleware and ``GET /metrics`` read.
+METRICS = web.AppKey("metrics", FederationMetrics)
 # The endpoint-table entry of each route's handler: the handler is how a request finds
 # its endpoint (its roles and body limit).
 ENDPOINT_OF = web.AppKey("endpoint_of", dict[Handler, Endpoint])

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from fedsec.aggregator.http.auth import authenticate, read_unsigned_body
 from fedsec.aggregator.http.errors import json_response, log, quote
-from fedsec.aggregator.http.keys import COORDINATOR, OPS, WORKSPACE
+from fedsec.aggregator.http.keys import COORDINATOR, METRICS, OPS, WORKSPACE
 from fedsec.aggregator.http.longpoll import CHANGED
 from fedsec.aggregator.http.params import decode_json
 from fedsec.aggregator.ops import tokens
@@ -403,7 +403,7 @@ def _gone(request: web.Request) -> bool:
 async def metrics(request: web.Request) -> web.Response:
     _only_params(request)
     require_access(request, "metrics")
-    body = request.app[OPS].metrics.exposition()
+    body = request.app[METRICS].exposition()
     return web.Response(
         body=body, headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"}
     )

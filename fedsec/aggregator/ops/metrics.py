@@ -53,21 +53,25 @@ _AGGREGATION_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 
 class FederationMetrics:
-    """Every metric of one aggregator.
+    """Every metric of one aggregator process.
 
     Args:
-        live: the scrape-time view (kept current by its own listener).
+        live: the scrape-time view (kept current by its own listener); None for a group
+            server (:mod:`fedsec.aggregator.groups`), which counts its own requests and
+            contributions but leaves the federation's state to the leader's scrape, so a
+            sum over every process counts each request once and each gauge once.
         member_labels: export per-member ε series (``metrics.member_labels``).
     """
 
-    def __init__(self, live: LiveView, *, member_labels: bool) -> None:
+    def __init__(self, live: LiveView | None, *, member_labels: bool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.live = live
         self._declare_rounds(self.registry)
         self._declare_contributions(self.registry)
         self._declare_http(self.registry)
         self._declare_operations(self.registry)
-        self.registry.register(_StateCollector(live, member_labels))
+        if live is not None:
+            self.registry.register(_StateCollector(live, member_labels))
 
     def _declare_rounds(self, r: CollectorRegistry) -> None:
         """Attempts opened, closed and aborted, and how long stages and rounds last."""
