@@ -29,15 +29,12 @@ from aiohttp import web
 from fedsec.aggregator.groups.desk import ANSWER_STAGES, GroupDesk
 from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat, follow_again
 from fedsec.aggregator.http import ops
+from fedsec.aggregator.http.app import set_request_checks
 from fedsec.aggregator.http.auth import expect_continue, metrics_middleware, verify_request
 from fedsec.aggregator.http.errors import error_middleware, json_response
 from fedsec.aggregator.http.keys import (
     ENDPOINT_OF,
     METRICS,
-    NONCES,
-    RATE,
-    UPLOADS,
-    VERIFIER,
     WORKSPACE,
     Handler,
 )
@@ -45,17 +42,15 @@ from fedsec.aggregator.http.params import (
     decode_json,
     decode_upload,
     round_args,
+    statement_params,
     wait_seconds,
 )
-from fedsec.aggregator.nonces import open_nonce_store
 from fedsec.aggregator.ops.metrics import FederationMetrics
-from fedsec.aggregator.ratelimit import MemberRateLimit
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.aio import cancel_and_wait
-from fedsec.crypto.httpsig import RequestVerifier
-from fedsec.errors import FedsecError, PayloadError
+from fedsec.errors import FedsecError
 from fedsec.protocol import codec, wire
 from fedsec.protocol.endpoints import BY_NAME, Endpoint
 
@@ -130,13 +125,7 @@ async def post_shares(request: web.Request) -> web.Response:
 async def masked_input(request: web.Request) -> web.Response:
     member, body = await verify_request(request)
     r, a = round_args(request)
-    commitment = request.query.get("commitment", "")
-    signature = request.query.get("signature", "")
-    if not commitment or not signature:
-        raise PayloadError(
-            "masked input needs the commitment and signature query parameters "
-            "(the member's signed contribution statement)"
-        )
+    commitment, signature = statement_params(request)
     wait = wait_seconds(request)
     desk = request.app[DESK]
     receipt = desk.masked_input(member, r, a, body, commitment, signature)
@@ -213,19 +202,7 @@ def make_group_app(workspace: Workspace, url: str) -> web.Application:
     app[WORKSPACE] = workspace
     app[METRICS] = FederationMetrics(None, member_labels=False)
     app[DESK] = GroupDesk(workspace, url, events=app[METRICS].on_event)
-    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
-    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
-
-    def resolve(key_id: str) -> bytes | None:
-        entry = workspace.roster.by_key_id(key_id)
-        return entry.public_key_bytes if entry is not None and entry.is_active else None
-
-    # the leader's nonce store (nonces.db in the workspace, or the shared database): a
-    # request accepted by any of them is a replay at every other
-    app[NONCES] = open_nonce_store(
-        workspace.root, workspace.config.storage.url, 2 * cfg.clock_skew_s
-    )
-    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+    set_request_checks(app, workspace)  # the leader's nonce store: one spend per request
     endpoint_of: dict[Handler, Endpoint] = {
         handler: BY_NAME[name] for name, handler in _HANDLERS.items()
     }

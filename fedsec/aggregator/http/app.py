@@ -97,6 +97,33 @@ _ENDPOINT_OF: dict[Handler, Endpoint] = {
 }
 
 
+def set_request_checks(app: web.Application, workspace: Workspace) -> None:
+    """What :mod:`fedsec.aggregator.http.auth` checks a member's request with: the
+    per-member rate, the upload slots, the durable nonce store and the signature
+    verifier over ``workspace``'s roster (the leader's application, and a group
+    server's: :mod:`fedsec.aggregator.groups.server`).
+
+    Raises:
+        sqlite3.Error, psycopg.Error: the nonce store cannot be opened.
+    """
+    cfg = workspace.config.server
+    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
+    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
+
+    def resolve(key_id: str) -> bytes | None:
+        entry = workspace.roster.by_key_id(key_id)
+        return entry.public_key_bytes if entry is not None and entry.is_active else None
+
+    # nonces are kept for twice the skew window so a request is never accepted after its
+    # nonce has been forgotten, and on disk (or in the database replicas and group servers
+    # share) so a restart forgets none of them and a request accepted by one process is a
+    # replay at every other
+    app[NONCES] = open_nonce_store(
+        workspace.root, workspace.config.storage.url, 2 * cfg.clock_skew_s
+    )
+    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+
+
 def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> web.Application:
     """Build the aiohttp application for ``workspace``.
 
@@ -122,20 +149,7 @@ def make_app(workspace: Workspace, coordinator: Coordinator | None = None) -> we
     app[METRICS] = app[OPS].metrics
     app[CHALLENGES] = ChallengeDesk(workspace, app[COORDINATOR].trail)
     app[CHANGED] = ChangeSignal()
-    app[RATE] = MemberRateLimit(cfg.member_rate_per_s, cfg.member_burst)
-    app[UPLOADS] = asyncio.Semaphore(cfg.max_concurrent_uploads)
-
-    def resolve(key_id: str) -> bytes | None:
-        entry = workspace.roster.by_key_id(key_id)
-        return entry.public_key_bytes if entry is not None and entry.is_active else None
-
-    # nonces are kept for twice the skew window so a request is never accepted after its
-    # nonce has been forgotten, and on disk (or in the database replicas share) so a
-    # restart forgets none of them
-    app[NONCES] = open_nonce_store(
-        workspace.root, workspace.config.storage.url, 2 * cfg.clock_skew_s
-    )
-    app[VERIFIER] = RequestVerifier(resolve, app[NONCES], max_skew_s=cfg.clock_skew_s)
+    set_request_checks(app, workspace)
     app[ENDPOINT_OF] = _ENDPOINT_OF
     for endpoint in ENDPOINTS:
         app.router.add_route(

@@ -24,13 +24,13 @@ from fedsec.aggregator.http.params import (
     model_version,
     round_args,
     seconds,
+    statement_params,
     wait_seconds,
 )
 from fedsec.aggregator.openapi import openapi_document
 from fedsec.aggregator.storage.leadership import local_role
 from fedsec.aggregator.storage.roster_file import Roster
 from fedsec.aggregator.workspace import Workspace
-from fedsec.errors import PayloadError
 from fedsec.protocol import wire
 from fedsec.protocol.limits import MAX_COUNT
 
@@ -260,13 +260,7 @@ async def get_commit(request: web.Request) -> web.Response:
 async def masked_input(request: web.Request) -> web.Response:
     member, body = await authenticate(request)
     r, a = round_args(request)
-    commitment = request.query.get("commitment", "")
-    signature = request.query.get("signature", "")
-    if not commitment or not signature:
-        raise PayloadError(
-            "masked input needs the commitment and signature query parameters "
-            "(the member's signed contribution statement)"
-        )
+    commitment, signature = statement_params(request)
     wait = wait_seconds(request)  # checked before anything is accepted
     coord = request.app[COORDINATOR]
     receipt = coord.masked_input(member, r, a, body, commitment, signature)

@@ -66,6 +66,23 @@ def model_version(request: web.Request) -> int:
     return wire.parse_uint(request.match_info["version"], "model version")
 
 
+def statement_params(request: web.Request) -> tuple[str, str]:
+    """A masked input's ``commitment`` and ``signature`` query parameters: the member's
+    signed contribution statement (checked against the body by whoever takes it).
+
+    Raises:
+        PayloadError: either is missing or empty.
+    """
+    commitment = request.query.get("commitment", "")
+    signature = request.query.get("signature", "")
+    if not commitment or not signature:
+        raise PayloadError(
+            "masked input needs the commitment and signature query parameters "
+            "(the member's signed contribution statement)"
+        )
+    return commitment, signature
+
+
 def wait_seconds(request: web.Request) -> float:
     """The ``wait`` query parameter of a stage-data request: seconds to hold the answer
     until the round reaches that stage (0, the default, answers at once)."""
