@@ -365,6 +365,14 @@ def test_a_killed_group_server_is_taken_over_without_losing_the_round(
     asyncio.run(main())
 
 
+def _advertise(desk: GroupDesk, cohort: Cohort, member: str) -> None:
+    """``member``'s advertise message, taken by ``desk``."""
+    body = cohort.advertise(member)
+    desk.accept(
+        member, 1, 0, "advertise", wire.encode(body), lambda m: codec.advertise_message(m, body)
+    )
+
+
 def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
     """The desk's refusals, in process: another group's member (421 naming its server),
     a group the leader took over (503 not_leader: the member moves on to the leader),
@@ -380,10 +388,7 @@ def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
     desk = GroupDesk(fed.ws, urls[0])
 
     def advertise(m: str) -> None:
-        body = cohort.advertise(m)
-        desk.accept(
-            m, 1, 0, "advertise", wire.encode(body), lambda m: codec.advertise_message(m, body)
-        )
+        _advertise(desk, cohort, m)
 
     ours, theirs = spec.groups[0].members, spec.groups[1].members
     with pytest.raises(WrongGroup, match=f"group 1 of round 1, served at {urls[1]}"):
@@ -453,10 +458,7 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
         assert coord.live.stage == stage
 
     for m in MEMBERS:
-        body = cohort.advertise(m)
-        desk[m].accept(
-            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
-        )
+        _advertise(desk[m], cohort, m)
     moved("share_keys")
     for m in MEMBERS:
         desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
@@ -517,10 +519,7 @@ def _desk_cohort(
     desks = [GroupDesk(fed.ws, url) for url in urls]
     desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
     for m in MEMBERS:
-        body = cohort.advertise(m)
-        desk[m].accept(
-            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
-        )
+        _advertise(desk[m], cohort, m)
     coord.tick()
     for m in MEMBERS:
         body = cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0))
@@ -644,11 +643,7 @@ def test_a_group_server_refuses_a_report_as_the_leader_does(tmp_path: Path) -> N
     desk = GroupDesk(fed.ws, urls[0])
     ours = spec.groups[0].members
     for m in MEMBERS:
-        body = cohort.advertise(m)
-        d = desk if m in ours else GroupDesk(fed.ws, urls[1])
-        d.accept(
-            m, 1, 0, "advertise", wire.encode(body), lambda m, b=body: codec.advertise_message(m, b)
-        )
+        _advertise(desk if m in ours else GroupDesk(fed.ws, urls[1]), cohort, m)
     coord.tick()
     m = ours[0]
     shares = cohort.share_keys(m, desk.answer("key_list", m, 1, 0))
