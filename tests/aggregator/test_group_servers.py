@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -42,7 +43,7 @@ from fedsec.aggregator.workspace import Workspace
 from fedsec.aggregator_client import AggregatorClient
 from fedsec.audit.verify import verify_log
 from fedsec.crypto.httpsig import sign_request
-from fedsec.errors import PayloadError, RetryLater, WrongGroup, WrongStage
+from fedsec.errors import BadVector, PayloadError, RetryLater, WrongGroup, WrongStage
 from fedsec.protocol import codec, wire
 from fedsec.protocol.shards import group_index
 from tests.agent.test_agent_runtime import round_spec
@@ -465,6 +466,13 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     moved("masked_input")
     for m in MEMBERS:
         cohort.receive_shares(m, desk[m].answer("share_relay", m, 1, 0))
+    # a refused masked input is a refused entry in the one chain, over either store
+    first = MEMBERS[0]
+    with pytest.raises(BadVector):
+        desk[first].masked_input(first, 1, 0, *cohort.upload(first, b"\0" * 8))
+    tail = fed.ws.state.log.log_tail()
+    assert tail is not None and json.loads(tail[1])["kind"] == "refused"
+    for m in MEMBERS:
         desk[m].masked_input(m, 1, 0, *cohort.upload(m))
     moved("consistency")
     for m in MEMBERS:
