@@ -19,7 +19,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, ClassVar, Final, TypeVar
 
 import msgspec
@@ -198,15 +198,7 @@ def decode(raw: bytes, kind: type[T], *, max_bytes: int, what: str, unique_keys:
             numbers out of range or not finite, a rule between fields broken
             (``__post_init__``), or unknown fields (named).
     """
-    if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
-    try:
-        value = msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
-    except msgspec.DecodeError as exc:
-        raise PayloadError(f"{what} is not valid JSON: {str(exc)[:300]}") from None
-    check_finite(value, what)  # JSON cannot carry one (msgspec refuses it): one rule for all
+    value = _decoded(msgspec.json.decode, "JSON", raw, kind, max_bytes, what)
     if not unique_keys:
         return value
     try:
@@ -227,15 +219,23 @@ def decode_msgpack(raw: bytes, kind: type[T], *, max_bytes: int, what: str) -> T
         PayloadError: not msgpack, wrong types, numbers out of range or not finite, a
             rule between fields broken (``__post_init__``), or unknown fields (named).
     """
+    return _decoded(msgspec.msgpack.decode, "msgpack", raw, kind, max_bytes, what)
+
+
+def _decoded(
+    decoder: Callable[..., Any], encoding: str, raw: bytes, kind: type[T], max_bytes: int, what: str
+) -> T:
+    """``raw`` decoded by ``decoder`` into ``kind``: its size checked first, msgspec's
+    refusals named, every float finite (JSON cannot carry one, msgpack can: one rule)."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
     try:
-        value = msgspec.msgpack.decode(raw, type=kind)
+        value: T = decoder(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise PayloadError(f"{what} is invalid: {str(exc)[:300]}") from None
     except msgspec.DecodeError as exc:
-        raise PayloadError(f"{what} is not valid msgpack: {str(exc)[:300]}") from None
-    check_finite(value, what)  # msgpack, unlike JSON, carries NaN and infinity
+        raise PayloadError(f"{what} is not valid {encoding}: {str(exc)[:300]}") from None
+    check_finite(value, what)
     return value
 
 
