@@ -32,6 +32,7 @@ import pytest
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.vault import Vault
 from fedsec.aggregator.coordinator import Coordinator
+from fedsec.aggregator.groups import desk as desk_module
 from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
@@ -411,6 +412,33 @@ def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
             lambda m: codec.share_keys_message(m, shares),
         )
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
+
+
+def test_held_requests_share_one_read_of_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many members a group server holds, it reads the attempt's stage (a row
+    that carries the round's spec) once per poll interval, and sees the leader's next
+    stage at the first read after it."""
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    fed = _federation(tmp_path / "ws", urls)
+    coord = Coordinator(fed.ws)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    desk = GroupDesk(fed.ws, urls[0])
+    reads = []
+    get = fed.ws.state.rounds.get
+    monkeypatch.setattr(fed.ws.state.rounds, "get", lambda r, a: reads.append(r) or get(r, a))
+    now = [1000.0]
+    monkeypatch.setattr(desk_module.time, "monotonic", lambda: now[0])
+    assert all(desk.reached(1, 0, "advertise") for _ in range(250))
+    assert not any(desk.reached(1, 0, "share_keys") for _ in range(250))
+    assert len(reads) == 1
+    fed.ws.state.rounds.set_stage(1, 0, "share_keys", now=0.0)
+    assert not desk.reached(1, 0, "share_keys")  # within the interval: the read stands
+    now[0] += 2 * desk_module.STAGE_POLL_S
+    assert desk.reached(1, 0, "share_keys") and len(reads) == 2
+    assert not desk.reached(1, 1, "advertise") and len(reads) == 3  # another attempt: read
 
 
 def test_a_round_through_group_desks_survives_a_leader_restart(

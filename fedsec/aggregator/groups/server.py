@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from fedsec.aggregator.groups.desk import ANSWER_STAGES, GroupDesk
+from fedsec.aggregator.groups.desk import ANSWER_STAGES, STAGE_POLL_S, GroupDesk
 from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat, follow_again
 from fedsec.aggregator.http import ops
 from fedsec.aggregator.http.app import set_request_checks
@@ -56,9 +56,9 @@ from fedsec.protocol.endpoints import BY_NAME, Endpoint
 
 log = logging.getLogger("fedsec.aggregator.groups")
 
-#: How often a held answer re-reads the store's stage: the leader closes a stage within
-#: its tick (50 ms), so a held member learns of it within ~0.1 s; one indexed read each.
-POLL_S: Final = 0.05
+#: How often a held answer looks at the attempt's stage again (the desk reads it from the
+#: store at most that often for all of them: :data:`~fedsec.aggregator.groups.desk.STAGE_POLL_S`).
+POLL_S: Final = STAGE_POLL_S
 
 DESK = web.AppKey("group_desk", GroupDesk)
 
