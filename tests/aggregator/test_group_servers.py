@@ -32,12 +32,12 @@ import pytest
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.vault import Vault
 from fedsec.aggregator.coordinator import Coordinator
-from fedsec.aggregator.groups import desk as desk_module
 from fedsec.aggregator.groups import hosts
-from fedsec.aggregator.groups.desk import GroupDesk
+from fedsec.aggregator.groups.desk import STAGE_POLL_S, GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
 from fedsec.aggregator.groups.server import make_group_app
 from fedsec.aggregator.rounds.events import EventBus, PrivacyReported
+from fedsec.aggregator.storage.interfaces import RoundRow
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
 from fedsec.aggregator.workspace import Workspace
@@ -425,18 +425,22 @@ def test_held_requests_share_one_read_of_the_stage(
     coord = Coordinator(fed.ws)
     for m in MEMBERS:
         assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    desk = GroupDesk(fed.ws, urls[0])
-    reads = []
-    get = fed.ws.state.rounds.get
-    monkeypatch.setattr(fed.ws.state.rounds, "get", lambda r, a: reads.append(r) or get(r, a))
     now = [1000.0]
-    monkeypatch.setattr(desk_module.time, "monotonic", lambda: now[0])
+    desk = GroupDesk(fed.ws, urls[0], clock=lambda: now[0])
+    reads: list[int] = []
+    get = fed.ws.state.rounds.get
+
+    def counted(r: int, a: int) -> RoundRow | None:
+        reads.append(r)
+        return get(r, a)
+
+    monkeypatch.setattr(fed.ws.state.rounds, "get", counted)
     assert all(desk.reached(1, 0, "advertise") for _ in range(250))
     assert not any(desk.reached(1, 0, "share_keys") for _ in range(250))
     assert len(reads) == 1
     fed.ws.state.rounds.set_stage(1, 0, "share_keys", now=0.0)
     assert not desk.reached(1, 0, "share_keys")  # within the interval: the read stands
-    now[0] += 2 * desk_module.STAGE_POLL_S
+    now[0] += 2 * STAGE_POLL_S
     assert desk.reached(1, 0, "share_keys") and len(reads) == 2
     assert not desk.reached(1, 1, "advertise") and len(reads) == 3  # another attempt: read
 

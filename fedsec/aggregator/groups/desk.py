@@ -425,9 +425,9 @@ class GroupDesk:
 
     def reached(self, r: int, a: int, stage: str) -> bool:
         """Whether attempt (r, a) is the stored one and has reached ``stage`` (not aborted)."""
-        now = time.monotonic()
+        now = self._clock()
         seen = self._stage_read
-        if seen is not None and seen[0] == (r, a) and now - seen[1] < STAGE_POLL_S:
+        if seen is not None and seen[0] == (r, a) and 0 <= now - seen[1] < STAGE_POLL_S:
             stored = seen[2]
         else:
             row = self.ws.state.rounds.get(r, a)
