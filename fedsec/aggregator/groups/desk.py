@@ -38,7 +38,7 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRefused, Event
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import check_report
-from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
+from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry, store_accepted
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.workspace import Workspace
 from fedsec.archive import Archive
@@ -364,8 +364,16 @@ class GroupDesk:
             WrongGroup: the leader took the group over.
         """
         state, live = self.ws.state, s.live
-        archived = self._archive.put(raw)
-        receipt = None
+        accepted = AcceptedEntry(
+            round=live.round,
+            attempt=live.attempt,
+            stage=stage,
+            member=member,
+            sha256=self._archive.put(raw),
+            bytes=len(raw),
+            commitment=extra.get("commitment"),
+            signature=extra.get("signature"),
+        )
         fence = GroupFence(state, live.round, live.attempt, group)
         with state.transaction():
             row = state.rounds.get(live.round, live.attempt)
@@ -375,36 +383,20 @@ class GroupDesk:
                     f"stage {row.stage if row else 'none'}"
                 )
             fence.check()
-            state.messages.add(live.round, live.attempt, stage, member, raw)
             if "report" in extra:
                 report, body = extra["report"]
                 state.reports.add(live.round, live.attempt, member, report.epsilon, body)
                 append_entry(state.log, self._clock(), report)
-            logged = append_entry(
-                state.log,
-                self._clock(),
-                AcceptedEntry(
-                    round=live.round,
-                    attempt=live.attempt,
-                    stage=stage,
-                    member=member,
-                    sha256=archived,
-                    bytes=len(raw),
-                    commitment=extra.get("commitment"),
-                    signature=extra.get("signature"),
-                ),
+            receipt = store_accepted(
+                state,
+                lambda entry: append_entry(state.log, self._clock(), entry),
+                self.ws.signer,
+                self.ws.federation_id,
+                self._clock,
+                accepted,
+                raw,
+                extra.get("receipt_for"),
             )
-            if "receipt_for" in extra:
-                receipt = wire.Receipt(
-                    federation_id=self.ws.federation_id,
-                    round=live.round,
-                    attempt=live.attempt,
-                    member=member,
-                    contribution_sha256=extra["receipt_for"],
-                    log_index=logged.index,
-                    issued_at=self._clock(),
-                ).sign(self.ws.signer)
-                state.receipts.add(live.round, live.attempt, member, wire.encode(receipt))
         self.accepted += 1
         if stage == "masked_input":
             self._events(ContributionAccepted(live.round, live.attempt, member, len(raw)))

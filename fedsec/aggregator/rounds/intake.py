@@ -23,6 +23,7 @@ from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRe
 from fedsec.aggregator.rounds.lifecycle import Lifecycle
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import PrivacyReports
+from fedsec.aggregator.storage.audit_trail import store_accepted
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.crypto.secagg import MaskedInput
 from fedsec.errors import (
@@ -292,33 +293,27 @@ class Intake:
         ``receipt_for`` (the contribution's sha256), also sign and store its receipt.
         ``commitment`` and ``signature``: a masked input's contribution statement."""
         ctx = self._ctx
-        archived = ctx.trail.keep(raw)
-        receipt = None
+        accepted = AcceptedEntry(
+            round=live.round,
+            attempt=live.attempt,
+            stage=stage,
+            member=member,
+            sha256=ctx.trail.keep(raw),
+            bytes=len(raw),
+            commitment=commitment,
+            signature=signature,
+        )
         with ctx.ws.state.transaction():
-            ctx.ws.state.messages.add(live.round, live.attempt, stage, member, raw)
-            entry = ctx.trail.append(
-                AcceptedEntry(
-                    round=live.round,
-                    attempt=live.attempt,
-                    stage=stage,
-                    member=member,
-                    sha256=archived,
-                    bytes=len(raw),
-                    commitment=commitment,
-                    signature=signature,
-                )
+            receipt = store_accepted(
+                ctx.ws.state,
+                ctx.trail.append,
+                ctx.ws.signer,
+                ctx.ws.federation_id,
+                ctx.clock,
+                accepted,
+                raw,
+                receipt_for,
             )
-            if receipt_for is not None:
-                receipt = wire.Receipt(
-                    federation_id=ctx.ws.federation_id,
-                    round=live.round,
-                    attempt=live.attempt,
-                    member=member,
-                    contribution_sha256=receipt_for,
-                    log_index=entry.index,
-                    issued_at=ctx.clock(),
-                ).sign(ctx.ws.signer)
-                ctx.ws.state.receipts.add(live.round, live.attempt, member, wire.encode(receipt))
         if ctx.faults.crash_at:  # chaos tests only: off the hot path otherwise
             count = ctx.ws.state.messages.count(live.round, live.attempt, stage)
             ctx.faults.crash(live.round, f"{stage}:{count}")

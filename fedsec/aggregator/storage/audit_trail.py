@@ -26,15 +26,22 @@ from pathlib import Path
 
 import msgspec
 
-from fedsec.aggregator.storage.interfaces import LogStore
+from fedsec.aggregator.storage.interfaces import LogStore, StateStore
 from fedsec.aggregator.storage.models import ModelStore
 from fedsec.aggregator.storage.roster_file import Roster
 from fedsec.archive import Archive, ArchiveIndex
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.faults import NO_FAULTS, Faults
 from fedsec.fsio import atomic_write
+from fedsec.protocol import wire
 from fedsec.protocol.log import GENESIS_PREV, LogEntry, entry_from_line, head_body, make_entry
-from fedsec.protocol.log_entries import GenesisEntry, LogBody, ModelVersionEntry, RollbackEntry
+from fedsec.protocol.log_entries import (
+    AcceptedEntry,
+    GenesisEntry,
+    LogBody,
+    ModelVersionEntry,
+    RollbackEntry,
+)
 from fedsec.protocol.roster import RosterEntry
 
 log = logging.getLogger(__name__)
@@ -251,3 +258,35 @@ def _hash(line: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(line).hexdigest()
+
+
+def store_accepted(
+    state: StateStore,
+    append: Callable[[LogBody], LogEntry],
+    signer: SigningIdentity,
+    federation_id: str,
+    clock: Callable[[], float],
+    accepted: AcceptedEntry,
+    raw: bytes,
+    receipt_for: str | None,
+) -> wire.Receipt | None:
+    """Store an accepted message's bytes ``raw`` and log ``accepted`` through ``append``,
+    inside the caller's transaction; with ``receipt_for`` (the contribution's sha256),
+    sign and store its receipt, which names the entry's log index.  The one definition
+    for the leader's intake and a group server's."""
+    r, a, member = accepted.round, accepted.attempt, accepted.member
+    state.messages.add(r, a, accepted.stage, member, raw)
+    entry = append(accepted)
+    if receipt_for is None:
+        return None
+    receipt = wire.Receipt(
+        federation_id=federation_id,
+        round=r,
+        attempt=a,
+        member=member,
+        contribution_sha256=receipt_for,
+        log_index=entry.index,
+        issued_at=clock(),
+    ).sign(signer)
+    state.receipts.add(r, a, member, wire.encode(receipt))
+    return receipt
