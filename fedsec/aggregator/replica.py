@@ -26,6 +26,7 @@ from fedsec.aggregator.storage.leadership import Leased, Replaceable, lease_of
 from fedsec.aggregator.transport import RunningServer, start_server
 from fedsec.aggregator.workspace import Workspace
 from fedsec.faults import NO_FAULTS, Faults
+from fedsec.summation import mode_named
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ async def _start(
     lease: Leased | None,
     on_serving: Callable[[str], None] | None,
 ) -> RunningServer:
-    app = make_app(ws, Coordinator(ws, clock=clock, faults=faults))
     identities = len(ws.roster.entries())
+    mode_named(ws.config.round.secure_sum).warm(ws.config, identities)
+    app = make_app(ws, Coordinator(ws, clock=clock, faults=faults))
     server = await start_server(app, host, port, ssl_ctx, ws.config.server, identities=identities)
     if lease is not None:  # standbys name this URL in their 503 not_leader
         lease.advertise(ws.config.server.advertise_url or server.url)

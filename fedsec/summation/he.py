@@ -457,6 +457,9 @@ class HeMode(SummationMode):
     windows: Mapping[str, StageWindow] = field(default_factory=lambda: dict(_WINDOWS))
     custodian_decrypts: bool = True
 
+    def warm(self, cfg: FederationSettings, members: int) -> int:
+        return 0  # CKKS ciphertexts: no packed ring vectors to unpack
+
     def capacity(self, cfg: FederationSettings) -> int:
         """The most members whose worst-case sum (each value up to the quantisation's
         L levels) CKKS holds exactly: n·L below ``HeParams.headroom``."""

@@ -87,6 +87,13 @@ class _Server(Protocol):
     def max_body_bytes(self) -> int: ...
 
 
+class CodecSettings(Protocol):
+    """``[codec]``, as far as a ring's width needs it."""
+
+    @property
+    def headroom_bits(self) -> int: ...
+
+
 class FederationSettings(Protocol):
     """``federation.toml``, as far as a mode's own problems need it."""
 
@@ -100,3 +107,5 @@ class FederationSettings(Protocol):
     def server(self) -> _Server: ...
     @property
     def dp(self) -> DPSettings: ...
+    @property
+    def codec(self) -> CodecSettings: ...
