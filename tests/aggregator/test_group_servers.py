@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fedsec.agent.runtime import AgentRuntime
 from fedsec.agent.vault import Vault
@@ -36,7 +38,7 @@ from fedsec.aggregator.groups import hosts
 from fedsec.aggregator.groups.desk import STAGE_POLL_S, GroupDesk
 from fedsec.aggregator.groups.hosts import StoreGroupHosts
 from fedsec.aggregator.groups.server import make_group_app
-from fedsec.aggregator.rounds.events import EventBus, PrivacyReported
+from fedsec.aggregator.rounds.events import Event, EventBus, PrivacyReported, RoundEnded
 from fedsec.aggregator.storage.interfaces import RoundRow
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.transport import start_server
@@ -261,14 +263,80 @@ def _verified(fed: Federation) -> None:
     assert (verified.rounds_verified, verified.models_verified) == (1, 1)
 
 
+#: Routes no signature guards: no round's summary counts them (health checks, scrapes).
+_UNSIGNED = ("health", "metrics", "unmatched")
+
+
+def _wire_bytes(expositions: list[str]) -> dict[str, list[int]]:
+    """What the signed requests carried by the servers' own ``/metrics``: endpoint ->
+    [request bytes (head and body), response body bytes], summed over the servers."""
+    totals: dict[str, list[int]] = {}
+    for text in expositions:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                endpoint = sample.labels.get("endpoint")
+                if endpoint is None or endpoint in _UNSIGNED:
+                    continue
+                row = totals.setdefault(endpoint, [0, 0])
+                if sample.name in (
+                    "fedsec_http_request_bytes_total",
+                    "fedsec_http_request_head_bytes_total",
+                ):
+                    row[0] += int(sample.value)
+                elif sample.name == "fedsec_http_response_bytes_total":
+                    row[1] += int(sample.value)
+    return totals
+
+
+def _scrape(url: str) -> str:
+    """``url``'s ``/metrics`` exposition (a blocking read: for a callback of the round)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=WAIT_S) as answer:
+        return str(answer.read().decode())
+
+
+class _LeaderTraffic:
+    """The leader's own counts of attempt (1, 0) (the requests it served itself), and
+    the round's summary with those counts as they stood when it was written."""
+
+    def __init__(self, coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts = [0, 0]
+        self.ended: list[tuple[wire.RoundSummary, tuple[int, int]]] = []
+        count = coord.count_traffic
+
+        def counted(key: tuple[int, int], received: int, sent: int) -> None:
+            if key == (1, 0):
+                self.counts[0] += received
+                self.counts[1] += sent
+            count(key, received, sent)
+
+        monkeypatch.setattr(coord, "count_traffic", counted)
+        coord.events.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, RoundEnded) and (event.summary.round, event.summary.attempt) == (1, 0):
+            self.ended.append((event.summary, (self.counts[0], self.counts[1])))
+
+    def summary(self, fed: Federation) -> tuple[wire.RoundSummary, tuple[int, int]]:
+        """The stored summary of attempt (1, 0) and the leader's own counts at its close."""
+        [(summary, own)] = self.ended
+        row = fed.ws.state.rounds.get(1, 0)
+        assert row is not None and row.summary is not None
+        assert msgspec.json.decode(row.summary, type=wire.RoundSummary) == summary
+        return summary, own
+
+
 @pytest.mark.slow  # group server processes start; six real agents train and run a round
-def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
+def test_a_round_closes_through_two_group_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Real agents: each learns its group's server from the signed spec and sends it its
     stage messages; the leader takes none of them, and the model is the exact sum of the
-    updates the members kept."""
+    updates the members kept.  The round's summary counts the bytes of every signed
+    request the leader and the group servers served for it, each once."""
 
     async def main() -> None:
         async with _round(tmp_path, AGENTS, join=False) as (fed, live, urls, _):
+            leader = _LeaderTraffic(live.coordinator, monkeypatch)
             key = fed.ws.signer.public_bytes
             runtimes = [
                 AgentRuntime(
@@ -288,11 +356,21 @@ def test_a_round_closes_through_two_group_servers(tmp_path: Path) -> None:
                 p for method, p in live.requests if method == "POST" and p.endswith(uploads)
             ]
             async with aiohttp.ClientSession() as http:
-                counts = []
+                counts, expositions = [], []
                 for url in urls:
                     async with http.get(f"{url}/v1/health") as resp:
                         counts.append((await resp.json())["accepted"])
+                    async with http.get(f"{url}/metrics") as resp:
+                        expositions.append(await resp.text())
             assert counts == [5 * len(g.members) for g in spec.groups]
+            summary, (own_up, own_down) = leader.summary(fed)
+            served = _wire_bytes(expositions)
+            assert summary.bytes_up == own_up + sum(up for up, _ in served.values()) > own_up
+            # an unmask answer is held until the attempt is over: after its summary, at
+            # the leader as at a group server
+            held = served["post_unmask"][1]
+            down = own_down + sum(down for _, down in served.values()) - held
+            assert down <= summary.bytes_down <= down + held
             kept = [Vault(tmp_path / m).load_update(1, 0).update for m in AGENTS]
             np.testing.assert_array_equal(
                 model_params(fed.ws, 2), expected_params(model_params(fed.ws, 1), kept, spec)
@@ -343,17 +421,26 @@ def test_a_killed_group_server_is_taken_over_without_losing_the_round(
     monkeypatch.setattr(hosts, "STALE_S", 1.5)
 
     async def main() -> None:
-        async with _round(tmp_path) as (fed, live, _, procs):
+        async with _round(tmp_path) as (fed, live, urls, procs):
             spec = live.coordinator.live.spec
             assert spec is not None
             cohort = Cohort(spec, fed.identities)
+            leader = _LeaderTraffic(live.coordinator, monkeypatch)
+            expositions = []
 
             def kill() -> None:  # its group's advertisements are stored; it dies
+                expositions.append(_scrape(urls[1]))
                 os.kill(procs[1].pid, signal.SIGKILL)
                 procs[1].wait()
 
             async with _clients(fed, live, spec) as clients:
                 await _run(fed, live, clients, cohort, after_advertise=kill)
+            expositions.append(_scrape(urls[0]))
+            # what the dead server stored before it died is counted, and what the
+            # leader then served of its group
+            summary, (own_up, _) = leader.summary(fed)
+            served = sum(up for up, _ in _wire_bytes(expositions).values())
+            assert summary.bytes_up == own_up + served
             taken = [
                 e["body"]["member"]
                 for e in log_entries(fed.ws)
@@ -485,15 +572,27 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     cohort = Cohort(spec, fed.identities)
     desks = [GroupDesk(Workspace.open(fed.root, lead=False), url) for url in urls]
     desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
+    counted = [0, 0]
 
     def moved(stage: str) -> None:
         coord.tick()
         assert coord.live.stage == stage
 
+    def served(m: str, received: int = 700, sent: int = 90) -> None:
+        """A request of ``m`` its group's server served, counted as the server counts
+        it (its upload's bytes on arrival, then its answer's)."""
+        attempt = desk[m].count_request((1, 0), received)
+        assert attempt == (1, 0)
+        desk[m].count_answer(attempt, sent)
+        counted[0] += received
+        counted[1] += sent
+
     for m in MEMBERS:
+        served(m)
         _advertise(desk[m], cohort, m)
     moved("share_keys")
     for m in MEMBERS:
+        served(m, 300, 2_000)
         desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
     moved("masked_input")
     for m in MEMBERS:
@@ -505,9 +604,17 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     tail = fed.ws.state.log.log_tail()
     assert tail is not None and json.loads(tail[1])["kind"] == "refused"
     for m in MEMBERS:
+        served(m, 20_000)
         desk[m].masked_input(m, 1, 0, *cohort.upload(m))
     moved("consistency")
+    # group server 1 restarts: what it stored is kept; what it counted since (a fetch
+    # whose bytes no commit carried) dies with it
+    restarted = desks[1]
+    restarted.count_request((1, 0), 99_999)
+    desks[1] = GroupDesk(Workspace.open(fed.root, lead=False), urls[1])
+    desk = {m: desks[group_index(spec.groups, m)] for m in MEMBERS}
     for m in MEMBERS:
+        served(m)
         signed = cohort.sign(m, desk[m].answer("unmask_request", m, 1, 0))
         desk[m].accept(
             m,
@@ -525,6 +632,7 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     moved("unmask")
     retried = 0
     for m in MEMBERS:
+        served(m)
         answer = cohort.unmask(m, desk[m].answer("consistency_proof", m, 1, 0))
         try:
             desk[m].unmask(m, 1, 0, answer)
@@ -534,11 +642,22 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
             desk[m].unmask(m, 1, 0, answer)
     # on PostgreSQL each desk's first write after the restart is fenced, then it follows
     assert retried == (len(desks) if sections else 0)
+    # a fetch after the server's last message: its heartbeat carries its bytes
+    served(MEMBERS[0], 400, 5_000)
+    desk[MEMBERS[0]].beat(time.time())
     coord.tick()
     assert coord.live.round == 2
-    assert [d.accepted for d in desks] == [5 * len(g.members) for g in spec.groups]
+    assert [desks[0].accepted, restarted.accepted + desks[1].accepted] == [
+        5 * len(g.members) for g in spec.groups
+    ]
     _check_model(fed, cohort)
-    for d in desks:
+    # the summary counts what both servers served, each byte once, across the restart
+    # of either process and the fenced (rolled back, retried) writes
+    row = fed.ws.state.rounds.get(1, 0)
+    assert row is not None and row.summary is not None
+    summary = msgspec.json.decode(row.summary, type=wire.RoundSummary)
+    assert [summary.bytes_up, summary.bytes_down] == counted
+    for d in [*desks, restarted]:
         d.ws.close()
     fed.ws.close()
 

@@ -20,6 +20,11 @@ the store lacks: it is rebuilt from the store before its next use.
 
 A group server never writes ``audit/log.jsonl``: the leader copies the committed lines
 there at its next commit (:class:`~fedsec.aggregator.storage.audit_trail.AuditTrail`).
+
+The bytes of the requests it serves are counted in the attempt in progress when they
+arrive, as the leader counts its own, and stored with each message and each heartbeat
+(:class:`~fedsec.aggregator.groups.hosts.ServedTraffic`): the leader's round summary
+adds them.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from typing import Any, Final
 
 import msgspec
 
-from fedsec.aggregator.groups.hosts import GroupFence, GroupTakenOver, follow_again, share_store
+from fedsec.aggregator.groups.hosts import (
+    GroupFence,
+    GroupTakenOver,
+    ServedTraffic,
+    beat,
+    follow_again,
+    share_store,
+)
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRefused, Event
 from fedsec.aggregator.rounds.refusals import RefusalLog
@@ -111,6 +123,9 @@ class GroupDesk:
         self._archive = Archive(ws.root / ARCHIVE_DIR)
         self._served: _Served | None = None
         self._stage_read: tuple[tuple[int, int], float, str | None] | None = None
+        # (when read, the newest stored attempt): which attempt a request is counted in
+        self._newest: tuple[float, tuple[int, int] | None] | None = None
+        self._traffic = ServedTraffic(self.url)
         self._refusals = RefusalLog(ws.state, self._log_refusal, self._live)
         #: Messages this server stored (the bench reads it).
         self.accepted = 0
@@ -124,6 +139,8 @@ class GroupDesk:
             WrongStage: no attempt has a spec yet.
         """
         row = self.ws.state.rounds.latest()
+        if row is not None:
+            self._newest = (self._clock(), (row.round, row.attempt))
         if row is None or row.spec is None:
             raise WrongStage("no round is in progress past its cohort")
         s = self._served
@@ -397,6 +414,8 @@ class GroupDesk:
                 raw,
                 extra.get("receipt_for"),
             )
+            self._traffic.write(state)
+        self._traffic.written()
         self.accepted += 1
         if stage == "masked_input":
             self._events(ContributionAccepted(live.round, live.attempt, member, len(raw)))
@@ -412,6 +431,47 @@ class GroupDesk:
         if stored is None:
             raise NotFound(f"no accepted contribution from {member} in round {r}")
         return msgspec.json.decode(stored, type=wire.Receipt)
+
+    # -- traffic and heartbeat -------------------------------------------------------------------
+
+    def count_request(self, named: tuple[int, int] | None, received: int) -> tuple[int, int] | None:
+        """Count an authenticated request's ``received`` bytes in the attempt in progress
+        (as the leader counts its own: the newest stored attempt when it arrives); that
+        attempt, to count its answer in (None: no round yet, nothing is counted).
+        ``named``: the (round, attempt) the request names, if any; one later than the
+        last read makes the desk read the store again rather than count it in the
+        attempt before."""
+        now = self._clock()
+        seen = self._newest
+        if (
+            seen is None
+            or not 0 <= now - seen[0] < STAGE_POLL_S
+            or (named is not None and (seen[1] is None or named > seen[1]))
+        ):
+            row = self.ws.state.rounds.latest()
+            seen = self._newest = (now, None if row is None else (row.round, row.attempt))
+        attempt = seen[1]
+        if attempt is not None:
+            self._traffic.count(attempt, received, 0)
+        return attempt
+
+    def count_answer(self, attempt: tuple[int, int], sent: int) -> None:
+        """Count the ``sent`` bytes of the answer to a request counted in ``attempt``."""
+        self._traffic.count(attempt, 0, sent)
+
+    def beat(self, now: float) -> None:
+        """Write this server's heartbeat at ``now``, with the bytes counted since the
+        last commit, in one transaction.
+
+        Raises:
+            NotLeader: PostgreSQL: the leader changed (call
+                :func:`~fedsec.aggregator.groups.hosts.follow_again`).
+        """
+        state = self.ws.state
+        with state.transaction():
+            beat(state, self.url, now)
+            self._traffic.write(state)
+        self._traffic.written()
 
     # -- answers ---------------------------------------------------------------------------------
 

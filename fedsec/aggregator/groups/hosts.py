@@ -1,17 +1,20 @@
 """What the leader and its group servers share in the state store, besides the
-messages themselves: each server's heartbeat and the leader's take-overs.
+messages themselves: each server's heartbeat, the leader's take-overs and the bytes
+each server's requests carried in each attempt.
 
-Both are named values (:class:`~fedsec.aggregator.storage.interfaces.KeyValueStore`),
+All are named values (:class:`~fedsec.aggregator.storage.interfaces.KeyValueStore`),
 so SQLite and PostgreSQL stores hold them unchanged.  A take-over is written in a
 transaction of its own; a group server reads it inside each transaction that stores a
 message (:meth:`GroupFence.check`), so once it has committed, the server stores nothing
-more for that group and attempt: the leader's view of the group is final.
+more for that group and attempt: the leader's view of the group is final.  A server's
+byte counts ride on the transactions it commits anyway (:class:`ServedTraffic`), and
+the leader adds them to the attempt's summary (:func:`stored_traffic`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import msgspec
@@ -43,9 +46,75 @@ def taken_over_key(round_: int, attempt: int, group: int) -> str:
     return f"group_taken_over {round_}.{attempt}.{group}"
 
 
+def traffic_key(round_: int, attempt: int, url: str) -> str:
+    """The named value holding the bytes of the requests the server at ``url`` served
+    in the attempt: ``[received, sent]``, as the leader counts its own."""
+    return f"group_server_traffic {round_}.{attempt} {url}"
+
+
 def beat(state: StateStore, url: str, now: float) -> None:
     """Record that the server at ``url`` is alive at ``now`` (a write of its own)."""
     state.values.put(heartbeat_key(url), repr(now).encode())
+
+
+_Bytes = tuple[int, int]
+
+
+class ServedTraffic:
+    """The bytes of the signed requests a group server at ``url`` served, by attempt,
+    counted as the leader counts its own (received: head and body, on arrival; sent:
+    the answer's body), and added to the store's count of each attempt inside a
+    transaction the server commits anyway: a message's, or its heartbeat's.
+
+    Counts live here until such a commit (:meth:`write`, then :meth:`written`), and
+    are then in the store once: a transaction that rolls back keeps them here for the
+    next, and a restarted server adds to what the one before it stored.  A server that
+    dies loses what it counted since its last commit: at most a heartbeat's worth of
+    fetches, refusals and answers, since every stored message writes the counts with it.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._pending: dict[tuple[int, int], list[int]] = {}
+
+    def count(self, attempt: tuple[int, int], received: int, sent: int) -> None:
+        """Add one request's bytes (either may be 0) to ``attempt``'s."""
+        counts = self._pending.setdefault(attempt, [0, 0])
+        counts[0] += received
+        counts[1] += sent
+
+    def write(self, state: StateStore) -> None:
+        """Add the counts not yet stored to the store's, inside the caller's
+        transaction; call :meth:`written` once it committed.
+
+        Raises:
+            NotLeader: PostgreSQL: the leader changed (the caller's transaction fails).
+        """
+        for (round_, attempt), (received, sent) in self._pending.items():
+            name = traffic_key(round_, attempt, self._url)
+            before = _decode_bytes(state.values.get(name))
+            after = (before[0] + received, before[1] + sent)
+            state.values.put(name, msgspec.json.encode(after))
+
+    def written(self) -> None:
+        """The transaction that :meth:`write` wrote in committed: forget those counts."""
+        self._pending.clear()
+
+
+def stored_traffic(
+    state: StateStore, round_: int, attempt: int, urls: Iterable[str]
+) -> tuple[int, int]:
+    """(bytes received, bytes sent) that the group servers at ``urls`` stored for the
+    attempt, summed (each URL once)."""
+    received = sent = 0
+    for url in sorted(set(urls)):
+        up, down = _decode_bytes(state.values.get(traffic_key(round_, attempt, url)))
+        received, sent = received + up, sent + down
+    return received, sent
+
+
+def _decode_bytes(stored: bytes | None) -> _Bytes:
+    return (0, 0) if stored is None else msgspec.json.decode(stored, type=_Bytes)
 
 
 class StoreGroupHosts:

@@ -12,7 +12,9 @@ cross processes.  Only the stage routes are served, with the server's own ``/met
 state, which the leader exports); a member asks the leader for everything else.  While
 it runs it writes its heartbeat to the store every
 :data:`~fedsec.aggregator.groups.hosts.HEARTBEAT_S`; the leader takes over the groups of
-a server whose heartbeat stopped.
+a server whose heartbeat stopped.  The bytes of each signed request are counted in its
+attempt as the leader counts its own, and stored for the leader's round summary with
+the server's messages and heartbeats (:meth:`GroupDesk.count_request`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ from typing import Any, Final
 from aiohttp import web
 
 from fedsec.aggregator.groups.desk import ANSWER_STAGES, STAGE_POLL_S, GroupDesk
-from fedsec.aggregator.groups.hosts import HEARTBEAT_S, beat, follow_again
+from fedsec.aggregator.groups.hosts import HEARTBEAT_S, follow_again
 from fedsec.aggregator.http import ops
 from fedsec.aggregator.http.app import set_request_checks
-from fedsec.aggregator.http.auth import expect_continue, metrics_middleware, verify_request
+from fedsec.aggregator.http.auth import (
+    expect_continue,
+    head_bytes,
+    metrics_middleware,
+    verify_request,
+)
 from fedsec.aggregator.http.errors import error_middleware, json_response
 from fedsec.aggregator.http.keys import (
     ENDPOINT_OF,
+    MEMBER,
     METRICS,
     WORKSPACE,
     Handler,
@@ -63,6 +71,37 @@ POLL_S: Final = STAGE_POLL_S
 DESK = web.AppKey("group_desk", GroupDesk)
 
 
+async def _verified(request: web.Request) -> tuple[str, bytes]:
+    """:func:`~fedsec.aggregator.http.auth.verify_request`, then the request's bytes
+    counted in the attempt in progress, on arrival (as the leader's ``authenticate``:
+    a held answer must not leave its upload out); (agent id, body).
+
+    Raises:
+        FedsecError: as :func:`~fedsec.aggregator.http.auth.verify_request`.
+    """
+    member, body = await verify_request(request)
+    try:
+        named: tuple[int, int] | None = round_args(request)
+    except FedsecError:  # refused by the handler; counted in the attempt in progress
+        named = None
+    attempt = request.app[DESK].count_request(named, head_bytes(request) + len(body))
+    if attempt is not None:
+        request[MEMBER] = attempt
+    return member, body
+
+
+@web.middleware
+async def _traffic_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count the answer's body bytes of a request :func:`_verified` counted, refusals
+    included (outside the error middleware), in the attempt it was counted in."""
+    response = await handler(request)
+    attempt = request.get(MEMBER)
+    body = response.body if isinstance(response, web.Response) else None
+    if attempt is not None and isinstance(body, bytes | bytearray):
+        request.app[DESK].count_answer(attempt, len(body))
+    return response
+
+
 async def _held(desk: GroupDesk, r: int, a: int, stage: str, wait: float) -> bool:
     """Wait at most ``wait`` s for attempt (r, a) to reach ``stage``; whether it did."""
     loop = asyncio.get_running_loop()
@@ -89,7 +128,7 @@ def _fetch(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     """The handler of a stage fetch: ``name``'s answer, held until its stage."""
 
     async def handler(request: web.Request) -> web.Response:
-        member, _ = await verify_request(request)
+        member, _ = await _verified(request)
         r, a = round_args(request)
         desk = request.app[DESK]
         await _held(desk, r, a, ANSWER_STAGES[name], wait_seconds(request))
@@ -99,7 +138,7 @@ def _fetch(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
 
 
 async def advertise(request: web.Request) -> web.Response:
-    member, body = await verify_request(request)
+    member, body = await _verified(request)
     r, a = round_args(request)
     msg = decode_upload(body, wire.AdvertiseKeysBody, request, "key advertisement")
     wait = wait_seconds(request)
@@ -112,7 +151,7 @@ async def advertise(request: web.Request) -> web.Response:
 
 
 async def post_shares(request: web.Request) -> web.Response:
-    member, body = await verify_request(request)
+    member, body = await _verified(request)
     r, a = round_args(request)
     msg = decode_upload(body, wire.ShareKeysBody, request, "encrypted shares")
     wait = wait_seconds(request)
@@ -123,7 +162,7 @@ async def post_shares(request: web.Request) -> web.Response:
 
 
 async def masked_input(request: web.Request) -> web.Response:
-    member, body = await verify_request(request)
+    member, body = await _verified(request)
     r, a = round_args(request)
     commitment, signature = statement_params(request)
     wait = wait_seconds(request)
@@ -137,7 +176,7 @@ async def masked_input(request: web.Request) -> web.Response:
 
 
 async def post_consistency(request: web.Request) -> web.Response:
-    member, body = await verify_request(request)
+    member, body = await _verified(request)
     r, a = round_args(request)
     msg = decode_json(body, wire.ConsistencyBody, request, "consistency signature")
     wait = wait_seconds(request)
@@ -150,7 +189,7 @@ async def post_consistency(request: web.Request) -> web.Response:
 
 
 async def post_unmask(request: web.Request) -> web.Response:
-    member, body = await verify_request(request)
+    member, body = await _verified(request)
     r, a = round_args(request)
     msg = decode_upload(body, wire.UnmaskResponseBody, request, "unmask answer")
     wait = wait_seconds(request)
@@ -195,9 +234,11 @@ def make_group_app(workspace: Workspace, url: str) -> web.Application:
     """
     cfg = workspace.config.server
     # requests counted as the leader counts its own, refusals included (outside the
-    # error middleware); its /metrics has this process's counts only
+    # error middleware); its /metrics has this process's counts only, its traffic goes
+    # to the leader's round summaries through the store
     app = web.Application(
-        middlewares=[metrics_middleware, error_middleware], client_max_size=cfg.max_body_bytes
+        middlewares=[metrics_middleware, _traffic_middleware, error_middleware],
+        client_max_size=cfg.max_body_bytes,
     )
     app[WORKSPACE] = workspace
     app[METRICS] = FederationMetrics(None, member_labels=False)
@@ -222,7 +263,7 @@ async def _heartbeat(app: web.Application) -> AsyncIterator[None]:
     async def run() -> None:
         while True:
             try:
-                beat(ws.state, desk.url, time.time())
+                desk.beat(time.time())
                 ws.roster.reload_if_changed()
             except NotLeader:  # another leader took over: write under its token now
                 follow_again(ws.state)

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from fedsec.aggregator.groups.hosts import StoreGroupHosts
+from fedsec.aggregator.groups.hosts import StoreGroupHosts, stored_traffic
 from fedsec.aggregator.rounds.apply import ModelApplier, NewVersion
 from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.cohort import CohortDesk
@@ -374,7 +374,7 @@ class Lifecycle:
         result: SummationResult | None = None,
     ) -> wire.RoundSummary:
         session = live.summation
-        up, down = self._ctx.traffic_of(live.round, live.attempt)
+        up, down = self._traffic(live)
         noise = (
             realised_noise_multiplier(live.spec, len(result.survivors))
             if result is not None and live.spec is not None
@@ -411,6 +411,20 @@ class Lifecycle:
             coordinates=_wrappable_coordinates(live.spec, result),
             edge_count=result.edge_count if result is not None else 0,
         )
+
+    def _traffic(self, live: Attempt) -> tuple[int, int]:
+        """(bytes received, bytes sent) of the attempt's signed requests: those this
+        process served and those its group servers stored (``round.group_servers``,
+        and the servers the spec named if the list changed since)."""
+        ctx = self._ctx
+        up, down = ctx.traffic_of(live.round, live.attempt)
+        urls = [u.rstrip("/") for u in ctx.cfg.round.group_servers]
+        if live.spec is not None:
+            urls += [g.url for g in live.spec.groups if g.url]
+        if not urls:
+            return up, down
+        served_up, served_down = stored_traffic(ctx.ws.state, live.round, live.attempt, urls)
+        return up + served_up, down + served_down
 
     # -- opening and resuming --------------------------------------------------------------------
 
