@@ -532,6 +532,32 @@ def test_held_requests_share_one_read_of_the_stage(
     assert not desk.reached(1, 1, "advertise") and len(reads) == 3  # another attempt: read
 
 
+def test_a_group_server_counts_a_request_in_the_attempt_in_progress(tmp_path: Path) -> None:
+    """As the leader counts its own: in the newest stored attempt when the request
+    arrives (read once per poll interval, and again at once for a request naming a
+    later attempt, so the first request of a new attempt is not counted in the last);
+    stored with the heartbeat, where the leader reads it per attempt."""
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    fed = _federation(tmp_path / "ws", urls)
+    coord = Coordinator(fed.ws)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    now = [1000.0]
+    desk = GroupDesk(fed.ws, urls[0], clock=lambda: now[0])
+    assert desk.count_request((1, 0), 10) == (1, 0)
+    desk.count_answer((1, 0), 3)
+    fed.ws.state.rounds.open(1, 1, now=0.0)  # the leader retries the round
+    assert desk.count_request((1, 1), 20) == (1, 1)  # within the interval: read again
+    assert desk.count_request(None, 5) == (1, 1)  # a request naming none: the newest
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, urls) == (0, 0)  # not yet committed
+    desk.beat(now[0])
+    assert hosts.stored_traffic(fed.ws.state, 1, 0, urls) == (10, 3)
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, [*urls, urls[0]]) == (25, 0)
+    desk.beat(now[0])  # nothing new: nothing added twice
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, urls) == (25, 0)
+    fed.ws.close()
+
+
 def test_a_round_through_group_desks_survives_a_leader_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
