@@ -61,6 +61,7 @@ from fedsec.aio import cancel_and_wait
 from fedsec.errors import FedsecError
 from fedsec.protocol import codec, wire
 from fedsec.protocol.endpoints import BY_NAME, Endpoint
+from fedsec.summation import mode_named
 
 log = logging.getLogger("fedsec.aggregator.groups")
 
@@ -291,6 +292,7 @@ async def serve_group(
         ConfigError: the descriptor limit is too low (see ``start_server``).
         OSError: the address cannot be bound.
     """
+    mode_named(ws.config.round.secure_sum).warm(ws.config, len(ws.roster.entries()))
     app = make_group_app(ws, url)
     server = await start_server(app, host, port, ssl_ctx, ws.config.server)
     log.info("event=group_server_listening url=%s bound=%s", url, server.url)
