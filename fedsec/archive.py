@@ -5,7 +5,14 @@ transparency log can re-run every aggregation and detect a swapped file.  Masked
 inputs reveal nothing on their own; unmask reveals only what the aggregator was
 entitled to learn; in trusted mode (``round.secure_sum = "none"``) the objects are
 members' updates in plaintext, so every object is 0600 in 0700 directories.  Writes are
-atomic (temp file, fsync, rename).
+atomic (temp file, rename), so no reader sees an object torn while the machine runs.
+An object the state database also holds (an accepted message's bytes) is written
+without an fsync (``put(..., sync=False)``) and made durable with the others of its
+round in one batch (:meth:`Archive.sync`); after a machine crash its owner rewrites it
+from the database (:mod:`fedsec.aggregator.storage.audit_trail`).  Every other object
+is fsynced, with its directory, before :meth:`Archive.put` returns.  A reader checks
+each object against its name, so a short or damaged file is never taken for the
+message.
 
 Retention (``audit.archive_retention_rounds``) may delete the objects of old rounds.
 A deletion is never silent: it is announced first by an ``archive_pruned`` log entry
@@ -24,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedsec.errors import IntegrityError, NotFound
-from fedsec.fsio import atomic_write, fsync_dir
+from fedsec.fsio import atomic_write, fsync_dir, sync_filesystem
 from fedsec.protocol.log_entries import (
     AcceptedEntry,
     AggregateEntry,
@@ -54,38 +61,120 @@ class Archive:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._root = os.fspath(self.root)
-        # the fan-out directories known to exist durably, so that a put (one per accepted
-        # message) neither asks the filesystem again nor fsyncs the root
+        # the fan-out directories known to exist, so that a put (one per accepted message)
+        # does not ask the filesystem again
         self._directories: set[str] = set()
+        # objects written without an fsync since the last sync(): what it makes durable
+        self._unsynced: set[str] = set()
+        # a fan-out directory was made since the root's last fsync: its name is durable
+        # only once the root is fsynced (before a durable put in it, or at sync())
+        self._root_unsynced = False
 
     def path(self, digest: str) -> Path:
         if not _is_digest(digest):
             raise IntegrityError(f"archive reference {digest!r} is not a sha256 hex digest")
         return self.root / digest[:2] / digest
 
-    def put(self, data: bytes) -> str:
-        """Store ``data``; return its sha256 hex.  Idempotent."""
+    def put(self, data: bytes, *, sync: bool = True) -> str:
+        """Store ``data``; return its sha256 hex.  Idempotent.
+
+        Args:
+            sync: durable before this returns (fsync of the object and its directory);
+                False for bytes another durable store holds, from which they are
+                rewritten after a crash: durable at the next :meth:`sync`.
+        """
         digest = hashlib.sha256(data).hexdigest()
         directory = os.path.join(self._root, digest[:2])
         target = os.path.join(directory, digest)
         if os.path.exists(target):
+            if sync and digest in self._unsynced:
+                self._fsync_objects([digest])
+                self._unsynced.discard(digest)
             return digest
+        self._write(directory, target, data, sync)
+        if not sync:
+            self._unsynced.add(digest)
+        return digest
+
+    def restore(self, data: bytes) -> str:
+        """Write ``data`` under its digest over whatever file is there (a short or damaged
+        one a crash left), without an fsync: durable at the next :meth:`sync`."""
+        digest = hashlib.sha256(data).hexdigest()
+        directory = os.path.join(self._root, digest[:2])
+        self._write(directory, os.path.join(directory, digest), data, sync=False)
+        self._unsynced.add(digest)
+        return digest
+
+    def intact(self, digest: str) -> bool:
+        """Whether the object ``digest`` is there and holds the bytes its name says; if
+        so, it is made durable at the next :meth:`sync` (it may have been written
+        without an fsync by a process that died since)."""
+        try:
+            self.get(digest)
+        except (NotFound, IntegrityError):
+            return False
+        self._unsynced.add(digest)
+        return True
+
+    def sync(self) -> int:
+        """Make every object written without an fsync since the last call durable, in
+        one pass; return how many there were.
+
+        One ``syncfs`` of the archive's filesystem where the platform has it (an fsync
+        per object is a journal commit each: 0.4-7 s for 2,000 objects here, against
+        0.03 s); else an fsync of each object and of each directory holding one.
+
+        Raises:
+            OSError: the kernel reported a write error; the objects stay to sync.
+        """
+        if not self._unsynced:
+            return 0
+        if sync_filesystem(self._root):
+            self._root_unsynced = False
+        else:
+            self._fsync_objects(sorted(self._unsynced))
+        count = len(self._unsynced)
+        self._unsynced.clear()
+        return count
+
+    def _write(self, directory: str, target: str, data: bytes, sync: bool) -> None:
         if directory not in self._directories:
             self._make_directory(directory)
         try:
-            atomic_write(target, data, mode=OBJECT_MODE)
+            atomic_write(target, data, mode=OBJECT_MODE, sync=sync)
         except FileNotFoundError:  # the directory went away since: make it again
             self._directories.discard(directory)
             self._make_directory(directory)
-            atomic_write(target, data, mode=OBJECT_MODE)
-        return digest
+            atomic_write(target, data, mode=OBJECT_MODE, sync=sync)
+        if sync and self._root_unsynced:
+            fsync_dir(self._root)
+            self._root_unsynced = False
+
+    def _fsync_objects(self, digests: list[str]) -> None:
+        directories: set[str] = set()
+        for digest in digests:
+            directory = os.path.join(self._root, digest[:2])
+            try:
+                fd = os.open(os.path.join(directory, digest), os.O_RDONLY)
+            except FileNotFoundError:  # deleted since (pruned): nothing to make durable
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            directories.add(directory)
+        for directory in sorted(directories):
+            fsync_dir(directory)
+        if self._root_unsynced:
+            fsync_dir(self._root)
+            self._root_unsynced = False
 
     def _make_directory(self, directory: str) -> None:
-        """Create a fan-out directory (and the root) if missing, durably: the new name
-        is fsynced into its parent before an object in it is acknowledged."""
+        """Create a fan-out directory (and the root) if missing; the new name is made
+        durable with the first object in it that is (:attr:`_root_unsynced`)."""
         if not os.path.isdir(directory):
             os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
-            fsync_dir(self._root)
+            self._root_unsynced = True
         self._directories.add(directory)
 
     def get(self, digest: str) -> bytes:

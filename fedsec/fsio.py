@@ -4,11 +4,18 @@ A write goes to a hidden temp file beside the target, is fsynced, renamed over t
 target and the directory is fsynced, so a crash at any point leaves either the old
 file or the new one, never a torn one.  Leftover temp files carry :data:`TMP_MARK`
 in their name so stores can clean them up at start-up.
+
+A copy that another durable store can rebuild (an archive object whose bytes the state
+database holds) may be written with ``sync=False``: still renamed into place whole, so
+no reader sees it torn while the machine runs, but a machine crash may lose it or leave
+it short until the writer makes it durable (:func:`sync_filesystem`, one call for a
+batch) or rebuilds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 from collections.abc import Callable
@@ -29,14 +36,52 @@ def fsync_dir(directory: Path | str) -> None:
         os.close(fd)
 
 
+def sync_filesystem(path: Path | str) -> bool:
+    """Make every write to the filesystem holding ``path`` durable: Linux's ``syncfs``,
+    one call however many files are dirty (an fsync per file is one journal commit
+    each).  Returns False where the platform has no ``syncfs``: the caller fsyncs its
+    files one by one.
+
+    Raises:
+        OSError: the kernel reported a write error (Linux >= 5.8 reports them).
+    """
+    if _SYNCFS is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _SYNCFS(fd) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"syncfs: {os.strerror(errno)}", os.fspath(path))
+    finally:
+        os.close(fd)
+    return True
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):  # not glibc/Linux
+        return None
+
+
+_SYNCFS = _load_syncfs()
+
+
 def atomic_write(
-    path: Path | str, body: bytes, *, mode: int = 0o644, parents_mode: int | None = None
+    path: Path | str,
+    body: bytes,
+    *,
+    mode: int = 0o644,
+    parents_mode: int | None = None,
+    sync: bool = True,
 ) -> None:
     """Write ``body`` to ``path`` durably with permission ``mode``, replacing any file.
 
     Args:
         parents_mode: create missing parent directories with this mode (None: they must
             exist).
+        sync: fsync the file and its directory; False for a copy another store can
+            rebuild (module docstring): renamed into place whole all the same.
 
     On any failure the temp file is removed and the old file is untouched.
     """
@@ -55,7 +100,8 @@ def atomic_write(
             view = memoryview(body).cast("B")
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, target)
@@ -63,7 +109,8 @@ def atomic_write(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    if sync:
+        fsync_dir(directory)
 
 
 def atomic_write_with(

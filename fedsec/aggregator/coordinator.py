@@ -114,6 +114,7 @@ class Coordinator:
             fed.id,
             clock=clock,
             faults=faults,
+            store=workspace.state,
         )
         ctx = RoundContext(
             workspace,

@@ -298,7 +298,7 @@ class Intake:
             attempt=live.attempt,
             stage=stage,
             member=member,
-            sha256=ctx.trail.keep(raw),
+            sha256=ctx.trail.keep_message(raw),
             bytes=len(raw),
             commitment=commitment,
             signature=signature,

@@ -3,21 +3,31 @@
 Entries are written to the ``log`` table of the state database in the same
 transaction as the state change they record, so the log and the state can never
 disagree; after each commit the new lines are appended to ``audit/log.jsonl``,
-the file third parties verify (:mod:`fedsec.protocol.log` documents the format).  A
-file that is behind the database (a crash between commit and append) is
-completed at start-up; one that disagrees with it is rewritten from it.
+the file third parties verify (:mod:`fedsec.protocol.log` documents the format).  The
+database is the durable copy: the file is fsynced at a round close (and a clean stop),
+not per line, and a file that is behind the database (a crash before its lines reached
+the disk) is completed at start-up; one that disagrees with it (a torn tail) is
+rewritten from it.
 
 Accepted protocol messages are also copied into the content-addressed archive
 (``audit/archive``) before their log entry is written, so every aggregate can be
-re-run by anyone holding the archive.  With a retention window
-(``audit.archive_retention_rounds``) the objects of older rounds are deleted at a
-round close, but only after an ``archive_pruned`` entry saying which has been
-committed and written to the file: a crash in between leaves objects the log calls
-deleted, and the next start deletes them.
+re-run by anyone holding the archive.  The messages table holds the same bytes,
+committed before the member's answer, so the copy is written without an fsync
+(:meth:`AuditTrail.keep_message`); each round close makes the objects written since
+the last one durable in one pass and records, in its transaction, the log index
+before which every object is durable (:data:`SYNCED_BEFORE`).  At start-up the objects
+that the entries from there on name are checked and any that a machine crash lost or
+left short is rewritten from the database, before anything is served.
+
+With a retention window (``audit.archive_retention_rounds``) the objects of older
+rounds are deleted at a round close, but only after an ``archive_pruned`` entry saying
+which has been committed and written to the file: a crash in between leaves objects
+the log calls deleted, and the next start deletes them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -38,6 +48,7 @@ from fedsec.protocol.log import GENESIS_PREV, LogEntry, entry_from_line, head_bo
 from fedsec.protocol.log_entries import (
     AcceptedEntry,
     GenesisEntry,
+    HeadEntry,
     LogBody,
     ModelVersionEntry,
     RollbackEntry,
@@ -48,9 +59,28 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "audit/log.jsonl"
 ARCHIVE_DIR = "audit/archive"
+#: The named value (state database) holding the log index before which every archive
+#: object an ``accepted`` entry names is durable on disk; written at each round close.
+#: Absent in a workspace an older release wrote, which fsynced every object: there the
+#: last signed head stands for it.
+SYNCED_BEFORE = "archive_synced_before"
 
 
 class AuditTrail:
+    """The transparency log's entries, its file and the archive (module docstring).
+
+    Args:
+        root: the workspace (``audit/`` is in it).
+        state: the state database's log.
+        signer, federation_id: who signs the heads, of which federation.
+        clock: Unix time for the entries.
+        faults: crash points for chaos tests.
+        store: the state database ``state`` belongs to: its messages table restores
+            archive objects after a crash and its named values keep
+            :data:`SYNCED_BEFORE`.  None (tools holding only a log): every object is
+            fsynced as it is written and nothing is restored.
+    """
+
     def __init__(
         self,
         root: Path,
@@ -59,8 +89,11 @@ class AuditTrail:
         federation_id: str,
         clock: Callable[[], float] = time.time,
         faults: Faults = NO_FAULTS,
+        *,
+        store: StateStore | None = None,
     ) -> None:
         self.state = state
+        self._store = store
         self._faults = faults
         self.signer = signer
         self.federation_id = federation_id
@@ -68,16 +101,21 @@ class AuditTrail:
         self.path = Path(root) / LOG_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.archive = Archive(Path(root) / ARCHIVE_DIR)
+        self._file_unsynced = False  # lines appended since the file's last fsync
+        self._file_sync_due = False  # a round closed: fsync with its lines
         self._file_count = self._reconcile_file()
         state.on_commit(self.sync_file)
         self._roster_logged: set[tuple[str, str]] = set()
         self._versions_logged: set[int] = set()
-        for _, line in state.log_lines():
+        last_head = -1
+        for index, line in state.log_lines():
             body = entry_from_line(line).decode()
             if isinstance(body, RosterEntry):
                 self._roster_logged.add((body.agent_id, body.status))
             elif isinstance(body, ModelVersionEntry):
                 self._versions_logged.add(body.version)
+            elif isinstance(body, HeadEntry):
+                last_head = index
         # which archive objects the log refers to, kept up to date by _index_log
         self._index = ArchiveIndex()
         self._index_count = 0  # entries indexed
@@ -86,6 +124,7 @@ class AuditTrail:
         state.on_commit(self._delete_pruned)  # after sync_file: the file has the entry first
         self._index_log()
         self._finish_last_pruning()
+        self._restore_archive(last_head)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -98,9 +137,23 @@ class AuditTrail:
         return entry
 
     def sign_head(self) -> LogEntry:
-        """Sign the chain so far (called at every round close)."""
+        """Sign the chain so far (called at every round close and abort, inside its
+        transaction).
+
+        First the archive objects written without an fsync since the last head are made
+        durable, then :data:`SYNCED_BEFORE` moves to this head in the same transaction:
+        the start-up check begins there.  The file is fsynced with the head's lines,
+        after the commit.
+
+        Raises:
+            OSError: the archive's objects could not be made durable (nothing recorded).
+        """
         tail = self.state.log_tail()
         assert tail is not None
+        self.archive.sync()
+        if self._store is not None:
+            self._store.values.put(SYNCED_BEFORE, str(tail[0] + 1).encode())
+        self._file_sync_due = True
         last = entry_from_line(tail[1])
         return self.append(head_body(self.signer, self.federation_id, last))
 
@@ -134,8 +187,32 @@ class AuditTrail:
             self._versions_logged.add(manifest.version)
 
     def keep(self, data: bytes) -> str:
-        """Archive ``data``; return its sha256."""
+        """Archive ``data``, durably before this returns; return its sha256."""
         return self.archive.put(data)
+
+    def keep_message(self, raw: bytes) -> str:
+        """Archive an accepted message's bytes ``raw``, which the caller stores in the
+        messages table (in the transaction that logs them); return the sha256.  Written
+        without an fsync: durable at the next round close (:meth:`sign_head`), and
+        rewritten from the database at start-up if a machine crash lost it before.
+        Without the database at hand (``store`` None), as :meth:`keep`."""
+        return self.archive.put(raw, sync=self._store is None)
+
+    def close(self) -> None:
+        """A clean stop: make the archive objects and the file's lines written without an
+        fsync durable.  :data:`SYNCED_BEFORE` stays (no database write here): the next
+        start checks the objects of the round in progress again."""
+        try:
+            self.archive.sync()
+            if self._file_unsynced:
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._file_unsynced = False
+        except OSError as exc:  # the next start checks and completes both from the database
+            log.warning("event=audit_copies_not_synced error=%s", exc)
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -212,15 +289,25 @@ class AuditTrail:
     # -- the exported file ---------------------------------------------------------------------
 
     def sync_file(self) -> None:
-        """Append committed lines the file does not have yet (fsync)."""
+        """Append committed lines the file does not have yet; fsync it when a round
+        closed (:meth:`sign_head`) since the last fsync, not per line: the database
+        holds every line durably and the file is completed from it at start-up."""
         new = list(self.state.log_lines(self._file_count))
         if not new:
             return
-        with self.path.open("ab") as fh:
-            for _, line in new:
-                fh.write(line + b"\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        # one write of whole lines (O_APPEND): a reader of the live file sees each commit's
+        # lines land together, though a copy taken meanwhile may end mid-line
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            view = memoryview(b"".join([line + b"\n" for _, line in new]))
+            while view:
+                view = view[os.write(fd, view) :]
+            if self._file_sync_due:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._file_unsynced = not self._file_sync_due
+        self._file_sync_due = False
         self._file_count = new[-1][0] + 1
 
     def _reconcile_file(self) -> int:
@@ -237,8 +324,51 @@ class AuditTrail:
             count = len(db)
         self._file_count = count
         if count < len(db):
+            self._file_sync_due = True  # once, at start-up
             self.sync_file()
         return len(db)
+
+    def _restore_archive(self, last_head: int) -> None:
+        """At start-up, before serving: the archive objects the ``accepted`` entries from
+        :data:`SYNCED_BEFORE` on name are checked, and one a machine crash lost or left
+        short is rewritten from the messages table.  Entries before it name durable
+        objects, so this reads the objects of the rounds since the last close, not the
+        history.  An object whose bytes the database does not hold is logged as lost."""
+        if self._store is None:
+            return
+        value = self._store.values.get(SYNCED_BEFORE)
+        start = int(value) if value is not None else last_head + 1
+        checked = rewritten = 0
+        for index, line in self.state.log_lines(start):
+            entry = entry_from_line(line)
+            if entry.kind != "accepted":
+                continue
+            digest, round_ = entry.body["sha256"], entry.body["round"]
+            if self._index.deleted_by(digest, round_, index) is not None:
+                continue  # pruned since, as the log says
+            checked += 1
+            if self.archive.intact(digest):
+                continue
+            attempt, stage, member = (entry.body[k] for k in ("attempt", "stage", "member"))
+            raw = self._store.messages.get(round_, attempt, stage, member)
+            if raw is None or hashlib.sha256(raw).hexdigest() != digest:
+                log.error(
+                    "event=archive_object_lost sha256=%s log_index=%d round=%d member=%s",
+                    digest,
+                    index,
+                    round_,
+                    member,
+                )
+                continue
+            self.archive.restore(raw)
+            rewritten += 1
+        log.log(
+            logging.WARNING if rewritten else logging.INFO,
+            "event=archive_checked from_log_index=%d checked=%d rewritten=%d",
+            start,
+            checked,
+            rewritten,
+        )
 
 
 def append_entry(state: LogStore, now: float, body: LogBody) -> LogEntry:
@@ -255,8 +385,6 @@ def append_entry(state: LogStore, now: float, body: LogBody) -> LogEntry:
 
 
 def _hash(line: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(line).hexdigest()
 
 
