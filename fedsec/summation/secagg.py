@@ -80,6 +80,8 @@ class SecAggPlusSession(GroupSession):
         self._proofs: dict[str, ConsistencyProof] = {}
         # the key list every live member fetches, built once (fixed from share_keys on)
         self._key_list: wire.KeyListBody | None = None
+        # the unmask request every survivor fetches, built once per state token
+        self._unmask_body: wire.UnmaskRequestBody | None = None
 
     def receive(self, stage: str, message: StageMessage) -> None:
         if stage == "advertise" and isinstance(message, AdvertiseKeys):
@@ -99,18 +101,21 @@ class SecAggPlusSession(GroupSession):
         feed_accepted(self.server, stage, member, raw)
 
     def complete(self, stage: str) -> bool:
+        # asked after every accepted message, so counts only (O(1)): each stage's members
+        # are a subset of those it waits for (the server refuses anyone else), so equal
+        # counts are equal sets
         s = self.server
         if stage == "advertise":
             return len(s.advertised) == len(s.params.cohort)
         if stage == "share_keys":
-            return s.shared == s.live
+            return s.shared_count == len(s.live)
         if stage == "masked_input":
             return len(s.contributed) == len(s.participants)
         if stage == "consistency":
             return len(s.signatures) == len(s.survivors)
         if stage == "unmask":
             # every signer answered, or the answers so far already decide the sum
-            return s.answered == frozenset(s.signatures) or s.ready_to_finalize()
+            return s.answered_count == len(s.signatures) or s.ready_to_finalize()
         return False
 
     def close(self, stage: str) -> None:
@@ -196,9 +201,18 @@ class SecAggPlusSession(GroupSession):
         s = self.server
         if member not in s.survivors:
             return super().unmask_request(member, state_token)
-        return wire.UnmaskRequestBody(
-            survivors=sorted(s.survivors), dropped=sorted(s.dropped), state_token=state_token
-        )
+        # every survivor is told the same sets: one body per state token, not a sort of
+        # the cohort per survivor (O(n log n) each, O(n^2 log n) a round)
+        body = self._unmask_body
+        if body is None or body.state_token != state_token:
+            request = s.unmask_request()  # sorted once, when masked input closed
+            body = wire.UnmaskRequestBody(
+                survivors=list(request.survivors),
+                dropped=list(request.dropped),
+                state_token=state_token,
+            )
+            self._unmask_body = body
+        return body
 
     def consistency_proof(self, member: str, state_token: int) -> wire.ConsistencyProofBody:
         if member not in self._proofs:

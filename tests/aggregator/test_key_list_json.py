@@ -1,11 +1,16 @@
-"""The key list's JSON, encoded once per list and spliced into every member's answer."""
+"""Values every member is sent (the key list, the round's spec), encoded once per object
+and spliced into each member's answer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
+from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import handlers
 from fedsec.protocol import wire
+from tests.support.aggregator import FakeClock, join_request, make_federation
 
 
 def _key_list(members: int, tag: str = "ab") -> wire.KeyListBody:
@@ -24,7 +29,7 @@ def _key_list(members: int, tag: str = "ab") -> wire.KeyListBody:
 
 
 def test_the_spliced_answer_is_byte_for_byte_the_encoded_one() -> None:
-    cache = handlers._EncodedKeyList()
+    cache = handlers._EncodedOnce[wire.KeyListBody]()
     keys = _key_list(5)
     spliced = wire.encode(wire.Accepted(accepted=True, keys=cache.of(keys)))  # type: ignore[arg-type]
     assert spliced == wire.encode(wire.Accepted(accepted=True, keys=keys))
@@ -33,7 +38,7 @@ def test_the_spliced_answer_is_byte_for_byte_the_encoded_one() -> None:
 
 
 def test_a_list_is_encoded_once_and_a_new_list_anew() -> None:
-    cache = handlers._EncodedKeyList()
+    cache = handlers._EncodedOnce[wire.KeyListBody]()
     first = _key_list(3)
     assert cache.encoded(first) is cache.encoded(first)  # the same bytes object: no re-encode
     second = _key_list(3, tag="99")  # the next attempt's list: another object
@@ -42,3 +47,21 @@ def test_a_list_is_encoded_once_and_a_new_list_anew() -> None:
     # an equal list that is another object is encoded again, to the same bytes
     again = _key_list(3, tag="99")
     assert cache.encoded(again) == cache.encoded(second)
+
+
+def test_the_round_state_with_its_spec_spliced_is_byte_for_byte_the_encoded_one(
+    tmp_path: Path,
+) -> None:
+    fed = make_federation(tmp_path / "ws", validation=False)
+    coord = Coordinator(fed.ws, clock=FakeClock())
+    assert wire.encode(handlers._round_state(coord)) == wire.encode(coord.round_state())
+    for m in ("a0", "a1", "a2", "a3", "a4"):
+        coord.join(m, 1, 0, join_request(m, 1))
+    coord.tick()
+    assert coord.live.spec is not None  # the spec is in the state from now on
+    spliced = wire.encode(handlers._round_state(coord))
+    assert spliced == wire.encode(coord.round_state())
+    assert msgspec.json.decode(spliced, type=wire.RoundState) == coord.round_state()
+    # within one answer's JSON, the spec is the one encoded once for the attempt
+    answer = wire.encode(wire.Accepted(accepted=True, state=handlers._round_state(coord)))
+    assert answer == wire.encode(wire.Accepted(accepted=True, state=coord.round_state()))

@@ -9,11 +9,12 @@ serves which route, and so its roles and body limit, is the table in
 from __future__ import annotations
 
 import weakref
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import msgspec
 from aiohttp import web
 
+from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http.auth import authenticate
 from fedsec.aggregator.http.errors import json_response
 from fedsec.aggregator.http.keys import CHALLENGES, COORDINATOR, WORKSPACE
@@ -112,7 +113,18 @@ async def get_round(request: web.Request) -> web.Response:
     timeout = seconds(request.query.get("timeout", "0"), "timeout")
     if wait and wait == coord.token and timeout > 0:
         await request.app[CHANGED].wait(timeout)
-    return json_response(coord.round_state())
+    return json_response(_round_state(coord))
+
+
+def _round_state(coord: Coordinator) -> wire.RoundState:
+    """The round state to answer with, its spec's JSON spliced in as encoded once per
+    spec: the spec lists the cohort and its graph commitments (~80 bytes a member), and
+    every member reads the state after each change, so encoding it per answer was O(n)
+    each, O(n^2) a round."""
+    state = coord.round_state()
+    if state.spec is None:
+        return state
+    return msgspec.structs.replace(state, spec=_SPEC_JSON.of(state.spec))
 
 
 async def get_roster(request: web.Request) -> web.Response:
@@ -191,28 +203,37 @@ async def keys(request: web.Request) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-class _EncodedKeyList:
-    """The JSON of the last key list served.  A SecAgg+ session hands every live member
-    the same :class:`~fedsec.protocol.wire.KeyListBody` (every advertisement: members
-    derive the graph from all of them), ~380 bytes a member, so encoding it for each
-    member was O(n^2) (164 µs a member at 1,000); it is encoded once per list object.
-    The list is held until the next one, so an identical object is the same list."""
+_Shared = TypeVar("_Shared")
+
+
+class _EncodedOnce(Generic[_Shared]):
+    """The JSON of the last value of one kind served, for a value every member is sent
+    as it is and that lists the cohort: encoding it per member was O(n) each, O(n^2) a
+    round (the key list: 164 µs a member at 1,000); it is encoded once per object.  A
+    session hands out one object until the value changes (the key list, the unmask
+    request per state token, the spec per attempt), and the object is held until the
+    next one, so an identical object is the same value."""
 
     def __init__(self) -> None:
-        self._last: tuple[wire.KeyListBody, bytes] | None = None
+        self._last: tuple[_Shared, bytes] | None = None
 
-    def encoded(self, keys: wire.KeyListBody) -> bytes:
-        """``wire.encode(keys)``, encoded once for each list object."""
-        if self._last is None or self._last[0] is not keys:
-            self._last = (keys, wire.encode(keys))
+    def encoded(self, value: _Shared) -> bytes:
+        """``wire.encode(value)``, encoded once for each object."""
+        if self._last is None or self._last[0] is not value:
+            self._last = (value, wire.encode(value))
         return self._last[1]
 
-    def of(self, keys: wire.KeyListBody) -> msgspec.Raw:
+    def of(self, value: _Shared) -> msgspec.Raw:
         """The same JSON as a value to put in another struct (msgspec copies nothing)."""
-        return msgspec.Raw(self.encoded(keys))
+        return msgspec.Raw(self.encoded(value))
 
 
-_KEY_LIST_JSON: Final = _EncodedKeyList()
+# a SecAgg+ session hands every live member the same key list (every advertisement:
+# members derive the graph from all of them), ~380 bytes a member
+_KEY_LIST_JSON: Final = _EncodedOnce[wire.KeyListBody]()
+# every survivor's unmask request: the survivor and dropped sets (SecAggPlusSession)
+_UNMASK_JSON: Final = _EncodedOnce[wire.UnmaskRequestBody]()
+_SPEC_JSON: Final = _EncodedOnce[wire.RoundSpec]()
 
 
 async def post_shares(request: web.Request) -> web.Response:
@@ -276,14 +297,16 @@ async def masked_input(request: web.Request) -> web.Response:
     unmask = await next_stage_data(
         request, r, a, after or "consistency", held, lambda: coord.unmask_request(member, r, a)
     )
-    return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=unmask))
+    spliced = None if unmask is None else _UNMASK_JSON.of(unmask)
+    return json_response(wire.MaskedInputAnswer(receipt=receipt, unmask=spliced))  # type: ignore[arg-type]
 
 
 async def get_unmask(request: web.Request) -> web.Response:
     member, _ = await authenticate(request)
     r, a = round_args(request)
     await hold_until(request, r, a, "consistency", wait_seconds(request))
-    return json_response(request.app[COORDINATOR].unmask_request(member, r, a))
+    body = _UNMASK_JSON.encoded(request.app[COORDINATOR].unmask_request(member, r, a))
+    return web.Response(body=body, content_type="application/json")
 
 
 async def post_consistency(request: web.Request) -> web.Response:
@@ -325,7 +348,7 @@ async def post_unmask(request: web.Request) -> web.Response:
     # would otherwise long-poll for next (closed, usually the next round already open)
     await hold_while(request, unmasking, wait)
     return json_response(
-        wire.Accepted(accepted=True, state=None if unmasking() else coord.round_state())
+        wire.Accepted(accepted=True, state=None if unmasking() else _round_state(coord))
     )
 
 

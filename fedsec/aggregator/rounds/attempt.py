@@ -3,7 +3,7 @@ and the checks a member's message for it must pass before any state changes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,11 @@ class Attempt:
     spec: wire.RoundSpec | None = None
     summation: SummationSession | None = None  # from the cohort's fixing on
     plan: wire.RoundSpec | None = None  # buffered mode: what members train by before joining
+    # the spec's cohort as a set, with the spec it was made from (every accepted message
+    # asks whether its sender is in the cohort: a list scan was O(n) each)
+    _cohort: tuple[wire.RoundSpec, frozenset[str]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def is_current(self, round_: int, attempt: int) -> bool:
         return (round_, attempt) == (self.round, self.attempt)
@@ -78,10 +83,14 @@ class Attempt:
         Raises:
             UnknownMember: it is not.
         """
-        assert self.spec is not None
-        if member not in self.spec.cohort:
+        spec = self.spec
+        assert spec is not None
+        cohort = self._cohort
+        if cohort is None or cohort[0] is not spec:
+            cohort = self._cohort = (spec, frozenset(spec.cohort))
+        if member not in cohort[1]:
             raise UnknownMember(f"{member} is not in the cohort of round {self.round}")
-        return self.spec
+        return spec
 
     def summing(self) -> SummationSession:
         """The summation session (the cohort is fixed whenever a stage message is taken)."""

@@ -121,6 +121,7 @@ class ServerSession:
         self._shares: dict[str, ShareKeys] = {}
         self.participants: frozenset[str] = frozenset()  # U2: completed share keys
         self.contributed: list[str] = []  # U3 in arrival order
+        self._contributed: set[str] = set()  # the same, to look a member up in O(1)
         self._sum = RingSum(params.vector_length, params.quant.ring_bits)
         self.survivors: frozenset[str] = frozenset()
         self.dropped: frozenset[str] = frozenset()
@@ -132,7 +133,11 @@ class ServerSession:
         # owner -> shares revealed so far, filled as unmask answers arrive
         self._seed_shares: dict[str, list[shamir.Share]] = {}
         self._key_shares: dict[str, list[shamir.Share]] = {}
-        self._needed: tuple[tuple[bool, str, int], ...] = ()  # set when unmask starts
+        # (mask key?, owner) -> shares wanted, for every secret finalize needs, and how
+        # many of them have fewer so far: set when masked input closes, the count kept as
+        # answers arrive (ready_to_finalize is asked after each one: a scan was O(n))
+        self._needed: dict[tuple[bool, str], int] = {}
+        self._short = 0
 
     @property
     def shared(self) -> frozenset[str]:
@@ -142,9 +147,19 @@ class ServerSession:
         )
 
     @property
+    def shared_count(self) -> int:
+        """``len(shared)`` without building the set: asked after every accepted message."""
+        return len(self._shares) if self.stage is ServerStage.SHARE_KEYS else len(self.participants)
+
+    @property
     def answered(self) -> frozenset[str]:
         """Survivors whose unmask answers were accepted."""
         return frozenset(self._responses)
+
+    @property
+    def answered_count(self) -> int:
+        """``len(answered)`` without building the set: asked after every accepted message."""
+        return len(self._responses)
 
     def ready_to_finalize(self) -> bool:
         """True once the unmask answers so far decide the sum: every secret
@@ -158,13 +173,7 @@ class ServerSession:
         while a needed secret has fewer than t shares: then only the remaining answers,
         or the deadline, can end the stage.
         """
-        if self.stage is not ServerStage.UNMASK:
-            return False
-        for key_share, owner, wanted in self._needed:
-            have = len((self._key_shares if key_share else self._seed_shares).get(owner, ()))
-            if have < wanted:
-                return False
-        return True
+        return self.stage is ServerStage.UNMASK and self._short == 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -287,11 +296,12 @@ class ServerSession:
         self._expect(ServerStage.MASKED_INPUT, msg.member)
         if msg.member not in self.participants:
             raise UnknownMember(f"{msg.member!r} is not a participant of round {self.params.round}")
-        if msg.member in self.contributed:
+        if msg.member in self._contributed:
             raise DuplicateMessage(f"{msg.member!r} already sent its masked input")
         # checked whole (length, padding) before any element is added
         self._sum.add(msg.vector)
         self.contributed.append(msg.member)
+        self._contributed.add(msg.member)
 
     def close_masked_input(self) -> UnmaskRequest:
         """End stage 3: survivors are the members whose input arrived.
@@ -309,14 +319,15 @@ class ServerSession:
         # that many survivors hold it, so one share can be checked, else all holders (at
         # least t: with fewer holders the secret is lost and only the deadline ends it)
         t = self.params.threshold
-        needed = []
+        needed = {}
         for key_share, owners in ((False, survivors), (True, self.dropped)):
             for owner in sorted(owners):
                 holders = len(self.graph.live_neighbors(owner, survivors))
                 if key_share and not holders:
                     continue  # dropped with no surviving neighbour: it left no pairwise mask
-                needed.append((key_share, owner, max(t, min(t + 1, holders))))
-        self._needed = tuple(needed)
+                needed[(key_share, owner)] = max(t, min(t + 1, holders))
+        self._needed = needed
+        self._short = len(needed)
         self.stage = ServerStage.CONSISTENCY if self._consistency else ServerStage.UNMASK
         # what every survivor signs: built once, not once per signature (O(n) each)
         self._survivors_signed = ConsistencySignature.signed_bytes(
@@ -418,7 +429,11 @@ class ServerSession:
                     )
                 parsed.append((store, owner, share))
         for store, owner, share in parsed:
-            store.setdefault(owner, []).append(share)
+            shares = store.setdefault(owner, [])
+            shares.append(share)
+            # one share per answer, so each secret reaches its wanted count once
+            if len(shares) == self._needed.get((store is self._key_shares, owner), 0):
+                self._short -= 1
         self._responses.add(msg.member)
 
     def _recover(self, owner: str, key_share: bool) -> bytes:
