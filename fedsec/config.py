@@ -234,14 +234,20 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     unsynchronised clocks (as Kerberos)."""
     header_timeout_s: float = 10.0
     """A connection must deliver a request's complete headers within this many seconds of opening
-    or of its previous answer, else it is closed; 10 s is ample for a few hundred bytes on any
-    link and bounds connections held by dribbled headers."""
+    or, on a kept-alive connection, of the headers' first byte, else it is closed; 10 s is ample
+    for a few hundred bytes on any link and bounds connections held by dribbled headers."""
+    keepalive_s: float = 75.0
+    """A kept-alive connection sending nothing is closed after this many idle seconds. Members
+    come back between stages, and each new connection is a TCP and TLS handshake; their client
+    keeps an idle connection 55 s, so keep this above that. 75 s as nginx; idle connections are
+    within max_connections' 3 per roster entry."""
     body_timeout_s: float = 120.0
     """A request body must arrive within this many seconds of its headers, else the request is
     refused (408) and the connection closed; 120 s carries a 64 MiB body over a 5 Mbit/s link."""
     max_connections: int = 0
     """Open connections at once; at the limit a new one displaces the oldest idle
-    unauthenticated connection, or is closed on accept if there is none. 0 sizes it from the
+    unauthenticated connection, else the oldest idle kept-alive one, or is closed on accept if
+    every connection has a request in progress. 0 sizes it from the
     roster at start-up: 3 per roster entry (a long poll, a request, one closing) + 256 for
     dashboards, scrapers and newcomers, so 1,000 members get 3,256. `aggregator serve`
     raises its own soft `RLIMIT_NOFILE` to the limit + 128 within the hard limit, and
@@ -840,6 +846,7 @@ def _validate_federation(cfg: FederationConfig) -> list[str]:
     p.int_range("server.max_json_bytes", s.max_json_bytes, 1024, max(s.max_body_bytes, 1024))
     p.positive("server.clock_skew_s", s.clock_skew_s)
     p.positive("server.header_timeout_s", s.header_timeout_s)
+    p.positive("server.keepalive_s", s.keepalive_s)
     p.positive("server.body_timeout_s", s.body_timeout_s)
     p.int_range("server.max_connections", s.max_connections, 0)
     p.int_range("server.max_connections_per_peer", s.max_connections_per_peer, 1)

@@ -10,14 +10,16 @@ request exists, so that is where they go.
 
 **Header deadline.**  A connection must deliver a complete request head (request line and
 headers) within ``server.header_timeout_s`` of opening, and on keep-alive within as long of
-its previous answer, or it is closed without an answer; bytes dribbled in do not extend the
-deadline.  After a response this is aiohttp's own keep-alive timer, given
-``header_timeout_s``: it closes a connection only while it waits for a complete request,
-never while a handler runs, so a long-poll held for 25 s after its headers arrived is not
-cut.  aiohttp arms that timer at connection open only in recent versions, so the handler
-arms its own deadline for the first request.  With TLS, the handshake has the same
-allowance (``ssl_handshake_timeout``) before the connection counts.  The body has its own
-deadline, ``server.body_timeout_s``, enforced by the application.
+the first byte of that head, or it is closed without an answer; bytes dribbled in do not
+extend the deadline.  The handler arms that deadline itself (:class:`_GuardedHandler`).
+A kept-alive connection that sends nothing is closed after ``server.keepalive_s`` of idle
+time, aiohttp's own keep-alive timer: members come back between stages, and each new
+connection is a TCP (and TLS) handshake and a connection-gate admission, so their client
+keeps an idle connection for a while (``aggregator_client.limits.IDLE_CONNECTION_S``,
+below the default keep-alive).  Neither closes a connection while a handler runs, so a
+long-poll held for 25 s after its headers arrived is not cut.  With TLS, the handshake has
+the header allowance (``ssl_handshake_timeout``) before the connection counts.  The body has
+its own deadline, ``server.body_timeout_s``, enforced by the application.
 
 **Connection limits.**  At most ``server.max_connections`` connections are open at once
 (0, the default: sized from the roster, with the process's descriptor limit raised to fit
@@ -25,9 +27,10 @@ or the start refused, :mod:`fedsec.aggregator.capacity`), and at most
 ``server.max_connections_per_peer`` unauthenticated ones from one peer (an IPv4 address,
 an IPv6 /64); a connection is unauthenticated until it carries a signed request or
 an observer's token (:func:`mark_authenticated`).  At the limit, a new connection displaces
-the oldest idle unauthenticated one, so a flood of idle connections from any number of
-addresses never keeps a member out; one that can displace none, or is over its peer's
-share, is closed as soon as it is accepted.  Each is logged at INFO (throttled).  The rules
+the oldest idle unauthenticated one, or else the oldest idle kept-alive one, so a flood of
+idle connections from any number of addresses, or under one member's key, never keeps a
+member out; one that can displace none, or is over its peer's share, is closed as soon as
+it is accepted.  Each is logged at INFO (throttled).  The rules
 are :class:`_ConnectionGate`'s.
 
 **Logs.**  A request aiohttp's parser refuses, or a client that disconnects mid-request, is
@@ -93,10 +96,12 @@ PARSER_REJECTIONS_NOTE = (
     f'400, the usual JSON error body with error "{BAD_HTTP}" and the parser\'s reason as '
     f"detail (at most {DETAIL_CHARS} characters), and the connection is closed. A "
     "connection that has not sent a complete request head within server.header_timeout_s "
-    "of opening, or of its previous answer, is closed without an answer, as is a "
+    "of opening, or of the head's first byte after a previous answer, is closed without an "
+    "answer, as is a kept-alive connection idle for server.keepalive_s, and a "
     "connection beyond server.max_connections_per_peer unauthenticated ones from one "
     "address; at server.max_connections, a new connection displaces the oldest idle "
-    "unauthenticated one, or is closed on accept when there is none."
+    "unauthenticated one, else the oldest idle kept-alive one, or is closed on accept when "
+    "every connection has a request in progress."
 )
 
 # What a client did wrong, as opposed to our bugs: refused by aiohttp's parser, or a body
@@ -149,10 +154,13 @@ class _ConnectionGate:
     authenticated request (:func:`mark_authenticated`) it is *unauthenticated*, and
     counts against its peer's ``server.max_connections_per_peer`` too.  When the listener
     is full, a new connection takes the place of the oldest unauthenticated one that is
-    idle (no request in progress); only when there is none is the new one refused.  So a
-    flood from one address holds at most its peer's share, a flood from many addresses
-    holds only connections any newcomer may displace, and members' authenticated
-    connections (their long polls and keep-alives) are never displaced by either.
+    idle (no request in progress), else of the oldest idle authenticated one (a kept-alive
+    connection between a member's requests: its client reconnects for the next one); only
+    when every connection has a request in progress is the new one refused.  So a flood
+    from one address holds at most its peer's share, a flood from many addresses holds
+    only connections any newcomer may displace, members' requests in progress (their long
+    polls) are never displaced, and idle connections kept alive under one member's key
+    (``server.keepalive_s``, up to its request rate times that) cannot keep others out.
     """
 
     def __init__(self, limit: int, per_peer: int) -> None:
@@ -176,6 +184,8 @@ class _ConnectionGate:
             return self._refuse("max_connections_per_peer", self.per_peer, transport)
         if len(self._open) >= self.limit:
             idle = next((c for c in self._unauthenticated if c.idle), None)
+            if idle is None:  # kept-alive connections, oldest first (at the limit only)
+                idle = next((c for c in self._open if c.idle), None)
             if idle is None:
                 return self._refuse("max_connections", self.limit, transport)
             self._evictions.info(
@@ -229,16 +239,20 @@ class _Rules:
 
 
 class _GuardedHandler(RequestHandler):
-    """aiohttp's HTTP/1.1 protocol with the connection limit, the first request's header
+    """aiohttp's HTTP/1.1 protocol with the connection limit, each request's header
     deadline, and client faults answered in JSON and logged without tracebacks."""
 
-    __slots__ = ("_admitted", "_first_head_timer", "_rules")
+    __slots__ = ("_admitted", "_head_timer", "_last_payload", "_rules")
 
     def __init__(self, manager: web.Server, *, rules: _Rules, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._rules = rules
         self._admitted = False
-        self._first_head_timer: asyncio.TimerHandle | None = None
+        # the deadline of the request head on its way (None: no head under way)
+        self._head_timer: asyncio.TimerHandle | None = None
+        # the body of the last request whose head arrived: bytes after it belong to the
+        # next head only once it is complete
+        self._last_payload: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._rules.gate.admit(self, transport):
@@ -246,18 +260,56 @@ class _GuardedHandler(RequestHandler):
             return
         self._admitted = True
         super().connection_made(transport)
-        loop = asyncio.get_running_loop()
-        timeout = self._rules.header_timeout_s
-        self._first_head_timer = loop.call_later(timeout, self._first_head_overdue)
+        self._arm_head_deadline()  # the first head: counted from the connection's open
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._admitted:  # refused (aiohttp never saw it), or already released
             return
         self._admitted = False
         self._rules.gate.release(self)
-        if self._first_head_timer is not None:
-            self._first_head_timer.cancel()
+        self._disarm_head_deadline()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's parsing, and the header deadline: the first bytes of a head after an
+        answer start it, a complete head meets it."""
+        between_requests = self._between_requests()
+        heads = self._request_count
+        super().data_received(data)
+        if self._request_count != heads:
+            self._disarm_head_deadline()
+            if self._messages:
+                self._last_payload = self._messages[-1][1]
+        elif between_requests and self._head_timer is None and not self._force_close:
+            self._arm_head_deadline()
+
+    def _between_requests(self) -> bool:
+        """No request is being handled or waits to be, and the last one's body arrived
+        whole: the next bytes are a request head's."""
+        payload = self._last_payload
+        return (
+            not self._request_in_progress
+            and not self._messages
+            and (payload is None or payload.is_eof())
+        )
+
+    def _arm_head_deadline(self) -> None:
+        loop = asyncio.get_running_loop()
+        heads = self._request_count
+        self._head_timer = loop.call_later(self._rules.header_timeout_s, self._head_overdue, heads)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self, heads: int) -> None:
+        # aiohttp counts the request heads its parser has completed on this connection:
+        # the same count means the head under way is still incomplete
+        self._head_timer = None
+        if self._request_count == heads and not self._request_in_progress:
+            log.debug("event=header_timeout peer=%s", self.peername)
+            self.force_close()
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -284,13 +336,6 @@ class _GuardedHandler(RequestHandler):
     def authenticated(self) -> None:
         """This connection carried an authenticated request (see :class:`_ConnectionGate`)."""
         self._rules.gate.authenticated(self)
-
-    def _first_head_overdue(self) -> None:
-        # aiohttp counts the request heads its parser has completed on this connection;
-        # once there is one, its keep-alive timer keeps the deadline from then on.
-        if self._request_count == 0:
-            log.debug("event=header_timeout peer=%s", self.peername)
-            self.force_close()
 
     def handle_error(
         self,
@@ -431,7 +476,8 @@ async def start_server(
         host: address to listen on.
         port: TCP port; 0 picks a free one (see :attr:`RunningServer.port`).
         ssl_context: serve HTTPS with it; None serves plain HTTP.
-        server_cfg: ``[server]``: ``header_timeout_s`` and the connection limits.
+        server_cfg: ``[server]``: ``header_timeout_s``, ``keepalive_s`` and the
+            connection limits.
         identities: roster entries; ``max_connections = 0`` sizes the limit from them.
 
     Raises:
@@ -452,7 +498,7 @@ async def start_server(
             server,
             rules=rules,
             loop=loop,
-            keepalive_timeout=server_cfg.header_timeout_s,
+            keepalive_timeout=server_cfg.keepalive_s,
             access_log=None,
             max_line_size=MAX_LINE_BYTES,
             max_field_size=MAX_LINE_BYTES,

@@ -25,10 +25,13 @@ DEFAULT_MAX_MODEL_BYTES: Final = MAX_MODEL_BYTES
 LONG_POLL_SLACK_S: Final = 15.0
 #: Chunk size for streamed reads; 64 KiB is aiohttp's own default read buffer size.
 READ_CHUNK: Final = 64 * 1024
-#: Seconds an idle pooled connection is kept for reuse.  Under the aggregator's default
-#: server.header_timeout_s (10 s), so the client gives a connection up before the server
-#: closes it and never sends a request onto a connection that is being closed.
-IDLE_CONNECTION_S: Final = 5.0
+#: Seconds an idle pooled connection is kept for reuse.  A member comes back between
+#: stages (its training, the others' uploads), and a new connection is a TCP and TLS
+#: handshake each time; 55 s is under the aggregator's default server.keepalive_s (75 s,
+#: as nginx) and the 60 s idle timeout of common load balancers, so the client gives a
+#: connection up before the server (or a proxy) closes it and never sends a request onto
+#: a connection that is being closed.
+IDLE_CONNECTION_S: Final = 55.0
 #: Seconds a replica URL found unreachable is not followed on a standby's word: the
 #: standbys name a dead leader until its lease expires (5 s), so following the name at
 #: once would bounce between the standby and the dead one; 3 s later it is asked again,

@@ -27,9 +27,11 @@ from fedsec.aggregator.transport import (
     PARSER_REJECTIONS_NOTE,
     RunningServer,
     ThrottledLog,
+    mark_authenticated,
     peer_key,
     start_server,
 )
+from fedsec.aggregator_client.limits import IDLE_CONNECTION_S
 from fedsec.config import ServerSection
 from tests.support.tls import self_signed
 
@@ -77,6 +79,15 @@ def _app() -> web.Application:
     async def bug(request: web.Request) -> web.Response:
         raise RuntimeError("a deliberate bug")
 
+    async def signed(request: web.Request) -> web.Response:
+        mark_authenticated(request)  # as a member's signed request is, once verified
+        return web.json_response({"ok": True})
+
+    async def peer(request: web.Request) -> web.Response:
+        # the client's port as the server sees it: one port, one connection
+        peername = request.transport.get_extra_info("peername") if request.transport else None
+        return web.json_response({"port": peername[1] if peername else None})
+
     async def large(request: web.Request) -> web.Response:
         body = _Body(LARGE_BODY_BYTES)
         app[SENT_BODIES].append(weakref.ref(body))
@@ -86,6 +97,8 @@ def _app() -> web.Application:
     app.router.add_get("/hold", hold)
     app.router.add_post("/upload", upload)
     app.router.add_get("/bug", bug)
+    app.router.add_get("/peer", peer)
+    app.router.add_get("/signed", signed)
     app.router.add_get("/large", large)
     return app
 
@@ -205,23 +218,51 @@ async def test_a_silent_connection_is_closed_at_the_header_deadline(start: Start
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("dribble", [False, True], ids=["idle", "dribbling"])
-async def test_a_keep_alive_connection_gets_the_header_deadline_after_each_answer(
-    start: Start, dribble: bool
+async def test_a_keep_alive_connection_gets_the_header_deadline_from_a_heads_first_byte(
+    start: Start,
 ) -> None:
-    server = await start()
+    server = await start()  # keepalive_s: the default, far longer than the test
     conn = await _connect(server)
-    # Two answers first, the second after most of a timeout: the deadline restarts.
     assert await _get_ok(conn) == 200
+    # idle for longer than the header deadline: kept alive, no head is under way
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(conn[0].read(1), 0.6 * HEADER_TIMEOUT_S)
+        await asyncio.wait_for(conn[0].read(1), 2 * HEADER_TIMEOUT_S)
     assert await _get_ok(conn) == 200
-    if dribble:
-        elapsed = await _dribble_until_closed(conn, _padded_head(), LATEST_S)
-    else:
-        elapsed, received = await _closed_after(conn[0], LATEST_S)
-        assert received == b""
+    # a head dribbled in is cut at the header deadline from its first byte
+    elapsed = await _dribble_until_closed(conn, _padded_head(), LATEST_S)
     assert EARLIEST_S <= elapsed < LATEST_S
+    await _wait_until(lambda: server.open_connections == 0)
+
+
+KEEPALIVE_S = 4 * HEADER_TIMEOUT_S
+
+
+@pytest.mark.asyncio
+async def test_an_idle_connection_is_reused_within_the_keep_alive_and_closed_after_it(
+    start: Start,
+) -> None:
+    server = await start(keepalive_s=KEEPALIVE_S)
+    reader, writer = await _connect(server)
+    ports = []
+    for _ in range(2):
+        writer.write(b"GET /peer HTTP/1.1\r\nHost: test\r\n\r\n")
+        status, _, body = await _response(reader)
+        assert status == 200
+        ports.append(json.loads(body)["port"])
+        assert server.open_connections == 1
+        # idle past the header deadline, within the keep-alive: still open
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 2 * HEADER_TIMEOUT_S)
+    assert ports[0] == ports[1] == writer.get_extra_info("sockname")[1]  # one connection
+    # the second answer was 2 header deadlines ago: closed at the keep-alive, no answer
+    elapsed, received = await _closed_after(reader, 3 * KEEPALIVE_S)
+    assert received == b""
+    assert KEEPALIVE_S - 2 * HEADER_TIMEOUT_S - 0.1 * KEEPALIVE_S <= elapsed < 3 * KEEPALIVE_S
+    await _wait_until(lambda: server.open_connections == 0)
+
+
+def test_the_members_client_gives_an_idle_connection_up_before_the_server_does() -> None:
+    assert ServerSection().keepalive_s > IDLE_CONNECTION_S
 
 
 @pytest.mark.asyncio
@@ -313,6 +354,31 @@ async def test_at_the_limit_a_new_connection_displaces_the_oldest_idle_one(
     assert received == b"" and elapsed < PROMPT_S
     assert server.open_connections == 3
     assert await _get_ok(idle[1]) == 200 and await _get_ok(idle[2]) == 200
+    assert any("event=connection_evicted" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.asyncio
+async def test_a_members_idle_kept_alive_connections_do_not_keep_another_member_out(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a member's key fills the listener with connections that each carried a signed
+    # request and then idle in keep-alive (server.keepalive_s: the default, 75 s)
+    caplog.set_level(logging.INFO, logger="fedsec.aggregator.transport")
+    server = await start(max_connections=3, header_timeout_s=30.0)
+    held = [await _connect(server) for _ in range(3)]
+    for reader, writer in held:
+        writer.write(b"GET /signed HTTP/1.1\r\nHost: test\r\n\r\n")
+        assert (await _response(reader))[0] == 200
+    assert server.open_connections == 3
+
+    newcomer = await _connect(server)  # another member
+    assert await _get_ok(newcomer) == 200
+    # the oldest idle one made room: closed, without an answer; the others are open
+    elapsed, received = await _closed_after(held[0][0], PROMPT_S)
+    assert received == b"" and elapsed < PROMPT_S
+    assert server.open_connections == 3
+    for conn in held[1:]:
+        assert await _get_ok(conn) == 200
     assert any("event=connection_evicted" in r.getMessage() for r in caplog.records)
 
 
