@@ -392,6 +392,36 @@ async def test_unsigned_upload_is_refused_without_reading_its_body(hostile: Host
     assert "signature" in detail.lower()
 
 
+async def test_a_chunked_body_over_the_limit_that_arrived_whole_is_refused(
+    tmp_path: Path,
+) -> None:
+    # no Content-Length to refuse it by: the head and the whole chunked body come in one
+    # write, so the body has arrived (and is not read in pieces) when it is checked
+    fed = _federation(tmp_path / "ws", max_json_bytes=2048)
+    served = await serve(fed.ws, Coordinator(fed.ws, clock=FakeClock()))
+    try:
+        hostile = Hostile(fed, served)
+        join = "/v1/rounds/1/join?attempt=0"
+        for member, size in (("a0", 2048), ("a1", 2049)):
+            body = wire.encode(join_request(member)).ljust(size)
+            headers = [
+                *signed_headers(fed.identities[member], "POST", join, body).items(),
+                ("Content-Type", "application/json"),
+                ("Transfer-Encoding", "chunked"),
+            ]
+            request = request_head("POST", join, headers)
+            request += f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+            if size == 2048:  # at the limit: read and accepted
+                assert (await hostile.send(request)).status == 200
+                continue
+            detail = await hostile.refused(413, "payload_too_large", request)
+            assert "2048" in detail
+        assert set(fed.ws.state.joins.samples(1, 0)) == {"a0"}
+    finally:
+        await served.stop()
+        fed.ws.close()
+
+
 async def test_compressed_bodies_are_refused(hostile: Hostile) -> None:
     join = "/v1/rounds/1/join?attempt=0"
     packed = gzip.compress(_join_body())

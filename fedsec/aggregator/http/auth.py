@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Final
 
 import aiohttp
 from aiohttp import web
@@ -207,19 +208,32 @@ def _authorised(request: web.Request, roles: tuple[str, ...]) -> tuple[str, str]
     return entry.agent_id, signed.keyid
 
 
-@contextlib.asynccontextmanager
-async def _upload_slot(request: web.Request, limit: int) -> AsyncIterator[None]:
+# What a body no larger than a JSON control message is read under: no slot, and no
+# generator-based context manager built for each such request (most of them).
+_NO_SLOT: Final = contextlib.nullcontext()
+
+
+def _upload_slot(request: web.Request, limit: int) -> contextlib.AbstractAsyncContextManager[None]:
     """Hold one of ``server.max_concurrent_uploads`` slots while a body that may be
     larger than a JSON control message is read, bounding bodies in memory.
 
     Raises:
-        ServerBusy: no slot freed within ``server.upload_queue_s``.
+        ServerBusy: on entering, no slot freed within ``server.upload_queue_s``.
     """
     cfg = request.app[WORKSPACE].config.server
     declared = request.content_length
     if limit <= cfg.max_json_bytes or (declared is not None and declared <= cfg.max_json_bytes):
-        yield
-        return
+        return _NO_SLOT
+    return _held_slot(request, cfg)
+
+
+@contextlib.asynccontextmanager
+async def _held_slot(request: web.Request, cfg: ServerSection) -> AsyncIterator[None]:
+    """One of the upload slots, held while the body is read.
+
+    Raises:
+        ServerBusy: no slot freed within ``server.upload_queue_s``.
+    """
     slots = request.app[UPLOADS]
     try:
         async with asyncio.timeout(cfg.upload_queue_s):
@@ -261,21 +275,25 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
         PayloadTooLarge: more than ``limit`` bytes arrive.
         RequestTimeout: the body did not arrive in time.
     """
-    chunks: list[bytes] = []
     # Most bodies (every one without a body, every control message) have arrived whole
-    # with their head: then no read below can wait, and a timer for each would be most
-    # of the cost of reading them.
+    # with their head: then nothing can wait, and a timer, or reads until the end, would
+    # be most of the cost of reading them.  A body over the limit has not been read
+    # here, it has arrived: the parser holds it already.
     if request.content.is_eof():
-        await _read_chunks(request, limit, chunks)
-    else:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await _read_chunks(request, limit, chunks)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"the request body did not arrive within {timeout_s:g} s "
-                f"({sum(map(len, chunks))} bytes received)"
-            ) from None
+        body = request.content.read_nowait()
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        request[BODY_READ] = True
+        return body
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _read_chunks(request, limit, chunks)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s "
+            f"({sum(map(len, chunks))} bytes received)"
+        ) from None
     request[BODY_READ] = True
     return b"".join(chunks)
 
