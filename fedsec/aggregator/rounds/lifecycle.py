@@ -185,7 +185,7 @@ class Lifecycle:
                 self._ctx.ws.state,
                 spec.round,
                 spec.attempt,
-                keep=self._ctx.trail.keep,
+                keep=self._ctx.trail.keep_message,
                 reported=lambda report: self._ctx.emit(privacy_reported(report)),
             ),
         )

@@ -191,8 +191,8 @@ class AuditTrail:
         return self.archive.put(data)
 
     def keep_message(self, raw: bytes) -> str:
-        """Archive an accepted message's bytes ``raw``, which the caller stores in the
-        messages table (in the transaction that logs them); return the sha256.  Written
+        """Archive an accepted message's bytes ``raw``, which the messages table holds
+        (or will, in the transaction that logs them); return the sha256.  Written
         without an fsync: durable at the next round close (:meth:`sign_head`), and
         rewritten from the database at start-up if a machine crash lost it before.
         Without the database at hand (``store`` None), as :meth:`keep`."""
