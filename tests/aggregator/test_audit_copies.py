@@ -14,6 +14,7 @@ import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.storage.audit_trail import LOG_FILE, SYNCED_BEFORE, AuditTrail
 from fedsec.aggregator.workspace import STATE_DB, Workspace
 from fedsec.audit.verify import verify_log
+from fedsec.fsio import sync_filesystem
 from tests.support.aggregator import (
     Cohort,
     FakeClock,
@@ -57,7 +59,7 @@ def _to_consistency(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]
     assert coord.live.stage == "consistency"
 
 
-def _accepted(fed: Federation, round_: int) -> list[dict[str, object]]:
+def _accepted(fed: Federation, round_: int) -> list[dict[str, Any]]:
     return [
         e for e in log_entries(fed.ws) if e["kind"] == "accepted" and e["body"]["round"] == round_
     ]
@@ -83,7 +85,7 @@ def clock() -> FakeClock:
 def syncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every fsync and syncfs the process makes from Python, by kind."""
     calls: list[str] = []
-    fsync, syncfs = os.fsync, archive_module.sync_filesystem
+    fsync = os.fsync
 
     def counted_fsync(fd: int) -> None:
         calls.append("fsync")
@@ -91,7 +93,7 @@ def syncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     def counted_syncfs(path: Path | str) -> bool:
         calls.append("syncfs")
-        return syncfs(path)
+        return sync_filesystem(path)
 
     monkeypatch.setattr(os, "fsync", counted_fsync)
     monkeypatch.setattr(archive_module, "sync_filesystem", counted_syncfs)
@@ -120,11 +122,14 @@ def test_an_accepted_message_costs_no_fsync_until_the_round_closes(
     _file_is_the_database(fed)
 
 
+@pytest.mark.parametrize("watermark", ["recorded", "absent"])
 def test_objects_and_log_lines_a_machine_crash_lost_are_restored_before_serving(
-    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, watermark: str
 ) -> None:
     """Round 2's messages were accepted and acknowledged (receipts); the machine then
-    crashed before the round closed, losing the writes that were never fsynced."""
+    crashed before the round closed, losing the writes that were never fsynced.
+    ``absent``: a workspace whose round 1 an older release closed (it fsynced every
+    object and recorded no watermark): its last head stands for it."""
     root = tmp_path / "ws"
     fed = make_federation(root, auditors=("aud",))
     coord = Coordinator(fed.ws, clock=clock)
@@ -150,6 +155,10 @@ def test_objects_and_log_lines_a_machine_crash_lost_are_restored_before_serving(
     first = next(line for i, line in fed.ws.state.log.log_lines() if i == accepted[0]["index"])
     log_file.write_bytes(text[: text.index(first) + len(first) // 2])
     fed.ws.close()  # no clean stop: the process is gone with the machine
+    if watermark == "absent":
+        with sqlite3.connect(root / STATE_DB) as db:
+            deleted = db.execute("DELETE FROM server_state WHERE name = ?", (SYNCED_BEFORE,))
+            assert deleted.rowcount == 1
 
     caplog.set_level(logging.INFO, logger="fedsec.aggregator.storage.audit_trail")
     ws = Workspace.open(root)
