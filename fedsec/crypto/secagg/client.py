@@ -108,7 +108,7 @@ def check_graph_nonce(entry: AdvertiseKeys, params: SecAggParams) -> None:
     Raises:
         InvalidKeyList: the nonce is missing, unexpected, or does not open the commitment.
     """
-    if not params.graph_commitments or entry.member not in params.cohort:
+    if not params.graph_commitments or not params.has_member(entry.member):
         if entry.graph_nonce:
             raise InvalidKeyList(
                 f"{entry.member!r} revealed a graph nonce the round did not ask for"

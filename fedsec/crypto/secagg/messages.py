@@ -71,6 +71,9 @@ class SecAggParams:
     graph_commitments: tuple[bytes, ...] = ()
     # computed once: a member checks ~k signatures and derives ~k pair seeds bound to it
     _digest: bytes = field(init=False, repr=False, compare=False)
+    # member -> its place in the cohort, computed once: each advertisement's commitment is
+    # looked up by it (a scan of the cohort was O(n) per advertisement, O(n^2) a round)
+    _position: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.cohort)
@@ -98,6 +101,7 @@ class SecAggParams:
         ):
             raise ProtocolError("graph commitments must be one 32-byte hash per cohort member")
         object.__setattr__(self, "_digest", self._compute_digest())
+        object.__setattr__(self, "_position", {m: i for i, m in enumerate(self.cohort)})
 
     @property
     def vector_length(self) -> int:
@@ -111,16 +115,23 @@ class SecAggParams:
         """SHA-256 over every parameter: binds signatures and masks to this exact round."""
         return self._digest
 
+    def has_member(self, member: str) -> bool:
+        """``member`` is in the cohort (a dictionary look-up, not a scan of it)."""
+        return member in self._position
+
     def commitment_of(self, member: str) -> bytes | None:
         """``member``'s graph-nonce commitment; None in a round without them."""
         if not self.graph_commitments:
             return None
-        return self.graph_commitments[self.cohort.index(member)]
+        position = self._position.get(member)
+        if position is None:
+            raise ValueError(f"{member!r} is not in the cohort")  # as tuple.index did
+        return self.graph_commitments[position]
 
     def opens_commitment(self, member: str, nonce: bytes) -> bool:
         """``nonce`` is the one ``member``'s commitment in these parameters was made to
         (compared in constant time); False for a member without a commitment."""
-        committed = self.commitment_of(member) if member in self.cohort else None
+        committed = self.commitment_of(member) if self.has_member(member) else None
         return (
             committed is not None
             and len(nonce) == GRAPH_NONCE_BYTES
