@@ -274,6 +274,23 @@ def test_property_derived_components_are_the_librarys(target: str, method: str) 
     }
 
 
+def test_a_signature_over_a_base_with_a_control_character_is_refused_by_name() -> None:
+    # signed over the very base the verifier builds, so the check of the values (RFC
+    # 9421 §2.5) refuses it, not the Ed25519 check
+    method = "PO\tST"
+    headers = signed()
+    fields = httpsig._authentication_fields(headers)
+    claims = httpsig._parse_signature_fields(fields)
+    values = {**httpsig._derived_components("POST", PATH), "@method": method, **fields}
+    lines = [f'"{name}": {values[name]}\n' for name in claims.components]
+    base = "".join(lines) + f'"@signature-params": {claims.signature_params}'
+    signature = ALICE.sign_http_signature_base(base.encode())
+    headers["Signature"] = f"f=:{base64.b64encode(signature).decode()}:"
+    verifier, cache = make_verifier()
+    with refused(cache, AuthError, "holds a value a signature base may not"):
+        verifier.verify(method, PATH, headers, BODY)
+
+
 def test_a_method_no_signature_base_may_hold_is_refused() -> None:
     # RFC 9421 §2.5: a derived component's value is printable, without surrounding spaces
     verifier, cache = make_verifier()
@@ -322,6 +339,9 @@ _SPLICE_LIST: list[tuple[str, str]] = [
     ('nonce="', 'nonce="%'),
     ('nonce="', 'nonce="+'),
     ('keyid="ed25519:', 'keyid="ed25519:\\\\'),
+    ("sha-256=", "sha-512="),
+    ("sha-256=", "SHA-256="),
+    ("sha-256=", "sha-256=:AAAA:, sha-256="),
 ]
 # rewrites of a value inside the field: one hex digit of the key id upper-cased, the
 # nonce cut below 128 bits, the inner list's first component renamed
