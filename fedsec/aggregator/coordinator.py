@@ -64,6 +64,20 @@ LOG_LINES_PER_READ: Final = 10_000
 _SHA256_HEX: Final = re.compile(r"[0-9a-f]{64}")
 
 
+def _trail(workspace: Workspace, clock: Callable[[], float], faults: Faults) -> AuditTrail:
+    """The workspace's transparency log, archive and log file (their durable copies in
+    its state database)."""
+    return AuditTrail(
+        workspace.root,
+        workspace.state.log,
+        workspace.signer,
+        workspace.config.federation.id,
+        clock=clock,
+        faults=faults,
+        store=workspace.state,
+    )
+
+
 class Coordinator:
     """Drives rounds for one federation workspace.
 
@@ -107,15 +121,7 @@ class Coordinator:
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # a config edited after init (e.g. to secure_sum = "he") meets the same refusal
         check_model_size(workspace.config, dim)
-        self.trail = AuditTrail(
-            workspace.root,
-            workspace.state.log,
-            workspace.signer,
-            fed.id,
-            clock=clock,
-            faults=faults,
-            store=workspace.state,
-        )
+        self.trail = _trail(workspace, clock, faults)
         ctx = RoundContext(
             workspace,
             clock,

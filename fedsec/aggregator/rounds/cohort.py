@@ -78,21 +78,7 @@ class CohortDesk:
             TaskDigestMismatch: the member's installed task package is not the one
                 installed here (each differing field named), or it sent no pin.
         """
-        self._check_pin(member, req.task_pin)
-        task = self._ctx.task
-        if req.task_version != task.version:
-            raise TaskMismatch(
-                f"{member} runs task {task.name} version {req.task_version}, the federation "
-                f"requires version {task.version}"
-            )
-        self.summaries.check(member, req.data_summary)
-        if req.dataset_schema != task.schema.fingerprint():
-            raise TaskMismatch(
-                f"{member}'s data schema {req.dataset_schema[:16]}… differs from the federation's "
-                f"{task.schema.fingerprint()[:16]}… (features or classes differ)"
-            )
-        if req.samples < 1:
-            raise PayloadError(f"{member} reports {req.samples} samples; need at least 1")
+        self._check_task(member, req)
         if self._ctx.buffered:
             self._check_staleness(member, req.base_version)
         state = self._ctx.ws.state
@@ -125,6 +111,29 @@ class CohortDesk:
             tally.window_start = None  # the clock went back: the n-th by time may differ
         self.summaries.record(member, req.data_summary)
         return wire.JoinResponse(accepted=True, detail="joined"), True
+
+    def _check_task(self, member: str, req: wire.JoinRequest) -> None:
+        """``member`` trains the federation's task, on data of its schema, and has some.
+
+        Raises:
+            TaskMismatch, TaskDigestMismatch, SignatureError, PayloadError: as
+                :meth:`join` says.
+        """
+        self._check_pin(member, req.task_pin)
+        task = self._ctx.task
+        if req.task_version != task.version:
+            raise TaskMismatch(
+                f"{member} runs task {task.name} version {req.task_version}, the federation "
+                f"requires version {task.version}"
+            )
+        self.summaries.check(member, req.data_summary)
+        if req.dataset_schema != task.schema.fingerprint():
+            raise TaskMismatch(
+                f"{member}'s data schema {req.dataset_schema[:16]}… differs from the federation's "
+                f"{task.schema.fingerprint()[:16]}… (features or classes differ)"
+            )
+        if req.samples < 1:
+            raise PayloadError(f"{member} reports {req.samples} samples; need at least 1")
 
     def _check_pin(self, member: str, pin: wire.TaskPin | None) -> None:
         """The member runs the task package this aggregator runs: the one every spec pins.
