@@ -18,7 +18,7 @@ from fedsec.agent.runtime import AgentRuntime
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.http.auth import head_bytes
-from fedsec.aggregator.http.keys import COORDINATOR
+from fedsec.aggregator.http.keys import COORDINATOR, METRICS
 from fedsec.aggregator.ops import Operations
 from fedsec.aggregator.ops.live import LiveView
 from fedsec.aggregator.ops.metrics import CONTENT_TYPE, FederationMetrics
@@ -28,6 +28,7 @@ from fedsec.federation import agent_config, create_federation, enrol_agents, fed
 from fedsec.protocol import wire
 from fedsec.protocol.stages import SECAGG_STAGES, STAGES
 from tests.support.aggregator import make_federation
+from tests.support.hostile import serve
 from tests.support.round_history import DDP_ROUNDS, summary
 
 pytestmark = pytest.mark.timeout(180)
@@ -255,3 +256,61 @@ def test_a_request_head_is_counted_as_it_came_over_the_wire() -> None:
         b"Host: 127.0.0.1:80\r\nSignature: f=:AA==:\r\nContent-Length: 2\r\n\r\n"
     )
     assert head_bytes(request) == len(sent)
+
+
+def _observe_uncached(metrics: FederationMetrics, *request: Any) -> None:
+    """What ``observe_request`` did before its series were cached: every label looked up."""
+    endpoint, status, received, sent, head = request
+    metrics.requests.labels(endpoint, str(status)).inc()
+    if head:
+        metrics.head_bytes_in.labels(endpoint).inc(head)
+    if received:
+        metrics.bytes_in.labels(endpoint).inc(received)
+    if sent:
+        metrics.bytes_out.labels(endpoint).inc(sent)
+
+
+def test_cached_request_series_appear_when_uncached_ones_did() -> None:
+    # a series must neither appear before its first count (an empty body, a 304 with no
+    # bytes out) nor vanish: the exposition is compared after every request
+    cached = FederationMetrics(None, member_labels=False)
+    uncached = FederationMetrics(None, member_labels=False)
+    requests = [
+        ("round", 200, 0, 0, 150),
+        ("round", 200, 0, 310, 150),
+        ("join", 200, 90, 0, 0),
+        ("join", 403, 90, 60, 200),
+        ("round", 304, 0, 0, 150),
+        ("unmatched", 404, 0, 50, 80),
+        ("join", 200, 90, 120, 200),
+        ("round", 200, 0, 310, 150),
+        ("model", 200, 0, 9000, 120),
+    ]
+    for request in requests:
+        cached.observe_request(*request)
+        _observe_uncached(uncached, *request)
+        assert cached.exposition() == uncached.exposition(), request
+
+
+@async_test
+async def test_unknown_paths_add_one_request_series(tmp_path: Path) -> None:
+    fed = make_federation(tmp_path)
+    served = await serve(fed.ws, Coordinator(fed.ws))
+    try:
+        metrics = served.app[METRICS]
+        async with aiohttp.ClientSession() as client:
+            for i in range(40):
+                url = f"http://127.0.0.1:{served.port}/v1/no-such-{i}/{'x' * i}"
+                async with client.request("GET" if i % 2 else "DELETE", url) as answer:
+                    assert answer.status in (404, 405)
+        samples = _parse(metrics.exposition().decode())
+        endpoints = {
+            dict(labels)["endpoint"]
+            for name, labels in samples
+            if name == "fedsec_http_requests_total"
+        }
+        assert endpoints == {"unmatched"}
+        assert set(metrics._request_series) <= {("unmatched", 404), ("unmatched", 405)}
+        assert set(metrics._head_series) == {"unmatched"}
+    finally:
+        await served.stop()

@@ -162,6 +162,16 @@ class FederationMetrics:
             ["endpoint"],
             registry=r,
         )
+        # Each request's series, resolved once: a labels() look-up costs ~1 µs and every
+        # request makes up to four.  A child is cached the first time its series is
+        # counted, as labels() would create it, so /metrics shows the same series at the
+        # same moments.  The keys are the series themselves (endpoint names from the route
+        # table or "unmatched", and the statuses the server answers), so the caches are
+        # no larger than the counters, and no client can grow them.
+        self._request_series: dict[tuple[str, int], Counter] = {}
+        self._head_series: dict[str, Counter] = {}
+        self._in_series: dict[str, Counter] = {}
+        self._out_series: dict[str, Counter] = {}
 
     def _declare_operations(self, r: CollectorRegistry) -> None:
         """Alerts raised and the live dashboard's pushes."""
@@ -214,13 +224,18 @@ class FederationMetrics:
     ) -> None:
         """Count one answered request (every one, refused ones included); ``received``
         and ``sent`` are body bytes, ``head`` the request's line and header fields."""
-        self.requests.labels(endpoint, str(status)).inc()
+        series = self._request_series.get((endpoint, status))
+        if series is None:
+            series = self._request_series[endpoint, status] = self.requests.labels(
+                endpoint, str(status)
+            )
+        series.inc()
         if head:
-            self.head_bytes_in.labels(endpoint).inc(head)
+            _child(self._head_series, self.head_bytes_in, endpoint).inc(head)
         if received:
-            self.bytes_in.labels(endpoint).inc(received)
+            _child(self._in_series, self.bytes_in, endpoint).inc(received)
         if sent:
-            self.bytes_out.labels(endpoint).inc(sent)
+            _child(self._out_series, self.bytes_out, endpoint).inc(sent)
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every metric (:data:`CONTENT_TYPE`)."""
@@ -361,6 +376,15 @@ class _StateCollector(Collector):
                     "member",
                     live.epsilon,
                 )
+
+
+def _child(cache: dict[str, Counter], counter: Counter, label: str) -> Counter:
+    """``counter.labels(label)`` (a child, typed as its counter), looked up in ``cache``
+    first (see ``_declare_http``)."""
+    found = cache.get(label)
+    if found is None:
+        found = cache[label] = counter.labels(label)
+    return found
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
