@@ -249,7 +249,9 @@ def _bench_intake(members: list[int], shards: int, servers: list[int], as_json: 
             click.echo(
                 f"{row['members']:>5} members in {row['shards']} groups, "
                 f"{row['group_servers']} group server(s): {row['accepted_per_s']} accepted "
-                f"messages/s ({row['accepted_per_s_by_stage']})"
+                f"messages/s ({row['accepted_per_s_by_stage']}); projected with a core per "
+                f"process: {row['projected_accepted_per_s_with_cores']} "
+                f"(limit: {row['projected_limit']})"
             )
 
     for count in members:

@@ -16,6 +16,42 @@ The floor is the machine: the sending side runs here too, and every process shar
 cores (``cores`` in the row); group servers over one SQLite file also share its write
 lock, one commit at a time.  Rows of one run compare; the speed-up the issue asks of 4
 processes needs as many cores as processes.
+
+So each row also says what the processes spent, over the same three timed windows
+(read just before the first send and just after the last answer of each stage, summed):
+
+* ``leader_cpu_s``, ``group_server_cpu_s`` (one per server; absent with none) and
+  ``sender_cpu_s``: CPU seconds (user + system, all threads; ``/proc/<pid>/stat`` for the
+  servers, which counts in clock ticks, and this process's own for the sender);
+* ``leader_cpu_s_to_next_stage``: the leader's CPU from the first send until the next
+  stage is stored (its replay of what the servers stored can finish after their last
+  answer, and the stage's turn is its work too);
+* ``leader_cpu_ms_per_message`` (from ``leader_cpu_s_to_next_stage``),
+  ``group_servers_cpu_ms_per_message`` (the servers' total) and
+  ``sender_cpu_ms_per_message``: each over the ``messages`` accepted;
+* ``store_lock_ms_per_message``: how long the writers (leader and servers together) held
+  ``state.db``'s write lock per message, from each ``BEGIN IMMEDIATE``'s return to its
+  ``COMMIT``'s, the fsync included, from the first send until the next stage is stored
+  (``store_transactions`` of them); ``store_lock_cpu_ms_per_message`` is the CPU the
+  holding thread spent in those spans.  The serving processes are started through
+  :data:`_LOCK_TIMED`, which times :class:`~fedsec.aggregator.storage.sqlite.connection.
+  Transaction` in place and changes nothing else.  Held time on a loaded machine also
+  counts the holder's waits for a core, so it is an upper bound of what the lock costs
+  with a core per process; writes outside a transaction (autocommit) and the nonce
+  store's own file are not counted.
+
+From these, a **projection, not a measurement**: ``projected_accepted_per_s_with_cores``
+is what the same per-message costs would allow with a core per serving process,
+
+    min(1 / c_leader, N / c_servers, 1 / t_lock)    (the group servers' term only for N > 0)
+
+with ``c_leader`` and ``c_servers`` the CPU seconds per message above, N the server
+count and ``t_lock`` the lock's held seconds per message.  The servers' work divides over
+N processes; the leader's share (its replay of every message, the round's bookkeeping)
+and the store's serialized commits do not.  ``projected_limit`` names the smallest term.
+The stages are assumed to overlap perfectly, so the projection is an upper bound of the
+throughput its costs allow; the sender is left out (members send from their own
+machines), its own bound is ``1 / c_sender``.
 """
 
 from __future__ import annotations
@@ -27,11 +63,13 @@ import math
 import os
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -60,13 +98,116 @@ TASK: Final = "mnist1d"
 FED: Final = "intake"
 START_S: Final = 90.0
 STAGE_S: Final = 300.0
-_SERVE = (sys.executable, "-m", "fedsec", "aggregator")
+#: The lock counters a serving process keeps in its cell: held seconds, CPU seconds of
+#: the holding thread, transactions.
+_CELL: Final = struct.Struct("ddq")
+#: Runs ``fedsec`` (argv[2:]) with the state store's transactions timed into the file
+#: argv[1] (a :data:`_CELL`, shared by mmap so this process reads it at any instant).
+_LOCK_TIMED: Final = """
+import mmap, os, struct, sys, time
+from fedsec.aggregator.storage.sqlite.connection import Transaction
+cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("ddq"))
+total = [0.0, 0.0, 0]
+enter, leave = Transaction.__enter__, Transaction.__exit__
+def timed_enter(self):
+    enter(self)
+    if self._outer:
+        self._bench_at = (time.perf_counter(), time.thread_time())
+def timed_exit(self, *exc):
+    leave(self, *exc)
+    if self._outer:
+        total[0] += time.perf_counter() - self._bench_at[0]
+        total[1] += time.thread_time() - self._bench_at[1]
+        total[2] += 1
+        struct.pack_into("ddq", cell, 0, *total)
+Transaction.__enter__, Transaction.__exit__ = timed_enter, timed_exit
+sys.argv = ["fedsec", *sys.argv[2:]]
+from fedsec.cli import main
+main()
+"""
+_TICK_S: Final = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds, all its threads (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+
+
+@dataclass
+class _Probe:
+    """The serving processes' CPU and lock counters, summed over the timed windows."""
+
+    pids: list[int]  # the leader first, then each group server
+    cells: list[Path]
+    cpu_s: list[float] = field(default_factory=list)
+    sender_cpu_s: float = 0.0
+    leader_cpu_s_to_stage: float = 0.0  # until the next stage is stored
+    lock: tuple[float, float, int] = (0.0, 0.0, 0)
+
+    def _read(self) -> tuple[list[float], float, tuple[float, float, int]]:
+        lock = [0.0, 0.0, 0]
+        for path in self.cells:
+            with open(path, "rb") as f:
+                for i, value in enumerate(_CELL.unpack(f.read(_CELL.size))):
+                    lock[i] += value
+        held = (lock[0], lock[1], int(lock[2]))
+        return [_cpu_s(p) for p in self.pids], time.process_time(), held
+
+    async def window(self, run: Awaitable[float], then: Awaitable[Any]) -> float:
+        """Await ``run`` (a stage's sends), adding what each process spent meanwhile, then
+        ``then`` (the next stage stored), adding the leader's CPU and the store's lock
+        until it ends."""
+        cpu, own, lock = self._read()
+        seconds = await run
+        cpu_after, own_after, _ = self._read()
+        await then
+        self.leader_cpu_s_to_stage += _cpu_s(self.pids[0]) - cpu[0]
+        lock_after = self._read()[2]
+        spent = [b - a for a, b in zip(cpu, cpu_after, strict=True)]
+        self.cpu_s = [a + b for a, b in zip(self.cpu_s or [0.0] * len(spent), spent, strict=True)]
+        self.sender_cpu_s += own_after - own
+        self.lock = (
+            self.lock[0] + lock_after[0] - lock[0],
+            self.lock[1] + lock_after[1] - lock[1],
+            self.lock[2] + lock_after[2] - lock[2],
+        )
+        return seconds
+
+    def fields(self, messages: int) -> dict[str, Any]:
+        """The row's CPU and lock fields and the projection (the module's formula)."""
+        leader, servers = self.cpu_s[0], self.cpu_s[1:]
+        per = {"leader": self.leader_cpu_s_to_stage / messages}
+        out: dict[str, Any] = {
+            "messages": messages,
+            "leader_cpu_s": round(leader, 3),
+            "leader_cpu_s_to_next_stage": round(self.leader_cpu_s_to_stage, 3),
+            "sender_cpu_s": round(self.sender_cpu_s, 3),
+            "leader_cpu_ms_per_message": round(1000 * per["leader"], 4),
+            "sender_cpu_ms_per_message": round(1000 * self.sender_cpu_s / messages, 4),
+        }
+        bounds = {"leader": 1 / per["leader"] if per["leader"] else math.inf}
+        if servers:
+            per_server = sum(servers) / messages
+            out["group_server_cpu_s"] = [round(s, 3) for s in servers]
+            out["group_servers_cpu_ms_per_message"] = round(1000 * per_server, 4)
+            bounds["group_servers"] = len(servers) / per_server if per_server else math.inf
+        held, held_cpu, transactions = self.lock
+        out["store_lock_ms_per_message"] = round(1000 * held / messages, 4)
+        out["store_lock_cpu_ms_per_message"] = round(1000 * held_cpu / messages, 4)
+        out["store_transactions"] = transactions
+        bounds["store_lock"] = messages / held if held else math.inf
+        limit = min(bounds, key=bounds.__getitem__)
+        out["projected_accepted_per_s_with_cores"] = round(bounds[limit], 1)
+        out["projected_limit"] = limit
+        return out
 
 
 @contextlib.contextmanager
@@ -176,11 +317,14 @@ async def _run(root: Path, members: int, shards: int, servers: int) -> dict[str,
     key, db = ws.signer.public_bytes, ws.root / "state.db"
     ws.close()
     ids = {a.agent_id: a.identity for a in local}
-    serve = [*_SERVE, "serve", "--workspace", str(workspace), "--host", "127.0.0.1"]
+    cells = [root / f"lock-{i}.cell" for i in range(servers + 1)]
+    for cell in cells:
+        cell.write_bytes(bytes(_CELL.size))
+    serve = [*_timed(cells[0]), "serve", "--workspace", str(workspace), "--host", "127.0.0.1"]
     commands = [[*serve, "--port", str(leader_port), "--log-level", "WARNING"]]
     commands += [
         [
-            *_SERVE,
+            *_timed(cell),
             "group-serve",
             "--workspace",
             str(workspace),
@@ -189,13 +333,19 @@ async def _run(root: Path, members: int, shards: int, servers: int) -> dict[str,
             "--log-level",
             "WARNING",
         ]
-        for u in urls
+        for u, cell in zip(urls, cells[1:], strict=True)
     ]
     connector = aiohttp.TCPConnector(limit=4 * IN_FLIGHT)
-    with _processes(commands):
+    with _processes(commands) as procs:
         async with aiohttp.ClientSession(connector=connector) as http:
             await _healthy(http, [leader, *urls])
-            return await _round(http, leader, key, db, ids, servers)
+            probe = _Probe([p.pid for p in procs], cells)
+            return await _round(http, leader, key, db, ids, servers, probe)
+
+
+def _timed(cell: Path) -> list[str]:
+    """``fedsec aggregator`` started with its store's lock timed into ``cell``."""
+    return [sys.executable, "-c", _LOCK_TIMED, str(cell), "aggregator"]
 
 
 async def _round(
@@ -205,6 +355,7 @@ async def _round(
     db: Path,
     ids: dict[str, SigningIdentity],
     servers: int,
+    probe: _Probe,
 ) -> dict[str, Any]:
     task = get_task(TASK)
     pin = task_pin(TASK)  # as the leader computed it when it started (the tree may change)
@@ -232,8 +383,7 @@ async def _round(
     timings: dict[str, float] = {}
 
     async def stage(name: str, requests: list[Signed], then: str) -> None:
-        timings[name] = await _send_all(http, requests)
-        await _stage(db, then)
+        timings[name] = await probe.window(_send_all(http, requests), _stage(db, then))
 
     advertise = {m: wire.encode(codec.advertise_body(s.advertise())) for m, s in sessions.items()}
     target = path.format("advertise")
@@ -291,6 +441,7 @@ async def _round(
         "dim": spec.dim,
         "groups": len(spec.groups),
         "group_servers": servers,
+        **probe.fields(3 * n),
     }
 
 
@@ -320,6 +471,7 @@ def intake_row(members: int, shards: int, servers: int) -> dict[str, Any]:
             "store": "sqlite",
             "in_flight": IN_FLIGHT,
             "cores": len(os.sched_getaffinity(0)),
+            "machine_cores": os.cpu_count(),
         }
     )
 

@@ -4,6 +4,7 @@ separate aggregator process and real members over loopback)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,3 +78,44 @@ def test_trace_memory_samples_the_serving_aggregator_only(tmp_path: Path) -> Non
     line = (out / "memory.log").read_text().splitlines()[0]
     assert "rss=" in line and "traced=" in line
     assert growth(out / "peak.snap", out / "last.snap") is not None
+
+
+def test_an_intake_row_says_what_each_process_spent_and_projects_from_it() -> None:
+    result = CliRunner().invoke(
+        bench_scale,
+        ["--members", "12", "--shards", "2", "--intake", "1,0", "--json"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    one, leader = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert (one["group_servers"], leader["group_servers"]) == (1, 0)
+    for row in (one, leader):
+        assert row["messages"] == 3 * 12 and row["machine_cores"] >= row["cores"] >= 1
+        assert row["leader_cpu_s_to_next_stage"] >= row["leader_cpu_s"] >= 0
+        assert row["sender_cpu_s"] > 0
+        per = 1000 * row["leader_cpu_s_to_next_stage"] / row["messages"]
+        assert abs(row["leader_cpu_ms_per_message"] - per) < 1e-3
+        # every accepted message is committed under the store's lock
+        assert row["store_transactions"] >= row["messages"]
+        assert row["store_lock_ms_per_message"] > 0
+        bounds = {
+            "leader": 1000 / cpu_ms if (cpu_ms := row["leader_cpu_ms_per_message"]) else math.inf,
+            "store_lock": 1000 / row["store_lock_ms_per_message"],
+        }
+        if row["group_servers"]:
+            # /proc counts in ticks (10 ms): the leader's replay of 36 small messages
+            # beside a server may read 0, the server's own work may not
+            cpu = row["group_server_cpu_s"]
+            assert len(cpu) == 1 and cpu[0] > 0
+            per = 1000 * sum(cpu) / row["messages"]
+            assert abs(row["group_servers_cpu_ms_per_message"] - per) < 1e-3
+            bounds["group_servers"] = 1000 / row["group_servers_cpu_ms_per_message"]
+        else:
+            assert row["leader_cpu_s_to_next_stage"] > 0  # it took every message
+            assert "group_server_cpu_s" not in row
+            assert "group_servers_cpu_ms_per_message" not in row
+        limit = min(bounds, key=bounds.__getitem__)
+        assert row["projected_limit"] == limit
+        assert (
+            abs(row["projected_accepted_per_s_with_cores"] - bounds[limit]) < 1e-3 * bounds[limit]
+        )
