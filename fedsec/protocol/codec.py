@@ -165,10 +165,17 @@ def unmask_request(body: UnmaskRequestBody) -> UnmaskRequest:
     return UnmaskRequest(tuple(body.survivors), tuple(body.dropped))
 
 
-def consistency_proof_body(proof: ConsistencyProof, state_token: int) -> ConsistencyProofBody:
+def consistency_proof_body(
+    proof: ConsistencyProof,
+    state_token: int,
+    sets: tuple[list[str], list[str]] | None = None,
+) -> ConsistencyProofBody:
+    """``sets``: the survivor and dropped lists of ``proof.request``, where the caller
+    hands every survivor the same ones (built once, not once per proof)."""
+    survivors, dropped = sets or (list(proof.request.survivors), list(proof.request.dropped))
     return ConsistencyProofBody(
-        survivors=list(proof.request.survivors),
-        dropped=list(proof.request.dropped),
+        survivors=survivors,
+        dropped=dropped,
         signatures=[MemberSignature(s.member, s.signature.hex()) for s in proof.signatures],
         state_token=state_token,
     )

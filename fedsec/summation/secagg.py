@@ -18,6 +18,7 @@ from fedsec.crypto.secagg import (
     ServerSession,
     ShareKeys,
     ShareRelay,
+    UnmaskRequest,
     UnmaskResponse,
     default_neighbors,
 )
@@ -82,6 +83,10 @@ class SecAggPlusSession(GroupSession):
         self._key_list: wire.KeyListBody | None = None
         # the unmask request every survivor fetches, built once per state token
         self._unmask_body: wire.UnmaskRequestBody | None = None
+        # the survivor sets as the lists every unmask request and consistency proof
+        # holds, built once: the HTTP layer encodes a list object once, so each proof's
+        # O(n) sets are neither copied nor encoded per survivor
+        self._sets: tuple[UnmaskRequest, list[str], list[str]] | None = None
 
     def receive(self, stage: str, message: StageMessage) -> None:
         if stage == "advertise" and isinstance(message, AdvertiseKeys):
@@ -205,11 +210,9 @@ class SecAggPlusSession(GroupSession):
         # the cohort per survivor (O(n log n) each, O(n^2 log n) a round)
         body = self._unmask_body
         if body is None or body.state_token != state_token:
-            request = s.unmask_request()  # sorted once, when masked input closed
+            survivors, dropped = self._survivor_lists(s.unmask_request())
             body = wire.UnmaskRequestBody(
-                survivors=list(request.survivors),
-                dropped=list(request.dropped),
-                state_token=state_token,
+                survivors=survivors, dropped=dropped, state_token=state_token
             )
             self._unmask_body = body
         return body
@@ -217,7 +220,17 @@ class SecAggPlusSession(GroupSession):
     def consistency_proof(self, member: str, state_token: int) -> wire.ConsistencyProofBody:
         if member not in self._proofs:
             return super().consistency_proof(member, state_token)
-        return codec.consistency_proof_body(self._proofs[member], state_token)
+        proof = self._proofs[member]
+        return codec.consistency_proof_body(proof, state_token, self._survivor_lists(proof.request))
+
+    def _survivor_lists(self, request: UnmaskRequest) -> tuple[list[str], list[str]]:
+        """``request``'s survivor and dropped sets as lists, the same objects for as
+        long as the server's request is the same (sorted once, when masked input closed;
+        fixed from then on)."""
+        sets = self._sets
+        if sets is None or sets[0] is not request:
+            sets = self._sets = (request, list(request.survivors), list(request.dropped))
+        return sets[1], sets[2]
 
 
 _WINDOWS: dict[str, StageWindow] = {

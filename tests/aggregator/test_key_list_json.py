@@ -9,8 +9,19 @@ import msgspec
 
 from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import handlers
-from fedsec.protocol import wire
-from tests.support.aggregator import FakeClock, join_request, make_federation
+from fedsec.protocol import codec, wire
+from tests.support.aggregator import (
+    Cohort,
+    FakeClock,
+    advertise_all,
+    attempt_of,
+    fetch_shares,
+    join_request,
+    make_federation,
+    mask_all,
+    share_all,
+    sign_all,
+)
 
 
 def _key_list(members: int, tag: str = "ab") -> wire.KeyListBody:
@@ -65,3 +76,45 @@ def test_the_round_state_with_its_spec_spliced_is_byte_for_byte_the_encoded_one(
     # within one answer's JSON, the spec is the one encoded once for the attempt
     answer = wire.encode(wire.Accepted(accepted=True, state=handlers._round_state(coord)))
     assert answer == wire.encode(wire.Accepted(accepted=True, state=coord.round_state()))
+
+
+def test_a_consistency_proof_with_its_sets_spliced_is_byte_for_byte_the_old_one(
+    tmp_path: Path,
+) -> None:
+    members = ("a0", "a1", "a2", "a3", "a4")
+    fed = make_federation(tmp_path / "ws", agents=members, validation=False)
+    clock = FakeClock()
+    coord = Coordinator(fed.ws, clock=clock)
+    for m in members:
+        coord.join(m, 1, 0, join_request(m, 1))
+    coord.tick()
+    assert coord.live.spec is not None
+    cohort = Cohort(coord.live.spec, fed.identities)
+    advertise_all(coord, cohort, members)
+    share_all(coord, cohort, members)
+    fetch_shares(coord, cohort, members)
+    mask_all(coord, cohort, members[:4])  # a4 drops: both sets are non-empty
+    clock.advance(60.0)
+    coord.tick()
+    sign_all(coord, cohort)
+    assert coord.live.stage == "unmask"
+    r, a = attempt_of(coord)
+    server = coord.live.summing().server  # type: ignore[attr-defined]
+    proofs = {m: coord.consistency_proof(m, r, a) for m in members[:4]}
+    for m, proof in proofs.items():
+        # the body as built before the sets were shared: lists copied per proof
+        old = codec.consistency_proof_body(server.consistency_proof(m), coord.token)
+        spliced = handlers._spliced_proof(proof)
+        assert wire.encode(spliced) == wire.encode(old)
+        assert wire.encode(wire.Accepted(accepted=True, proof=spliced)) == wire.encode(
+            wire.Accepted(accepted=True, proof=old)
+        )
+        assert msgspec.json.decode(wire.encode(spliced), type=wire.ConsistencyProofBody) == old
+    assert proofs["a0"].dropped == ["a4"] and proofs["a0"].signatures
+    # every survivor's proof (and the unmask request) holds the same lists: encoded once
+    unmask = coord.unmask_request("a0", r, a)
+    assert proofs["a0"].survivors is proofs["a3"].survivors is unmask.survivors
+    assert proofs["a0"].dropped is proofs["a3"].dropped is unmask.dropped
+    assert handlers._SURVIVORS_JSON.encoded(proofs["a3"].survivors) is (
+        handlers._SURVIVORS_JSON.encoded(proofs["a0"].survivors)
+    )

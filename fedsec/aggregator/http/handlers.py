@@ -234,6 +234,19 @@ _KEY_LIST_JSON: Final = _EncodedOnce[wire.KeyListBody]()
 # every survivor's unmask request: the survivor and dropped sets (SecAggPlusSession)
 _UNMASK_JSON: Final = _EncodedOnce[wire.UnmaskRequestBody]()
 _SPEC_JSON: Final = _EncodedOnce[wire.RoundSpec]()
+# every survivor's consistency proof: the survivor and dropped sets, the same list
+# objects in each proof (SecAggPlusSession); only the neighbours' signatures differ
+_SURVIVORS_JSON: Final = _EncodedOnce[list[str]]()
+_DROPPED_JSON: Final = _EncodedOnce[list[str]]()
+
+
+def _spliced_proof(proof: wire.ConsistencyProofBody) -> wire.ConsistencyProofBody:
+    """``proof`` with its survivor sets' JSON spliced in as encoded once per list."""
+    return msgspec.structs.replace(
+        proof,
+        survivors=_SURVIVORS_JSON.of(proof.survivors),
+        dropped=_DROPPED_JSON.of(proof.dropped),
+    )
 
 
 async def post_shares(request: web.Request) -> web.Response:
@@ -320,14 +333,15 @@ async def post_consistency(request: web.Request) -> web.Response:
     proof = await next_stage_data(
         request, r, a, "unmask", wait, lambda: coord.consistency_proof(member, r, a)
     )
-    return json_response(wire.Accepted(accepted=True, proof=proof))
+    spliced = None if proof is None else _spliced_proof(proof)
+    return json_response(wire.Accepted(accepted=True, proof=spliced))
 
 
 async def get_consistency(request: web.Request) -> web.Response:
     member, _ = await authenticate(request)
     r, a = round_args(request)
     await hold_until(request, r, a, "unmask", wait_seconds(request))
-    return json_response(request.app[COORDINATOR].consistency_proof(member, r, a))
+    return json_response(_spliced_proof(request.app[COORDINATOR].consistency_proof(member, r, a)))
 
 
 async def post_unmask(request: web.Request) -> web.Response:
