@@ -309,3 +309,42 @@ def test_read_arrays_into_arrays_of_another_model_changes_none(
         store.read_arrays(2, max_bytes=1 << 20, into=own)
     for name, value in own.items():
         np.testing.assert_array_equal(value, before[name])
+
+
+def _settle(store: ModelStore) -> None:
+    """Date manifests/ a minute back, so latest() may keep its listing from now on."""
+    st = os.stat(store.manifests_dir)
+    os.utime(store.manifests_dir, ns=(st.st_atime_ns, st.st_mtime_ns - 60 * 10**9))
+
+
+def test_a_kept_listing_sees_what_another_process_publishes(
+    store: ModelStore, tmp_path: Path, signer: SigningIdentity
+) -> None:
+    _settle(store)
+    assert store.latest().version == 2
+    assert store.latest().version == 2  # from the kept listing
+    other = ModelStore(tmp_path, signer, FED)  # `fedsec aggregator rollback`'s own store
+    assert other.rollback(1).version == 3
+    assert store.latest().version == 3
+    assert store.rollback(2).version == 4  # its own write, within the same second
+    assert store.latest().version == 4 and other.latest().version == 4
+
+
+def test_a_listing_made_within_a_timestamp_tick_of_a_change_is_not_kept(
+    store: ModelStore, tmp_path: Path, signer: SigningIdentity
+) -> None:
+    # a file added in the tick of the directory's last change leaves its mtime as it was
+    # (coarse clocks): simulated by putting that mtime back after another process's write
+    before = os.stat(store.manifests_dir)
+    assert store.latest().version == 2
+    ModelStore(tmp_path, signer, FED).rollback(1)
+    os.utime(store.manifests_dir, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.latest().version == 3
+
+
+def test_a_kept_listing_still_checks_the_newest_files(store: ModelStore) -> None:
+    _settle(store)
+    assert store.latest().version == 2
+    path = store.model_path(store.get(2).sha256)
+    path.write_bytes(path.read_bytes()[:-5])
+    assert store.latest().version == 1

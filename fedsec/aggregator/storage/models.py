@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +51,11 @@ from fedsec.modelfile import (
 log = logging.getLogger(__name__)
 
 _MANIFEST_NAME = re.compile(r"^(\d{8})\.json$")
+# latest() trusts its last listing of manifests/ while the directory's (mtime, inode) is
+# unchanged, but only a listing made this long after the directory's last change: a
+# file added within the same timestamp tick as that change (coarse kernel clocks, 1-2 s
+# on some filesystems) would leave its mtime as it was.
+_LISTING_SETTLED_NS = 5_000_000_000
 # Temporary files are dot-files so no reader ever mistakes one for a finished file.
 
 
@@ -77,6 +83,12 @@ class ModelStore:
         # latest() does not rehash a large model on every call.
         self._verified: dict[int, tuple[tuple[int, int], tuple[int, int], ModelManifest]] = {}
         self._problems: dict[int, str] = {}
+        # (manifests/ mtime and inode, its versions), see _LISTING_SETTLED_NS
+        self._listing: tuple[tuple[int, int], list[int]] | None = None
+        # the directories as strings: stat() on a str skips pathlib's parsing, which
+        # cost latest() more than its system calls (it answers every round poll)
+        self._models_str = str(self.models_dir)
+        self._manifests_str = str(self.manifests_dir)
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self.manifests_dir.mkdir(parents=True, exist_ok=True)
         self._remove_leftover_tmp_files()
@@ -204,6 +216,7 @@ class ModelStore:
             signer=self._signer,
         )
         atomic_write(self.manifest_path(version), manifest_to_json(manifest))
+        self._listing = None
         log.info("model_version_stored version=%d sha256=%s kind=%s", version, sha, kind)
         return manifest
 
@@ -211,11 +224,17 @@ class ModelStore:
 
     def model_path(self, sha256: str) -> Path:
         """Where the model file with this hash lives (it may not exist)."""
-        return self.models_dir / f"{sha256}.safetensors"
+        return Path(self._model_file(sha256))
 
     def manifest_path(self, version: int) -> Path:
         """Where the manifest of ``version`` lives (it may not exist)."""
-        return self.manifests_dir / f"{version:08d}.json"
+        return Path(self._manifest_file(version))
+
+    def _model_file(self, sha256: str) -> str:
+        return os.path.join(self._models_str, f"{sha256}.safetensors")
+
+    def _manifest_file(self, version: int) -> str:
+        return os.path.join(self._manifests_str, f"{version:08d}.json")
 
     def versions_on_disk(self) -> list[int]:
         """Every version number with a manifest file, verified or not, ascending."""
@@ -315,7 +334,7 @@ class ModelStore:
             NotFound: the store holds no good version.
         """
         with self._lock:
-            for version in reversed(self.versions_on_disk()):
+            for version in reversed(self._versions_listed()):
                 try:
                     return self.get(version)
                 except FedsecError:
@@ -340,19 +359,34 @@ class ModelStore:
 
     # -- internals -------------------------------------------------------------------
 
+    def _versions_listed(self) -> list[int]:
+        """:meth:`versions_on_disk`, listed again only when ``manifests/`` changed (see
+        ``_LISTING_SETTLED_NS``); a round poll no longer reads a directory that gains
+        a file a round."""
+        st = os.stat(self._manifests_str)  # before the listing: a later change shows
+        key = (st.st_mtime_ns, st.st_ino)
+        listing = self._listing
+        if listing is not None and listing[0] == key:
+            return listing[1]
+        listed_at = time.time_ns()
+        versions = self.versions_on_disk()
+        settled = key[0] < listed_at - _LISTING_SETTLED_NS
+        self._listing = (key, versions) if settled else None
+        return versions
+
     def _verify(self, version: int) -> ModelManifest:
-        mpath = self.manifest_path(version)
         try:
-            mstat = mpath.stat()
+            mstat = os.stat(self._manifest_file(version))
         except FileNotFoundError:
             raise NotFound(f"model version {version} does not exist") from None
         manifest_key = (mstat.st_mtime_ns, mstat.st_size)
         cached = self._verified.get(version)
         if cached is not None and cached[0] == manifest_key:
-            model_key = self._stat_key(self.model_path(cached[2].sha256))
+            model_key = self._stat_key(self._model_file(cached[2].sha256))
             if model_key == cached[1]:
                 return cached[2]
         self._verified.pop(version, None)
+        mpath = self.manifest_path(version)
         manifest = manifest_from_json(mpath.read_bytes())
         if manifest.version != version:
             raise IntegrityError(
@@ -376,9 +410,9 @@ class ModelStore:
             ) from None
 
     @staticmethod
-    def _stat_key(path: Path) -> tuple[int, int] | None:
+    def _stat_key(path: Path | str) -> tuple[int, int] | None:
         try:
-            st = path.stat()
+            st = os.stat(path)
         except FileNotFoundError:
             return None
         return (st.st_mtime_ns, st.st_size)
