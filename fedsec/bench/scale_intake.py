@@ -30,28 +30,35 @@ So each row also says what the processes spent, over the same three timed window
   ``group_servers_cpu_ms_per_message`` (the servers' total) and
   ``sender_cpu_ms_per_message``: each over the ``messages`` accepted;
 * ``store_lock_ms_per_message``: how long the writers (leader and servers together) held
-  ``state.db``'s write lock per message, from each ``BEGIN IMMEDIATE``'s return to its
-  ``COMMIT``'s, the fsync included, from the first send until the next stage is stored
-  (``store_transactions`` of them); ``store_lock_cpu_ms_per_message`` is the CPU the
-  holding thread spent in those spans.  The serving processes are started through
-  :data:`_LOCK_TIMED`, which times :class:`~fedsec.aggregator.storage.sqlite.connection.
-  Transaction` in place and changes nothing else.  Held time on a loaded machine also
-  counts the holder's waits for a core, so it is an upper bound of what the lock costs
-  with a core per process; writes outside a transaction (autocommit) and the nonce
-  store's own file are not counted.
+  ``state.db``'s write lock per message, from each ``BEGIN IMMEDIATE``'s return to the
+  return of its ``COMMIT`` (the WAL's fsync, and the after-commit callbacks: the log
+  file's append), from the first send until the next stage is stored
+  (``store_transactions`` of them); ``store_lock_cpu_ms_per_message`` and
+  ``store_lock_core_wait_ms_per_message`` are the holding thread's CPU and its waits for
+  a core (``run_delay``, ``/proc/thread-self/schedstat``) in those spans.  The serving
+  processes are started through :data:`_LOCK_TIMED`, which times
+  :class:`~fedsec.aggregator.storage.sqlite.connection.Transaction` in place (a few µs a
+  transaction) and changes nothing else.  Writes outside a transaction (autocommit) and
+  the nonce store's own file are not counted;
+* ``leader_commit_wait_ms_per_message``, ``group_servers_commit_wait_ms_per_message``:
+  the part of each process's own held spans spent neither on a core nor waiting for one
+  (the fsync): a commit runs on the event loop, so that time is the process's too.
 
 From these, a **projection, not a measurement**: ``projected_accepted_per_s_with_cores``
 is what the same per-message costs would allow with a core per serving process,
 
-    min(1 / c_leader, N / c_servers, 1 / t_lock)    (the group servers' term only for N > 0)
+    min(1 / (c_leader + w_leader),  N / (c_servers + w_servers),  1 / (t_lock - q_lock))
 
-with ``c_leader`` and ``c_servers`` the CPU seconds per message above, N the server
-count and ``t_lock`` the lock's held seconds per message.  The servers' work divides over
-N processes; the leader's share (its replay of every message, the round's bookkeeping)
-and the store's serialized commits do not.  ``projected_limit`` names the smallest term.
-The stages are assumed to overlap perfectly, so the projection is an upper bound of the
-throughput its costs allow; the sender is left out (members send from their own
-machines), its own bound is ``1 / c_sender``.
+(the group servers' term only for N > 0), per accepted message: ``c`` the CPU above
+(``c_servers`` all servers' together), ``w`` the commit waits, N the server count,
+``t_lock`` the lock's held time and ``q_lock`` the holders' waits for a core inside it
+(a wait that a core of its own removes).  The servers' work divides over N processes;
+the leader's share (its replay of every message, the round's bookkeeping) and the
+store's serialized commits do not.  ``projected_limit`` names the smallest term.  The
+stages are assumed to overlap perfectly and blocking outside a transaction (the
+archive's fsyncs) is not counted, so the projection is an upper bound of what those
+costs allow; the sender is left out (members send from their own machines), its own
+bound is ``1 / sender_cpu``.
 """
 
 from __future__ import annotations
@@ -98,28 +105,36 @@ TASK: Final = "mnist1d"
 FED: Final = "intake"
 START_S: Final = 90.0
 STAGE_S: Final = 300.0
-#: The lock counters a serving process keeps in its cell: held seconds, CPU seconds of
-#: the holding thread, transactions.
-_CELL: Final = struct.Struct("ddq")
+#: The lock counters a serving process keeps in its cell: held seconds, CPU seconds and
+#: seconds waiting for a core of the holding thread, transactions.
+_CELL: Final = struct.Struct("dddq")
 #: Runs ``fedsec`` (argv[2:]) with the state store's transactions timed into the file
 #: argv[1] (a :data:`_CELL`, shared by mmap so this process reads it at any instant).
+#: A thread's waits for a core are its ``run_delay`` in ``/proc/thread-self/schedstat``.
 _LOCK_TIMED: Final = """
-import mmap, os, struct, sys, time
+import mmap, os, struct, sys, threading, time
 from fedsec.aggregator.storage.sqlite.connection import Transaction
-cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("ddq"))
-total = [0.0, 0.0, 0]
+cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("dddq"))
+total = [0.0, 0.0, 0.0, 0]
+schedstat = {}
+def waited():
+    tid = threading.get_native_id()
+    if tid not in schedstat:
+        schedstat[tid] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    return int(os.pread(schedstat[tid], 100, 0).split()[1]) / 1e9
 enter, leave = Transaction.__enter__, Transaction.__exit__
 def timed_enter(self):
     enter(self)
     if self._outer:
-        self._bench_at = (time.perf_counter(), time.thread_time())
+        self._bench_at = (time.perf_counter(), time.thread_time(), waited())
 def timed_exit(self, *exc):
     leave(self, *exc)
     if self._outer:
         total[0] += time.perf_counter() - self._bench_at[0]
         total[1] += time.thread_time() - self._bench_at[1]
-        total[2] += 1
-        struct.pack_into("ddq", cell, 0, *total)
+        total[2] += waited() - self._bench_at[2]
+        total[3] += 1
+        struct.pack_into("dddq", cell, 0, *total)
 Transaction.__enter__, Transaction.__exit__ = timed_enter, timed_exit
 sys.argv = ["fedsec", *sys.argv[2:]]
 from fedsec.cli import main
@@ -141,69 +156,84 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
 
 
+Lock = tuple[float, float, float, int]  # one process's _CELL
+
+
 @dataclass
 class _Probe:
     """The serving processes' CPU and lock counters, summed over the timed windows."""
 
     pids: list[int]  # the leader first, then each group server
-    cells: list[Path]
+    cells: list[Path]  # in the same order
     cpu_s: list[float] = field(default_factory=list)
     sender_cpu_s: float = 0.0
     leader_cpu_s_to_stage: float = 0.0  # until the next stage is stored
-    lock: tuple[float, float, int] = (0.0, 0.0, 0)
+    locks: list[Lock] = field(default_factory=list)
 
-    def _read(self) -> tuple[list[float], float, tuple[float, float, int]]:
-        lock = [0.0, 0.0, 0]
+    def _locks(self) -> list[Lock]:
+        out = []
         for path in self.cells:
             with open(path, "rb") as f:
-                for i, value in enumerate(_CELL.unpack(f.read(_CELL.size))):
-                    lock[i] += value
-        held = (lock[0], lock[1], int(lock[2]))
-        return [_cpu_s(p) for p in self.pids], time.process_time(), held
+                held, cpu, waited, count = _CELL.unpack(f.read(_CELL.size))
+            out.append((held, cpu, waited, count))
+        return out
 
     async def window(self, run: Awaitable[float], then: Awaitable[Any]) -> float:
         """Await ``run`` (a stage's sends), adding what each process spent meanwhile, then
         ``then`` (the next stage stored), adding the leader's CPU and the store's lock
         until it ends."""
-        cpu, own, lock = self._read()
+        cpu, own, locks = [_cpu_s(p) for p in self.pids], time.process_time(), self._locks()
         seconds = await run
-        cpu_after, own_after, _ = self._read()
+        cpu_after, own_after = [_cpu_s(p) for p in self.pids], time.process_time()
         await then
         self.leader_cpu_s_to_stage += _cpu_s(self.pids[0]) - cpu[0]
-        lock_after = self._read()[2]
         spent = [b - a for a, b in zip(cpu, cpu_after, strict=True)]
         self.cpu_s = [a + b for a, b in zip(self.cpu_s or [0.0] * len(spent), spent, strict=True)]
         self.sender_cpu_s += own_after - own
-        self.lock = (
-            self.lock[0] + lock_after[0] - lock[0],
-            self.lock[1] + lock_after[1] - lock[1],
-            self.lock[2] + lock_after[2] - lock[2],
-        )
+        held = [
+            tuple(b - a for a, b in zip(before, after, strict=True))
+            for before, after in zip(locks, self._locks(), strict=True)
+        ]
+        self.locks = [
+            (a[0] + b[0], a[1] + b[1], a[2] + b[2], int(a[3] + b[3]))
+            for a, b in zip(self.locks or [(0.0, 0.0, 0.0, 0)] * len(held), held, strict=True)
+        ]
         return seconds
 
     def fields(self, messages: int) -> dict[str, Any]:
         """The row's CPU and lock fields and the projection (the module's formula)."""
         leader, servers = self.cpu_s[0], self.cpu_s[1:]
-        per = {"leader": self.leader_cpu_s_to_stage / messages}
+        # a process's own commits block its event loop: their time off the CPU (the
+        # fsync), less its waits for a core, is its time too
+        blocked = [max(held - cpu - waited, 0.0) for held, cpu, waited, _ in self.locks]
         out: dict[str, Any] = {
             "messages": messages,
             "leader_cpu_s": round(leader, 3),
             "leader_cpu_s_to_next_stage": round(self.leader_cpu_s_to_stage, 3),
             "sender_cpu_s": round(self.sender_cpu_s, 3),
-            "leader_cpu_ms_per_message": round(1000 * per["leader"], 4),
+            "leader_cpu_ms_per_message": round(1000 * self.leader_cpu_s_to_stage / messages, 4),
             "sender_cpu_ms_per_message": round(1000 * self.sender_cpu_s / messages, 4),
+            "leader_commit_wait_ms_per_message": round(1000 * blocked[0] / messages, 4),
         }
-        bounds = {"leader": 1 / per["leader"] if per["leader"] else math.inf}
+        t_leader = (self.leader_cpu_s_to_stage + blocked[0]) / messages
+        bounds = {"leader": 1 / t_leader if t_leader else math.inf}
         if servers:
-            per_server = sum(servers) / messages
             out["group_server_cpu_s"] = [round(s, 3) for s in servers]
-            out["group_servers_cpu_ms_per_message"] = round(1000 * per_server, 4)
-            bounds["group_servers"] = len(servers) / per_server if per_server else math.inf
-        held, held_cpu, transactions = self.lock
+            out["group_servers_cpu_ms_per_message"] = round(1000 * sum(servers) / messages, 4)
+            out["group_servers_commit_wait_ms_per_message"] = round(
+                1000 * sum(blocked[1:]) / messages, 4
+            )
+            t_servers = (sum(servers) + sum(blocked[1:])) / messages
+            bounds["group_servers"] = len(servers) / t_servers if t_servers else math.inf
+        held = sum(lock[0] for lock in self.locks)
+        held_cpu = sum(lock[1] for lock in self.locks)
+        waited = sum(lock[2] for lock in self.locks)
         out["store_lock_ms_per_message"] = round(1000 * held / messages, 4)
         out["store_lock_cpu_ms_per_message"] = round(1000 * held_cpu / messages, 4)
-        out["store_transactions"] = transactions
-        bounds["store_lock"] = messages / held if held else math.inf
+        out["store_lock_core_wait_ms_per_message"] = round(1000 * waited / messages, 4)
+        out["store_transactions"] = sum(lock[3] for lock in self.locks)
+        t_lock = (held - waited) / messages
+        bounds["store_lock"] = 1 / t_lock if t_lock > 0 else math.inf
         limit = min(bounds, key=bounds.__getitem__)
         out["projected_accepted_per_s_with_cores"] = round(bounds[limit], 1)
         out["projected_limit"] = limit

@@ -98,9 +98,12 @@ def test_an_intake_row_says_what_each_process_spent_and_projects_from_it() -> No
         # every accepted message is committed under the store's lock
         assert row["store_transactions"] >= row["messages"]
         assert row["store_lock_ms_per_message"] > 0
+        assert row["store_lock_core_wait_ms_per_message"] >= 0
+        t_lock = row["store_lock_ms_per_message"] - row["store_lock_core_wait_ms_per_message"]
+        t_leader = row["leader_cpu_ms_per_message"] + row["leader_commit_wait_ms_per_message"]
         bounds = {
-            "leader": 1000 / cpu_ms if (cpu_ms := row["leader_cpu_ms_per_message"]) else math.inf,
-            "store_lock": 1000 / row["store_lock_ms_per_message"],
+            "leader": 1000 / t_leader if t_leader else math.inf,
+            "store_lock": 1000 / t_lock if t_lock > 0 else math.inf,
         }
         if row["group_servers"]:
             # /proc counts in ticks (10 ms): the leader's replay of 36 small messages
@@ -109,7 +112,11 @@ def test_an_intake_row_says_what_each_process_spent_and_projects_from_it() -> No
             assert len(cpu) == 1 and cpu[0] > 0
             per = 1000 * sum(cpu) / row["messages"]
             assert abs(row["group_servers_cpu_ms_per_message"] - per) < 1e-3
-            bounds["group_servers"] = 1000 / row["group_servers_cpu_ms_per_message"]
+            t_servers = (
+                row["group_servers_cpu_ms_per_message"]
+                + row["group_servers_commit_wait_ms_per_message"]
+            )
+            bounds["group_servers"] = 1000 / t_servers
         else:
             assert row["leader_cpu_s_to_next_stage"] > 0  # it took every message
             assert "group_server_cpu_s" not in row
@@ -117,5 +124,5 @@ def test_an_intake_row_says_what_each_process_spent_and_projects_from_it() -> No
         limit = min(bounds, key=bounds.__getitem__)
         assert row["projected_limit"] == limit
         assert (
-            abs(row["projected_accepted_per_s_with_cores"] - bounds[limit]) < 1e-3 * bounds[limit]
+            abs(row["projected_accepted_per_s_with_cores"] - bounds[limit]) < 2e-3 * bounds[limit]
         )
