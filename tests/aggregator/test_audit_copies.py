@@ -161,6 +161,7 @@ def test_objects_and_log_lines_a_machine_crash_lost_are_restored_before_serving(
             assert deleted.rowcount == 1
 
     caplog.set_level(logging.INFO, logger="fedsec.aggregator.storage.audit_trail")
+    caplog.clear()  # only the restart's records: an earlier test may have set INFO
     ws = Workspace.open(root)
     fed = Federation(ws, fed.identities)
     coord = Coordinator(ws, clock=clock)
@@ -207,6 +208,7 @@ def test_an_object_the_database_cannot_restore_is_reported_lost(
         )
 
     caplog.set_level(logging.INFO, logger="fedsec.aggregator.storage.audit_trail")
+    caplog.clear()  # only the restart's records: an earlier test may have set INFO
     ws = Workspace.open(root)
     # the audit trail alone: the round's replay would refuse the damaged message next
     AuditTrail(root, ws.state.log, ws.signer, ws.federation_id, store=ws.state)
