@@ -31,8 +31,8 @@ So each row also says what the processes spent, over the same three timed window
   ``sender_cpu_ms_per_message``: each over the ``messages`` accepted;
 * ``store_lock_ms_per_message``: how long the writers (leader and servers together) held
   ``state.db``'s write lock per message, from each ``BEGIN IMMEDIATE``'s return to the
-  return of its ``COMMIT`` (the WAL's fsync, and the after-commit callbacks: the log
-  file's append), from the first send until the next stage is stored
+  return of its ``COMMIT`` (the WAL's fsync included), from the first send until the
+  next stage is stored
   (``store_transactions`` of them); ``store_lock_cpu_ms_per_message`` and
   ``store_lock_core_wait_ms_per_message`` are the holding thread's CPU and its waits for
   a core (``run_delay``, ``/proc/thread-self/schedstat``) in those spans.  The serving
@@ -41,8 +41,10 @@ So each row also says what the processes spent, over the same three timed window
   transaction) and changes nothing else.  Writes outside a transaction (autocommit) and
   the nonce store's own file are not counted;
 * ``leader_commit_wait_ms_per_message``, ``group_servers_commit_wait_ms_per_message``:
-  the part of each process's own held spans spent neither on a core nor waiting for one
-  (the fsync): a commit runs on the event loop, so that time is the process's too.
+  the part of each process's own transactions, to the end of their after-commit
+  callbacks (the log file's append and fsync, run after the lock is released), spent
+  neither on a core nor waiting for one (the fsyncs): a commit runs on the event loop,
+  so that time is the process's too.
 
 From these, a **projection, not a measurement**: ``projected_accepted_per_s_with_cores``
 is what the same per-message costs would allow with a core per serving process,
@@ -105,36 +107,48 @@ TASK: Final = "mnist1d"
 FED: Final = "intake"
 START_S: Final = 90.0
 STAGE_S: Final = 300.0
-#: The lock counters a serving process keeps in its cell: held seconds, CPU seconds and
-#: seconds waiting for a core of the holding thread, transactions.
-_CELL: Final = struct.Struct("dddq")
+#: The counters a serving process keeps in its cell, each summed over its transactions:
+#: the write lock's held seconds, the holding thread's CPU and waits for a core in them
+#: (to ``COMMIT``'s return), the same three to the transaction's end (the after-commit
+#: callbacks: the log file's append and fsync, after the lock is released), and the count.
+_CELL: Final = struct.Struct("ddddddq")
 #: Runs ``fedsec`` (argv[2:]) with the state store's transactions timed into the file
 #: argv[1] (a :data:`_CELL`, shared by mmap so this process reads it at any instant).
-#: A thread's waits for a core are its ``run_delay`` in ``/proc/thread-self/schedstat``.
+#: A thread's waits for a core are its ``run_delay`` in ``/proc/thread-self/schedstat``;
+#: ``released`` is put first among the connection's after-commit callbacks.
 _LOCK_TIMED: Final = """
 import mmap, os, struct, sys, threading, time
 from fedsec.aggregator.storage.sqlite.connection import Transaction
-cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("dddq"))
-total = [0.0, 0.0, 0.0, 0]
+cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("ddddddq"))
+total = [0.0] * 6 + [0]
 schedstat = {}
-def waited():
+def now():
     tid = threading.get_native_id()
     if tid not in schedstat:
         schedstat[tid] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-    return int(os.pread(schedstat[tid], 100, 0).split()[1]) / 1e9
+    waited = int(os.pread(schedstat[tid], 100, 0).split()[1]) / 1e9
+    return time.perf_counter(), time.thread_time(), waited
+last = [None]
+def released():
+    last[0] = now()
 enter, leave = Transaction.__enter__, Transaction.__exit__
 def timed_enter(self):
     enter(self)
     if self._outer:
-        self._bench_at = (time.perf_counter(), time.thread_time(), waited())
+        if released not in self._after:
+            self._after.insert(0, released)
+        last[0] = None
+        self._bench_at = now()
 def timed_exit(self, *exc):
     leave(self, *exc)
     if self._outer:
-        total[0] += time.perf_counter() - self._bench_at[0]
-        total[1] += time.thread_time() - self._bench_at[1]
-        total[2] += waited() - self._bench_at[2]
-        total[3] += 1
-        struct.pack_into("dddq", cell, 0, *total)
+        end = now()
+        unlocked = last[0] or end
+        for i in range(3):
+            total[i] += unlocked[i] - self._bench_at[i]
+            total[3 + i] += end[i] - self._bench_at[i]
+        total[6] += 1
+        struct.pack_into("ddddddq", cell, 0, *total)
 Transaction.__enter__, Transaction.__exit__ = timed_enter, timed_exit
 sys.argv = ["fedsec", *sys.argv[2:]]
 from fedsec.cli import main
@@ -156,7 +170,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
 
 
-Lock = tuple[float, float, float, int]  # one process's _CELL
+Lock = tuple[float, float, float, float, float, float, int]  # one process's _CELL
 
 
 @dataclass
@@ -174,8 +188,10 @@ class _Probe:
         out = []
         for path in self.cells:
             with open(path, "rb") as f:
-                held, cpu, waited, count = _CELL.unpack(f.read(_CELL.size))
-            out.append((held, cpu, waited, count))
+                lock_s, lock_cpu, lock_wait, span_s, span_cpu, span_wait, count = _CELL.unpack(
+                    f.read(_CELL.size)
+                )
+            out.append((lock_s, lock_cpu, lock_wait, span_s, span_cpu, span_wait, count))
         return out
 
     async def window(self, run: Awaitable[float], then: Awaitable[Any]) -> float:
@@ -190,13 +206,11 @@ class _Probe:
         spent = [b - a for a, b in zip(cpu, cpu_after, strict=True)]
         self.cpu_s = [a + b for a, b in zip(self.cpu_s or [0.0] * len(spent), spent, strict=True)]
         self.sender_cpu_s += own_after - own
-        held = [
-            tuple(b - a for a, b in zip(before, after, strict=True))
-            for before, after in zip(locks, self._locks(), strict=True)
-        ]
         self.locks = [
-            (a[0] + b[0], a[1] + b[1], a[2] + b[2], int(a[3] + b[3]))
-            for a, b in zip(self.locks or [(0.0, 0.0, 0.0, 0)] * len(held), held, strict=True)
+            _add(total, before, after)
+            for total, before, after in zip(
+                self.locks or [_NO_LOCK] * len(locks), locks, self._locks(), strict=True
+            )
         ]
         return seconds
 
@@ -205,7 +219,7 @@ class _Probe:
         leader, servers = self.cpu_s[0], self.cpu_s[1:]
         # a process's own commits block its event loop: their time off the CPU (the
         # fsync), less its waits for a core, is its time too
-        blocked = [max(held - cpu - waited, 0.0) for held, cpu, waited, _ in self.locks]
+        blocked = [max(span - cpu - waited, 0.0) for *_, span, cpu, waited, _ in self.locks]
         out: dict[str, Any] = {
             "messages": messages,
             "leader_cpu_s": round(leader, 3),
@@ -225,19 +239,26 @@ class _Probe:
             )
             t_servers = (sum(servers) + sum(blocked[1:])) / messages
             bounds["group_servers"] = len(servers) / t_servers if t_servers else math.inf
-        held = sum(lock[0] for lock in self.locks)
-        held_cpu = sum(lock[1] for lock in self.locks)
-        waited = sum(lock[2] for lock in self.locks)
+        held, held_cpu, waited = (sum(lock[i] for lock in self.locks) for i in range(3))
         out["store_lock_ms_per_message"] = round(1000 * held / messages, 4)
         out["store_lock_cpu_ms_per_message"] = round(1000 * held_cpu / messages, 4)
         out["store_lock_core_wait_ms_per_message"] = round(1000 * waited / messages, 4)
-        out["store_transactions"] = sum(lock[3] for lock in self.locks)
+        out["store_transactions"] = sum(lock[6] for lock in self.locks)
         t_lock = (held - waited) / messages
         bounds["store_lock"] = 1 / t_lock if t_lock > 0 else math.inf
         limit = min(bounds, key=bounds.__getitem__)
         out["projected_accepted_per_s_with_cores"] = round(bounds[limit], 1)
         out["projected_limit"] = limit
         return out
+
+
+_NO_LOCK: Final[Lock] = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+
+
+def _add(total: Lock, before: Lock, after: Lock) -> Lock:
+    """``total`` plus what a process's counters grew by from ``before`` to ``after``."""
+    s = [t + b - a for t, a, b in zip(total, before, after, strict=True)]
+    return (s[0], s[1], s[2], s[3], s[4], s[5], int(s[6]))
 
 
 @contextlib.contextmanager
