@@ -23,7 +23,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import msgspec
@@ -501,19 +501,28 @@ def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
 
 
+#: Two group servers' URLs that nothing listens on: the desks' tests call them directly.
+DESK_URLS: Final = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+def _joined_desk(tmp_path: Path) -> tuple[Federation, GroupDesk, list[float]]:
+    """A two-server federation whose members joined round 1, and the first server's desk
+    on a clock the test moves (``now[0]``)."""
+    fed = _federation(tmp_path / "ws", DESK_URLS)
+    coord = Coordinator(fed.ws)
+    for m in MEMBERS:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    now = [1000.0]
+    return fed, GroupDesk(fed.ws, DESK_URLS[0], clock=lambda: now[0]), now
+
+
 def test_held_requests_share_one_read_of_the_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """However many members a group server holds, it reads the attempt's stage (a row
     that carries the round's spec) once per poll interval, and sees the leader's next
     stage at the first read after it."""
-    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    fed = _federation(tmp_path / "ws", urls)
-    coord = Coordinator(fed.ws)
-    for m in MEMBERS:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    now = [1000.0]
-    desk = GroupDesk(fed.ws, urls[0], clock=lambda: now[0])
+    fed, desk, now = _joined_desk(tmp_path)
     reads: list[int] = []
     get = fed.ws.state.rounds.get
 
@@ -537,24 +546,18 @@ def test_a_group_server_counts_a_request_in_the_attempt_in_progress(tmp_path: Pa
     arrives (read once per poll interval, and again at once for a request naming a
     later attempt, so the first request of a new attempt is not counted in the last);
     stored with the heartbeat, where the leader reads it per attempt."""
-    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    fed = _federation(tmp_path / "ws", urls)
-    coord = Coordinator(fed.ws)
-    for m in MEMBERS:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    now = [1000.0]
-    desk = GroupDesk(fed.ws, urls[0], clock=lambda: now[0])
+    fed, desk, now = _joined_desk(tmp_path)
     assert desk.count_request((1, 0), 10) == (1, 0)
     desk.count_answer((1, 0), 3)
     fed.ws.state.rounds.open(1, 1, now=0.0)  # the leader retries the round
     assert desk.count_request((1, 1), 20) == (1, 1)  # within the interval: read again
     assert desk.count_request(None, 5) == (1, 1)  # a request naming none: the newest
-    assert hosts.stored_traffic(fed.ws.state, 1, 1, urls) == (0, 0)  # not yet committed
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, DESK_URLS) == (0, 0)  # not yet committed
     desk.beat(now[0])
-    assert hosts.stored_traffic(fed.ws.state, 1, 0, urls) == (10, 3)
-    assert hosts.stored_traffic(fed.ws.state, 1, 1, [*urls, urls[0]]) == (25, 0)
+    assert hosts.stored_traffic(fed.ws.state, 1, 0, DESK_URLS) == (10, 3)
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, [*DESK_URLS, DESK_URLS[0]]) == (25, 0)
     desk.beat(now[0])  # nothing new: nothing added twice
-    assert hosts.stored_traffic(fed.ws.state, 1, 1, urls) == (25, 0)
+    assert hosts.stored_traffic(fed.ws.state, 1, 1, DESK_URLS) == (25, 0)
     fed.ws.close()
 
 
