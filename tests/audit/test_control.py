@@ -161,7 +161,7 @@ def test_a_weight_above_what_the_declared_statistics_give_is_caught(setup: Setup
         setup.task, setup.reference, setup.training, declared,
         _reveal(setup, setup.honest, weight=1.0), [], setup.control,
     )  # fmt: skip
-    assert forged.failed == ("weight",)
+    assert _deterministic(forged) == {"weight"}
     assert forged.scores["weight"] == pytest.approx(1.0) and forged.scores["weight_cap"] == 0.4
     # the declared weight passes (within its rounding step of 1/255), a lower one too
     # (much lower weights fail magnitude: quantization noise of Δ grows as 1/w)
@@ -170,14 +170,25 @@ def test_a_weight_above_what_the_declared_statistics_give_is_caught(setup: Setup
             setup.task, setup.reference, setup.training, declared,
             _reveal(setup, setup.honest, weight=weight), [], setup.control,
         )  # fmt: skip
-        assert honest.passed, (weight, honest)
+        assert not _deterministic(honest), (weight, honest)
     # with the exact quality weight known, a lowered one no longer matches
     exact = replace(setup.claim, weight_cap=0.4, weight=0.3)
     lowered = check_update(
         setup.task, setup.reference, setup.training, exact,
         _reveal(setup, setup.honest, weight=0.38), [], setup.control,
     )  # fmt: skip
-    assert lowered.failed == ("weight",)
+    assert _deterministic(lowered) == {"weight"}
+
+
+#: The tests that judge one DP-noised update against honest statistics: an honest
+#: update fails one now and then (the fixture's update is trained with noise from a
+#: CSPRNG, which no seed fixes, and each reveal is rounded afresh).
+STATISTICAL = frozenset({"signal", "direction", "loss"})
+
+
+def _deterministic(verdict: Verdict) -> set[str]:
+    """The failed tests that no honest update fails by chance."""
+    return set(verdict.failed) - STATISTICAL
 
 
 def test_reference_is_unchanged_by_checks(setup: Setup) -> None:
