@@ -20,6 +20,7 @@ from fedsec.data.example import RULES, SCHEMA, hospital_source, write_hospital_e
 from fedsec.data.sources import open_source
 from fedsec.data.table import build_table
 from fedsec.errors import TaskMismatch
+from fedsec.faults import Faults
 from fedsec.federation import (
     create_federation,
     enrol_agents,
@@ -33,6 +34,10 @@ from fedsec.tasks.params import arrays_to_state
 from tests.support.aggregator import log_entries
 
 ROUNDS = 3
+#: Training's batch order and rounding drawn from a fixed seed (unsafe, test only): with
+#: fresh randomness the trained accuracy has a low tail that reaches the 0.7 bar now and
+#: then; seeded, the test judges one reproducible number.
+SEEDED = Faults(seed="hospitals")
 #: Serve the aggregator in this test's event loop.
 IN_PROCESS = SimulationSpec(aggregator_process=False)
 
@@ -87,6 +92,7 @@ def test_three_hospital_exports_train_together(tmp_path: Path) -> None:
                         require_dp=False,
                     ),
                     m.identity,
+                    faults=SEEDED,
                 )
                 for m, h in zip(members, names, strict=True)
             ]
