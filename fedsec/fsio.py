@@ -27,13 +27,27 @@ T = TypeVar("T")
 TMP_MARK = ".tmp-"
 
 
-def fsync_dir(directory: Path | str) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path | str) -> None:
+    """Make what was written to the file ``path`` durable; for a directory, the names
+    made, renamed or removed in it.
+
+    Raises:
+        OSError: ``path`` cannot be opened, or the fsync failed.
+    """
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(directory: Path | str) -> None:
+    """Make a rename in ``directory`` durable (:func:`fsync_path` of the directory).
+
+    Raises:
+        OSError: as :func:`fsync_path`.
+    """
+    fsync_path(directory)
 
 
 def sync_filesystem(path: Path | str) -> bool:

@@ -42,7 +42,7 @@ from fedsec.aggregator.storage.roster_file import Roster
 from fedsec.archive import Archive, ArchiveIndex
 from fedsec.crypto.identity import SigningIdentity
 from fedsec.faults import NO_FAULTS, Faults
-from fedsec.fsio import atomic_write
+from fedsec.fsio import atomic_write, fsync_path
 from fedsec.protocol import wire
 from fedsec.protocol.log import GENESIS_PREV, LogEntry, entry_from_line, head_body, make_entry
 from fedsec.protocol.log_entries import (
@@ -205,11 +205,7 @@ class AuditTrail:
         try:
             self.archive.sync()
             if self._file_unsynced:
-                fd = os.open(self.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(self.path)
                 self._file_unsynced = False
         except OSError as exc:  # the next start checks and completes both from the database
             log.warning("event=audit_copies_not_synced error=%s", exc)
