@@ -42,6 +42,7 @@ from tests.support.aggregator import (
     FakeClock,
     Federation,
     expected_params,
+    fix_cohort,
     float_mean,
     join_request,
     log_entries,
@@ -97,11 +98,7 @@ def _start(
 ) -> tuple[Coordinator, Cohort]:
     """A coordinator whose round 1 cohort is fixed with ``members``."""
     coord = Coordinator(fed.ws, clock=clock)
-    for m in members:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    coord.tick()
-    assert coord.live.spec is not None
-    return coord, Cohort(coord.live.spec, fed.identities)
+    return coord, fix_cohort(coord, fed.identities, members)
 
 
 def _rounds(fed: Federation) -> list[tuple[int, int, str, int | None]]:

@@ -11,11 +11,11 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import handlers
 from fedsec.protocol import codec, wire
 from tests.support.aggregator import (
-    Cohort,
     FakeClock,
     advertise_all,
     attempt_of,
     fetch_shares,
+    fix_cohort,
     join_request,
     make_federation,
     mask_all,
@@ -85,11 +85,7 @@ def test_a_consistency_proof_with_its_sets_spliced_is_byte_for_byte_the_old_one(
     fed = make_federation(tmp_path / "ws", agents=members, validation=False)
     clock = FakeClock()
     coord = Coordinator(fed.ws, clock=clock)
-    for m in members:
-        coord.join(m, 1, 0, join_request(m, 1))
-    coord.tick()
-    assert coord.live.spec is not None
-    cohort = Cohort(coord.live.spec, fed.identities)
+    cohort = fix_cohort(coord, fed.identities, members)
     advertise_all(coord, cohort, members)
     share_all(coord, cohort, members)
     fetch_shares(coord, cohort, members)

@@ -42,11 +42,10 @@ from fedsec.errors import AuthError, ReplayError
 from fedsec.protocol import wire
 from tests.support.aggregator import (
     FED,
-    Cohort,
     FakeClock,
     Federation,
+    fix_cohort,
     identity_for,
-    join_request,
     log_entries,
     make_federation,
 )
@@ -304,11 +303,7 @@ async def test_an_alert_is_delivered_signed_by_the_aggregator(
 def _damage_a_model(fed: Federation, clock: FakeClock) -> None:
     """Close round 1 (version 2), then damage version 2's file on disk."""
     coord = Coordinator(fed.ws, clock=clock)
-    for m in AGENTS:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    coord.tick()
-    assert coord.live.spec is not None
-    cohort = Cohort(coord.live.spec, fed.identities)
+    cohort = fix_cohort(coord, fed.identities, AGENTS)
     for m in AGENTS:
         coord.advertise(m, 1, 0, cohort.advertise(m))
     for m in AGENTS:

@@ -32,7 +32,7 @@ from fedsec.bench.chaos import (
     run_federation,
 )
 from fedsec.protocol import wire
-from tests.support.aggregator import Cohort, FakeClock, join_request, make_federation
+from tests.support.aggregator import FakeClock, fix_cohort, make_federation
 
 AGENTS = 6
 ROUNDS = 6  # one round per aggregator crash point
@@ -160,11 +160,7 @@ def test_retry_of_the_message_that_moved_the_round_on_gets_its_answer(tmp_path: 
         return Coordinator(fed.ws, clock=clock)
 
     coord = Coordinator(fed.ws, clock=clock)
-    for m in members:
-        coord.join(m, 1, 0, join_request(m, 1))
-    coord.tick()
-    assert coord.live.spec is not None
-    cohort = Cohort(coord.live.spec, fed.identities)
+    cohort = fix_cohort(coord, fed.identities, members)
     for m in members:
         coord.advertise(m, 1, 0, cohort.advertise(m))
     coord = restart()

@@ -30,6 +30,7 @@ from tests.support.aggregator import (
     attempt_of,
     expected_params,
     fetch_shares,
+    fix_cohort,
     join_request,
     log_entries,
     make_federation,
@@ -48,11 +49,7 @@ def _start(
     round_ = {**SHARDED, "shard_workers": workers}
     fed = make_federation(root, agents=MEMBERS, round=round_, validation=False)
     coord = Coordinator(fed.ws, clock=clock)
-    for m in MEMBERS:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    coord.tick()
-    assert coord.live.spec is not None
-    return fed, coord, Cohort(coord.live.spec, fed.identities)
+    return fed, coord, fix_cohort(coord, fed.identities, MEMBERS)
 
 
 def _finish(coord: Coordinator, cohort: Cohort) -> None:

@@ -374,6 +374,18 @@ def attempt_of(coord: Coordinator) -> tuple[int, int]:
     return coord.live.round, coord.live.attempt
 
 
+def fix_cohort(
+    coord: Coordinator, identities: Mapping[str, SigningIdentity], members: Iterable[str]
+) -> Cohort:
+    """Every one of ``members`` joins round 1 (each join accepted), the coordinator's tick
+    fixes the cohort; the members' side of its attempt."""
+    for m in members:
+        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+    coord.tick()
+    assert coord.live.spec is not None
+    return Cohort(coord.live.spec, identities)
+
+
 def advertise_all(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:
     r, a = attempt_of(coord)
     for m in members:

@@ -26,7 +26,7 @@ from tests.support.aggregator import (
     advertise_all,
     expected_params,
     fetch_shares,
-    join_request,
+    fix_cohort,
     make_federation,
     mask_all,
     model_params,
@@ -43,11 +43,7 @@ def _federation(root: Path, database: str) -> Federation:
 
 def _start(fed: Federation, clock: FakeClock) -> tuple[Coordinator, Cohort]:
     coord = Coordinator(fed.ws, clock=clock)
-    for m in MEMBERS:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
-    coord.tick()
-    assert coord.live.spec is not None
-    return coord, Cohort(coord.live.spec, fed.identities)
+    return coord, fix_cohort(coord, fed.identities, MEMBERS)
 
 
 def _closed_with_the_exact_sum(ws: Workspace, cohort: Cohort) -> None:
