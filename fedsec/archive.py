@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from fedsec.errors import IntegrityError, NotFound
@@ -144,6 +144,22 @@ class Archive:
         count = len(self._unsynced)
         self._unsynced.clear()
         return count
+
+    def make_durable(self, digests: Iterable[str]) -> int:
+        """Make those of the objects ``digests`` written without an fsync since the last
+        :meth:`sync` durable now, each with its directory: what :meth:`put` with
+        ``sync=True`` does, for a batch of objects put with ``sync=False`` (an fsync per
+        object and per directory, not :meth:`sync`'s ``syncfs``, which writes out
+        whatever else the filesystem holds dirty); how many there were.
+
+        Raises:
+            OSError: the kernel reported a write error; the objects stay to sync.
+        """
+        due = sorted({digest for digest in digests if digest in self._unsynced})
+        if due:
+            self._fsync_objects(due)
+            self._unsynced.difference_update(due)
+        return len(due)
 
     def _write(self, directory: str, target: str, data: bytes, sync: bool) -> None:
         if directory not in self._directories:

@@ -457,8 +457,10 @@ def test_a_killed_group_server_is_taken_over_without_losing_the_round(
 def _advertise(desk: GroupDesk, cohort: Cohort, member: str) -> None:
     """``member``'s advertise message, taken by ``desk``."""
     body = cohort.advertise(member)
-    desk.accept(
-        member, 1, 0, "advertise", wire.encode(body), lambda m: codec.advertise_message(m, body)
+    asyncio.run(
+        desk.accept(
+            member, 1, 0, "advertise", wire.encode(body), lambda m: codec.advertise_message(m, body)
+        )
     )
 
 
@@ -490,13 +492,15 @@ def test_a_group_server_stores_nothing_it_may_not(tmp_path: Path) -> None:
     assert fed.ws.state.messages.count(1, 0, "advertise") == 1
     shares = wire.ShareKeysBody(shares=[])
     with pytest.raises(WrongStage, match="is in stage advertise"):
-        desk.accept(
-            ours[2],
-            1,
-            0,
-            "share_keys",
-            wire.encode(shares),
-            lambda m: codec.share_keys_message(m, shares),
+        asyncio.run(
+            desk.accept(
+                ours[2],
+                1,
+                0,
+                "share_keys",
+                wire.encode(shares),
+                lambda m: codec.share_keys_message(m, shares),
+            )
         )
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
 
@@ -622,19 +626,20 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     moved("share_keys")
     for m in MEMBERS:
         served(m, 300, 2_000)
-        desk[m].share_keys(m, 1, 0, cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0)))
+        body = cohort.share_keys(m, desk[m].answer("key_list", m, 1, 0))
+        asyncio.run(desk[m].share_keys(m, 1, 0, body))
     moved("masked_input")
     for m in MEMBERS:
         cohort.receive_shares(m, desk[m].answer("share_relay", m, 1, 0))
     # a refused masked input is a refused entry in the one chain, over either store
     first = MEMBERS[0]
     with pytest.raises(BadVector):
-        desk[first].masked_input(first, 1, 0, *cohort.upload(first, b"\0" * 8))
+        asyncio.run(desk[first].masked_input(first, 1, 0, *cohort.upload(first, b"\0" * 8)))
     tail = fed.ws.state.log.log_tail()
     assert tail is not None and json.loads(tail[1])["kind"] == "refused"
     for m in MEMBERS:
         served(m, 20_000)
-        desk[m].masked_input(m, 1, 0, *cohort.upload(m))
+        asyncio.run(desk[m].masked_input(m, 1, 0, *cohort.upload(m)))
     moved("consistency")
     # group server 1 restarts: what it stored is kept; what it counted since (a fetch
     # whose bytes no commit carried) dies with it
@@ -645,13 +650,15 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
     for m in MEMBERS:
         served(m)
         signed = cohort.sign(m, desk[m].answer("unmask_request", m, 1, 0))
-        desk[m].accept(
-            m,
-            1,
-            0,
-            "consistency",
-            wire.encode(signed),
-            lambda m, s=signed: codec.consistency_message(m, s),
+        asyncio.run(
+            desk[m].accept(
+                m,
+                1,
+                0,
+                "consistency",
+                wire.encode(signed),
+                lambda m, s=signed: codec.consistency_message(m, s),
+            )
         )
     # the leader restarts: every served group is rebuilt from the store
     fed.ws.close()
@@ -664,11 +671,11 @@ def _desk_round(tmp_path: Path, sections: dict[str, Any]) -> None:
         served(m)
         answer = cohort.unmask(m, desk[m].answer("consistency_proof", m, 1, 0))
         try:
-            desk[m].unmask(m, 1, 0, answer)
+            asyncio.run(desk[m].unmask(m, 1, 0, answer))
         except RetryLater:  # PostgreSQL: the desk's token was the previous leader's
             assert fed.ws.state.messages.get(1, 0, "unmask", m) is None
             retried += 1
-            desk[m].unmask(m, 1, 0, answer)
+            asyncio.run(desk[m].unmask(m, 1, 0, answer))
     # on PostgreSQL each desk's first write after the restart is fenced, then it follows
     assert retried == (len(desks) if sections else 0)
     # a fetch after the server's last message: its heartbeat carries its bytes
@@ -714,7 +721,7 @@ def _desk_cohort(
         if epsilon:
             report = privacy_report(m, epsilon, federation_id=fed.ws.federation_id)
             body = msgspec.structs.replace(body, report=report.sign(fed.identities[m]))
-        desk[m].share_keys(m, 1, 0, body)
+        asyncio.run(desk[m].share_keys(m, 1, 0, body))
     coord.tick()
     assert coord.live.stage == "masked_input"
     for m in MEMBERS:
@@ -792,7 +799,7 @@ def test_a_masked_input_refused_at_a_group_server_is_logged(
     # the round goes on as if nothing happened; the leader's file gets the entries
     desk = GroupDesk(fed.ws, urls[0]), GroupDesk(fed.ws, urls[1])
     for m in MEMBERS:
-        desk[group_index(spec.groups, m)].masked_input(m, 1, 0, *cohort.upload(m))
+        asyncio.run(desk[group_index(spec.groups, m)].masked_input(m, 1, 0, *cohort.upload(m)))
     coord.tick()
     assert coord.live.stage == "consistency"
     lines = (fed.root / "audit" / "log.jsonl").read_text().splitlines()
@@ -842,7 +849,7 @@ def test_a_group_server_refuses_a_report_as_the_leader_does(tmp_path: Path) -> N
     ):
         body = msgspec.structs.replace(shares, report=bad.sign(fed.identities[m]))
         with pytest.raises(PayloadError, match=why):
-            desk.share_keys(m, 1, 0, body)
+            asyncio.run(desk.share_keys(m, 1, 0, body))
     assert fed.ws.state.messages.count(1, 0, "share_keys") == 0
     assert fed.ws.state.reports.get(1, 0, m) is None
     fed.ws.close()

@@ -9,14 +9,16 @@ stage moved (:func:`fedsec.summation.feed`, as a resumed aggregator rebuilds its
 so its survivor sets are the leader's.
 
 A message is checked against the attempt (round, stage, cohort, group), decoded and
-validated by the group's session before anything is stored; then it is archived, and
+validated by the group's session before anything is stored; then it waits, with the
+others validated meanwhile, for its batch's commit (:mod:`.batch`): archived, then
 stored, logged (and, for a masked input, receipted) in one transaction that first
 re-reads the attempt's stage and the leader's take-over mark: a message the leader may
 already have closed its stage without, or of a group the leader took over, is refused
-with nothing stored.  Since that transaction is SQLite's ``BEGIN IMMEDIATE`` the log's
-tail is read under the write lock, so the leader's and every group server's entries
-form one hash chain in one order.  A refusal there leaves the session holding a message
-the store lacks: it is rebuilt from the store before its next use.
+with nothing stored.  Its sender is answered only once that transaction committed.
+Since the transaction is SQLite's ``BEGIN IMMEDIATE`` the log's tail is read under the
+write lock, so the leader's and every group server's entries form one hash chain in
+one order.  A refusal there leaves the session holding a message the store lacks: it
+is rebuilt from the store before its next use.
 
 A group server never writes ``audit/log.jsonl``: the leader copies the committed lines
 there at its next commit (:class:`~fedsec.aggregator.storage.audit_trail.AuditTrail`).
@@ -29,6 +31,7 @@ adds them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -38,8 +41,8 @@ from typing import Any, Final
 
 import msgspec
 
+from fedsec.aggregator.groups.batch import MAX_BATCH, CommitQueue, Pending, StoreWrites, commit
 from fedsec.aggregator.groups.hosts import (
-    GroupFence,
     GroupTakenOver,
     ServedTraffic,
     beat,
@@ -50,7 +53,7 @@ from fedsec.aggregator.rounds.attempt import Attempt
 from fedsec.aggregator.rounds.events import ContributionAccepted, ContributionRefused, Event
 from fedsec.aggregator.rounds.refusals import RefusalLog
 from fedsec.aggregator.rounds.reports import check_report
-from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry, store_accepted
+from fedsec.aggregator.storage.audit_trail import ARCHIVE_DIR, append_entry
 from fedsec.aggregator.storage.leadership import NotLeader
 from fedsec.aggregator.workspace import Workspace
 from fedsec.archive import Archive
@@ -65,7 +68,7 @@ from fedsec.errors import (
     WrongStage,
 )
 from fedsec.protocol import codec, wire
-from fedsec.protocol.log_entries import AcceptedEntry, LogBody
+from fedsec.protocol.log_entries import LogBody
 from fedsec.protocol.shards import group_index
 from fedsec.protocol.stages import SECAGG_STAGES, Stage
 from fedsec.summation import StoredMessage, feed
@@ -127,6 +130,11 @@ class GroupDesk:
         self._newest: tuple[float, tuple[int, int] | None] | None = None
         self._traffic = ServedTraffic(self.url)
         self._refusals = RefusalLog(ws.state, self._log_refusal, self._live)
+        # validated messages waiting for their batch's commit, and who awaits them
+        self._queue = CommitQueue()
+        self._done: dict[Pending, asyncio.Future[None]] = {}
+        self._committer: asyncio.Task[None] | None = None
+        self._writes = StoreWrites(ws, self._traffic, clock)
         #: Messages this server stored (the bench reads it).
         self.accepted = 0
 
@@ -207,7 +215,7 @@ class GroupDesk:
 
     # -- uploads ---------------------------------------------------------------------------------
 
-    def accept(
+    async def accept(
         self,
         member: str,
         r: int,
@@ -218,43 +226,51 @@ class GroupDesk:
         **entry: Any,
     ) -> wire.Receipt | None:
         """Take one stage message (``raw``: as stored) of a member of this server's
-        groups; an identical retry gets the same answer (its receipt, for a masked
-        input).  ``entry``: a masked input's ``commitment``, ``signature`` and
-        ``receipt_for`` (its SHA-256).
+        groups, answered once it is durable: stored and logged (and receipted) in one
+        transaction with the other messages validated meanwhile (:mod:`.batch`).  An
+        identical retry gets the same answer (its receipt, for a masked input), also
+        while the first waits for its commit.  ``entry``: a masked input's
+        ``commitment``, ``signature`` and ``receipt_for`` (its SHA-256).
 
         Raises:
             WrongStage: not the attempt in progress, or not its stage (also when the
                 stage moved on while this message was checked).
             UnknownMember: not in the cohort.
-            WrongGroup: in a group this server does not serve, or the leader took over.
-            DuplicateMessage: a different message of this stage was stored before.
+            WrongGroup: in a group this server does not serve.
+            NotLeader: the leader took the group over.
+            RetryLater: another leader took the lease over meanwhile (PostgreSQL).
+            DuplicateMessage: a different message of this stage was stored, or waits.
             ProtocolError, PayloadError, SignatureError: the group's session refuses it.
         """
-        state = self.ws.state
-        if state.messages.get(r, a, stage, member) == raw:
+        if self.ws.state.messages.get(r, a, stage, member) == raw:
             return self._receipt_of(member, r, a, entry)
+        message = self._validated(member, r, a, stage, raw, decode, entry)
+        return await self._committed(message)
+
+    def _validated(
+        self,
+        member: str,
+        r: int,
+        a: int,
+        stage: Stage,
+        raw: bytes,
+        decode: Callable[[str], StageMessage],
+        entry: dict[str, Any],
+    ) -> Pending:
+        """The message checked against the attempt and taken by its group's session,
+        queued for its commit (or the identical one already queued)."""
         s = self.served()
         s.live.expect(member, r, a, stage)
         index, session = self._group_of(s, member)
-        if state.messages.get(r, a, stage, member) is not None:
+        message = Pending(r, a, stage, member, index, raw, entry)
+        if self._queue.pending(r, a, stage, member) is not None:
+            return self._queue.join(message)  # the same bytes: the same outcome
+        if self.ws.state.messages.get(r, a, stage, member) is not None:
             raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
         session.receive(stage, decode(member))
-        try:
-            return self._record(s, index, stage, member, raw, entry)
-        except NotLeader as exc:
-            s.fed_through = ""  # the session took what the store did not: rebuild it
-            if not isinstance(exc, GroupTakenOver) and follow_again(state):
-                # another leader took the lease over (it resumes the round): the member
-                # retries here, under the new leader's token
-                raise RetryLater(
-                    f"the leader changed while {member}'s {stage} was stored"
-                ) from None
-            raise
-        except BaseException:
-            s.fed_through = ""
-            raise
+        return self._queue.join(message)
 
-    def masked_input(
+    async def masked_input(
         self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
     ) -> wire.Receipt:
         """A member's masked input with its signed contribution statement; its receipt.
@@ -263,11 +279,11 @@ class GroupDesk:
 
         Raises:
             SignatureError: the statement is not the member's.
-            WrongStage, UnknownMember, WrongGroup, DuplicateMessage, BadVector: as
-                :meth:`accept`.
+            WrongStage, UnknownMember, WrongGroup, NotLeader, RetryLater,
+                DuplicateMessage, BadVector: as :meth:`accept`.
         """
         try:
-            return self._masked_input(member, r, a, raw, commitment, signature)
+            return await self._masked_input(member, r, a, raw, commitment, signature)
         except (NotLeader, RetryLater, WrongGroup):
             # not this server's to log: the leader takes (or took) the member's group, the
             # leader changed, or the member is another server's
@@ -290,7 +306,7 @@ class GroupDesk:
             log.warning("event=refusal_not_logged reason=fenced entry=%r", body)
             follow_again(state)
 
-    def _masked_input(
+    async def _masked_input(
         self, member: str, r: int, a: int, raw: bytes, commitment: str, signature: str
     ) -> wire.Receipt:
         digest = hashlib.sha256(raw).hexdigest()
@@ -309,13 +325,13 @@ class GroupDesk:
             if entry is None:
                 raise UnknownMember(f"{member} is not on the roster")
             statement.verify(entry.public_key_bytes)
-        receipt = self.accept(
+        receipt = await self.accept(
             member, r, a, "masked_input", raw, lambda m: MaskedInput(m, raw), **fields
         )
         assert receipt is not None
         return receipt
 
-    def share_keys(self, member: str, r: int, a: int, body: wire.ShareKeysBody) -> None:
+    async def share_keys(self, member: str, r: int, a: int, body: wire.ShareKeysBody) -> None:
         """A member's shares; the privacy report they carry is checked first and stored
         with them, in their transaction.
 
@@ -331,7 +347,7 @@ class GroupDesk:
         if report is not None and self.ws.state.reports.get(r, a, member) is None:
             checked = self._check_report(member, r, a, report)
         extra = {} if checked is None or report is None else {"report": (report, checked)}
-        self.accept(
+        await self.accept(
             member,
             r,
             a,
@@ -349,7 +365,7 @@ class GroupDesk:
         report.verify(entry.public_key_bytes)
         return wire.encode(report)
 
-    def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> None:
+    async def unmask(self, member: str, r: int, a: int, body: wire.UnmaskResponseBody) -> None:
         """A survivor's unmask answer; one that comes after the attempt closed without
         needing it is answered as accepted, with nothing stored (as the leader does).
 
@@ -359,7 +375,7 @@ class GroupDesk:
         row = self.ws.state.rounds.get(r, a)
         if row is not None and row.stage == "closed":
             return
-        self.accept(
+        await self.accept(
             member,
             r,
             a,
@@ -370,56 +386,81 @@ class GroupDesk:
 
     # -- storage ---------------------------------------------------------------------------------
 
-    def _record(
-        self, s: _Served, group: int, stage: Stage, member: str, raw: bytes, extra: dict[str, Any]
-    ) -> wire.Receipt | None:
-        """Archive, then store and log (and receipt) in one transaction, after checking
-        there that the attempt is still in ``stage`` and the group still this server's.
+    async def _committed(self, message: Pending) -> wire.Receipt | None:
+        """``message``'s outcome, once its batch committed (or failed).
 
         Raises:
-            WrongStage: the leader moved the stage on meanwhile.
-            WrongGroup: the leader took the group over.
+            as :meth:`accept`: the refusal its transaction gave it.
         """
-        state, live = self.ws.state, s.live
-        accepted = AcceptedEntry(
-            round=live.round,
-            attempt=live.attempt,
-            stage=stage,
-            member=member,
-            sha256=self._archive.put(raw),
-            bytes=len(raw),
-            commitment=extra.get("commitment"),
-            signature=extra.get("signature"),
-        )
-        fence = GroupFence(state, live.round, live.attempt, group)
-        with state.transaction():
-            row = state.rounds.get(live.round, live.attempt)
-            if row is None or row.stage != stage:
-                raise WrongStage(
-                    f"{member}: {stage} message refused: round {live.round} moved on to "
-                    f"stage {row.stage if row else 'none'}"
-                )
-            fence.check()
-            if "report" in extra:
-                report, body = extra["report"]
-                state.reports.add(live.round, live.attempt, member, report.epsilon, body)
-                append_entry(state.log, self._clock(), report)
-            receipt = store_accepted(
-                state,
-                lambda entry: append_entry(state.log, self._clock(), entry),
-                self.ws.signer,
-                self.ws.federation_id,
-                self._clock,
-                accepted,
-                raw,
-                extra.get("receipt_for"),
-            )
-            self._traffic.write(state)
-        self._traffic.written()
-        self.accepted += 1
-        if stage == "masked_input":
-            self._events(ContributionAccepted(live.round, live.attempt, member, len(raw)))
-        return receipt
+        loop = asyncio.get_running_loop()
+        done = self._done.get(message)
+        if done is None:
+            done = self._done[message] = loop.create_future()
+        if self._committer is None or self._committer.done():
+            self._committer = loop.create_task(self._commit_queued())
+        await asyncio.shield(done)  # a sender that goes away leaves its batch intact
+        if message.error is not None:
+            raise message.error
+        return message.receipt
+
+    async def _commit_queued(self) -> None:
+        """Commit the queue in batches until it is empty.  First the loop runs while
+        that lets more requests join: those ready now, and (the loop being blocked
+        while a batch commits) all that arrived meanwhile, so a batch grows with the
+        load without a fixed wait."""
+        queued = -1
+        while queued != len(self._queue) < MAX_BATCH:
+            queued = len(self._queue)
+            await asyncio.sleep(0)
+        while batch := self._queue.take():
+            try:
+                self._commit(batch)
+            except Exception:  # a bug after the commit: each message keeps its outcome
+                log.exception("event=group_commit_failed messages=%d", len(batch))
+            finally:
+                self._queue.settle(batch)
+                for message in batch:
+                    done = self._done.pop(message, None)
+                    if done is not None and not done.done():
+                        done.set_result(None)
+
+    def _commit(self, batch: list[Pending]) -> None:
+        """Archive ``batch``'s bytes (durable before their entries commit), then store,
+        log and receipt them (:func:`~.batch.commit`); then what each outcome means
+        here."""
+        archived = []
+        for message in batch:
+            try:
+                message.sha256 = self._archive.put(message.raw, sync=False)
+                archived.append(message)
+            except OSError as exc:
+                message.error, message.settled = exc, True
+        try:
+            self._archive.make_durable(m.sha256 for m in archived)
+        except OSError as exc:
+            for message in archived:
+                message.error, message.settled = exc, True
+            archived = []
+        if archived:
+            commit(archived, self._writes)
+        refused = [m for m in batch if not m.accepted]
+        if refused and self._served is not None:
+            self._served.fed_through = ""  # the sessions took what the store lacks
+        fenced = [
+            m
+            for m in refused
+            if isinstance(m.error, NotLeader) and not isinstance(m.error, GroupTakenOver)
+        ]
+        if fenced and follow_again(self.ws.state):
+            # another leader took the lease over (it resumes the round): the members
+            # retry here, under the new leader's token
+            for m in fenced:
+                m.error = RetryLater(f"the leader changed while {m.member}'s {m.stage} was stored")
+        for m in batch:
+            if m.accepted:
+                self.accepted += 1
+                if m.stage == "masked_input":
+                    self._events(ContributionAccepted(m.round, m.attempt, m.member, len(m.raw)))
 
     def _receipt_of(
         self, member: str, r: int, a: int, extra: dict[str, Any]

@@ -144,7 +144,7 @@ async def advertise(request: web.Request) -> web.Response:
     msg = decode_upload(body, wire.AdvertiseKeysBody, request, "key advertisement")
     wait = wait_seconds(request)
     desk = request.app[DESK]
-    desk.accept(
+    await desk.accept(
         member, r, a, "advertise", wire.encode(msg), lambda m: codec.advertise_message(m, msg)
     )
     keys = await _next(desk, "key_list", member, r, a, wait)
@@ -157,7 +157,7 @@ async def post_shares(request: web.Request) -> web.Response:
     msg = decode_upload(body, wire.ShareKeysBody, request, "encrypted shares")
     wait = wait_seconds(request)
     desk = request.app[DESK]
-    desk.share_keys(member, r, a, msg)
+    await desk.share_keys(member, r, a, msg)
     relay = await _next(desk, "share_relay", member, r, a, wait)
     return json_response(wire.Accepted(accepted=True, relay=relay))
 
@@ -168,7 +168,7 @@ async def masked_input(request: web.Request) -> web.Response:
     commitment, signature = statement_params(request)
     wait = wait_seconds(request)
     desk = request.app[DESK]
-    receipt = desk.masked_input(member, r, a, body, commitment, signature)
+    receipt = await desk.masked_input(member, r, a, body, commitment, signature)
     del body  # stored: not held through the wait
     if "wait" not in request.query:
         return json_response(receipt)
@@ -182,7 +182,7 @@ async def post_consistency(request: web.Request) -> web.Response:
     msg = decode_json(body, wire.ConsistencyBody, request, "consistency signature")
     wait = wait_seconds(request)
     desk = request.app[DESK]
-    desk.accept(
+    await desk.accept(
         member, r, a, "consistency", wire.encode(msg), lambda m: codec.consistency_message(m, msg)
     )
     proof = await _next(desk, "consistency_proof", member, r, a, wait)
@@ -195,7 +195,7 @@ async def post_unmask(request: web.Request) -> web.Response:
     msg = decode_upload(body, wire.UnmaskResponseBody, request, "unmask answer")
     wait = wait_seconds(request)
     desk = request.app[DESK]
-    desk.unmask(member, r, a, msg)
+    await desk.unmask(member, r, a, msg)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     # held while the attempt unmasks; the member then reads the round state at the
