@@ -30,6 +30,7 @@ from fedsec.aggregator.coordinator import Coordinator
 from fedsec.aggregator.http import make_app
 from fedsec.aggregator.http.longpoll import CHANGED
 from fedsec.protocol import wire
+from fedsec.protocol.limits import LONG_POLL_S
 from tests.support.aggregator import (
     FAST_ROUND,
     Cohort,
@@ -48,6 +49,10 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 ROUND = "/v1/rounds/1"
 BAD_WAITS = ("-1", "nan", "inf", "-inf", "1e999", "1e3", "1_0", "%205", "abc", "")
 BOUND = 8.0  # no single step of these tests may take longer than this
+#: A held answer's own wait, the longest a server holds one: longer than any step's
+#: bound, so within a test only the stage change releases it, however slowly a loaded
+#: machine computes the other members' uploads.
+HOLD = LONG_POLL_S
 
 T = TypeVar("T")
 
@@ -90,7 +95,7 @@ async def _held_until_last(
     await _held(api, len(early))
     assert not any(t.done() for t in early.values()), "answered before the stage was reached"
     last = await _bounded(send(members[-1]))
-    # released by the stage change, not by their own (5 s) waits running out
+    # released by the stage change, not by their own waits (HOLD) running out
     got = dict(zip(early, await _bounded(asyncio.gather(*early.values()), 3.0), strict=True))
     return {**got, members[-1]: last}
 
@@ -112,7 +117,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
     public = api.fed.ws.signer.public_bytes
 
     async def advertise(m: str) -> Any:
-        path = f"{ROUND}/advertise?attempt=0&wait=5"
+        path = f"{ROUND}/advertise?attempt=0&wait={HOLD}"
         return await api.ok(m, "POST", path, cohort.advertise(m))
 
     adverts = {m: _accepted(raw) for m, raw in (await _held_until_last(api, advertise)).items()}
@@ -126,7 +131,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
         keys = adverts[m].keys
         assert keys is not None
         return await api.ok(
-            m, "POST", f"{ROUND}/shares?attempt=0&wait=5", cohort.share_keys(m, keys)
+            m, "POST", f"{ROUND}/shares?attempt=0&wait={HOLD}", cohort.share_keys(m, keys)
         )
 
     relays = {m: _accepted(raw) for m, raw in (await _held_until_last(api, shares)).items()}
@@ -138,7 +143,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
 
     async def masked(m: str) -> Any:
         path, raw = _upload(cohort, m)
-        return await api.ok(m, "POST", f"{path}&wait=5", raw)
+        return await api.ok(m, "POST", f"{path}&wait={HOLD}", raw)
 
     inputs = {
         m: msgspec.convert(raw, wire.MaskedInputAnswer)
@@ -160,7 +165,7 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
         request = inputs[m].unmask
         assert request is not None
         return await api.ok(
-            m, "POST", f"{ROUND}/consistency?attempt=0&wait=5", cohort.sign(m, request)
+            m, "POST", f"{ROUND}/consistency?attempt=0&wait={HOLD}", cohort.sign(m, request)
         )
 
     signed = {m: _accepted(raw) for m, raw in (await _held_until_last(api, consistency)).items()}
@@ -175,7 +180,9 @@ async def test_secure_round_runs_on_held_answers_alone(api: Api) -> None:
     async def unmask(m: str) -> Any:
         proof = signed[m].proof
         assert proof is not None
-        return await api.ok(m, "POST", f"{ROUND}/unmask?attempt=0&wait=5", cohort.unmask(m, proof))
+        return await api.ok(
+            m, "POST", f"{ROUND}/unmask?attempt=0&wait={HOLD}", cohort.unmask(m, proof)
+        )
 
     closed = {m: _accepted(raw) for m, raw in (await _held_until_last(api, unmask)).items()}
     for answer in closed.values():
@@ -459,7 +466,7 @@ async def test_a_held_masked_input_does_not_keep_its_upload(api: Api) -> None:
     path, raw = _upload(cohort, "a0")
     tracemalloc.start()
     try:
-        held = asyncio.create_task(api.ok("a0", "POST", f"{path}&wait=5", raw))
+        held = asyncio.create_task(api.ok("a0", "POST", f"{path}&wait={HOLD}", raw))
         await _held(api, 1)
         gc.collect()
         snapshot = tracemalloc.take_snapshot()
@@ -479,7 +486,9 @@ async def test_long_poll_for_another_attempt_is_answered_at_once(api: Api) -> No
     """A GET with ``wait`` for an attempt that is not the current one is not held."""
     await _fix_cohort(api)
     start = _now()
-    status, raw, _ = await _bounded(api.call("a0", "GET", f"{ROUND}/keys?attempt=1&wait=5"), 3.0)
+    status, raw, _ = await _bounded(
+        api.call("a0", "GET", f"{ROUND}/keys?attempt=1&wait={HOLD}"), 3.0
+    )
     assert status == 409 and json.loads(raw)["error"] == "wrong_stage", raw
     assert _now() - start < 1.0
 
@@ -556,7 +565,7 @@ async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api8: A
 
     async def masked(m: str) -> wire.MaskedInputAnswer:
         path, raw = _upload(cohort, m)
-        answer = await api.ok(m, "POST", f"{path}&wait=5", raw)
+        answer = await api.ok(m, "POST", f"{path}&wait={HOLD}", raw)
         return msgspec.convert(answer, wire.MaskedInputAnswer)
 
     held = await _bounded(asyncio.gather(*(masked(m) for m in EIGHT)))
@@ -565,7 +574,7 @@ async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api8: A
     async def consistency(m: str) -> wire.Accepted:
         request = requests[m]
         assert request is not None
-        path = f"{ROUND}/consistency?attempt=0&wait=5"
+        path = f"{ROUND}/consistency?attempt=0&wait={HOLD}"
         return _accepted(await _bounded(api.ok(m, "POST", path, cohort.sign(m, request))))
 
     signed = await _bounded(asyncio.gather(*(consistency(m) for m in EIGHT)))
@@ -574,7 +583,7 @@ async def test_late_unmask_answer_is_not_needed_and_gets_the_round_state(api8: A
     assert set(answers) == set(EIGHT)
 
     async def unmask(m: str) -> wire.Accepted:
-        path = f"{ROUND}/unmask?attempt=0&wait=5"
+        path = f"{ROUND}/unmask?attempt=0&wait={HOLD}"
         return _accepted(await _bounded(api.ok(m, "POST", path, answers[m])))
 
     # a0..a6 decide the sum: their held answers are released by the close
