@@ -170,6 +170,7 @@ def test_no_receipt_before_the_batch_is_durable(
         assert isinstance(receipt, wire.Receipt), receipt
         assert receipt.member == m and logged[m]["index"] == receipt.log_index
         receipt.verify(fed.ws.signer.public_bytes)
+    _log_verifies(fed, tmp_path)
     fed.ws.close()
 
 
