@@ -281,3 +281,62 @@ def test_a_batchs_archive_objects_are_durable_before_its_transaction(
     assert sorted(synced[: len(MANY)]) == sorted(str(objects / d[:2] / d) for d in digests)
     assert {str(objects / d[:2]) for d in digests} <= set(synced[len(MANY) :])
     fed.ws.close()
+
+
+class _FakeStore:
+    """A :class:`~fedsec.aggregator.groups.batch.BatchStore` that records what it is
+    asked: the batch rules without a database."""
+
+    def __init__(self, refuse_group: int | None = None, fail_member: str = "") -> None:
+        self.calls: list[str] = []
+        self.committed: list[str] = []
+        self._refuse, self._fail = refuse_group, fail_member
+        self._open: list[str] = []
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.calls.append("begin")
+        self._open = []
+        yield
+        self.committed += self._open
+        self.calls.append("commit")
+
+    def check(self, message: batch.Pending) -> None:
+        self.calls.append(f"check {message.stage} {message.group}")
+        if message.group == self._refuse:
+            raise GroupTakenOver(f"group {message.group} taken over", None)
+
+    def write(self, message: batch.Pending) -> wire.Receipt | None:
+        if message.member == self._fail:
+            raise sqlite3.IntegrityError("injected")
+        self._open.append(message.member)
+        return None
+
+
+def _pending(member: str, group: int) -> batch.Pending:
+    return batch.Pending(1, 0, "advertise", member, group, member.encode(), {})
+
+
+def test_a_batch_reads_each_stage_and_fence_once() -> None:
+    """The stage and the fence are read once per (attempt, stage, group) of a batch, and
+    a refusal there is its group's messages' alone."""
+    store = _FakeStore(refuse_group=1)
+    messages = [_pending(f"m{i}", i % 2) for i in range(6)]
+    assert batch.commit(messages, store) == 1
+    assert store.calls == ["begin", "check advertise 0", "check advertise 1", "commit"]
+    assert store.committed == ["m0", "m2", "m4"]
+    assert all(m.settled for m in messages)
+    assert [type(m.error) for m in messages[1::2]] == [GroupTakenOver] * 3
+    assert all(m.accepted for m in messages[::2])
+
+
+def test_the_queue_keeps_one_message_per_member_and_stage() -> None:
+    queue = batch.CommitQueue()
+    first = queue.join(_pending("m0", 0))
+    assert queue.join(_pending("m0", 0)) is first  # identical: the same outcome
+    different = batch.Pending(1, 0, "advertise", "m0", 0, b"other", {})
+    with pytest.raises(DuplicateMessage, match="m0 already sent a different advertise"):
+        queue.join(different)
+    assert queue.take() == [first] and len(queue) == 1
+    queue.settle([first])
+    assert queue.pending(1, 0, "advertise", "m0") is None and queue.take() == []

@@ -223,9 +223,9 @@ def _one_by_one(batch: list[Pending], store: BatchStore) -> int:
 
 
 class StoreWrites:
-    """A batch's writes (:class:`BatchStore`) in the leader's store: a
-    message is stored, logged (and receipted) as the leader's intake does, after a
-    check that the attempt is still in its stage and its group still this server's."""
+    """A batch's writes (:class:`BatchStore`) in the leader's store: a message is
+    stored, logged (and receipted) as the leader's intake does, after a check that the
+    attempt is still in its stage and its group still this server's."""
 
     def __init__(self, ws: Workspace, traffic: ServedTraffic, clock: Callable[[], float]) -> None:
         self._ws, self._traffic, self._clock = ws, traffic, clock
@@ -252,6 +252,12 @@ class StoreWrites:
         GroupFence(state, r, a, message.group).check()
 
     def write(self, message: Pending) -> wire.Receipt | None:
+        """Store ``message``, its privacy report if any, their log entries and (for a
+        masked input) its receipt, inside the caller's transaction; the receipt.
+
+        Raises:
+            sqlite3.Error, psycopg.Error: the store fails (a constraint, a full disk).
+        """
         state, extra, ws = self._ws.state, message.extra, self._ws
         r, a, member = message.round, message.attempt, message.member
         if "report" in extra:

@@ -241,6 +241,8 @@ class GroupDesk:
             RetryLater: another leader took the lease over meanwhile (PostgreSQL).
             DuplicateMessage: a different message of this stage was stored, or waits.
             ProtocolError, PayloadError, SignatureError: the group's session refuses it.
+            OSError, sqlite3.Error, psycopg.Error: the batch's archive objects or its
+                transaction failed: nothing of the batch was stored, none answered.
         """
         if self.ws.state.messages.get(r, a, stage, member) == raw:
             return self._receipt_of(member, r, a, entry)
