@@ -30,7 +30,7 @@ from tests.support.aggregator import (
     Federation,
     advertise_all,
     fetch_shares,
-    join_request,
+    fix_cohort,
     log_entries,
     make_federation,
     mask_all,
@@ -43,12 +43,9 @@ MEMBERS = ("a0", "a1", "a2", "a3", "a4")
 
 
 def _open_round(coord: Coordinator, fed: Federation, members: tuple[str, ...]) -> Cohort:
-    r, a = coord.live.round, coord.live.attempt
-    for m in members:
-        assert coord.join(m, r, a, join_request(m, r)).accepted
-    coord.tick()
-    assert coord.live.spec is not None and coord.live.stage == "advertise"
-    return Cohort(coord.live.spec, fed.identities)
+    cohort = fix_cohort(coord, fed.identities, members)
+    assert coord.live.stage == "advertise"
+    return cohort
 
 
 def _to_consistency(coord: Coordinator, cohort: Cohort, members: tuple[str, ...]) -> None:

@@ -14,14 +14,18 @@ from fedsec.audit.verify import verify_log
 from fedsec.cli import main
 from fedsec.protocol.roster import sign_roster_entry
 from tests.support.aggregator import (
-    Cohort,
     FakeClock,
     Federation,
+    advertise_all,
+    fetch_shares,
+    fix_cohort,
     identity_for,
-    join_request,
     log_entries,
     make_federation,
+    mask_all,
     model_params,
+    share_all,
+    unmask_all,
 )
 
 MEMBERS = ("a0", "a1", "a2")
@@ -29,24 +33,14 @@ MEMBERS = ("a0", "a1", "a2")
 
 def _round(coord: Coordinator, fed: Federation, members: tuple[str, ...]) -> None:
     """Run the current round to its close with ``members``."""
-    r, a = coord.live.round, coord.live.attempt
-    for m in members:
-        assert coord.join(m, r, a, join_request(m, r)).accepted
-    coord.tick()
-    assert coord.live.spec is not None and coord.live.stage == "advertise"
-    cohort = Cohort(coord.live.spec, fed.identities)
-    for m in members:
-        coord.advertise(m, r, a, cohort.advertise(m))
-    for m in members:
-        coord.share_keys(m, r, a, cohort.share_keys(m, coord.key_list(m, r, a)))
-    for m in members:
-        cohort.receive_shares(m, coord.share_relay(m, r, a))
-    for m in members:
-        coord.masked_input(m, r, a, *cohort.upload(m))
-    for m in members:
-        coord.consistency(m, r, a, cohort.sign(m, coord.unmask_request(m, r, a)))
-    for m in members:
-        coord.unmask(m, r, a, cohort.unmask(m, coord.consistency_proof(m, r, a)))
+    cohort = fix_cohort(coord, fed.identities, members)
+    assert coord.live.stage == "advertise"
+    r = coord.live.round
+    advertise_all(coord, cohort, members)
+    share_all(coord, cohort, members)
+    fetch_shares(coord, cohort, members)
+    mask_all(coord, cohort, members)
+    unmask_all(coord, cohort, members)
     assert coord.live.round == r + 1
 
 

@@ -377,10 +377,11 @@ def attempt_of(coord: Coordinator) -> tuple[int, int]:
 def fix_cohort(
     coord: Coordinator, identities: Mapping[str, SigningIdentity], members: Iterable[str]
 ) -> Cohort:
-    """Every one of ``members`` joins round 1 (each join accepted), the coordinator's tick
-    fixes the cohort; the members' side of its attempt."""
+    """Every one of ``members`` joins the attempt in progress (each join accepted), the
+    coordinator's tick fixes the cohort; the members' side of that attempt."""
+    r, a = coord.live.round, coord.live.attempt
     for m in members:
-        assert coord.join(m, 1, 0, join_request(m, 1)).accepted
+        assert coord.join(m, r, a, join_request(m, r)).accepted
     coord.tick()
     assert coord.live.spec is not None
     return Cohort(coord.live.spec, identities)
