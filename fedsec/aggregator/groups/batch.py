@@ -23,6 +23,7 @@ The queue and :func:`commit` are sans-I/O, over a :class:`BatchStore`;
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -115,13 +116,7 @@ class CommitQueue:
     def take(self) -> list[Pending]:
         """The next batch: at most :data:`MAX_BATCH` waiting messages, oldest first.
         They stay :meth:`pending` (a retry joins them) until :meth:`settle`."""
-        batch: list[Pending] = []
-        for message in self._waiting.values():
-            if len(batch) == MAX_BATCH:
-                break
-            if not message.settled:
-                batch.append(message)
-        return batch
+        return list(itertools.islice(self._waiting.values(), MAX_BATCH))
 
     def settle(self, batch: list[Pending]) -> None:
         """Forget ``batch``'s messages (each settled, or failed with ``error``): a

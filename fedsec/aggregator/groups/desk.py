@@ -244,9 +244,10 @@ class GroupDesk:
             OSError, sqlite3.Error, psycopg.Error: the batch's archive objects or its
                 transaction failed: nothing of the batch was stored, none answered.
         """
-        if self.ws.state.messages.get(r, a, stage, member) == raw:
+        stored = self.ws.state.messages.get(r, a, stage, member)
+        if stored == raw:
             return self._receipt_of(member, r, a, entry)
-        message = self._validated(member, r, a, stage, raw, decode, entry)
+        message = self._validated(member, r, a, stage, raw, decode, entry, stored is not None)
         return await self._committed(message)
 
     def _validated(
@@ -258,16 +259,19 @@ class GroupDesk:
         raw: bytes,
         decode: Callable[[str], StageMessage],
         entry: dict[str, Any],
+        stored_another: bool,
     ) -> Pending:
         """The message checked against the attempt and taken by its group's session,
-        queued for its commit (or the identical one already queued)."""
+        queued for its commit (or the identical one already queued).  ``stored_another``:
+        the store holds a different message of the member's stage (read by the caller,
+        nothing awaited since)."""
         s = self.served()
         s.live.expect(member, r, a, stage)
         index, session = self._group_of(s, member)
         message = Pending(r, a, stage, member, index, raw, entry)
         if self._queue.pending(r, a, stage, member) is not None:
             return self._queue.join(message)  # the same bytes: the same outcome
-        if self.ws.state.messages.get(r, a, stage, member) is not None:
+        if stored_another:
             raise DuplicateMessage(f"{member} already sent a different {stage} message this round")
         session.receive(stage, decode(member))
         return self._queue.join(message)
