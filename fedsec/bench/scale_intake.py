@@ -112,14 +112,16 @@ STAGE_S: Final = 300.0
 #: (to ``COMMIT``'s return), the same three to the transaction's end (the after-commit
 #: callbacks: the log file's append and fsync, after the lock is released), and the count.
 _CELL: Final = struct.Struct("ddddddq")
-#: Runs ``fedsec`` (argv[2:]) with the state store's transactions timed into the file
-#: argv[1] (a :data:`_CELL`, shared by mmap so this process reads it at any instant).
+#: Runs ``fedsec`` (argv[3:]) with the state store's transactions timed into the file
+#: argv[1] (a :data:`_CELL`, whose format is argv[2], shared by mmap so this process
+#: reads it at any instant).
 #: A thread's waits for a core are its ``run_delay`` in ``/proc/thread-self/schedstat``;
 #: ``released`` is put first among the connection's after-commit callbacks.
 _LOCK_TIMED: Final = """
 import mmap, os, struct, sys, threading, time
 from fedsec.aggregator.storage.sqlite.connection import Transaction
-cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), struct.calcsize("ddddddq"))
+CELL = struct.Struct(sys.argv[2])
+cell = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), CELL.size)
 total = [0.0] * 6 + [0]
 schedstat = {}
 def now():
@@ -148,9 +150,9 @@ def timed_exit(self, *exc):
             total[i] += unlocked[i] - self._bench_at[i]
             total[3 + i] += end[i] - self._bench_at[i]
         total[6] += 1
-        struct.pack_into("ddddddq", cell, 0, *total)
+        CELL.pack_into(cell, 0, *total)
 Transaction.__enter__, Transaction.__exit__ = timed_enter, timed_exit
-sys.argv = ["fedsec", *sys.argv[2:]]
+sys.argv = ["fedsec", *sys.argv[3:]]
 from fedsec.cli import main
 main()
 """
@@ -188,10 +190,7 @@ class _Probe:
         out = []
         for path in self.cells:
             with open(path, "rb") as f:
-                lock_s, lock_cpu, lock_wait, span_s, span_cpu, span_wait, count = _CELL.unpack(
-                    f.read(_CELL.size)
-                )
-            out.append((lock_s, lock_cpu, lock_wait, span_s, span_cpu, span_wait, count))
+                out.append(_CELL.unpack(f.read(_CELL.size)))
         return out
 
     async def window(self, run: Awaitable[float], then: Awaitable[Any]) -> float:
@@ -396,7 +395,7 @@ async def _run(root: Path, members: int, shards: int, servers: int) -> dict[str,
 
 def _timed(cell: Path) -> list[str]:
     """``fedsec aggregator`` started with its store's lock timed into ``cell``."""
-    return [sys.executable, "-c", _LOCK_TIMED, str(cell), "aggregator"]
+    return [sys.executable, "-c", _LOCK_TIMED, str(cell), _CELL.format, "aggregator"]
 
 
 async def _round(
